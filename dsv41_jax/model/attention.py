@@ -1,0 +1,101 @@
+"""Latent attention: one 512-wide K=V latent per position, window + selected compressed slots (SPEC §3).
+
+The sublayer is split so the full forward (`transformer.py`) and the cached decode path share every
+piece of arithmetic:
+
+* `project_q_kv` — q latent, RoPE'd queries and this layer's window K=V (RoPE + fp8 fake-quant);
+* `attend` — one softmax over [window keys ∪ selected compressed slots] with the per-head sink;
+* `output_proj` — inverse RoPE, grouped wo_a (bf16), wo_b (fp8).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model import quant
+from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.numerics import HIGHEST
+from dsv41_jax.model.rope import apply_rope, rope_freqs
+
+
+def layer_freqs(cfg, plan):
+    """RoPE frequencies of a layer: compress_rope_theta + YaRN if compress_ratio > 0, else rope_theta."""
+    rd = cfg.qk_rope_head_dim
+    if plan.yarn:
+        rs = cfg.rope_scaling
+        return rope_freqs(rd, cfg.compress_rope_theta,
+                          yarn=(rs.factor, rs.beta_fast, rs.beta_slow, rs.original_max_position_embeddings))
+    return rope_freqs(rd, cfg.rope_theta)
+
+
+def project_q_kv(p, x, positions, freqs, cfg, dt):
+    """x [B, T, D] normed input, positions int32 [B, T].
+
+    Returns qr [B, T, q_lora] (normed q latent, also the indexer's input), q [B, T, H, hd] (RoPE'd,
+    not quantized) and kv [B, T, hd]: RoPE'd then fp8 fake-quantized (per 32, pow2 scales) — the value
+    the window ring stores and attention uses, in this same forward too.
+    """
+    H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+    qr = rmsnorm(quant.fp8_linear(x, p["wq_a"]["weight"], p["wq_a"]["scale"], out_dtype=dt),
+                 p["q_norm"]["weight"], eps, dt)
+    q = quant.fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"], out_dtype=dt)
+    q = q.reshape(q.shape[:-1] + (H, hd))
+    q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
+    kv = rmsnorm(quant.fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"], out_dtype=dt),
+                 p["kv_norm"]["weight"], eps, dt)
+    kv = apply_rope(kv, positions, freqs, out_dtype=dt)
+    kv = quant.fake_quant_fp8(kv, block=32, out_dtype=dt)
+    return qr, q, kv
+
+
+def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
+    """Joint softmax over window keys and selected compressed slots, with the attention sink.
+
+    q [B, T, H, hd]; win_kv [B, Nw, hd] with win_mask bool [B, T, Nw] (keys shared by the T queries of a
+    row, e.g. the whole sequence or a ring); comp_kv [B, T, K, hd] gathered per query with comp_mask
+    bool [B, T, K]; sink fp32 [H]. Returns [B, T, H, hd] in `dt`.
+
+    Logits are fp32 (q·k)·hd^−0.5. The sink is unscaled, excluded from the max, and adds
+    exp(sink − max) to the denominator only. As the reference kernel, the numerator uses probabilities
+    rounded to bf16 (in the bf16 flow) and the denominator stays fp32. A row with no valid key gives 0.
+    """
+    hd = q.shape[-1]
+    scale = hd ** -0.5
+    qf = q.astype(jnp.float32)
+    lw = jnp.einsum("bthd,bsd->bths", qf, win_kv.astype(jnp.float32), precision=HIGHEST) * scale
+    lw = jnp.where(win_mask[:, :, None, :], lw, -jnp.inf)
+    lc = jnp.einsum("bthd,btkd->bthk", qf, comp_kv.astype(jnp.float32), precision=HIGHEST) * scale
+    lc = jnp.where(comp_mask[:, :, None, :], lc, -jnp.inf)
+    m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+    pw = jnp.exp(lw - m)
+    pc = jnp.exp(lc - m)
+    denom = jnp.sum(pw, axis=-1) + jnp.sum(pc, axis=-1) + jnp.exp(sink[None, None, :] - m[..., 0])
+    num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
+    pw = pw.astype(num_dt).astype(jnp.float32)
+    pc = pc.astype(num_dt).astype(jnp.float32)
+    num = jnp.einsum("bths,bsd->bthd", pw, win_kv.astype(jnp.float32), precision=HIGHEST)
+    num = num + jnp.einsum("bthk,btkd->bthd", pc, comp_kv.astype(jnp.float32), precision=HIGHEST)
+    return (num / denom[..., None]).astype(dt)
+
+
+def output_proj(p, o, positions, freqs, cfg, dt):
+    """o [B, T, H, hd] attention output -> [B, T, D].
+
+    Inverse RoPE at the query position; heads viewed as o_groups groups of H/o_groups·hd; wo_a
+    (fp8 in the file, dequantized to bf16 — exact) applied per group as a plain bf16 matmul; wo_b fp8.
+    """
+    B, T = o.shape[:2]
+    G, R = cfg.o_groups, cfg.o_lora_rank
+    o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt)
+    o = o.reshape(B, T, G, cfg.o_group_in)
+    wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
+    wo_a = quant.dequantize_fp8_block(p["wo_a"]["weight"], p["wo_a"]["scale"], out_dtype=wdt)
+    wo_a = wo_a.reshape(G, R, cfg.o_group_in)
+    if dt == jnp.float32:
+        y = jnp.einsum("btgi,gri->btgr", o, wo_a, precision=HIGHEST)
+    else:
+        y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.bfloat16), wo_a, preferred_element_type=jnp.float32)
+    y = y.astype(dt).reshape(B, T, G * R)
+    return quant.fp8_linear(y, p["wo_b"]["weight"], p["wo_b"]["scale"], out_dtype=dt)

@@ -1,0 +1,60 @@
+"""Compressor: the compressed latents written by KV-source layers (SPEC §3).
+
+Ratio 1: one latent per token, ``norm(wkv · x)`` as a plain bf16 matmul.
+Ratio r > 1: tokens ``j·r .. j·r+r−1`` are pooled per channel with a softmax over the group of
+``wgate · x`` scores, in fp32 with weights widened from bf16, then rounded and normed.
+
+Latents returned here are bf16, pre-RoPE and unquantized: that is what the indexer's keys are made
+from. `compressed_kv` then makes what attention reads (RoPE at ``j·r`` + fp4 fake-quant).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model import quant
+from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.numerics import linear_bf16, linear_f32
+from dsv41_jax.model.rope import apply_rope
+
+
+def group_kv_scores(p, x):
+    """Per-token fp32 (kv, score) of a ratio>1 compressor: x [..., D] -> ([..., hd], [..., hd])."""
+    return linear_f32(x, p["wkv"]["weight"]), linear_f32(x, p["wgate"]["weight"])
+
+
+def pool_groups(kv, score, p, eps, dt):
+    """Per-channel softmax pooling of complete groups.
+
+    kv, score: fp32 [..., r, hd] (score −inf where a slot of the group is absent). Returns the normed
+    latent [..., hd] in `dt`.
+    """
+    w = jax.nn.softmax(score, axis=-2)
+    latent = jnp.sum(w * kv, axis=-2).astype(dt)
+    return rmsnorm(latent, p["norm"]["weight"], eps, dt)
+
+
+def compress(p, x, ratio: int, eps, dt):
+    """Latents for all complete groups of a sequence that starts at position 0.
+
+    x: [B, T, D] (the layer's normed attention input) -> [B, T // ratio, hd] in `dt`.
+    """
+    B, T, _ = x.shape
+    if ratio == 1:
+        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt), p["norm"]["weight"], eps, dt)
+    S = T // ratio
+    xs = x[:, : S * ratio]
+    kv, score = group_kv_scores(p, xs)
+    hd = kv.shape[-1]
+    return pool_groups(kv.reshape(B, S, ratio, hd), score.reshape(B, S, ratio, hd), p, eps, dt)
+
+
+def compressed_kv(latent, slot_pos, freqs, dt):
+    """What attention reads from a compressed slot: RoPE at the slot's position, then fp4 fake-quant.
+
+    latent: [..., S, hd]; slot_pos: int32 broadcastable to latent.shape[:-1] (= j·ratio).
+    The fp4 variant with e4m3 scales over groups of 16, on **all** head_dim dims (SPEC §3).
+    """
+    rot = apply_rope(latent, slot_pos, freqs, out_dtype=dt)
+    return quant.fake_quant_fp4_e4m3(rot, block=16, out_dtype=dt)

@@ -1,0 +1,58 @@
+"""Engram: n-gram hash memory added to the residual streams before a layer's attention (SPEC §5).
+
+Host-side tables (token normalization map, multipliers, primes, row offsets) live in
+`engram_tables`; this module is the on-device part: hash rows → fp8 table gather → wkv → gate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from dsv41_jax.model import engram_tables, quant
+
+
+@functools.lru_cache(maxsize=32)
+def layer_tables(cfg, layer_id: int):
+    """(multipliers int64 [max_ngram], primes [[order][head]], offsets int64 [(max_ngram−1)·heads])."""
+    primes = engram_tables.engram_primes(tuple(cfg.engram_layer_ids), cfg.engram_max_ngram_size,
+                                         cfg.engram_n_heads, cfg.engram_vocab_size)[layer_id]
+    mult = engram_tables.engram_multipliers(layer_id, cfg.engram_max_ngram_size, cfg.engram_compressed_vocab_size)
+    offsets = engram_tables.engram_row_offsets(primes)
+    return mult, primes, offsets
+
+
+def hash_rows(cfg, layer_id, token_map, tokens, history=None):
+    """Table rows [B, T, (max_ngram−1)·n_heads] int32 for tokens [B, T] (and optional history)."""
+    mult, primes, offsets = layer_tables(cfg, layer_id)
+    pad_id = token_map[cfg.engram_pad_token_id]
+    V = token_map.shape[0]
+    ids = jnp.where(tokens < V, token_map[jnp.clip(tokens, 0, V - 1)], pad_id)
+    return engram_tables.engram_hash_rows(ids, mult, primes, offsets, pad_id, history=history)
+
+
+def engram(p, h, rows, cfg, dt):
+    """Apply Engram to the n-stream state.
+
+    p: the layer's ``engram`` params; h [B, T, n, D]; rows int32 [B, T, 24]. Returns h' [B, T, n, D] in `dt`:
+    h_c ← h_c + g_c · value with g_c = sigmoid(signed sqrt of the normalized ⟨h_c, w_c ⊙ key_c⟩).
+    """
+    B, T, n, D = h.shape
+    table, tscale = p["embed"]["weight"], p["embed"]["scale"]
+    de = table.shape[-1]
+    emb = table[rows].astype(jnp.float32)  # [B, T, R, de]
+    sc = quant.e8m0_to_f32(tscale[rows])  # [B, T, R, de/32]
+    emb = (emb.reshape(B, T, rows.shape[-1], de // 32, 32) * sc[..., None]).reshape(B, T, -1)
+    emb = emb.astype(dt)
+    kv = quant.fp8_linear(emb, p["wkv"]["weight"], p["wkv"]["scale"], out_dtype=dt)
+    keys = kv[..., : n * D].reshape(B, T, n, D).astype(jnp.float32)
+    value = kv[..., n * D:].astype(jnp.float32)
+    w = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # [n, D]
+    hf = h.astype(jnp.float32)
+    eps = cfg.rms_norm_eps
+    d = jnp.sum(hf * w * keys, axis=-1)
+    d = d * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1) + eps) * jax.lax.rsqrt(jnp.mean(keys * keys, axis=-1) + eps)
+    d = d * D ** -0.5
+    g = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(d), 1e-6)), d))
+    return (hf + g[..., None] * value[:, :, None, :]).astype(dt)

@@ -1,0 +1,180 @@
+"""mHC: manifold-constrained hyper-connections (SPEC §2).
+
+The residual stream is ``n = hc_mult`` parallel copies h [..., n, D] (bf16 in the reference
+dtype flow).  Around every sublayer:
+
+* :func:`hc_mixes` turns h into three fp32 mixings: ``pre`` [.., n] (how the streams are
+  summed into the sublayer input), ``post`` [.., n] (how the sublayer output is spread back)
+  and ``comb`` [.., n, n] (how the streams are remixed), the last projected onto (nearly)
+  doubly-stochastic matrices by :func:`sinkhorn`.
+* :func:`hc_pre` collapses the streams, :func:`hc_post` writes the sublayer output back.
+
+All mixing arithmetic is fp32 on (possibly bf16) inputs, with one rounding to ``out_dtype`` at
+the end, as the reference does.  The V4.1 "pre from previous sublayer" ordering is the
+caller's business (the layer code), not this module's.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["sinkhorn", "hc_mixes", "hc_pre", "hc_post"]
+
+
+def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
+    """Linear-space Sinkhorn normalisation, SPEC §2 (no log domain).
+
+    Args:
+      logits: [..., n, n] float32 (cast to fp32 if not).
+      iters: static Python int >= 1 (``hc_sinkhorn_iters``, 20 in flash).
+      eps: ``hc_eps``, added to the softmax and to every row/column sum.
+
+    Returns:
+      [..., n, n] float32.  ``C = row_softmax(logits) + eps``; ``C /= colsum + eps``; then
+      ``iters - 1`` times: ``C /= rowsum + eps``; ``C /= colsum + eps``.  It always ends on a
+      column step, so column sums are 1 (up to eps) while row sums are only close to 1.
+    """
+    iters = int(iters)
+    if iters < 1:
+        raise ValueError(f"sinkhorn iters must be >= 1, got {iters}")
+    c = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) + eps
+    # The first pass is "softmax over rows, then normalise columns"; the softmax already made
+    # the rows sum to 1, which is why the loop below starts with the row step.
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    def body(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)  # rows
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)  # columns
+        return c
+
+    # fori_loop keeps the traced graph small (the model calls this 2x per layer); the
+    # arithmetic is identical to an unrolled Python loop.
+    return jax.lax.fori_loop(0, iters - 1, body, c)
+
+
+def hc_mixes(
+    h: jnp.ndarray,
+    fn: jnp.ndarray,
+    base: jnp.ndarray,
+    scale: jnp.ndarray,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> Tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Compute the pre / post / comb mixings of one sublayer from its input streams.
+
+    Args:
+      h: [..., n, D] bf16 or float32, the residual streams.
+      fn: [(2+n)*n, n*D] float32, ``hc_<s>_fn``.
+      base: [(2+n)*n] float32, ``hc_<s>_base``.
+      scale: [3] float32, ``hc_<s>_scale`` (for pre, post, comb).
+      norm_eps: ``rms_norm_eps`` (1e-20 in flash) inside the joint rsqrt.
+      hc_eps: added to ``pre`` and used as every Sinkhorn eps.
+      sinkhorn_iters: static Python int, ``hc_sinkhorn_iters``.
+
+    Returns:
+      pre  [..., n]    float32, ``sigmoid(m_pre*scale[0] + base_pre) + hc_eps``;
+      post [..., n]    float32, ``2*sigmoid(m_post*scale[1] + base_post)``, in (0, 2);
+      comb [..., n, n] float32, ``sinkhorn(m_comb*scale[2] + base_comb)``, C[i, j] mixes
+        stream i into stream j (see :func:`hc_post`).
+      Here m = fp32(h_flat @ fn.T) * rsqrt(mean(h_flat**2) + norm_eps), h_flat [..., n*D]
+      stream-major (index c*D + d), laid out [pre 0:n | post n:2n | comb 2n:], the comb part
+      row-major: C[i, j] = m[2n + n*i + j].
+    """
+    n, d = h.shape[-2], h.shape[-1]
+    mix = (2 + n) * n
+    if fn.shape != (mix, n * d):
+        raise ValueError(f"hc fn has shape {fn.shape}, expected {(mix, n * d)} for h {h.shape}")
+    if base.shape != (mix,):
+        raise ValueError(f"hc base has shape {base.shape}, expected {(mix,)}")
+    if scale.shape != (3,):
+        raise ValueError(f"hc scale has shape {scale.shape}, expected (3,)")
+    lead = h.shape[:-2]
+
+    # Stream-major flatten (c*D + d) is exactly a row-major reshape of [..., n, D].
+    x = h.reshape(*lead, n * d).astype(jnp.float32)
+    # One RMS over all n*D values jointly (not per stream); it is applied to the 24 mix
+    # values after the matmul rather than to x, which is the same up to rounding and is how
+    # the reference orders it.
+    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+    # An fp32 matmul: HIGHEST stops TPU/GPU defaults from dropping to bf16 / TF32 passes.
+    m = jnp.einsum(
+        "...k,mk->...m",
+        x,
+        fn.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    m = m * r  # [..., (2+n)*n]
+
+    scale = scale.astype(jnp.float32)
+    base = base.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*lead, n, n)
+    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(h: jnp.ndarray, pre: jnp.ndarray, out_dtype=None) -> jnp.ndarray:
+    """Collapse the streams into one sublayer input.
+
+    Args:
+      h: [..., n, D] bf16 or float32.
+      pre: [..., n] float32 weights (from :func:`hc_mixes`, or one-hot for the first layer).
+      out_dtype: result dtype; default ``h.dtype``.
+
+    Returns:
+      [..., D] out_dtype: ``sum_i pre_i * h_i`` computed in fp32 and rounded once.
+    """
+    out_dtype = h.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    hf = h.astype(jnp.float32)
+    pf = pre.astype(jnp.float32)
+    n = h.shape[-2]
+    # Explicit, static left-to-right accumulation over the (tiny) stream axis: fixes the
+    # summation order on every backend (a reduce may be reassociated) and still fuses into one
+    # elementwise kernel.
+    acc = pf[..., 0, None] * hf[..., 0, :]
+    for i in range(1, n):
+        acc = acc + pf[..., i, None] * hf[..., i, :]
+    return acc.astype(out_dtype)
+
+
+def hc_post(
+    y: jnp.ndarray,
+    h: jnp.ndarray,
+    post: jnp.ndarray,
+    comb: jnp.ndarray,
+    out_dtype=None,
+) -> jnp.ndarray:
+    """Write a sublayer output back into the streams.
+
+    Args:
+      y: [..., D] bf16 or float32, the sublayer output.
+      h: [..., n, D] bf16 or float32, the sublayer's input streams (the residual).
+      post: [..., n] float32.
+      comb: [..., n, n] float32, C[i, j] = weight of input stream i in output stream j.
+      out_dtype: result dtype; default ``h.dtype``.
+
+    Returns:
+      [..., n, D] out_dtype: ``out_j = post_j * y + sum_i C[i, j] * h_i`` in fp32, rounded
+      once.
+    """
+    out_dtype = h.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    yf = y.astype(jnp.float32)
+    hf = h.astype(jnp.float32)
+    pf = post.astype(jnp.float32)
+    cf = comb.astype(jnp.float32)
+    n = h.shape[-2]
+    # Residual mix first (sequential over i, static order as in hc_pre), then the branch term
+    # is added: the reference's `post*y + sum_i(...)`.  Elementwise, not a K=n matmul, so it
+    # is exact fp32 on every backend and fuses.
+    res = cf[..., 0, :, None] * hf[..., 0, None, :]  # [..., n_j, D]
+    for i in range(1, n):
+        res = res + cf[..., i, :, None] * hf[..., i, None, :]
+    out = pf[..., :, None] * yf[..., None, :] + res
+    return out.astype(out_dtype)

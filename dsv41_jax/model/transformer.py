@@ -1,0 +1,136 @@
+"""The reference forward pass: tokens [B, T] from position 0 -> fp32 logits [B, T, vocab] (SPEC §2–§6).
+
+Plain `jnp`, pure, jittable (``jax.jit(forward, static_argnames=("cfg", "return_aux"))``). Layers are
+heterogeneous (which stores a layer writes and reads depends on the config's layer lists), so the
+loop over layers is a Python loop unrolled at trace time; each layer's role comes from
+`cfg.layer_plan`.
+
+Per layer L (V4.1's "pre from previous sublayer" ordering, SPEC §2):
+  Engram (if L is an Engram layer) on the whole n-stream state;
+  (aPre, aPost, aC) = mixes_attn(h); h = hc_post(attn(attn_norm(hc_pre(h, pre_prev))), h, aPost, aC);
+  (fPre, fPost, fC) = mixes_ffn(h);  h = hc_post(moe(ffn_norm(hc_pre(h, aPre))), h, fPost, fC);
+  pre_prev = fPre.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model import attention as attn_mod
+from dsv41_jax.model import compressor, indexer
+from dsv41_jax.model.engram import engram, hash_rows
+from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
+from dsv41_jax.model.moe import moe
+from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.numerics import act_dtype, linear_f32
+
+
+def mixes(layer_p, sub: str, h, cfg):
+    """hc mixes of sublayer `sub` ("attn" | "ffn") from its input h [.., n, D]."""
+    return hc_mixes(h, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"],
+                    norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+
+def embed_streams(params, tokens, cfg, dt):
+    """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt`."""
+    e = params["embed"]["weight"][tokens].astype(dt)
+    return jnp.broadcast_to(e[..., None, :], e.shape[:-1] + (cfg.hc_mult, e.shape[-1]))
+
+
+def initial_pre(shape_bt, cfg):
+    """pre_prev of the first layer: one-hot [1, 0, …] over the n streams, fp32 [.., n]."""
+    return jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32), tuple(shape_bt) + (cfg.hc_mult,))
+
+
+def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
+    """The attention sublayer over a whole sequence starting at position 0.
+
+    p: the layer's ``attn`` params; x [B, T, D] normed input; ctx: dict of stores written by earlier
+    layers ("comp"/"keys"/"topk"/"cand" keyed by layer id). Returns y [B, T, D].
+    """
+    B, T, _ = x.shape
+    W = cfg.sliding_window
+    eps = cfg.rms_norm_eps
+    freqs = attn_mod.layer_freqs(cfg, plan)
+    qr, q, kv = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
+    t = jnp.arange(T)
+    win_mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - W)
+    win_mask = jnp.broadcast_to(win_mask, (B, T, T))
+    r = plan.compress_ratio
+    if r == 0:
+        comp = jnp.zeros((B, T, 0, cfg.head_dim), dt)
+        comp_mask = jnp.zeros((B, T, 0), bool)
+    else:
+        visible = (positions + 1) // r  # [B, T]
+        if plan.is_kv_source:
+            latent = compressor.compress(p["compressor"], x, r, eps, dt)  # [B, S, hd]
+            S = latent.shape[1]
+            slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * r, (B, S))
+            if "wk" in p.get("indexer", {}):
+                ctx["keys"][plan.layer_id] = indexer.index_keys(p["indexer"], latent, slot_pos, freqs, eps, dt)
+            ctx["comp"][plan.layer_id] = compressor.compressed_kv(latent, slot_pos, freqs, dt)
+        if plan.is_index_source:
+            iq, iw = indexer.index_query(p["indexer"], qr, x, positions, freqs, cfg, dt)
+            scores = indexer.index_scores(iq, iw, ctx["keys"][plan.key_owner], visible, dt)
+            if plan.is_candidate_source:
+                ctx["cand"] = indexer.candidate_mask(scores, visible, cfg.candidate_block_size,
+                                                     cfg.candidate_topk_blocks)
+                aux["cand"][plan.layer_id] = ctx["cand"]
+            if plan.uses_candidates:
+                scores = jnp.where(ctx["cand"], scores, jnp.asarray(-jnp.inf, scores.dtype))
+            ctx["topk"][plan.layer_id] = indexer.select_topk(scores, cfg.index_topk)
+            aux["topk"][plan.layer_id] = ctx["topk"][plan.layer_id]
+        store = ctx["comp"][plan.kv_source]  # [B, S, hd]
+        sel = ctx["topk"][plan.index_source]  # [B, T, K]
+        comp = jnp.take_along_axis(store[:, None, :, :], jnp.maximum(sel, 0)[..., None], axis=2)
+        comp_mask = sel >= 0
+    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt)
+    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
+
+
+def block_full(lp, h, pre_prev, tokens, positions, plan, ctx, params, cfg, dt, aux, top_k):
+    """One layer over the whole sequence: returns (h, pre for the next sublayer)."""
+    if plan.is_engram:
+        rows = hash_rows(cfg, plan.layer_id, params["derived"]["engram_token_map"], tokens)
+        h = engram(lp["engram"], h, rows, cfg, dt)
+    aux["layer_inputs"][plan.layer_id] = h
+    a_pre, a_post, a_comb = mixes(lp, "attn", h, cfg)
+    x = rmsnorm(hc_pre(h, pre_prev, dt), lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
+    y = attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
+    h = hc_post(y, h, a_post, a_comb, dt)
+    f_pre, f_post, f_comb = mixes(lp, "ffn", h, cfg)
+    x = rmsnorm(hc_pre(h, a_pre, dt), lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
+    y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True)
+    aux["experts"][plan.layer_id] = eidx
+    h = hc_post(y, h, f_post, f_comb, dt)
+    return h, f_pre
+
+
+def forward(params, tokens, cfg, return_aux: bool = False):
+    """Reference forward of the target model.
+
+    params: the parameter pytree (`init_params` / `load_params`); tokens: int32 [B, T], positions
+    0..T−1; cfg: `ModelConfig` (static). Returns fp32 logits [B, T, vocab_size], and with
+    `return_aux` also a dict of the discrete decisions and states: ``topk`` {layer: int32 [B, T, k]},
+    ``cand`` {layer: bool [B, T, S]}, ``experts`` {layer: int32 [B, T, top_k]}, ``layer_inputs``
+    {layer: [B, T, n, D] state entering the layer after its Engram}, ``hidden`` [B, T, D] (final
+    normed hidden state).
+    """
+    dt = act_dtype(cfg)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h = embed_streams(params, tokens, cfg, dt)
+    pre = initial_pre((B, T), cfg)
+    ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
+    aux = {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
+    for i in range(cfg.num_hidden_layers):
+        h, pre = block_full(params["layers"][i], h, pre, tokens, positions, cfg.layer_plan(i), ctx, params, cfg,
+                            dt, aux, cfg.num_experts_per_tok)
+    x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
+    logits = linear_f32(x, params["head"]["weight"])
+    if return_aux:
+        aux["hidden"] = x
+        return logits, aux
+    return logits
