@@ -17,7 +17,11 @@ _E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
 def _pow2_ceil(x):
-    return np.exp2(np.ceil(np.log2(x))).astype(np.float32)
+    """2^ceil(log2(x)) for positive fp32 x, exact: from frexp (x = m·2^e, m in [0.5, 1)), not from
+    np.log2, whose fp32 result rounds e.g. log2(2^-5·(1 + 2^-23)) to exactly -5 (ceil then too low)."""
+    m, e = np.frexp(np.asarray(x, np.float32))
+    e = np.where(m == 0.5, e - 1, e)
+    return np.ldexp(np.float32(1.0), e).astype(np.float32)
 
 
 def quantize_fp8_block_np(w: np.ndarray, block: int = 32):
