@@ -33,8 +33,9 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     """x [B, T, D] normed input, positions int32 [B, T].
 
     Returns qr [B, T, q_lora] (normed q latent, also the indexer's input), q [B, T, H, hd] (RoPE'd,
-    not quantized) and kv [B, T, hd]: RoPE'd then fp8 fake-quantized (per 32, pow2 scales) — the value
-    the window ring stores and attention uses, in this same forward too.
+    not quantized) and kv_rot [B, T, hd]: the RoPE'd K=V *before* its fp8 fake-quant (per 32, pow2
+    scales); the quantized value is what the window ring stores and attention uses, in the same
+    forward too — callers apply `window_kv` (or store its codes, which decode to the same values).
     """
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     qr = rmsnorm(quant.fp8_linear(x, p["wq_a"]["weight"], p["wq_a"]["scale"], out_dtype=dt),
@@ -45,8 +46,12 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     kv = rmsnorm(quant.fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"], out_dtype=dt),
                  p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, positions, freqs, out_dtype=dt)
-    kv = quant.fake_quant_fp8(kv, block=32, out_dtype=dt)
     return qr, q, kv
+
+
+def window_kv(kv_rot, dt):
+    """The window K=V: fp8 e4m3 fake-quant over all head_dim dims, per 32, pow2 scales."""
+    return quant.fake_quant_fp8(kv_rot, block=32, out_dtype=dt)
 
 
 def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):

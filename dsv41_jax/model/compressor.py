@@ -56,5 +56,9 @@ def compressed_kv(latent, slot_pos, freqs, dt):
     latent: [..., S, hd]; slot_pos: int32 broadcastable to latent.shape[:-1] (= j·ratio).
     The fp4 variant with e4m3 scales over groups of 16, on **all** head_dim dims (SPEC §3).
     """
-    rot = apply_rope(latent, slot_pos, freqs, out_dtype=dt)
-    return quant.fake_quant_fp4_e4m3(rot, block=16, out_dtype=dt)
+    return quant.fake_quant_fp4_e4m3(compressed_rot(latent, slot_pos, freqs, dt), block=16, out_dtype=dt)
+
+
+def compressed_rot(latent, slot_pos, freqs, dt):
+    """A compressed latent RoPE'd at its slot position j·ratio, before the fp4 fake-quant."""
+    return apply_rope(latent, slot_pos, freqs, out_dtype=dt)

@@ -23,12 +23,22 @@ def layer_tables(cfg, layer_id: int):
     return mult, primes, offsets
 
 
+def compressed_ids(cfg, token_map, tokens):
+    """Token ids [B, T] -> Engram compressed ids (ids outside the map hash as the pad, SPEC §5)."""
+    V = token_map.shape[0]
+    pad_id = token_map[cfg.engram_pad_token_id]
+    ok = (tokens >= 0) & (tokens < V)
+    return jnp.where(ok, token_map[jnp.clip(tokens, 0, V - 1)], pad_id)
+
+
 def hash_rows(cfg, layer_id, token_map, tokens, history=None):
-    """Table rows [B, T, (max_ngram−1)·n_heads] int32 for tokens [B, T] (and optional history)."""
+    """Table rows [B, T, (max_ngram−1)·n_heads] int32 for tokens [B, T].
+
+    history: optional int32 [B, max_ngram−1] compressed ids before this chunk (most recent last).
+    """
     mult, primes, offsets = layer_tables(cfg, layer_id)
     pad_id = token_map[cfg.engram_pad_token_id]
-    V = token_map.shape[0]
-    ids = jnp.where(tokens < V, token_map[jnp.clip(tokens, 0, V - 1)], pad_id)
+    ids = compressed_ids(cfg, token_map, tokens)
     return engram_tables.engram_hash_rows(ids, mult, primes, offsets, pad_id, history=history)
 
 

@@ -17,14 +17,18 @@ from dsv41_jax.model.rope import apply_rope
 NEG_INF = -jnp.inf
 
 
-def index_keys(p, latent, slot_pos, freqs, eps, dt):
-    """Index keys of a key owner: k_norm(wk · latent) → RoPE at j·ratio → fp4 (pow2 scales, 32).
+def index_keys_rot(p, latent, slot_pos, freqs, eps, dt):
+    """Index keys before their fp4 fake-quant: k_norm(wk · latent) → RoPE at j·ratio.
 
     latent: [B, S, hd] bf16 pre-RoPE unquantized; slot_pos int32 [B, S] or [S]. Returns [B, S, dI].
     """
     k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt), p["k_norm"]["weight"], eps, dt)
-    k = apply_rope(k, slot_pos, freqs, out_dtype=dt)
-    return quant.fake_quant_fp4_pow2(k, block=32, out_dtype=dt)
+    return apply_rope(k, slot_pos, freqs, out_dtype=dt)
+
+
+def index_keys(p, latent, slot_pos, freqs, eps, dt):
+    """Index keys of a key owner: `index_keys_rot` → fp4 fake-quant (pow2 scales, groups of 32)."""
+    return quant.fake_quant_fp4_pow2(index_keys_rot(p, latent, slot_pos, freqs, eps, dt), block=32, out_dtype=dt)
 
 
 def index_query(p, qr, x, positions, freqs, cfg, dt):

@@ -553,3 +553,49 @@ def f32_linear(x, w, out_dtype=jnp.float32):
       out_dtype [..., N], fp32 HIGHEST precision (no TF32 / bf16 passes).
     """
     return _dot_nk(x.astype(jnp.float32), w.astype(jnp.float32), _HIGHEST, jnp.float32).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed storage of fake-quantized values (KV / index-key caches)
+# ---------------------------------------------------------------------------------------------
+# A cache stores the *codes* of a fake-quant, so that decoding them gives exactly the fake-quant's
+# output: dequantize_fp4(*quantize_fp4_e4m3(x)) == fake_quant_fp4_e4m3(x, out_dtype=f32), bitwise.
+
+
+@functools.partial(jax.jit, static_argnames=('block',))
+def quantize_fp4_pow2(x, block=32):
+    """Codes of `fake_quant_fp4_pow2`: (packed uint8 [..., K/2], scale E8M0 [..., K/block])."""
+    xb = _blocks(x, block, "quantize_fp4_pow2")
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), _FP4_POW2_AMAX_FLOOR)
+    s = _exp2_int(_ceil_log2(amax / E2M1_MAX))
+    v = round_e2m1(jnp.clip(xb / s[..., None], -E2M1_MAX, E2M1_MAX))
+    return pack_fp4(v.reshape(x.shape)), pow2_scale_to_e8m0(s)
+
+
+@functools.partial(jax.jit, static_argnames=('block',))
+def quantize_fp4_e4m3(x, block=16):
+    """Codes of `fake_quant_fp4_e4m3`: (packed uint8 [..., K/2], scale FP8 e4m3 [..., K/block])."""
+    xb = _blocks(x, block, "quantize_fp4_e4m3")
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), _FP4_E4M3_AMAX_FLOOR)
+    s = round_e4m3(jnp.minimum(amax / E2M1_MAX, E4M3_MAX))
+    v = round_e2m1(jnp.clip(xb / s[..., None], -E2M1_MAX, E2M1_MAX))
+    return pack_fp4(v.reshape(x.shape)), s.astype(FP8)
+
+
+@functools.partial(jax.jit, static_argnames=('block', 'out_dtype'))
+def dequantize_fp4(packed, scale, block, out_dtype=jnp.float32):
+    """packed uint8 [..., K/2] with per-`block` scales (E8M0 or e4m3) [..., K/block] -> [..., K]."""
+    v = unpack_fp4(packed)
+    s = e8m0_to_f32(scale) if scale.dtype in (jnp.uint8, E8M0) else scale.astype(jnp.float32)
+    K = v.shape[-1]
+    v = v.reshape(v.shape[:-1] + (K // block, block)) * s[..., None]
+    return v.reshape(v.shape[:-2] + (K,)).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('block', 'out_dtype'))
+def dequantize_fp8_act(xq, s, block=32, out_dtype=jnp.float32):
+    """Inverse of `act_quant_fp8`: e4m3 [..., K] with fp32 or E8M0 scales [..., K/block] -> [..., K]."""
+    sf = e8m0_to_f32(s) if s.dtype in (jnp.uint8, E8M0) else s.astype(jnp.float32)
+    K = xq.shape[-1]
+    v = xq.astype(jnp.float32).reshape(xq.shape[:-1] + (K // block, block)) * sf[..., None]
+    return v.reshape(xq.shape).astype(out_dtype)

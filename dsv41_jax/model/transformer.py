@@ -53,7 +53,8 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     W = cfg.sliding_window
     eps = cfg.rms_norm_eps
     freqs = attn_mod.layer_freqs(cfg, plan)
-    qr, q, kv = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
+    qr, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
+    kv = attn_mod.window_kv(kv_rot, dt)
     t = jnp.arange(T)
     win_mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - W)
     win_mask = jnp.broadcast_to(win_mask, (B, T, T))
@@ -89,22 +90,34 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
-def block_full(lp, h, pre_prev, tokens, positions, plan, ctx, params, cfg, dt, aux, top_k):
-    """One layer over the whole sequence: returns (h, pre for the next sublayer)."""
+def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None):
+    """One layer (any attention implementation): returns (h, pre for the next sublayer).
+
+    lp: the layer's params; h [B, T, n, D]; pre_prev fp32 [B, T, n]; attn_fn(x) -> y maps the normed
+    attention input [B, T, D] to the sublayer output; engram_rows int32 [B, T, R] for Engram layers.
+    """
     if plan.is_engram:
-        rows = hash_rows(cfg, plan.layer_id, params["derived"]["engram_token_map"], tokens)
-        h = engram(lp["engram"], h, rows, cfg, dt)
+        h = engram(lp["engram"], h, engram_rows, cfg, dt)
     aux["layer_inputs"][plan.layer_id] = h
     a_pre, a_post, a_comb = mixes(lp, "attn", h, cfg)
     x = rmsnorm(hc_pre(h, pre_prev, dt), lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
-    y = attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
-    h = hc_post(y, h, a_post, a_comb, dt)
+    h = hc_post(attn_fn(x), h, a_post, a_comb, dt)
     f_pre, f_post, f_comb = mixes(lp, "ffn", h, cfg)
     x = rmsnorm(hc_pre(h, a_pre, dt), lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True)
     aux["experts"][plan.layer_id] = eidx
     h = hc_post(y, h, f_post, f_comb, dt)
     return h, f_pre
+
+
+def final_logits(params, h, pre, cfg, dt):
+    """x = hc_pre(h, last ffn pre) → norm → head → fp32 logits. Returns (logits, normed x)."""
+    x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
+    return linear_f32(x, params["head"]["weight"]), x
+
+
+def new_aux():
+    return {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
 
 
 def forward(params, tokens, cfg, return_aux: bool = False):
@@ -124,12 +137,17 @@ def forward(params, tokens, cfg, return_aux: bool = False):
     h = embed_streams(params, tokens, cfg, dt)
     pre = initial_pre((B, T), cfg)
     ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
-    aux = {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
+    aux = new_aux()
     for i in range(cfg.num_hidden_layers):
-        h, pre = block_full(params["layers"][i], h, pre, tokens, positions, cfg.layer_plan(i), ctx, params, cfg,
-                            dt, aux, cfg.num_experts_per_tok)
-    x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
-    logits = linear_f32(x, params["head"]["weight"])
+        plan = cfg.layer_plan(i)
+        lp = params["layers"][i]
+        rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
+
+        def attn_fn(x, lp=lp, plan=plan):
+            return attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
+
+        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows)
+    logits, x = final_logits(params, h, pre, cfg, dt)
     if return_aux:
         aux["hidden"] = x
         return logits, aux

@@ -1,0 +1,799 @@
+"""Checkpoints: the HF release format (safetensors) and converted Orbax directories (SPEC §8).
+
+Two kinds of model directory are accepted everywhere a model path is taken (`checkpoint_kind`):
+
+* **hf** — the release layout: ``config.json`` (HF form), ``model.safetensors.index.json`` and its
+  shards (or a single ``model.safetensors``), ``tokenizer.json``. Tensor names are SPEC §8's, one
+  tensor per routed expert (``layers.L.ffn.experts.E.w1.weight``). Dense fp8 weights are
+  ``F8_E4M3`` with ``F8_E8M0`` (or ``U8``, same bits) 32×32 block ``.scale`` tensors; routed experts
+  are packed MXFP4 ``U8`` with ``F8_E8M0``/``U8`` per-32 scales; the rest is ``BF16``/``F32``.
+* **orbax** — what ``python -m dsv41_jax.convert`` writes: ``dsv41_checkpoint.json`` (our metadata),
+  ``config.json``, the tokenizer files, and ``params/``: an Orbax PyTree checkpoint (non-OCDBT, zarr
+  v2, zstd) of the parameter pytree itself — one array directory per leaf named by its dotted path
+  (routed experts stacked, as in `params.declare_params`). ``orbax.checkpoint.StandardCheckpointer()
+  .restore(dir + "/params", abstract_tree)`` restores it too. Storage ``keep`` holds the checkpoint's
+  bytes unchanged (fp8 / packed fp4 / e8m0 scales); storage ``bf16`` holds each quantized
+  (weight, scale) pair as one dequantized bf16 ``weight`` (experts [E, out, in]), which
+  `load_params` re-quantizes with `quant_np` (exact: e4m3·2^k and e2m1·2^k are bf16 values, so the
+  dequantized weights, hence the logits, are unchanged).
+
+`load_params` reads either kind one tensor at a time (host memory bounded by the largest tensor,
+read in row blocks where it can) and places each leaf on its `mesh_shardings` sharding when a mesh is
+given. The HF reader parses safetensors headers itself (the `safetensors` numpy backend cannot
+return fp8 arrays) and reads each tensor with positioned reads into one preallocated buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+from typing import Any, Iterable, Optional
+
+import ml_dtypes
+import numpy as np
+
+from dsv41_jax.model.config import TINY_DIR, ModelConfig
+
+log = logging.getLogger(__name__)
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+U8 = np.dtype(np.uint8)
+
+# safetensors dtype strings <-> numpy dtypes.
+ST_DTYPES = {
+    "F8_E4M3": FP8, "F8_E8M0": E8M0, "U8": U8, "BF16": BF16, "F32": F32,
+    "F16": np.dtype(np.float16), "F64": np.dtype(np.float64), "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+    "U16": np.dtype(np.uint16), "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64),
+    "BOOL": np.dtype(np.bool_), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+ST_NAME = {FP8: "F8_E4M3", E8M0: "F8_E8M0", U8: "U8", BF16: "BF16", F32: "F32"}
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+META_FILE = "dsv41_checkpoint.json"
+PARAMS_SUBDIR = "params"
+ORBAX_FORMAT = "dsv41_jax.orbax"
+ORBAX_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens.json")
+# Top-level names of the vision tower (SPEC §8): skipped, we serve text only.
+VISION_ROOTS = ("vision", "aligner", "image_start", "image_end", "image_newline")
+# Alternative file names for the DSpark Markov head (SPEC §7, uncertain): file suffix -> ours.
+MARKOV_ALIASES = {"markov_head.markov_w1.weight": "markov_head.embed.weight",
+                  "markov_head.markov_w2.weight": "markov_head.head.weight"}
+QUANT_KINDS = ("fp8", "fp8_rows", "mxfp4")  # P.init of a quantized weight (its pair is "<kind>_scale")
+READ_BLOCK_BYTES = 32 << 20  # row-block size of streamed reads
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as this config's parameters. The message names the tensor and
+    file, and the expected shape/dtype."""
+
+
+def dtype_name(dt) -> str:
+    return np.dtype(dt).name
+
+
+def _np_dtype(dt) -> np.dtype:
+    return np.dtype(dt)
+
+
+# ================================================================================== safetensors I/O
+
+
+@dataclasses.dataclass(frozen=True)
+class STEntry:
+    """One tensor of a safetensors file: absolute byte range [begin, end) in `file`."""
+
+    name: str
+    file: str
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def np_dtype(self) -> Optional[np.dtype]:
+        return ST_DTYPES.get(self.dtype)
+
+
+def read_safetensors_header(path: str) -> tuple[dict, dict]:
+    """Parse and check one safetensors file's header: ({name: STEntry}, __metadata__).
+
+    Raises CheckpointError for a header that is not valid, or whose tensors lie (partly) beyond the end
+    of the file (a truncated shard) or disagree with their dtype × shape.
+    """
+    fname = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 1 << 30):
+                raise CheckpointError(f"{path}: header length {n} exceeds the file size {size} "
+                                      "(truncated or not a safetensors file)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    out = {}
+    for name, h in header.items():
+        try:
+            dt, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError) as ex:
+            raise CheckpointError(f"{name} in {fname}: malformed header entry {h!r}") from ex
+        npdt = ST_DTYPES.get(dt)
+        if npdt is not None and (e - b) != math.prod(shape) * npdt.itemsize:
+            raise CheckpointError(f"{name} in {fname}: data_offsets [{b}, {e}) hold {e - b} bytes but "
+                                  f"{dt} {list(shape)} needs {math.prod(shape) * npdt.itemsize}")
+        if base + e > size:
+            raise CheckpointError(f"{name} in {fname}: data ends at byte {base + e} but the file has only "
+                                  f"{size} bytes (truncated shard {path})")
+        out[name] = STEntry(name, path, dt, shape, base + b, base + e)
+    return out, meta
+
+
+def _readinto(fd: int, buf: np.ndarray, offset: int, entry: STEntry) -> None:
+    mv = memoryview(buf.reshape(-1).view(np.uint8))
+    done = 0
+    while done < len(mv):
+        k = os.preadv(fd, [mv[done:]], offset + done)
+        if k <= 0:
+            raise CheckpointError(f"{entry.name} in {os.path.basename(entry.file)}: unexpected end of file at "
+                                  f"byte {offset + done} (truncated shard {entry.file})")
+        done += k
+
+
+def read_rows(entry: STEntry, dtype, r0: int = 0, r1: Optional[int] = None, out: Optional[np.ndarray] = None,
+              fd: Optional[int] = None) -> np.ndarray:
+    """Rows [r0, r1) (leading dim) of a safetensors tensor as `dtype` (same itemsize as stored)."""
+    dtype = np.dtype(dtype)
+    shape = entry.shape
+    rows = shape[0] if shape else 1
+    r1 = rows if r1 is None else r1
+    row_elems = math.prod(shape[1:]) if shape else 1
+    sub = ((r1 - r0),) + tuple(shape[1:]) if shape else ()
+    if out is None:
+        out = np.empty(sub, dtype)
+    own = fd is None
+    if own:
+        fd = os.open(entry.file, os.O_RDONLY)
+    try:
+        _readinto(fd, out, entry.begin + r0 * row_elems * dtype.itemsize, entry)
+    finally:
+        if own:
+            os.close(fd)
+    return out
+
+
+def read_tensor(entry: STEntry, dtype=None) -> np.ndarray:
+    """The whole tensor (one allocation, positioned reads)."""
+    return read_rows(entry, dtype if dtype is not None else entry.np_dtype)
+
+
+def row_blocks(shape: tuple, itemsize: int, block_bytes: int = READ_BLOCK_BYTES, align: int = 1):
+    """[(r0, r1)] covering the leading dim in blocks of about `block_bytes` (multiples of `align` rows)."""
+    rows = shape[0] if shape else 1
+    row_bytes = max(1, math.prod(shape[1:]) * itemsize) if shape else itemsize
+    step = max(align, (block_bytes // row_bytes) // align * align)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+# ================================================================================== tensor layout
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the HF checkpoint, derived from the parameter declarations.
+
+    name: the file's name; param: the dotted parameter name (experts stacked); expert: index into the
+    stacked leading axis or None; aliases: other names the release may use for it.
+    """
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    param: str
+    expert: Optional[int] = None
+    aliases: tuple = ()
+
+    def accepts_dtype(self, st_dtype: str) -> bool:
+        if ST_DTYPES.get(st_dtype) == self.dtype:
+            return True
+        return self.dtype == E8M0 and st_dtype == "U8"  # e8m0 scales stored as raw bytes
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLeaf:
+    """One leaf of the parameter pytree: path (str/int keys), dotted name, declaration `P`."""
+
+    path: tuple
+    name: str
+    decl: Any
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.decl.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.decl.dtype)
+
+    @property
+    def stacked(self) -> bool:
+        return self.decl.init in ("mxfp4", "mxfp4_scale")
+
+
+def param_leaves(cfg: ModelConfig, *, include_derived: bool = False) -> list:
+    """Every declared parameter leaf in declaration order (checkpoint leaves unless include_derived)."""
+    from dsv41_jax.model.params import P, declare_params
+
+    out = []
+
+    def walk(node, path):
+        if isinstance(node, P):
+            if node.in_checkpoint or include_derived:
+                out.append(ParamLeaf(path, ".".join(str(k) for k in path), node))
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, path + (k,))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, path + (i,))
+
+    walk(declare_params(cfg), ())
+    return out
+
+
+def _expert_name(leaf: ParamLeaf, e: int) -> str:
+    p = [str(k) for k in leaf.path]
+    i = p.index("experts")
+    return ".".join(p[: i + 1] + [str(e)] + p[i + 1:])
+
+
+def _aliases(name: str) -> tuple:
+    for alt, ours in MARKOV_ALIASES.items():
+        if name.endswith("." + ours):
+            return (name[: -len(ours)] + alt,)
+    return ()
+
+
+def expected_tensors(cfg: ModelConfig) -> dict:
+    """{file tensor name: TensorSpec} of the HF checkpoint for `cfg`, in declaration order."""
+    out = {}
+    for leaf in param_leaves(cfg):
+        if leaf.stacked:
+            for e in range(leaf.shape[0]):
+                n = _expert_name(leaf, e)
+                out[n] = TensorSpec(n, leaf.shape[1:], leaf.dtype, leaf.name, e)
+        else:
+            out[leaf.name] = TensorSpec(leaf.name, leaf.shape, leaf.dtype, leaf.name, None, _aliases(leaf.name))
+    return out
+
+
+def is_vision(name: str) -> bool:
+    return name.split(".", 1)[0] in VISION_ROOTS
+
+
+def quant_pairs(cfg: ModelConfig) -> dict:
+    """{weight param name: (kind, scale param name, logical (dequantized) shape)} of quantized pairs."""
+    leaves = {lf.name: lf for lf in param_leaves(cfg)}
+    out = {}
+    for name, lf in leaves.items():
+        if lf.decl.init in QUANT_KINDS and name.endswith(".weight"):
+            sname = name[: -len("weight")] + "scale"
+            shape = lf.shape
+            if lf.decl.init == "mxfp4":
+                shape = shape[:-1] + (2 * shape[-1],)
+            out[name] = (lf.decl.init, sname, shape)
+    return out
+
+
+# ================================================================================== HF directories
+
+
+@dataclasses.dataclass
+class HFPlan:
+    """A validated HF directory: where each expected tensor is, and what else is there."""
+
+    path: str
+    cfg: ModelConfig
+    files: list  # shard paths
+    found: dict  # expected name -> STEntry
+    unknown: list  # STEntry not in the layout (not vision)
+    vision: list  # STEntry skipped as vision
+    total_bytes: int  # bytes of the expected tensors
+
+    def entry_for_param(self, spec: TensorSpec) -> STEntry:
+        return self.found[spec.name]
+
+
+def _hf_files(path: str) -> tuple[list, dict]:
+    """(shard paths, weight_map or {}) of an HF directory."""
+    idx = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(idx):
+        try:
+            with open(idx, encoding="utf-8") as f:
+                wm = json.load(f)["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{idx}: not a valid safetensors index ({e})") from e
+        files = []
+        for fn in wm.values():
+            if fn not in files:
+                files.append(fn)
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
+        if missing:
+            names = [n for n, fn in wm.items() if fn == missing[0]][:3]
+            raise CheckpointError(f"{idx}: shard file(s) {missing} are missing from {path} (they hold e.g. "
+                                  f"{names})")
+        return [os.path.join(path, fn) for fn in files], wm
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single], {}
+    files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files")
+    return [os.path.join(path, fn) for fn in files], {}
+
+
+def _fmt_problems(problems: list, path: str, hint: str = "") -> str:
+    head = f"{path}: {len(problems)} problem(s) with the checkpoint's tensors"
+    shown = problems[:25]
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return head + (f" ({hint})" if hint else "") + ":\n  " + "\n  ".join(shown) + more
+
+
+def scan_hf(path: str, cfg: ModelConfig) -> HFPlan:
+    """Read every shard header of an HF directory and check every tensor against `cfg` (nothing is
+    read but headers). Raises CheckpointError listing every missing / mis-shaped / wrong-dtype tensor
+    (each with its file and the expected shape and dtype) and every truncated shard."""
+    files, wm = _hf_files(path)
+    entries: dict = {}
+    problems: list = []
+    dup: list = []
+    for fp in files:
+        try:
+            hdr, _ = read_safetensors_header(fp)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        for n, ent in hdr.items():
+            if n in entries:
+                dup.append(f"{n}: present in both {os.path.basename(entries[n].file)} and {os.path.basename(fp)}")
+            entries[n] = ent
+    if problems:  # unreadable / truncated shards: nothing else can be trusted
+        raise CheckpointError(_fmt_problems(problems, path))
+    problems = dup
+    for n, fn in wm.items():
+        ent = entries.get(n)
+        if ent is None:
+            problems.append(f"{n}: listed in {INDEX_FILE} under {fn} but {fn} does not contain it")
+        elif os.path.basename(ent.file) != fn:
+            problems.append(f"{n}: {INDEX_FILE} says {fn} but it is in {os.path.basename(ent.file)}")
+    expected = expected_tensors(cfg)
+    found = {}
+    claimed = set()
+    n_shape = 0
+    for name, spec in expected.items():
+        ent = entries.get(name)
+        if ent is None:
+            for a in spec.aliases:
+                if a in entries:
+                    ent = entries[a]
+                    break
+        want = f"expected shape {list(spec.shape)} dtype {ST_NAME.get(spec.dtype, spec.dtype.name)}" + (
+            " (or U8)" if spec.dtype == E8M0 else "")
+        if ent is None:
+            where = wm.get(name) or (os.path.basename(files[0]) if len(files) == 1 else "any shard")
+            alias = f" (or {', '.join(spec.aliases)})" if spec.aliases else ""
+            problems.append(f"{name}{alias}: missing (looked in {where}); {want}")
+            continue
+        claimed.add(ent.name)
+        fn = os.path.basename(ent.file)
+        bad = []
+        if tuple(ent.shape) != tuple(spec.shape):
+            bad.append(f"shape {list(ent.shape)}")
+            n_shape += 1
+        if not spec.accepts_dtype(ent.dtype):
+            bad.append(f"dtype {ent.dtype}")
+        if bad:
+            problems.append(f"{ent.name} in {fn}: found {' '.join(bad)}; {want}")
+            continue
+        found[name] = ent
+    vision, unknown = [], []
+    for n, ent in entries.items():
+        if n in claimed:
+            continue
+        (vision if is_vision(n) else unknown).append(ent)
+    if problems:
+        hint = ""
+        if n_shape >= 3:
+            hint = f"{n_shape} tensors have other shapes than config.json implies: is config.json this model's?"
+        raise CheckpointError(_fmt_problems(problems, path, hint))
+    total = sum(e.nbytes for e in found.values())
+    return HFPlan(path, cfg, files, found, unknown, vision, total)
+
+
+def report_extras(plan: HFPlan) -> None:
+    """One log line for skipped vision tensors, a warning listing unknown tensors."""
+    if plan.vision:
+        log.info("%s: skipping %d vision tensors (%s...): text-only model", plan.path, len(plan.vision),
+                 ", ".join(e.name for e in plan.vision[:3]))
+    if plan.unknown:
+        names = [f"{e.name} ({os.path.basename(e.file)})" for e in plan.unknown]
+        log.warning("%s: %d tensors this config does not use were ignored: %s%s", plan.path, len(names),
+                    ", ".join(names[:20]), " ..." if len(names) > 20 else "")
+
+
+# ================================================================================== writer
+
+
+def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: int = 1,
+                       tokenizer_dir: Optional[str] = None, scale_format: str = "e8m0",
+                       markov_names: str = "embed_head") -> dict:
+    """Write `params` in the release layout (SPEC §8): config.json, index, shards, tokenizer files.
+
+    shards: number of `model-0000i-of-0000K.safetensors` files (tensors split contiguously by bytes).
+    scale_format: "e8m0" (F8_E8M0, as the release) or "u8" (same bits as U8).
+    markov_names: "embed_head" (markov_head.embed/head) or "w1_w2" (markov_head.markov_w1/w2).
+    Returns the index dict.
+    """
+    from safetensors.numpy import save_file
+
+    if scale_format not in ("e8m0", "u8"):
+        raise ValueError(f"scale_format must be 'e8m0' or 'u8', got {scale_format!r}")
+    if markov_names not in ("embed_head", "w1_w2"):
+        raise ValueError(f"markov_names must be 'embed_head' or 'w1_w2', got {markov_names!r}")
+    specs = list(expected_tensors(cfg).values())
+    shards = max(1, min(int(shards), len(specs)))
+    flat = {lf.name: lf for lf in param_leaves(cfg)}
+
+    def get(spec: TensorSpec) -> np.ndarray:
+        node = params
+        for k in flat[spec.param].path:
+            node = node[k]
+        a = np.asarray(node if spec.expert is None else node[spec.expert])
+        if a.shape != spec.shape or a.dtype != spec.dtype:
+            raise ValueError(f"params[{spec.param}]{'' if spec.expert is None else f'[{spec.expert}]'} has "
+                             f"{a.dtype} {a.shape}; expected {spec.dtype} {spec.shape}")
+        if spec.dtype == E8M0 and scale_format == "u8":
+            a = a.view(U8)
+        return a
+
+    def fname(spec: TensorSpec) -> str:
+        if markov_names == "w1_w2" and spec.aliases:
+            return spec.aliases[0]
+        return spec.name
+
+    os.makedirs(out_dir, exist_ok=True)
+    total = sum(s.nbytes for s in specs)
+    target = total / shards
+    groups: list = [[] for _ in range(shards)]
+    acc = 0
+    g = 0
+    for i, s in enumerate(specs):
+        remaining = len(specs) - i
+        if groups[g] and (acc >= target * (g + 1) or remaining <= shards - 1 - g) and g < shards - 1:
+            g += 1
+        groups[g].append(s)
+        acc += s.nbytes
+    weight_map = {}
+    for k, grp in enumerate(groups):
+        fn = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {fname(s): np.ascontiguousarray(get(s)) for s in grp}
+        save_file(tensors, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        for n in tensors:
+            weight_map[n] = fn
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    tdir = tokenizer_dir or TINY_DIR
+    for fn in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(tdir, fn)):
+            shutil.copyfile(os.path.join(tdir, fn), os.path.join(out_dir, fn))
+    return index
+
+
+# ================================================================================== numpy dequant
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 np.float32)
+
+
+def dequant_fp8_block_np(q: np.ndarray, s: np.ndarray, r0: int = 0, block: int = 32) -> np.ndarray:
+    """e4m3 rows [r0, r0+len(q)) of a [out, in] weight × its e8m0 [ceil(out/32), ceil(in/32)] scale -> fp32."""
+    rows = np.arange(r0, r0 + q.shape[0]) // block
+    cols = np.arange(q.shape[1]) // block
+    sf = s.astype(np.float32)
+    return q.astype(np.float32) * sf[rows][:, cols]
+
+
+def dequant_fp8_rows_np(q: np.ndarray, s: np.ndarray, block: int = 32) -> np.ndarray:
+    """e4m3 [r, d] rows × e8m0 [r, d/32] per-32 scales -> fp32."""
+    return (q.astype(np.float32).reshape(q.shape[0], -1, block) * s.astype(np.float32)[..., None]).reshape(q.shape)
+
+
+def dequant_mxfp4_np(packed: np.ndarray, s: np.ndarray, block: int = 32) -> np.ndarray:
+    """Packed MXFP4 [..., out, in/2] (low nibble = even element) × e8m0 [..., out, in/32] -> fp32 [..., out, in]."""
+    packed = np.asarray(packed, np.uint8)
+    v = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.float32)
+    v[..., 0::2] = _E2M1[packed & 15]
+    v[..., 1::2] = _E2M1[packed >> 4]
+    sh = v.shape
+    return (v.reshape(sh[:-1] + (sh[-1] // block, block)) * s.astype(np.float32)[..., None]).reshape(sh)
+
+
+def requantize_np(kind: str, w: np.ndarray):
+    """bf16/fp32 logical weight -> (packed, scale) in the checkpoint format of `kind`."""
+    from dsv41_jax.model import quant_np
+
+    w = np.asarray(w).astype(np.float32)
+    if kind == "fp8":
+        return quant_np.quantize_fp8_block_np(w)
+    if kind == "fp8_rows":
+        return quant_np.quantize_fp8_rows_np(w)
+    if kind == "mxfp4":
+        return quant_np.quantize_mxfp4_np(w)
+    raise ValueError(f"unknown quantized kind {kind!r}")
+
+
+# ================================================================================== Orbax directories
+
+
+def checkpoint_kind(path: str) -> str:
+    """"hf" (safetensors release layout) or "orbax" (converted by dsv41_jax.convert); CheckpointError else."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory (expected an HF model directory or a converted Orbax "
+                              "checkpoint)")
+    if os.path.isfile(os.path.join(path, META_FILE)) and os.path.isdir(os.path.join(path, PARAMS_SUBDIR)):
+        return "orbax"
+    if os.path.isfile(os.path.join(path, INDEX_FILE)) or os.path.isfile(os.path.join(path, SINGLE_FILE)) or any(
+            fn.endswith(".safetensors") for fn in os.listdir(path)):
+        return "hf"
+    raise CheckpointError(f"{path}: neither an HF checkpoint ({INDEX_FILE} / *.safetensors) nor a converted "
+                          f"Orbax checkpoint ({META_FILE} + {PARAMS_SUBDIR}/)")
+
+
+def zarr_spec(array_dir: str) -> dict:
+    return {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.abspath(array_dir)}}
+
+
+def read_orbax_meta(path: str) -> dict:
+    p = os.path.join(path, META_FILE)
+    try:
+        with open(p, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}: cannot read ({e})") from e
+    if meta.get("format") != ORBAX_FORMAT or int(meta.get("version", 0)) > ORBAX_VERSION:
+        raise CheckpointError(f"{p}: format {meta.get('format')!r} v{meta.get('version')} is not "
+                              f"{ORBAX_FORMAT!r} v<={ORBAX_VERSION}")
+    if meta.get("storage") not in ("keep", "bf16"):
+        raise CheckpointError(f"{p}: unknown storage {meta.get('storage')!r}")
+    return meta
+
+
+def orbax_arrays(cfg: ModelConfig, storage: str) -> dict:
+    """{array name: (shape, np dtype, ParamLeaf of the weight)} stored in an Orbax dir of `storage`."""
+    pairs = quant_pairs(cfg) if storage == "bf16" else {}
+    scales = {v[1] for v in pairs.values()}
+    out = {}
+    for lf in param_leaves(cfg):
+        if lf.name in scales:
+            continue
+        if lf.name in pairs:
+            out[lf.name] = (pairs[lf.name][2], BF16, lf)
+        else:
+            out[lf.name] = (lf.shape, lf.dtype, lf)
+    return out
+
+
+def _ts_open(array_dir: str):
+    import tensorstore as ts
+
+    return ts.open(zarr_spec(array_dir), open=True, read=True).result()
+
+
+# ================================================================================== loader
+
+
+def _tokenizer_for(path: str, tokenizer):
+    if tokenizer is not None:
+        return tokenizer
+    p = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(p):
+        return p
+    raise CheckpointError(f"{path}: no tokenizer.json (needed for the Engram token map); pass tokenizer=...")
+
+
+def _placer(cfg: ModelConfig, mesh, shardings):
+    """name -> function(np array) -> jax.Array on its sharding (or the default device)."""
+    import jax
+
+    from dsv41_jax.model.params import flatten_names
+
+    if shardings is None and mesh is not None:
+        from dsv41_jax.model.params import mesh_shardings
+        shardings = mesh_shardings(cfg, mesh)
+    flat = flatten_names(shardings) if shardings is not None else {}
+
+    def place(name: str, a: np.ndarray):
+        sh = flat.get(name)
+        if sh is None:
+            return jax.device_put(a)
+        return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+
+    return place
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    node = tree
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+
+
+def _skeleton(cfg: ModelConfig) -> dict:
+    """The params tree structure with None leaves."""
+    import jax
+
+    from dsv41_jax.model.params import P, declare_params
+
+    return jax.tree_util.tree_map(lambda p: None, declare_params(cfg), is_leaf=lambda x: isinstance(x, P))
+
+
+def _read_hf_leaf(plan: HFPlan, leaf: ParamLeaf, specs_by_param: dict) -> np.ndarray:
+    """One param leaf from an HF dir (stacked experts read expert by expert into one buffer)."""
+    specs = specs_by_param[leaf.name]
+    out = np.empty(leaf.shape, leaf.dtype)
+    for spec in specs:
+        ent = plan.found[spec.name]
+        dst = out if spec.expert is None else out[spec.expert]
+        read_rows(ent, leaf.dtype, out=dst)  # U8 scales: same bits read as e8m0
+    return out
+
+
+def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shardings=None, tokenizer=None,
+                engram_token_map=None) -> dict:
+    """Load parameters from an HF directory or a converted Orbax directory (`checkpoint_kind`).
+
+    Args:
+      path: the model directory.
+      cfg: the model config; default: the directory's config.json (`ModelConfig.from_pretrained`).
+      mesh: a `jax.sharding.Mesh`: each leaf is placed on `mesh_shardings(cfg, mesh)` (default device
+        otherwise). shardings: an explicit tree of shardings instead (same structure as the params).
+      tokenizer: tokenizer.json path or `tokenizers.Tokenizer` for the Engram token map (default: the
+        directory's tokenizer.json). engram_token_map: the map itself, if already built.
+    Returns the parameter pytree of `params.declare_params(cfg)` (``derived`` included).
+    Raises CheckpointError (a ValueError) naming the tensor, file and expected shape/dtype for missing,
+    mis-shaped or wrong-dtype tensors; tensors the config does not use are listed in a warning, vision
+    tensors skipped with one log line.
+    """
+    kind = checkpoint_kind(path)
+    if cfg is None:
+        cfg = ModelConfig.from_pretrained(path)
+    place = _placer(cfg, mesh, shardings)
+    params = _skeleton(cfg)
+    if kind == "hf":
+        plan = scan_hf(path, cfg)
+        report_extras(plan)
+        by_param: dict = {}
+        for spec in expected_tensors(cfg).values():
+            by_param.setdefault(spec.param, []).append(spec)
+        for leaf in param_leaves(cfg):
+            _set(params, leaf.path, place(leaf.name, _read_hf_leaf(plan, leaf, by_param)))
+    else:
+        _load_orbax(path, cfg, params, place)
+    if cfg.engram_layer_ids:
+        from dsv41_jax.model.params import engram_token_map_for
+
+        tm = engram_token_map if engram_token_map is not None else engram_token_map_for(
+            cfg, _tokenizer_for(path, tokenizer))
+        tm = np.asarray(tm, np.int32)
+        if tm.shape != (cfg.vocab_size,):
+            raise CheckpointError(f"engram token map has shape {tm.shape}, expected ({cfg.vocab_size},)")
+        params["derived"]["engram_token_map"] = place("derived.engram_token_map", tm)
+    return params
+
+
+def _load_orbax(path: str, cfg: ModelConfig, params: dict, place) -> None:
+    meta = read_orbax_meta(path)
+    storage = meta["storage"]
+    pdir = os.path.join(path, PARAMS_SUBDIR)
+    arrays = orbax_arrays(cfg, storage)
+    pairs = quant_pairs(cfg) if storage == "bf16" else {}
+    recorded = meta.get("arrays", {})
+    leaves = {lf.name: lf for lf in param_leaves(cfg)}
+    problems = []
+    for name, (shape, dt, _) in arrays.items():
+        want = f"expected shape {list(shape)} dtype {dt.name}"
+        rec = recorded.get(name)
+        if not os.path.isdir(os.path.join(pdir, name)) or rec is None:
+            problems.append(f"{name}: missing from {pdir}; {want}")
+        elif tuple(rec["shape"]) != tuple(shape) or rec["dtype"] != dt.name:
+            problems.append(f"{name} in {pdir}: found shape {rec['shape']} dtype {rec['dtype']}; {want}")
+    extra = sorted(set(recorded) - set(arrays))
+    if problems:
+        raise CheckpointError(_fmt_problems(problems, path, "converted with another config?" if len(problems) > 2
+                                            else ""))
+    if extra:
+        log.warning("%s: %d arrays this config does not use were ignored: %s", path, len(extra), ", ".join(extra[:20]))
+    for lf in leaves.values():
+        if lf.name in arrays:
+            shape, dt, _ = arrays[lf.name]
+            arr = _ts_open(os.path.join(pdir, lf.name))
+            if tuple(arr.shape) != tuple(shape) or np.dtype(arr.dtype.numpy_dtype) != dt:
+                raise CheckpointError(f"{lf.name} in {pdir}: the stored array is {arr.dtype.name} "
+                                      f"{list(arr.shape)}; expected shape {list(shape)} dtype {dt.name}")
+            if lf.name in pairs:
+                kind, sname, _ = pairs[lf.name]
+                q, s = _requantize_stored(arr, kind, lf)
+                _set(params, lf.path, place(lf.name, q))
+                _set(params, leaves[sname].path, place(sname, s))
+                del q, s
+            else:
+                _set(params, lf.path, place(lf.name, np.asarray(arr.read().result())))
+
+
+def _requantize_stored(arr, kind: str, lf: ParamLeaf):
+    """Re-quantize a stored bf16 weight into (packed, scale) of `kind`, in row blocks."""
+    shape = tuple(arr.shape)
+    if kind == "mxfp4":  # [E, out, in]: expert by expert
+        E, o, i = shape
+        q = np.empty((E, o, i // 2), U8)
+        s = np.empty((E, o, i // 32), E8M0)
+        for e in range(E):
+            q[e], s[e] = requantize_np(kind, np.asarray(arr[e].read().result()))
+        return q, s
+    o, i = shape
+    q = np.empty((o, i), FP8)
+    s = np.empty(((-(-o // 32)), -(-i // 32)) if kind == "fp8" else (o, i // 32), E8M0)
+    for r0, r1 in row_blocks(shape, 4, READ_BLOCK_BYTES, align=32):  # fp32 working copy per block
+        qb, sb = requantize_np(kind, np.asarray(arr[r0:r1].read().result()))
+        q[r0:r1] = qb
+        if kind == "fp8":
+            s[r0 // 32: r0 // 32 + sb.shape[0]] = sb
+        else:
+            s[r0:r1] = sb
+    return q, s
+
+
+def load_model(path: str, mesh=None, **kw) -> tuple:
+    """(cfg, params) of a model directory of either kind (see `load_params`)."""
+    cfg = ModelConfig.from_pretrained(path)
+    return cfg, load_params(path, cfg, mesh, **kw)
+
+
+def iter_params(tree: dict) -> Iterable:
+    """(dotted name, leaf) of a params tree."""
+    from dsv41_jax.model.params import flatten_names
+
+    return flatten_names(tree).items()

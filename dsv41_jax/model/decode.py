@@ -1,0 +1,364 @@
+"""Incremental decode over the paged cache: one pure step for prefill chunks, decode and verify windows.
+
+`extend_step(params, state, batch, cfg, ccfg, all_logits)` runs B rows × T new tokens against the
+cache and returns logits and the updated cache. A prefill chunk, a one-token decode step and a
+DSpark verify window of k tokens are the same function with different T. Rows are ragged: row b
+holds `n_new[b] ≤ T` real tokens at positions `start[b] ..`; padding tokens are masked and never
+written (rows with n_new = 0 point at the scratch slot).
+
+The batch (host-built, small int arrays):
+  tokens     int32 [B, T]
+  start      int32 [B]      position of tokens[:, 0] (= tokens already in the cache for the request)
+  n_new      int32 [B]      real tokens in the row
+  slot       int32 [B]      per-request state row (window rings, partial group, Engram history);
+                            padded rows use ccfg.max_slots (scratch)
+  page_table int32 [B, P]   the request's pages (P = ccfg.max_pages_per_seq)
+
+Every number equals what `forward` computes for the same prefix: same functions, same order; only
+where keys come from differs (the cache instead of the in-flight sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.model import attention as attn_mod
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import compressor, indexer
+from dsv41_jax.model.engram import compressed_ids, hash_rows
+from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux
+
+
+def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
+    """store[k][rows[b], cols[b, i]] = val[k][b, i] (cols out of range are dropped)."""
+    return {k: store[k].at[rows[:, None], cols].set(val[k], mode="drop") for k in store}
+
+
+def _window_attention_inputs(st_win, batch, positions, valid, kv_rot, cfg, ccfg, dt):
+    """Window keys for the chunk: the ring (positions before `start`) + the chunk's own keys.
+
+    Returns (keys [B, W+T, hd], mask [B, T, W+T], updated ring store).
+    """
+    W = cfg.sliding_window
+    mode = ccfg.kv_cache_dtype
+    start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
+    ring = kvc.decode("win", mode, kvc.store_get(st_win, slot), dt)  # [B, W, hd]
+    s = jnp.arange(W, dtype=jnp.int32)[None, :]
+    ring_pos = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - s, W)  # latest position ≡ s (mod W) before start
+    new_kv = kvc.decode("win", mode, kvc.encode("win", mode, kv_rot), dt)  # == window_kv(kv_rot)
+    keys = jnp.concatenate([ring, new_kv], axis=1)
+    key_pos = jnp.concatenate([ring_pos, positions], axis=1)
+    key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
+    q = positions[:, :, None]
+    mask = key_ok[:, None, :] & (key_pos[:, None, :] <= q) & (key_pos[:, None, :] > q - W)
+    # Ring update: only the last W real tokens of the chunk (earlier ones would be overwritten).
+    i = jnp.arange(positions.shape[1])[None, :]
+    write = valid & (i >= n_new[:, None] - W)
+    cols = jnp.where(write, jnp.mod(positions, W), W)  # W = out of range: dropped
+    new_store = _row_scatter(st_win, slot, cols, kvc.encode("win", mode, kv_rot))
+    return keys, mask, new_store
+
+
+def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
+    """Latents of the groups this chunk completes.
+
+    Returns (latent [B, G, hd] in dt, slot j int32 [B, G], complete bool [B, G], new partial state).
+    ratio 1: G = T, one latent per real token. ratio r > 1: the chunk's tokens are placed in the
+    groups they belong to (G = T // r + 2 covers any alignment), the first group seeded with the
+    request's partial group; complete groups are pooled exactly as the full forward pools them.
+    """
+    start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
+    eps = cfg.rms_norm_eps
+    if ratio == 1:
+        return compressor.compress(p, x, 1, eps, dt), positions, valid, None
+    B, T, _ = x.shape
+    r = ratio
+    G = T // r + 2
+    kv, score = compressor.group_kv_scores(p, x)  # fp32 [B, T, hd]
+    hd = kv.shape[-1]
+    g0 = start // r
+    rel = positions // r - g0[:, None]  # group of each token, relative to g0
+    qpos = positions % r
+    pk = partial["kv"][slot]  # [B, r, hd]
+    ps = partial["score"][slot]
+    buf_kv = jnp.zeros((B, G, r, hd), jnp.float32).at[:, 0].set(pk)
+    buf_sc = jnp.full((B, G, r, hd), -jnp.inf, jnp.float32).at[:, 0].set(ps)
+    bi = jnp.arange(B)[:, None]
+    gi = jnp.where(valid, rel, G)  # padding tokens -> out of range (dropped)
+    buf_kv = buf_kv.at[bi, gi, qpos].set(kv, mode="drop")
+    buf_sc = buf_sc.at[bi, gi, qpos].set(score, mode="drop")
+    latent = compressor.pool_groups(buf_kv, buf_sc, p, eps, dt)  # [B, G, hd]
+    j = g0[:, None] + jnp.arange(G)[None, :]
+    end = start + n_new
+    complete = (j * r + r - 1) < end[:, None]
+    # The new partial group: the one holding position `end`, unless `end` starts a fresh group.
+    gl = end // r - g0
+    has_partial = (end % r) != 0
+    keep_kv = jnp.take_along_axis(buf_kv, gl[:, None, None, None], axis=1)[:, 0]
+    keep_sc = jnp.take_along_axis(buf_sc, gl[:, None, None, None], axis=1)[:, 0]
+    keep_kv = jnp.where(has_partial[:, None, None], keep_kv, 0.0)
+    keep_sc = jnp.where(has_partial[:, None, None], keep_sc, -jnp.inf)
+    new_partial = {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}
+    return latent, j.astype(jnp.int32), complete, new_partial
+
+
+def _pool_index(page_table, slots_j, ratio, page_size):
+    """Compressed-pool index of slot j: loc(j·ratio) // ratio."""
+    return kvc.token_locs(page_table, slots_j * ratio, page_size) // ratio
+
+
+def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux):
+    """The attention sublayer of one layer against the cache. Updates `st` (trace-time dict) in place."""
+    lid = plan.layer_id
+    mode = ccfg.kv_cache_dtype
+    eps = cfg.rms_norm_eps
+    ps = ccfg.page_size
+    pt = batch["page_table"]
+    freqs = attn_mod.layer_freqs(cfg, plan)
+    qr, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
+    win_keys, win_mask, st["window"][lid] = _window_attention_inputs(
+        st["window"][lid], batch, positions, valid, kv_rot, cfg, ccfg, dt)
+    B, T = positions.shape
+    r = plan.compress_ratio
+    if r == 0:
+        comp = jnp.zeros((B, T, 0, cfg.head_dim), dt)
+        comp_mask = jnp.zeros((B, T, 0), bool)
+    else:
+        visible = (positions + 1) // r
+        if plan.is_kv_source:
+            key = str(lid)
+            latent, j, complete, new_partial = _compress_chunk(
+                p["compressor"], x, batch, positions, valid, st["partial"].get(key), r, cfg, dt)
+            if new_partial is not None:
+                st["partial"][key] = new_partial
+            oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
+            dest = jnp.where(complete, _pool_index(pt, j, r, ps), oob)
+            rot = compressor.compressed_rot(latent, j * r, freqs, dt)
+            st["comp"][key] = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
+            if key in st["ikeys"]:
+                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt)
+                st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
+        S = ccfg.max_context // r
+        if plan.is_index_source:
+            owner = str(plan.key_owner)
+            jj = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+            keys = kvc.decode("ikey", mode, kvc.store_get(st["ikeys"][owner], _pool_index(pt, jj, r, ps)), dt)
+            iq, iw = indexer.index_query(p["indexer"], qr, x, positions, freqs, cfg, dt)
+            scores = indexer.index_scores(iq, iw, keys, visible, dt)
+            if plan.is_candidate_source:
+                ctx["cand"] = indexer.candidate_mask(scores, visible, cfg.candidate_block_size,
+                                                     cfg.candidate_topk_blocks)
+                aux["cand"][lid] = ctx["cand"]
+            if plan.uses_candidates:
+                scores = jnp.where(ctx["cand"], scores, jnp.asarray(-jnp.inf, scores.dtype))
+            ctx["topk"][lid] = indexer.select_topk(scores, cfg.index_topk)
+            aux["topk"][lid] = ctx["topk"][lid]
+        sel = ctx["topk"][plan.index_source]  # [B, T, K]
+        src = str(plan.kv_source)
+        comp = kvc.decode("comp", mode, kvc.store_get(st["comp"][src], _pool_index(pt, jnp.maximum(sel, 0), r, ps)),
+                          dt)
+        comp_mask = sel >= 0
+    o = attn_mod.attend(q, win_keys, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt)
+    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
+
+
+def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False):
+    """Pure step: (params, cache, batch) -> (logits, cache).
+
+    Logits: fp32 [B, T, V] if `all_logits`, else [B, V] at each row's last real token.
+    """
+    dt = act_dtype(cfg)
+    tokens = batch["tokens"].astype(jnp.int32)
+    B, T = tokens.shape
+    start, n_new = batch["start"], batch["n_new"]
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(T)[None, :] < n_new[:, None]
+    st = {"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
+          "partial": dict(state["partial"])}
+    hist = state.get("engram_hist")
+    h = embed_streams(params, tokens, cfg, dt)
+    pre = initial_pre((B, T), cfg)
+    ctx = {"topk": {}, "cand": None}
+    aux = new_aux()
+    for i in range(cfg.num_hidden_layers):
+        plan = cfg.layer_plan(i)
+        lp = params["layers"][i]
+        rows = None
+        if plan.is_engram:
+            rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])
+
+        def attn_fn(x, lp=lp, plan=plan):
+            return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux)
+
+        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows)
+    if not all_logits:
+        last = jnp.maximum(n_new - 1, 0)
+        h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
+        pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
+    logits, x = final_logits(params, h, pre, cfg, dt)
+    if not all_logits:
+        logits = logits[:, 0]
+    new_state = {"window": st["window"], "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
+    if hist is not None:
+        ids = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
+        ext = jnp.concatenate([hist[batch["slot"]], ids], axis=1)  # [B, M−1+T]
+        m1 = hist.shape[1]
+        take = n_new[:, None] + jnp.arange(m1)[None, :]
+        new_state["engram_hist"] = hist.at[batch["slot"]].set(jnp.take_along_axis(ext, take, axis=1))
+    if return_aux:
+        aux["hidden"] = x
+        return logits, new_state, aux
+    return logits, new_state
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_extend(cfg, ccfg, all_logits: bool = False):
+    """`extend` jitted for (cfg, ccfg, all_logits), with the cache donated. Compiles once per (B, T)."""
+    return jax.jit(functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits), donate_argnums=(1,))
+
+
+def decode_step(params, state, batch, cfg, ccfg, all_logits: bool = False):
+    """`(params, state, batch) -> (logits, state)`: the jitted pure step (state donated)."""
+    return jitted_extend(cfg, ccfg, all_logits)(params, state, batch)
+
+
+def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
+    """Host helper: rows of {tokens, start, slot, page_table} -> padded device batch of B×T.
+
+    Padded rows get n_new = 0 and the scratch slot; padded tokens are 0 (masked).
+    """
+    B = B or len(rows)
+    if len(rows) > B:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {B}")
+    tokens = np.zeros((B, T), np.int32)
+    start = np.zeros((B,), np.int32)
+    n_new = np.zeros((B,), np.int32)
+    slot = np.full((B,), ccfg.max_slots, np.int32)
+    pt = np.zeros((B, ccfg.max_pages_per_seq), np.int32)
+    for b, r in enumerate(rows):
+        t = list(r["tokens"])
+        if len(t) > T:
+            raise ValueError(f"row {b}: {len(t)} tokens exceed the step's T={T}")
+        tokens[b, : len(t)] = t
+        start[b] = r["start"]
+        n_new[b] = len(t)
+        slot[b] = r["slot"]
+        pt[b, : len(r["page_table"])] = r["page_table"]
+    return {"tokens": jnp.asarray(tokens), "start": jnp.asarray(start), "n_new": jnp.asarray(n_new),
+            "slot": jnp.asarray(slot), "page_table": jnp.asarray(pt)}
+
+
+def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequence[int], start: int = 0,
+            chunk_size: int = 64, all_logits: bool = False):
+    """Write `tokens` (positions start..) for request `rid` into the cache in chunks of `chunk_size`.
+
+    Returns (logits, state): logits of the last token [V] (or of every token [n, V] with all_logits).
+    """
+    outs = []
+    pos = start
+    tokens = list(tokens)
+    for c0 in range(0, len(tokens), chunk_size):
+        chunk = tokens[c0: c0 + chunk_size]
+        allocator.ensure(rid, pos + len(chunk))
+        batch = make_batch([{"tokens": chunk, "start": pos, "slot": slot, "page_table": allocator.pages(rid)}],
+                           chunk_size, 1, ccfg)
+        logits, state = decode_step(params, state, batch, cfg, ccfg, all_logits)
+        outs.append(logits[0, : len(chunk)] if all_logits else logits[0])
+        pos += len(chunk)
+    if all_logits:
+        return jnp.concatenate(outs, axis=0), state
+    return outs[-1], state
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int, return_logits: bool = False,
+             *, ccfg=None, chunk_size: int = 32, eos_token_id: Optional[int] = None):
+    """Greedy generation over the decode path, all prompts as one ragged batch.
+
+    params: parameter pytree (or a model path / "tiny", loaded via `load_params`). prompts: lists of
+    token ids (any lengths ≥ 1). Returns a list of generated token lists (and, with `return_logits`,
+    a list of fp32 [n_generated, V] arrays of the logits each token was chosen from).
+    """
+    if isinstance(params, str):
+        from dsv41_jax.model.checkpoint import load_params  # noqa: WPS433 (optional heavy import)
+
+        params = load_params(params, cfg)
+    n = len(prompts)
+    if n == 0:
+        return ([], []) if return_logits else []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if ccfg is None:
+        ps = 16
+        per_seq = -(-longest // ps)
+        ccfg = kvc.CacheConfig(page_size=ps, num_pages=n * per_seq + 1, max_slots=n, max_pages_per_seq=per_seq)
+    alloc = kvc.PageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+    state = kvc.init_cache(cfg, ccfg)
+    if "engram_hist" in state:
+        pad = int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
+        state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
+    B = 1
+    while B < n:
+        B *= 2
+    # Prefill: all prompts together, chunk by chunk (rows whose prompt ended carry n_new = 0).
+    lens = [len(p) for p in prompts]
+    last_logits = [None] * n
+    pos = [0] * n
+    while any(pos[i] < lens[i] for i in range(n)):
+        rows = []
+        for i in range(n):
+            chunk = list(prompts[i][pos[i]: pos[i] + chunk_size])
+            alloc.ensure(i, pos[i] + len(chunk))
+            rows.append({"tokens": chunk, "start": pos[i], "slot": i if chunk else ccfg.max_slots,
+                         "page_table": alloc.pages(i)})
+        batch = make_batch(rows, chunk_size, B, ccfg)
+        logits, state = decode_step(params, state, batch, cfg, ccfg)
+        logits = np.asarray(logits)
+        for i in range(n):
+            if pos[i] < lens[i]:
+                pos[i] += len(rows[i]["tokens"])
+                if pos[i] == lens[i]:
+                    last_logits[i] = logits[i]
+    outs = [[] for _ in range(n)]
+    out_logits = [[] for _ in range(n)]
+    done = [False] * n
+    for step in range(max_new_tokens):
+        rows = []
+        for i in range(n):
+            lg = last_logits[i]
+            if not done[i]:
+                tok = int(np.argmax(lg))
+                outs[i].append(tok)
+                out_logits[i].append(lg)
+                if (eos_token_id is not None and tok == eos_token_id) or len(outs[i]) >= max_new_tokens:
+                    done[i] = True
+            if done[i]:
+                rows.append({"tokens": [], "start": 0, "slot": ccfg.max_slots, "page_table": []})
+            else:
+                alloc.ensure(i, pos[i] + 1)
+                rows.append({"tokens": [outs[i][-1]], "start": pos[i], "slot": i, "page_table": alloc.pages(i)})
+        if all(done):
+            break
+        batch = make_batch(rows, 1, B, ccfg)
+        logits, state = decode_step(params, state, batch, cfg, ccfg)
+        logits = np.asarray(logits)
+        for i in range(n):
+            if not done[i]:
+                pos[i] += 1
+                last_logits[i] = logits[i]
+    if return_logits:
+        return outs, [np.stack(x) if x else np.zeros((0, cfg.vocab_size), np.float32) for x in out_logits]
+    return outs

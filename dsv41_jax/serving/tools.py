@@ -1,0 +1,772 @@
+"""DSML tool calls for DeepSeek-V4.1 (SPEC §10, "Calls markup" and "Tool-call parser").
+
+* :func:`render_calls_block` / :func:`render_invoke` write calls as spaced DSML (used by the chat
+  encoder for assistant history);
+* :func:`parse_tool_calls` (non-streaming) and :class:`ToolCallStreamParser` (streaming) are the
+  ``deepseekv41`` parser: text before the block is content, each valid invoke becomes an OpenAI
+  tool call (``id`` "call_" + 24 hex, ``type`` "function", ``arguments`` a JSON string);
+* :func:`validate_tools`, :func:`normalize_tool_choice` and :func:`should_parse_tools` check a
+  request's ``tools`` / ``tool_choice``.
+
+Markup (the space after ``｜DSML｜`` is part of the tag name)::
+
+    <｜DSML｜ calls>
+    <｜DSML｜ invoke name="NAME">
+    <｜DSML｜ parameter name="K" string="true">raw text</｜DSML｜ parameter>
+    <｜DSML｜ parameter name="N" string="false">JSON</｜DSML｜ parameter>
+    </｜DSML｜ invoke>
+    </｜DSML｜ calls>
+
+The parser also accepts a JSON-object invoke body, a self-closing zero-argument invoke
+(``<｜DSML｜ invoke name="f"/>``) and the unspaced V4 / V3.2 spellings (``<｜DSML｜tool_calls>``,
+``<｜DSML｜function_calls>``, ``<｜DSML｜invoke …>``, ``<｜DSML｜parameter …>``).
+
+Parser rules (shared by the streaming and the non-streaming form, which is the streaming parser
+fed the whole text, so the two agree on every chunking):
+
+* content is the text before the first block with its trailing blank line(s) removed; text after
+  a block (leading blanks removed) is appended to content after ``"\\n\\n"``;
+* an invoke is emitted only once its ``</｜DSML｜ invoke>`` has arrived and it parsed and validated:
+  first a delta with ``id``, ``type`` and the name, then the argument JSON in prefix pieces
+  (``{"a": 1`` / ``, "b": 2`` / ``}``) that concatenate to the full ``arguments`` string;
+* an unparsable invoke (bad JSON value, unterminated, unknown tool, arguments failing the tool's
+  JSON schema) is skipped with a warning; every other piece of DSML markup is dropped, never
+  returned as content, and a dangling partial marker at the end of the text is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .effort import ChatError
+
+__all__ = [
+    "DSML",
+    "CALLS_OPEN",
+    "CALLS_CLOSE",
+    "INVOKE_CLOSE",
+    "PARAMETER_CLOSE",
+    "ToolCallStreamParser",
+    "ToolStreamDelta",
+    "decode_arguments",
+    "new_call_id",
+    "normalize_tool_choice",
+    "parse_tool_calls",
+    "render_calls_block",
+    "render_invoke",
+    "render_parameter",
+    "should_parse_tools",
+    "strip_dsml",
+    "to_json",
+    "validate_arguments",
+    "validate_tools",
+]
+
+log = logging.getLogger(__name__)
+
+DSML = "｜DSML｜"  # one special token (U+FF5C bars)
+CALLS_NAME = " calls"
+INVOKE_NAME = " invoke"
+PARAMETER_NAME = " parameter"
+CALLS_OPEN = f"<{DSML}{CALLS_NAME}>"
+CALLS_CLOSE = f"</{DSML}{CALLS_NAME}>"
+INVOKE_CLOSE = f"</{DSML}{INVOKE_NAME}>"
+PARAMETER_CLOSE = f"</{DSML}{PARAMETER_NAME}>"
+
+_BLOCK_WORDS = {"calls", "tool_calls", "function_calls"}
+
+
+# ------------------------------------------------------------------------------------ JSON style
+
+
+def to_json(value: Any) -> str:
+    """JSON in the checkpoint's style: separators ``", "`` / ``": "``, non-ASCII kept, key order
+    preserved, Python float text (``1e-06``, ``3.0``)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return json.dumps(value, ensure_ascii=True, default=str)
+
+
+def new_call_id() -> str:
+    """``"call_"`` + 24 lowercase hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def decode_arguments(arguments: Any) -> dict:
+    """A tool call's arguments as a dict: a dict as is, or a string that decodes to a JSON object.
+
+    Raises ValueError otherwise (the chat encoder turns it into a 400).
+    """
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"arguments are not valid JSON: {e.msg}") from None
+        if isinstance(value, dict):
+            return value
+        raise ValueError(f"arguments must decode to a JSON object, got {type(value).__name__}")
+    raise ValueError(f"arguments must be a JSON object string, got {type(arguments).__name__}")
+
+
+def render_parameter(key: str, value: Any) -> str:
+    if isinstance(value, str):
+        return f'<{DSML}{PARAMETER_NAME} name="{key}" string="true">{value}{PARAMETER_CLOSE}'
+    return f'<{DSML}{PARAMETER_NAME} name="{key}" string="false">{to_json(value)}{PARAMETER_CLOSE}'
+
+
+def render_invoke(name: str, arguments: Mapping[str, Any]) -> str:
+    """One invoke; no arguments gives the open tag, two newlines, the close tag."""
+    params = "\n".join(render_parameter(k, v) for k, v in arguments.items())
+    return f'<{DSML}{INVOKE_NAME} name="{name}">\n{params}\n{INVOKE_CLOSE}'
+
+
+def _call_name_args(call: Mapping[str, Any]) -> tuple[str, dict]:
+    fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
+    return fn["name"], decode_arguments(fn.get("arguments", {}))
+
+
+def render_calls_block(calls: Iterable[Mapping[str, Any] | tuple[str, Mapping[str, Any]]]) -> str:
+    """``<｜DSML｜ calls>\\n`` + invokes joined by ``\\n`` + ``\\n</｜DSML｜ calls>``.
+
+    ``calls`` are OpenAI tool calls (``{"function": {"name", "arguments"}}``), ``{"name",
+    "arguments"}`` dicts or ``(name, arguments)`` pairs; string arguments must decode to an object.
+    The chat encoder adds the leading ``"\\n\\n"`` and the EOS.
+    """
+    invokes = []
+    for c in calls:
+        if isinstance(c, tuple):
+            name, args = c[0], decode_arguments(c[1])
+        else:
+            name, args = _call_name_args(c)
+        invokes.append(render_invoke(name, args))
+    return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+
+
+# ------------------------------------------------------------------------------- JSON schemas
+
+try:  # jsonschema is optional: a small built-in subset validator stands in without it.
+    import jsonschema as _jsonschema  # type: ignore
+    from jsonschema import validators as _js_validators  # type: ignore
+except Exception:  # pragma: no cover - exercised only where jsonschema is absent
+    _jsonschema = None
+    _js_validators = None
+
+
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _is_type(value: Any, t: str) -> bool:
+    if t == "object":
+        return isinstance(value, dict)
+    if t == "array":
+        return isinstance(value, list)
+    if t == "string":
+        return isinstance(value, str)
+    if t == "boolean":
+        return isinstance(value, bool)
+    if t == "null":
+        return value is None
+    if t == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and math.isfinite(value) and value.is_integer())
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
+
+
+def _mini_validate(value: Any, schema: Any, path: str = "$") -> str | None:
+    """A small JSON-schema subset (type, enum, const, properties, required, additionalProperties,
+    items, min/max, lengths, pattern, anyOf/oneOf/allOf/not) used only without jsonschema."""
+    if schema is True or not isinstance(schema, Mapping):
+        return None
+    if schema is False:
+        return f"{path}: no value is allowed"
+    t = schema.get("type")
+    if t is not None:
+        ts = [t] if isinstance(t, str) else list(t)
+        if not any(_is_type(value, x) for x in ts):
+            return f"{path}: {to_json(value)} is not of type {' or '.join(ts)}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{path}: {to_json(value)} is not one of {to_json(schema['enum'])}"
+    if "const" in schema and value != schema["const"]:
+        return f"{path}: {to_json(value)} is not {to_json(schema['const'])}"
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        for k in schema.get("required") or []:
+            if k not in value:
+                return f"{path}: '{k}' is a required property"
+        for k, v in value.items():
+            if k in props:
+                err = _mini_validate(v, props[k], f"{path}.{k}")
+                if err:
+                    return err
+            else:
+                ap = schema.get("additionalProperties", True)
+                if ap is False:
+                    return f"{path}: additional property '{k}' is not allowed"
+                if isinstance(ap, Mapping):
+                    err = _mini_validate(v, ap, f"{path}.{k}")
+                    if err:
+                        return err
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for i, v in enumerate(value):
+            err = _mini_validate(v, schema["items"], f"{path}[{i}]")
+            if err:
+                return err
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            return f"{path}: {value} is less than the minimum {schema['minimum']}"
+        if "maximum" in schema and value > schema["maximum"]:
+            return f"{path}: {value} is greater than the maximum {schema['maximum']}"
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            return f"{path}: string is too short"
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            return f"{path}: string is too long"
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            return f"{path}: string does not match {schema['pattern']!r}"
+    for sub in schema.get("allOf") or []:
+        err = _mini_validate(value, sub, path)
+        if err:
+            return err
+    if schema.get("anyOf") and all(_mini_validate(value, s, path) for s in schema["anyOf"]):
+        return f"{path}: value matches none of anyOf"
+    if schema.get("oneOf") and sum(_mini_validate(value, s, path) is None for s in schema["oneOf"]) != 1:
+        return f"{path}: value does not match exactly one of oneOf"
+    if isinstance(schema.get("not"), Mapping) and _mini_validate(value, schema["not"], path) is None:
+        return f"{path}: value matches a 'not' schema"
+    return None
+
+
+def _check_schema(schema: Any) -> str | None:
+    """None when ``schema`` is a valid JSON schema, else the problem."""
+    if not isinstance(schema, (Mapping, bool)):
+        return f"a JSON schema must be an object, got {type(schema).__name__}"
+    if _js_validators is not None:
+        try:
+            _js_validators.validator_for(schema).check_schema(schema)
+        except _jsonschema.exceptions.SchemaError as e:
+            return e.message
+        return None
+    t = schema.get("type") if isinstance(schema, Mapping) else None
+    if t is not None:
+        ts = [t] if isinstance(t, str) else t
+        if not isinstance(ts, list) or not all(isinstance(x, str) and x in _JSON_TYPES for x in ts):
+            return f"{to_json(t)} is not a valid type"
+    return None
+
+
+def _make_validator(schema: Any) -> Callable[[Any], str | None]:
+    if schema is None:
+        return lambda value: None
+    if _js_validators is not None:
+        v = _js_validators.validator_for(schema)(schema)
+
+        def check(value: Any) -> str | None:
+            err = next(iter(v.iter_errors(value)), None)
+            if err is None:
+                return None
+            where = "".join(f"[{p!r}]" for p in err.absolute_path)
+            return f"$ {where}: {err.message}" if where else err.message
+
+        return check
+    return lambda value: _mini_validate(value, schema)
+
+
+def validate_arguments(arguments: Any, schema: Any) -> str | None:
+    """None when ``arguments`` satisfy the JSON ``schema`` (None = anything), else the error."""
+    return _make_validator(schema)(arguments)
+
+
+# ------------------------------------------------------------------------- request validation
+
+_BAD_NAME_RE = re.compile(r'["<>\s]|' + DSML)
+
+
+def validate_tools(tools: Any) -> list[dict]:
+    """Check a request's ``tools`` and return their ``function`` objects for the tools section.
+
+    Each function object keeps the client-sent keys only, ordered name, description, parameters,
+    then the rest in the client's order. Raises :class:`ChatError` naming the bad field.
+    """
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ChatError("tools must be an array", "tools")
+    out: list[dict] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise ChatError(f"{p} must be an object", p)
+        if tool.get("type", "function") != "function":
+            raise ChatError(f"{p}.type must be 'function'", f"{p}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping):
+            raise ChatError(f"{p}.function must be an object", f"{p}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or _BAD_NAME_RE.search(name):
+            raise ChatError(f"{p}.function.name must be a non-empty name without quotes, angle "
+                            f"brackets or blanks, got {name!r}", f"{p}.function.name")
+        if name in seen:
+            raise ChatError(f"duplicate tool name {name!r}", f"{p}.function.name")
+        seen.add(name)
+        if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
+            raise ChatError(f"{p}.function.description must be a string", f"{p}.function.description")
+        if fn.get("parameters") is not None:
+            params = fn["parameters"]
+            if not isinstance(params, Mapping):
+                raise ChatError(f"{p}.function.parameters must be a JSON schema object",
+                                f"{p}.function.parameters")
+            err = _check_schema(params)
+            if err:
+                raise ChatError(f"{p}.function.parameters is not a valid JSON schema: {err}",
+                                f"{p}.function.parameters")
+        ordered = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+        ordered.update((k, v) for k, v in fn.items() if k not in ordered)
+        out.append(ordered)
+    return out
+
+
+def normalize_tool_choice(tool_choice: Any, tools: Sequence[Mapping] | None) -> str | dict:
+    """``"none"`` | ``"auto"`` | ``"required"`` | ``{"type": "function", "function": {"name"}}``.
+
+    None means "auto" with tools and "none" without. ``required`` or a named function without
+    tools, or a name that is not among the tools, raises :class:`ChatError` (param tool_choice).
+    """
+    names = []
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, Mapping) else {}
+        if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    if tool_choice is None:
+        return "auto" if names else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ChatError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}",
+                            "tool_choice")
+        if tool_choice == "required" and not names:
+            raise ChatError("tool_choice 'required' needs tools", "tool_choice")
+        return tool_choice
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ChatError("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}",
+                            "tool_choice")
+        if name not in names:
+            raise ChatError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    raise ChatError("tool_choice must be a string or an object", "tool_choice")
+
+
+def should_parse_tools(tools: Sequence | None, tool_choice: Any) -> bool:
+    """SPEC §10: parse only when tools are given and tool_choice is not "none"."""
+    return bool(tools) and tool_choice != "none"
+
+
+# ------------------------------------------------------------------------------- the lexer
+
+_MARKERS = (f"<{DSML}", f"</{DSML}", DSML)
+_MAX_TAG = 512  # a tag longer than this without its '>' is junk
+_TAG_RE = re.compile(r"^(</?)?" + DSML + r"\s*([A-Za-z_]+)(.*?)>$", re.S)
+_ATTR_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*"([^"]*)"')
+
+
+def _held_suffix(buf: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of a marker."""
+    best = 0
+    for m in _MARKERS:
+        for k in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class _Tag:
+    raw: str
+    kind: str  # "calls" | "invoke" | "parameter" | "junk"
+    closing: bool = False
+    self_closing: bool = False
+    attrs: dict = field(default_factory=dict)
+
+
+def _classify(raw: str) -> _Tag:
+    m = _TAG_RE.match(raw)
+    if not m:
+        return _Tag(raw, "junk")
+    opener, word, rest = m.group(1), m.group(2).lower(), m.group(3)
+    closing = opener == "</"
+    if word in _BLOCK_WORDS:
+        kind = "calls"
+    elif word in ("invoke", "parameter"):
+        kind = word
+    else:
+        return _Tag(raw, "junk")
+    if opener is None:  # the '<' is missing: treat as junk markup
+        return _Tag(raw, "junk")
+    self_closing = rest.rstrip().endswith("/")
+    attrs = dict(_ATTR_RE.findall(rest))
+    return _Tag(raw, kind, closing, self_closing and not closing, attrs)
+
+
+class _Lexer:
+    """Splits a text stream into plain text and DSML tags; holds back what may start a tag."""
+
+    def __init__(self):
+        self.buf = ""
+
+    def feed(self, text: str, final: bool = False) -> list:
+        self.buf += text
+        out: list = []
+        while True:
+            buf = self.buf
+            p = buf.find(DSML)
+            if p < 0:
+                if final:
+                    h = _held_suffix(buf)
+                    tail = buf[len(buf) - h:] if h else ""
+                    if "｜" in tail:  # a dangling partial marker (not a lone '<'): dropped
+                        buf = buf[: len(buf) - h]
+                    if buf:
+                        out.append(buf)
+                    if "｜" in tail:
+                        out.append(_Tag(tail, "junk"))
+                    self.buf = ""
+                else:
+                    h = _held_suffix(buf)
+                    if len(buf) > h:
+                        out.append(buf[: len(buf) - h])
+                    self.buf = buf[len(buf) - h:]
+                return out
+            start = p
+            if p >= 2 and buf[p - 2:p] == "</":
+                start = p - 2
+            elif p >= 1 and buf[p - 1] == "<":
+                start = p - 1
+            if start:
+                out.append(buf[:start])
+            q = p + len(DSML)
+            limit = start + _MAX_TAG
+            end = None
+            for i in range(q, min(len(buf), limit)):
+                c = buf[i]
+                if c == ">":
+                    end = ("tag", i + 1)
+                    break
+                if c in "<\n" or buf.startswith(DSML, i):
+                    end = ("junk", q)
+                    break
+            if end is None:
+                if final or len(buf) >= limit:
+                    end = ("junk", len(buf) if final and len(buf) < limit else q)
+                else:
+                    self.buf = buf[start:]
+                    return out
+            cut = end[1]
+            tag = _classify(buf[start:cut]) if end[0] == "tag" else _Tag(buf[start:cut], "junk")
+            out.append(tag)
+            self.buf = buf[cut:]
+
+
+# ------------------------------------------------------------------------------- the parser
+
+
+@dataclass
+class ToolStreamDelta:
+    """What one ``feed`` / ``finish`` produced: a content delta and OpenAI tool-call deltas."""
+
+    content: str = ""
+    calls: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.calls)
+
+
+class _Unparsable(Exception):
+    pass
+
+
+def _argument_pieces(args: Mapping[str, Any]) -> list[str]:
+    """Prefix pieces whose concatenation is ``to_json(args)``."""
+    if not args:
+        return ["{}"]
+    items = [f"{to_json(k)}: {to_json(v)}" for k, v in args.items()]
+    pieces = ["{" + items[0]] + [", " + it for it in items[1:]]
+    pieces[-1] += "}"
+    return pieces
+
+
+class ToolCallStreamParser:
+    """The ``deepseekv41`` tool-call parser, streaming.
+
+    ``feed(delta)`` and ``finish()`` return a :class:`ToolStreamDelta`; the tool-call deltas are in
+    the OpenAI streaming shape: first ``{"index", "id", "type": "function", "function": {"name",
+    "arguments": ""}}``, then ``{"index", "function": {"arguments": piece}}``. ``warnings``
+    collects the reasons invokes were skipped or markup was dropped; ``calls`` the finished calls
+    (non-streaming shape). With ``emit_calls=False`` the parser only strips DSML from content.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        id_factory: Callable[[], str] = new_call_id,
+        emit_calls: bool = True,
+    ):
+        self._lexer = _Lexer()
+        self._id_factory = id_factory
+        self._emit_calls = emit_calls
+        self._check_names = tools is not None
+        self._validators: dict[str, Callable[[Any], str | None]] = {}
+        for t in tools or []:
+            fn = t.get("function", t) if isinstance(t, Mapping) else None
+            if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+                self._validators[fn["name"]] = _make_validator(fn.get("parameters"))
+        self.warnings: list[str] = []
+        self.calls: list[dict] = []
+        self._state = "outside"  # outside | block | invoke
+        self._pending_ws = ""
+        self._after_block = False
+        self._content_emitted = False
+        self._invoke_tag: _Tag | None = None
+        self._invoke_parts: list = []
+        self._finished = False
+        self._junk = ""
+
+    # -- public
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
+
+    def feed(self, text: str) -> ToolStreamDelta:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        return self._run(self._lexer.feed(text))
+
+    def finish(self) -> ToolStreamDelta:
+        if self._finished:
+            return ToolStreamDelta()
+        delta = self._run(self._lexer.feed("", final=True))
+        self._finished = True
+        self._flush_junk()
+        if self._state == "invoke":
+            self._warn(f"unterminated invoke {self._invoke_tag.attrs.get('name')!r} skipped")
+        if self._state == "outside" and self._pending_ws and not self._after_block:
+            delta.content += self._pending_ws
+        self._pending_ws = ""
+        return delta
+
+    # -- internals
+    def _warn(self, msg: str) -> None:
+        log.warning("deepseekv41 tool parser: %s", msg)
+        self.warnings.append(msg)
+
+    def _run(self, tokens: list) -> ToolStreamDelta:
+        out = ToolStreamDelta()
+        for tok in tokens:
+            if self._state == "outside":
+                self._outside(tok, out)
+            elif self._state == "block":
+                self._block(tok, out)
+            else:
+                self._invoke(tok, out)
+        return out
+
+    def _outside(self, tok, out: ToolStreamDelta) -> None:
+        if isinstance(tok, str):
+            if self._after_block:
+                tok = tok.lstrip()
+                if not tok:
+                    return
+                self._after_block = False
+                if self._content_emitted:
+                    tok = "\n\n" + tok
+            s = self._pending_ws + tok
+            body = s.rstrip()
+            self._pending_ws = s[len(body):]
+            if body:
+                out.content += body
+                self._content_emitted = True
+            return
+        if tok.kind == "calls" and not tok.closing:
+            self._pending_ws = ""
+            self._state = "block"
+        elif tok.kind == "invoke" and not tok.closing:  # an invoke without its calls wrapper
+            self._pending_ws = ""
+            self._state = "block"
+            self._block(tok, out)
+        else:
+            self._warn(f"stray DSML markup {tok.raw!r} dropped")
+
+    def _flush_junk(self) -> None:
+        if self._junk.strip():
+            self._warn(f"text inside the calls block dropped: {self._junk.strip()[:80]!r}")
+        self._junk = ""
+
+    def _block(self, tok, out: ToolStreamDelta) -> None:
+        if isinstance(tok, str):
+            self._junk += tok
+            return
+        self._flush_junk()
+        if tok.kind == "calls" and tok.closing:
+            self._state = "outside"
+            self._after_block = True
+            self._pending_ws = ""
+        elif tok.kind == "invoke" and not tok.closing:
+            if tok.self_closing:
+                self._finish_invoke(tok, [], out)
+            else:
+                self._invoke_tag = tok
+                self._invoke_parts = []
+                self._state = "invoke"
+        elif tok.kind == "calls":
+            pass  # a repeated block open
+        else:
+            self._warn(f"stray DSML markup {tok.raw!r} dropped")
+
+    def _invoke(self, tok, out: ToolStreamDelta) -> None:
+        if isinstance(tok, _Tag) and tok.kind == "invoke" and tok.closing:
+            self._state = "block"
+            self._finish_invoke(self._invoke_tag, self._invoke_parts, out)
+            return
+        if isinstance(tok, _Tag) and (tok.kind == "calls" or (tok.kind == "invoke" and not tok.closing)):
+            self._warn(f"invoke {self._invoke_tag.attrs.get('name')!r} not closed; skipped")
+            self._state = "block"
+            self._block(tok, out)
+            return
+        self._invoke_parts.append(tok)
+
+    def _finish_invoke(self, tag: _Tag, parts: list, out: ToolStreamDelta) -> None:
+        name = tag.attrs.get("name")
+        try:
+            if not name:
+                raise _Unparsable("invoke without a name")
+            if self._check_names and name not in self._validators:
+                raise _Unparsable(f"unknown tool {name!r}")
+            args = _parse_invoke_body(parts)
+            if self._check_names:
+                err = self._validators[name](args)
+                if err:
+                    raise _Unparsable(f"arguments of {name!r} do not match its schema: {err}")
+        except _Unparsable as e:
+            self._warn(f"invoke skipped: {e}")
+            return
+        if not self._emit_calls:
+            return
+        index = len(self.calls)
+        call_id = self._id_factory()
+        arguments = to_json(args)
+        self.calls.append({"id": call_id, "index": index, "type": "function",
+                           "function": {"name": name, "arguments": arguments}})
+        out.calls.append({"index": index, "id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": ""}})
+        for piece in _argument_pieces(args):
+            out.calls.append({"index": index, "function": {"arguments": piece}})
+
+
+def _raw(tok) -> str:
+    return tok if isinstance(tok, str) else tok.raw
+
+
+def _merge_text(parts: list) -> list:
+    out: list = []
+    for t in parts:
+        if isinstance(t, str) and out and isinstance(out[-1], str):
+            out[-1] += t
+        else:
+            out.append(t)
+    return out
+
+
+def _parse_invoke_body(parts: list) -> dict:
+    parts = _merge_text(parts)
+    if not any(isinstance(t, _Tag) and t.kind == "parameter" for t in parts):
+        body = "".join(_raw(t) for t in parts).strip()
+        if not body:
+            return {}
+        if any(isinstance(t, _Tag) for t in parts):
+            raise _Unparsable("stray DSML markup inside an invoke")
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise _Unparsable(f"invoke body is neither parameters nor a JSON object ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise _Unparsable("a JSON invoke body must be an object")
+        return value
+    args: dict = {}
+    i = 0
+    while i < len(parts):
+        t = parts[i]
+        if isinstance(t, str):
+            if t.strip():
+                raise _Unparsable(f"unexpected text between parameters: {t.strip()[:40]!r}")
+            i += 1
+            continue
+        if t.kind != "parameter" or t.closing:
+            raise _Unparsable(f"unexpected markup {t.raw!r} inside an invoke")
+        key = t.attrs.get("name")
+        if key is None:
+            raise _Unparsable("parameter without a name")
+        is_string = t.attrs.get("string")
+        j = i + 1
+        raw = []
+        while j < len(parts) and not (isinstance(parts[j], _Tag) and parts[j].kind == "parameter"):
+            raw.append(_raw(parts[j]))
+            j += 1
+        if j >= len(parts) or not parts[j].closing:
+            raise _Unparsable(f"parameter {key!r} not closed")
+        value_text = "".join(raw)
+        if is_string == "true":
+            value: Any = value_text  # verbatim, not stripped
+        elif is_string == "false":
+            try:
+                value = json.loads(value_text)
+            except json.JSONDecodeError:
+                raise _Unparsable(f"parameter {key!r} is string=\"false\" but not JSON: {value_text[:40]!r}") from None
+        else:  # no string attribute: JSON when it parses, else the raw text
+            try:
+                value = json.loads(value_text)
+            except json.JSONDecodeError:
+                value = value_text
+        args[key] = value
+        i = j + 1
+    return args
+
+
+def parse_tool_calls(
+    text: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    id_factory: Callable[[], str] = new_call_id,
+) -> tuple[str, list[dict], list[str]]:
+    """Non-streaming ``deepseekv41`` parse: ``(content, calls, warnings)``.
+
+    ``calls`` are OpenAI tool calls ``{"id", "index", "type": "function", "function": {"name",
+    "arguments"}}``; ``content`` is "" when there is none. ``tools=None`` accepts any tool name
+    without schema checks.
+    """
+    p = ToolCallStreamParser(tools, id_factory=id_factory)
+    a = p.feed(text)
+    b = p.finish()
+    return a.content + b.content, list(p.calls), list(p.warnings)
+
+
+def strip_dsml(text: str) -> str:
+    """Content with every DSML block and tag removed (for outputs whose calls are not parsed)."""
+    p = ToolCallStreamParser(None, emit_calls=False)
+    return p.feed(text).content + p.finish().content
