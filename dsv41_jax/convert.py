@@ -46,8 +46,8 @@ import numpy as np
 from dsv41_jax.model import checkpoint as ck
 from dsv41_jax.model.config import ConfigError, ModelConfig
 
-CHUNK_BYTES = 16 << 20  # zarr chunk size cap (leading-axis splits of a shard)
-BLOCK_BYTES = 32 << 20  # streaming read/write block
+CHUNK_BYTES = 8 << 20
+BLOCK_BYTES = 16 << 20
 STATE_FILE = ".convert_state.json"
 MANIFEST_TMP = ".manifest.jsonl"
 MANIFEST = "conversion_manifest.jsonl"
@@ -634,8 +634,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _return_freed_memory() -> None:
+    """glibc: serve every allocation >= 1 MiB with its own mmap, so freed stream blocks go back to the OS
+    (the default dynamic threshold keeps them in per-thread heaps, growing the peak tensor after tensor)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _return_freed_memory()
     out = os.path.abspath(args.out)
     try:
         if os.path.exists(out) and not args.overwrite:

@@ -37,22 +37,40 @@ step_keys = jax.jit(step_keys)
 stop_token_hit = jax.jit(stop_token_hit)
 
 
+# Compilation (threefry especially) dominates on CPU, so the tests share a few shapes: small batches
+# are padded to SMALL_B slots, statistical checks use N rows over a vocabulary of VS (short
+# distributions are padded with -inf logits, which also exercises masked logits).
+SMALL_B, N, VS = 8, 4096, 16
+
+
 def _tensors(params, V, pad_to=None, **kw):
     return SamplingTensors.from_params(params, V, pad_to, **kw)
 
 
-def _run(logits, params, steps, **kw):
-    """Sample with one SamplingTensors; logits [B, V] (np), steps int list."""
-    t = _tensors(params, logits.shape[1], **kw)
-    tok, lp, top = sample_jit(jnp.asarray(logits, jnp.float32), t, jnp.asarray(steps, jnp.int32))
-    return np.asarray(tok), np.asarray(lp), (np.asarray(top[0]), np.asarray(top[1]))
+def _run(logits, params, steps, pad_to=SMALL_B, **kw):
+    """Sample once; logits [b, V] (np) and steps (b ints) are padded to ``pad_to`` rows."""
+    logits = np.asarray(logits, np.float32)
+    b, V = logits.shape
+    B = max(b, pad_to or b)
+    full = np.zeros((B, V), np.float32)
+    full[:b] = logits
+    st = np.zeros(B, np.int32)
+    st[:b] = steps
+    t = _tensors(params, V, B, **kw)
+    tok, lp, top = sample_jit(jnp.asarray(full), t, jnp.asarray(st))
+    return np.asarray(tok)[:b], np.asarray(lp)[:b], (np.asarray(top[0])[:b], np.asarray(top[1])[:b])
 
 
-def _many(logits_row, params_fn, n, step=0):
-    """n samples of one distribution, one row per seed (seed i for row i)."""
-    V = len(logits_row)
-    logits = np.broadcast_to(np.asarray(logits_row, np.float32), (n, V))
-    tok, _, _ = _run(logits, [params_fn(i) for i in range(n)], [step] * n)
+def _pad_row(row, V=VS):
+    out = np.full(V, -np.inf, np.float32)
+    out[: len(row)] = row
+    return out
+
+
+def _many(logits_row, params_fn, step=0):
+    """N samples of one distribution (padded to VS), one row per seed (seed i for row i)."""
+    logits = np.broadcast_to(_pad_row(logits_row), (N, VS))
+    tok, _, _ = _run(logits, [params_fn(i) for i in range(N)], [step] * N)
     return tok
 
 
@@ -102,7 +120,7 @@ def test_validate_engine_limits_and_normalisation():
 
 def test_temperature_zero_is_argmax_ties_to_lower_id():
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(8, 50)).astype(np.float32)
+    logits = rng.normal(size=(8, 64)).astype(np.float32)
     logits[3, [7, 11, 40]] = 100.0  # tie
     tok, _, _ = _run(logits, [SamplingParams(temperature=0, seed=i) for i in range(8)], [0] * 8)
     want = np.argmax(logits, axis=-1)
@@ -112,24 +130,29 @@ def test_temperature_zero_is_argmax_ties_to_lower_id():
 
 def test_top_k_1_is_greedy():
     rng = np.random.default_rng(1)
-    logits = rng.normal(size=(128, 40)).astype(np.float32)
-    tok, _, _ = _run(logits, [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(128)], [3] * 128)
+    logits = rng.normal(size=(N, VS)).astype(np.float32)
+    tok, _, _ = _run(logits, [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(N)], [3] * N)
     np.testing.assert_array_equal(tok, np.argmax(logits, -1))
-    free, _, _ = _run(logits, [SamplingParams(temperature=1.5, seed=i) for i in range(128)], [3] * 128)
-    assert (free != np.argmax(logits, -1)).sum() > 30  # the check above is not vacuous
+    free, _, _ = _run(logits, [SamplingParams(temperature=1.5, seed=i) for i in range(N)], [3] * N)
+    assert (free != np.argmax(logits, -1)).sum() > N // 2  # the check above is not vacuous
 
 
 def test_top_p_small_keeps_only_top_token():
     row = np.log(np.array([0.3, 0.25, 0.25, 0.2], np.float32))
-    tok = _many(row, lambda i: SamplingParams(top_p=0.01, seed=i), 512)
+    tok = _many(row, lambda i: SamplingParams(top_p=0.01, seed=i))
     assert set(tok.tolist()) == {0}
-    tok = _many(row, lambda i: SamplingParams(seed=i), 512)
+    tok = _many(row, lambda i: SamplingParams(seed=i))
     assert len(set(tok.tolist())) == 4
 
 
 def _probs(row, **kw):
-    t = _tensors([SamplingParams(**kw)], len(row))
-    return np.asarray(processed_probs(jnp.asarray([row], jnp.float32), t, jnp.zeros(1, jnp.int32)))[0]
+    """The processed distribution of one row (padded to SMALL_B x VS, so one compilation serves all)."""
+    t = _tensors([SamplingParams(**kw)], VS, SMALL_B)
+    logits = np.zeros((SMALL_B, VS), np.float32)
+    logits[0] = _pad_row(row)
+    pr = np.asarray(processed_probs(jnp.asarray(logits), t, jnp.zeros(SMALL_B, jnp.int32)))[0]
+    assert np.all(pr[len(row):] == 0)
+    return pr[: len(row)]
 
 
 def test_filtered_distribution_deterministic():
@@ -153,15 +176,64 @@ def test_filtered_distribution_deterministic():
     np.testing.assert_allclose(_probs(np.zeros(4, np.float32), top_k=2), [0.5, 0.5, 0, 0])
 
 
+def _ref_filter(x, k, p, mp):
+    """numpy float64 reference of top_k (stable) → top_p (tie-inclusive, renormalised) → min_p."""
+    x = x.astype(np.float64).copy()
+    V = len(x)
+    if 0 < k < V:
+        x[np.argsort(-x, kind="stable")[k:]] = -np.inf
+    if p < 1:
+        pr = np.exp(x - x.max())
+        pr /= pr.sum()
+        above = np.array([pr[x > v].sum() for v in x])
+        keep = (above < p) | (x == x.max())
+        x[~keep] = -np.inf
+    if mp > 0:
+        pr = np.exp(x - x.max())
+        x[pr < mp] = -np.inf
+    return np.isfinite(x)
+
+
+def test_filter_matches_reference_on_both_paths():
+    """Rows served by the top-CANDIDATES fast path and rows needing the exact bisection fallback
+    (top_k > CANDIDATES, or a top_p set larger than CANDIDATES) against a numpy reference, and
+    each row's result independent of the other rows."""
+    from dsv41_jax.serving import sampling as S
+
+    V, R = 512, 16
+    assert V > S.CANDIDATES
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(R, V)) * 3
+    x[0:4] = np.round(x[0:4] * 2) / 2  # many ties
+    x[8:12] *= 0.05  # flat: top_p sets larger than CANDIDATES
+    x = x.astype(np.float32)
+    k = np.array([7, 1, 300, 0, 20, 0, 300, 400, 0, 300, 50, 0, 3, 260, 0, 256], np.int32)
+    p = np.array([1, .9, 1, .5, .95, .99, .9, .8, .9, .95, 1, .7, .6, 1, .999, .97], np.float32)
+    mp = np.array([0, 0, 0, 0, 0, 0.1, 0, 0, 0, 0, 0.3, 0, 0, 0, 0, 0.01], np.float32)
+    filt = jax.jit(S._filter)
+    got = np.isfinite(np.asarray(filt(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p), jnp.asarray(mp))))
+    for r in range(R):
+        want = _ref_filter(x[r], k[r], p[r], mp[r])
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}")
+    assert got[8].sum() > S.CANDIDATES and got[2].sum() == 300  # the fallback paths were exercised
+    # the fast rows alone (no row needs a fallback) give the same masks
+    fast = np.array([0, 1, 3, 4, 5, 10, 12, 14, 15])
+    k2, p2 = k.copy(), p.copy()
+    slow = np.setdiff1d(np.arange(R), fast)
+    k2[slow], p2[slow] = 0, 1.0
+    got2 = np.isfinite(np.asarray(filt(jnp.asarray(x), jnp.asarray(k2), jnp.asarray(p2), jnp.asarray(mp))))
+    np.testing.assert_array_equal(got2[fast], got[fast])
+
+
 def test_min_p_removes_low_probability_tokens_statistically():
     p = np.array([0.45, 0.3, 0.13, 0.12])
     row = np.log(p).astype(np.float32)
-    n = 4000
-    tok = _many(row, lambda i: SamplingParams(min_p=0.35, seed=i), n)  # threshold 0.1575
+    n = N
+    tok = _many(row, lambda i: SamplingParams(min_p=0.35, seed=i))  # threshold 0.1575
     counts = np.bincount(tok, minlength=4)
     assert counts[2] == 0 and counts[3] == 0
     assert abs(counts[0] / n - 0.6) < 0.03
-    base = np.bincount(_many(row, lambda i: SamplingParams(seed=i), n), minlength=4)
+    base = np.bincount(_many(row, lambda i: SamplingParams(seed=i)), minlength=4)
     assert base[2] > 300 and base[3] > 300  # without min_p they are frequent
 
 
@@ -170,11 +242,10 @@ def test_empirical_distribution_matches_processed():
     row = rng.normal(size=12).astype(np.float32) * 1.5
     kw = dict(temperature=0.8, top_k=6, top_p=0.95, min_p=0.05)
     want = _probs(row, **kw)
-    n = 8000
-    tok = _many(row, lambda i: SamplingParams(seed=1000 + i, **kw), n, step=5)
-    emp = np.bincount(tok, minlength=12) / n
+    tok = _many(row, lambda i: SamplingParams(seed=1000 + i, **kw), step=5)
+    emp = np.bincount(tok, minlength=VS)[:12] / N
     assert np.all(emp[want == 0] == 0)
-    assert 0.5 * np.abs(emp - want).sum() < 0.025
+    assert 0.5 * np.abs(emp - want).sum() < 0.03
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,7 +270,7 @@ def test_seed_reproducible_independent_of_batch_position_and_size():
     others = [SamplingParams(temperature=1.0 + 0.1 * j, seed=50 + j, top_k=5) for j in range(7)]
     alone, batched = [], []
     for i, lg in enumerate(req_logits):
-        tok, _, _ = _run(lg[None], [req], [i])
+        tok, _, _ = _run(lg[None], [req], [i], pad_to=None)  # batch of 1
         alone.append(int(tok[0]))
         big = rng.normal(size=(8, V)).astype(np.float32)
         big[5] = lg
@@ -209,32 +280,24 @@ def test_seed_reproducible_independent_of_batch_position_and_size():
         tok8, _, _ = _run(big, params8, steps8)
         batched.append(int(tok8[5]))
     assert alone == batched
-    # also a padded batch of 4 with the request in slot 2
-    padded = []
-    for i, lg in enumerate(req_logits):
-        big = np.zeros((4, V), np.float32)
-        big[2] = lg
-        tok, _, _ = _run(big, [None, others[0], req], [0, 9, i, 0], pad_to=4)
-        padded.append(int(tok[2]))
-    assert padded == alone
 
 
 def test_different_seeds_differ():
-    V = 100
-    logits = np.zeros((10, V), np.float32)
-    a = _run(logits, [SamplingParams(seed=1)] * 10, list(range(10)))[0]
-    b = _run(logits, [SamplingParams(seed=2)] * 10, list(range(10)))[0]
-    a2 = _run(logits, [SamplingParams(seed=1)] * 10, list(range(10)))[0]
+    V = 64
+    logits = np.zeros((8, V), np.float32)
+    a = _run(logits, [SamplingParams(seed=1)] * 8, list(range(8)))[0]
+    b = _run(logits, [SamplingParams(seed=2)] * 8, list(range(8)))[0]
+    a2 = _run(logits, [SamplingParams(seed=1)] * 8, list(range(8)))[0]
     np.testing.assert_array_equal(a, a2)
     assert (a != b).sum() >= 5
-    assert len(set(a.tolist())) > 5  # the step index changes the key
+    assert len(set(a.tolist())) > 4  # the step index changes the key
 
 
 def test_n3_children_give_three_different_samples():
     parent = SamplingParams(n=3, seed=7, temperature=1.0)
     kids = parent.child_params()
     assert [k.seed for k in kids] == [7, 8, 9] and all(k.n == 1 for k in kids)
-    V = 50
+    V = 64
     logits = np.zeros((3, V), np.float32)
     seqs = [tuple(_run(logits, kids, [i] * 3)[0].tolist()) for i in range(6)]
     per_child = list(zip(*seqs))
@@ -255,16 +318,25 @@ def test_n3_children_give_three_different_samples():
 
 
 def test_presence_and_frequency_penalties():
-    V = 8
+    V, B = VS, SMALL_B
+
+    def vec(**entries):
+        out = np.zeros(V)
+        for i, v in entries.items():
+            out[int(i[1:])] = v
+        return out
+
     t = _tensors([SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=0.5),
-                  SamplingParams(presence_penalty=-0.5)], V, prompt_token_ids=[[2]] * 3)
-    t = update_counts(t, jnp.array([[3, 3, 5], [3, 3, 5], [3, -1, -1]], jnp.int32))
-    np.testing.assert_array_equal(np.asarray(t.output_counts)[0], [0, 0, 0, 2, 0, 1, 0, 0])
-    out = np.asarray(apply_penalties(jnp.zeros((3, V), jnp.float32), t))
-    np.testing.assert_allclose(out[0], [0, 0, 0, -0.5, 0, -0.5, 0, 0])  # once per seen token; prompt not
-    np.testing.assert_allclose(out[1], [0, 0, 0, -1.0, 0, -0.5, 0, 0])  # per occurrence
-    np.testing.assert_allclose(out[2], [0, 0, 0, 0.5, 0, 0, 0, 0])  # negative encourages
-    pr = np.asarray(processed_probs(jnp.zeros((3, V)), t, jnp.zeros(3, jnp.int32)))
+                  SamplingParams(presence_penalty=-0.5)], V, B, prompt_token_ids=[[2]] * 3)
+    gen = np.full((B, 3), -1, np.int32)
+    gen[:3] = [[3, 3, 5], [3, 3, 5], [3, -1, -1]]
+    t = update_counts(t, jnp.asarray(gen))
+    np.testing.assert_array_equal(np.asarray(t.output_counts)[0], vec(t3=2, t5=1))
+    out = np.asarray(apply_penalties(jnp.zeros((B, V), jnp.float32), t))
+    np.testing.assert_allclose(out[0], vec(t3=-0.5, t5=-0.5))  # once per seen token; prompt token 2 not
+    np.testing.assert_allclose(out[1], vec(t3=-1.0, t5=-0.5))  # per occurrence
+    np.testing.assert_allclose(out[2], vec(t3=0.5))  # negative encourages
+    pr = np.asarray(processed_probs(jnp.zeros((B, V)), t, jnp.zeros(B, jnp.int32)))
     assert pr[0, 3] < 1 / V < pr[0, 0] and pr[1, 3] < pr[1, 5] < pr[1, 0] and pr[2, 3] > 1 / V
 
 
@@ -279,15 +351,17 @@ def test_repetition_penalty_as_vllm():
 
 
 def test_penalties_change_greedy_output():
-    V = 6
-    logits = jnp.array([[0, 0, 0, 1.0, 0.9, 0]], jnp.float32)
+    V, B = 64, SMALL_B
+    logits = np.zeros((B, V), np.float32)
+    logits[:, 3], logits[:, 4] = 1.0, 0.9
+    logits = jnp.asarray(logits)
     for kw in (dict(presence_penalty=0.5), dict(frequency_penalty=0.2), dict(repetition_penalty=1.5)):
-        t = _tensors([SamplingParams(temperature=0, **kw)], V)
-        assert int(sample_jit(logits, t, jnp.zeros(1, jnp.int32))[0][0]) == 3
-        t = update_counts(t, jnp.array([3]))
-        assert int(sample_jit(logits, t, jnp.ones(1, jnp.int32))[0][0]) == 4, kw
-    t = update_counts(_tensors([SamplingParams(temperature=0)], V), jnp.array([3]))
-    assert int(sample_jit(logits, t, jnp.ones(1, jnp.int32))[0][0]) == 3
+        t = _tensors([SamplingParams(temperature=0, **kw)], V, B)
+        assert int(sample_jit(logits, t, jnp.zeros(B, jnp.int32))[0][0]) == 3
+        t = update_counts(t, jnp.full(B, 3))
+        assert int(sample_jit(logits, t, jnp.ones(B, jnp.int32))[0][0]) == 4, kw
+    t = update_counts(_tensors([SamplingParams(temperature=0)], V, B), jnp.full(B, 3))
+    assert int(sample_jit(logits, t, jnp.ones(B, jnp.int32))[0][0]) == 3
 
 
 def test_update_counts_ignores_padding():
@@ -298,7 +372,7 @@ def test_update_counts_ignores_padding():
 
 
 def test_min_tokens_blocks_eos_and_stop_ids():
-    V = 10
+    V = 64
     logits = np.zeros((1, V), np.float32)
     logits[0, EOS] = 20.0
     logits[0, 4] = 10.0
@@ -306,19 +380,18 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     got = [int(_run(logits, [p], [i], eos_token_ids=[EOS])[0][0]) for i in range(5)]
     assert got[:3] == [0, 0, 0] and got[3:] == [EOS, EOS]  # blocked: best of the rest, lowest id
     # sampled rows too: no stop token before min_tokens over many seeds
-    n = 500
-    row = np.zeros(V, np.float32)
+    row = np.zeros(VS, np.float32)
     row[EOS] = 3.0
-    tok = _run(np.broadcast_to(row, (n, V)), [SamplingParams(min_tokens=2, seed=i) for i in range(n)],
-               [1] * n, eos_token_ids=[EOS])[0]
+    tok = _run(np.broadcast_to(row, (N, VS)), [SamplingParams(min_tokens=2, seed=i) for i in range(N)],
+               [1] * N, eos_token_ids=[EOS])[0]
     assert EOS not in tok.tolist()
-    tok = _run(np.broadcast_to(row, (n, V)), [SamplingParams(min_tokens=2, seed=i) for i in range(n)],
-               [2] * n, eos_token_ids=[EOS])[0]
-    assert (tok == EOS).sum() > 200
+    tok = _run(np.broadcast_to(row, (N, VS)), [SamplingParams(min_tokens=2, seed=i) for i in range(N)],
+               [2] * N, eos_token_ids=[EOS])[0]
+    assert (tok == EOS).sum() > N // 3
     # ignore_eos: EOS is not a stop token, hence neither masked nor reported
-    t = _tensors([SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), SamplingParams()], V,
-                 eos_token_ids=[EOS])
-    assert int(sample_jit(jnp.asarray(np.repeat(logits, 2, 0)), t, jnp.zeros(2, jnp.int32))[0][0]) == EOS
+    ign = [SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), SamplingParams()]
+    assert int(_run(logits, ign[:1], [0], eos_token_ids=[EOS])[0][0]) == EOS
+    t = _tensors(ign, V, eos_token_ids=[EOS])
     np.testing.assert_array_equal(np.asarray(stop_token_hit(t, jnp.array([EOS, EOS]))), [False, True])
 
 
@@ -329,18 +402,20 @@ def test_min_tokens_blocks_eos_and_stop_ids():
 
 def test_logprobs_raw_and_processed():
     rng = np.random.default_rng(4)
-    logits = rng.normal(size=(3, 30)).astype(np.float32)
+    B = SMALL_B
+    logits = rng.normal(size=(B, 64)).astype(np.float32)
     params = [SamplingParams(temperature=0.5, presence_penalty=1.0, seed=1),
               SamplingParams(temperature=0), SamplingParams(top_k=1, seed=3)]
-    t = update_counts(_tensors(params, 30), jnp.asarray(np.argmax(logits, -1)))
-    tok, lp, (ids, vals) = sample_jit(jnp.asarray(logits), t, jnp.ones(3, jnp.int32), max_logprobs=5)
+    t = update_counts(_tensors(params, 64, B), jnp.asarray(np.argmax(logits, -1)))
+    tok, lp, (ids, vals) = sample_jit(jnp.asarray(logits), t, jnp.ones(B, jnp.int32))  # K = 20
     raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))
-    np.testing.assert_allclose(np.asarray(lp), raw[np.arange(3), np.asarray(tok)], rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-raw, -1, kind="stable")[:, :5])
-    np.testing.assert_allclose(np.asarray(vals), -np.sort(-raw, -1)[:, :5], rtol=1e-5)
-    _, lp2, (_, vals2) = sample_jit(jnp.asarray(logits), t, jnp.ones(3, jnp.int32), max_logprobs=2,
+    assert ids.shape == (B, 20)
+    np.testing.assert_allclose(np.asarray(lp), raw[np.arange(B), np.asarray(tok)], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-raw, -1, kind="stable")[:, :20])
+    np.testing.assert_allclose(np.asarray(vals), -np.sort(-raw, -1)[:, :20], rtol=1e-5)
+    _, lp2, (_, vals2) = sample_jit(jnp.asarray(logits), t, jnp.ones(B, jnp.int32), max_logprobs=2,
                                     logprobs_mode="processed")
-    assert vals2.shape == (3, 2)
+    assert vals2.shape == (B, 2)
     assert abs(float(lp2[2])) < 1e-6 and float(vals2[2, 1]) == -np.inf  # top_k=1: all mass on one token
     assert float(lp2[0]) != pytest.approx(float(lp[0]))
 
@@ -417,16 +492,23 @@ def _chi2(counts, p):
     return float(((counts[m] - e) ** 2 / e).sum())
 
 
+SPEC_V, SPEC_G, SPEC_N = 5, 3, 20000  # one shape for all speculative_sample_verify calls (one compile)
+SPEC_KEYS = np.stack([seed_to_key_data(s) for s in range(SPEC_N)])
+
+
+def _ssv(draft, q, p):
+    n, t = speculative_sample_verify(jnp.asarray(draft, jnp.int32), jnp.asarray(q, jnp.float32),
+                                     jnp.asarray(p, jnp.float32), jnp.asarray(SPEC_KEYS))
+    return np.asarray(n), np.asarray(t)
+
+
 def test_speculative_sample_verify_is_lossless():
-    V, G, N = 5, 3, 40000
+    V, G, N = SPEC_V, SPEC_G, SPEC_N
     rng = np.random.default_rng(6)
     p = rng.dirichlet(np.ones(V) * 2, size=G + 1).astype(np.float32)  # [G+1, V], context-free target
     q = rng.dirichlet(np.ones(V) * 2, size=G).astype(np.float32)
     draft = np.stack([rng.choice(V, size=N, p=q[j] / q[j].sum()) for j in range(G)], 1).astype(np.int32)
-    keys = np.stack([seed_to_key_data(s) for s in range(N)])
-    n_acc, toks = speculative_sample_verify(jnp.asarray(draft), jnp.broadcast_to(q, (N, G, V)),
-                                            jnp.broadcast_to(p, (N, G + 1, V)), jnp.asarray(keys))
-    n_acc, toks = np.asarray(n_acc), np.asarray(toks)
+    n_acc, toks = _ssv(draft, np.broadcast_to(q, (N, G, V)), np.broadcast_to(p, (N, G + 1, V)))
     # acceptance of the first draft: sum_x min(p, q)
     assert abs((n_acc >= 1).mean() - np.minimum(p[0], q[0]).sum()) < 0.01
     # committed layout: accepted drafts, one extra token, -1 after
@@ -443,25 +525,26 @@ def test_speculative_sample_verify_is_lossless():
         if j < G:
             assert _chi2(np.bincount(draft[sel, j], minlength=V), p[j] / p[j].sum()) > 100
     # greedy (one-hot) draft proposals are also verified losslessly
-    d0 = np.full((N, 1), int(np.argmax(q[0])), np.int32)
-    _, t1 = speculative_sample_verify(jnp.asarray(d0), jnp.asarray(jax.nn.one_hot(d0, V)),
-                                      jnp.broadcast_to(p[:2], (N, 2, V)), jnp.asarray(keys))
-    assert _chi2(np.bincount(np.asarray(t1)[:, 0], minlength=V), p[0] / p[0].sum()) < 23.5
+    d = np.broadcast_to(np.argmax(q, -1).astype(np.int32), (N, G))
+    n1, t1 = _ssv(d, np.asarray(jax.nn.one_hot(d, V)), np.broadcast_to(p, (N, G + 1, V)))
+    assert _chi2(np.bincount(t1[:, 0], minlength=V), p[0] / p[0].sum()) < 23.5
+    sel = n1 >= 1
+    assert _chi2(np.bincount(t1[sel, 1], minlength=V), p[1] / p[1].sum()) < 23.5
 
 
 def test_speculative_sample_verify_edge_cases():
-    V, G, N = 4, 2, 64
-    p = np.tile(np.array([0.1, 0.2, 0.3, 0.4], np.float32), (N, G + 1, 1))
-    keys = np.stack([seed_to_key_data(s) for s in range(N)])
-    draft = np.tile(np.array([[2, 3]], np.int32), (N, 1))
-    n, toks = speculative_sample_verify(draft, p[:, :G], p, keys)  # q == p: always accept
-    assert (np.asarray(n) == G).all() and (np.asarray(toks)[:, :G] == draft).all()
+    V, G, N = SPEC_V, SPEC_G, SPEC_N
+    p = np.tile(np.array([0.1, 0.2, 0.3, 0.25, 0.15], np.float32), (N, G + 1, 1))
+    draft = np.tile(np.array([[2, 3, 1]], np.int32), (N, 1))
+    n, toks = _ssv(draft, p[:, :G], p)  # q == p: always accept, bonus from p
+    assert (n == G).all() and (toks[:, :G] == draft).all()
+    assert _chi2(np.bincount(toks[:, G], minlength=V), p[0, 0]) < 23.5
     q = np.zeros((N, G, V), np.float32)
     q[..., 0] = 1.0
     p0 = p.copy()
     p0[..., 0] = 0.0  # disjoint: q only on token 0, p never
-    n, toks = speculative_sample_verify(np.zeros((N, G), np.int32), q, p0, keys)
-    assert (np.asarray(n) == 0).all() and (np.asarray(toks)[:, 0] > 0).all() and (np.asarray(toks)[:, 1:] == -1).all()
+    n, toks = _ssv(np.zeros((N, G), np.int32), q, p0)
+    assert (n == 0).all() and (toks[:, 0] > 0).all() and (toks[:, 1:] == -1).all()
 
 
 def test_target_verify_logits_equal_sequential_penalties():

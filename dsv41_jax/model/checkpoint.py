@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import struct
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import ml_dtypes
 import numpy as np
@@ -76,14 +76,6 @@ READ_BLOCK_BYTES = 32 << 20  # row-block size of streamed reads
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as this config's parameters. The message names the tensor and
     file, and the expected shape/dtype."""
-
-
-def dtype_name(dt) -> str:
-    return np.dtype(dt).name
-
-
-def _np_dtype(dt) -> np.dtype:
-    return np.dtype(dt)
 
 
 # ================================================================================== safetensors I/O
@@ -409,9 +401,15 @@ def scan_hf(path: str, cfg: ModelConfig) -> HFPlan:
         want = f"expected shape {list(spec.shape)} dtype {ST_NAME.get(spec.dtype, spec.dtype.name)}" + (
             " (or U8)" if spec.dtype == E8M0 else "")
         if ent is None:
-            where = wm.get(name) or (os.path.basename(files[0]) if len(files) == 1 else "any shard")
             alias = f" (or {', '.join(spec.aliases)})" if spec.aliases else ""
-            problems.append(f"{name}{alias}: missing (looked in {where}); {want}")
+            if name in wm:
+                where = f"missing from {wm[name]} (where {INDEX_FILE} puts it)"
+            else:
+                names = [os.path.basename(f) for f in files]
+                where = (f"missing from {names[0]}" if len(names) == 1 else
+                         f"missing from all {len(names)} shards ({names[0]} .. {names[-1]})") + (
+                    f" and from {INDEX_FILE}" if wm else "")
+            problems.append(f"{name}{alias}: {where}; {want}")
             continue
         claimed.add(ent.name)
         fn = os.path.basename(ent.file)
@@ -662,12 +660,17 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 
 def _skeleton(cfg: ModelConfig) -> dict:
-    """The params tree structure with None leaves."""
-    import jax
+    """The params tree structure with None leaves (declaration order kept, as `init_params`)."""
+    from dsv41_jax.model.params import declare_params
 
-    from dsv41_jax.model.params import P, declare_params
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(v) for v in node]
+        return None
 
-    return jax.tree_util.tree_map(lambda p: None, declare_params(cfg), is_leaf=lambda x: isinstance(x, P))
+    return walk(declare_params(cfg))
 
 
 def _read_hf_leaf(plan: HFPlan, leaf: ParamLeaf, specs_by_param: dict) -> np.ndarray:
@@ -790,10 +793,3 @@ def load_model(path: str, mesh=None, **kw) -> tuple:
     """(cfg, params) of a model directory of either kind (see `load_params`)."""
     cfg = ModelConfig.from_pretrained(path)
     return cfg, load_params(path, cfg, mesh, **kw)
-
-
-def iter_params(tree: dict) -> Iterable:
-    """(dotted name, leaf) of a params tree."""
-    from dsv41_jax.model.params import flatten_names
-
-    return flatten_names(tree).items()

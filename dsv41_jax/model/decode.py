@@ -245,6 +245,10 @@ def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
         t = list(r["tokens"])
         if len(t) > T:
             raise ValueError(f"row {b}: {len(t)} tokens exceed the step's T={T}")
+        if not 0 <= r["slot"] <= ccfg.max_slots:
+            raise ValueError(f"row {b}: slot {r['slot']} is outside 0..{ccfg.max_slots} (max_slots = scratch)")
+        if len(r["page_table"]) > ccfg.max_pages_per_seq:
+            raise ValueError(f"row {b}: {len(r['page_table'])} pages exceed max_pages_per_seq={ccfg.max_pages_per_seq}")
         tokens[b, : len(t)] = t
         start[b] = r["start"]
         n_new[b] = len(t)
@@ -301,18 +305,21 @@ def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     longest = max(len(p) for p in prompts) + max_new_tokens
+    B = 1
+    while B < n:
+        B *= 2
     if ccfg is None:
+        # Sizes rounded up to powers of two so that calls of similar size reuse the compiled steps.
         ps = 16
-        per_seq = -(-longest // ps)
-        ccfg = kvc.CacheConfig(page_size=ps, num_pages=n * per_seq + 1, max_slots=n, max_pages_per_seq=per_seq)
+        per_seq = 1
+        while per_seq * ps < longest:
+            per_seq *= 2
+        ccfg = kvc.CacheConfig(page_size=ps, num_pages=B * per_seq + 1, max_slots=B, max_pages_per_seq=per_seq)
     alloc = kvc.PageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
     state = kvc.init_cache(cfg, ccfg)
     if "engram_hist" in state:
         pad = int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
         state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
-    B = 1
-    while B < n:
-        B *= 2
     # Prefill: all prompts together, chunk by chunk (rows whose prompt ended carry n_new = 0).
     lens = [len(p) for p in prompts]
     last_logits = [None] * n

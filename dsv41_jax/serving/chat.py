@@ -77,7 +77,9 @@ __all__ = [
     "IMAGE",
     "ChatError",
     "DEFAULT_WORDING",
+    "EncodedChat",
     "Wording",
+    "encode_chat_request",
     "encode_messages",
     "load_wording",
     "read_constants",
@@ -309,12 +311,13 @@ def _eval_node(node: ast.AST, env: Mapping[str, Any]) -> Any:
     raise _NotLiteral
 
 
-def read_constants(path: str | Path) -> dict[str, Any]:
+def read_constants(path: str | Path, skipped: list | None = None) -> dict[str, Any]:
     """The module-level constants of a Python file, read with :mod:`ast` (never executed).
 
     Only top-level ``NAME = expr`` / ``NAME: T = expr`` statements whose value is a constant
     expression (see :func:`_eval_node`) are kept; a name later rebound to something else is
-    dropped. Functions, classes, imports and every other statement are ignored.
+    dropped (and appended to ``skipped`` when given). Functions, classes, imports and every other
+    statement are ignored.
     """
     src = Path(path).read_text(encoding="utf-8")
     tree = ast.parse(src, filename=str(path))
@@ -332,6 +335,8 @@ def read_constants(path: str | Path) -> dict[str, Any]:
         except (_NotLiteral, RecursionError, ValueError, TypeError):
             for n in names:
                 env.pop(n, None)
+                if skipped is not None:
+                    skipped.append(n)
             continue
         for n in names:
             env[n] = v
@@ -352,8 +357,10 @@ def _wording_from_constants(constants: Mapping[str, Any], source: str) -> tuple[
     tt = _pick(constants, _CONSTANT_NAMES["tools_template"])
     if isinstance(tt, str):
         try:
-            Wording(tools_template=tt).render_tools([{"name": "f"}])
-            fields["tools_template"] = tt
+            if '{"name": "f_probe"}' in Wording(tools_template=tt).render_tools([{"name": "f_probe"}]):
+                fields["tools_template"] = tt
+            else:
+                log.warning("%s: tools template has no {tool_schemas} field; using our wording", source)
         except (KeyError, IndexError, ValueError, AttributeError) as e:
             log.warning("%s: tools template not usable (%r); using our wording", source, e)
     et = _pick(constants, _CONSTANT_NAMES["effort_template"])
@@ -406,19 +413,24 @@ def load_wording(model_dir: str | Path | None) -> Wording:
     enc = Path(model_dir) / "encoding"
     if not enc.is_dir():
         return DEFAULT_WORDING
-    best: tuple[int, int, str] | None = None
+    best: tuple[int, int] | None = None
     best_wording = DEFAULT_WORDING
+    known = {n for names in _CONSTANT_NAMES.values() for n in names}
     for f in sorted(enc.glob("*.py")):
+        skipped: list = []
         try:
-            constants = read_constants(f)
+            constants = read_constants(f, skipped)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError, RecursionError) as e:
             log.warning("cannot read %s: %r", f, e)
             continue
+        for name in skipped:
+            if name.upper() in known and name not in constants:
+                log.warning("%s: %s is not a constant expression; not read", f, name)
         wording, n = _wording_from_constants(constants, str(f))
         if n == 0:
             continue
-        key = (n, 1 if "41" in f.name else 0, "")
-        if best is None or key[:2] > best[:2]:
+        key = (n, 1 if "41" in f.name else 0)
+        if best is None or key > best:
             best, best_wording = key, wording
     if best_wording.source:
         log.info("chat wording read from %s", best_wording.source)
@@ -630,3 +642,50 @@ def encode_messages(
         if user_like(k) and (k == len(turns) - 1 or turns[k + 1].kind == "assistant"):
             out.append(ASSISTANT + (THINK_OPEN if thinking and (keep_all or k >= last_user) else THINK_CLOSE))
     return "".join(out)
+
+
+@dataclass
+class EncodedChat:
+    """What :func:`encode_chat_request` resolved for one chat-completion request."""
+
+    prompt: str
+    thinking: bool
+    effort: int | None
+    tools: list  # the validated request tools (OpenAI shape), [] when none
+    tool_choice: str | dict  # normalized: "none" | "auto" | "required" | {"type", "function": {"name"}}
+    parse_tools: bool  # run the deepseekv41 parser (tools given and tool_choice != "none")
+    warnings: list = field(default_factory=list)
+
+
+def encode_chat_request(
+    request: Mapping[str, Any],
+    *,
+    wording: Wording | None = None,
+    server_defaults: Any = None,
+    render_response_format: bool = False,
+    add_bos: bool = True,
+) -> EncodedChat:
+    """Resolve a chat-completion request body (thinking switch, effort, tools) and encode it.
+
+    Reads ``messages``, ``tools``, ``tool_choice``, ``response_format`` (rendered into the prompt
+    only with ``render_response_format``), ``reasoning_effort``, ``reasoning`` and
+    ``chat_template_kwargs``. ``server_defaults`` is a
+    :class:`dsv41_jax.serving.effort.ServerDefaults` (None: thinking off, effort from ``wording``).
+    Raises :class:`ChatError` (400) for anything invalid.
+    """
+    from .effort import ServerDefaults, resolve_thinking
+
+    w = wording or DEFAULT_WORDING
+    if server_defaults is None:
+        server_defaults = ServerDefaults(default_effort=w.default_budget, tiers=w.effort_mappings)
+    thinking, effort, warnings = resolve_thinking(request, server_defaults)
+    tools = request.get("tools") or []
+    validate_tools(tools)
+    tool_choice = normalize_tool_choice(request.get("tool_choice"), tools)
+    rf = request.get("response_format") if render_response_format else None
+    if isinstance(rf, Mapping) and rf.get("type") == "text":
+        rf = None
+    prompt = encode_messages(request.get("messages"), tools=tools, thinking=thinking, effort=effort, wording=w,
+                             add_bos=add_bos, response_format=rf)
+    return EncodedChat(prompt, thinking, effort, list(tools), tool_choice,
+                       bool(tools) and tool_choice != "none", warnings)

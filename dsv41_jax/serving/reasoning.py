@@ -14,11 +14,28 @@ With thinking off everything is content. Both parts are passed on verbatim (noth
 :class:`ReasoningParser` streams: reasoning deltas go out as they arrive, holding back only what
 may be the start of a marker. :func:`split_reasoning` is the same machine fed the whole text, so
 streaming and non-streaming agree for every chunking.
+
+:class:`ChatOutputParser` / :func:`parse_chat_output` chain this parser with the ``deepseekv41``
+tool-call parser (:mod:`dsv41_jax.serving.tools`) the way a chat completion needs them.
 """
 
 from __future__ import annotations
 
-__all__ = ["ReasoningParser", "split_reasoning", "THINK_OPEN", "THINK_CLOSE", "IMPLICIT_CLOSE_MARKERS"]
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .tools import ToolCallStreamParser, new_call_id, should_parse_tools
+
+__all__ = [
+    "ChatOutputParser",
+    "OutputDelta",
+    "ReasoningParser",
+    "parse_chat_output",
+    "split_reasoning",
+    "THINK_OPEN",
+    "THINK_CLOSE",
+    "IMPLICIT_CLOSE_MARKERS",
+]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -120,3 +137,104 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
     r1, c1 = p.feed(text)
     r2, c2 = p.finish()
     return r1 + r2, c1 + c2
+
+
+# ------------------------------------------------------------------ reasoning + tools, chained
+
+
+@dataclass
+class OutputDelta:
+    """One step of :class:`ChatOutputParser`: deltas for ``reasoning_content``, ``content`` and
+    OpenAI streaming ``tool_calls`` (see :class:`dsv41_jax.serving.tools.ToolCallStreamParser`)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class ChatOutputParser:
+    """The chat-completion output pipeline: reasoning parser, then the tool-call parser on the
+    content (SPEC §10).
+
+    * ``thinking``: the request's resolved thinking switch; ``reasoning_parser=False`` (no
+      ``--reasoning-parser``) puts everything into content.
+    * Tools are parsed only when ``tools`` are given and ``tool_choice`` is not "none"; with tools
+      and tool_choice "none" DSML is only stripped from content; without tools content passes
+      through untouched. ``tool_parser=False`` (no ``--tool-call-parser``) disables both.
+    * After ``finish()``: ``tool_calls`` (non-streaming shape), ``warnings`` and ``finish_reason(
+      default)`` ("tool_calls" when a call was emitted, else ``default``).
+    """
+
+    def __init__(
+        self,
+        thinking: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        *,
+        reasoning_parser: bool = True,
+        tool_parser: bool = True,
+        id_factory: Callable[[], str] = new_call_id,
+    ):
+        self._reasoning = ReasoningParser(bool(thinking) and reasoning_parser)
+        self._tools: ToolCallStreamParser | None = None
+        if tool_parser and tools:
+            emit = should_parse_tools(tools, tool_choice)
+            self._tools = ToolCallStreamParser(tools, id_factory=id_factory, emit_calls=emit)
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._reasoning.in_reasoning
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        return list(self._tools.calls) if self._tools else []
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self._tools.warnings) if self._tools else []
+
+    def finish_reason(self, default: str) -> str:
+        return "tool_calls" if self.tool_calls else default
+
+    def _content(self, text: str, out: OutputDelta, final: bool) -> None:
+        if self._tools is None:
+            out.content += text
+            return
+        d = self._tools.feed(text) if text else None
+        if d is not None:
+            out.content += d.content
+            out.tool_calls += d.calls
+        if final:
+            d = self._tools.finish()
+            out.content += d.content
+            out.tool_calls += d.calls
+
+    def feed(self, text: str) -> OutputDelta:
+        out = OutputDelta()
+        r, c = self._reasoning.feed(text)
+        out.reasoning = r
+        self._content(c, out, final=False)
+        return out
+
+    def finish(self) -> OutputDelta:
+        out = OutputDelta()
+        r, c = self._reasoning.finish()
+        out.reasoning = r
+        self._content(c, out, final=True)
+        return out
+
+
+def parse_chat_output(
+    text: str,
+    thinking: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: Any = None,
+    **kw: Any,
+) -> tuple[str, str, list[dict], list[str]]:
+    """Non-streaming :class:`ChatOutputParser`: ``(reasoning, content, tool_calls, warnings)``."""
+    p = ChatOutputParser(thinking, tools, tool_choice, **kw)
+    a, b = p.feed(text), p.finish()
+    return a.reasoning + b.reasoning, a.content + b.content, p.tool_calls, p.warnings

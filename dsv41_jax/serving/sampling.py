@@ -34,9 +34,20 @@ Order of operations in `sample` (as vLLM V1):
 4. temperature: ``temperature < 1e-5`` is greedy, ``argmax`` of the logits after 2-3, ties to the lower
    id; otherwise ``logits / temperature``;
 5. top_k (exactly k tokens; ties broken towards the lower id), then top_p on the distribution
-   renormalised after top_k (keep the smallest prefix of the sorted tokens whose mass reaches top_p),
-   then min_p (drop tokens whose probability is below ``min_p * max probability``);
-6. one categorical draw (Gumbel-max) per row with the row's own key.
+   renormalised after top_k (keep the smallest prefix of the sorted tokens whose mass reaches top_p,
+   i.e. token i stays iff the mass of the strictly more likely tokens is < top_p; tokens tied at the
+   boundary all stay), then min_p (drop tokens whose probability is below ``min_p * max
+   probability``). No full-vocabulary sort: the best `CANDIDATES` (256) tokens are found with
+   ``lax.top_k`` and a row that needs more (top_k > 256, or a top_p set larger than 256 tokens) is
+   done exactly by bisection on the float bit patterns, only when some row needs it;
+6. one categorical draw (Gumbel-max) per row with the row's own key. An all-greedy batch skips 5-6.
+
+Every row's result depends on that row's logits, parameters and step only (up to the floating-point
+reduction order of the backend), never on the other rows.
+
+The ``[B, V]`` count arrays make `SamplingTensors` worth keeping on the device across steps: call
+`update_counts` after each step and `SamplingTensors.update_slots` when requests join or leave,
+rather than rebuilding it on the host.
 
 Randomness
 ----------
@@ -62,10 +73,12 @@ request's own ``logprobs`` count on the host.
 
 Speculative decoding (DSpark, SPEC §7)
 --------------------------------------
-`greedy_verify` and `speculative_sample_verify` are the bare rules. `target_verify_logits` /
-`processed_probs` apply a slot's penalties (counting the draft prefix of each verification row),
-min_tokens and temperature / filters to the target's ``[B, γ+1, V]`` logits, and `spec_verify` does a
-mixed greedy / sampled batch in one call. The sampled path is lossless (tokens are distributed
+`greedy_verify` and `speculative_sample_verify` are the bare rules. `target_verify_logits` applies a
+slot's penalties (counting the draft prefix of each verification row) and min_tokens to the target's
+``[B, γ+1, V]`` logits; `spec_verify` adds temperature / filters and does a mixed greedy / sampled
+batch in one call. `processed_probs` gives the ``[B, V]`` distribution `sample` draws from (usable as
+the draft's q when the draft samples with the request's parameters; draw it with
+``step_keys(tensors, step, salt=...)`` so its randomness is separate from the verifier's). The sampled path is lossless (tokens are distributed
 exactly as plain sampling from the processed target distribution) but draws different random numbers
 than plain decoding, so with a fixed seed speculative and plain decoding give different (equally
 distributed) samples. Token outputs are padded with -1 after the committed ones.
@@ -76,7 +89,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -104,6 +117,7 @@ __all__ = [
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 KEY_IMPL = "threefry2x32"
 _NEG_INF = float("-inf")
+CANDIDATES = 256  # top_k / top_p work on this many best tokens first (exact fallback beyond)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -350,11 +364,11 @@ class SamplingTensors:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"slot {i}: expected SamplingParams or None, got {type(p).__name__}")
             a["valid"][i] = True
-            greedy = p.temperature < SAMPLING_EPS
-            a["temperature"][i] = 0.0 if greedy else p.temperature
-            a["top_p"][i] = p.top_p
-            a["top_k"][i] = p.top_k if p.top_k > 0 else 0
-            a["min_p"][i] = p.min_p
+            if p.temperature >= SAMPLING_EPS:  # greedy rows keep the no-op filters (as vLLM)
+                a["temperature"][i] = p.temperature
+                a["top_p"][i] = p.top_p
+                a["top_k"][i] = p.top_k if p.top_k > 0 else 0
+                a["min_p"][i] = p.min_p
             a["presence_penalty"][i] = p.presence_penalty
             a["frequency_penalty"][i] = p.frequency_penalty
             a["repetition_penalty"][i] = p.repetition_penalty
@@ -515,29 +529,104 @@ def _mask_min_tokens(logits, stop_mask, step_counter, min_tokens):
     return jnp.where(block, _NEG_INF, logits)
 
 
+def _ordered_bits(x):
+    """uint32 keys with the order of the float32 values (the radix-sort transform)."""
+    b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    neg = (b >> 31) == 1
+    return jnp.where(neg, ~b, b | jnp.uint32(0x80000000))
+
+
+def _bisect(pred, lo, hi, largest: bool):
+    """Per-row binary search over uint32 keys in [lo, hi] (inclusive, [N]) for the largest key with
+    ``pred`` true (pred monotone decreasing) or the smallest with it true (monotone increasing).
+    32 halvings cover the whole uint32 range."""
+
+    def body(_, c):
+        lo, hi = c
+        span = hi - lo
+        if largest:  # invariant: pred(lo) true
+            mid = lo + (span >> 1) + (span & 1)
+            ok = pred(mid)
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - (span > 0).astype(jnp.uint32))
+        mid = lo + (span >> 1)  # invariant: pred(hi) true
+        ok = pred(mid)
+        return jnp.where(ok, lo, mid + (span > 0).astype(jnp.uint32)), jnp.where(ok, mid, hi)
+
+    lo, hi = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo if largest else hi
+
+
+def _top_k_mask(x, k):
+    """Exactly the k best tokens per row (ties broken towards the lower id); k [N] in 1..V."""
+    key = _ordered_bits(x)
+    lo, hi = jnp.min(key, axis=-1), jnp.max(key, axis=-1)
+    # the k-th largest key: the largest t with #(key >= t) >= k
+    kth = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) >= k, lo, hi, largest=True)[:, None]
+    above = key > kth
+    n_above = jnp.sum(above, axis=-1, keepdims=True)
+    tie = key == kth
+    tie_rank = jnp.cumsum(tie.astype(jnp.int32), axis=-1) - 1  # by increasing id
+    return above | (tie & (tie_rank < k[:, None] - n_above))
+
+
+def _top_p_mask(x, top_p):
+    """Keep token i iff the probability mass of the tokens strictly more likely than i is < top_p
+    (the sorted-cumsum rule; tokens tied at the boundary are all kept). The best token always stays."""
+    probs = jax.nn.softmax(x, axis=-1)
+    key = _ordered_bits(x)
+    lo, hi = jnp.min(key, axis=-1), jnp.max(key, axis=-1)
+    mass_above = lambda t: jnp.sum(jnp.where(key > t[:, None], probs, 0.0), axis=-1)  # noqa: E731
+    # smallest t with mass_above(t) < top_p; keep key >= t
+    t = _bisect(lambda t: mass_above(t) < top_p, lo, hi, largest=False)[:, None]
+    return key >= t
+
+
 def _filter(x, top_k, top_p, min_p):
     """top_k → top_p (on the renormalised top-k distribution) → min_p; removed tokens get -inf.
 
-    x: temperature-scaled logits [N, V]; top_k i32 [N] (<= 0 off); top_p f32 [N]; min_p f32 [N]."""
+    x: temperature-scaled logits [N, V]; top_k i32 [N] (<= 0 off); top_p f32 [N]; min_p f32 [N].
+
+    top_k keeps exactly k tokens (ties towards the lower id). top_p keeps token i iff the mass of the
+    tokens strictly more likely than i is < top_p (the sorted-cumsum rule, with tokens tied at the
+    boundary all kept); the best token always stays. No full-vocabulary sort: the work is done on the
+    best `CANDIDATES` tokens (``lax.top_k``), and a row whose top_k exceeds that, or whose top_p
+    set is not contained in it, is done exactly by bisection over the float bit patterns (run only
+    when some row needs it; every row's result depends on that row alone)."""
     N, V = x.shape
+    C = min(CANDIDATES, V)
     k = jnp.where((top_k <= 0) | (top_k > V), V, top_k)
-    need_sort = jnp.any((k < V) | (top_p < 1.0))
+    use_k = k < V
+    use_p = top_p < 1.0
 
-    def sorted_filter(x):
-        ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), x.shape)
-        # stable sort on -x: descending logits, lower id first among ties
-        neg_sorted, sorted_ids = jax.lax.sort((-x, ids), dimension=1, num_keys=1, is_stable=True)
-        sorted_x = -neg_sorted
-        rank = ids
-        keep = rank < k[:, None]
-        probs = jax.nn.softmax(jnp.where(keep, sorted_x, _NEG_INF), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-        keep = keep & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (rank == 0))
-        rows = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[:, None], x.shape)
-        keep_v = jnp.zeros(x.shape, bool).at[rows, sorted_ids].set(keep)
-        return jnp.where(keep_v, x, _NEG_INF)
+    def k_and_p(x):
+        rows = jnp.arange(N, dtype=jnp.int32)[:, None]
+        rank = jnp.arange(C, dtype=jnp.int32)[None, :]
+        cv, ci = jax.lax.top_k(x, C)  # descending; ties: lower id first
+        # top-k
+        small = use_k & (k <= C)
+        keep_c = (rank < k[:, None]) | ~small[:, None]
+        keep = jnp.zeros(x.shape, bool).at[rows, jnp.broadcast_to(ci, (N, C))].set(keep_c)
+        xk = jnp.where(keep | ~small[:, None], x, _NEG_INF)
+        big = use_k & ~small
+        xk = jax.lax.cond(jnp.any(big),
+                          lambda: jnp.where(_top_k_mask(x, k) | ~big[:, None], xk, _NEG_INF), lambda: xk)
+        cv = jnp.where(keep_c, cv, _NEG_INF)  # candidates after top-k (big-k rows keep all C)
+        # top-p on the renormalised top-k distribution
+        pc = jnp.exp(cv - jax.nn.logsumexp(xk, axis=-1, keepdims=True))
+        excl = jnp.cumsum(pc, axis=-1) - pc
+        first = jnp.concatenate([jnp.ones((N, 1), bool), cv[:, 1:] != cv[:, :-1]], axis=-1)
+        first_idx = jax.lax.cummax(jnp.where(first, rank, 0), axis=1)
+        mass_above = jnp.take_along_axis(excl, first_idx, axis=-1)
+        kept = (mass_above < top_p[:, None]) | (rank == 0)
+        thr = jnp.min(jnp.where(kept, cv, jnp.inf), axis=-1, keepdims=True)
+        fits = (~kept[:, -1]) | (cv[:, -1] == _NEG_INF) | (C == V)
+        xp = jnp.where((xk >= thr) | ~use_p[:, None], xk, _NEG_INF)
+        slow = use_p & ~fits
+        return jax.lax.cond(jnp.any(slow),
+                            lambda: jnp.where(slow[:, None], jnp.where(_top_p_mask(xk, top_p), xk, _NEG_INF), xp),
+                            lambda: xp)
 
-    x = jax.lax.cond(need_sort, sorted_filter, lambda x: x, x)
+    x = jax.lax.cond(jnp.any(use_k | use_p), k_and_p, lambda x: x, x)
     # min_p relative to the max probability: p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p)
     xmax = jnp.max(x, axis=-1, keepdims=True)
     log_min_p = jnp.log(jnp.maximum(min_p, 0.0))[:, None]  # log(0) = -inf keeps everything
@@ -586,9 +675,15 @@ def sample(logits, tensors: SamplingTensors, step_counter, *, max_logprobs: int 
     x = apply_penalties(logits, tensors)
     x = _mask_min_tokens(x, tensors.stop_mask, step_counter, tensors.min_tokens)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first max: ties → lower id
-    filt, greedy = _scale_and_filter(x, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
-    keys = step_keys(tensors, step_counter)
-    drawn = jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32)
+    greedy = tensors.temperature < SAMPLING_EPS
+
+    def draw(x):
+        filt, _ = _scale_and_filter(x, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
+        keys = step_keys(tensors, step_counter)
+        return jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32), filt
+
+    # an all-greedy batch skips filtering and the random draw (per row the result is the same)
+    drawn, filt = jax.lax.cond(jnp.all(greedy), lambda x: (greedy_tok, x), draw, x)
     tokens = jnp.where(greedy, greedy_tok, drawn)
 
     if logprobs_mode == "raw":

@@ -189,10 +189,10 @@ def _is_type(value: Any, t: str) -> bool:
 def _mini_validate(value: Any, schema: Any, path: str = "$") -> str | None:
     """A small JSON-schema subset (type, enum, const, properties, required, additionalProperties,
     items, min/max, lengths, pattern, anyOf/oneOf/allOf/not) used only without jsonschema."""
-    if schema is True or not isinstance(schema, Mapping):
-        return None
     if schema is False:
         return f"{path}: no value is allowed"
+    if not isinstance(schema, Mapping):
+        return None
     t = schema.get("type")
     if t is not None:
         ts = [t] if isinstance(t, str) else list(t)
@@ -260,11 +260,73 @@ def _check_schema(schema: Any) -> str | None:
         except _jsonschema.exceptions.SchemaError as e:
             return e.message
         return None
-    t = schema.get("type") if isinstance(schema, Mapping) else None
+    return _mini_check_schema(schema)
+
+
+_SUBSCHEMA_KEYS = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then", "else",
+                   "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LIST_KEYS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+def _mini_check_schema(schema: Any, path: str = "schema", depth: int = 0) -> str | None:
+    """Structural meta-validation (the common keywords) used only without jsonschema."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, Mapping) or depth > 64:
+        return f"{path} must be an object or a boolean"
+    t = schema.get("type")
     if t is not None:
         ts = [t] if isinstance(t, str) else t
-        if not isinstance(ts, list) or not all(isinstance(x, str) and x in _JSON_TYPES for x in ts):
-            return f"{to_json(t)} is not a valid type"
+        if not isinstance(ts, list) or not ts or not all(isinstance(x, str) and x in _JSON_TYPES for x in ts):
+            return f"{path}.type: {to_json(t)} is not a valid type"
+    req = schema.get("required")
+    if req is not None and not (isinstance(req, list) and all(isinstance(x, str) for x in req)):
+        return f"{path}.required must be an array of strings"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{path}.enum must be an array"
+    for k in _NUMBER_KEYS:
+        v = schema.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if not (k.startswith("exclusive") and isinstance(v, bool)):
+                return f"{path}.{k} must be a number"
+    for k in _COUNT_KEYS:
+        v = schema.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return f"{path}.{k} must be a non-negative integer"
+    if "pattern" in schema:
+        try:
+            re.compile(schema["pattern"])
+        except (re.error, TypeError):
+            return f"{path}.pattern is not a valid regular expression"
+    for k in _SUBSCHEMA_KEYS:
+        if k in schema:
+            v = schema[k]
+            subs = v if (k in ("items", "additionalItems") and isinstance(v, list)) else [v]
+            for n, sub in enumerate(subs):
+                err = _mini_check_schema(sub, f"{path}.{k}" + (f"[{n}]" if len(subs) > 1 else ""), depth + 1)
+                if err:
+                    return err
+    for k in _SCHEMA_LIST_KEYS:
+        if k in schema:
+            v = schema[k]
+            if not isinstance(v, list) or not v:
+                return f"{path}.{k} must be a non-empty array of schemas"
+            for n, sub in enumerate(v):
+                err = _mini_check_schema(sub, f"{path}.{k}[{n}]", depth + 1)
+                if err:
+                    return err
+    for k in _SCHEMA_MAP_KEYS:
+        if k in schema:
+            v = schema[k]
+            if not isinstance(v, Mapping):
+                return f"{path}.{k} must be an object"
+            for name, sub in v.items():
+                err = _mini_check_schema(sub, f"{path}.{k}.{name}", depth + 1)
+                if err:
+                    return err
     return None
 
 
@@ -461,6 +523,10 @@ class _Lexer:
             if start:
                 out.append(buf[:start])
             q = p + len(DSML)
+            if start == p:  # a bare DSML token (no '<' before it): drop just the token
+                out.append(_Tag(DSML, "junk"))
+                self.buf = buf[q:]
+                continue
             limit = start + _MAX_TAG
             end = None
             for i in range(q, min(len(buf), limit)):
@@ -547,6 +613,7 @@ class ToolCallStreamParser:
         self._invoke_parts: list = []
         self._finished = False
         self._junk = ""
+        self._markup_last = False
 
     # -- public
     @property
@@ -566,7 +633,7 @@ class ToolCallStreamParser:
         self._flush_junk()
         if self._state == "invoke":
             self._warn(f"unterminated invoke {self._invoke_tag.attrs.get('name')!r} skipped")
-        if self._state == "outside" and self._pending_ws and not self._after_block:
+        if self._state == "outside" and self._pending_ws and not self._after_block and not self._markup_last:
             delta.content += self._pending_ws
         self._pending_ws = ""
         return delta
@@ -596,6 +663,7 @@ class ToolCallStreamParser:
                 self._after_block = False
                 if self._content_emitted:
                     tok = "\n\n" + tok
+            self._markup_last = False
             s = self._pending_ws + tok
             body = s.rstrip()
             self._pending_ws = s[len(body):]
@@ -612,6 +680,7 @@ class ToolCallStreamParser:
             self._block(tok, out)
         else:
             self._warn(f"stray DSML markup {tok.raw!r} dropped")
+            self._markup_last = True  # blanks before markup that ends the text are dropped
 
     def _flush_junk(self) -> None:
         if self._junk.strip():
