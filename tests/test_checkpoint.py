@@ -467,3 +467,7 @@ def test_orbax_loader_errors(orbax_dir, cfg, tmp_path):
         ck.load_params(d, cfg)
     with pytest.raises(ck.CheckpointError, match="converted with another config"):
         ck.load_params(orbax_dir, cfg.replace(moe_intermediate_size=64))
+
+
+def test_tiny_name_loads_the_seed0_checkpoint(hf_dir, cfg):
+    assert_trees_identical(ck.load_params("tiny"), ck.load_params(hf_dir, cfg), ordered=False)

@@ -689,7 +689,7 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
     """Load parameters from an HF directory or a converted Orbax directory (`checkpoint_kind`).
 
     Args:
-      path: the model directory.
+      path: the model directory, or "tiny" for the tiny preset's random parameters (seed 0).
       cfg: the model config; default: the directory's config.json (`ModelConfig.from_pretrained`).
       mesh: a `jax.sharding.Mesh`: each leaf is placed on `mesh_shardings(cfg, mesh)` (default device
         otherwise). shardings: an explicit tree of shardings instead (same structure as the params).
@@ -700,6 +700,16 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
     mis-shaped or wrong-dtype tensors; tensors the config does not use are listed in a warning, vision
     tensors skipped with one log line.
     """
+    if path == "tiny" and not os.path.isdir(path):  # the preset's random model (= make_checkpoint --seed 0)
+        import jax
+
+        from dsv41_jax.model.params import init_params
+
+        cfg = cfg or ModelConfig.preset("tiny")
+        place = _placer(cfg, mesh, shardings)
+        p = init_params(cfg, jax.random.key(0), tokenizer=tokenizer, engram_token_map=engram_token_map)
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, x: place(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp), np.asarray(x)), p)
     kind = checkpoint_kind(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
