@@ -189,7 +189,7 @@ class ModelConfig:
     dspark_num_experts_per_tok: int = 3
     # --- ours (not in the HF file)
     act_dtype: str = "bfloat16"  # "bfloat16" = the reference dtype flow; "float32" = equivalence mode
-    name: str = "custom"
+    name: str = field(default="custom", compare=False)  # a label only: equal models compare equal
 
     # ------------------------------------------------------------------ construction
     def __post_init__(self):

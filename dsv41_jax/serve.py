@@ -1,0 +1,288 @@
+"""``python -m dsv41_jax.serve``: the OpenAI-compatible server (FastAPI on uvicorn).
+
+    python -m dsv41_jax.serve                      # the embedded tiny model (random weights), :30000
+    python -m dsv41_jax.serve --model /path/to/DeepSeek-V4.1-Flash --port 30000 \\
+        --reasoning-parser deepseek-v41 --tool-call-parser deepseekv41 --enable-metrics
+
+Every engine flag (SGLang spelling: ``--max-running-requests``, ``--chunked-prefill-size``,
+``--page-size``, ``--context-length``, ``--kv-cache-dtype``, ``--mem-fraction-static``, ``--tp``,
+``--ep``, ``--max-queued-requests`` …) comes from :class:`dsv41_jax.serving.engine_args.EngineArgs`;
+the server adds its own group (``--help`` lists them all).
+
+Startup order: flags and the environment (``DSV41_DEFAULT_THINKING``, ``DSV41_REASONING_EFFORT``)
+are validated first — a bad value prints a message and exits with status 2 before any model is
+loaded — then the model loads and compiles, then the server listens. SIGTERM / SIGINT: stop
+accepting, let in-flight requests finish for ``--graceful-shutdown-timeout`` seconds, abort the
+rest, stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("dsv41_jax.serve")
+
+REASONING_PARSERS = ("deepseek-v41", "deepseek_v41", "auto", "none")
+TOOL_CALL_PARSERS = ("deepseekv41", "deepseek_v41", "auto", "none")
+
+
+def _size(text: str) -> int:
+    """Bytes from '16777216', '16M', '16MiB', '512k'."""
+    s = str(text).strip().lower().replace("ib", "").replace("b", "")
+    mult = 1
+    for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    try:
+        v = int(float(s) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 16M or 1048576, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dsv41_jax.serving.engine_args import EngineArgs
+
+    p = argparse.ArgumentParser(
+        prog="python -m dsv41_jax.serve",
+        description="OpenAI-compatible server for DeepSeek-V4.1 Flash (JAX). Without --model it serves the "
+                    "embedded tiny model with random weights, so it runs on any machine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Environment: DSV41_DEFAULT_THINKING (true/false, default false) turns thinking on for requests "
+               "that do not decide it; DSV41_REASONING_EFFORT (a tier such as high/max, or 1..100) is the default "
+               "effort. Both are validated at startup. Endpoints: POST /v1/chat/completions, POST /v1/completions, "
+               "GET /v1/models, GET /health, GET /metrics (with --enable-metrics).")
+    EngineArgs.add_cli_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=30000, help="TCP port")
+    g.add_argument("--api-key", default=os.environ.get("DSV41_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $DSV41_API_KEY, else no key)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id reported by /v1/models and accepted in requests (default: 'tiny' or the "
+                        "model directory's name); the model path is accepted too")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split thinking into reasoning_content (deepseek-v41; auto resolves to it). Without it "
+                        "reasoning and answer arrive together in content, as in SGLang")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="parse spaced-DSML tool calls into message.tool_calls (deepseekv41; auto resolves to it). "
+                        "Without it the raw markup stays in content and tool_choice required / named is refused")
+    g.add_argument("--enable-metrics", action="store_true",
+                   help="serve Prometheus metrics at GET /metrics (running / queued requests, token usage, "
+                        "throughput, TTFT / ITL histograms, cache hit rate)")
+    g.add_argument("--max-body-size", type=_size, default=16 << 20,
+                   help="largest request body in bytes (K/M/G suffixes); larger bodies get HTTP 413")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    g.add_argument("--reasoning-effort-tiers", default=None,
+                   help="tier table, e.g. 'low=50,high=75,max=100' (default: the checkpoint encoder's "
+                        "REASONING_EFFORT_MAPPINGS, else that table)")
+    g.add_argument("--render-response-format", action="store_true",
+                   help="also describe response_format in the system prompt (it is always enforced by "
+                        "constrained decoding; rendering is off by default, as in SGLang)")
+    g.add_argument("--constrained-json-whitespace-pattern", default=None,
+                   help="regex of the whitespace allowed between JSON tokens under response_format / tool "
+                        "constraints (default: none; the checkpoint's ', ' and ': ' separators only)")
+    g.add_argument("--max-n", type=int, default=16, help="largest n (choices per request) accepted")
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="HTTP keep-alive timeout in seconds")
+    g.add_argument("--log-level", default=os.environ.get("DSV41_LOG_LEVEL", "info"),
+                   choices=("debug", "info", "warning", "error"), help="log level of the server and the engine")
+    g.add_argument("--log-level-http", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's access-log level")
+    return p
+
+
+def _resolve_parser(value, known: str):
+    if value in (None, "none"):
+        return None
+    return known
+
+
+def _served_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model == "tiny":
+        return "tiny"
+    return os.path.basename(os.path.normpath(args.model)) or args.model
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+
+    # ---- validate everything cheap before loading the model
+    from dsv41_jax.serving.chat import load_wording
+    from dsv41_jax.serving.effort import ConfigError, ServerDefaults, parse_tier_table
+    from dsv41_jax.serving.engine_args import EngineArgs
+
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.model != "tiny" and not os.path.exists(args.model):
+        print(f"error: --model {args.model!r}: no such directory (use 'tiny' or a model directory)", file=sys.stderr)
+        return 2
+    if not (0 < args.port < 65536):
+        print(f"error: --port must be 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    wording = load_wording(args.model if os.path.isdir(args.model) else None)
+    try:
+        tiers = parse_tier_table(args.reasoning_effort_tiers) if args.reasoning_effort_tiers else None
+        defaults = ServerDefaults.from_env(wording=wording, tiers=tiers)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.constrained_json_whitespace_pattern:
+        import re
+        try:
+            re.compile(args.constrained_json_whitespace_pattern)
+        except re.error as e:
+            print(f"error: --constrained-json-whitespace-pattern: {e}", file=sys.stderr)
+            return 2
+    reasoning_parser = _resolve_parser(args.reasoning_parser, "deepseek-v41")
+    tool_parser = _resolve_parser(args.tool_call_parser, "deepseekv41")
+    log.info("chat defaults: thinking %s by default, default effort %d, tiers %s; wording: %s",
+             "on" if defaults.default_thinking else "off", defaults.default_effort, dict(defaults.tiers),
+             wording.source or "ours")
+    log.info("parsers: reasoning=%s, tool calls=%s", reasoning_parser or "none", tool_parser or "none")
+
+    # ---- the engine (loads and compiles the model)
+    import jax
+
+    devs = jax.devices()
+    log.info("JAX %s, backend %s: %d device(s) (%s)", jax.__version__, jax.default_backend(), len(devs),
+             devs[0].device_kind if devs else "?")
+    log.info("engine: model=%s dtype=%s (activations %s) kv_cache_dtype=%s page_size=%d max_running_requests=%d "
+             "chunked_prefill_size=%d max_queued_requests=%s tp=%d ep=%d", engine_args.model, engine_args.dtype,
+             engine_args.act_dtype, engine_args.kv_cache_dtype, engine_args.page_size,
+             engine_args.max_running_requests, engine_args.chunked_prefill_size, engine_args.max_queued_requests,
+             engine_args.tp_size, engine_args.ep_size)
+    t0 = time.perf_counter()
+    try:
+        engine = make_engine(engine_args)
+    except Exception as e:  # noqa: BLE001 - report and exit non-zero
+        log.exception("engine start failed")
+        print(f"error: engine start failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    log.info("engine ready in %.1fs", time.perf_counter() - t0)
+
+    from dsv41_jax.serving.constrained import GrammarCompiler
+    from dsv41_jax.serving.server import ServerConfig, build_app
+
+    tokenizer = engine_tokenizer(engine)
+    vocab = engine_vocab(engine, tokenizer)
+    grammar = GrammarCompiler(tokenizer, vocab, whitespace_pattern=args.constrained_json_whitespace_pattern)
+    try:
+        import llguidance
+        log.info("constrained decoding: llguidance %s (response_format json_object / json_schema, regex, "
+                 "tool_choice required / named)", getattr(llguidance, "__version__", "?"))
+    except ImportError:  # pragma: no cover
+        pass
+    name = _served_name(args)
+    aliases = [a for a in {args.model, os.path.basename(os.path.normpath(args.model))} if a and a != name]
+    cfg = ServerConfig(
+        model_name=name, model_aliases=aliases, api_key=args.api_key or None,
+        context_length=engine_context_length(engine, engine_args), vocab_size=vocab,
+        max_body_bytes=args.max_body_size, max_queued_requests=engine_args.max_queued_requests,
+        max_running_requests=engine_args.max_running_requests, reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_parser, server_defaults=defaults, wording=wording, enable_metrics=args.enable_metrics,
+        render_response_format=args.render_response_format, max_n=args.max_n)
+    app = build_app(engine, tokenizer, cfg, grammar=grammar, on_shutdown=lambda: stop_engine(engine),
+                    queue_full_errors=engine_queue_errors())
+    log.info("serving %r (aliases %s) on http://%s:%d/v1, context_length=%d, API key %s, metrics %s, body limit "
+             "%d bytes", name, aliases, args.host, args.port, cfg.context_length,
+             "required" if cfg.api_key else "off", "on /metrics" if cfg.enable_metrics else "off",
+             cfg.max_body_bytes)
+    return run_uvicorn(app, args)
+
+
+# ------------------------------------------------------------------------------------------ engine glue
+
+
+def make_engine(engine_args):
+    """The async engine for ``engine_args`` (background engine thread)."""
+    from dsv41_jax.serving.async_engine import AsyncEngine
+
+    if hasattr(AsyncEngine, "from_engine_args"):
+        return AsyncEngine.from_engine_args(engine_args)
+    return AsyncEngine(engine_args)
+
+
+def _inner(engine):
+    return getattr(engine, "engine", engine)
+
+
+def engine_tokenizer(engine):
+    tok = getattr(engine, "tokenizer", None) or getattr(_inner(engine), "tokenizer", None)
+    if tok is None:
+        from dsv41_jax.serving.tokenizer import load_tokenizer
+        tok = load_tokenizer("tiny")
+    return tok
+
+
+def engine_vocab(engine, tokenizer) -> int:
+    v = getattr(engine, "vocab_size", None) or getattr(_inner(engine), "vocab_size", None)
+    return int(v) if v else int(tokenizer.vocab_size)
+
+
+def engine_context_length(engine, engine_args) -> int:
+    v = getattr(engine, "context_length", None) or getattr(_inner(engine), "context_length", None)
+    return int(v or engine_args.context_length or 4096)
+
+
+def engine_queue_errors() -> tuple:
+    out = []
+    for mod, name in (("dsv41_jax.serving.engine", "QueueFullError"), ("dsv41_jax.serving.async_engine", "QueueFullError")):
+        try:
+            m = __import__(mod, fromlist=[name])
+            e = getattr(m, name, None)
+            if isinstance(e, type) and e not in out:
+                out.append(e)
+        except ImportError:
+            pass
+    return tuple(out)
+
+
+def stop_engine(engine):
+    for name in ("shutdown", "stop", "close"):
+        fn = getattr(engine, name, None)
+        if callable(fn):
+            log.info("stopping the engine")
+            return fn()
+    return None
+
+
+def run_uvicorn(app, args) -> int:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level_http,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout, lifespan="on",
+                            access_log=args.log_level_http in ("debug", "info"))
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C
+        pass
+    if getattr(server, "started", True) is False:
+        log.error("the server did not start (port %d in use?)", args.port)
+        return 1
+    log.info("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

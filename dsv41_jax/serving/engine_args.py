@@ -1,0 +1,247 @@
+"""Engine arguments: one dataclass shared by the offline `LLM`, the scheduler and the server CLI.
+
+Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-running-requests``,
+``--chunked-prefill-size``, ``--max-prefill-tokens``, ``--mem-fraction-static``, ``--page-size``,
+``--context-length``, ``--kv-cache-dtype``, ``--max-total-tokens``, ``--tp-size``/``--tp``,
+``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
+``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
+``--skip-server-warmup``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--max-logprobs``,
+``--disable-prefix-sharing``, ``--cpu-memory-budget``.
+
+Use::
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args())
+
+`EngineArgs(**kw)` (the `LLM(...)` keyword arguments) validates on construction and raises
+``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+__all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES"]
+
+# --dtype: the activation dtype of the model (weights keep their checkpoint formats).
+DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
+          "float": "float32", "fp32": "float32"}
+KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                          "float32": "float32"}
+
+
+def _int_list(text: str) -> list:
+    return [int(x) for x in str(text).replace(",", " ").split()]
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob (see `add_cli_args` for the help texts, which are the documentation)."""
+
+    model: str = "tiny"
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    page_size: int = 256
+    context_length: Optional[int] = None
+    max_running_requests: int = 32
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: Optional[float] = None
+    cpu_memory_budget: Optional[int] = None
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 16384
+    batch_buckets: Optional[list] = None
+    token_buckets: Optional[list] = None
+    enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False
+    disable_prefix_sharing: bool = False
+    max_logprobs: int = 20
+    max_queued_requests: Optional[int] = None
+    decode_log_interval: int = 40
+    skip_server_warmup: bool = False
+    tp_size: int = 1
+    ep_size: int = 1
+    random_seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self) -> "EngineArgs":
+        def bad(name, msg):
+            raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {sorted(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            bad("kv_cache_dtype", f"must be one of {sorted(KV_CACHE_DTYPE_CHOICES)}")
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
+                     "max_logprobs", "decode_log_interval", "tp_size", "ep_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "max_logprobs" else 1):
+                bad(name, "must be a positive integer")
+        for name in ("context_length", "max_total_tokens", "max_queued_requests", "cpu_memory_budget"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                bad(name, "must be a positive integer or None")
+        if self.mem_fraction_static is not None and not (0.0 < float(self.mem_fraction_static) <= 1.0):
+            bad("mem_fraction_static", "must be in (0, 1]")
+        for name in ("batch_buckets", "token_buckets"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, str):
+                    v = _int_list(v)
+                v = sorted(set(int(x) for x in v))
+                if not v or v[0] < 1:
+                    bad(name, "must be a non-empty list of positive integers")
+                setattr(self, name, v)
+        if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running_requests:
+            bad("batch_buckets", f"the largest must be >= max_running_requests={self.max_running_requests}")
+        return self
+
+    @property
+    def act_dtype(self) -> str:
+        """The model's activation dtype ("bfloat16" reference flow or "float32" equivalence mode)."""
+        return DTYPES[self.dtype]
+
+    @property
+    def cache_dtype(self) -> str:
+        return KV_CACHE_DTYPE_CHOICES[self.kv_cache_dtype]
+
+    def replace(self, **kw) -> "EngineArgs":
+        return dataclasses.replace(self, **kw)
+
+    def resolved_batch_buckets(self) -> list:
+        """Batch sizes compiled: the given list, else powers of two up to max_running_requests
+        (plus max_running_requests itself when it is not a power of two)."""
+        if self.batch_buckets:
+            return [b for b in self.batch_buckets if b <= self.max_running_requests] + \
+                [b for b in self.batch_buckets if b > self.max_running_requests][:1]
+        out, b = [], 1
+        while b < self.max_running_requests:
+            out.append(b)
+            b *= 2
+        out.append(self.max_running_requests)
+        return sorted(set(out))
+
+    def resolved_token_buckets(self) -> list:
+        """Tokens per row compiled: 1 (decode) and the prefill chunk buckets (the given list, else
+        chunked_prefill_size and chunked_prefill_size / 8 when that is at least 16)."""
+        if self.token_buckets:
+            tb = [t for t in self.token_buckets if t <= self.chunked_prefill_size]
+            if self.chunked_prefill_size not in tb and (not tb or tb[-1] < self.chunked_prefill_size):
+                tb.append(self.chunked_prefill_size)
+            return sorted(set([1] + tb))
+        tb = [1, self.chunked_prefill_size]
+        if self.chunked_prefill_size // 8 >= 16:
+            tb.append(self.chunked_prefill_size // 8)
+        return sorted(set(tb))
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_default: str = "tiny") -> argparse.ArgumentParser:
+        """Register every engine flag on `parser` (the server CLI and the scripts share these)."""
+        d = EngineArgs.__dataclass_fields__
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", "--model-path", dest="model", default=model_default,
+                       help="'tiny' (random tiny model with its bundled tokenizer) or a model directory "
+                            "(HF release layout or converted Orbax; loaded with checkpoint.load_params)")
+        g.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
+                       help="tokenizer directory or tokenizer.json (default: the model directory / tiny's)")
+        g.add_argument("--dtype", default=d["dtype"].default, choices=sorted(DTYPES),
+                       help="activation dtype: auto/bfloat16 = the reference bf16 flow; float32 = the full-fp32 "
+                            "equivalence mode, in which greedy outputs do not depend on batch composition")
+        g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=sorted(KV_CACHE_DTYPE_CHOICES),
+                       help="KV storage: auto (fp8 window, fp4 compressed latents / index keys: lossless), "
+                            "fp8_e4m3 (all fp8, lossy), bfloat16 / float32 (debugging)")
+        g.add_argument("--page-size", type=int, default=d["page_size"].default,
+                       help="tokens per KV page (a multiple of every compress ratio); default %(default)s")
+        g.add_argument("--context-length", type=int, default=None,
+                       help="maximum tokens per request (prompt + output); default: the model's "
+                            "max_position_embeddings, capped by the pool size. The indexer's cost per step "
+                            "grows with it")
+        g.add_argument("--max-running-requests", type=int, default=d["max_running_requests"].default,
+                       help="requests decoding at once (slots for per-request state); the largest batch "
+                            "bucket; default %(default)s")
+        g.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV pool size in tokens; overrides the --mem-fraction-static sizing")
+        g.add_argument("--mem-fraction-static", type=float, default=None,
+                       help="fraction of device memory for weights + KV pools (default 0.85 on accelerators; "
+                            "on CPU 0.5 of physical RAM); pools are capped at max_running_requests x "
+                            "context_length tokens")
+        g.add_argument("--cpu-memory-budget", type=int, default=None,
+                       help="bytes treated as the device memory on CPU (default: physical RAM)")
+        g.add_argument("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
+                       help="largest prefill chunk of one request per step (the largest token bucket); "
+                            "default %(default)s")
+        g.add_argument("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
+                       help="prefill tokens per scheduler step over all requests; default %(default)s")
+        g.add_argument("--batch-buckets", type=_int_list, default=None,
+                       help="batch sizes to compile, e.g. '1,2,4,8' (default: powers of two up to "
+                            "--max-running-requests)")
+        g.add_argument("--token-buckets", type=_int_list, default=None,
+                       help="prefill chunk lengths to compile besides 1 (default: --chunked-prefill-size and "
+                            "a size 8x smaller)")
+        g.add_argument("--enable-mixed-chunk", action="store_true",
+                       help="run decode rows inside the prefill step (one [B, T] launch) instead of a separate "
+                            "[B, 1] launch in the same scheduler iteration")
+        g.add_argument("--disable-overlap-schedule", action="store_true",
+                       help="read each step's tokens before preparing the next step (no host/device overlap)")
+        g.add_argument("--disable-prefix-sharing", action="store_true",
+                       help="n > 1: prefill the prompt once per sample instead of forking the prompt's pages")
+        g.add_argument("--max-logprobs", type=int, default=d["max_logprobs"].default,
+                       help="largest top_logprobs a request may ask for (fixed size of the on-device top-k); "
+                            "default %(default)s")
+        g.add_argument("--max-queued-requests", type=int, default=None,
+                       help="waiting-queue limit of the async engine; beyond it new requests are refused "
+                            "(the server answers 503); default unlimited")
+        g.add_argument("--decode-log-interval", type=int, default=d["decode_log_interval"].default,
+                       help="log a decode line every this many decode steps; default %(default)s")
+        g.add_argument("--skip-server-warmup", action="store_true",
+                       help="do not compile every (batch, tokens) bucket at start (they compile on first use)")
+        g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
+                       help="tensor parallel size (accepted for SGLang compatibility; this engine runs one "
+                            "device and logs the value)")
+        g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
+                       help="expert parallel size (accepted and logged, see --tp-size)")
+        g.add_argument("--random-seed", "--seed", dest="random_seed", type=int, default=0,
+                       help="seed of the tiny model's random weights and of requests sent without a seed")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        return cls(**kw)
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineArgs":
+        """`EngineArgs` from `LLM(...)`-style keywords; unknown names raise TypeError listing the known."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names - {'extra'})}")
+        return cls(**kw)
+
+    def cli_flags(self) -> Sequence[str]:
+        """The non-default values as CLI flags (for logging / subprocesses)."""
+        out = []
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if v == default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(v, bool):
+                out.append(flag)
+            elif isinstance(v, list):
+                out += [flag, ",".join(map(str, v))]
+            else:
+                out += [flag, str(v)]
+        return out

@@ -1,0 +1,203 @@
+"""Prometheus metrics of the OpenAI server (``GET /metrics`` with ``--enable-metrics``).
+
+Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:`` prefix:
+
+==========================================  =========  =================================================
+``dsv41:num_running_reqs``                  gauge      requests in the running batch (engine)
+``dsv41:num_queue_reqs``                    gauge      requests waiting for admission (engine)
+``dsv41:num_used_tokens``                   gauge      KV tokens in use (engine, when it reports them)
+``dsv41:token_usage``                       gauge      KV pool usage, 0..1 (engine)
+``dsv41:gen_throughput``                    gauge      generation tokens/s (engine; else the server's
+                                                       own estimate over the last ``window`` seconds)
+``dsv41:cache_hit_rate``                    gauge      prefix-cache hit rate, 0..1 (engine)
+``dsv41:prompt_tokens_total``               counter    prompt tokens of finished requests
+``dsv41:generation_tokens_total``           counter    generated tokens
+``dsv41:reasoning_tokens_total``            counter    generated tokens inside reasoning
+``dsv41:num_requests_total``                counter    finished requests, label ``finish_reason``
+``dsv41:num_aborted_requests_total``        counter    requests aborted (client gone, shutdown)
+``dsv41:num_rejected_requests_total``       counter    refused requests, label ``code`` (HTTP status)
+``dsv41:time_to_first_token_seconds``       histogram  arrival -> first generated token
+``dsv41:inter_token_latency_seconds``       histogram  time between consecutive output tokens
+``dsv41:time_per_output_token_seconds``     histogram  (e2e - ttft) / (tokens - 1) per request
+``dsv41:e2e_request_latency_seconds``       histogram  arrival -> last token
+``dsv41:http_requests_total``               counter    labels ``endpoint``, ``status``
+==========================================  =========  =================================================
+
+Each :class:`ServerMetrics` has its own ``CollectorRegistry`` (several servers in one process, as in
+tests, do not clash). Engine gauges are refreshed from ``engine.stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "RequestTimer"]
+
+PREFIX = "dsv41:"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0,
+                30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+
+# keys of engine.stats() tried for each gauge (first present wins)
+_STAT_KEYS: Mapping[str, tuple[str, ...]] = {
+    "num_running_reqs": ("num_running_reqs", "running", "num_running", "running_requests"),
+    "num_queue_reqs": ("num_queue_reqs", "queued", "waiting", "num_waiting", "queued_requests", "queue_len"),
+    "num_used_tokens": ("num_used_tokens", "used_tokens", "kv_used_tokens"),
+    "token_usage": ("token_usage", "kv_usage", "pool_usage", "cache_usage"),
+    "gen_throughput": ("gen_throughput", "generation_throughput", "decode_throughput", "throughput"),
+    "cache_hit_rate": ("cache_hit_rate", "prefix_cache_hit_rate", "hit_rate"),
+}
+
+
+def _stat(stats: Mapping[str, Any], name: str) -> float | None:
+    for k in _STAT_KEYS[name]:
+        v = stats.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping: call :meth:`tokens` whenever output tokens arrive."""
+
+    __slots__ = ("metrics", "arrival", "first", "last", "n_tokens")
+
+    def __init__(self, metrics: "ServerMetrics | None", arrival: float | None = None):
+        self.metrics = metrics
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.first: float | None = None
+        self.last: float | None = None
+        self.n_tokens = 0
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first is None:
+            self.first = now
+            if m is not None:
+                m.ttft.observe(now - self.arrival)
+        elif m is not None:
+            # n tokens arrived together (e.g. DSpark): spread the gap over them
+            gap = (now - self.last) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+        self.last = now
+        self.n_tokens += n
+        if m is not None:
+            m.note_tokens(n, now)
+
+    def finish(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        end = self.last if self.last is not None else time.perf_counter()
+        m.e2e.observe(end - self.arrival)
+        if self.first is not None and self.n_tokens > 1:
+            m.tpot.observe((end - self.first) / (self.n_tokens - 1))
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics (own registry). ``stats_fn`` returns ``engine.stats()``."""
+
+    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]] | None = None, *, model_name: str = "",
+                 window: float = 10.0):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.stats_fn = stats_fn
+        r = self.registry
+        self.num_running = Gauge(PREFIX + "num_running_reqs", "Requests in the running batch", registry=r)
+        self.num_queue = Gauge(PREFIX + "num_queue_reqs", "Requests waiting in the queue", registry=r)
+        self.num_used_tokens = Gauge(PREFIX + "num_used_tokens", "KV cache tokens in use", registry=r)
+        self.token_usage = Gauge(PREFIX + "token_usage", "KV pool usage (0..1)", registry=r)
+        self.gen_throughput = Gauge(PREFIX + "gen_throughput", "Generation throughput (tokens/s)", registry=r)
+        self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate", "Prefix cache hit rate (0..1)", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", registry=r)
+        self.reasoning_tokens = Counter(PREFIX + "reasoning_tokens", "Generated reasoning tokens", registry=r)
+        self.num_requests = Counter(PREFIX + "num_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.num_aborted = Counter(PREFIX + "num_aborted_requests", "Aborted requests", registry=r)
+        self.num_rejected = Counter(PREFIX + "num_rejected_requests", "Rejected requests", ["code"], registry=r)
+        self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (s)",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Inter-token latency (s)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token (s)",
+                              buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency (s)",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.info = Gauge(PREFIX + "model_info", "Served model", ["model"], registry=r)
+        if model_name:
+            self.info.labels(model=model_name).set(1)
+        self._window = window
+        self._recent: collections.deque = collections.deque()  # (time, n tokens)
+        self._lock = threading.Lock()
+
+    # -- updates from the request handlers
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def note_tokens(self, n: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        self.generation_tokens.inc(n)
+        with self._lock:
+            self._recent.append((now, n))
+            cut = now - self._window
+            while self._recent and self._recent[0][0] < cut:
+                self._recent.popleft()
+
+    def finished(self, finish_reason: str | None, prompt_tokens: int, reasoning_tokens: int = 0) -> None:
+        self.num_requests.labels(finish_reason=str(finish_reason or "unknown")).inc()
+        self.prompt_tokens.inc(max(0, int(prompt_tokens)))
+        if reasoning_tokens:
+            self.reasoning_tokens.inc(int(reasoning_tokens))
+
+    def aborted(self) -> None:
+        self.num_aborted.inc()
+
+    def rejected(self, code: int) -> None:
+        self.num_rejected.labels(code=str(int(code))).inc()
+
+    def http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint=endpoint, status=str(int(status))).inc()
+
+    def own_throughput(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self._window:
+                self._recent.popleft()
+            total = sum(n for _, n in self._recent)
+        return total / self._window
+
+    # -- scrape
+    def refresh(self) -> None:
+        stats: Mapping[str, Any] = {}
+        if self.stats_fn is not None:
+            try:
+                stats = self.stats_fn() or {}
+            except Exception:  # a metrics scrape must never fail the server
+                stats = {}
+        if not isinstance(stats, Mapping):
+            stats = getattr(stats, "__dict__", {}) or {}
+        for name, gauge in (("num_running_reqs", self.num_running), ("num_queue_reqs", self.num_queue),
+                            ("num_used_tokens", self.num_used_tokens), ("token_usage", self.token_usage),
+                            ("cache_hit_rate", self.cache_hit_rate)):
+            v = _stat(stats, name)
+            if v is not None:
+                gauge.set(v)
+        v = _stat(stats, "gen_throughput")
+        self.gen_throughput.set(v if v is not None else self.own_throughput())
+
+    def render(self) -> bytes:
+        self.refresh()
+        return generate_latest(self.registry)
