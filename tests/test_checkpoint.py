@@ -471,3 +471,12 @@ def test_orbax_loader_errors(orbax_dir, cfg, tmp_path):
 
 def test_tiny_name_loads_the_seed0_checkpoint(hf_dir, cfg):
     assert_trees_identical(ck.load_params("tiny"), ck.load_params(hf_dir, cfg), ordered=False)
+
+
+def test_generate_accepts_either_directory(hf_dir, orbax_dir):
+    """Issue 4 item 4: what takes a model path accepts an HF or a converted directory (cfg read from it)."""
+    from dsv41_jax.model.decode import generate
+
+    a = generate(str(hf_dir), None, [[5, 6, 7]], 3)
+    b = generate(str(orbax_dir), None, [[5, 6, 7]], 3)
+    assert a == b and len(a[0]) == 3

@@ -291,14 +291,18 @@ def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              *, ccfg=None, chunk_size: int = 32, eos_token_id: Optional[int] = None):
     """Greedy generation over the decode path, all prompts as one ragged batch.
 
-    params: parameter pytree (or a model path / "tiny", loaded via `load_params`). prompts: lists of
+    params: parameter pytree, or a model path / "tiny" (loaded via `load_params`; cfg may then be None).
+    prompts: lists of
     token ids (any lengths ≥ 1). Returns a list of generated token lists (and, with `return_logits`,
     a list of fp32 [n_generated, V] arrays of the logits each token was chosen from).
     """
-    if isinstance(params, str):
-        from dsv41_jax.model.checkpoint import load_params  # noqa: WPS433 (optional heavy import)
+    if isinstance(params, str):  # a model path (HF or converted Orbax directory) or "tiny"
+        from dsv41_jax.model.checkpoint import load_params, load_model
 
-        params = load_params(params, cfg)
+        if cfg is None:
+            cfg, params = load_model(params)
+        else:
+            params = load_params(params, cfg)
     n = len(prompts)
     if n == 0:
         return ([], []) if return_logits else []

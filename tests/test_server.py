@@ -1,0 +1,524 @@
+"""The OpenAI server, live on loopback: ``python -m dsv41_jax.serve`` in a subprocess (the real CLI,
+the real engine on the tiny model in fp32), driven with the real ``openai`` client and raw HTTP.
+
+One server per module (compiling the tiny model's two shapes takes ~30 s on a small CPU; a
+persistent JAX compilation cache makes the second server of the SIGTERM test start in ~10 s).
+Tool calls and JSON outputs come from the real model path: constrained decoding forces the tokens,
+and the real detokenizer and parsers turn them into the response.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+from dsv41_jax.serving.chat import encode_chat_request  # noqa: E402
+from dsv41_jax.serving.tokenizer import load_tokenizer  # noqa: E402
+
+KEY = "test-key-123"
+ENGINE_FLAGS = ["--model", "tiny", "--dtype", "float32", "--max-running-requests", "4", "--batch-buckets", "4",
+                "--chunked-prefill-size", "64", "--page-size", "64", "--context-length", "2048",
+                "--max-total-tokens", "16384"]
+SERVER_FLAGS = ENGINE_FLAGS + ["--api-key", KEY, "--reasoning-parser", "deepseek-v41", "--tool-call-parser",
+                               "deepseekv41", "--enable-metrics", "--max-body-size", "256K",
+                               "--max-queued-requests", "2"]
+START_TIMEOUT = 300
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string", "enum": ["Beijing", "Paris"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["location"]}}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_cmd() -> list:
+    # DSV41_TEST_SERVE_CMD points the tests at another launcher of the same CLI
+    return os.environ.get("DSV41_TEST_SERVE_CMD", f"{sys.executable} -m dsv41_jax.serve").split()
+
+
+def start_server(flags, log_path, cache_dir, env_extra=None):
+    port = _free_port()
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+    env.update(env_extra or {})
+    logf = open(log_path, "w")
+    proc = subprocess.Popen(_serve_cmd() + flags + ["--port", str(port)], stdout=logf, stderr=subprocess.STDOUT,
+                            env=env)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            logf.close()
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() - t0 > START_TIMEOUT:
+            proc.kill()
+            raise RuntimeError(f"server did not start:\n{open(log_path).read()[-4000:]}")
+        time.sleep(0.5)
+    return proc, base, logf
+
+
+def stop_server(proc, logf, timeout=60):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    else:
+        rc = proc.returncode
+    logf.close()
+    return rc
+
+
+@pytest.fixture(scope="session")
+def jax_cache(tmp_path_factory):
+    return os.environ.get("DSV41_TEST_JAX_CACHE") or tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, jax_cache):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, base, logf = start_server(SERVER_FLAGS, log_path, jax_cache)
+    yield {"base": base, "proc": proc, "log": log_path}
+    rc = stop_server(proc, logf)
+    assert rc == 0, open(log_path).read()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny")
+
+
+def metrics(http) -> dict:
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("dsv41:") and " " in line:
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def prompt_len(tok, body) -> int:
+    return len(tok.encode(encode_chat_request(body).prompt))
+
+
+MSG = [{"role": "user", "content": "Hello there, how are you?"}]
+
+
+# --------------------------------------------------------------------------------------- basics
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server["base"] + "/health").status_code == 200  # no key needed
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny"]
+
+
+def test_chat_non_streaming_usage(client, tok):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert c.finish_reason == "length" and c.message.role == "assistant" and isinstance(c.message.content, str)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == prompt_len(tok, {"messages": MSG})
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert getattr(c.message, "reasoning_content", None) is None  # thinking is off by default
+
+
+def test_chat_streaming_equals_non_streaming(server, client):
+    kw = dict(model="tiny", messages=MSG, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full
+    fins = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert fins == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(ch.usage is None for ch in chunks[:-1])
+    # the raw stream ends with [DONE]
+    body = dict(kw, stream=True)
+    with httpx.stream("POST", server["base"] + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+def test_seed_n_reproducible(client):
+    kw = dict(model="tiny", messages=MSG, max_tokens=8, temperature=1.0, top_p=0.95, n=2, seed=1234)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    ta = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    tb = [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1]
+    assert ta == tb  # same seed => same outputs
+    assert ta[0] != ta[1]  # child j samples with seed + j
+    assert a.usage.completion_tokens == 16
+    c = client.chat.completions.create(**dict(kw, seed=99))
+    assert [x.message.content for x in sorted(c.choices, key=lambda c: c.index)] != ta
+
+
+def test_stop_string(client):
+    kw = dict(model="tiny", messages=MSG, temperature=0)
+    text = client.chat.completions.create(max_tokens=24, **kw).choices[0].message.content
+    cands = [text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isprintable() and
+             "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()]
+    assert cands, repr(text)
+    stop = cands[0]
+    r = client.chat.completions.create(max_tokens=24, stop=[stop], **kw)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == text[:text.find(stop)]
+    s = client.chat.completions.create(max_tokens=24, stop=stop, stream=True, **kw)
+    assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == text[:text.find(stop)]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    items = r.choices[0].logprobs.content
+    assert len(items) == 6
+    for it in items:
+        assert it.logprob <= 0 and len(it.top_logprobs) == 3
+        assert abs(it.top_logprobs[0].logprob - it.logprob) < 1e-4  # greedy: the sampled token is the best
+        assert it.top_logprobs[0].logprob >= it.top_logprobs[1].logprob >= it.top_logprobs[2].logprob
+        assert bytes(it.bytes).decode("utf-8", "replace") == it.token
+
+
+# ---------------------------------------------------------------------------------- completions
+
+
+def test_completions(client, server, tok):
+    r = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tok.encode("The capital of France is")) and r.usage.completion_tokens == 5
+    ids = tok.encode("The capital of France is")
+    r2 = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text  # token ids and text give the same prompt
+    r3 = client.completions.create(model="tiny", prompt=["a b c", "x y z"], n=2, max_tokens=3, temperature=0.8,
+                                   seed=7, logprobs=2)
+    assert sorted(c.index for c in r3.choices) == [0, 1, 2, 3]
+    lp = r3.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    r4 = client.completions.create(model="tiny", prompt="echo me", max_tokens=2, echo=True, temperature=0)
+    assert r4.choices[0].text.startswith("echo me")
+    chunks = list(client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=5,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+# ---------------------------------------------------------------- tools / reasoning / structure
+
+
+def test_tool_choice_named_forces_a_dsml_call(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=[WEATHER, PING], max_tokens=200, temperature=0.7, seed=3,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_") and len(call.id) == 5 + 24
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_tool_calls_streaming(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, PING],
+              max_tokens=300, temperature=0.9, seed=11, tool_choice="required")
+    full = client.chat.completions.create(**kw).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.tool_calls
+    calls: dict = {}
+    fin = None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"name": None, "args": ""})
+            if tc.function.name:
+                assert slot["name"] is None and slot["args"] == ""  # the name comes first
+                slot["name"] = tc.function.name
+            slot["args"] += tc.function.arguments or ""
+        fin = ch.choices[0].finish_reason or fin
+    assert fin == "tool_calls"
+    assert [(v["name"], json.loads(v["args"])) for _, v in sorted(calls.items())] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in full.message.tool_calls]
+    for _, v in calls.items():
+        assert v["name"] in ("get_weather", "ping")
+
+
+def test_reasoning_content_with_thinking(client, tok):
+    body = {"messages": MSG, "reasoning_effort": "high"}
+    r = client.chat.completions.create(model="tiny", max_tokens=10, temperature=0, **body)
+    c = r.choices[0]
+    # a random model never closes </think>: everything is reasoning (SPEC §10), none of it in content
+    assert c.message.reasoning_content and not c.message.content
+    assert r.usage.prompt_tokens == prompt_len(tok, body)
+    u = r.model_dump()["usage"]
+    assert u["completion_tokens_details"]["reasoning_tokens"] == 10
+    chunks = list(client.chat.completions.create(model="tiny", max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}, **body))
+    streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+    assert streamed == c.message.reasoning_content
+    assert chunks[-1].model_dump()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 10
+    # an effort of "none" turns thinking off
+    r2 = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, reasoning_effort="none")
+    assert getattr(r2.choices[0].message, "reasoning_content", None) is None
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                           "temp": {"type": "integer", "minimum": -30, "maximum": 45},
+                                           "sunny": {"type": "boolean"}},
+          "required": ["city", "temp", "sunny"], "additionalProperties": False}
+
+
+def test_json_schema_output_validates(client):
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Report the weather as JSON."}], max_tokens=60,
+            temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    r = client.completions.create(model="tiny", prompt="JSON:", max_tokens=60, temperature=0.5, seed=5,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "w", "schema": SCHEMA}}})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+def _err(resp, status, param="-", code="-"):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param != "-":
+        assert body["error"]["param"] == param, body
+    if code != "-":
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+BAD_CHAT = [
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": "hi"}, "messages"),
+    ({"reasoning_effort": True}, "reasoning_effort"),
+    ({"reasoning_effort": 1.5}, "reasoning_effort"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+     "response_format.json_schema.schema"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+]
+
+
+@pytest.mark.parametrize("patch,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_bad_chat_requests_are_400(http, patch, param):
+    body = dict({"model": "tiny", "messages": MSG, "max_tokens": 4}, **patch)
+    _err(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_other_errors(server, http):
+    base = server["base"]
+    e = _err(http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
+                       headers={"content-type": "application/json"}), 400)
+    assert "JSON" in e["message"]
+    _err(http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 10 ** 9}), 400,
+         "max_tokens", "context_length_exceeded")
+    _err(http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 2100, "max_tokens": 4}), 400,
+         code="context_length_exceeded")
+    _err(http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 99999]}), 400, "prompt")
+    _err(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MSG}), 404, "model", "model_not_found")
+    _err(httpx.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": MSG}), 401,
+         code="invalid_api_key")
+    _err(httpx.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": MSG},
+                    headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
+    _err(httpx.get(base + "/v1/models"), 401)
+    _err(httpx.get(base + "/metrics"), 401)
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 300_000}]}
+    _err(http.post("/v1/chat/completions", json=big), 413, code="request_too_large")
+    _err(http.get("/v1/nothing-here"), 404)
+    # the server keeps serving
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_client_error_types(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSG)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSG, top_p=2)
+    assert e.value.body["param"] == "top_p"
+    bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ------------------------------------------------------------------------- load / disconnect
+
+
+def _wait(pred, timeout=60.0, step=0.2):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    return pred()
+
+
+def test_queue_full_503_and_disconnects_free_the_pool(server, http):
+    base = server["base"]
+    m0 = metrics(http)
+    assert m0["dsv41:num_used_tokens"] == 0 and m0["dsv41:num_running_reqs"] == 0
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    started, stop = [], threading.Event()
+
+    def hold(k):
+        with httpx.Client(timeout=120) as c:
+            with c.stream("POST", base + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                started.append(resp.status_code)
+                for _ in resp.iter_lines():
+                    if stop.is_set():
+                        break  # leaving the block closes the connection mid-stream
+
+    threads = [threading.Thread(target=hold, args=(k,), daemon=True) for k in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    try:
+        m = _wait(lambda: (lambda x: x if x["dsv41:num_running_reqs"] == 4 and x["dsv41:num_queue_reqs"] == 2
+                           else None)(metrics(http)), timeout=60)
+        assert m, metrics(http)
+        e = _err(http.post("/v1/chat/completions", json=dict(body, stream=False)), 503, code="queue_full")
+        assert "queue" in e["message"]
+        assert metrics(http)["dsv41:num_used_tokens"] > 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert sorted(started) == [200] * 6
+    m = _wait(lambda: (lambda x: x if x["dsv41:num_used_tokens"] == 0 and x["dsv41:num_running_reqs"] == 0
+                       and x["dsv41:num_queue_reqs"] == 0 else None)(metrics(http)), timeout=60)
+    assert m, metrics(http)
+    assert m["dsv41:num_aborted_requests_total"] >= 6
+    # a non-streaming client that gives up is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/chat/completions", json=dict(body, stream=False),
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=3)
+    m = _wait(lambda: (lambda x: x if x["dsv41:num_used_tokens"] == 0 and x["dsv41:num_running_reqs"] == 0
+                       else None)(metrics(http)), timeout=60)
+    assert m, metrics(http)
+
+
+def test_metrics_endpoint(http, client):
+    client.chat.completions.create(model="tiny", messages=MSG, max_tokens=5)
+    text = http.get("/metrics").text
+    for name in ("dsv41:num_running_reqs", "dsv41:num_queue_reqs", "dsv41:token_usage", "dsv41:gen_throughput",
+                 "dsv41:cache_hit_rate", "dsv41:time_to_first_token_seconds_bucket",
+                 "dsv41:inter_token_latency_seconds_bucket", "dsv41:e2e_request_latency_seconds_count",
+                 "dsv41:generation_tokens_total", "dsv41:prompt_tokens_total"):
+        assert name in text, name
+    m = metrics(http)
+    assert m["dsv41:time_to_first_token_seconds_count"] >= 1 and m["dsv41:generation_tokens_total"] >= 5
+
+
+# ------------------------------------------------------------------------------ process level
+
+
+def test_help_and_bad_environment():
+    out = subprocess.run(_serve_cmd() + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--host", "--port", "--api-key", "--reasoning-parser", "--tool-call-parser",
+                 "--enable-metrics", "--max-queued-requests", "--max-running-requests", "--chunked-prefill-size",
+                 "--page-size", "--context-length", "--kv-cache-dtype", "--mem-fraction-static", "--tp-size",
+                 "--ep-size", "--max-body-size", "--random-seed"):
+        assert flag in out.stdout, flag
+    for env in ({"DSV41_REASONING_EFFORT": "ludicrous"}, {"DSV41_DEFAULT_THINKING": "perhaps"},
+                {"DSV41_REASONING_EFFORT": "101"}):
+        r = subprocess.run(_serve_cmd(), capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
+        assert r.returncode != 0 and "DSV41_" in r.stderr, (env, r.stderr)
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache):
+    proc, base, logf = start_server(ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"], tmp_path / "s.log",
+                                    jax_cache)
+    try:
+        lines = []
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=120,
+                          json={"model": "tiny", "messages": MSG, "max_tokens": 40, "ignore_eos": True,
+                                "stream": True}) as resp:
+            it = resp.iter_lines()
+            for ln in it:
+                if ln.startswith("data: {") and '"content":"' in ln and '"content":""' not in ln:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream
+                    break
+            lines = [ln for ln in it if ln]
+        assert lines[-1] == "data: [DONE]"
+        fins = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in lines[:-1]]
+        assert fins[-1] == "length"  # the in-flight request ran to its end
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        logf.close()
+    assert rc == 0, open(tmp_path / "s.log").read()[-3000:]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(base + "/health", timeout=2)
