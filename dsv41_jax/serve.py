@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "constraints (default: none; the checkpoint's ', ' and ': ' separators only)")
     g.add_argument("--max-n", type=int, default=16, help="largest n (choices per request) accepted")
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="HTTP keep-alive timeout in seconds")
+    g.add_argument("--compilation-cache-dir",
+                   default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join("~", ".cache", "dsv41_jax", "jax"),
+                   help="JAX persistent compilation cache (later starts skip most of the warm-up compile time); "
+                        "'none' disables it")
     g.add_argument("--log-level", default=os.environ.get("DSV41_LOG_LEVEL", "info"),
                    choices=("debug", "info", "warning", "error"), help="log level of the server and the engine")
     g.add_argument("--log-level-http", default="warning", choices=("debug", "info", "warning", "error"),
@@ -108,12 +113,30 @@ def _resolve_parser(value, known: str):
     return known
 
 
+def model_aliases(model: str) -> list:
+    """Names a request may use for the served model: the path, its directory name, and the Hugging
+    Face repo id when the path shows it (``.../models--ORG--NAME/snapshots/<rev>`` or a directory
+    named like a DeepSeek release, as in the vendor pages' ``deepseek-ai/DeepSeek-V4.1-Flash``)."""
+    out = [model]
+    norm = os.path.normpath(model)
+    base = os.path.basename(norm)
+    out.append(base)
+    for part in norm.split(os.sep):
+        if part.startswith("models--") and part.count("--") >= 2:
+            org, name = part[len("models--"):].split("--", 1)
+            out += [f"{org}/{name}", name]
+    if base.lower().startswith("deepseek"):
+        out.append(f"deepseek-ai/{base}")
+    return list(dict.fromkeys(a for a in out if a))
+
+
 def _served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
     if args.model == "tiny":
         return "tiny"
-    return os.path.basename(os.path.normpath(args.model)) or args.model
+    hub = [a for a in model_aliases(args.model) if "/" in a and not os.path.exists(a)]
+    return hub[0] if hub else (os.path.basename(os.path.normpath(args.model)) or args.model)
 
 
 def main(argv=None) -> int:
@@ -162,6 +185,15 @@ def main(argv=None) -> int:
     # ---- the engine (loads and compiles the model)
     import jax
 
+    cache_dir = args.compilation_cache_dir
+    if cache_dir and cache_dir.lower() != "none":
+        cache_dir = os.path.expanduser(cache_dir)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
+            log.info("JAX compilation cache: %s", cache_dir)
+        except OSError as e:
+            log.warning("JAX compilation cache %s not usable (%s); compiling without it", cache_dir, e)
     devs = jax.devices()
     log.info("JAX %s, backend %s: %d device(s) (%s)", jax.__version__, jax.default_backend(), len(devs),
              devs[0].device_kind if devs else "?")
@@ -192,7 +224,7 @@ def main(argv=None) -> int:
     except ImportError:  # pragma: no cover
         pass
     name = _served_name(args)
-    aliases = [a for a in {args.model, os.path.basename(os.path.normpath(args.model))} if a and a != name]
+    aliases = [a for a in model_aliases(args.model) if a != name]
     cfg = ServerConfig(
         model_name=name, model_aliases=aliases, api_key=args.api_key or None,
         context_length=engine_context_length(engine, engine_args), vocab_size=vocab,
@@ -201,7 +233,8 @@ def main(argv=None) -> int:
         tool_call_parser=tool_parser, server_defaults=defaults, wording=wording, enable_metrics=args.enable_metrics,
         render_response_format=args.render_response_format, max_n=args.max_n)
     app = build_app(engine, tokenizer, cfg, grammar=grammar, on_shutdown=lambda: stop_engine(engine),
-                    queue_full_errors=engine_queue_errors())
+                    queue_full_errors=engine_errors("QueueFullError"),
+                    bad_request_errors=engine_errors("EngineError"))
     log.info("serving %r (aliases %s) on http://%s:%d/v1, context_length=%d, API key %s, metrics %s, body limit "
              "%d bytes", name, aliases, args.host, args.port, cfg.context_length,
              "required" if cfg.api_key else "off", "on /metrics" if cfg.enable_metrics else "off",
@@ -243,9 +276,10 @@ def engine_context_length(engine, engine_args) -> int:
     return int(v or engine_args.context_length or 4096)
 
 
-def engine_queue_errors() -> tuple:
+def engine_errors(name: str) -> tuple:
+    """The engine modules' exception classes called ``name`` (QueueFullError -> 503, EngineError -> 400)."""
     out = []
-    for mod, name in (("dsv41_jax.serving.engine", "QueueFullError"), ("dsv41_jax.serving.async_engine", "QueueFullError")):
+    for mod in ("dsv41_jax.serving.engine", "dsv41_jax.serving.async_engine"):
         try:
             m = __import__(mod, fromlist=[name])
             e = getattr(m, name, None)
@@ -273,6 +307,11 @@ def run_uvicorn(app, args) -> int:
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout, lifespan="on",
                             access_log=args.log_level_http in ("debug", "info"))
     server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
+    # handlers in place that re-raise is a no-op and the process exits 0
+    received = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: received.append(s))
     try:
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C
@@ -280,7 +319,7 @@ def run_uvicorn(app, args) -> int:
     if getattr(server, "started", True) is False:
         log.error("the server did not start (port %d in use?)", args.port)
         return 1
-    log.info("server stopped")
+    log.info("server stopped%s", f" (signal {received[0]})" if received else "")
     return 0
 
 

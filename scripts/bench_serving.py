@@ -40,7 +40,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import httpx
@@ -334,6 +334,9 @@ def plot(report: dict, path: str) -> None:
     for ax in axes:
         if len(cs) > 1 and max(cs) / max(1, min(cs)) >= 4:
             ax.set_xscale("log", base=2)
+        ax.set_xticks(cs)
+        ax.set_xticklabels([str(c) for c in cs])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{report['model']} @ {report['base_url']} ({report['endpoint']}, "
                  f"in {report['input_len']} / out {report['output_len']} tokens)")

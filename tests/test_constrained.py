@@ -211,11 +211,34 @@ def test_tool_grammar_text(gc):
 def test_thinking_gate(gc, tok):
     c = gc.for_request({"response_format": {"type": "json_object"}}, thinking=True)
     for t in tok.encode("some reasoning {not json"):
-        assert c.allowed_mask() is None and c.accept(t)
+        m = c.allowed_mask()
+        assert not m[1] and m.sum() == V - 1 and c.accept(t)  # anything but EOS: the JSON must come
     assert not c.active and not c.is_done()
     assert c.accept(gc.think_close_id)
     m = c.allowed_mask()
     assert m is not None and not m[1] and c.active
+
+
+def test_thinking_budget(gc, tok):
+    # budget only: free for 3 tokens, then </think> is forced, then free again
+    c = gc.for_request({}, thinking=True, thinking_budget=3)
+    for t in tok.encode("abc"):
+        assert c.allowed_mask() is None
+        c.accept(t)
+    m = c.allowed_mask()
+    assert m.sum() == 1 and m[gc.think_close_id]
+    c.accept(gc.think_close_id)
+    assert c.allowed_mask() is None and not c.is_done() and c.is_accepting()
+    d = c.clone()
+    c.rollback(2)
+    assert c.allowed_mask() is None and d.allowed_mask() is None
+    # with a grammar: reasoning, forced close, then JSON
+    c = gc.for_request({"response_format": {"type": "json_object"}}, thinking=True, thinking_budget=0)
+    assert c.allowed_mask().tolist() == [t == gc.think_close_id for t in range(V)]
+    c.accept(gc.think_close_id)
+    assert not c.allowed_mask()[1] and c.allowed_mask().any()
+    assert gc.for_request({}, thinking=False, thinking_budget=3) is None
+    assert gc.for_request({}, thinking=True) is None
 
 
 def test_fork_rollback_bitmask(gc, tok):

@@ -26,6 +26,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
+if not os.environ.get("DSV41_TEST_SERVE_CMD"):
+    pytest.importorskip("dsv41_jax.serving.async_engine")  # the engine the CLI serves with
 
 from dsv41_jax.serving.chat import encode_chat_request  # noqa: E402
 from dsv41_jax.serving.tokenizer import load_tokenizer  # noqa: E402
@@ -186,7 +188,8 @@ def test_chat_streaming_equals_non_streaming(server, client):
 
 
 def test_seed_n_reproducible(client):
-    kw = dict(model="tiny", messages=MSG, max_tokens=8, temperature=1.0, top_p=0.95, n=2, seed=1234)
+    kw = dict(model="tiny", messages=MSG, max_tokens=8, temperature=1.0, top_p=0.95, n=2, seed=1234,
+              extra_body={"ignore_eos": True})
     a = client.chat.completions.create(**kw)
     b = client.chat.completions.create(**kw)
     ta = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
@@ -202,8 +205,8 @@ def test_seed_n_reproducible(client):
 def test_stop_string(client):
     kw = dict(model="tiny", messages=MSG, temperature=0)
     text = client.chat.completions.create(max_tokens=24, **kw).choices[0].message.content
-    cands = [text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isprintable() and
-             "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()]
+    cands = [text[i:i + k] for k in (2, 1) for i in range(3, len(text) - k)
+             if text[i:i + k].isprintable() and "\ufffd" not in text[i:i + k] and text[i:i + k].strip()]
     assert cands, repr(text)
     stop = cands[0]
     r = client.chat.completions.create(max_tokens=24, stop=[stop], **kw)
@@ -329,6 +332,31 @@ def test_json_schema_output_validates(client):
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
 
 
+def test_thinking_budget_then_schema(client):
+    """Thinking on, the reasoning capped at 6 tokens (then </think> is forced), then JSON by the schema:
+    the reasoning parser splits at the real </think>, the content validates."""
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather as JSON, think first."}],
+                  max_tokens=80, temperature=1.0, seed=4, reasoning_effort="max",
+                  response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
+                  extra_body={"thinking_budget": 6})
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            c = r.choices[0]
+            reasoning, content, fin = c.message.reasoning_content, c.message.content, c.finish_reason
+            usage = r.model_dump()["usage"]
+        else:
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+                                for ch in chunks if ch.choices)
+            content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            fin = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason][0]
+            usage = chunks[-1].model_dump()["usage"]
+        assert fin == "stop" and reasoning and "</think>" not in reasoning + content
+        jsonschema.validate(json.loads(content), SCHEMA)
+        assert usage["completion_tokens_details"]["reasoning_tokens"] == 6
+
+
 # ----------------------------------------------------------------------------------------- errors
 
 
@@ -362,6 +390,7 @@ BAD_CHAT = [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
      "response_format.json_schema.schema"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"thinking_budget": -1}, "thinking_budget"),
     ({"stop": [""]}, "stop"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),

@@ -33,7 +33,9 @@ whitespace matching that regex between tokens instead.
 
 Thinking: when the request thinks (the prompt ends with ``<think>``) the grammar starts only after
 the model closes its reasoning with the ``</think>`` token; reasoning itself is free (as SGLang's
-reasoning-gated grammars). Until then :meth:`allowed_mask` returns ``None``.
+reasoning-gated grammars); until then only EOS is excluded (the answer must still come). A request's
+``thinking_budget`` (an extra field, as SGLang's thinking-budget processor) caps the reasoning: after
+that many reasoning tokens only ``</think>`` is allowed; it works with or without a grammar.
 
 The constraint object is what the engine consumes (``allowed_mask()``, ``accept(token_id)``,
 ``is_done()``); ``fork()`` gives an independent copy for each of the ``n`` choices and
@@ -410,21 +412,30 @@ class GrammarCompiler:
         if err:
             raise ChatError(f"{spec.param}: cannot be enforced: {err}", spec.param)
 
-    def constraint(self, spec: ConstraintSpec, *, thinking: bool = False) -> "GrammarConstraint":
-        """A fresh per-request constraint (``thinking``: gate the grammar behind ``</think>``)."""
-        self.validate(spec)
-        matcher = self._llg.LLMatcher(self.llg_tokenizer, spec.grammar, log_level=0)
-        if matcher.is_error():
-            raise ChatError(f"{spec.param}: cannot be enforced: {matcher.get_error()}", spec.param)
-        return GrammarConstraint(matcher, self.vocab_size, self.eos_token_ids,
-                                 gate_token_id=self.think_close_id if thinking else None, spec=spec)
+    def constraint(self, spec: ConstraintSpec | None, *, thinking: bool = False,
+                   thinking_budget: int | None = None) -> "GrammarConstraint":
+        """A fresh per-request constraint. ``thinking``: the grammar starts after ``</think>``;
+        ``thinking_budget`` (thinking only): at most that many reasoning tokens, then ``</think>`` is
+        forced. ``spec=None`` with a budget gives a budget-only constraint."""
+        matcher = None
+        if spec is not None:
+            self.validate(spec)
+            matcher = self._llg.LLMatcher(self.llg_tokenizer, spec.grammar, log_level=0)
+            if matcher.is_error():
+                raise ChatError(f"{spec.param}: cannot be enforced: {matcher.get_error()}", spec.param)
+        gate = self.think_close_id if thinking else None
+        if thinking and gate is None and thinking_budget is not None:
+            raise ChatError("thinking_budget: this tokenizer has no </think> token", "thinking_budget")
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_token_ids, gate_token_id=gate, spec=spec,
+                                 thinking_budget=thinking_budget if thinking else None)
 
-    def for_request(self, request: Mapping[str, Any], *, tools=None, tool_choice=None,
-                    thinking: bool = False) -> "GrammarConstraint | None":
+    def for_request(self, request: Mapping[str, Any], *, tools=None, tool_choice=None, thinking: bool = False,
+                    thinking_budget: int | None = None) -> "GrammarConstraint | None":
+        """The constraint of a request body, or None when it asks for none."""
         spec = self.spec_for_request(request, tools=tools, tool_choice=tool_choice)
-        if spec is None:
+        if spec is None and not (thinking and thinking_budget is not None):
             return None
-        return self.constraint(spec, thinking=thinking)
+        return self.constraint(spec, thinking=thinking, thinking_budget=thinking_budget)
 
 
 # ---------------------------------------------------------------------------------- constraint
@@ -434,41 +445,57 @@ class GrammarConstraint:
     """Per-request (per-choice) grammar state, the object the engine applies before sampling.
 
     * ``allowed_mask()`` -> ``np.ndarray`` bool ``[vocab_size]`` of the tokens allowed next, or
-      ``None`` when nothing is restricted (the reasoning phase of a thinking request);
+      ``None`` when nothing is restricted (budget-only constraints outside the forced close); in the
+      reasoning phase before a grammar every token but EOS is allowed;
     * ``bitmask()`` -> the same as packed ``int32 [ceil(V/32)]`` (bit i of word i // 32), or None;
     * ``accept(token_id) -> bool`` advances the grammar (False: the token was not allowed; the
       constraint then allows only EOS);
     * ``is_done()``: the grammar is complete and admits nothing but EOS;
     * ``fork()`` / ``clone()``: an independent copy (one per choice of an ``n > 1`` request);
     * ``rollback(k)``: undo the last ``k`` accepted tokens.
+
+    ``matcher`` None: no grammar (only the reasoning gate / thinking budget).
     """
 
     def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 gate_token_id: int | None = None, spec: ConstraintSpec | None = None):
+                 gate_token_id: int | None = None, spec: ConstraintSpec | None = None,
+                 thinking_budget: int | None = None):
         self._m = matcher
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._gate_id = gate_token_id
         self._gated = gate_token_id is not None
-        self._history: list[tuple[str, int]] = []  # ("gate"|"free"|"grammar", token)
+        self._budget = thinking_budget if gate_token_id is not None else None
+        self._free = 0  # reasoning tokens accepted so far
+        self._history: list[tuple[str, int]] = []  # ("gate"|"free"|"grammar"|"eos"|"after"|"failed", token)
         self._failed = False
         self.spec = spec
         self.accepted = 0
 
     @property
     def active(self) -> bool:
-        """The grammar is in force (past the reasoning gate)."""
+        """Past the reasoning gate (the grammar, if any, is in force)."""
         return not self._gated
 
-    def _eos_only(self) -> np.ndarray:
+    def _only(self, ids) -> np.ndarray:
         m = np.zeros(self.vocab_size, dtype=bool)
-        for t in self.eos_token_ids:
+        for t in ids:
             if 0 <= t < self.vocab_size:
                 m[t] = True
         return m
 
+    def _eos_only(self) -> np.ndarray:
+        return self._only(self.eos_token_ids)
+
     def allowed_mask(self) -> np.ndarray | None:
         if self._gated:
+            if self._budget is not None and self._free >= self._budget:
+                return self._only([self._gate_id])  # the budget is spent: close the reasoning
+            if self._m is not None:
+                # a grammar is still to come: the output may not end inside the reasoning
+                return ~self._eos_only()
+            return None
+        if self._m is None:
             return None
         if self._failed or self._m.is_error():
             return self._eos_only()
@@ -498,7 +525,11 @@ class GrammarConstraint:
                 self._gated = False
                 self._history.append(("gate", token_id))
             else:
+                self._free += 1
                 self._history.append(("free", token_id))
+            return True
+        if self._m is None:
+            self._history.append(("after", token_id))
             return True
         if self._failed:
             self._history.append(("failed", token_id))
@@ -523,12 +554,16 @@ class GrammarConstraint:
         return ok
 
     def is_done(self) -> bool:
-        if self._gated:
+        if self._gated or self._m is None:
             return False
         return self._failed or bool(self._m.is_stopped())
 
     def is_accepting(self) -> bool:
-        return not self._gated and not self._failed and bool(self._m.is_accepting())
+        if self._gated:
+            return False
+        if self._m is None:
+            return True
+        return not self._failed and bool(self._m.is_accepting())
 
     def rollback(self, k: int) -> None:
         """Undo the last ``k`` accepted tokens."""
@@ -540,6 +575,8 @@ class GrammarConstraint:
                 n_grammar += 1
             elif kind == "gate":
                 self._gated = True
+            elif kind == "free":
+                self._free -= 1
             elif kind == "failed":
                 if not any(h[0] == "failed" for h in self._history):
                     self._failed = False
@@ -548,7 +585,7 @@ class GrammarConstraint:
 
     def fork(self) -> "GrammarConstraint":
         c = copy.copy(self)
-        c._m = self._m.deep_copy()
+        c._m = self._m.deep_copy() if self._m is not None else None
         c._history = list(self._history)
         return c
 
@@ -556,4 +593,5 @@ class GrammarConstraint:
 
     def __repr__(self) -> str:
         state = "gated" if self._gated else ("failed" if self._failed else ("done" if self.is_done() else "active"))
-        return f"GrammarConstraint({self.spec.description if self.spec else '?'}, {state})"
+        what = self.spec.description if self.spec else "thinking budget"
+        return f"GrammarConstraint({what}, {state})"

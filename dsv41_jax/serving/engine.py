@@ -304,7 +304,6 @@ class _Seq:
         self.slot: Optional[int] = None
         self.num_cached = 0  # tokens written to the cache (host view, counting dispatched launches)
         self.n_inflight = 0  # sampled on the device, not read yet
-        self.prefix_target: Optional[int] = None  # fork source: stop prefilling here until forked
         self.fork_src: Optional["_Seq"] = None  # fork child: waiting for the source's prefix
         self.admit_order = -1
         self.ever_admitted = False
@@ -341,6 +340,7 @@ class _Row:
     from_prev: bool
     sample: bool
     step: int
+    pages: list
 
 
 @dataclass
@@ -429,7 +429,7 @@ class Engine:
         # -- memory plan
         self.ccfg, self.memory_plan = self._plan_memory()
         ccfg = self.ccfg
-        self.context_length = ccfg.max_context
+        self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
         self.max_slots = ccfg.max_slots
         self.scratch = ccfg.max_slots
         self.batch_buckets = args.resolved_batch_buckets()
@@ -454,7 +454,6 @@ class Engine:
         self._running: list = []
         self._free_slots = list(range(self.max_slots - 1, -1, -1))
         self._pending: list = []
-        self._outbox: list = []
         self._touched: dict = {}
         self._admit_counter = 0
         self._hold_admission = False
@@ -466,6 +465,7 @@ class Engine:
         self._last_log = (time.perf_counter(), 0)
         self.warmup_time = 0.0
         self.warmup_shapes = 0
+        self.last_step: dict = {}
 
         # -- metrics
         self.metrics = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
@@ -483,8 +483,8 @@ class Engine:
         args, cfg = self.args, self.cfg
         ps, S = args.page_size, args.max_running_requests
         mode = args.cache_dtype
-        ctx = args.context_length or cfg.max_position_embeddings
-        ctx = -(-ctx // ps) * ps
+        want_ctx = args.context_length or cfg.max_position_embeddings
+        ctx = -(-want_ctx // ps) * ps
         b = kvc.kv_bytes_per_token(cfg, mode)
         info = {"page_size": ps, "max_running_requests": S, "bytes_per_token": b["per_token"],
                 "window_bytes": (S + 1) * b["window_per_request"]}
@@ -502,17 +502,17 @@ class Engine:
                         budget_bytes=budget)
         num_pages = max(num_pages, 2)
         ctx = min(ctx, (num_pages - 1) * ps)
-        if ctx < 2:
+        if min(ctx, want_ctx) < 2:
             raise EngineError("the KV pool is too small for a single request")
         ccfg = kvc.CacheConfig(page_size=ps, num_pages=num_pages, max_slots=S, max_pages_per_seq=ctx // ps,
                                kv_cache_dtype=mode)
         ccfg.validate(cfg)
-        info.update(num_pages=num_pages, pool_tokens=(num_pages - 1) * ps, context_length=ctx,
+        info.update(num_pages=num_pages, pool_tokens=(num_pages - 1) * ps, context_length=min(ctx, want_ctx),
                     pool_bytes=int(num_pages * ps * b["per_token"]))
         log.info("KV cache (%s): page_size=%d, %d pages = %d tokens, pools %.1f MiB (%.0f B/token), window rings "
                  "%.1f MiB for %d slots, context_length=%d, kv_cache_dtype=%s, act dtype=%s", info["source"], ps,
                  num_pages - 1, info["pool_tokens"], info["pool_bytes"] / 2**20, b["per_token"],
-                 info["window_bytes"] / 2**20, S, ctx, mode, cfg.act_dtype)
+                 info["window_bytes"] / 2**20, S, info["context_length"], mode, cfg.act_dtype)
         return ccfg, info
 
     def _jitted(self) -> list:
@@ -530,16 +530,11 @@ class Engine:
         n0 = self.num_compilations()
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
-            batch = {"tokens": np.zeros((B, T), np.int32), "start": np.zeros((B,), np.int32),
-                     "n_new": np.zeros((B,), np.int32), "slot": np.full((B,), self.scratch, np.int32),
-                     "page_table": np.zeros((B, P), np.int32)}
-            batch = jax.device_put(batch)
-            batch["tokens"] = _fill_first_token(batch["tokens"], jax.device_put(np.zeros((B,), bool)), batch["slot"],
-                                                self.last_token)
-            logits, self.state = self._extend(self.params, self.state, batch)
-            if T == self.token_buckets[0]:
-                self._run_sample(logits, [], B, batch["slot"], np.zeros((B,), np.int32), np.zeros((B,), bool))
-            jax.block_until_ready(logits)
+            z = np.zeros((B,), np.int32)
+            self._device_launch(None, np.zeros((B, T), np.int32), z, z, np.full((B,), self.scratch, np.int32),
+                                np.zeros((B, P), np.int32), np.zeros((B,), bool), np.zeros((B,), bool), z,
+                                force_sample=(T == self.token_buckets[0]))
+            jax.block_until_ready(self.state)
             log.info("warm-up [%d/%d] batch=%d tokens=%d: %.1fs", i + 1, len(shapes), B, T, time.perf_counter() - ts)
         self._reset_device_slots([self.scratch])
         self.slot_tensors = self.slot_tensors.update_slots([self.scratch] * _ADMIT_ROWS, [None] * _ADMIT_ROWS)
@@ -548,6 +543,7 @@ class Engine:
         jax.block_until_ready(self.state)
         self.warmup_time = time.perf_counter() - t0
         self.warmup_shapes = len(shapes)
+        self.metrics["launches"] = 0
         log.info("warm-up done: %d shapes, %d compilations in %.1fs", len(shapes), self.num_compilations() - n0,
                  self.warmup_time)
 
@@ -607,7 +603,7 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request: its pages and slots are freed at once; an "abort" output is emitted."""
         g = self._groups.get(request_id)
-        if g is None:
+        if g is None or g.finished:
             return False
         for s in g.seqs:
             if s.status == WAITING:
@@ -635,17 +631,20 @@ class Engine:
     def step(self) -> list:
         """One scheduler iteration; returns the `RequestOutput`s produced."""
         self._iter += 1
-        launches = self._schedule()
-        if launches:
-            self._dispatch(launches)
+        ops = self._schedule()
+        launches = [op for op in ops if isinstance(op, _Launch)]
+        if ops:
+            self._dispatch(ops)
+        self.last_step = {"launches": [(L.B, L.T) for L in launches],
+                          "prefill_tokens": sum(r.n for L in launches for r in L.rows if not r.sample),
+                          "decode_rows": sum(1 for L in launches for r in L.rows if r.sample)}
         if self.overlap:
-            done, self._pending = self._pending, (launches or [])
+            done, self._pending = self._pending, launches
             self._process(done)
         else:
-            self._process(launches or [])
+            self._process(launches)
         if not launches and not self._pending and (self._running or self._waiting):
-            # nothing could run: a request that can never fit
-            self._unstick()
+            self._unstick()  # nothing could run although work exists
         self.metrics["steps"] += 1
         return self._emit()
 
@@ -661,109 +660,149 @@ class Engine:
         self._process(done)
 
     # ------------------------------------------------------------------------------------ scheduling
-    def _schedulable(self, s: _Seq) -> bool:
+    def _active(self, s: _Seq) -> bool:
+        """Running, not waiting for a fork, and not already at max_tokens / the context length."""
         if s.status != RUNNING or s.fork_src is not None:
             return False
-        if s.prefix_target is not None:
-            return s.num_cached < s.prefix_target
         mt = s.params.max_tokens
         if mt is not None and s.n_out >= mt:
             return False
-        return s.total_len < self.context_length or s.num_cached < s.total_len - 1
+        return s.total_len < self.context_length
+
+    def _decodable(self, s: _Seq) -> bool:
+        return self._active(s) and s.num_cached == s.total_len - 1
+
+    def _prefilling(self, s: _Seq) -> bool:
+        return self._active(s) and s.num_cached < s.total_len - 1
 
     def _schedule(self) -> list:
         if self._pending and any(s.constraint is not None and s.n_inflight for s in self._running):
             self._sync()
-        for _ in range(4 * (len(self._running) + 2)):
-            rows = self._plan_rows()
-            if rows is None:  # needs the in-flight tokens first
-                self._sync()
-                continue
-            break
-        else:
-            rows = []
-        if not rows:
-            return []
-        return self._make_launches(rows)
+        for _ in range(2):
+            ops = self._plan()
+            if ops is not None:
+                return ops
+            self._sync()  # a preemption needs the in-flight tokens first
+        return []
 
-    def _pick_victim(self, exclude=()) -> Optional[_Seq]:
-        cands = [s for s in self._running if s.fork_src is None and s not in exclude]
+    def _pick_victim(self) -> Optional[_Seq]:
+        cands = [s for s in self._running if s.fork_src is None]
         return max(cands, key=lambda s: s.admit_order) if cands else None
 
-    def _plan_rows(self) -> Optional[list]:
-        """Rows of this iteration, or None when a preemption needs the in-flight tokens read first."""
+    def _decode_row(self, s: _Seq) -> _Row:
+        self.allocator.ensure(s.key, s.num_cached + 1)
+        from_prev = s.n_inflight > 0
+        tok = [] if from_prev else s.tokens(s.num_cached, s.num_cached + 1)
+        return _Row(s, s.num_cached, 1, tok, from_prev, True, s.n_out, self.allocator.pages(s.key))
+
+    def _plan(self) -> Optional[list]:
+        """This iteration's device work: launches (and fork copies between them), with the host state
+        (num_cached, in-flight counts, pages) advanced as if they had run. None: a preemption is
+        needed and the in-flight tokens must be read first."""
         alloc = self.allocator
-        ps = self.ccfg.page_size
+        mixed = self.args.enable_mixed_chunk
+        # 1. pages for the sequences in the decode phase; preempt the newest while short
         while True:
-            dec_seqs = [s for s in self._running if self._schedulable(s) and s.prefix_target is None
-                        and s.num_cached == s.total_len - 1]
+            dec_seqs = [s for s in self._running if self._decodable(s)]
             need = sum(alloc.pages_needed(s.key, s.num_cached + 1) for s in dec_seqs)
             if need <= alloc.free_pages:
                 break
             if self._pending:
                 return None
-            victim = self._pick_victim()
-            if victim is None:
-                break
-            self._preempt(victim)
-        rows = []
-        for s in sorted(dec_seqs, key=lambda s: s.admit_order):
+            self._preempt(self._pick_victim())
+        dec_seqs.sort(key=lambda s: s.admit_order)
+        for s in dec_seqs:
             alloc.ensure(s.key, s.num_cached + 1)
-            from_prev = s.n_inflight > 0
-            tok = [] if from_prev else s.tokens(s.num_cached, s.num_cached + 1)
-            rows.append(_Row(s, s.num_cached, 1, tok, from_prev, True, s.n_out))
+        # 2. prefill chunks of admitted sequences, then admissions (FIFO, preempted ones first)
         budget = self.args.max_prefill_tokens
-        pre_seqs = [s for s in self._running if self._schedulable(s) and s not in dec_seqs]
-        for s in sorted(pre_seqs, key=lambda s: s.admit_order):
+        pre_rows = []
+        for s in sorted((s for s in self._running if self._prefilling(s)), key=lambda s: s.admit_order):
             if budget <= 0:
                 break
             row = self._prefill_row(s, budget)
             if row is not None:
-                rows.append(row)
+                pre_rows.append(row)
                 budget -= row.n
-        # admissions
+        admitted = []
         while self._waiting and budget > 0 and not self._hold_admission:
             s = self._waiting[0]
             group = self._fork_group(s)
-            n_slots = len(group) if group else 1
-            if len(self._free_slots) < n_slots:
+            members = group or [s]
+            if len(self._free_slots) < len(members):
                 break
-            first = min(self._prefill_target(s, group) , self.chunk_cap, budget)
-            if alloc.pages_needed(("probe",), first) > alloc.free_pages:
+            first = min(s.total_len - 1, self.chunk_cap, budget)
+            if alloc.pages_needed(None, max(first, 1)) > alloc.free_pages:
                 break
-            for q in (group or [s]):
+            for q in members:
                 self._waiting.remove(q)
                 self._admit(q)
-            if group:
-                s.prefix_target = len(s.prompt_ids) - 1
-                for q in group[1:]:
-                    q.fork_src = s
-            row = self._prefill_row(s, budget)
-            if row is not None:
-                rows.append(row)
-                budget -= row.n
-        if not rows and self._running and not self._pending:
-            # running sequences exist but none could get pages: free the newest and retry
-            stuck = [s for s in self._running if self._schedulable(s)]
-            if stuck and len(self._running) > 1:
+                admitted.append(q)
+            for q in members[1:]:
+                q.fork_src = s
+            if s.total_len > 1:
+                row = self._prefill_row(s, budget)
+                if row is not None:
+                    pre_rows.append(row)
+                    budget -= row.n
+        # 3. forks: sources whose prompt (minus its last token) is now all dispatched
+        fork_ops = []
+        for r in pre_rows:
+            if r.seq.num_cached == r.seq.total_len - 1:
+                fork_ops += self._fork(r.seq)
+        forked = {id(s) for op in fork_ops for s in op[5]}
+        # 4. decode rows: the decode phase, plus (split launches) the sequences whose prefill just
+        #    completed, whose newest token runs in the decode launch dispatched after the prefill one
+        dec_rows = [self._decode_row(s) for s in dec_seqs]
+        have = {id(s) for s in dec_seqs}
+        if mixed:  # one launch: a sequence gets one row; fork copies run after it
+            have |= {id(r.seq) for r in pre_rows} | forked
+        for s in sorted(self._running, key=lambda s: s.admit_order):
+            if id(s) not in have and self._decodable(s) and alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages:
+                dec_rows.append(self._decode_row(s))
+        for r in dec_rows:
+            r.seq.num_cached += 1
+            r.seq.n_inflight += 1
+        if not pre_rows and not dec_rows:
+            if self._running and not self._pending and len(self._running) > 1 and any(
+                    self._prefilling(s) for s in self._running):
+                # prefilling sequences hold every page: free the newest and retry
                 self._preempt(self._pick_victim())
-                return self._plan_rows()
-        return rows
+                return self._plan()
+            return []
+        ops: list = []
+        if mixed:
+            rows = dec_rows + pre_rows
+            ops.append(self._launch(rows))
+            ops += fork_ops
+        else:
+            if pre_rows:
+                ops.append(self._launch(pre_rows))
+            ops += fork_ops
+            if dec_rows:
+                ops.append(self._launch(dec_rows))
+        return ops
 
-    def _prefill_target(self, s: _Seq, group) -> int:
-        return (len(s.prompt_ids) - 1) if group else s.total_len
+    def _launch(self, rows: list) -> _Launch:
+        T = _bucket(max(r.n for r in rows), self.token_buckets)
+        B = _bucket(len(rows), self.batch_buckets)
+        return _Launch(rows, B, T)
 
     def _prefill_row(self, s: _Seq, budget: int) -> Optional[_Row]:
+        """The next chunk of s's prefill (everything but the newest token), within budget and pages;
+        advances s.num_cached."""
         alloc, ps = self.allocator, self.ccfg.page_size
-        end = s.prefix_target if s.prefix_target is not None else s.total_len
-        n = min(end - s.num_cached, self.chunk_cap, budget)
+        n = min(s.total_len - 1 - s.num_cached, self.chunk_cap, budget)
         room = (len(alloc.pages(s.key)) + alloc.free_pages) * ps - s.num_cached
         n = min(n, room)
         if n <= 0:
             return None
         alloc.ensure(s.key, s.num_cached + n)
-        sample = s.prefix_target is None and s.num_cached + n == s.total_len
-        return _Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, sample, s.n_out)
+        row = _Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
+                   alloc.pages(s.key))
+        s.num_cached += n
+        if s.num_cached <= len(s.prompt_ids):
+            self.metrics["computed_prompt_tokens"] += n
+        return row
 
     def _fork_group(self, s: _Seq) -> Optional[list]:
         """The n fresh samples of s's request to admit together with prompt sharing, or None."""
@@ -797,15 +836,18 @@ class Engine:
         self._release(s)
         s.status = WAITING
         s.num_cached = 0
-        s.prefix_target = None
-        # fork children waiting for this source: they prefill the prompt themselves
+        self._orphan_children(s)
+        self._waiting.appendleft(s)
+        self._hold_admission = True
+
+    def _orphan_children(self, s: _Seq) -> None:
+        """Fork children still waiting for s: they prefill the prompt themselves."""
         for q in s.group.seqs:
             if q.fork_src is s:
                 q.fork_src = None
-                q.num_cached = 0
-                self._pending_resets.append(q.slot)
-        self._waiting.appendleft(s)
-        self._hold_admission = True
+                if q.status == RUNNING and q.slot is not None:
+                    q.num_cached = 0
+                    self._pending_resets.append(q.slot)
 
     def _release(self, s: _Seq) -> None:
         if s in self._running:
@@ -817,7 +859,7 @@ class Engine:
 
     def _unstick(self) -> None:
         """No launch and nothing in flight although work exists: release the admission hold, or fail
-        requests that cannot fit at all."""
+        a request that cannot fit at all."""
         if self._hold_admission:
             self._hold_admission = False
             return
@@ -828,22 +870,38 @@ class Engine:
             self._waiting.remove(s)
             self._finish(s, "abort")
 
-    # ------------------------------------------------------------------------------------ dispatch
-    def _make_launches(self, rows: list) -> list:
-        dec_rows = [r for r in rows if r.n == 1 and r.sample and r.start == r.seq.total_len - 1]
-        pre_rows = [r for r in rows if r not in dec_rows]
-        if self.args.enable_mixed_chunk or not pre_rows or not dec_rows:
-            groups = [rows]
-        else:
-            groups = [dec_rows, pre_rows]
-        out = []
-        for g in groups:
-            T = _bucket(max(r.n for r in g), self.token_buckets)
-            B = _bucket(len(g), self.batch_buckets)
-            out.append(_Launch(g, B, T))
-        return out
+    def _fork(self, src: _Seq) -> list:
+        """src has (in this iteration's launches) prefilled its prompt minus the last token: give its
+        waiting siblings the same cache (full pages shared, the partial page copied, slot rows
+        copied). Returns the device copies to dispatch after the launch."""
+        alloc, ps = self.allocator, self.ccfg.page_size
+        k = src.num_cached
+        n_full = k // ps
+        src_pages = alloc.pages(src.key)
+        ops = []
+        for q in src.group.seqs:
+            if q.fork_src is not src:
+                continue
+            q.fork_src = None
+            if k % ps and alloc.free_pages < 1:
+                q.num_cached = 0
+                self._pending_resets.append(q.slot)
+                log.info("fork of %s#%d: no free page for the partial page; it prefills itself", q.group.rid,
+                         q.index)
+                continue
+            alloc.share(src.key, q.key, n_full)
+            src_page = dst_page = 0
+            if k % ps:
+                alloc.ensure(q.key, k)
+                src_page, dst_page = src_pages[n_full], alloc.pages(q.key)[n_full]
+            ops.append(("fork", src.slot, q.slot, src_page, dst_page, [q]))
+            q.num_cached = k
+            self.metrics["shared_prompt_tokens"] += k
+            self.metrics["num_forks"] += 1
+        return ops
 
-    def _dispatch(self, launches: list) -> None:
+    # ------------------------------------------------------------------------------------ dispatch
+    def _dispatch(self, ops: list) -> None:
         # slot admissions first (device order: after everything already dispatched)
         if self._pending_resets:
             self._reset_device_slots(self._pending_resets)
@@ -852,8 +910,13 @@ class Engine:
             self._admit_sampling(self._pending_sampling)
             self._pending_sampling = []
         P = self.ccfg.max_pages_per_seq
-        forks = []
-        for L in launches:
+        for op in ops:
+            if not isinstance(op, _Launch):
+                _, a, b, pa, pb, _ = op
+                self.state = _fork_slot(self.state, np.int32(a), np.int32(b), np.int32(pa), np.int32(pb),
+                                        page_size=self.ccfg.page_size, ratios=self._ratios)
+                continue
+            L = op
             B, T = L.B, L.T
             tokens = np.zeros((B, T), np.int32)
             start = np.zeros((B,), np.int32)
@@ -864,42 +927,29 @@ class Engine:
             sample_mask = np.zeros((B,), bool)
             step = np.zeros((B,), np.int32)
             for b, r in enumerate(L.rows):
-                s = r.seq
                 if r.tokens:
                     tokens[b, :len(r.tokens)] = r.tokens
-                start[b], n_new[b], slot[b] = r.start, r.n, s.slot
-                pages = self.allocator.pages(s.key)
-                pt[b, :len(pages)] = pages
+                start[b], n_new[b], slot[b] = r.start, r.n, r.seq.slot
+                pt[b, :len(r.pages)] = r.pages
                 from_prev[b] = r.from_prev
                 sample_mask[b] = r.sample
                 step[b] = r.step
-                if s.prefix_target is not None and r.start + r.n == s.prefix_target:
-                    forks.append(s)
-            batch = jax.device_put({"tokens": tokens, "start": start, "n_new": n_new, "slot": slot,
-                                    "page_table": pt})
-            if from_prev.any():
-                batch["tokens"] = _fill_first_token(batch["tokens"], jax.device_put(from_prev), batch["slot"],
-                                                    self.last_token)
-            logits, self.state = self._extend(self.params, self.state, batch)
-            self.metrics["launches"] += 1
-            if sample_mask.any():
-                L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
-                self._run_sample(logits, L.rows, B, batch["slot"], step, sample_mask, L)
-            # host bookkeeping of what was dispatched
-            for r in L.rows:
-                r.seq.num_cached += r.n
-                if r.sample:
-                    r.seq.n_inflight += 1
-                if r.start < len(r.seq.prompt_ids):
-                    self.metrics["computed_prompt_tokens"] += min(r.start + r.n, len(r.seq.prompt_ids)) - r.start
-        for s in forks:
-            self._fork(s)
-        if any(r.n > 1 or not r.sample for L in launches for r in L.rows):
-            n_new_tok = sum(r.n for L in launches for r in L.rows if not (r.sample and r.n == 1))
-            log.debug("prefill: %d tokens, running %d, queue %d", n_new_tok, len(self._running), len(self._waiting))
+            L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
+            self._device_launch(L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step)
 
-    def _run_sample(self, logits, rows, B, slots, step, sample_mask, launch=None) -> None:
-        V = self.vocab_size
+    def _device_launch(self, L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
+                       force_sample: bool = False) -> None:
+        """Enqueue one launch: first-token fill, extend, sampling. Host inputs stay numpy (the jit
+        fast path transfers them; ``jax.device_put`` costs ~10x more host time) and every call
+        passes the same kinds of arguments, so the warm-up's compilations are the ones reused."""
+        toks = _fill_first_token(tokens, from_prev, slot, self.last_token)
+        batch = {"tokens": toks, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
+        logits, self.state = self._extend(self.params, self.state, batch)
+        self.metrics["launches"] += 1
+        if not (force_sample or sample_mask.any()):
+            return
+        B, V = tokens.shape[0], self.vocab_size
+        rows = L.rows if L is not None else []
         if any(r.seq.constraint is not None and r.sample for r in rows):
             m = np.ones((B, V), bool)
             for b, r in enumerate(rows):
@@ -914,11 +964,11 @@ class Engine:
             allowed = self._allow_all.get(B)
             if allowed is None:
                 allowed = self._allow_all[B] = jax.device_put(np.ones((B, V), bool))
-        out = _sample_rows(logits, self.slot_tensors, self.last_token, slots, jax.device_put(step),
-                           jax.device_put(sample_mask), allowed, max_logprobs=self.max_logprobs)
-        tokens, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
-        if launch is not None:
-            launch.tokens, launch.lp, launch.top_ids, launch.top_vals = tokens, lp, top_ids, top_vals
+        out = _sample_rows(logits, self.slot_tensors, self.last_token, slot, step, sample_mask, allowed,
+                           max_logprobs=self.max_logprobs)
+        tokens_d, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
+        if L is not None:
+            L.tokens, L.lp, L.top_ids, L.top_vals = tokens_d, lp, top_ids, top_vals
 
     def _admit_sampling(self, seqs: list) -> None:
         seqs = [s for s in seqs if s.status == RUNNING and s.slot is not None]
@@ -932,35 +982,6 @@ class Engine:
             self.slot_tensors = self.slot_tensors.update_slots(slots, plist, prompt_token_ids=prompts,
                                                                output_token_ids=outs,
                                                                eos_token_ids=self.eos_token_ids)
-
-    def _fork(self, src: _Seq) -> None:
-        """src has prefilled its prompt minus the last token: give its siblings the same state."""
-        alloc, ps = self.allocator, self.ccfg.page_size
-        k = src.prefix_target
-        n_full = k // ps
-        src_pages = alloc.pages(src.key)
-        for q in src.group.seqs:
-            if q.fork_src is not src:
-                continue
-            q.fork_src = None
-            alloc.share(src.key, q.key, n_full)
-            src_page = dst_page = 0
-            if k % ps:
-                if alloc.free_pages < 1:
-                    alloc.free(q.key)
-                    q.num_cached = 0
-                    self._reset_device_slots([q.slot])
-                    log.info("fork of %s#%d: no free page for the partial page; it prefills itself", q.group.rid,
-                             q.index)
-                    continue
-                alloc.ensure(q.key, k)
-                src_page, dst_page = src_pages[n_full], alloc.pages(q.key)[n_full]
-            self.state = _fork_slot(self.state, np.int32(src.slot), np.int32(q.slot), np.int32(src_page),
-                                    np.int32(dst_page), page_size=ps, ratios=self._ratios)
-            q.num_cached = k
-            self.metrics["shared_prompt_tokens"] += k
-            self.metrics["num_forks"] += 1
-        src.prefix_target = None
 
     # ------------------------------------------------------------------------------------ results
     def _process(self, launches: list) -> None:
@@ -1037,12 +1058,7 @@ class Engine:
         was_running = s.status == RUNNING
         self._release(s)
         s.status = FINISHED
-        s.prefix_target = None
-        for q in s.group.seqs:  # fork children of an aborted source prefill themselves
-            if q.fork_src is s:
-                q.fork_src = None
-                q.num_cached = 0
-                self._pending_resets.append(q.slot)
+        self._orphan_children(s)  # fork children of an aborted source prefill themselves
         if was_running:
             self._hold_admission = False
         g = s.group

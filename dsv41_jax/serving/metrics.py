@@ -13,7 +13,7 @@ Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:``
 ``dsv41:prompt_tokens_total``               counter    prompt tokens of finished requests
 ``dsv41:generation_tokens_total``           counter    generated tokens
 ``dsv41:reasoning_tokens_total``            counter    generated tokens inside reasoning
-``dsv41:num_requests_total``                counter    finished requests, label ``finish_reason``
+``dsv41:num_requests_total``                counter    finished choices, label ``finish_reason``
 ``dsv41:num_aborted_requests_total``        counter    requests aborted (client gone, shutdown)
 ``dsv41:num_rejected_requests_total``       counter    refused requests, label ``code`` (HTTP status)
 ``dsv41:time_to_first_token_seconds``       histogram  arrival -> first generated token
@@ -156,8 +156,12 @@ class ServerMetrics:
             while self._recent and self._recent[0][0] < cut:
                 self._recent.popleft()
 
-    def finished(self, finish_reason: str | None, prompt_tokens: int, reasoning_tokens: int = 0) -> None:
-        self.num_requests.labels(finish_reason=str(finish_reason or "unknown")).inc()
+    def finished(self, finish_reasons, prompt_tokens: int, reasoning_tokens: int = 0) -> None:
+        """A request finished: one count per choice (``finish_reasons``: a reason or a list)."""
+        if finish_reasons is None or isinstance(finish_reasons, str):
+            finish_reasons = [finish_reasons]
+        for r in finish_reasons:
+            self.num_requests.labels(finish_reason=str(r or "unknown")).inc()
         self.prompt_tokens.inc(max(0, int(prompt_tokens)))
         if reasoning_tokens:
             self.reasoning_tokens.inc(int(reasoning_tokens))

@@ -29,14 +29,18 @@ Field rules (OpenAI / vLLM / SGLang semantics):
   ``logprobs`` an integer 0..20.
 * ``stream`` a boolean; ``stream_options`` only with ``stream: true`` and then an object with a
   boolean ``include_usage`` (and SGLang's ``continuous_usage_stats``).
+* extras: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``include_stop_str_in_output`` / ``no_stop_trim``, ``separate_reasoning`` (false: reasoning stays in
+  content), ``thinking_budget`` (an integer >= 0: at most that many reasoning tokens, then
+  ``</think>`` is forced; only with thinking on), ``regex`` (constrained decoding).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from .sampling import SamplingParams, SamplingParamsError
 
@@ -324,6 +328,7 @@ class ChatRequest:
     separate_reasoning: bool = True
     max_tokens_explicit: bool = False
     max_tokens_param: str = "max_tokens"
+    thinking_budget: Optional[int] = None
 
 
 def parse_chat_request(body: dict, *, vocab_size: Optional[int] = None, max_n: int = MAX_N) -> ChatRequest:
@@ -342,7 +347,8 @@ def parse_chat_request(body: dict, *, vocab_size: Optional[int] = None, max_n: i
     sp = _sampling(body, max_tokens=mt, logprobs=(top or 0) if logprobs else None, n=n, vocab_size=vocab_size)
     sep = _bool(body, "separate_reasoning", True)
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return ChatRequest(body, model, sp, stream, so, logprobs, top or 0, sep, mt is not None, param)
+    budget = _int(body, "thinking_budget", None, lo=0)
+    return ChatRequest(body, model, sp, stream, so, logprobs, top or 0, sep, mt is not None, param, budget)
 
 
 # ---------------------------------------------------------------------------------- completions

@@ -16,16 +16,23 @@ input (the server keeps serving), 401 for a missing / wrong Bearer key, 404 for 
 route, 413 for a body over ``max_body_bytes``, 503 when the queue is full or the server is draining.
 A client that disconnects (streaming or not) gets its request aborted in the engine, so its KV pages
 return to the pool.
+
+Text: the server detokenizes each choice from the engine's token ids itself (incrementally, never a
+broken UTF-8 sequence). While tools are given or the request thinks, special tokens are kept (SPEC
+§10: otherwise ``｜DSML｜`` / ``</think>`` vanish and the parsers cannot see the markup) and every
+special token other than ``<think>``, ``</think>`` and ``｜DSML｜`` is dropped; the stop token that
+ended a choice is never text. Stop strings are matched on that text (the engine also stops on them).
+Usage counts every generated token; ``reasoning_tokens`` those before ``</think>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 import logging
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -39,7 +46,6 @@ from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (
     APIError,
     ChatRequest,
-    CompletionRequest,
     check_context,
     error_body,
     parse_chat_request,
@@ -48,6 +54,7 @@ from .protocol import (
     usage_dict,
 )
 from .reasoning import ChatOutputParser
+from .sampling import SamplingParamsError
 
 __all__ = ["ServerConfig", "build_app", "QueueFullError", "EngineOutput", "ChoiceUpdate"]
 
@@ -268,6 +275,8 @@ class _Choice:
             self.logprobs.extend(upd.logprobs)
             tops = upd.top_logprobs or [None] * len(upd.logprobs)
             self.top_logprobs.extend(tops)
+        if upd.finish_reason is not None and isinstance(upd.stop_reason, int) and ids and ids[-1] == upd.stop_reason:
+            ids = ids[:-1]  # the stop token (EOS) that ended the choice is not text
         if self._reasoning_open:
             for t in ids:
                 if t == self.think_close_id:
@@ -316,12 +325,13 @@ class _State:
 
 def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any = None,
               metrics: Optional[ServerMetrics] = None, on_shutdown: Optional[Callable[[], Any]] = None,
-              queue_full_errors: tuple = ()):
+              queue_full_errors: tuple = (), bad_request_errors: tuple = ()):
     """The ASGI app. ``engine`` needs ``generate(prompt_ids, sampling_params, request_id,
     constraint=None)`` (an async iterator), ``abort(request_id)`` and optionally ``stats()``;
     ``grammar`` is a :class:`dsv41_jax.serving.constrained.GrammarCompiler` (None: constrained
     decoding unavailable, such requests get a 400). ``queue_full_errors``: the engine's exception
-    types that mean "queue full" (-> 503)."""
+    types that mean "queue full" (-> 503); ``bad_request_errors``: those that refuse a request's
+    input (-> 400)."""
 
     cfg = config
     state = _State()
@@ -331,6 +341,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
     names = {cfg.model_name, *cfg.model_aliases}
     token_text = _TokenText(tokenizer)
     queue_errors = tuple(queue_full_errors) + (QueueFullError,)
+    input_errors = tuple(bad_request_errors) + (SamplingParamsError,)
     vocab = cfg.vocab_size or getattr(tokenizer, "vocab_size", None)
     special_ids = frozenset(getattr(tokenizer, "special_token_ids", ()) or ())
     structural = {tokenizer.token_to_id(s) for s in _STRUCTURAL_SPECIALS} - {None}
@@ -379,6 +390,9 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         if state.draining:
             return JSONResponse(error_body("server is shutting down", "service_unavailable_error", None, 503),
                                 status_code=503)
+        if getattr(engine, "is_running", True) is False:
+            return JSONResponse(error_body("the engine loop is not running", "service_unavailable_error", None,
+                                           503), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -397,7 +411,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
     if cfg.enable_metrics and metrics is not None:
         @app.get("/metrics")
         async def metrics_endpoint():
-            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+            # engine.stats() waits for the current engine step: off the event loop
+            return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------ helpers
 
@@ -411,11 +426,20 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         if cfg.max_queued_requests is None:
             return
         running_cap = cfg.max_running_requests or 0
-        st = _safe_stats(engine)
-        queued = _first_num(st, ("num_queue_reqs", "queued", "waiting", "num_waiting", "queue_len"))
+        nq = getattr(engine, "num_queued", None)
+        queued = None
+        if callable(nq):  # cheap and lock-free (stats() waits for the engine step)
+            for _ in range(3):
+                try:
+                    queued = nq()
+                    break
+                except RuntimeError:  # the engine thread changed its queue while we counted
+                    continue
+        else:
+            queued = _first_num(_safe_stats(engine), ("num_queue_reqs", "queued", "waiting", "num_waiting"))
         if queued is None:  # estimate: everything beyond the running batch waits
             queued = max(0, state.inflight - running_cap)
-        if queued + n_requests > cfg.max_queued_requests and state.inflight + n_requests > running_cap:
+        if queued >= cfg.max_queued_requests:  # no room for one more (as the engine's own check)
             raise APIError(503, f"the request queue is full ({cfg.max_queued_requests} waiting); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
 
@@ -439,6 +463,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         except queue_errors as e:
             raise APIError(503, f"the request queue is full; retry later ({e})", code="queue_full",
                            headers={"Retry-After": "1"}) from None
+        except input_errors as e:
+            raise APIError.bad_request(str(e), getattr(e, "field", None)) from None
 
     async def abort(rid: str) -> None:
         try:
@@ -558,19 +584,23 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         prompt_ids = tokenizer.encode(enc.prompt)
         sp = check_context(len(prompt_ids), req.sampling, cfg.context_length, explicit=req.max_tokens_explicit,
                            param=req.max_tokens_param)
-        keep_special = bool(enc.parse_tools and cfg.tool_call_parser) or bool(enc.thinking)
+        # special tokens stay in the text while tools are given (SPEC §10: else ｜DSML｜ vanishes and
+        # the markup can neither be parsed nor stripped) and while thinking (</think> splits reasoning)
+        keep_special = bool(enc.tools) or bool(enc.thinking)
+        forced_tools = bool(enc.tools) and (enc.tool_choice == "required" or isinstance(enc.tool_choice, Mapping))
+        if forced_tools and not cfg.tool_call_parser:
+            raise APIError.bad_request("tool_choice 'required' or a named function needs the server's tool-call "
+                                       "parser (--tool-call-parser deepseekv41)", "tool_choice")
         constraint = None
         try:
-            spec = None
             if grammar is not None:
-                spec = grammar.spec_for_request(body, tools=enc.tools, tool_choice=enc.tool_choice)
-                if spec is not None:
-                    constraint = grammar.constraint(spec, thinking=enc.thinking)
-            elif _wants_constraint(body, enc):
+                constraint = grammar.for_request(body, tools=enc.tools, tool_choice=enc.tool_choice,
+                                                 thinking=enc.thinking, thinking_budget=req.thinking_budget)
+            elif _wants_constraint(body, enc) or (enc.thinking and req.thinking_budget is not None):
                 raise APIError.bad_request("constrained decoding is unavailable on this server", "response_format")
         except ChatError as e:
             raise APIError.from_chat_error(e) from None
-        if constraint is not None and sp.min_tokens:
+        if constraint is not None and constraint.spec is not None and sp.min_tokens:
             raise APIError.bad_request("min_tokens cannot be combined with a response_format / tool_choice "
                                        "constraint", "min_tokens")
         sp = sp.replace(skip_special_tokens=not keep_special)
@@ -592,7 +622,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         arrival = time.perf_counter()
         try:
             body = await read_body(request)
-            req, enc, prompt_ids, sp, constraint = prepare_chat(body)
+            # encoding, tokenization and grammar compilation are CPU work: off the event loop
+            req, enc, prompt_ids, sp, constraint = await asyncio.to_thread(prepare_chat, body)
             admit()
         except APIError as e:
             return err(e)
@@ -620,10 +651,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
 
         def finish_metrics():
             if metrics is not None:
-                reasons = {c.finish_reason for c in choices}
-                metrics.finished(",".join(sorted(r or "unknown" for r in reasons)) if len(reasons) > 1 else
-                                 next(iter(reasons)) or "unknown", len(prompt_ids),
-                                 sum(c.reasoning_tokens for c in choices))
+                metrics.finished([c.parser.finish_reason(c.finish_reason or "stop") for c in choices],
+                                 len(prompt_ids), sum(c.reasoning_tokens for c in choices))
                 timer.finish()
 
         async def produce() -> AsyncIterator[tuple[_Choice, Any, int, int]]:
@@ -751,28 +780,30 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
 
     # ------------------------------------------------------------------ completions
 
+    def prepare_completion(body: dict):
+        req = parse_completion_request(body, vocab_size=vocab, max_n=cfg.max_n)
+        check_model(req.model)
+        prompts_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+        sps = [check_context(len(ids), req.sampling, cfg.context_length, explicit=req.max_tokens_explicit,
+                             param="max_tokens") for ids in prompts_ids]
+        constraints = []
+        for _ in prompts_ids:
+            c = None
+            if grammar is not None:
+                c = grammar.for_request(body)
+            elif body.get("response_format") not in (None, {"type": "text"}) or body.get("regex"):
+                raise APIError.bad_request("constrained decoding is unavailable on this server", "response_format")
+            constraints.append(c)
+        if constraints[0] is not None and req.sampling.min_tokens:
+            raise APIError.bad_request("min_tokens cannot be combined with a constraint", "min_tokens")
+        return req, prompts_ids, sps, constraints
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.perf_counter()
         try:
             body = await read_body(request)
-            req = parse_completion_request(body, vocab_size=vocab, max_n=cfg.max_n)
-            check_model(req.model)
-            prompts_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
-            sps = [check_context(len(ids), req.sampling, cfg.context_length, explicit=req.max_tokens_explicit,
-                                 param="max_tokens") for ids in prompts_ids]
-            constraints = []
-            for _ in prompts_ids:
-                c = None
-                if grammar is not None:
-                    spec = grammar.spec_for_request(body)
-                    if spec is not None:
-                        c = grammar.constraint(spec, thinking=False)
-                elif body.get("response_format") not in (None, {"type": "text"}) or body.get("regex"):
-                    raise APIError.bad_request("constrained decoding is unavailable on this server", "response_format")
-                constraints.append(c)
-            if constraints[0] is not None and req.sampling.min_tokens:
-                raise APIError.bad_request("min_tokens cannot be combined with a constraint", "min_tokens")
+            req, prompts_ids, sps, constraints = await asyncio.to_thread(prepare_completion, body)
             admit(len(prompts_ids))
         except ChatError as e:
             return err(APIError.from_chat_error(e))
@@ -801,13 +832,11 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             return d
 
         def usage():
-            return usage_dict(sum(len(p) for p in prompts_ids) * 1, sum(len(c.token_ids) for c in choices))
+            return usage_dict(sum(len(p) for p in prompts_ids), sum(len(c.token_ids) for c in choices))
 
         def finish_metrics():
             if metrics is not None:
-                for c in choices:
-                    metrics.num_requests.labels(finish_reason=str(c.finish_reason or "unknown")).inc()
-                metrics.prompt_tokens.inc(sum(len(p) for p in prompts_ids))
+                metrics.finished([c.finish_reason for c in choices], sum(len(p) for p in prompts_ids))
                 timer.finish()
 
         async def produce():
@@ -932,10 +961,6 @@ def _parse_step(ch: "_Choice", text: str):
     ch.reasoning_acc += delta.reasoning
     ch.content_acc += delta.content
     return delta
-
-
-def _engine_done(upd: ChoiceUpdate) -> bool:
-    return upd.finish_reason is not None and upd.stop_reason is None
 
 
 def _lp(x: float) -> float:

@@ -1,0 +1,169 @@
+"""Offline inference API (issue 5 item 4)::
+
+    from dsv41_jax import LLM, SamplingParams
+
+    llm = LLM(model="tiny", max_running_requests=16)          # or a model directory
+    outs = llm.generate(["Hello", [0, 5, 7]], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
+
+    chats = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=64), thinking=True)
+    chats[0].outputs[0].reasoning_content, chats[0].outputs[0].content
+
+Every request runs through the same scheduler as the server (`dsv41_jax.serving.engine.Engine`);
+keyword arguments of `LLM` are `EngineArgs` fields (SGLang spellings with underscores).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from dsv41_jax.serving.engine import Engine, RequestOutput
+from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+class LLM:
+    """An engine plus a tokenizer, driven synchronously."""
+
+    def __init__(self, model: str = "tiny", *, tokenizer: Optional[str] = None, cfg=None, params=None,
+                 engine: Optional[Engine] = None, **engine_args):
+        if engine is not None:
+            self.engine = engine
+        else:
+            args = EngineArgs.from_kwargs(model=model, tokenizer=tokenizer, **engine_args)
+            self.engine = Engine(args, cfg=cfg, params=params)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _normalize_prompts(prompts) -> list:
+        """-> list of (text or None, token ids or None)."""
+        if isinstance(prompts, str):
+            return [(prompts, None)]
+        if isinstance(prompts, Mapping):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [(None, [int(t) for t in prompts])]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, None))
+            elif isinstance(p, Mapping):
+                if "prompt_token_ids" in p:
+                    out.append((p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]))
+                elif "prompt" in p:
+                    out.append((p["prompt"], None))
+                else:
+                    raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            else:
+                out.append((None, [int(t) for t in p]))
+        return out
+
+    def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 use_tqdm: bool = False, constraints: Optional[Sequence[Any]] = None) -> list:
+        """Run prompts (a string, a token-id list, or a list of either / of ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dicts) to completion. Returns one `RequestOutput` per prompt,
+        in order (``outputs[i]``: ``text``, ``token_ids``, ``finish_reason``, ``logprobs``,
+        ``top_logprobs``)."""
+        items = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"sampling_params: {len(params)} for {len(items)} prompts")
+        if constraints is not None and len(constraints) != len(items):
+            raise ValueError(f"constraints: {len(constraints)} for {len(items)} prompts")
+        eng = self.engine
+        rids = []
+        for i, ((text, ids), p) in enumerate(zip(items, params)):
+            rid = f"llm-{next(self._ids)}"
+            eng.add_request(rid, text, p, prompt_token_ids=ids,
+                            constraint=None if constraints is None else constraints[i])
+            rids.append(rid)
+        results: dict = {}
+        bar = _progress(len(rids), use_tqdm)
+        want = set(rids)
+        try:
+            while want - set(results):
+                for o in eng.step():
+                    if o.request_id in want and o.finished:
+                        results[o.request_id] = o
+                        if bar is not None:
+                            bar.update(1)
+                if not eng.has_unfinished() and want - set(results):
+                    raise RuntimeError("engine stopped before every request finished")
+        except BaseException:
+            for rid in want - set(results):
+                eng.abort_request(rid)
+            while eng.has_unfinished():
+                eng.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r] for r in rids]
+
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+             thinking: Optional[bool] = None, reasoning_effort: Any = None, tools: Optional[list] = None,
+             tool_choice: Any = None, chat_template_kwargs: Optional[dict] = None, use_tqdm: bool = False) -> list:
+        """Chat completions for one conversation (a list of OpenAI messages) or a list of them.
+
+        The prompt is built by `dsv41_jax.serving.chat.encode_chat_request` (thinking switch and
+        effort resolved as the server does; ``thinking=True/False`` sets
+        ``chat_template_kwargs.thinking``); the output is split by `reasoning.parse_chat_output`
+        into ``outputs[i].reasoning_content``, ``.content`` and ``.tool_calls`` (``.text`` stays the
+        raw completion, decoded with special tokens kept so the markers are visible)."""
+        from dsv41_jax.serving.chat import encode_chat_request
+        from dsv41_jax.serving.reasoning import parse_chat_output
+
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        ctk = dict(chat_template_kwargs or {})
+        if thinking is not None:
+            ctk["thinking"] = bool(thinking)
+        encoded = []
+        for conv in convs:
+            req = {"messages": conv, "chat_template_kwargs": ctk}
+            if reasoning_effort is not None:
+                req["reasoning_effort"] = reasoning_effort
+            if tools:
+                req["tools"] = tools
+            if tool_choice is not None:
+                req["tool_choice"] = tool_choice
+            encoded.append(encode_chat_request(req))
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        plist = [sampling_params] * len(convs) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        plist = [p.replace(skip_special_tokens=False) for p in plist]
+        prompts = [{"prompt": e.prompt, "prompt_token_ids": self.tokenizer.encode(e.prompt)} for e in encoded]
+        outs = self.generate(prompts, plist, use_tqdm=use_tqdm)
+        for o, e in zip(outs, encoded):
+            for c in o.outputs:
+                r, content, calls, _ = parse_chat_output(c.text, e.thinking, e.tools or None, e.tool_choice)
+                c.reasoning_content, c.content, c.tool_calls = r, content, calls
+        return outs

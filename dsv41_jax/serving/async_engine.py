@@ -1,0 +1,191 @@
+"""asyncio front of the engine, for the server (issue 5).
+
+`AsyncEngine` runs `Engine.step()` in a background thread. Requests and aborts reach that thread
+through a command queue; outputs go back to each request's `asyncio.Queue` with
+``loop.call_soon_threadsafe``. ::
+
+    engine = AsyncEngine(EngineArgs(model="tiny"))      # builds, warms up, starts the loop thread
+    async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text, end="")               # text deltas ("delta" outputs)
+    engine.shutdown()
+
+A request whose consumer stops iterating (client disconnect: the async generator is closed or its
+task cancelled) is aborted, which frees its pages. `generate` raises `QueueFullError` at once when
+``max_queued_requests`` requests are already waiting (the server answers 503), and `EngineError`
+(a ValueError, HTTP 400) for a request the engine refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Optional
+
+from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, RequestOutput
+from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.sampling import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
+
+log = logging.getLogger("dsv41_jax.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an exception in a step, or shutdown)."""
+
+
+class AsyncEngine:
+    """Thread-backed asyncio wrapper of `Engine`."""
+
+    def __init__(self, engine_or_args=None, *, max_queued_requests: Optional[int] = None, start: bool = True,
+                 **engine_kw):
+        if isinstance(engine_or_args, Engine):
+            self.engine = engine_or_args
+        else:
+            self.engine = Engine(engine_or_args, **engine_kw)
+        self.max_queued_requests = (max_queued_requests if max_queued_requests is not None
+                                    else self.engine.args.max_queued_requests)
+        self._cmds: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict = {}
+        self._n_pending_adds = 0
+        self._stop = False
+        self._dead: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self.start_time = time.time()
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------------------------ loop
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def _deliver(self, rid, item) -> None:
+        st = self._streams.get(rid)
+        if st is None:
+            return
+        loop, q = st
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            self._streams.pop(rid, None)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop:
+                while True:
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._handle(cmd)
+                if eng.has_unfinished():
+                    with self._lock:
+                        outs = eng.step()
+                    for o in outs:
+                        self._deliver(o.request_id, o)
+                        if o.finished:
+                            self._streams.pop(o.request_id, None)
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 (report to every waiting request)
+            log.exception("engine loop died")
+            self._dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+            self._streams.clear()
+
+    def _handle(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt_ids, params, constraint = cmd
+            self._n_pending_adds -= 1
+            try:
+                with self._lock:
+                    self.engine.add_request(rid, prompt_ids, params, constraint=constraint, output_kind="delta")
+            except Exception as e:  # noqa: BLE001 (the request's own error)
+                self._deliver(rid, e)
+                self._streams.pop(rid, None)
+        elif kind == "abort":
+            with self._lock:
+                self.engine.abort_request(cmd[1])
+
+    # ------------------------------------------------------------------------------------ API
+    def num_queued(self) -> int:
+        return self.engine.num_waiting + max(self._n_pending_adds, 0)
+
+    async def generate(self, prompt_ids, sampling_params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, constraint=None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: each `RequestOutput` holds the new text / tokens / logprobs
+        of the samples that advanced (``outputs[i].index`` tells which); the last has
+        ``finished=True`` and the finish reasons."""
+        if self._dead is not None or self._thread is None:
+            raise EngineDeadError("the engine loop is not running")
+        if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
+            raise QueueFullError(f"{self.num_queued()} requests are waiting (max_queued_requests="
+                                 f"{self.max_queued_requests})")
+        if isinstance(prompt_ids, str):
+            prompt_ids = self.engine.tokenizer.encode(prompt_ids)
+        params = sampling_params or SamplingParams()
+        params.validate(max_logprobs=self.engine.max_logprobs, vocab_size=self.engine.vocab_size)
+        rid = request_id or f"req-{id(object())}-{time.monotonic_ns()}"
+        if rid in self._streams:
+            raise EngineError(f"request_id {rid!r} is already in use")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (loop, q)
+        self._n_pending_adds += 1
+        self._cmds.put(("add", rid, list(prompt_ids), params, constraint))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._streams.pop(rid, None)
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe; its pages are freed by the loop thread)."""
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """Engine metrics (see `Engine.stats`) plus uptime and queue limit."""
+        with self._lock:
+            s = self.engine.stats()
+        s["num_queue_reqs"] = self.num_queued()
+        s["max_queued_requests"] = self.max_queued_requests
+        s["uptime_s"] = time.time() - self.start_time
+        s["engine_alive"] = self.is_running
+        return s
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer

@@ -1,0 +1,86 @@
+"""scripts/bench_offline.py, scripts/eval_ppl.py and scripts/eval_chat.py on tiny with the bundled
+samples (issue 5 items 5 and 6). Run in-process with the engine arguments of tests/test_engine.py,
+so the compiled steps are shared within a session."""
+
+import importlib.util
+import json
+import math
+import os
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "16", "--context-length", "128", "--max-running-requests", "8",
+                "--max-total-tokens", "1024", "--chunked-prefill-size", "16", "--batch-buckets", "8",
+                "--token-buckets", "16"]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_offline(tmp_path):
+    out = tmp_path / "bench.json"
+    rep = _script("bench_offline").main(["--batch-sizes", "1,2,8", "--input-len", "12", "--output-len", "6",
+                                         "--out", str(out), "--log-level", "WARNING"] + ENGINE_FLAGS)
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(rep))
+    assert [r["batch_size"] for r in data["results"]] == [1, 2, 8]
+    for r in data["results"]:
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["mean_decode_step_ms"] > 0
+    assert data["compilations_during_runs"] == 0 and data["num_compilations"] > 0
+    assert data["compile_time_s"] >= 0
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def ppl_mod():
+    return _script("eval_ppl")
+
+
+def test_eval_ppl_text_deterministic(tmp_path, ppl_mod):
+    argv = ["--data", os.path.join(DATA, "ppl_sample.txt"), "--seq-len", "32", "--batch-size", "4", "--dtype",
+            "float32", "--no-progress"]
+    a = ppl_mod.main(argv + ["--out", str(tmp_path / "a.json")])
+    b = ppl_mod.main(argv + ["--max-batches", "100"])
+    assert a["tokens"] == b["tokens"] > 500 and a["nll_per_token"] == b["nll_per_token"]
+    assert math.isfinite(a["ppl"]) and a["ppl"] > 1
+    assert a["num_compilations"] == 1  # one shape for every batch (the last one padded)
+    assert json.loads((tmp_path / "a.json").read_text())["ppl"] == a["ppl"]
+    # packing: every window but the last has seq_len scored targets minus the BOS tokens it contains
+    docs = ppl_mod.read_documents(os.path.join(DATA, "ppl_sample.txt"))
+    from dsv41_jax.serving.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    n_tokens = sum(1 + len(tok.encode(d)) for d in docs)
+    assert n_tokens - a["windows"] - len(docs) <= a["tokens"] <= n_tokens - a["windows"]
+
+
+def test_eval_ppl_jsonl_on_a_mesh(ppl_mod):
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    argv = ["--data", os.path.join(DATA, "ppl_sample.jsonl"), "--seq-len", "32", "--batch-size", "4", "--dtype",
+            "float32", "--no-progress"]
+    a = ppl_mod.main(argv)
+    m = ppl_mod.main(argv + ["--mesh", "data=2"])
+    assert a["tokens"] == m["tokens"] and abs(a["nll_per_token"] - m["nll_per_token"]) < 1e-4
+
+
+def test_eval_chat(tmp_path):
+    out = tmp_path / "chat.json"
+    res = _script("eval_chat").main(["--data", os.path.join(DATA, "chat_qa.jsonl"), "--thinking", "both",
+                                     "--max-tokens", "8", "--details", "--out", str(out)] + ENGINE_FLAGS)
+    assert set(res["modes"]) == {"chat", "thinking"}
+    for mode in res["modes"].values():
+        assert mode["n"] == 8 and 0.0 <= mode["accuracy"] <= 1.0
+        assert 0 < mode["mean_completion_tokens"] <= 8 and mode["mean_prompt_tokens"] > 10
+        assert len(mode["records"]) == 8
+    assert res["modes"]["thinking"]["mean_prompt_tokens"] > res["modes"]["chat"]["mean_prompt_tokens"]
+    assert json.loads(out.read_text())["modes"]["chat"]["n"] == 8
+    ec = _script("eval_chat")
+    assert ec.normalize(' "Paris." ') == "paris"
