@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
     from dsv41_jax.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
+    llm = LLM(**vars(args))
     eng = llm.engine
     build_s = time.perf_counter() - t0
     n_comp = eng.num_compilations()
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     report = {
         "model": args.model, "device": f"{dev.platform}:{dev.device_kind}", "host": platform.node(),
         "cpu_count": os.cpu_count(), "input_len": ns.input_len, "output_len": ns.output_len,
-        "engine_args": {k: v for k, v in vars(args).items() if k != "extra"},
+        "engine_args": vars(args),
         "batch_buckets": eng.batch_buckets, "token_buckets": eng.token_buckets,
         "build_s": build_s, "compile_time_s": eng.warmup_time, "warmup_shapes": eng.warmup_shapes,
         "num_compilations": n_comp, "compilations_during_runs": eng.num_compilations() - n_comp,

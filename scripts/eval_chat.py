@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     from dsv41_jax.llm import LLM
 
     records = load_records(ns.data)[: ns.limit]
-    llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
+    llm = LLM(**vars(args))
     params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=args.random_seed)
     modes = {"on": [True], "off": [False], "both": [False, True]}[ns.thinking]
     result = {"model": args.model, "data": ns.data, "max_tokens": ns.max_tokens, "temperature": ns.temperature,

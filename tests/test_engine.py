@@ -152,7 +152,7 @@ def test_pool_sized_from_memory_fraction(caplog):
     with caplog.at_level("INFO", logger="dsv41_jax.engine"):
         e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), params=params)
     assert e.ccfg.num_pages == 10 and e.context_length == 64 and e.ccfg.max_pages_per_seq == 4
-    assert any("KV cache" in r.message and "10 pages" in r.message for r in caplog.records)
+    assert any("KV cache" in r.message and "9 pages = 144 tokens" in r.message for r in caplog.records)
     big = Engine(EngineArgs(cpu_memory_budget=1 << 34, **kw), params=params)
     assert big.ccfg.num_pages == S * 64 // ps + 1  # capped: no request could use more
     with pytest.raises(Exception, match="budget"):
@@ -429,6 +429,9 @@ def test_max_tokens_and_min_tokens(eng):
     outs = run(eng, P0, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in range(1, 7)])
     assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 7))
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    # the context length (128) bounds prompt + output, whatever max_tokens says
+    c = run(eng, [list(range(3, 123))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(c.token_ids) == 8 and c.finish_reason == "length"
     g = toks(run(eng, P0[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))[0]
     stop_id = g[2]
     first = g.index(stop_id)

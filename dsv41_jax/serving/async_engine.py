@@ -131,7 +131,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------------------ API
     def num_queued(self) -> int:
-        return self.engine.num_waiting + max(self._n_pending_adds, 0)
+        """Samples waiting for admission plus requests not yet handed to the loop (lock-free: a
+        deque's length is read atomically)."""
+        return len(self.engine._waiting) + max(self._n_pending_adds, 0)
 
     async def generate(self, prompt_ids, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, constraint=None) -> AsyncIterator[RequestOutput]:

@@ -315,6 +315,7 @@ class _Seq:
         # streaming: what was already emitted
         self.sent_tokens = 0
         self.delta_text = ""
+        self.sent_final = False
 
     @property
     def total_len(self) -> int:
@@ -1044,7 +1045,7 @@ class Engine:
             self._finish(s, "stop")
         elif p.max_tokens is not None and len(s.output_ids) >= p.max_tokens:
             self._finish(s, "length")
-        elif s.total_len >= self.context_length:
+        elif len(s.prompt_ids) + len(s.output_ids) >= self.context_length:  # (not counting in-flight tokens)
             self._finish(s, "length")
         elif s.constraint is not None and s.constraint.is_done():
             self._finish(s, "stop")
@@ -1097,11 +1098,11 @@ class Engine:
             else:
                 comps = [self._completion(s, True) for s in g.seqs
                          if s.sent_tokens < len(s.output_ids) or s.delta_text or
-                         (s.status == FINISHED and not getattr(s, "_sent_final", False))]
+                         (s.status == FINISHED and not s.sent_final)]
                 for s in g.seqs:
                     if s.status == FINISHED:
-                        s._sent_final = True
-                if not comps:
+                        s.sent_final = True
+                if not comps and not fin:
                     continue
             if fin:
                 g.emitted_final = True
@@ -1112,8 +1113,9 @@ class Engine:
 
     def _group_metrics(self, g: _Group) -> dict:
         firsts = [s.first_token_time for s in g.seqs if s.first_token_time is not None]
-        return {"arrival_time": g.arrival, "first_token_time": min(firsts) if firsts else None,
-                "finished_time": g.finished_time, "prompt_tokens": len(g.prompt_ids),
+        return {"arrival_time": g.arrival, "ttft_s": (min(firsts) - g.arrival_perf) if firsts else None,
+                "e2e_s": (g.finished_time - g.arrival_perf) if g.finished_time is not None else None,
+                "prompt_tokens": len(g.prompt_ids),
                 "completion_tokens": sum(len(s.output_ids) for s in g.seqs),
                 "num_preemptions": sum(s.num_preemptions for s in g.seqs)}
 

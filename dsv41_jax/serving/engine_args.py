@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 __all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES"]
@@ -66,7 +66,6 @@ class EngineArgs:
     tp_size: int = 1
     ep_size: int = 1
     random_seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.validate()
@@ -119,9 +118,11 @@ class EngineArgs:
     def resolved_batch_buckets(self) -> list:
         """Batch sizes compiled: the given list, else powers of two up to max_running_requests
         (plus max_running_requests itself when it is not a power of two)."""
-        if self.batch_buckets:
-            return [b for b in self.batch_buckets if b <= self.max_running_requests] + \
-                [b for b in self.batch_buckets if b > self.max_running_requests][:1]
+        if self.batch_buckets:  # those up to max_running_requests, plus the first above it if needed
+            below = [b for b in self.batch_buckets if b <= self.max_running_requests]
+            if below and below[-1] == self.max_running_requests:
+                return below
+            return below + [b for b in self.batch_buckets if b > self.max_running_requests][:1]
         out, b = [], 1
         while b < self.max_running_requests:
             out.append(b)
@@ -134,9 +135,7 @@ class EngineArgs:
         chunked_prefill_size and chunked_prefill_size / 8 when that is at least 16)."""
         if self.token_buckets:
             tb = [t for t in self.token_buckets if t <= self.chunked_prefill_size]
-            if self.chunked_prefill_size not in tb and (not tb or tb[-1] < self.chunked_prefill_size):
-                tb.append(self.chunked_prefill_size)
-            return sorted(set([1] + tb))
+            return sorted(set([1, self.chunked_prefill_size] + tb))
         tb = [1, self.chunked_prefill_size]
         if self.chunked_prefill_size // 8 >= 16:
             tb.append(self.chunked_prefill_size // 8)
@@ -224,15 +223,13 @@ class EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kw) - names)
         if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names - {'extra'})}")
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
         return cls(**kw)
 
     def cli_flags(self) -> Sequence[str]:
         """The non-default values as CLI flags (for logging / subprocesses)."""
         out = []
         for f in dataclasses.fields(self):
-            if f.name == "extra":
-                continue
             v = getattr(self, f.name)
             default = f.default if f.default is not dataclasses.MISSING else None
             if v == default:
