@@ -724,7 +724,6 @@ class Engine:
             if row is not None:
                 pre_rows.append(row)
                 budget -= row.n
-        admitted = []
         while self._waiting and budget > 0 and not self._hold_admission:
             s = self._waiting[0]
             group = self._fork_group(s)
@@ -737,7 +736,6 @@ class Engine:
             for q in members:
                 self._waiting.remove(q)
                 self._admit(q)
-                admitted.append(q)
             for q in members[1:]:
                 q.fork_src = s
             if s.total_len > 1:
