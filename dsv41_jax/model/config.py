@@ -1,8 +1,8 @@
 """Model configuration for DeepSeek-V4.1 Flash (SPEC §1).
 
 `ModelConfig` holds every field of the HF release's ``config.json`` under its real (HF) name, plus
-two runtime fields that are ours (`act_dtype`, `name`). It is a frozen, hashable dataclass so it can
-be a static argument of ``jax.jit``. Layer lists are tuples.
+three runtime fields that are ours (`act_dtype`, `impl`, `name`). It is a frozen, hashable dataclass
+so it can be a static argument of ``jax.jit``. Layer lists are tuples.
 
 Nothing about the layer layout is hard-coded outside the two presets: everything downstream asks the
 config (`layer_plan`) which layer owns which store.
@@ -189,6 +189,9 @@ class ModelConfig:
     dspark_num_experts_per_tok: int = 3
     # --- ours (not in the HF file)
     act_dtype: str = "bfloat16"  # "bfloat16" = the reference dtype flow; "float32" = equivalence mode
+    # Which implementation each op with a fast path runs (`dispatch.parse_impl`): "auto", one of
+    # "reference" | "xla" | "pallas" | "pallas_interpret", or "xla,moe=reference"-style per-op items.
+    impl: str = "auto"
     name: str = field(default="custom", compare=False)  # a label only: equal models compare equal
 
     # ------------------------------------------------------------------ construction
@@ -293,7 +296,7 @@ class ModelConfig:
         """The HF ``config.json`` form (top level with ``text_config`` and ``quantization_config``)."""
         text = {}
         for f in dataclasses.fields(self):
-            if f.name in ("act_dtype", "name"):
+            if f.name in ("act_dtype", "impl", "name"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, RopeScaling):
@@ -412,6 +415,12 @@ class ModelConfig:
             err("candidate_block_size/candidate_topk_blocks", "must be >= 1")
         if self.act_dtype not in ("bfloat16", "float32"):
             err("act_dtype", f"= {self.act_dtype!r}; use 'bfloat16' (reference numerics) or 'float32'")
+        from dsv41_jax.model.dispatch import ImplError, parse_impl
+
+        try:
+            parse_impl(self.impl)
+        except ImplError as e:
+            err("impl", str(e))
 
         def check_ids(fname, ids, *, sorted_unique=True):
             for i in ids:

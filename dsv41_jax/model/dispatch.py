@@ -1,0 +1,111 @@
+"""One implementation switch for the ops that have a fast path (ARCHITECTURE "Dispatch").
+
+Every op with a seam keeps its plain-``jnp`` reference and may have faster implementations beside it:
+
+* ``"reference"`` — the faithful reference, the oracle every other implementation is tested against;
+* ``"xla"`` — the fast ``jnp``/``lax`` path (grouped MoE, stored-width matmuls, bounded retrieval);
+* ``"pallas"`` / ``"pallas_interpret"`` — the Pallas kernels in ``dsv41_jax/pallas/`` (natively on
+  GPU, or in interpret mode anywhere, for tests);
+* ``"auto"`` — the fastest implementation available for the backend.
+
+The choice is a *string in the config* (``ModelConfig.impl``), so it is static under ``jit``: changing it
+retraces, and a jitted step never mixes implementations by accident. The spec is either one name for
+every op (``"xla"``) or a comma-separated list of ``op=name`` items with an optional bare default
+(``"xla,moe=reference"``). Each op resolves once per (spec, op, backend) and the choice is logged once.
+
+Pallas kernels are imported lazily by module name (`KERNEL_MODULES`), so ``model/`` never imports
+``pallas/`` at import time. A kernel module exposes a function named by `KERNEL_ENTRY`; until a kernel
+exists, selecting it is a clear error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import jax
+
+log = logging.getLogger(__name__)
+
+# The ops with a seam. attention: softmax over the window ring + selected compressed slots, read from
+# the cache's stored codes; indexer: index scoring + candidate blocks + top-k; engram: hash-row gather +
+# gate; mhc: mixes, Sinkhorn, hc_pre / hc_post; moe: routed experts; linear: quantized (fp8 / MXFP4)
+# matmuls.
+OPS = ("attention", "indexer", "engram", "mhc", "moe", "linear")
+IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
+CHOICES = IMPLS + ("auto",)
+
+# op -> module (under dsv41_jax.pallas) holding its kernel; filled in by the kernels issue.
+KERNEL_MODULES: dict = {}
+KERNEL_ENTRY = "kernel"
+
+
+class ImplError(ValueError):
+    """An implementation spec that cannot be honoured (unknown op / name, or a missing kernel)."""
+
+
+def parse_impl(spec: str) -> dict:
+    """``"xla,moe=reference"`` -> ``{op: choice}`` for every op in `OPS` (choices may be "auto")."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ImplError(f"impl: expected a non-empty string, got {spec!r}")
+    default = "auto"
+    per_op: dict = {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            raise ImplError(f"impl {spec!r}: empty item")
+        if "=" in item:
+            op, name = (s.strip() for s in item.split("=", 1))
+            if op not in OPS:
+                raise ImplError(f"impl {spec!r}: unknown op {op!r}; ops: {', '.join(OPS)}")
+            if op in per_op:
+                raise ImplError(f"impl {spec!r}: op {op!r} given twice")
+            per_op[op] = name
+        else:
+            name = item
+            default = name
+        if name not in CHOICES:
+            raise ImplError(f"impl {spec!r}: unknown implementation {name!r}; choose from {', '.join(CHOICES)}")
+    return {op: per_op.get(op, default) for op in OPS}
+
+
+def kernel_available(op: str) -> bool:
+    """Whether a Pallas kernel is registered for `op` (its module is not imported here)."""
+    return op in KERNEL_MODULES
+
+
+def _auto(op: str, backend: str) -> str:
+    # Pallas kernels pay off on GPU only; interpret mode is for tests, never chosen automatically.
+    if backend == "gpu" and kernel_available(op):
+        return "pallas"
+    return "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(spec: str, op: str, backend: str) -> str:
+    choice = parse_impl(spec)[op]
+    name = _auto(op, backend) if choice == "auto" else choice
+    if name in ("pallas", "pallas_interpret") and not kernel_available(op):
+        raise ImplError(f"impl {name!r} for op {op!r}: no Pallas kernel for this op yet (choose 'xla' or "
+                        f"'reference', or 'auto')")
+    log.info("impl: %s -> %s (spec %r, backend %s)", op, name, spec, backend)
+    return name
+
+
+def resolve(cfg_or_spec, op: str) -> str:
+    """The implementation `op` runs with: one of `IMPLS`. `cfg_or_spec` is a `ModelConfig` or a spec
+    string. Resolved at trace time (static); logged once per (spec, op, backend)."""
+    if op not in OPS:
+        raise ImplError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+    spec = cfg_or_spec if isinstance(cfg_or_spec, str) else cfg_or_spec.impl
+    return _resolve(spec, op, jax.default_backend())
+
+
+def kernel(op: str, name: str):
+    """The Pallas entry point of `op` (imported lazily); `name` is "pallas" or "pallas_interpret"."""
+    if name not in ("pallas", "pallas_interpret"):
+        raise ImplError(f"kernel(): {name!r} is not a Pallas implementation")
+    if not kernel_available(op):
+        raise ImplError(f"no Pallas kernel for op {op!r}")
+    mod = importlib.import_module(f"dsv41_jax.pallas.{KERNEL_MODULES[op]}")
+    return getattr(mod, KERNEL_ENTRY)

@@ -1,0 +1,48 @@
+"""The implementation switch (model/dispatch.py): parsing, resolution, clear errors."""
+
+import pytest
+
+from dsv41_jax.model import ModelConfig
+from dsv41_jax.model import dispatch as D
+from dsv41_jax.model.config import ConfigError
+
+
+def test_parse_single_and_per_op():
+    assert D.parse_impl("xla") == {op: "xla" for op in D.OPS}
+    got = D.parse_impl("reference, moe=xla ,attention=auto")
+    assert got["moe"] == "xla" and got["attention"] == "auto"
+    assert all(got[op] == "reference" for op in D.OPS if op not in ("moe", "attention"))
+    assert D.parse_impl("moe=reference")["linear"] == "auto"  # no bare default: auto
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("fast", "unknown implementation 'fast'"),
+    ("moe=xla,moe=reference", "given twice"),
+    ("mlp=xla", "unknown op 'mlp'"),
+    ("xla,,moe=xla", "empty item"),
+    ("", "non-empty"),
+])
+def test_parse_errors_name_the_problem(spec, words):
+    with pytest.raises(D.ImplError, match=words):
+        D.parse_impl(spec)
+
+
+def test_resolve_auto_is_xla_without_kernels_and_pallas_is_a_clear_error():
+    assert D.resolve("auto", "moe") == "xla"
+    assert D.resolve("reference", "indexer") == "reference"
+    for name in ("pallas", "pallas_interpret"):
+        op = next(o for o in D.OPS if not D.kernel_available(o))
+        with pytest.raises(D.ImplError, match="no Pallas kernel"):
+            D.resolve(f"xla,{op}={name}", op)
+    with pytest.raises(D.ImplError, match="unknown op"):
+        D.resolve("xla", "mlp")
+
+
+def test_config_field_is_static_and_validated(tiny_cfg):
+    assert tiny_cfg.impl == "auto"
+    ref = tiny_cfg.replace(impl="reference")
+    assert ref != tiny_cfg and hash(ref) != hash(tiny_cfg)  # part of the jit cache key
+    assert D.resolve(ref, "attention") == "reference"
+    with pytest.raises(ConfigError, match="impl"):
+        tiny_cfg.replace(impl="fastest")
+    assert "impl" not in ModelConfig.preset("tiny").to_hf_dict()["text_config"]
