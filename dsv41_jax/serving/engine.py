@@ -91,6 +91,10 @@ __all__ = ["CompletionOutput", "Engine", "EngineError", "EngineInternalError", "
 log = logging.getLogger("dsv41_jax.engine")
 
 _ADMIT_ROWS = 8  # slot resets / sampling-row updates are dispatched in groups of this many (one shape)
+# Admission headroom (as SGLang's new_token_ratio): a sample is admitted when the pool also holds
+# this fraction of the tokens the running samples may still generate. It rises after a preemption
+# (admissions were too eager) and decays by one step per decode iteration (requests often stop early).
+_RESERVE_INIT, _RESERVE_MIN, _RESERVE_BUMP, _RESERVE_DECAY = 0.5, 0.1, 0.3, 0.002
 _CPU_MEM_FRACTION = 0.5
 _ACCEL_MEM_FRACTION = 0.85
 
@@ -481,6 +485,8 @@ class Engine:
         self._pending: list = []
         self._touched: dict = {}
         self._group_counter = 0
+        self._reserve_ratio = _RESERVE_INIT
+        self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
         self._n_processed = 0  # launches whose tokens were read (progress detection)
         self._pending_resets: list = []
         self._pending_sampling: list = []
@@ -758,6 +764,7 @@ class Engine:
             return None
         budget = self.args.max_prefill_tokens
         pre_rows = []
+        self._room_blocked = False
         for s in sorted((s for s in self._running if self._prefilling(s)), key=lambda s: s.priority):
             if budget <= 0:
                 break
@@ -802,17 +809,25 @@ class Engine:
 
     def _admission_pages(self, members: list) -> int:
         """Pages a waiting sample (with its fork siblings) needs to be admitted: its whole prefill and
-        replay plus its first new token (a fork sibling: its copy of the partial page), and one page
-        of headroom per running sample, so an admission does not at once force a preemption."""
+        replay plus its first new token (a fork sibling: its copy of the partial page), plus headroom
+        for what the running samples may still generate (`_RESERVE_INIT`), so that admissions
+        rarely force a preemption."""
         s = members[0]
         need = self.allocator.pages_needed(None, s.total_len) + (len(members) - 1)
-        return need + len(self._running)
+        future = sum(self._remaining(q) for q in self._running)
+        return need + math.ceil(future * self._reserve_ratio / self.ccfg.page_size)
+
+    def _remaining(self, s: _Seq) -> int:
+        """Tokens s may still generate (max_tokens, or up to the context length)."""
+        room = self.context_length - s.total_len
+        mt = s.params.max_tokens
+        return max(0, room if mt is None else min(room, mt - s.n_out))
 
     def _admit_waiting(self, budget: int) -> list:
         """Admit waiting samples in priority order (a preempted one resumes before anything newer)
         while slots, prefill budget and pages allow; returns their first prefill chunks."""
         rows = []
-        while self._waiting and budget > 0:
+        while self._waiting and budget > 0 and not self._room_blocked:  # blocked prefills go first
             s = self._waiting[0]
             members = self._fork_group(s) or [s]
             if len(self._free_slots) < len(members):
@@ -880,13 +895,16 @@ class Engine:
         return _Launch(rows, B, T)
 
     def _prefill_row(self, s: _Seq, budget: int) -> Optional[_Row]:
-        """The next chunk of s's prompt (all but its last token), within budget and pages; advances
-        s.num_cached."""
-        alloc, ps = self.allocator, self.ccfg.page_size
-        n = min(len(s.prompt_ids) - 1 - s.num_cached, self.chunk_cap, budget)
-        room = (len(alloc.pages(s.key)) + alloc.free_pages) * ps - s.num_cached
-        n = min(n, room)
+        """The next chunk of s's prompt (all but its last token), within budget; advances
+        s.num_cached. Chunks end at multiples of the chunk size, as when the sample runs alone, and
+        a chunk the pool has no room for waits whole (None; `_room_blocked` set) instead of being
+        cut: same chunks, same numerics, whatever the pressure."""
+        alloc = self.allocator
+        n = min(len(s.prompt_ids) - 1 - s.num_cached, self.chunk_cap - s.num_cached % self.chunk_cap, budget)
         if n <= 0:
+            return None
+        if alloc.pages_needed(s.key, s.num_cached + n) > alloc.free_pages:
+            self._room_blocked = True
             return None
         alloc.ensure(s.key, s.num_cached + n)
         row = _Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
@@ -922,6 +940,7 @@ class Engine:
                  reason, s.num_cached, len(s.output_ids), self.allocator.used_pages, self.allocator.capacity)
         self.metrics["num_preemptions"] += 1
         self.preemptions[reason] += 1
+        self._reserve_ratio = min(1.0, self._reserve_ratio + _RESERVE_BUMP)
         s.num_preemptions += 1
         self._release(s)
         s.status = WAITING
@@ -1123,6 +1142,7 @@ class Engine:
             self.metrics["generation_tokens"] += n_tok
         if launches and any(L.T == 1 for L in launches):
             self._decode_iters += 1
+            self._reserve_ratio = max(_RESERVE_MIN, self._reserve_ratio - _RESERVE_DECAY)
             if self.args.decode_log_interval and self._decode_iters % self.args.decode_log_interval == 0:
                 self._log_decode()
 
