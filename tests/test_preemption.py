@@ -187,25 +187,28 @@ def _burst(eng, rng, n_req, burst):
 
 def test_stress_bursts_fp32_equal_alone(eng, caplog):
     """200 requests in 4 bursts (mixed prompt lengths, max_tokens, n, greedy and seeded sampling
-    with penalties, streaming, client aborts; the third burst without the overlap schedule) through
-    the 384-token pool: every request the client did not abort completes with all its max_tokens
-    (ignore_eos), none ends "abort" or "error" otherwise, the pool and the slots return to their
-    starting counts after each burst, and every sample's tokens equal those it gets without pool
-    pressure (n > 1: sample j as n=1 with seed + j)."""
+    with penalties, streaming, client aborts; the third burst without the overlap schedule, the
+    fourth with mixed chunks) through the 384-token pool: every request the client did not abort
+    completes with all its max_tokens (ignore_eos), none ends "abort" or "error" otherwise, the
+    pool and the slots return to their starting counts after each burst, and every sample's tokens
+    equal those it gets without pool pressure (n > 1: sample j as n=1 with seed + j) — except in
+    the mixed-chunk burst, whose one-token rows run in the [8, 16] executable (other rounding)."""
     rng = np.random.default_rng(1717)
-    p0 = dict(eng.preemptions)
+    p0, r0 = dict(eng.preemptions), eng.metrics["replayed_tokens"]
     done = []
     with caplog.at_level("INFO", logger="dsv41_jax.engine"):
         for burst in range(4):
             eng.overlap = burst != 2
+            eng.args.enable_mixed_chunk = burst == 3
             try:
-                done += _burst(eng, rng, 50, burst)
+                done += [(burst, r) for r in _burst(eng, rng, 50, burst)]
             finally:
                 eng.overlap = True
+                eng.args.enable_mixed_chunk = False
     assert not any(r.levelname == "ERROR" for r in caplog.records)
-    n_aborted = 0
+    n_aborted = resumed = 0
     specs, where = [], []
-    for r in done:
+    for burst, r in done:
         o = r["final"]
         assert o is not None and o.finished and o.error is None, r["rid"]
         assert [c.index for c in o.outputs] == list(range(r["sp"].n)) or r["stream"]
@@ -215,18 +218,45 @@ def test_stress_bursts_fp32_equal_alone(eng, caplog):
             assert "abort" in r["reasons"].values(), r["rid"]
             continue
         assert r["reasons"] == {j: "length" for j in range(r["sp"].n)}, r["rid"]
+        if burst == 3:
+            continue
+        resumed += o.metrics["num_preemptions"] > 0
         for j in range(r["sp"].n):
             # a stream's answer is its deltas added up; its last output has each sample's end
             got = r["deltas"][j] if r["stream"] else o.outputs[j].token_ids
             assert len(got) == r["sp"].max_tokens, (r["rid"], j)
             specs.append((r["prompt"], r["sp"].replace(n=1, seed=r["sp"].seed + j)))
             where.append((r["rid"], j, got))
-    assert 5 <= n_aborted <= 40 and len(specs) > 250
+    assert 5 <= n_aborted <= 40 and len(specs) > 180
     grew = {k: eng.preemptions[k] - p0[k] for k in PREEMPTION_REASONS}
-    assert grew["decode_pages"] > 20, grew
+    assert grew["decode_pages"] > 20 and sum(grew.values()) == eng.metrics["num_preemptions"] - sum(p0.values())
+    # the comparison covers resumed samples, some replaying generated tokens
+    assert resumed > 10 and eng.metrics["replayed_tokens"] > r0
     ref = _run_alone_like(eng, specs)
     bad = [(rid, j) for i, (rid, j, got) in enumerate(where) if ref[i] != got]
     assert not bad, f"{len(bad)} samples differ from their pressure-free run, first {bad[:5]}"
+
+
+def test_llm_raises_when_the_engine_fails_a_request(eng, monkeypatch):
+    """Offline `LLM.generate` does not hand back a request the engine ended early."""
+    from dsv41_jax.llm import LLM
+    from dsv41_jax.serving.engine import EngineInternalError
+
+    mark = [318, 317, 316]
+    orig = eng._append_token
+
+    def faulty(s, tok, lp, top, now):
+        orig(s, tok, lp, top, now)
+        if s.prompt_ids[:3] == mark and len(s.output_ids) == 2 and s.status == "running":
+            eng._fail(s, "internal error: injected engine fault")
+
+    monkeypatch.setattr(eng, "_append_token", faulty)
+    llm = LLM(engine=eng)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with pytest.raises(EngineInternalError, match="1 request\\(s\\) failed: internal error: injected engine fault"):
+        llm.generate([[5, 6, 7], mark + [9]], sp, use_tqdm=False)
+    _idle(eng)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7]], sp, use_tqdm=False)] == [6]
 
 
 # ------------------------------------------------------------------------------------------- HTTP
@@ -273,7 +303,8 @@ def test_http_concurrent_requests_complete_and_metrics_count_preemptions(eng, ap
     assert err["type"] == "invalid_request_error" and "context length" in err["message"]
     text = metrics.text
     for reason in PREEMPTION_REASONS:
-        line = next(ln for ln in text.splitlines() if ln.startswith(f'dsv41:num_preemptions_total{{reason="{reason}"}}'))
+        name = f'dsv41:num_preemptions_total{{reason="{reason}"}}'
+        line = next(ln for ln in text.splitlines() if ln.startswith(name))
         assert float(line.split()[-1]) == eng.preemptions[reason]
 
 
@@ -314,3 +345,4 @@ def test_http_engine_fault_is_an_error_not_a_short_answer(eng, app_client, monke
             break
         asyncio.run(asyncio.sleep(0.05))
     assert eng.allocator.free_pages == eng.allocator.capacity
+

@@ -500,7 +500,8 @@ class Engine:
 
         # -- metrics
         self.preemptions = {r: 0 for r in PREEMPTION_REASONS}  # per reason (the /metrics counter)
-        self.metrics = {"num_preemptions": 0, "requests_failed": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
+        self.metrics = {"num_preemptions": 0, "replayed_tokens": 0, "requests_failed": 0, "prompt_tokens": 0,
+                        "generation_tokens": 0, "requests_finished": 0,
                         "requests_aborted": 0, "shared_prompt_tokens": 0, "computed_prompt_tokens": 0,
                         "num_forks": 0, "steps": 0, "launches": 0}
         self.ttft = collections.deque(maxlen=10000)
@@ -857,12 +858,15 @@ class Engine:
         if self.args.enable_mixed_chunk:  # one launch: a sample gets one row; fork copies run after it
             have |= {id(r.seq) for r in pre_rows} | {id(q) for op in fork_ops for q in op[5]}
         for s in sorted(self._running, key=lambda s: s.priority):
-            if id(s) not in have and self._decodable(s) and alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages:
+            if (id(s) not in have and self._decodable(s)
+                    and alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages):
                 rows.append(self._decode_row(s))
         for r in rows:
             r.seq.num_cached += 1
             if r.sample:
                 r.seq.n_inflight += 1
+            else:
+                self.metrics["replayed_tokens"] += 1
         return rows
 
     def _unblock_prefills(self) -> Optional[list]:
