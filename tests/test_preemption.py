@@ -229,9 +229,9 @@ def test_stress_bursts_fp32_equal_alone(eng, caplog):
             where.append((r["rid"], j, got))
     assert 5 <= n_aborted <= 40 and len(specs) > 180
     grew = {k: eng.preemptions[k] - p0[k] for k in PREEMPTION_REASONS}
-    assert grew["decode_pages"] > 20 and sum(grew.values()) == eng.metrics["num_preemptions"] - sum(p0.values())
+    assert grew["decode_pages"] > 8 and sum(grew.values()) == eng.metrics["num_preemptions"] - sum(p0.values())
     # the comparison covers resumed samples, some replaying generated tokens
-    assert resumed > 10 and eng.metrics["replayed_tokens"] > r0
+    assert resumed > 5 and eng.metrics["replayed_tokens"] > r0
     ref = _run_alone_like(eng, specs)
     bad = [(rid, j) for i, (rid, j, got) in enumerate(where) if ref[i] != got]
     assert not bad, f"{len(bad)} samples differ from their pressure-free run, first {bad[:5]}"
