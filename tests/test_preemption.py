@@ -98,6 +98,17 @@ def test_n_samples_each_fitting_alone_all_complete(eng):
         assert alone == out.outputs[j].token_ids, f"sample {j}"
 
 
+def test_n_samples_that_fill_the_whole_pool(eng):
+    """Each sample needs every page (383 + 1 tokens of 384): the samples cannot share the prompt
+    (no page left for a sibling's copy of the partial page), so they run one after the other."""
+    prompt = np.random.default_rng(12).integers(3, 319, size=383).tolist()
+    eng.add_request("n2-whole-pool", prompt, SamplingParams(n=2, temperature=0, max_tokens=1, ignore_eos=True))
+    out = [o for o in eng.run_until_done() if o.finished][0]
+    assert [(c.finish_reason, len(c.token_ids)) for c in out.outputs] == [("length", 1)] * 2
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids  # greedy
+    _idle(eng)
+
+
 # ------------------------------------------------------------------------------------------- the issue's reproduction
 
 

@@ -918,10 +918,13 @@ class Engine:
         return row
 
     def _fork_group(self, s: _Seq) -> Optional[list]:
-        """The n fresh samples of s's request to admit together with prompt sharing, or None."""
+        """The n fresh samples of s's request to admit together with prompt sharing, or None (then
+        they are admitted one by one: too many for the slots, or the prompt plus one page per
+        sibling would not fit the pool even when empty)."""
         g = s.group
         if (g.n < 2 or s.index != 0 or s.ever_admitted or self.args.disable_prefix_sharing
-                or len(g.prompt_ids) < 2 or g.n > self.max_slots):
+                or len(g.prompt_ids) < 2 or g.n > self.max_slots
+                or self.allocator.pages_needed(None, len(g.prompt_ids)) + g.n - 1 > self.allocator.capacity):
             return None
         if not all(q.status == WAITING and not q.ever_admitted for q in g.seqs):
             return None
