@@ -811,8 +811,8 @@ class Engine:
     def _admission_pages(self, members: list) -> int:
         """Pages a waiting sample (with its fork siblings) needs to be admitted: its whole prefill and
         replay plus its first new token (a fork sibling: its copy of the partial page), plus headroom
-        for what the running samples may still generate (`_RESERVE_INIT`), so that admissions
-        rarely force a preemption."""
+        for the share `_reserve_ratio` of what the running samples may still generate, so that
+        admissions rarely force a preemption."""
         s = members[0]
         need = self.allocator.pages_needed(None, s.total_len) + (len(members) - 1)
         future = sum(self._remaining(q) for q in self._running)
@@ -836,7 +836,7 @@ class Engine:
             if self._admission_pages(members) > self.allocator.free_pages and self._running:
                 break
             if self.allocator.pages_needed(None, s.total_len) + len(members) - 1 > self.allocator.free_pages:
-                break  # nothing runs and it still does not fit: `_unstick` reports it
+                break  # (nothing running) pages held outside the scheduler: if it persists, `_unstick` reports it
             for q in members:
                 self._waiting.remove(q)
                 self._admit(q)
