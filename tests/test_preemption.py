@@ -68,6 +68,29 @@ def _run_alone_like(eng, specs):
     return ref
 
 
+# ------------------------------------------------------------------------------------------- metrics
+
+
+def test_preemption_counter_mirrors_the_engine_counts():
+    """/metrics exports the engine's cumulative counts per reason: each scrape adds only what is
+    new, so repeated scrapes never double count."""
+    pytest.importorskip("prometheus_client")
+    from dsv41_jax.serving.metrics import ServerMetrics
+
+    counts = {"decode_pages": 0, "prefill_pages": 0}
+    m = ServerMetrics(lambda: {"preemptions_by_reason": dict(counts)})
+
+    def value(reason):
+        name = f'dsv41:num_preemptions_total{{reason="{reason}"}}'
+        return float(next(ln for ln in m.render().decode().splitlines() if ln.startswith(name)).split()[-1])
+
+    assert value("decode_pages") == 0 and value("prefill_pages") == 0
+    counts["decode_pages"] = 3
+    assert value("decode_pages") == 3 and value("decode_pages") == 3
+    counts.update(decode_pages=5, prefill_pages=2)
+    assert (value("decode_pages"), value("prefill_pages")) == (5, 2)
+
+
 # ------------------------------------------------------------------------------------------- admission
 
 
@@ -290,6 +313,9 @@ def app_client(eng):
 
 
 def test_http_concurrent_requests_complete_and_metrics_count_preemptions(eng, app_client):
+    """The issue's setting over HTTP (in process): 8 concurrent completions through the small pool
+    all come back 200 with every token; an over-context request is a 400; /metrics has the
+    preemption counter per reason, equal to the engine's counts."""
     ae, client = app_client
     rng = np.random.default_rng(99)
     prompts = [rng.integers(3, 319, size=int(rng.integers(60, 121))).tolist() for _ in range(8)]
@@ -302,13 +328,13 @@ def test_http_concurrent_requests_complete_and_metrics_count_preemptions(eng, ap
             metrics = await c.get("/metrics")
         return rs, too_big, metrics
 
-    p0 = eng.preemptions["decode_pages"]
     rs, too_big, metrics = asyncio.run(main())
     for r in rs:
         assert r.status_code == 200, r.text
         ch = r.json()["choices"][0]
         assert ch["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 40
-    assert eng.preemptions["decode_pages"] > p0
+    # (whether these preempt depends on how the requests meet the engine thread's steps: the
+    # engine-level tests count preemptions deterministically; here /metrics must equal the engine)
     assert too_big.status_code == 400
     err = too_big.json()["error"]
     assert err["type"] == "invalid_request_error" and "context length" in err["message"]

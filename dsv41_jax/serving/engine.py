@@ -16,6 +16,8 @@ and per-slot sampling tensors, and runs one *scheduler iteration* per `Engine.st
    by the same ``[B, 1]`` steps as the first time: greedy tokens are exactly those without
    preemption in the fp32 mode (given one batch bucket); with sampling the per-request key stream
    continues at the same token index and the penalty counts are rebuilt from the generated tokens.
+   (The price of exact resumption: a replay takes one step per generated token, as a row of the
+   decode batch, where a chunked recompute would take a few prefill launches.)
    The oldest sample is never preempted while another runs, and `add_request` refuses (`EngineError`,
    HTTP 400) any request whose samples could not each fit the pool alone (prompt + max_tokens over
    context_length, which the memory plan caps at the pool), so every accepted request finishes:
