@@ -17,7 +17,10 @@ and per-slot sampling tensors, and runs one *scheduler iteration* per `Engine.st
    preemption in the fp32 mode (given one batch bucket); with sampling the per-request key stream
    continues at the same token index and the penalty counts are rebuilt from the generated tokens.
    (The price of exact resumption: a replay takes one step per generated token, as a row of the
-   decode batch, where a chunked recompute would take a few prefill launches.)
+   decode batch, where a chunked recompute would take a few prefill launches. Measured on the tiny
+   model, pool 1,024, 8 x (220-400 + 160 greedy tokens): recomputing generated tokens in prefill
+   chunks left 7 of 8 requests equal to alone, the other flipping at token 137 with a top-2 gap of
+   0.038 nats (an fp8 activation code changed with the executable, not a near-tie); replay: 8 of 8.)
    The oldest sample is never preempted while another runs, and `add_request` refuses (`EngineError`,
    HTTP 400) any request whose samples could not each fit the pool alone (prompt + max_tokens over
    context_length, which the memory plan caps at the pool), so every accepted request finishes:
