@@ -19,7 +19,7 @@ import itertools
 import sys
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from dsv41_jax.serving.engine import Engine, RequestOutput
+from dsv41_jax.serving.engine import Engine, EngineInternalError, RequestOutput
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -127,6 +127,9 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        failed = [results[r].error for r in rids if results[r].error]
+        if failed:  # the engine ended requests early: never hand back truncated outputs as results
+            raise EngineInternalError(f"{len(failed)} request(s) failed: {failed[0]}")
         return [results[r] for r in rids]
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,

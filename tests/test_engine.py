@@ -429,9 +429,13 @@ def test_max_tokens_and_min_tokens(eng):
     outs = run(eng, P0, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in range(1, 7)])
     assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 7))
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    # the context length (128) bounds prompt + output, whatever max_tokens says
-    c = run(eng, [list(range(3, 123))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    # the context length (128) bounds prompt + output: max_tokens=None runs up to it; an explicit
+    # max_tokens beyond it is refused at once (never accepted and cut short later)
+    c = run(eng, [list(range(3, 123))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert len(c.token_ids) == 8 and c.finish_reason == "length"
+    with pytest.raises(EngineError, match=r"prompt \(120 tokens\) \+ max_tokens \(20\) = 140 tokens exceeds"):
+        eng.add_request("over-context", list(range(3, 123)), SamplingParams(max_tokens=20))
+    assert eng.num_waiting == 0
     g = toks(run(eng, P0[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))[0]
     stop_id = g[2]
     first = g.index(stop_id)

@@ -12,7 +12,9 @@ through a command queue; outputs go back to each request's `asyncio.Queue` with
 A request whose consumer stops iterating (client disconnect: the async generator is closed or its
 task cancelled) is aborted, which frees its pages. `generate` raises `QueueFullError` at once when
 ``max_queued_requests`` requests are already waiting (the server answers 503), and `EngineError`
-(a ValueError, HTTP 400) for a request the engine refuses.
+(a ValueError, HTTP 400) for a request the engine refuses. A request the engine had to end itself
+(finish reason "error") raises `EngineInternalError` (HTTP 500 / a stream error event) instead of
+yielding its last output, so no client mistakes it for a complete answer.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import threading
 import time
 from typing import AsyncIterator, Optional
 
-from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, RequestOutput
+from dsv41_jax.serving.engine import Engine, EngineError, EngineInternalError, QueueFullError, RequestOutput
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineInternalError", "QueueFullError"]
 
 log = logging.getLogger("dsv41_jax.async_engine")
 
@@ -101,7 +103,7 @@ class AsyncEngine:
                     with self._lock:
                         outs = eng.step()
                     for o in outs:
-                        self._deliver(o.request_id, o)
+                        self._deliver(o.request_id, EngineInternalError(o.error) if o.error else o)
                         if o.finished:
                             self._streams.pop(o.request_id, None)
                 else:

@@ -5,14 +5,27 @@ and per-slot sampling tensors, and runs one *scheduler iteration* per `Engine.st
 
 1. **Schedule** (host). Running sequences each contribute one row: a decode row (the newest token,
    position ``num_cached``) or a prefill chunk (at most ``chunked_prefill_size`` tokens, all rows
-   together at most ``max_prefill_tokens``). Waiting sequences are admitted (FIFO, preempted ones
-   first) while slots (``max_running_requests``), prefill budget and pages allow. When decode rows
-   need pages the pool does not have, the most recently admitted sequence is **preempted**: its pages
-   and slot are freed, it goes back to the front of the queue and later resumes by recomputing
-   (prefilling prompt + generated tokens), which gives the same tokens (greedy exactly in the fp32
-   mode; with sampling the per-request key stream continues at the same token index, and the
-   penalty counts are rebuilt from the generated tokens). Admissions pause after a preemption
-   until a sequence finishes, so requests do not thrash.
+   together at most ``max_prefill_tokens``). Waiting sequences are admitted in arrival order
+   (a preempted one resumes before anything newer) while slots (``max_running_requests``), prefill
+   budget and pages allow: a sample is admitted only when the pool holds its whole prefill plus one
+   page of headroom per running sample. When decode rows need pages the pool does not have
+   (reason "decode_pages"), or no row can run because the admitted prefills are blocked on pages
+   ("prefill_pages"), the sample that arrived last is **preempted**: its pages and slot are freed,
+   it goes back to the queue, and later resumes by prefilling its prompt and then *replaying* its
+   generated tokens as one-token rows that write the cache without sampling, so its cache is built
+   by the same ``[B, 1]`` steps as the first time: greedy tokens are exactly those without
+   preemption in the fp32 mode (given one batch bucket); with sampling the per-request key stream
+   continues at the same token index and the penalty counts are rebuilt from the generated tokens.
+   (The price of exact resumption: a replay takes one step per generated token, as a row of the
+   decode batch, where a chunked recompute would take a few prefill launches. Measured on the tiny
+   model, pool 1,024, 8 x (220-400 + 160 greedy tokens): recomputing generated tokens in prefill
+   chunks left 7 of 8 requests equal to alone, the other flipping at token 137 with a top-2 gap of
+   0.038 nats (an fp8 activation code changed with the executable, not a near-tie); replay: 8 of 8.)
+   The oldest sample is never preempted while another runs, and `add_request` refuses (`EngineError`,
+   HTTP 400) any request whose samples could not each fit the pool alone (prompt + max_tokens over
+   context_length, which the memory plan caps at the pool), so every accepted request finishes:
+   nothing is aborted for lack of memory. Preemptions are counted per reason (`Engine.preemptions`,
+   the decode log line, ``/metrics``).
 2. **Dispatch** (device, asynchronous). Decode rows run as one ``[B, 1]`` launch and prefill chunks
    as one ``[B, T]`` launch in the same iteration (``--enable-mixed-chunk``: one ``[B, T]`` launch
    holding both), B and T rounded up to the compiled buckets; every bucket is compiled in the
@@ -34,6 +47,10 @@ order keeps it safe. The engine synchronises (reads k−1 first) only when it mu
 preemption (the resumed sequence needs all its tokens) and for rows with a constraint (the mask
 depends on the previous token). ``--disable-overlap-schedule`` reads every iteration's tokens
 before the next is prepared.
+
+If the engine itself must end a request (a scheduler fault), the sample finishes with reason
+"error" and `RequestOutput.error` says why; `AsyncEngine` turns it into `EngineInternalError`
+(HTTP 500 / a stream error event), never a truncated success.
 
 n > 1 shares the prompt: the n samples are admitted together; sample 0 prefills the prompt minus
 its last token, then the others are **forked**: the full pages are shared (reference counted in
@@ -67,16 +84,22 @@ import numpy as np
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
+from dsv41_jax.model.decode import _bucket
 from dsv41_jax.serving import sampling as smp
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams, SamplingTensors
 from dsv41_jax.serving.tokenizer import IncrementalDetokenizer
 
-__all__ = ["CompletionOutput", "Engine", "EngineError", "QueueFullError", "RequestOutput", "SharedPageAllocator"]
+__all__ = ["CompletionOutput", "Engine", "EngineError", "EngineInternalError", "QueueFullError", "RequestOutput",
+           "SharedPageAllocator", "PREEMPTION_REASONS"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
 _ADMIT_ROWS = 8  # slot resets / sampling-row updates are dispatched in groups of this many (one shape)
+# Admission headroom (as SGLang's new_token_ratio): a sample is admitted when the pool also holds
+# this fraction of the tokens the running samples may still generate. It rises after a preemption
+# (admissions were too eager) and decays by one step per decode iteration (requests often stop early).
+_RESERVE_INIT, _RESERVE_MIN, _RESERVE_BUMP, _RESERVE_DECAY = 0.5, 0.1, 0.3, 0.002
 _CPU_MEM_FRACTION = 0.5
 _ACCEL_MEM_FRACTION = 0.85
 
@@ -86,7 +109,19 @@ class EngineError(ValueError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_queued_requests`` (the server answers 503)."""
+    """The waiting queue is at ``max_queued_requests`` (the server answers 503). The one definition:
+    the server imports it from here."""
+
+
+class EngineInternalError(RuntimeError):
+    """The engine had to end an accepted request early (a scheduler fault, not the request's): the
+    server answers 500 (non-streaming) or sends an error event (streaming), never a truncated 200."""
+
+
+# Why a running sample was preempted (the ``reason`` label of the preemption counter):
+# "decode_pages": the decode rows (new tokens, or the replay of a resumed sample) need pages the pool
+#   does not have; "prefill_pages": no row could run because the admitted prefills are blocked on pages.
+PREEMPTION_REASONS = ("decode_pages", "prefill_pages")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -102,7 +137,8 @@ class CompletionOutput:
     logprobs: the sampled tokens' logprobs (None unless the request asked for logprobs).
     top_logprobs: per token, ``[(token_id, logprob), ...]`` of the ``logprobs`` most likely tokens.
     finish_reason: None (running), "stop" (stop token / string / constraint done), "length"
-    (max_tokens or context length) or "abort". stop_reason: the stop string or token id matched.
+    (max_tokens or context length), "abort" (the client's abort) or "error" (the engine had to end
+    the request: `RequestOutput.error` says why). stop_reason: the stop string or token id matched.
     """
 
     index: int
@@ -131,6 +167,7 @@ class RequestOutput:
     outputs: list
     finished: bool
     metrics: dict = field(default_factory=dict)
+    error: Optional[str] = None  # set when the engine ended a sample with finish_reason "error"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,13 +296,6 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
     return out
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
 # ----------------------------------------------------------------------------------------------------
 # Requests
 # ----------------------------------------------------------------------------------------------------
@@ -276,8 +306,9 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 class _Group:
     """A user request: the prompt and its n samples."""
 
-    def __init__(self, rid, prompt, prompt_ids, params, n, output_kind, arrival):
+    def __init__(self, rid, prompt, prompt_ids, params, n, output_kind, arrival, order):
         self.rid, self.prompt, self.prompt_ids, self.params = rid, prompt, prompt_ids, params
+        self.order = order  # arrival order: the scheduling priority (older first)
         self.n, self.output_kind, self.arrival = n, output_kind, arrival
         self.arrival_perf = time.perf_counter() - max(0.0, time.time() - arrival)
         self.seqs: list = []
@@ -305,7 +336,8 @@ class _Seq:
         self.num_cached = 0  # tokens written to the cache (host view, counting dispatched launches)
         self.n_inflight = 0  # sampled on the device, not read yet
         self.fork_src: Optional["_Seq"] = None  # fork child: waiting for the source's prefix
-        self.admit_order = -1
+        self.priority = (group.order, index)  # smaller runs first and is preempted last
+        self.error: Optional[str] = None  # why the engine ended it (finish_reason "error")
         self.ever_admitted = False
         self.finish_reason: Optional[str] = None
         self.stop_reason: Union[int, str, None] = None
@@ -342,6 +374,7 @@ class _Row:
     sample: bool
     step: int
     pages: list
+    replay: bool = False  # a resumed sample's generated token, written again (not sampled)
 
 
 @dataclass
@@ -456,8 +489,10 @@ class Engine:
         self._free_slots = list(range(self.max_slots - 1, -1, -1))
         self._pending: list = []
         self._touched: dict = {}
-        self._admit_counter = 0
-        self._hold_admission = False
+        self._group_counter = 0
+        self._reserve_ratio = _RESERVE_INIT
+        self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
+        self._n_processed = 0  # launches whose tokens were read (progress detection)
         self._pending_resets: list = []
         self._pending_sampling: list = []
         self._rng = random.Random(args.random_seed)
@@ -469,7 +504,9 @@ class Engine:
         self.last_step: dict = {}
 
         # -- metrics
-        self.metrics = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
+        self.preemptions = {r: 0 for r in PREEMPTION_REASONS}  # per reason (the /metrics counter)
+        self.metrics = {"num_preemptions": 0, "replayed_tokens": 0, "requests_failed": 0, "prompt_tokens": 0,
+                        "generation_tokens": 0, "requests_finished": 0,
                         "requests_aborted": 0, "shared_prompt_tokens": 0, "computed_prompt_tokens": 0,
                         "num_forks": 0, "steps": 0, "launches": 0}
         self.ttft = collections.deque(maxlen=10000)
@@ -587,7 +624,9 @@ class Engine:
             raise EngineError(f"prompt: {len(ids)} tokens leave no room in context_length={self.context_length}")
         if constraint is not None and p.n > 1 and not hasattr(constraint, "clone"):
             raise EngineError("constraint: n > 1 needs a constraint with clone()")
-        g = _Group(request_id, text, ids, p, p.n, output_kind, arrival_time or time.time())
+        self._check_fits(ids, p)
+        g = _Group(request_id, text, ids, p, p.n, output_kind, arrival_time or time.time(), self._group_counter)
+        self._group_counter += 1
         children = p.child_params() if p.n > 1 else [p]
         for j, cp in enumerate(children):
             if cp.seed is None:
@@ -600,6 +639,21 @@ class Engine:
         self._groups[request_id] = g
         self._waiting.extend(g.seqs)
         self.metrics["prompt_tokens"] += len(ids)
+
+    def _check_fits(self, ids: list, p: SamplingParams) -> None:
+        """Refuse, at admission, a request that could never run to its end: every sample must fit
+        the KV pool alone (prompt + max_tokens within context_length, which the memory plan caps at
+        the pool's size), so the scheduler can always finish it by preempting others; a request
+        accepted here is never cut short for lack of memory. (n > 1 needs nothing more: the samples
+        are admitted together only when the pool has room, else they run one by one.)"""
+        if p.max_tokens is None:
+            return  # runs to the context length ("length"), which fits by construction
+        total = len(ids) + p.max_tokens
+        if total > self.context_length:
+            pool = self.allocator.capacity * self.ccfg.page_size
+            raise EngineError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = {total} tokens exceeds "
+                              f"this engine's per-request limit of {self.context_length} tokens (context_length; "
+                              f"the KV pool holds {pool}); reduce the prompt or max_tokens")
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request: its pages and slots are freed at once; an "abort" output is emitted."""
@@ -632,20 +686,23 @@ class Engine:
     def step(self) -> list:
         """One scheduler iteration; returns the `RequestOutput`s produced."""
         self._iter += 1
+        n_processed = self._n_processed
         ops = self._schedule()
         launches = [op for op in ops if isinstance(op, _Launch)]
         if ops:
             self._dispatch(ops)
         self.last_step = {"launches": [(L.B, L.T) for L in launches],
-                          "prefill_tokens": sum(r.n for L in launches for r in L.rows if not r.sample),
+                          "prefill_tokens": sum(r.n for L in launches for r in L.rows if not (r.sample or r.replay)),
+                          "replay_rows": sum(1 for L in launches for r in L.rows if r.replay),
                           "decode_rows": sum(1 for L in launches for r in L.rows if r.sample)}
         if self.overlap:
             done, self._pending = self._pending, launches
             self._process(done)
         else:
             self._process(launches)
-        if not launches and not self._pending and (self._running or self._waiting):
-            self._unstick()  # nothing could run although work exists
+        if (not launches and not self._pending and self._n_processed == n_processed
+                and (self._running or self._waiting)):
+            self._unstick()  # nothing ran, nothing was read: the plan saw the current state and had no move
         self.metrics["steps"] += 1
         return self._emit()
 
@@ -671,10 +728,14 @@ class Engine:
         return s.total_len < self.context_length
 
     def _decodable(self, s: _Seq) -> bool:
-        return self._active(s) and s.num_cached == s.total_len - 1
+        """In the one-token-per-step phase: the prompt's last token onwards. A resumed sample first
+        *replays* its generated tokens here (rows that write the cache without sampling), so its
+        cache is built by the same [B, 1] steps as when the tokens were generated: with one batch
+        bucket the resumed sample's tokens are exactly those it gets without preemption."""
+        return self._active(s) and s.num_cached >= len(s.prompt_ids) - 1
 
     def _prefilling(self, s: _Seq) -> bool:
-        return self._active(s) and s.num_cached < s.total_len - 1
+        return self._active(s) and s.num_cached < len(s.prompt_ids) - 1
 
     def _schedule(self) -> list:
         if self._pending and any(s.constraint is not None and s.n_inflight for s in self._running):
@@ -687,98 +748,154 @@ class Engine:
         return []
 
     def _pick_victim(self) -> Optional[_Seq]:
+        """The running sample that arrived last (fork children waiting for their source excepted):
+        the oldest sample is never preempted while another runs, so it always progresses."""
         cands = [s for s in self._running if s.fork_src is None]
-        return max(cands, key=lambda s: s.admit_order) if cands else None
+        return max(cands, key=lambda s: s.priority) if cands else None
 
     def _decode_row(self, s: _Seq) -> _Row:
+        """s's next one-token row: its newest token (sampled), or a replayed one (not sampled)."""
         self.allocator.ensure(s.key, s.num_cached + 1)
-        from_prev = s.n_inflight > 0
+        sample = s.num_cached == s.total_len - 1
+        from_prev = sample and s.n_inflight > 0
         tok = [] if from_prev else s.tokens(s.num_cached, s.num_cached + 1)
-        return _Row(s, s.num_cached, 1, tok, from_prev, True, s.n_out, self.allocator.pages(s.key))
+        return _Row(s, s.num_cached, 1, tok, from_prev, sample, s.n_out, self.allocator.pages(s.key), not sample)
 
     def _plan(self) -> Optional[list]:
         """This iteration's device work: launches (and fork copies between them), with the host state
         (num_cached, in-flight counts, pages) advanced as if they had run. None: a preemption is
         needed and the in-flight tokens must be read first."""
-        alloc = self.allocator
-        mixed = self.args.enable_mixed_chunk
-        # 1. pages for the sequences in the decode phase; preempt the newest while short
-        while True:
-            dec_seqs = [s for s in self._running if self._decodable(s)]
-            need = sum(alloc.pages_needed(s.key, s.num_cached + 1) for s in dec_seqs)
-            if need <= alloc.free_pages:
-                break
-            if self._pending:
-                return None
-            self._preempt(self._pick_victim())
-        dec_seqs.sort(key=lambda s: s.admit_order)
-        for s in dec_seqs:
-            alloc.ensure(s.key, s.num_cached + 1)
-        # 2. prefill chunks of admitted sequences, then admissions (FIFO, preempted ones first)
+        dec_seqs = self._reserve_decode_pages()
+        if dec_seqs is None:
+            return None
         budget = self.args.max_prefill_tokens
         pre_rows = []
-        for s in sorted((s for s in self._running if self._prefilling(s)), key=lambda s: s.admit_order):
+        self._room_blocked = False
+        for s in sorted((s for s in self._running if self._prefilling(s)), key=lambda s: s.priority):
             if budget <= 0:
                 break
             row = self._prefill_row(s, budget)
             if row is not None:
                 pre_rows.append(row)
                 budget -= row.n
-        while self._waiting and budget > 0 and not self._hold_admission:
+        pre_rows += self._admit_waiting(budget)
+        # forks: sources whose prompt (minus its last token) is now all dispatched
+        fork_ops = []
+        for r in pre_rows:
+            if r.seq.num_cached == len(r.seq.prompt_ids) - 1:
+                fork_ops += self._fork(r.seq)
+        dec_rows = self._decode_rows(dec_seqs, pre_rows, fork_ops)
+        if not pre_rows and not dec_rows:
+            return self._unblock_prefills()
+        return self._assemble(pre_rows, fork_ops, dec_rows)
+
+    def _reserve_decode_pages(self) -> Optional[list]:
+        """Pages for every sample in the one-token phase, preempting the newest while the pool is
+        short. Returns those samples (oldest first), or None when the in-flight tokens must be read
+        before a preemption."""
+        alloc = self.allocator
+        while True:
+            dec_seqs = [s for s in self._running if self._decodable(s)]
+            need = sum(alloc.pages_needed(s.key, s.num_cached + 1) for s in dec_seqs)
+            if need <= alloc.free_pages:
+                break
+            victim = self._pick_victim()
+            if victim is None:
+                break  # nothing to preempt (cannot happen with requests that fit): run those that fit
+            if self._pending:
+                return None
+            self._preempt(victim, "decode_pages")
+        dec_seqs.sort(key=lambda s: s.priority)
+        out = []
+        for s in dec_seqs:
+            if alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages:
+                alloc.ensure(s.key, s.num_cached + 1)
+                out.append(s)
+        return out
+
+    def _admission_pages(self, members: list) -> int:
+        """Pages a waiting sample (with its fork siblings) needs to be admitted: its whole prefill and
+        replay plus its first new token (a fork sibling: its copy of the partial page), plus headroom
+        for the share `_reserve_ratio` of what the running samples may still generate, so that
+        admissions rarely force a preemption."""
+        s = members[0]
+        need = self.allocator.pages_needed(None, s.total_len) + (len(members) - 1)
+        future = sum(self._remaining(q) for q in self._running)
+        return need + math.ceil(future * self._reserve_ratio / self.ccfg.page_size)
+
+    def _remaining(self, s: _Seq) -> int:
+        """Tokens s may still generate (max_tokens, or up to the context length)."""
+        room = self.context_length - s.total_len
+        mt = s.params.max_tokens
+        return max(0, room if mt is None else min(room, mt - s.n_out))
+
+    def _admit_waiting(self, budget: int) -> list:
+        """Admit waiting samples in priority order (a preempted one resumes before anything newer)
+        while slots, prefill budget and pages allow; returns their first prefill chunks."""
+        rows = []
+        while self._waiting and budget > 0 and not self._room_blocked:  # blocked prefills go first
             s = self._waiting[0]
-            group = self._fork_group(s)
-            members = group or [s]
+            members = self._fork_group(s) or [s]
             if len(self._free_slots) < len(members):
                 break
-            first = min(s.total_len - 1, self.chunk_cap, budget)
-            if alloc.pages_needed(None, max(first, 1)) > alloc.free_pages:
+            if self._admission_pages(members) > self.allocator.free_pages and self._running:
                 break
+            if self.allocator.pages_needed(None, s.total_len) + len(members) - 1 > self.allocator.free_pages:
+                break  # (nothing running) pages held outside the scheduler: if it persists, `_unstick` reports it
             for q in members:
                 self._waiting.remove(q)
                 self._admit(q)
             for q in members[1:]:
                 q.fork_src = s
-            if s.total_len > 1:
+            if len(s.prompt_ids) > 1:
                 row = self._prefill_row(s, budget)
                 if row is not None:
-                    pre_rows.append(row)
+                    rows.append(row)
                     budget -= row.n
-        # 3. forks: sources whose prompt (minus its last token) is now all dispatched
-        fork_ops = []
-        for r in pre_rows:
-            if r.seq.num_cached == r.seq.total_len - 1:
-                fork_ops += self._fork(r.seq)
-        forked = {id(s) for op in fork_ops for s in op[5]}
-        # 4. decode rows: the decode phase, plus (split launches) the sequences whose prefill just
-        #    completed, whose newest token runs in the decode launch dispatched after the prefill one
-        dec_rows = [self._decode_row(s) for s in dec_seqs]
+        return rows
+
+    def _decode_rows(self, dec_seqs: list, pre_rows: list, fork_ops: list) -> list:
+        """One-token rows: the samples that had pages reserved, plus (split launches) those whose
+        prefill was just dispatched, whose next token runs in the decode launch after the prefill."""
+        alloc = self.allocator
+        rows = [self._decode_row(s) for s in dec_seqs]
         have = {id(s) for s in dec_seqs}
-        if mixed:  # one launch: a sequence gets one row; fork copies run after it
-            have |= {id(r.seq) for r in pre_rows} | forked
-        for s in sorted(self._running, key=lambda s: s.admit_order):
-            if id(s) not in have and self._decodable(s) and alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages:
-                dec_rows.append(self._decode_row(s))
-        for r in dec_rows:
+        if self.args.enable_mixed_chunk:  # one launch: a sample gets one row; fork copies run after it
+            have |= {id(r.seq) for r in pre_rows} | {id(q) for op in fork_ops for q in op[5]}
+        for s in sorted(self._running, key=lambda s: s.priority):
+            if (id(s) not in have and self._decodable(s)
+                    and alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages):
+                rows.append(self._decode_row(s))
+        for r in rows:
             r.seq.num_cached += 1
-            r.seq.n_inflight += 1
-        if not pre_rows and not dec_rows:
-            if self._running and not self._pending and len(self._running) > 1 and any(
-                    self._prefilling(s) for s in self._running):
-                # prefilling sequences hold every page: free the newest and retry
-                self._preempt(self._pick_victim())
-                return self._plan()
+            if r.sample:
+                r.seq.n_inflight += 1
+            else:
+                self.metrics["replayed_tokens"] += 1
+        return rows
+
+    def _unblock_prefills(self) -> Optional[list]:
+        """No row could run: the admitted prefills are blocked on pages others hold. Preempt the
+        newest sample (after reading the in-flight tokens) and plan again; [] when nothing runs."""
+        if not any(self._prefilling(s) for s in self._running):
             return []
+        victim = self._pick_victim()
+        if victim is None:
+            return []
+        if self._pending:
+            return None
+        self._preempt(victim, "prefill_pages")
+        return self._plan()
+
+    def _assemble(self, pre_rows: list, fork_ops: list, dec_rows: list) -> list:
+        if self.args.enable_mixed_chunk:
+            return [self._launch(dec_rows + pre_rows)] + fork_ops
         ops: list = []
-        if mixed:
-            rows = dec_rows + pre_rows
-            ops.append(self._launch(rows))
-            ops += fork_ops
-        else:
-            if pre_rows:
-                ops.append(self._launch(pre_rows))
-            ops += fork_ops
-            if dec_rows:
-                ops.append(self._launch(dec_rows))
+        if pre_rows:
+            ops.append(self._launch(pre_rows))
+        ops += fork_ops
+        if dec_rows:
+            ops.append(self._launch(dec_rows))
         return ops
 
     def _launch(self, rows: list) -> _Launch:
@@ -787,27 +904,32 @@ class Engine:
         return _Launch(rows, B, T)
 
     def _prefill_row(self, s: _Seq, budget: int) -> Optional[_Row]:
-        """The next chunk of s's prefill (everything but the newest token), within budget and pages;
-        advances s.num_cached."""
-        alloc, ps = self.allocator, self.ccfg.page_size
-        n = min(s.total_len - 1 - s.num_cached, self.chunk_cap, budget)
-        room = (len(alloc.pages(s.key)) + alloc.free_pages) * ps - s.num_cached
-        n = min(n, room)
+        """The next chunk of s's prompt (all but its last token), within budget; advances
+        s.num_cached. Chunks end at multiples of the chunk size, as when the sample runs alone, and
+        a chunk the pool has no room for waits whole (None; `_room_blocked` set) instead of being
+        cut: same chunks, same numerics, whatever the pressure."""
+        alloc = self.allocator
+        n = min(len(s.prompt_ids) - 1 - s.num_cached, self.chunk_cap - s.num_cached % self.chunk_cap, budget)
         if n <= 0:
+            return None
+        if alloc.pages_needed(s.key, s.num_cached + n) > alloc.free_pages:
+            self._room_blocked = True
             return None
         alloc.ensure(s.key, s.num_cached + n)
         row = _Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
                    alloc.pages(s.key))
         s.num_cached += n
-        if s.num_cached <= len(s.prompt_ids):
-            self.metrics["computed_prompt_tokens"] += n
+        self.metrics["computed_prompt_tokens"] += n
         return row
 
     def _fork_group(self, s: _Seq) -> Optional[list]:
-        """The n fresh samples of s's request to admit together with prompt sharing, or None."""
+        """The n fresh samples of s's request to admit together with prompt sharing, or None (then
+        they are admitted one by one: too many for the slots, or the prompt plus one page per
+        sibling would not fit the pool even when empty)."""
         g = s.group
         if (g.n < 2 or s.index != 0 or s.ever_admitted or self.args.disable_prefix_sharing
-                or len(g.prompt_ids) < 2 or g.n > self.max_slots):
+                or len(g.prompt_ids) < 2 or g.n > self.max_slots
+                or self.allocator.pages_needed(None, len(g.prompt_ids)) + g.n - 1 > self.allocator.capacity):
             return None
         if not all(q.status == WAITING and not q.ever_admitted for q in g.seqs):
             return None
@@ -817,27 +939,37 @@ class Engine:
         s.status = RUNNING
         s.slot = self._free_slots.pop()
         s.num_cached = 0
-        s.admit_order = self._admit_counter
-        self._admit_counter += 1
         s.ever_admitted = True
         self._running.append(s)
         self._pending_resets.append(s.slot)
         self._pending_sampling.append(s)
 
-    def _preempt(self, s: _Seq) -> None:
-        """Back to the queue front; resumes later by recomputing prompt + generated tokens."""
-        assert s.n_inflight == 0
-        log.info("preempting %s#%d (%d tokens cached, %d generated): KV pool full (%d/%d pages used)",
-                 s.group.rid, s.index, s.num_cached, len(s.output_ids), self.allocator.used_pages,
-                 self.allocator.capacity)
+    def _preempt(self, s: _Seq, reason: str) -> None:
+        """Back to the queue (in priority order); resumes later by prefilling its prompt and replaying
+        its generated tokens. Counted per reason."""
+        assert s.n_inflight == 0 and reason in PREEMPTION_REASONS
+        log.info("preempting %s#%d (%s: %d tokens cached, %d generated; %d/%d pages used)", s.group.rid, s.index,
+                 reason, s.num_cached, len(s.output_ids), self.allocator.used_pages, self.allocator.capacity)
         self.metrics["num_preemptions"] += 1
+        self.preemptions[reason] += 1
+        self._reserve_ratio = min(1.0, self._reserve_ratio + _RESERVE_BUMP)
         s.num_preemptions += 1
         self._release(s)
         s.status = WAITING
         s.num_cached = 0
         self._orphan_children(s)
-        self._waiting.appendleft(s)
-        self._hold_admission = True
+        self._requeue(s)
+
+    def _requeue(self, s: _Seq) -> None:
+        """Insert s into the waiting queue by priority (the queue stays sorted: new arrivals are
+        appended and are younger than anything ever admitted)."""
+        i = 0
+        for i, q in enumerate(self._waiting):
+            if q.priority > s.priority:
+                break
+        else:
+            i = len(self._waiting)
+        self._waiting.insert(i, s)
 
     def _orphan_children(self, s: _Seq) -> None:
         """Fork children still waiting for s: they prefill the prompt themselves."""
@@ -857,17 +989,26 @@ class Engine:
             s.slot = None
 
     def _unstick(self) -> None:
-        """No launch and nothing in flight although work exists: release the admission hold, or fail
-        a request that cannot fit at all."""
-        if self._hold_admission:
-            self._hold_admission = False
-            return
-        if self._waiting and not self._running:
-            s = self._waiting[0]
-            log.error("request %s cannot fit in the KV pool (%d pages free); aborting it", s.group.rid,
-                      self.allocator.free_pages)
+        """The scheduler had work, saw the current state and found no move. With requests checked by
+        `_check_fits` this cannot happen (the oldest sample always fits once the others are
+        preempted); if it does, it is an engine fault: end one sample with an error (the client
+        gets an error, not a truncated answer) rather than spin forever."""
+        s = self._pick_victim() if self._running else self._waiting[0]
+        if s is None:
+            s = self._running[-1]
+        free = self.allocator.free_pages
+        self._fail(s, f"internal error: the scheduler could not place {s.group.rid}#{s.index} "
+                      f"({s.total_len} tokens, {free} of {self.allocator.capacity} pages free, "
+                      f"{len(self._free_slots)} slots free)")
+
+    def _fail(self, s: _Seq, message: str) -> None:
+        """End s with finish_reason "error" and `message` (see `EngineInternalError`)."""
+        log.error("%s", message)
+        if s.status == WAITING and s in self._waiting:
             self._waiting.remove(s)
-            self._finish(s, "abort")
+        s.error = message
+        self.metrics["requests_failed"] += 1
+        self._finish(s, "error")
 
     def _fork(self, src: _Seq) -> list:
         """src has (in this iteration's launches) prefilled its prompt minus the last token: give its
@@ -987,6 +1128,7 @@ class Engine:
         now = None
         n_tok = 0
         for L in launches:
+            self._n_processed += 1
             if L.tokens is None:
                 continue
             toks = np.asarray(L.tokens)
@@ -1012,6 +1154,7 @@ class Engine:
             self.metrics["generation_tokens"] += n_tok
         if launches and any(L.T == 1 for L in launches):
             self._decode_iters += 1
+            self._reserve_ratio = max(_RESERVE_MIN, self._reserve_ratio - _RESERVE_DECAY)
             if self.args.decode_log_interval and self._decode_iters % self.args.decode_log_interval == 0:
                 self._log_decode()
 
@@ -1054,18 +1197,15 @@ class Engine:
         if reason != "stop" or s.detok.stop_str is None:
             s.delta_text += s.detok.finish()
         s.finish_reason = reason
-        was_running = s.status == RUNNING
         self._release(s)
         s.status = FINISHED
         self._orphan_children(s)  # fork children of an aborted source prefill themselves
-        if was_running:
-            self._hold_admission = False
         g = s.group
         self._touched[g.rid] = g
         if g.finished:
             g.finished_time = time.perf_counter()
             self.e2e.append(g.finished_time - g.arrival_perf)
-            if reason != "abort":
+            if reason not in ("abort", "error"):
                 self.metrics["requests_finished"] += 1
 
     # ------------------------------------------------------------------------------------ outputs
@@ -1105,7 +1245,8 @@ class Engine:
             if fin:
                 g.emitted_final = True
                 self._groups.pop(rid, None)
-            out.append(RequestOutput(rid, g.prompt, g.prompt_ids, comps, fin, self._group_metrics(g)))
+            error = next((s.error for s in g.seqs if s.error), None)
+            out.append(RequestOutput(rid, g.prompt, g.prompt_ids, comps, fin, self._group_metrics(g), error))
         self._touched = {}
         return out
 
@@ -1137,8 +1278,9 @@ class Engine:
         self._last_log = (now, gen)
         a = self.allocator
         log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                 "#queue-req: %d", len(self._running), a.used_pages * self.ccfg.page_size,
-                 a.used_pages / a.capacity, tput, self.num_waiting)
+                 "#queue-req: %d, #preempted: %d (%s)", len(self._running), a.used_pages * self.ccfg.page_size,
+                 a.used_pages / a.capacity, tput, self.num_waiting, self.metrics["num_preemptions"],
+                 ", ".join(f"{r} {n}" for r, n in self.preemptions.items()))
 
     def stats(self) -> dict:
         """Metrics for the server: requests, token usage, throughput, latencies, cache hit rate."""
@@ -1158,5 +1300,6 @@ class Engine:
             "itl_s": list(self.itl),
             "e2e_s": list(self.e2e),
             "num_compilations": self.num_compilations(),
+            "preemptions_by_reason": dict(self.preemptions),
             **m,
         }

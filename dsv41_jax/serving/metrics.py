@@ -16,6 +16,9 @@ Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:``
 ``dsv41:num_requests_total``                counter    finished choices, label ``finish_reason``
 ``dsv41:num_aborted_requests_total``        counter    requests aborted (client gone, shutdown)
 ``dsv41:num_rejected_requests_total``       counter    refused requests, label ``code`` (HTTP status)
+``dsv41:num_preemptions_total``             counter    samples preempted under KV-pool pressure, label
+                                                       ``reason`` (engine: "decode_pages" /
+                                                       "prefill_pages"; see `engine.PREEMPTION_REASONS`)
 ``dsv41:time_to_first_token_seconds``       histogram  arrival -> first generated token
 ``dsv41:inter_token_latency_seconds``       histogram  time between consecutive output tokens
 ``dsv41:time_per_output_token_seconds``     histogram  (e2e - ttft) / (tokens - 1) per request
@@ -127,6 +130,9 @@ class ServerMetrics:
         self.num_requests = Counter(PREFIX + "num_requests", "Finished requests", ["finish_reason"], registry=r)
         self.num_aborted = Counter(PREFIX + "num_aborted_requests", "Aborted requests", registry=r)
         self.num_rejected = Counter(PREFIX + "num_rejected_requests", "Rejected requests", ["code"], registry=r)
+        self.num_preemptions = Counter(PREFIX + "num_preemptions", "Samples preempted (KV pool pressure)",
+                                       ["reason"], registry=r)
+        self._preemptions_seen: dict = {}  # reason -> the engine's count already added to the counter
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (s)",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -201,6 +207,19 @@ class ServerMetrics:
                 gauge.set(v)
         v = _stat(stats, "gen_throughput")
         self.gen_throughput.set(v if v is not None else self.own_throughput())
+        self._mirror_preemptions(stats.get("preemptions_by_reason"))
+
+    def _mirror_preemptions(self, counts: Any) -> None:
+        """The engine counts preemptions per reason (cumulative); a Prometheus counter only grows,
+        so add what is new since the last scrape (every reason the engine knows is exported, 0 too)."""
+        if not isinstance(counts, Mapping):
+            return
+        for reason, n in counts.items():
+            seen = self._preemptions_seen.get(reason, 0)
+            child = self.num_preemptions.labels(reason=str(reason))
+            if isinstance(n, (int, float)) and n > seen:
+                child.inc(n - seen)
+                self._preemptions_seen[reason] = n
 
     def render(self) -> bytes:
         self.refresh()

@@ -54,6 +54,7 @@ from .protocol import (
     usage_dict,
 )
 from .reasoning import ChatOutputParser
+from .engine import EngineInternalError, QueueFullError  # QueueFullError: the server's own limit too (503)
 from .sampling import SamplingParamsError
 
 __all__ = ["ServerConfig", "build_app", "QueueFullError", "EngineOutput", "ChoiceUpdate"]
@@ -63,10 +64,6 @@ log = logging.getLogger("dsv41_jax.serve")
 # the special tokens that carry structure for the parsers; every other special token is dropped
 # from generated text when the request decodes with special tokens kept
 _STRUCTURAL_SPECIALS = ("<think>", "</think>", "｜DSML｜")
-
-
-class QueueFullError(RuntimeError):
-    """The server's own admission limit (the engine may raise its own; both become 503)."""
 
 
 @dataclass
@@ -465,6 +462,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                            headers={"Retry-After": "1"}) from None
         except input_errors as e:
             raise APIError.bad_request(str(e), getattr(e, "field", None)) from None
+        except EngineInternalError as e:  # the engine ended the request: an error, not a short answer
+            raise APIError(500, str(e), code="internal_error") from None
 
     async def abort(rid: str) -> None:
         try:
