@@ -442,7 +442,27 @@ def should_parse_tools(tools: Sequence | None, tool_choice: Any) -> bool:
 # ------------------------------------------------------------------------------- the lexer
 
 _MARKERS = (f"<{DSML}", f"</{DSML}", DSML)
-_MAX_TAG = 512  # a tag longer than this without its '>' is junk
+_MAX_TAG = 512  # a tag longer than this without its '>' is junk (unless the tools need longer tags)
+# the longest a tag gets beyond the names it carries: '</｜DSML｜ parameter name="' + '" string="false">'
+_TAG_OVERHEAD = 64
+
+
+def max_tag_length(tools: Sequence[Mapping[str, Any]] | None) -> int:
+    """The tag-length limit of the lexer for ``tools``: ``_MAX_TAG``, or more when a tool's name or
+    one of its top-level parameter names is long. The tool-call grammar forces exactly these names
+    (issue 9: a name the grammar allowed made a tag the lexer cut off as junk), so every tag the
+    grammar can produce must fit."""
+    longest = 0
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping):
+            continue
+        longest = max(longest, len(str(fn.get("name") or "")))
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if isinstance(props, Mapping):
+            longest = max([longest] + [len(str(k)) for k in props])
+    return max(_MAX_TAG, longest + _TAG_OVERHEAD)
 _TAG_RE = re.compile(r"^(</?)?" + DSML + r"\s*([A-Za-z_]+)(.*?)>$", re.S)
 _ATTR_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*"([^"]*)"')
 
@@ -489,8 +509,9 @@ def _classify(raw: str) -> _Tag:
 class _Lexer:
     """Splits a text stream into plain text and DSML tags; holds back what may start a tag."""
 
-    def __init__(self):
+    def __init__(self, max_tag: int = _MAX_TAG):
         self.buf = ""
+        self.max_tag = int(max_tag)
 
     def feed(self, text: str, final: bool = False) -> list:
         self.buf += text
@@ -527,7 +548,7 @@ class _Lexer:
                 out.append(_Tag(DSML, "junk"))
                 self.buf = buf[q:]
                 continue
-            limit = start + _MAX_TAG
+            limit = start + self.max_tag
             end = None
             for i in range(q, min(len(buf), limit)):
                 c = buf[i]
@@ -594,7 +615,7 @@ class ToolCallStreamParser:
         id_factory: Callable[[], str] = new_call_id,
         emit_calls: bool = True,
     ):
-        self._lexer = _Lexer()
+        self._lexer = _Lexer(max_tag_length(tools))
         self._id_factory = id_factory
         self._emit_calls = emit_calls
         self._check_names = tools is not None
