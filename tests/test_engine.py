@@ -93,9 +93,9 @@ def test_args_buckets_and_cli():
     assert a.resolved_token_buckets() == [1, 64, 512]
     # the tiny model is small: smaller defaults and compact buckets (2 compiled shapes)
     a = EngineArgs()
-    assert (a.max_running_requests, a.chunked_prefill_size) == (8, 128) and a.compact_buckets
-    assert a.resolved_batch_buckets() == [8] and a.resolved_token_buckets() == [1, 128]
-    assert EngineArgs(shape_buckets="full").resolved_batch_buckets() == [1, 2, 4, 8]
+    assert (a.max_running_requests, a.chunked_prefill_size) == (4, 64) and a.compact_buckets
+    assert a.resolved_batch_buckets() == [4] and a.resolved_token_buckets() == [1, 64]
+    assert EngineArgs(shape_buckets="full").resolved_batch_buckets() == [1, 2, 4]
     big = EngineArgs(model="flash")  # judged from the config alone: 509 GB of weights
     assert (big.max_running_requests, big.chunked_prefill_size, big.compact_buckets) == (32, 512, False)
     assert big.resolved_batch_buckets() == [1, 2, 4, 8, 16, 32] and big.resolved_token_buckets() == [1, 64, 512]

@@ -9,10 +9,14 @@ Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-r
 ``--max-logprobs``, ``--disable-prefix-sharing``, ``--cpu-memory-budget``.
 
 Small models (under ``SMALL_MODEL_BYTES`` of weights, e.g. the embedded tiny model) get smaller
-defaults: 8 running requests, 128-token prefill chunks and "compact" shape buckets (one batch size,
-tokens 1 and the chunk: 2 compiled shapes instead of 6 to 18). On such a model a step costs little
-more at batch 8 than at batch 1 (launch overhead dominates), so extra buckets buy little while each
-costs a compilation of tens of seconds on a small CPU: the server's first start is what they cost.
+defaults: 4 running requests, 64-token prefill chunks and "compact" shape buckets (one batch size x
+tokens 1 and the chunk: 2 compiled shapes instead of 6 to 18). Each shape costs ~17 s of CPU to
+compile on this project's 2-core VM, which makes up most of a small model's first start, while
+what more buckets save is milliseconds: a lone request padded to batch 4 decodes a few times slower
+than at batch 1 (tiny model, measured under heavy load: 16 ms per step at batch 1, 64 ms at batch 8).
+The small batch and chunk keep the padded prefill launch small too ([4, 64] = 256 token rows;
+[8, 128] took ~4 s per step under the same load).
+``--shape-buckets full`` or explicit ``--batch-buckets`` / ``--token-buckets`` restore more shapes.
 
 Use::
 
@@ -43,8 +47,8 @@ KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "b
 SHAPE_BUCKETS = ("auto", "compact", "full")
 SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
 # (max_running_requests, chunked_prefill_size) defaults: (small model, other)
-_DEFAULT_RUNNING = (8, 32)
-_DEFAULT_CHUNK = (128, 512)
+_DEFAULT_RUNNING = (4, 32)
+_DEFAULT_CHUNK = (64, 512)
 
 
 def model_is_small(model: str) -> bool:
@@ -75,11 +79,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     page_size: int = 256
     context_length: Optional[int] = None
-    max_running_requests: Optional[int] = None  # None: 32, or 8 for a small model
+    max_running_requests: Optional[int] = None  # None: 32, or 4 for a small model
     max_total_tokens: Optional[int] = None
     mem_fraction_static: Optional[float] = None
     cpu_memory_budget: Optional[int] = None
-    chunked_prefill_size: Optional[int] = None  # None: 512, or 128 for a small model
+    chunked_prefill_size: Optional[int] = None  # None: 512, or 64 for a small model
     max_prefill_tokens: int = 16384
     batch_buckets: Optional[list] = None
     token_buckets: Optional[list] = None
