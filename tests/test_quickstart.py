@@ -43,7 +43,8 @@ def _free_port() -> int:
 def default_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("quickstart")
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}  # the defaults, not the shell's
+    # the defaults, not the shell's (nor the test session's 8 CPU devices)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
     env["JAX_COMPILATION_CACHE_DIR"] = str(d / "jax_cache")
     env.setdefault("JAX_PLATFORMS", "cpu")
     log_path = d / "server.log"
