@@ -339,10 +339,8 @@ def test_orbax_dir_is_a_standard_orbax_checkpoint(hf_dir, orbax_dir, cfg):
 
 
 @pytest.mark.parametrize("kind", ["hf", "orbax"])
-def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg):
-    devs = np.array(jax.devices()[:8])
-    if devs.size < 8:
-        pytest.skip("needs 8 host devices (conftest sets XLA_FLAGS)")
+def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8):
+    devs = np.array(cpu8)
     mesh = jax.sharding.Mesh(devs.reshape(2, 4), ("tp", "ep"))
     p = ck.load_params(hf_dir if kind == "hf" else orbax_dir, cfg, mesh)
     want = flatten_names(mesh_shardings(cfg, mesh))
