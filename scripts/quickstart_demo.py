@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -46,6 +47,23 @@ def _request(base: str, path: str, body: dict | None = None, api_key: str | None
     except urllib.error.URLError as e:
         raise SystemExit(f"{path}: cannot reach the server at {base} ({e.reason})") from None
     return raw if body is None else json.loads(raw)
+
+
+def wait_healthy(base: str, timeout: float) -> None:
+    """Poll GET /health until the server answers 200 (it compiles before it listens)."""
+    t0 = time.monotonic()
+    print(f"waiting for {base}/health (the first start compiles the model) ...", flush=True)
+    while True:
+        try:
+            with urllib.request.urlopen(base.rstrip("/") + "/health", timeout=5) as r:
+                if r.status == 200:
+                    print(f"healthy after {time.monotonic() - t0:.0f} s", flush=True)
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"the server at {base} was not healthy within {timeout:.0f} s")
+        time.sleep(1.0)
 
 
 def run(base: str, model: str = "tiny", api_key: str | None = None) -> dict:
@@ -106,7 +124,13 @@ def main(argv=None) -> int:
     ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (without /v1)")
     ap.add_argument("--model", default="tiny", help="the model name the server serves")
     ap.add_argument("--api-key", default=None, help="the server's API key, if it has one")
+    ap.add_argument("--wait", type=float, default=0.0,
+                    help="seconds to wait for GET /health first (0: the server must already be up)")
     args = ap.parse_args(argv)
+    if args.wait < 0:
+        ap.error("--wait must be >= 0")
+    if args.wait:
+        wait_healthy(args.base_url, args.wait)
     run(args.base_url, args.model, args.api_key)
     print("all four features work")
     return 0

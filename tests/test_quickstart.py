@@ -45,7 +45,8 @@ def default_server(tmp_path_factory):
     port = _free_port()
     # the defaults, not the shell's (nor the test session's 8 CPU devices)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
-    env["JAX_COMPILATION_CACHE_DIR"] = str(d / "jax_cache")
+    # DSV41_TEST_JAX_CACHE (as in test_server.py) lets CI keep the compiled steps between runs
+    env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
     env.setdefault("JAX_PLATFORMS", "cpu")
     log_path = d / "server.log"
     logf = open(log_path, "w")
@@ -66,7 +67,7 @@ def default_server(tmp_path_factory):
             proc.kill()
             pytest.fail(f"the server did not start:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.5)
-    yield {"base": base, "log": log_path, "cache": d / "jax_cache"}
+    yield {"base": base, "log": log_path, "cache": env["JAX_COMPILATION_CACHE_DIR"]}
     proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait(60)
@@ -87,6 +88,46 @@ def test_default_server_shows_every_feature(default_server):
     assert "parsers: reasoning=deepseek-v41, tool calls=deepseekv41" in log
     assert "warm-up done: 2 shapes" in log  # the tiny model's compact buckets
     assert os.listdir(default_server["cache"])  # the persistent cache is on by default
+
+
+def test_metrics_off_is_a_404_that_says_how_to_turn_it_on():
+    """--disable-metrics: GET /metrics answers an OpenAI-style 404 naming the way back (the app
+    alone, no engine needed for this route)."""
+    from fastapi.testclient import TestClient
+
+    from dsv41_jax.serve import build_parser
+    from dsv41_jax.serving.server import ServerConfig, build_app
+    from dsv41_jax.serving.tokenizer import load_tokenizer
+
+    assert build_parser().parse_args([]).enable_metrics is True
+    assert build_parser().parse_args(["--disable-metrics"]).enable_metrics is False
+    with pytest.raises(SystemExit):  # both at once is refused, not resolved silently
+        build_parser().parse_args(["--enable-metrics", "--disable-metrics"])
+    app = build_app(object(), load_tokenizer("tiny"), ServerConfig(enable_metrics=False))
+    r = TestClient(app).get("/metrics")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert "--disable-metrics" in err["message"] and err["code"] == "metrics_disabled"
+
+
+def test_parser_flags_resolve():
+    """auto: on when the tokenizer has the marker token; none: off; a named parser: on."""
+    from dsv41_jax.serve import build_parser, resolve_parser
+    from dsv41_jax.serving.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    ns = build_parser().parse_args([])
+    assert (ns.reasoning_parser, ns.tool_call_parser) == ("auto", "auto")
+    assert resolve_parser("auto", "reasoning", tok) == "deepseek-v41"
+    assert resolve_parser("auto", "tool", tok) == "deepseekv41"
+    assert resolve_parser("none", "tool", tok) is None and resolve_parser("none", "reasoning", tok) is None
+
+    class NoMarkers:
+        def token_to_id(self, s):
+            return None
+
+    assert resolve_parser("auto", "reasoning", NoMarkers()) is None
+    assert resolve_parser("deepseek-v41", "reasoning", NoMarkers()) == "deepseek-v41"
 
 
 def test_demo_script_fails_loudly_without_a_server():
