@@ -13,7 +13,8 @@ fed in random chunks) and the result must be what the request forced:
 * ``tool_choice`` "required": no content, no warnings, >= 1 call, each naming a tool and with
   arguments valid under its schema; named: exactly one call of that tool;
 * ``response_format`` json_schema / json_object: the content is JSON valid under the schema;
-* with thinking on: the same, after a reasoning part that lands in ``reasoning_content``.
+* with thinking on: the same, after a reasoning part that lands in ``reasoning_content`` (every other
+  walk with a ``thinking_budget``, which forces ``</think>``).
 
 ``WALKS`` walks per mode (>= 1,000, issue 9's bar) run in the default test run.
 """
@@ -157,9 +158,12 @@ def test_every_walk_parses_into_the_forced_result(gc, tok, server_bits, mode, th
     templates = {}
     for k in range(WALKS):
         body, tools, tool_choice, want = request_for(mode, k)
-        key = json.dumps([body, tool_choice])
+        # with thinking, every other walk caps the reasoning (thinking_budget: then </think> is forced)
+        budget = (k // 2) % 5 if thinking and k % 2 else None
+        key = json.dumps([body, tool_choice, budget])
         if key not in templates:  # one compiled matcher per request shape; each walk forks it
-            templates[key] = gc.for_request(body, tools=tools, tool_choice=tool_choice, thinking=thinking)
+            templates[key] = gc.for_request(body, tools=tools, tool_choice=tool_choice, thinking=thinking,
+                                            thinking_budget=budget)
         c = templates[key].fork()
         ids = walk(c, rng, server_bits["weights"][int(rng.integers(len(BOOSTS)))], eos)
         ch = server_parse(tok, server_bits, ids, rng, thinking=thinking, tools=tools, tool_choice=tool_choice)
@@ -169,7 +173,7 @@ def test_every_walk_parses_into_the_forced_result(gc, tok, server_bits, mode, th
             # the reasoning is everything before </think>, and only that
             close = ids.index(server_bits["think_close"])
             n_reasoning += close > 0
-            assert ch.reasoning_tokens == close, where
+            assert ch.reasoning_tokens == close and (budget is None or close <= budget), where
             want_reasoning = tok.decode([t for t in ids[:close] if t not in server_bits["drop"]],
                                         skip_special_tokens=False)
             if want_reasoning.startswith("<think>"):  # a repeated opening tag is dropped
