@@ -101,6 +101,8 @@ def test_args_buckets_and_cli():
     assert big.resolved_batch_buckets() == [1, 2, 4, 8, 16, 32] and big.resolved_token_buckets() == [1, 64, 512]
     with pytest.raises(ValueError, match="shape_buckets"):
         EngineArgs(shape_buckets="some")
+    with pytest.raises(ValueError, match="no effect"):  # honoured or refused, never ignored
+        EngineArgs(shape_buckets="full", batch_buckets=[4], token_buckets=[16])
     assert [_bucket(n, [2, 8]) for n in (1, 2, 3, 8)] == [2, 2, 8, 8]
     ap = EngineArgs.add_cli_args(argparse.ArgumentParser())
     ns = ap.parse_args(["--max-running-requests", "4", "--chunked-prefill-size", "32", "--mem-fraction-static",

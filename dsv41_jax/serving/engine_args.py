@@ -145,6 +145,9 @@ class EngineArgs:
                 if not v or v[0] < 1:
                     bad(name, "must be a non-empty list of positive integers")
                 setattr(self, name, v)
+        if self.shape_buckets != "auto" and self.batch_buckets is not None and self.token_buckets is not None:
+            bad("shape_buckets", "chooses default buckets and has no effect when batch_buckets and token_buckets "
+                                 "are both given (leave it 'auto')")
         if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running_requests:
             bad("batch_buckets", f"the largest must be >= max_running_requests={self.max_running_requests}")
         return self
