@@ -134,3 +134,13 @@ def test_demo_script_fails_loudly_without_a_server():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_demo.py"), "--base-url",
                         f"http://127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot reach the server" in r.stderr
+
+
+def test_unusable_cache_dir_is_a_clear_error(tmp_path):
+    """--compilation-cache-dir that cannot be created: a message and exit status 2 before any model
+    loads (not a silent start without the cache); 'none' is how to run without it."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = subprocess.run([sys.executable, "-m", "dsv41_jax.serve", "--compilation-cache-dir", str(blocker / "jax")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--compilation-cache-dir" in r.stderr and "'none'" in r.stderr, r.stderr
