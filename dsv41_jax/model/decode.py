@@ -133,7 +133,7 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
                 st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
         if plan.is_index_source:
             indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, st["ikeys"][str(plan.key_owner)],
-                             pt, page_size=ps, mode=mode, cfg=cfg, dt=dt)
+                             pt, page_size=ps, mode=mode, cfg=cfg, dt=dt, retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = st["comp"][str(plan.kv_source)]
     o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,

@@ -154,9 +154,9 @@ def pool_index(page_table, slots, ratio: int, page_size: int):
     return kvc.token_locs(page_table, slots * ratio, page_size) // ratio
 
 
-# Default slots scored per step of the bounded loop (`_topk_xla`): a multiple of every candidate block
-# size in use; large enough that a long context takes few steps, small enough that a short one wastes
-# little. A static argument of `topk`.
+# Default slots scored per step of the bounded loop (`_topk_xla`; `CacheConfig.retrieval_block` on the
+# cached path): large enough that a long context takes few steps, small enough that a short one wastes
+# little. Rounded up to a multiple of the candidate block size.
 RETRIEVAL_BLOCK = 512
 
 
@@ -261,6 +261,7 @@ def _topk_xla(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, kb
     Bs = -(-min(retrieval_block, -(-S // block_size) * block_size) // block_size) * block_size
     n_max = -(-S // Bs)
     nbc = Bs // block_size  # candidate blocks per step
+    nb = -(-S // block_size)  # real candidate blocks
     vis = jnp.minimum(visible, S)
     n_live = jnp.clip((jnp.max(vis) + Bs - 1) // Bs, 0, n_max).astype(jnp.int32)
     end = n_live * Bs
@@ -287,7 +288,10 @@ def _topk_xla(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, kb
             bv, bidx = carry[2], carry[3]
             bsc = jnp.max(sc.reshape(B, T, nbc, block_size), axis=-1)
             gb = c * nbc + jnp.arange(nbc, dtype=jnp.int32)  # global block ids
-            forced = (gb[None, None, :] == ((vis - 1) // block_size)[..., None]) & (vis[..., None] > 0)
+            # The newest visible block, from the unclamped `visible` as the reference does: a padding
+            # query past the table end (visible > S) forces no block; padded blocks (≥ nb) never.
+            forced = ((gb[None, None, :] == ((visible - 1) // block_size)[..., None]) & (visible[..., None] > 0)
+                      & (gb < nb)[None, None, :])
             bsc = jnp.where(forced, jnp.asarray(jnp.inf, dt), bsc)
             cv = jnp.concatenate([bsc, bv], axis=-1)
             ci = jnp.concatenate([jnp.broadcast_to(gb, (B, T, nbc)), bidx], axis=-1)
@@ -310,7 +314,7 @@ def _topk_xla(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, kb
 
 
 def retrieve(p, qr, x, positions, freqs, plan, ctx, aux, ikeys, page_table, *, page_size: int, mode: str,
-             cfg, dt):
+             cfg, dt, retrieval_block: int = RETRIEVAL_BLOCK):
     """Index selection of an index-source layer: the one routine `forward` and the cached path share.
 
     p: the layer's ``indexer`` params; qr [B, T, q_lora] its normed q latent; x [B, T, D] its normed
@@ -327,7 +331,8 @@ def retrieve(p, qr, x, positions, freqs, plan, ctx, aux, ikeys, page_table, *, p
     sel, cand = topk(iq, iw, ikeys, page_table, visible, ratio=r, page_size=page_size, mode=mode,
                      k=cfg.index_topk, dt=dt, cand_blocks=ctx["cand"] if plan.uses_candidates else None,
                      make_candidates=plan.is_candidate_source, block_size=cfg.candidate_block_size,
-                     topk_blocks=cfg.candidate_topk_blocks, impl=dispatch.resolve(cfg, "indexer"))
+                     topk_blocks=cfg.candidate_topk_blocks, impl=dispatch.resolve(cfg, "indexer"),
+                     retrieval_block=retrieval_block)
     if plan.is_candidate_source:
         ctx["cand"] = cand
         S = page_table.shape[1] * page_size // r
