@@ -37,7 +37,46 @@ def parse_args(argv=None):
     ap.add_argument("--act-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--iters", type=int, default=30, help="timed steps per case (after 3 warm-up steps)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--compile-preset", default=None, metavar="PRESET",
+                    help="instead of timing steps: trace, lower and compile one decode step of PRESET ('flash' or "
+                         "'tiny') from abstract shapes (`param_shapes`, no weights) and report the seconds of each")
+    ap.add_argument("--no-compile", action="store_true", help="with --compile-preset: stop after lowering")
     return ap.parse_args(argv)
+
+
+def compile_case(preset, impl, B, T, page_size, max_context, do_compile=True):
+    """Seconds to trace+lower and to compile `extend` (B x T, all_logits=False) from abstract shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.model import ModelConfig
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.model import decode as dec
+    from dsv41_jax.model.params import param_shapes
+
+    cfg = ModelConfig.preset(preset)
+    if impl:
+        cfg = cfg.replace(impl=impl)
+    mps = -(-max_context // page_size)
+    ccfg = kvc.CacheConfig(page_size=page_size, num_pages=B * mps + 1, max_slots=B, max_pages_per_seq=mps)
+    params = param_shapes(cfg)
+    state = jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg))
+    i32 = jnp.int32
+    batch = {"tokens": jax.ShapeDtypeStruct((B, T), i32), "start": jax.ShapeDtypeStruct((B,), i32),
+             "n_new": jax.ShapeDtypeStruct((B,), i32), "slot": jax.ShapeDtypeStruct((B,), i32),
+             "page_table": jax.ShapeDtypeStruct((B, mps), i32)}
+    fn = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, ccfg), donate_argnums=(1,))
+    t0 = time.perf_counter()
+    lowered = fn.lower(params, state, batch)
+    t_lower = time.perf_counter() - t0
+    n_lines = lowered.as_text().count("\n")
+    out = {"preset": preset, "impl": cfg.impl, "B": B, "T": T, "max_context": max_context,
+           "trace_lower_s": round(t_lower, 2), "stablehlo_lines": n_lines}
+    if do_compile:
+        t0 = time.perf_counter()
+        lowered.compile()
+        out["compile_s"] = round(time.perf_counter() - t0, 2)
+    return out
 
 
 def run_case(params, cfg, impl, max_context, context, B, page_size, num_pages, iters):
@@ -83,6 +122,22 @@ def run_case(params, cfg, impl, max_context, context, B, page_size, num_pages, i
 def main(argv=None):
     args = parse_args(argv)
     import jax
+
+    if args.compile_preset:
+        impls = [None] if args.impls == "-" else args.impls.split(",")
+        res = []
+        for impl in impls:
+            r = compile_case(args.compile_preset, impl, args.batch, 1, args.page_size,
+                             int(args.max_contexts.split(",")[0]), not args.no_compile)
+            print(f"[bench_retrieval] compile {r}", file=sys.stderr, flush=True)
+            res.append(r)
+        report = {"bench": "compile", "backend": jax.default_backend(), "jax": jax.__version__, "cases": res}
+        text = json.dumps(report, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        print(text)
+        return report
 
     from dsv41_jax.model import ModelConfig, init_params
 
