@@ -150,6 +150,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     Static: ratio, page_size, window, mode (kv_cache_dtype), impl.
     Returns [B, T, H, hd] in q.dtype (SPEC §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
+    A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
+    `interpret`.
     """
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("attention", impl)(

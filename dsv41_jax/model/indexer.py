@@ -189,7 +189,9 @@ def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: 
     padding) if make_candidates, else None).
 
     Scores are SPEC §4's bf16 (or fp32 in the fp32 mode) with ties to the lower slot; both
-    implementations give identical selections, since every score is the same per-element arithmetic.
+    implementations give identical selections, since every score is the same per-element arithmetic
+    (bf16 caveat: docs/fastpath_attention.md, "excess precision"). A Pallas kernel registered for
+    "indexer" is called with these arguments (minus `impl`, `retrieval_block`) plus `interpret`.
     """
     S = page_table.shape[1] * page_size // ratio
     B, T = visible.shape
