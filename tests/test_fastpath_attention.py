@@ -29,7 +29,7 @@ import pytest
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
-from dsv41_jax.model import forward, indexer
+from dsv41_jax.model import attention, forward, indexer
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "fastpath_golden_tiny.npz")
 
@@ -119,6 +119,48 @@ def test_topk_seam_ties_go_to_the_lower_slot():
         sel, _ = _topk(q, w, codes, pt, vis, None, impl=impl, ratio=1, page_size=ps, k=4, dt=jnp.float32,
                        make=False, bs=1, kb=0, rb=3)
         assert np.asarray(sel).tolist() == [[[0, 1, 2, 3], [0, 1, -1, -1]]], impl
+
+
+# ------------------------------------------------------------------------------------ attention seam
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "ratio"))
+def _attn(q, sink, ring, rows, new, start, pos, valid, comp, pt, sel, *, impl, ratio):
+    return attention.sparse_attention(q, sink, ring, rows, new, start, pos, valid, comp, pt, sel, ratio=ratio,
+                                      page_size=8, window=8, mode="auto", impl=impl)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_seam_xla_equals_reference(dtype):
+    """fp32: bitwise. bf16: the xla path's bf16-operand matmuls differ from the widened reference only in
+    summation order, so each output is within one bf16 ulp (2^-8 relative) of its row's scale (measured on
+    CPU: bitwise equal, as XLA:CPU widens bf16 dots; a GPU may reorder the sums)."""
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(7)
+    B, T, H, hd, W, ratio = 3, 4, 2, 64, 8, 2
+    ring = kvc.encode("win", "auto", jnp.asarray(rng.standard_normal((B + 1, W, hd)), jnp.float32))
+    new = kvc.encode("win", "auto", jnp.asarray(rng.standard_normal((B, T, hd)), jnp.float32))
+    comp = kvc.encode("comp", "auto", jnp.asarray(rng.standard_normal((10 * 8 // ratio, hd)), jnp.float32))
+    q = jnp.asarray(rng.standard_normal((B, T, H, hd)), dt)
+    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    start = jnp.asarray([13, 1, 0], jnp.int32)  # a ring that wrapped; a short one; an idle row
+    n_new = np.array([4, 2, 0])
+    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = jnp.asarray(np.arange(T)[None, :] < n_new[:, None])
+    rows = jnp.asarray([0, 1, B], jnp.int32)
+    pt = jnp.asarray([[3, 7, 1], [2, 0, 0], [0, 0, 0]], jnp.int32)
+    sel = jnp.asarray(rng.integers(-1, 8, size=(B, T, 3)), jnp.int32).at[2].set(-1)
+    for r, c in ((ratio, comp), (1, None)):  # with compressed slots; a window-only layer
+        ref = np.asarray(_attn(q, sink, ring, rows, new, start, pos, valid, c, pt, sel, impl="reference", ratio=r),
+                         np.float32)
+        got = np.asarray(_attn(q, sink, ring, rows, new, start, pos, valid, c, pt, sel, impl="xla", ratio=r),
+                         np.float32)
+        assert (ref[2] == 0).all() and (got[2] == 0).all()  # no valid key: 0
+        if dtype == "float32":
+            np.testing.assert_array_equal(got, ref)
+        else:
+            scale = np.abs(ref).max(axis=-1, keepdims=True)
+            assert (np.abs(got - ref) <= 2.0 ** -8 * scale).all(), np.abs(got - ref).max()
 
 
 # ------------------------------------------------------------------------------------------ the model
