@@ -288,3 +288,19 @@ def test_reference_is_bit_for_bit_the_code_before_the_seams(tiny_params, tiny_cf
         assert keys == sorted(got), prefix
         for k in keys:
             np.testing.assert_array_equal(got[k], g[prefix + k], err_msg=prefix + k)
+
+
+def test_bench_retrieval_script_runs():
+    """scripts/bench_retrieval.py's compile path (lowering only) produces its report. Its timing path is
+    left to running the script (a test would add one more compile of the tiny step); no timings here."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_retrieval", os.path.join(root, "scripts", "bench_retrieval.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.parse_args(["--max-contexts", "1024,65536", "--contexts", "64"])
+    assert args.impls == "reference,xla" and args.iters > 0
+    rep = mod.main(["--compile-preset", "tiny", "--no-compile", "--impls", "reference", "--max-contexts", "64",
+                    "--page-size", "16"])
+    assert rep["cases"][0]["stablehlo_lines"] > 0 and "compile_s" not in rep["cases"][0]
