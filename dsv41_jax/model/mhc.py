@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
-from dsv41_jax.model.numerics import einsum_exact, is_exact
+from dsv41_jax.model.numerics import einsum_exact, is_exact, x64_scope
 
 __all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post"]
 
@@ -44,7 +44,9 @@ def sinkhorn(logits: jnp.ndarray, iters: int, eps: float, unroll: bool = False) 
     iters = int(iters)
     if iters < 1:
         raise ValueError(f"sinkhorn iters must be >= 1, got {iters}")
-    c = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) + eps
+    # fp64 input (the exact numerics mode) is kept in fp64; anything else computes in fp32.
+    ct = jnp.float64 if logits.dtype == jnp.float64 else jnp.float32
+    c = jax.nn.softmax(logits.astype(ct), axis=-1) + eps
     # The first pass is "softmax over rows, then normalise columns"; the softmax already made
     # the rows sum to 1, which is why the loop below starts with the row step.
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
@@ -135,7 +137,15 @@ def hc_mixes(
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*lead, n, n)
-    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unroll=unroll)
+    if exact:
+        # Sinkhorn's 4-element row/column sums are reassociated differently once XLA fuses the
+        # unrolled form (1-2 fp32 ulps apart from the fori_loop): the exact mode runs it in fp64
+        # and rounds once, so both implementations give the same fp32 result.
+        with x64_scope():
+            comb = sinkhorn(comb_logits.astype(jnp.float64), sinkhorn_iters, hc_eps, unroll=unroll)
+            comb = comb.astype(jnp.float32)
+    else:
+        comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unroll=unroll)
     return pre, post, comb
 
 
@@ -143,7 +153,9 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     """:func:`hc_mixes` with the config's constants, by implementation (`dispatch.resolve(cfg, "mhc")`).
 
     "reference": today's code (Sinkhorn as a fori_loop). "xla": Sinkhorn unrolled so the mixing fuses
-    into one kernel per sublayer; same arithmetic. The mix matmul ([.., n·D] x [24, n·D], fp32 on the
+    into one kernel per sublayer; same operations, but XLA reassociates the fused 4-element sums, so
+    comb differs by 1-2 fp32 ulps (tested: <= 1e-6 absolute on values <= 1; identical in the exact
+    mode, where Sinkhorn runs in fp64). The mix matmul ([.., n·D] x [24, n·D], fp32 on the
     bf16 stream) and hc_pre / hc_post (static-order elementwise sums over n that XLA already fuses
     into one pass over h) have no cheaper XLA formulation, so both implementations share them.
     In the exact mode the mix matmul accumulates in fp64.
