@@ -35,17 +35,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 from dsv41_jax.model import dispatch, quant
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
 # Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
 # stored width, a K/32·M·N fp32 partial-sum temporary); above it the exact-bf16 dequant GEMM.
 BLOCK_M_MAX = 8
-
-# e2m1 code (4 bits, sign in bit 3) -> the same value as float8_e4m3fn (exact: all e2m1 values are e4m3).
-_FP4_TO_E4M3 = np.asarray(quant._FP4_LUT, np.float32).astype(jnp.float8_e4m3fn)
 
 
 def impl_of(cfg) -> str:
@@ -56,16 +51,39 @@ def impl_of(cfg) -> str:
     return name
 
 
+def _pin(x, *ws):
+    """Tie weights to the activation with an optimization barrier (identity, no copy).
+
+    Anything derived from a weight alone (a dequantized / widened operand; on CPU XLA widens every
+    fp8 / bf16 dot operand to fp32) could otherwise be scheduled as early as the program start, and a
+    scheduler that hoists them keeps a copy of every weight alive at once (measured: 29 GB of
+    temporaries for the flash decode step on CPU). After the barrier the conversion can only run
+    once this layer's activation exists, so at most a layer's worth of converted operands is live.
+    """
+    out = jax.lax.optimization_barrier((x,) + tuple(ws))
+    return out if ws else out[0]
+
+
 def _rows(x):
     return math.prod(x.shape[:-1])
 
 
 def fp4_codes_to_e4m3(packed):
-    """MXFP4 bytes uint8 [..., K/2] (low nibble = even element) -> float8_e4m3fn [..., K] (exact)."""
+    """MXFP4 bytes uint8 [..., K/2] (low nibble = even element) -> float8_e4m3fn [..., K] (exact).
+
+    Bit arithmetic, not a table lookup, so it fuses with whatever consumes it (a gather from a LUT
+    does not fuse on every backend and would materialize an fp32/int32 copy of the weight). e2m1 code
+    s|ee|m: ee = 0 is 0 or 0.5 (m = 0 / 1); otherwise 2^(ee-1)·(1 + m/2). In e4m3 (bias 7): 0.5 is
+    exponent field 6, mantissa 0; a normal e2m1 value is exponent field ee + 6, mantissa m << 2.
+    """
     lo = packed & 0x0F
     hi = packed >> 4
-    codes = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return jnp.asarray(_FP4_TO_E4M3)[codes.astype(jnp.int32)]
+    c = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    sign = (c & 0x8) << 4
+    ee = (c >> 1) & 0x3
+    m = c & 0x1
+    mag = jnp.where(ee == 0, m * jnp.uint8(0x30), ((ee + 6) << 3) | (m << 2)).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(sign | mag, jnp.float8_e4m3fn)
 
 
 def _block_gemm(x, wq, sw_rows, dt, exact):
@@ -119,6 +137,7 @@ def fp8(x, p, cfg, dt):
             return quant.fp8_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
         return dot_exact(xd, quant.dequantize_fp8_block(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+    x, w, s = _pin(x, w, s)
     if _rows(x) <= BLOCK_M_MAX:
         return _block_gemm(x, w, _fp8_row_scales(s, w.shape[0]), dt, exact)
     wdt = jnp.float32 if exact else jnp.bfloat16
@@ -137,6 +156,7 @@ def mxfp4(x, p, cfg, dt):
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
         return dot_exact(xd, quant.dequantize_mxfp4(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+    x, w, s = _pin(x, w, s)
     if _rows(x) <= BLOCK_M_MAX:
         return _block_gemm(x, fp4_codes_to_e4m3(w), quant.e8m0_to_f32(s), dt, exact)
     wdt = jnp.float32 if exact else jnp.bfloat16
@@ -161,8 +181,13 @@ def f32(x, w, cfg):
         return linear_f32(x, w, exact=True)
     if impl_of(cfg) == "reference":
         return linear_f32(x, w)
-    return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())),
-                               precision=HIGHEST, preferred_element_type=jnp.float32)
+    x, w = _pin(x, w)
+    dn = (((x.ndim - 1,), (1,)), ((), ()))
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has
+        # the same (exact) products and needs no widened copy of either operand on any backend.
+        return jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(x.astype(jnp.float32), w, dn, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def wo_a(o, p, cfg, dt):
@@ -180,6 +205,8 @@ def wo_a(o, p, cfg, dt):
             y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.float64), w.astype(jnp.float64), precision=HIGHEST,
                            preferred_element_type=jnp.float64)
             return y.astype(jnp.float32)
+    if impl_of(cfg) == "xla":
+        o, p = _pin(o, p)
     if impl_of(cfg) == "xla" and "bf16" in p:
         w = p["bf16"]
     else:

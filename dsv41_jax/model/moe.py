@@ -103,7 +103,9 @@ def _grouped_mxfp4(xs, wp, ws, sizes, dt, exact):
     K = 2 * Kh
     cdt = jnp.float32 if exact else jnp.bfloat16  # both exact: e4m3·2^k and e2m1·2^k fit bf16
     xd = quant.fake_quant_fp8(xs, out_dtype=cdt)
-    v = quant.unpack_fp4(wp).reshape(G, N, K // 32, 32)
+    # Widened through e4m3 by bit arithmetic (`linear.fp4_codes_to_e4m3`), so the dequantization
+    # fuses into one pass producing the bf16 operand (no LUT gather, no fp32 copy).
+    v = linear.fp4_codes_to_e4m3(wp).astype(jnp.float32).reshape(G, N, K // 32, 32)
     wd = (v * quant.e8m0_to_f32(ws)[..., None]).reshape(G, N, K).astype(cdt)
     if exact:
         # ragged_dot is decomposed when lowered, outside any x64 scope, so it cannot accumulate in
