@@ -250,3 +250,27 @@ def test_forward_bf16_decisions_and_logits(which, T, tiny_cfg, tiny_params, cfg6
     scale = np.abs(lr[0, :first_flip]).max() if first_flip else 1.0
     if first_flip:
         np.testing.assert_allclose(lx[0, :first_flip], lr[0, :first_flip], rtol=0, atol=0.02 * scale)
+
+
+# ---------------------------------------------------------------------------------- bench script
+
+def test_bench_decode_part_b_counts_through_loops(tmp_path):
+    """scripts/bench_decode.py part (b) on the tiny preset (trace only): the reference MoE's expert
+    scan is counted E times, so its matmul FLOPs exceed the grouped path's; the JSON has the fields."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode", pathlib.Path(__file__).parents[1] / "scripts" / "bench_decode.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    out = tmp_path / "b.json"
+    assert bd.main(["--model", "tiny", "--no-compile", "--batches", "1", "--max-context", "256",
+                    "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    by = {c["impl"]: c for c in doc["cases"]}
+    ref, xla = by["reference"], by["xla"]
+    assert ref["matmul_flops_per_token"] > xla["matmul_flops_per_token"] > 0
+    assert ref["ideal"]["flops_per_token"] == xla["ideal"]["flops_per_token"] > 0
+    assert set(doc["target_check"]) == {"reference", "xla"}
+    assert any(k.startswith("moe.py") for k in xla["by_site"])

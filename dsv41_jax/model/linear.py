@@ -51,19 +51,6 @@ def impl_of(cfg) -> str:
     return name
 
 
-def _pin(x, *ws):
-    """Tie weights to the activation with an optimization barrier (identity, no copy).
-
-    Anything derived from a weight alone (a dequantized / widened operand; on CPU XLA widens every
-    fp8 / bf16 dot operand to fp32) could otherwise be scheduled as early as the program start, and a
-    scheduler that hoists them keeps a copy of every weight alive at once (measured: 29 GB of
-    temporaries for the flash decode step on CPU). After the barrier the conversion can only run
-    once this layer's activation exists, so at most a layer's worth of converted operands is live.
-    """
-    out = jax.lax.optimization_barrier((x,) + tuple(ws))
-    return out if ws else out[0]
-
-
 def _rows(x):
     return math.prod(x.shape[:-1])
 
@@ -137,7 +124,6 @@ def fp8(x, p, cfg, dt):
             return quant.fp8_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
         return dot_exact(xd, quant.dequantize_fp8_block(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
-    x, w, s = _pin(x, w, s)
     if _rows(x) <= BLOCK_M_MAX:
         return _block_gemm(x, w, _fp8_row_scales(s, w.shape[0]), dt, exact)
     wdt = jnp.float32 if exact else jnp.bfloat16
@@ -156,7 +142,6 @@ def mxfp4(x, p, cfg, dt):
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
         return dot_exact(xd, quant.dequantize_mxfp4(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
-    x, w, s = _pin(x, w, s)
     if _rows(x) <= BLOCK_M_MAX:
         return _block_gemm(x, fp4_codes_to_e4m3(w), quant.e8m0_to_f32(s), dt, exact)
     wdt = jnp.float32 if exact else jnp.bfloat16
@@ -181,7 +166,6 @@ def f32(x, w, cfg):
         return linear_f32(x, w, exact=True)
     if impl_of(cfg) == "reference":
         return linear_f32(x, w)
-    x, w = _pin(x, w)
     dn = (((x.ndim - 1,), (1,)), ((), ()))
     if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
         # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has
@@ -205,8 +189,6 @@ def wo_a(o, p, cfg, dt):
             y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.float64), w.astype(jnp.float64), precision=HIGHEST,
                            preferred_element_type=jnp.float64)
             return y.astype(jnp.float32)
-    if impl_of(cfg) == "xla":
-        o, p = _pin(o, p)
     if impl_of(cfg) == "xla" and "bf16" in p:
         w = p["bf16"]
     else:
