@@ -20,8 +20,9 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
     power of two have 4 resp. 2 significant bits — and one bf16 dot with fp32 accumulation; XLA fuses
     the dequantization into the operand producer (on GPU into the GEMM fusion). The products are
     exact in fp32, so this equals the reference up to fp32 summation order.
-  - fp32-kind matmuls on bf16 weights (head, MoE gate): the weight enters the dot as bf16 (a mixed
-    fp32 x bf16 dot; widening is exact), not as an fp32 copy.
+  - fp32-kind matmuls on bf16 weights (head, MoE gate): the weight enters the dot as bf16, not as an
+    fp32 copy — a bf16 x bf16 dot in the bf16 flow (the activation is bf16-valued there), a mixed
+    fp32 x bf16 dot otherwise; widening is exact, so the products are the reference's.
 
 * In the exact mode every path accumulates in fp64 (`numerics.dot_exact`) and rounds once to fp32,
   so the reference and the xla formulation agree (bit for bit in practice) however they sum.
@@ -159,9 +160,10 @@ def plain_bf16(x, w, cfg, dt):
 def f32(x, w, cfg):
     """An "fp32 matmul on bf16-valued weights" (MoE gate, head, ...): x [..., K], w [N, K] -> fp32 [..., N].
 
-    "xla": the weight enters the dot at its stored dtype (bf16 for the head and gate) against the fp32
-    activation — a mixed dot with fp32 accumulation, the same products (widening bf16 is exact) — so
-    the 1.3 GB head is not copied to 2.6 GB of fp32 per step."""
+    "xla": the weight enters the dot at its stored dtype (bf16 for the head and gate) with fp32
+    accumulation — against the bf16 activation in the bf16 flow, else against the fp32 activation (a
+    mixed dot) — the same products (widening bf16 is exact), so the 1.3 GB head is not copied to
+    2.6 GB of fp32 per step."""
     if is_exact(cfg):
         return linear_f32(x, w, exact=True)
     if impl_of(cfg) == "reference":
