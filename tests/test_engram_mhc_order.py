@@ -20,8 +20,10 @@ def test_engram_gate_by_hand():
     p["wkv"] = dict(zip(("weight", "scale"), quant.quantize_fp8_block(jnp.asarray(wkv))))
     h = rng.standard_normal((1, 1, n, D)).astype(np.float32)
     rows = jnp.array([[[0, 3, 5, 7, 9, 2]]], jnp.int32)
-    class C:
+    class C:  # the fields engram() reads: eps, the implementation switch, the numerics mode
         rms_norm_eps = 1e-20
+        impl = "auto"
+        act_dtype = "float32"
     out = np.asarray(engram(p, jnp.asarray(h), rows, C, jnp.float32))
     # Independent computation: gather, fp8 GEMM (quantized input), gate per stream.
     emb = np.asarray(tq.astype(np.float32))[np.asarray(rows)[0, 0]].reshape(-1)

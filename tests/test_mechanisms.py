@@ -89,10 +89,12 @@ def test_candidate_blocks():
 
 
 def test_moe_bias_ranks_but_does_not_weight():
-    class C:
+    class C:  # route() also reads the implementation switch and the numerics mode (linear.f32)
         gate_temp = 1.0
         norm_topk_prob = True
         routed_scaling_factor = 1.5
+        impl = "auto"
+        act_dtype = "float32"
 
     D, E = 4, 4
     # x = e0, so logits = W[:, 0].
@@ -115,10 +117,12 @@ def test_moe_bias_ranks_but_does_not_weight():
 
 
 def test_moe_ties_go_to_lower_expert():
-    class C:
+    class C:  # route() also reads the implementation switch and the numerics mode (linear.f32)
         gate_temp = 1.0
         norm_topk_prob = True
         routed_scaling_factor = 1.0
+        impl = "auto"
+        act_dtype = "float32"
 
     W = jnp.ones((4, 4), jnp.bfloat16)
     idx, _, _ = moe.route({"weight": W, "bias": jnp.zeros(4)}, jnp.ones((1, 4)), 2, C)

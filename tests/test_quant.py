@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dsv41_jax.model import numerics as N
 from dsv41_jax.model import quant as Q
 
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -479,25 +480,34 @@ def test_mxfp4_linear_matches_reference():
 
 
 def test_bf16_and_f32_linear():
+    """numerics.linear_bf16 / linear_f32 (the plain-matmul kinds; quant.bf16_linear/f32_linear were
+    duplicates and are gone), including the exact mode's fp64 accumulation."""
     rng = np.random.default_rng(9)
-    x = rng.standard_normal((3, 64)).astype(np.float32)  # not bf16-exact: bf16_linear must round it
+    x = rng.standard_normal((3, 64)).astype(np.float32)  # not bf16-exact: linear_bf16 must round it
     w = rng.standard_normal((16, 64)).astype(ml_dtypes.bfloat16)
     xb64 = x.astype(ml_dtypes.bfloat16).astype(np.float64)
     w64 = w.astype(np.float64)
     ref = xb64 @ w64.T
     absterms = np.abs(xb64) @ np.abs(w64).T
-    y = Q.bf16_linear(jnp.asarray(x), jnp.asarray(w), jnp.float32)
-    assert y.dtype == jnp.float32 and y.shape == (3, 16)
-    assert np.all(np.abs(np.asarray(y) - ref) <= 1e-6 * absterms)
+    y = N.linear_bf16(jnp.asarray(x), jnp.asarray(w), jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16 and y.shape == (3, 16)
+    # One rounding of an (exact-product, fp32-accumulated) sum to bf16: within 2^-8 relative + fp32 noise.
+    assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= 2.0**-8 * np.abs(ref) + 1e-6 * absterms)
     assert np.any(np.abs(x.astype(np.float64) @ w64.T - ref) > 1e-4 * absterms)  # rounding x matters
-    assert Q.bf16_linear(jnp.asarray(x), jnp.asarray(w)).dtype == jnp.bfloat16
+    y32 = N.linear_bf16(jnp.asarray(x), jnp.asarray(w), jnp.float32)  # fp32 mode: x not rounded
+    ref32 = x.astype(np.float64) @ w64.T
+    assert y32.dtype == jnp.float32
+    assert np.all(np.abs(np.asarray(y32) - ref32) <= 1e-6 * (np.abs(x) @ np.abs(w64).T))
     wf = rng.standard_normal((16, 64)).astype(np.float32)
-    yf = Q.f32_linear(jnp.asarray(x, jnp.float32), jnp.asarray(w))  # bf16 weight widened
+    yf = N.linear_f32(jnp.asarray(x, jnp.float32), jnp.asarray(w))  # bf16 weight widened
     assert yf.dtype == jnp.float32
-    ref = x.astype(np.float64) @ w64.T
-    assert np.all(np.abs(np.asarray(yf) - ref) <= 1e-6 * (np.abs(x) @ np.abs(w64).T))
-    yf2 = Q.f32_linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wf), out_dtype=jnp.bfloat16)
-    assert yf2.dtype == jnp.bfloat16
+    assert np.all(np.abs(np.asarray(yf) - ref32) <= 1e-6 * (np.abs(x) @ np.abs(w64).T))
+    # Exact mode: fp64 accumulation then one fp32 rounding == the float64 reference rounded to fp32.
+    ye = np.asarray(N.linear_f32(jnp.asarray(x), jnp.asarray(wf), exact=True))
+    np.testing.assert_array_equal(ye, (x.astype(np.float64) @ wf.astype(np.float64).T).astype(np.float32))
+    yeb = np.asarray(jax.jit(lambda a, b: N.linear_bf16(a, b, jnp.float32, exact=True))(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_array_equal(yeb, ref32.astype(np.float32))
+    assert yeb.dtype == np.float32
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import dispatch, quant
+from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import HIGHEST
 from dsv41_jax.model.rope import apply_rope, rope_freqs
@@ -44,13 +44,11 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     forward too — callers apply `window_kv` (or store its codes, which decode to the same values).
     """
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    qr = rmsnorm(quant.fp8_linear(x, p["wq_a"]["weight"], p["wq_a"]["scale"], out_dtype=dt),
-                 p["q_norm"]["weight"], eps, dt)
-    q = quant.fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"], out_dtype=dt)
+    qr = rmsnorm(linear.fp8(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt)
+    q = linear.fp8(qr, p["wq_b"], cfg, dt)
     q = q.reshape(q.shape[:-1] + (H, hd))
     q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
-    kv = rmsnorm(quant.fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"], out_dtype=dt),
-                 p["kv_norm"]["weight"], eps, dt)
+    kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, positions, freqs, out_dtype=dt)
     return qr, q, kv
 
@@ -182,12 +180,5 @@ def output_proj(p, o, positions, freqs, cfg, dt):
     G, R = cfg.o_groups, cfg.o_lora_rank
     o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt)
     o = o.reshape(B, T, G, cfg.o_group_in)
-    wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
-    wo_a = quant.dequantize_fp8_block(p["wo_a"]["weight"], p["wo_a"]["scale"], out_dtype=wdt)
-    wo_a = wo_a.reshape(G, R, cfg.o_group_in)
-    if dt == jnp.float32:
-        y = jnp.einsum("btgi,gri->btgr", o, wo_a, precision=HIGHEST)
-    else:
-        y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.bfloat16), wo_a, preferred_element_type=jnp.float32)
-    y = y.astype(dt).reshape(B, T, G * R)
-    return quant.fp8_linear(y, p["wo_b"]["weight"], p["wo_b"]["scale"], out_dtype=dt)
+    y = linear.wo_a(o, p["wo_a"], cfg, dt).astype(dt).reshape(B, T, G * R)
+    return linear.fp8(y, p["wo_b"], cfg, dt)

@@ -188,7 +188,9 @@ class ModelConfig:
     dspark_n_routed_experts: int = 128
     dspark_num_experts_per_tok: int = 3
     # --- ours (not in the HF file)
-    act_dtype: str = "bfloat16"  # "bfloat16" = the reference dtype flow; "float32" = equivalence mode
+    # "bfloat16" = the reference dtype flow; "float32" = fp32 activations; "exact" = fp32 activations with
+    # fp64-accumulated matmuls, for equivalence tests (model/numerics.py)
+    act_dtype: str = "bfloat16"
     # Which implementation each op with a fast path runs (`dispatch.parse_impl`): "auto", one of
     # "reference" | "xla" | "pallas" | "pallas_interpret", or "xla,moe=reference"-style per-op items.
     impl: str = "auto"
@@ -413,8 +415,9 @@ class ModelConfig:
             err("index_topk", f"= {self.index_topk} must be >= 1")
         if self.candidate_block_size < 1 or self.candidate_topk_blocks < 1:
             err("candidate_block_size/candidate_topk_blocks", "must be >= 1")
-        if self.act_dtype not in ("bfloat16", "float32"):
-            err("act_dtype", f"= {self.act_dtype!r}; use 'bfloat16' (reference numerics) or 'float32'")
+        if self.act_dtype not in ("bfloat16", "float32", "exact"):
+            err("act_dtype", f"= {self.act_dtype!r}; use 'bfloat16' (reference numerics), 'float32' or 'exact' "
+                             f"(fp64-accumulated matmuls, for equivalence tests)")
         from dsv41_jax.model.dispatch import ImplError, parse_impl
 
         try:

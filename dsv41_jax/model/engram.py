@@ -10,7 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from dsv41_jax.model import engram_tables, quant
+from dsv41_jax.model import dispatch, engram_tables, linear, quant
 
 
 @functools.lru_cache(maxsize=32)
@@ -47,7 +47,17 @@ def engram(p, h, rows, cfg, dt):
 
     p: the layer's ``engram`` params; h [B, T, n, D]; rows int32 [B, T, 24]. Returns h' [B, T, n, D] in `dt`:
     h_c ← h_c + g_c · value with g_c = sigmoid(signed sqrt of the normalized ⟨h_c, w_c ⊙ key_c⟩).
+
+    Implementations (`dispatch.resolve(cfg, "engram")`): "reference" and "xla" are this one function,
+    because it already is the fast XLA formulation: only the 24 hashed rows per token are gathered,
+    at stored width (fp8 codes + E8M0 scales, ~0.26 KB per row), and dequantized after the gather in
+    one fusion; the 384M-row table is never touched otherwise. The heavy part, the wkv GEMM
+    (6144 -> n·D + D), goes through the "linear" seam, which has its own xla path; the gate is a few
+    elementwise ops and one reduction per stream. (A Pallas kernel could fuse gather -> GEMM.)
     """
+    impl = dispatch.resolve(cfg, "engram")
+    if impl not in ("reference", "xla"):
+        raise dispatch.ImplError(f"engram: no {impl!r} implementation")
     B, T, n, D = h.shape
     table, tscale = p["embed"]["weight"], p["embed"]["scale"]
     de = table.shape[-1]
@@ -55,7 +65,7 @@ def engram(p, h, rows, cfg, dt):
     sc = quant.e8m0_to_f32(tscale[rows])  # [B, T, R, de/32]
     emb = (emb.reshape(B, T, rows.shape[-1], de // 32, 32) * sc[..., None]).reshape(B, T, -1)
     emb = emb.astype(dt)
-    kv = quant.fp8_linear(emb, p["wkv"]["weight"], p["wkv"]["scale"], out_dtype=dt)
+    kv = linear.fp8(emb, p["wkv"], cfg, dt)
     keys = kv[..., : n * D].reshape(B, T, n, D).astype(jnp.float32)
     value = kv[..., n * D:].astype(jnp.float32)
     w = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # [n, D]

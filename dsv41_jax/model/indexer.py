@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import dispatch, quant
+from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import HIGHEST, linear_bf16
 from dsv41_jax.model.rope import apply_rope
@@ -43,11 +43,11 @@ def index_query(p, qr, x, positions, freqs, cfg, dt):
     positions: int32 [B, T]. Returns q [B, T, nI, dI] (RoPE + fp4) and w [B, T, nI] (in `dt`).
     """
     nI, dI = cfg.index_n_heads, cfg.index_head_dim
-    q = quant.fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"], out_dtype=dt)
+    q = linear.fp8(qr, p["wq_b"], cfg, dt)
     q = q.reshape(q.shape[:-1] + (nI, dI))
     q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
     q = quant.fake_quant_fp4_pow2(q, block=32, out_dtype=dt)
-    w = linear_bf16(x, p["weights_proj"]["weight"], dt)
+    w = linear.plain_bf16(x, p["weights_proj"]["weight"], cfg, dt)
     w = (w * (dI ** -0.5 * nI ** -0.5)).astype(dt)
     return q, w
 

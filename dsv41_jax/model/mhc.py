@@ -21,16 +21,20 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["sinkhorn", "hc_mixes", "hc_pre", "hc_post"]
+from dsv41_jax.model import dispatch
+from dsv41_jax.model.numerics import einsum_exact, is_exact, x64_scope
+
+__all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post"]
 
 
-def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
+def sinkhorn(logits: jnp.ndarray, iters: int, eps: float, unroll: bool = False) -> jnp.ndarray:
     """Linear-space Sinkhorn normalisation, SPEC §2 (no log domain).
 
     Args:
       logits: [..., n, n] float32 (cast to fp32 if not).
       iters: static Python int >= 1 (``hc_sinkhorn_iters``, 20 in flash).
       eps: ``hc_eps``, added to the softmax and to every row/column sum.
+      unroll: static; unroll the iterations in the trace (the "xla" path) instead of a fori_loop.
 
     Returns:
       [..., n, n] float32.  ``C = row_softmax(logits) + eps``; ``C /= colsum + eps``; then
@@ -40,7 +44,9 @@ def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
     iters = int(iters)
     if iters < 1:
         raise ValueError(f"sinkhorn iters must be >= 1, got {iters}")
-    c = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) + eps
+    # fp64 input (the exact numerics mode) is kept in fp64; anything else computes in fp32.
+    ct = jnp.float64 if logits.dtype == jnp.float64 else jnp.float32
+    c = jax.nn.softmax(logits.astype(ct), axis=-1) + eps
     # The first pass is "softmax over rows, then normalise columns"; the softmax already made
     # the rows sum to 1, which is why the loop below starts with the row step.
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
@@ -50,6 +56,14 @@ def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
         c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)  # columns
         return c
 
+    if unroll:
+        # The "xla" mhc path: a static Python loop, so the whole normalisation (a few hundred
+        # flops on a 4x4 matrix per token) fuses into one kernel instead of a device-side while
+        # loop of iters-1 tiny steps (a launch and a loop-condition sync each on GPU). Same
+        # operations in the same order as the loop below.
+        for _ in range(iters - 1):
+            c = body(0, c)
+        return c
     # fori_loop keeps the traced graph small (the model calls this 2x per layer); the
     # arithmetic is identical to an unrolled Python loop.
     return jax.lax.fori_loop(0, iters - 1, body, c)
@@ -64,6 +78,8 @@ def hc_mixes(
     norm_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    unroll: bool = False,
+    exact: bool = False,
 ) -> Tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Compute the pre / post / comb mixings of one sublayer from its input streams.
 
@@ -75,6 +91,8 @@ def hc_mixes(
       norm_eps: ``rms_norm_eps`` (1e-20 in flash) inside the joint rsqrt.
       hc_eps: added to ``pre`` and used as every Sinkhorn eps.
       sinkhorn_iters: static Python int, ``hc_sinkhorn_iters``.
+      unroll: static; Sinkhorn unrolled (see :func:`sinkhorn`), the "xla" path.
+      exact: static; the mix matmul accumulates in fp64 (the exact numerics mode).
 
     Returns:
       pre  [..., n]    float32, ``sigmoid(m_pre*scale[0] + base_pre) + hc_eps``;
@@ -102,13 +120,16 @@ def hc_mixes(
     # the reference orders it.
     r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
     # An fp32 matmul: HIGHEST stops TPU/GPU defaults from dropping to bf16 / TF32 passes.
-    m = jnp.einsum(
-        "...k,mk->...m",
-        x,
-        fn.astype(jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+    if exact:
+        m = einsum_exact("...k,mk->...m", x, fn.astype(jnp.float32))
+    else:
+        m = jnp.einsum(
+            "...k,mk->...m",
+            x,
+            fn.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
     m = m * r  # [..., (2+n)*n]
 
     scale = scale.astype(jnp.float32)
@@ -116,8 +137,34 @@ def hc_mixes(
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*lead, n, n)
-    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    if exact:
+        # Sinkhorn's 4-element row/column sums are reassociated differently once XLA fuses the
+        # unrolled form (1-2 fp32 ulps apart from the fori_loop): the exact mode runs it in fp64
+        # and rounds once, so both implementations give the same fp32 result.
+        with x64_scope():
+            comb = sinkhorn(comb_logits.astype(jnp.float64), sinkhorn_iters, hc_eps, unroll=unroll)
+            comb = comb.astype(jnp.float32)
+    else:
+        comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unroll=unroll)
     return pre, post, comb
+
+
+def sublayer_mixes(h, fn, base, scale, cfg):
+    """:func:`hc_mixes` with the config's constants, by implementation (`dispatch.resolve(cfg, "mhc")`).
+
+    "reference": today's code (Sinkhorn as a fori_loop). "xla": Sinkhorn unrolled so the mixing fuses
+    into one kernel per sublayer; same operations, but XLA reassociates the fused 4-element sums, so
+    comb differs by 1-2 fp32 ulps (tested: <= 1e-6 absolute on values <= 1; identical in the exact
+    mode, where Sinkhorn runs in fp64). The mix matmul ([.., n·D] x [24, n·D], fp32 on the
+    bf16 stream) and hc_pre / hc_post (static-order elementwise sums over n that XLA already fuses
+    into one pass over h) have no cheaper XLA formulation, so both implementations share them.
+    In the exact mode the mix matmul accumulates in fp64.
+    """
+    impl = dispatch.resolve(cfg, "mhc")
+    if impl not in ("reference", "xla"):
+        raise dispatch.ImplError(f"mhc: no {impl!r} implementation")
+    return hc_mixes(h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
+                    sinkhorn_iters=cfg.hc_sinkhorn_iters, unroll=impl == "xla", exact=is_exact(cfg))
 
 
 def hc_pre(h: jnp.ndarray, pre: jnp.ndarray, out_dtype=None) -> jnp.ndarray:

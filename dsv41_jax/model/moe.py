@@ -1,8 +1,23 @@
 """Mixture of experts: sqrtsoftplus gate, top-k, clamped SwiGLU experts, shared expert (SPEC §6).
 
-This is the reference: every routed expert runs on every token, multiplied by a routing weight that
-is exactly 0 for unselected experts (so they add exact zeros and the sum keeps ascending-expert-id
-order). It is O(E) compute — fine for tiny configs and as the ground truth for grouped kernels.
+Two implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe")`:
+
+* ``"reference"`` — every routed expert runs on every token, multiplied by a routing weight that is
+  exactly 0 for unselected experts (so they add exact zeros and the sum keeps ascending-expert-id
+  order). O(E) compute — the ground truth for the grouped path.
+* ``"xla"`` — grouped: the N·k (token, expert) assignments are sorted by expert id, only the selected
+  experts' MXFP4 weights are gathered (at stored width: packed bytes + E8M0 scales) when fewer than E
+  experts can be selected (N·k < E, i.e. decode), else all E are used in place; they are dequantized
+  to bf16 (exact: e2m1 x 2^k has 2 significant bits) and one `jax.lax.ragged_dot_general` per
+  projection multiplies each group of rows by its expert only, with fp32 accumulation (fp64 in the
+  exact mode). No token is dropped; experts with no token are groups of size 0.
+
+Combine order (SPEC §6: "the fp32 sum of routed outputs in ascending expert id"): the reference adds
+expert outputs in ascending id in fp32 (the unselected ones add exact zeros, which change nothing).
+The xla path puts each token's k expert outputs back in ascending expert id and folds them left to
+right in fp32 — the *same* additions in the same order — so the combine is bitwise the reference's;
+the two paths differ only inside each expert's GEMMs (fp32 summation order of exact products, below
+the bf16 rounding of each GEMM output; none at all in the exact mode).
 """
 
 from __future__ import annotations
@@ -10,8 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import quant
-from dsv41_jax.model.numerics import linear_f32
+from dsv41_jax.model import dispatch, linear, quant
+from dsv41_jax.model.numerics import einsum_exact, is_exact
 
 
 def softplus_torch(x):
@@ -26,7 +41,7 @@ def route(p_gate, x, top_k: int, cfg):
     lower expert id; weights = s[idx] / (Σ + 1e-20) · routed_scaling_factor (normalized only when
     norm_topk_prob and k > 1).
     """
-    logits = linear_f32(x, p_gate["weight"]) / cfg.gate_temp
+    logits = linear.f32(x, p_gate["weight"], cfg) / cfg.gate_temp
     s = jnp.sqrt(softplus_torch(logits))
     _, idx = jax.lax.top_k(s + p_gate["bias"].astype(jnp.float32), top_k)
     w = jnp.take_along_axis(s, idx, axis=-1)
@@ -35,33 +50,34 @@ def route(p_gate, x, top_k: int, cfg):
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor, s
 
 
+def _swiglu_act(g, u, weight, limit, dt):
+    """a = silu(min(g, limit)) · clamp(u, ±limit) · weight in fp32 -> `dt` (g, u GEMM outputs)."""
+    g = g.astype(jnp.float32)
+    u = u.astype(jnp.float32)
+    u = jnp.clip(u, -limit, limit)
+    g = jnp.minimum(g, limit)
+    return (jax.nn.silu(g) * u * weight[:, None]).astype(dt)
+
+
 def swiglu_expert(x, w1, w3, w2, weight, limit, dt, linear):
     """One SwiGLU expert with clamps. x [N, K]; weight fp32 [N] (routing weight, applied before w2).
 
     g = w1·x, u = w3·x (outputs rounded to `dt`, widened to fp32); u ∈ [−limit, limit]; g ≤ limit;
     a = silu(g)·u·weight (fp32) → `dt` → w2 (fp8-quantized input) → `dt`.
     """
-    g = linear(x, *w1).astype(jnp.float32)
-    u = linear(x, *w3).astype(jnp.float32)
-    u = jnp.clip(u, -limit, limit)
-    g = jnp.minimum(g, limit)
-    a = (jax.nn.silu(g) * u * weight[:, None]).astype(dt)
+    a = _swiglu_act(linear(x, *w1), linear(x, *w3), weight, limit, dt)
     return linear(a, *w2)
 
 
-def moe(p, x, top_k: int, cfg, dt, *, return_routing=False):
-    """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked)."""
-    shape = x.shape
-    xf = x.reshape(-1, shape[-1])
-    idx, w, _ = route(p["gate"], xf, top_k, cfg)
-    E = p["gate"]["weight"].shape[0]
-    N = xf.shape[0]
+def _routed_reference(ex, xf, idx, w, cfg, dt):
+    """fp32 [N, D]: every expert on every token, summed in ascending expert id (see module doc)."""
+    N, D = xf.shape
+    E = ex["w1"]["weight"].shape[0]
     dense_w = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].set(w)
-    ex = p["experts"]
     lim = cfg.swiglu_limit
 
     def mx(a, wt, sc):
-        return quant.mxfp4_linear(a, wt, sc, out_dtype=dt)
+        return linear.mxfp4(a, {"weight": wt, "scale": sc}, cfg, dt)
 
     def body(acc, e):
         pe = jax.tree_util.tree_map(lambda t: t[e], ex)
@@ -70,11 +86,98 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False):
         return acc + y.astype(jnp.float32), None
 
     # Sequential scan: the fp32 sum runs in ascending expert id, as the spec requires.
-    routed, _ = jax.lax.scan(body, jnp.zeros((N, shape[-1]), jnp.float32), jnp.arange(E))
+    routed, _ = jax.lax.scan(body, jnp.zeros((N, D), jnp.float32), jnp.arange(E))
+    return routed
+
+
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),  # lhs [A, K] · rhs [G, N, K] over K
+    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _grouped_mxfp4(xs, wp, ws, sizes, dt, exact):
+    """Grouped MXFP4 GEMM with fp8-quantized input: rows of xs [A, K] (sorted by group) times their
+    group's weight. wp uint8 [G, N, K/2], ws E8M0 [G, N, K/32], sizes int32 [G] (sum = A).
+    Returns [A, N] in `dt` (fp32 in the exact mode)."""
+    G, N, Kh = wp.shape
+    K = 2 * Kh
+    cdt = jnp.float32 if exact else jnp.bfloat16  # both exact: e4m3·2^k and e2m1·2^k fit bf16
+    xd = quant.fake_quant_fp8(xs, out_dtype=cdt)
+    # Widened through e4m3 by bit arithmetic (`linear.fp4_codes_to_e4m3`), so the dequantization
+    # fuses into one pass producing the bf16 operand (no LUT gather, no fp32 copy).
+    v = linear.fp4_codes_to_e4m3(wp).astype(jnp.float32).reshape(G, N, K // 32, 32)
+    wd = (v * quant.e8m0_to_f32(ws)[..., None]).reshape(G, N, K).astype(cdt)
+    if exact:
+        # ragged_dot is decomposed when lowered, outside any x64 scope, so it cannot accumulate in
+        # fp64: the exact mode (tests only) multiplies each row by its group's weight explicitly.
+        row_group = jnp.repeat(jnp.arange(G, dtype=jnp.int32), sizes, total_repeat_length=xs.shape[0])
+        return einsum_exact("ak,ank->an", xd, jnp.take(wd, row_group, axis=0))
+    y = jax.lax.ragged_dot_general(xd, wd, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+    return y.astype(dt)
+
+
+def _routed_grouped(ex, xf, idx, w, cfg, dt):
+    """fp32 [N, D]: the routed experts over only the selected (token, expert) pairs (see module doc)."""
+    N, D = xf.shape
+    k = idx.shape[1]
+    E = ex["w1"]["weight"].shape[0]
+    A = N * k
+    if A == 0:
+        return jnp.zeros((N, D), jnp.float32)
+    flat_e = idx.reshape(A)
+    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)  # assignments sorted by expert id
+    se = flat_e[order]
+    G = min(A, E)  # static: at most A distinct experts can be selected
+    if G < E:
+        # Groups = the distinct selected experts in ascending id; unused trailing groups are empty
+        # (size 0, they point at expert 0 and are never multiplied).
+        new = jnp.concatenate([jnp.ones((1,), bool), se[1:] != se[:-1]])
+        gid = jnp.cumsum(new.astype(jnp.int32)) - 1
+        gexp = jnp.zeros((G,), jnp.int32).at[gid].set(se)
+        sizes = jnp.zeros((G,), jnp.int32).at[gid].add(1)
+        pick = lambda t: jnp.take(t, gexp, axis=0)  # gather at stored width (uint8 / E8M0)
+    else:
+        sizes = jnp.zeros((E,), jnp.int32).at[se].add(1)
+        pick = lambda t: t
+    xs = jnp.take(xf, order // k, axis=0)  # [A, D] token rows, sorted by expert
+    ws = jnp.take(w.reshape(A), order)
+    exact = is_exact(cfg)
+
+    def proj(a, name):
+        return _grouped_mxfp4(a, pick(ex[name]["weight"]), pick(ex[name]["scale"]), sizes, dt, exact)
+
+    act = _swiglu_act(proj(xs, "w1"), proj(xs, "w3"), ws, cfg.swiglu_limit, dt)
+    y_sorted = proj(act, "w2")  # [A, D] in dt
+    # Back to (token, slot), then each token's slots in ascending expert id, folded left to right in
+    # fp32: the reference's additions in the reference's order.
+    y = jnp.zeros((A, D), y_sorted.dtype).at[order].set(y_sorted).reshape(N, k, D)
+    perm = jnp.argsort(idx, axis=1, stable=True)
+    y = jnp.take_along_axis(y, perm[..., None], axis=1).astype(jnp.float32)
+    acc = jnp.zeros((N, D), jnp.float32) + y[:, 0]
+    for j in range(1, k):
+        acc = acc + y[:, j]
+    return acc
+
+
+def moe(p, x, top_k: int, cfg, dt, *, return_routing=False):
+    """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
+
+    The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla", module doc); the
+    gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
+    """
+    impl = dispatch.resolve(cfg, "moe")
+    if impl not in ("reference", "xla"):
+        raise dispatch.ImplError(f"moe: no {impl!r} implementation")
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1])
+    idx, w, _ = route(p["gate"], xf, top_k, cfg)
+    N = xf.shape[0]
+    lim = cfg.swiglu_limit
+    routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]
 
     def fp8(a, wt, sc):
-        return quant.fp8_linear(a, wt, sc, out_dtype=dt)
+        return linear.fp8(a, {"weight": wt, "scale": sc}, cfg, dt)
 
     shared = swiglu_expert(xf, (sh["w1"]["weight"], sh["w1"]["scale"]), (sh["w3"]["weight"], sh["w3"]["scale"]),
                            (sh["w2"]["weight"], sh["w2"]["scale"]), jnp.ones((N,), jnp.float32), lim, dt, fp8)

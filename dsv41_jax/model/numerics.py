@@ -1,10 +1,22 @@
-"""The dtype policy (SPEC §1 "Numerics") and the plain-matmul kinds.
+"""The dtype policy (SPEC §1 "Numerics"), the numerics modes and the plain-matmul kinds.
 
-`act_dtype(cfg)` is bf16 in the reference dtype flow: every activation between ops is rounded to
-bf16. In the full-fp32 mode (``cfg.act_dtype == "float32"``) those roundings are skipped, so two
-computations that differ only in summation order agree to ~1e-6 and discrete choices (top-k) do not
-flip on rounding noise. Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is
-applied in both modes.
+Three static modes, chosen by ``ModelConfig.act_dtype`` (a ``cfg.replace(act_dtype=...)`` away):
+
+* ``"bfloat16"`` (default) — the reference dtype flow: every activation between ops is rounded to bf16.
+* ``"float32"`` — those roundings are skipped (activations fp32); matmuls accumulate in fp32. Two
+  computations that differ only in summation order agree to ~1e-6, but a 1-ulp fp32 difference can
+  still flip an fp8 activation code or a top-k choice.
+* ``"exact"`` — for equivalence tests (xla vs reference, decode vs forward, sharded vs not): fp32
+  activations as in "float32", and every fp32-kind matmul accumulates in **fp64** before one rounding
+  to fp32. fp32 x fp32 products are exact in fp64 (24 + 24 < 53 bits) and the fp8/MXFP4 GEMM products
+  have <= 8 significant bits, so the fp64 sum is exact or within 2^-53 relative: the fp32 result no
+  longer depends on summation order, blocking or batch shape (in practice: it could differ only when
+  the fp64 sum lands within ~K·2^-53 of an fp32 rounding boundary). fp64 needs x64 types: they are
+  enabled for the fp64 matmul only (`x64_scope`, also inside ``jit``), so nothing global changes and the
+  rest of the program stays 32-bit. Reductions that are not matmuls (norm means, softmax sums) stay
+  fp32: their order is fixed per row and does not change with the batch shape on XLA's backends.
+
+Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is applied in every mode.
 """
 
 from __future__ import annotations
@@ -14,23 +26,56 @@ import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
+MODES = ("bfloat16", "float32", "exact")
+
 
 def act_dtype(cfg):
-    """Activation dtype: jnp.bfloat16 (reference) or jnp.float32 (equivalence mode)."""
-    return jnp.float32 if cfg.act_dtype == "float32" else jnp.bfloat16
+    """Activation dtype: jnp.bfloat16 (reference flow) or jnp.float32 ("float32" and "exact" modes)."""
+    return jnp.bfloat16 if cfg.act_dtype == "bfloat16" else jnp.float32
 
 
-def round_act(x, dt):
-    """Round a fp32 intermediate to the activation dtype (bf16 in the reference flow)."""
-    return x.astype(dt)
+def is_exact(cfg) -> bool:
+    """Whether `cfg` runs the exact mode (fp64-accumulated matmuls, see the module docstring)."""
+    return cfg.act_dtype == "exact"
 
 
-def linear_bf16(x, w, dt):
+def x64_scope():
+    """Context manager enabling 64-bit types for the ops traced inside it only (works under ``jit``)."""
+    fn = getattr(jax, "enable_x64", None)
+    if fn is not None:
+        return fn(True)
+    from jax.experimental import enable_x64  # pragma: no cover - old JAX only
+    return enable_x64(True)
+
+
+def dot_exact(x, w, dimension_numbers):
+    """``lax.dot_general`` of fp32-valued operands accumulated in fp64, rounded once to fp32."""
+    with x64_scope():
+        y = jax.lax.dot_general(x.astype(jnp.float64), w.astype(jnp.float64), dimension_numbers,
+                                precision=HIGHEST, preferred_element_type=jnp.float64)
+        return y.astype(jnp.float32)
+
+
+def einsum_exact(spec, a, b):
+    """``jnp.einsum`` of two operands with fp64 accumulation, rounded once to fp32 (exact mode)."""
+    with x64_scope():
+        y = jnp.einsum(spec, a.astype(jnp.float64), b.astype(jnp.float64), precision=HIGHEST,
+                       preferred_element_type=jnp.float64)
+        return y.astype(jnp.float32)
+
+
+def _nk(x):
+    return (((x.ndim - 1,), (1,)), ((), ()))
+
+
+def linear_bf16(x, w, dt, exact: bool = False):
     """A "plain bf16 matmul" of SPEC §1 (wo_a, ratio-1 compressor, indexer wk / weights_proj).
 
     x [..., K], w [N, K] bf16 -> [..., N] in `dt`; fp32 accumulation. In fp32 mode the input is not
-    rounded to bf16 first.
+    rounded to bf16 first; with `exact` (exact mode, `dt` fp32) the accumulation is fp64.
     """
+    if exact:
+        return dot_exact(x, w, _nk(x))
     if dt == jnp.float32:
         return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
@@ -38,6 +83,12 @@ def linear_bf16(x, w, dt):
     return y.astype(dt)
 
 
-def linear_f32(x, w):
-    """An "fp32 matmul on bf16-valued weights" (ratio-2 compressor, MoE gate, head, ...): fp32 out."""
+def linear_f32(x, w, exact: bool = False):
+    """An "fp32 matmul on bf16-valued weights" (ratio-2 compressor, MoE gate, head, ...): fp32 out.
+
+    x [..., K], w [N, K] -> fp32 [..., N]; HIGHEST precision (no TF32 / bf16 passes); fp64
+    accumulation with `exact`.
+    """
+    if exact:
+        return dot_exact(x, w, _nk(x))
     return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)

@@ -56,8 +56,6 @@ __all__ = [
     "fake_quant_fp4_e4m3",
     "fp8_linear",
     "mxfp4_linear",
-    "bf16_linear",
-    "f32_linear",
 ]
 
 E4M3_MAX = 448.0
@@ -524,35 +522,6 @@ def mxfp4_linear(x, packed, scale, out_dtype=jnp.bfloat16):
     if xd.shape[-1] != wd.shape[1]:
         raise ValueError(f"mxfp4_linear: x last dim {xd.shape[-1]} != weight K {wd.shape[1]}")
     return _dot_nk(xd, wd, _HIGHEST, jnp.float32).astype(out_dtype)
-
-
-@functools.partial(jax.jit, static_argnames=('out_dtype',))
-def bf16_linear(x, w, out_dtype=jnp.bfloat16):
-    """Plain matmul (wo_a, ratio-1 compressor wkv, indexer wk and weights_proj).
-
-    Args:
-      x: float array [..., K]; cast to w's dtype (bf16) first, as the reference feeds bf16 activations.
-      w: [N, K] (bf16).
-      out_dtype: result dtype.
-    Returns:
-      out_dtype [..., N], accumulated in fp32 (bf16 x bf16 products are exact in fp32, so default
-      precision loses nothing) and rounded once.
-    """
-    return _dot_nk(x.astype(w.dtype), w, None, jnp.float32).astype(out_dtype)
-
-
-@functools.partial(jax.jit, static_argnames=('out_dtype',))
-def f32_linear(x, w, out_dtype=jnp.float32):
-    """fp32 matmul on (typically bf16-valued) weights: ratio-2 compressor, MoE gate, head, Markov head,
-    confidence proj, hc_*_fn.
-
-    Args:
-      x: float array [..., K]; w: float array [N, K]. Both widened to fp32.
-      out_dtype: result dtype.
-    Returns:
-      out_dtype [..., N], fp32 HIGHEST precision (no TF32 / bf16 passes).
-    """
-    return _dot_nk(x.astype(jnp.float32), w.astype(jnp.float32), _HIGHEST, jnp.float32).astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,18 +19,17 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, indexer
+from dsv41_jax.model import compressor, indexer, linear
 from dsv41_jax.model.engram import engram, hash_rows
-from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
+from dsv41_jax.model.mhc import hc_post, hc_pre, sublayer_mixes
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import act_dtype, linear_f32
+from dsv41_jax.model.numerics import act_dtype
 
 
 def mixes(layer_p, sub: str, h, cfg):
     """hc mixes of sublayer `sub` ("attn" | "ffn") from its input h [.., n, D]."""
-    return hc_mixes(h, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"],
-                    norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+    return sublayer_mixes(h, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"], cfg)
 
 
 def embed_streams(params, tokens, cfg, dt):
@@ -118,7 +117,7 @@ def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None)
 def final_logits(params, h, pre, cfg, dt):
     """x = hc_pre(h, last ffn pre) → norm → head → fp32 logits. Returns (logits, normed x)."""
     x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
-    return linear_f32(x, params["head"]["weight"]), x
+    return linear.f32(x, params["head"]["weight"], cfg), x
 
 
 def new_aux():

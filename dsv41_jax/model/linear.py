@@ -1,0 +1,204 @@
+"""The "linear" seam: quantized (fp8 / MXFP4) matmuls and the plain-matmul kinds, by implementation.
+
+Every model matmul on a stored weight goes through here with the config, so `ModelConfig.impl` (op
+``"linear"``, `dispatch.resolve`) and the numerics mode (`numerics.is_exact`) are honoured in one place:
+
+* ``"reference"`` — today's arithmetic, byte for byte: `quant.fp8_linear` / `quant.mxfp4_linear`
+  (both operands dequantized exactly to fp32, one fp32 HIGHEST dot, one rounding) and the
+  `numerics.linear_bf16` / `linear_f32` kinds.
+* ``"xla"`` — the same numbers (up to fp32 summation order) with the weight entering the matmul at
+  stored width or as exact bf16, never as an fp32 copy:
+
+  - small M (rows <= `BLOCK_M_MAX`, i.e. decode): the SPEC §6 GEMM itself. The activation is fp8
+    quantized per 32 along K (`quant.act_quant_fp8`), and the e4m3 codes of activation and weight go
+    into one batched dot over the K-blocks, P[b, m, n] = sum_{k in block b} xq[m, k]·wq[n, k] (fp32
+    accumulation: each product has <= 8 significant bits), then y = sum_b P[b]·s_x[m, b]·s_w[n, b].
+    The weight is read once at 1 byte (MXFP4 nibbles are widened to e4m3 codes first: every e2m1
+    value is an e4m3 value). The partial-sum temporary is K/32·M·N fp32 = M/8 of the fp8 weight's
+    bytes, which is why this path is limited to small M.
+  - large M (prefill): both operands dequantized to **bf16** — exact, since e4m3 and e2m1 codes times a
+    power of two have 4 resp. 2 significant bits — and one bf16 dot with fp32 accumulation; XLA fuses
+    the dequantization into the operand producer (on GPU into the GEMM fusion). The products are
+    exact in fp32, so this equals the reference up to fp32 summation order.
+  - fp32-kind matmuls on bf16 weights (head, MoE gate): the weight enters the dot as bf16, not as an
+    fp32 copy — a bf16 x bf16 dot in the bf16 flow (the activation is bf16-valued there), a mixed
+    fp32 x bf16 dot otherwise; widening is exact, so the products are the reference's.
+
+* In the exact mode every path accumulates in fp64 (`numerics.dot_exact`) and rounds once to fp32,
+  so the reference and the xla formulation agree (bit for bit in practice) however they sum.
+
+Shapes: x [..., K] with K % 32 == 0; weights [N, K] (MXFP4: packed [N, K/2]); outputs [..., N].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from dsv41_jax.model import dispatch, quant
+from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
+
+# Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
+# stored width, a K/32·M·N fp32 partial-sum temporary); above it the exact-bf16 dequant GEMM.
+BLOCK_M_MAX = 8
+
+
+def impl_of(cfg) -> str:
+    """The implementation of the "linear" op for `cfg` (logged once by `dispatch`)."""
+    name = dispatch.resolve(cfg, "linear")
+    if name not in ("reference", "xla"):  # pallas choices are rejected by dispatch until kernels exist
+        raise dispatch.ImplError(f"linear: no {name!r} implementation")
+    return name
+
+
+def _rows(x):
+    return math.prod(x.shape[:-1])
+
+
+def fp4_codes_to_e4m3(packed):
+    """MXFP4 bytes uint8 [..., K/2] (low nibble = even element) -> float8_e4m3fn [..., K] (exact).
+
+    Bit arithmetic, not a table lookup, so it fuses with whatever consumes it (a gather from a LUT
+    does not fuse on every backend and would materialize an fp32/int32 copy of the weight). e2m1 code
+    s|ee|m: ee = 0 is 0 or 0.5 (m = 0 / 1); otherwise 2^(ee-1)·(1 + m/2). In e4m3 (bias 7): 0.5 is
+    exponent field 6, mantissa 0; a normal e2m1 value is exponent field ee + 6, mantissa m << 2.
+    """
+    lo = packed & 0x0F
+    hi = packed >> 4
+    c = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    sign = (c & 0x8) << 4
+    ee = (c >> 1) & 0x3
+    m = c & 0x1
+    mag = jnp.where(ee == 0, m * jnp.uint8(0x30), ((ee + 6) << 3) | (m << 2)).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(sign | mag, jnp.float8_e4m3fn)
+
+
+def _block_gemm(x, wq, sw_rows, dt, exact):
+    """The K-blockwise fp8 GEMM (SPEC §6): x [..., K] float; wq e4m3 [N, K]; sw_rows fp32 [N, K/32].
+
+    Returns [..., N] in `dt` (fp32 in exact mode)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = wq.shape[0]
+    kb = K // 32
+    xq, sx = quant.act_quant_fp8(x)  # e4m3 [..., K], fp32 [..., K/32]
+    xq = xq.reshape(-1, kb, 32)
+    sx = sx.reshape(-1, kb)
+    w3 = wq.reshape(N, kb, 32)
+    dn = (((2,), (2,)), ((1,), (1,)))  # contract the 32 in-block elements, batch over K-blocks
+    if exact:
+        with x64_scope():
+            p = jax.lax.dot_general(xq, w3, dn, preferred_element_type=jnp.float64)  # [kb, M, N]
+            y = jnp.sum(p * sx.T.astype(jnp.float64)[:, :, None] * sw_rows.T.astype(jnp.float64)[:, None, :], axis=0)
+            y = y.astype(jnp.float32)
+    else:
+        p = jax.lax.dot_general(xq, w3, dn, preferred_element_type=jnp.float32)  # [kb, M, N]
+        y = jnp.sum(p * sx.T[:, :, None] * sw_rows.T[:, None, :], axis=0)
+    return y.reshape(*lead, N).astype(dt)
+
+
+def _bf16_gemm(xd, wd, dt, exact):
+    """x [..., K], w [N, K], both exactly representable in bf16 -> [..., N] in dt (fp32 accumulation)."""
+    dn = (((xd.ndim - 1,), (1,)), ((), ()))
+    if exact:
+        return dot_exact(xd.astype(jnp.float32), wd.astype(jnp.float32), dn)
+    y = jax.lax.dot_general(xd.astype(jnp.bfloat16), wd.astype(jnp.bfloat16), dn,
+                            preferred_element_type=jnp.float32)
+    return y.astype(dt)
+
+
+def _fp8_row_scales(scale, n):
+    """Block scales E8M0 [ceil(N/32), K/32] -> fp32 per-row [N, K/32]."""
+    return jnp.repeat(quant.e8m0_to_f32(scale), 32, axis=0)[:n]
+
+
+def fp8(x, p, cfg, dt):
+    """GEMM with a 32x32-block fp8 weight and fp8-quantized input (SPEC §6).
+
+    x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}.
+    Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
+    """
+    w, s = p["weight"], p["scale"]
+    exact = is_exact(cfg)
+    if impl_of(cfg) == "reference":
+        if not exact:
+            return quant.fp8_linear(x, w, s, out_dtype=dt)
+        xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
+        return dot_exact(xd, quant.dequantize_fp8_block(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+    if _rows(x) <= BLOCK_M_MAX:
+        return _block_gemm(x, w, _fp8_row_scales(s, w.shape[0]), dt, exact)
+    wdt = jnp.float32 if exact else jnp.bfloat16
+    return _bf16_gemm(quant.fake_quant_fp8(x, out_dtype=wdt), quant.dequantize_fp8_block(w, s, wdt), dt, exact)
+
+
+def mxfp4(x, p, cfg, dt):
+    """GEMM with an MXFP4 weight and fp8-quantized input (SPEC §6).
+
+    x [..., K] float; p {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]}. Returns [..., N] in `dt`.
+    """
+    w, s = p["weight"], p["scale"]
+    exact = is_exact(cfg)
+    if impl_of(cfg) == "reference":
+        if not exact:
+            return quant.mxfp4_linear(x, w, s, out_dtype=dt)
+        xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
+        return dot_exact(xd, quant.dequantize_mxfp4(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+    if _rows(x) <= BLOCK_M_MAX:
+        return _block_gemm(x, fp4_codes_to_e4m3(w), quant.e8m0_to_f32(s), dt, exact)
+    wdt = jnp.float32 if exact else jnp.bfloat16
+    return _bf16_gemm(quant.fake_quant_fp8(x, out_dtype=wdt), quant.dequantize_mxfp4(w, s, wdt), dt, exact)
+
+
+def plain_bf16(x, w, cfg, dt):
+    """A "plain bf16 matmul" (SPEC §1): x [..., K], w bf16 [N, K] -> [..., N] in `dt`.
+
+    The reference formulation is already a bf16 dot with fp32 accumulation (the weight enters at its
+    stored width), so "xla" is the same function."""
+    return linear_bf16(x, w, dt, exact=is_exact(cfg))
+
+
+def f32(x, w, cfg):
+    """An "fp32 matmul on bf16-valued weights" (MoE gate, head, ...): x [..., K], w [N, K] -> fp32 [..., N].
+
+    "xla": the weight enters the dot at its stored dtype (bf16 for the head and gate) with fp32
+    accumulation — against the bf16 activation in the bf16 flow, else against the fp32 activation (a
+    mixed dot) — the same products (widening bf16 is exact), so the 1.3 GB head is not copied to
+    2.6 GB of fp32 per step."""
+    if is_exact(cfg):
+        return linear_f32(x, w, exact=True)
+    if impl_of(cfg) == "reference":
+        return linear_f32(x, w)
+    dn = (((x.ndim - 1,), (1,)), ((), ()))
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has
+        # the same (exact) products and needs no widened copy of either operand on any backend.
+        return jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(x.astype(jnp.float32), w, dn, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def wo_a(o, p, cfg, dt):
+    """The grouped wo_a projection (SPEC §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
+
+    p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale"}; an optional ``"bf16"`` [G·R, I] entry
+    (the load-time dequantized copy, SPEC §3) is used by "xla" when present. The weight is exactly
+    bf16-representable, so every path computes the same products; "reference" is today's code.
+    """
+    G, R = cfg.o_groups, cfg.o_lora_rank
+    exact = is_exact(cfg)
+    if exact:
+        w = quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=jnp.float32).reshape(G, R, -1)
+        with x64_scope():
+            y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.float64), w.astype(jnp.float64), precision=HIGHEST,
+                           preferred_element_type=jnp.float64)
+            return y.astype(jnp.float32)
+    if impl_of(cfg) == "xla" and "bf16" in p:
+        w = p["bf16"]
+    else:
+        wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
+        w = quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=wdt)
+    w = w.reshape(G, R, -1)
+    if dt == jnp.float32:
+        return jnp.einsum("btgi,gri->btgr", o, w.astype(jnp.float32), precision=HIGHEST)
+    y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+    return y.astype(dt)
