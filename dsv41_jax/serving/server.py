@@ -9,6 +9,8 @@ decoding (:mod:`constrained`) and metrics (:mod:`metrics`) into these endpoints:
   ``response_format`` / ``tool_choice`` required-or-named enforced by llguidance masks; SSE
   streaming with ``stream_options.include_usage`` and a final ``data: [DONE]``;
 * ``POST /v1/completions`` — raw prompts (strings or token ids, one or several), ``echo``;
+* ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's spelling; lm-eval's
+  ``tokenizer_backend=remote``);
 * ``GET /v1/models``, ``GET /health`` (no API key), ``GET /metrics`` (``enable_metrics``).
 
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
@@ -569,6 +571,79 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             offs.append(off)
             off += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops if top else None, "text_offset": offs}
+
+    # ------------------------------------------------------------------ tokenizer endpoints
+
+    def _tok_ids(text: str, add_special: bool) -> list:
+        ids = list(tokenizer.encode(text))
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if add_special and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def prepare_tokenize(body: dict) -> dict:
+        check_model(body.get("model"))
+        if ("prompt" in body) == ("messages" in body):
+            raise APIError.bad_request("give exactly one of 'prompt' (a string) or 'messages' (a chat)", "prompt")
+        add_special = body.get("add_special_tokens")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise APIError.bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+        if "prompt" in body:
+            if not isinstance(body["prompt"], str):
+                raise APIError.bad_request("prompt must be a string", "prompt")
+            ids = _tok_ids(body["prompt"], bool(add_special))  # vLLM's default for prompts: True; ours: no BOS
+        else:  # the chat's prompt exactly as /v1/chat/completions encodes it (it carries its own BOS)
+            chat_body = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")}
+            try:
+                enc = encode_chat_request(chat_body, wording=cfg.wording, server_defaults=cfg.server_defaults,
+                                          render_response_format=cfg.render_response_format)
+            except ChatError as e:
+                raise APIError.from_chat_error(e) from None
+            ids = _tok_ids(enc.prompt, bool(add_special))
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": cfg.context_length, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM / SGLang ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (encoded as the
+        chat endpoint does), ``add_special_tokens`` (default false: the BOS is not added to a prompt;
+        chat prompts already start with it) -> ``{"tokens": [int], "count", "max_model_len"}``."""
+        try:
+            body = await read_body(request)
+            return JSONResponse(await asyncio.to_thread(prepare_tokenize, body))
+        except APIError as e:
+            return err(e)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """``{"tokens": [int]}`` -> ``{"prompt": str}`` (special tokens kept, as vLLM)."""
+        try:
+            body = await read_body(request)
+            check_model(body.get("model"))
+            toks = body.get("tokens")
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise APIError.bad_request("tokens must be a list of integers", "tokens")
+            if vocab is not None and any(not (0 <= t < vocab) for t in toks):
+                raise APIError.bad_request(f"tokens must be in [0, {vocab})", "tokens")
+            return JSONResponse({"prompt": tokenizer.decode(toks, skip_special_tokens=False)})
+        except APIError as e:
+            return err(e)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """What lm-eval's ``tokenizer_backend=remote`` / ``auto`` reads (vLLM's spelling)."""
+        def name(tid):
+            return tokenizer.id_to_token(tid) if tid is not None else None
+        bos = getattr(tokenizer, "bos_token_id", None)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.context_length,
+                             "max_model_len": cfg.context_length, "vocab_size": vocab,
+                             "bos_token": name(bos), "bos_token_id": bos, "eos_token": name(eos), "eos_token_id": eos,
+                             "pad_token": name(pad), "pad_token_id": pad, "add_bos_token": False,
+                             "chat_template": "deepseek-v41", "chat_template_name": "deepseek-v41"})
 
     # ------------------------------------------------------------------ chat completions
 
