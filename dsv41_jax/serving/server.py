@@ -114,6 +114,8 @@ class EngineOutput:
     finished: bool = False
     prompt_tokens: Optional[int] = None
     cached_tokens: Optional[int] = None
+    # per prompt token: None (the first) or (logprob, [(token_id, logprob), ...]); see RequestOutput
+    prompt_logprobs: Optional[list] = None
 
 
 def _get(o: Any, *names: str, default: Any = None) -> Any:
@@ -181,7 +183,7 @@ def normalize_output(out: Any) -> EngineOutput:
                                     logprobs, top_logprobs))
     finished = bool(_get(out, "finished", default=False))
     return EngineOutput(choices, finished, _get(out, "num_prompt_tokens", "prompt_tokens"),
-                        _get(out, "num_cached_tokens", "cached_tokens"))
+                        _get(out, "num_cached_tokens", "cached_tokens"), _get(out, "prompt_logprobs"))
 
 
 # ----------------------------------------------------------------------------- per-choice state
@@ -253,6 +255,7 @@ class _Choice:
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.top_logprobs: list = []
+        self.prompt_logprobs: Optional[list] = None  # echo + logprobs (completions)
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
         self.think_close_id = think_close_id
@@ -572,6 +575,50 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             off += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops if top else None, "text_offset": offs}
 
+    def _top_dict(pairs: list, tid: int, lp: float) -> dict:
+        """{token text: logprob} of the top-k plus the token itself (as vLLM); a text shared by
+        several ids keeps its highest logprob."""
+        d: dict = {}
+        for a, b in list(pairs) + [(tid, lp)]:
+            key, v = token_text.text(a), _lp(b)
+            if key not in d or v > d[key]:
+                d[key] = v
+        return d
+
+    def logprobs_echo(ch: _Choice, prompt_ids: list, top: int, echo_len: int) -> dict:
+        """Completions ``echo`` + ``logprobs``: the prompt's tokens (the first with a null logprob
+        and null top_logprobs, as OpenAI / vLLM) and then the generated ones; text offsets are the
+        cumulative lengths of the token strings from the start of the echoed prompt (the generated
+        ones from ``echo_len``, the echoed text's length)."""
+        plp = ch.prompt_logprobs or [None] * len(prompt_ids)
+        toks, lps, tops, offs = [], [], [], []
+        off = 0
+        for i, tid in enumerate(prompt_ids):
+            s = token_text.text(tid)
+            toks.append(s)
+            offs.append(off)
+            off += len(s)
+            e = plp[i] if i < len(plp) else None
+            if i == 0 or e is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(_lp(e[0]))
+                tops.append(_top_dict(e[1][:top], tid, e[0]))
+        # the generated text starts after the echoed prompt; where the prompt's token strings are
+        # longer than its decoded text (partial UTF-8 pieces), offsets stay monotone
+        off = max(echo_len, off)
+        for j in range(min(len(ch.token_ids), len(ch.logprobs))):
+            tid = ch.token_ids[j]
+            s = token_text.text(tid)
+            toks.append(s)
+            offs.append(off)
+            off += len(s)
+            lps.append(_lp(ch.logprobs[j]))
+            t = ch.top_logprobs[j] if j < len(ch.top_logprobs) else None
+            tops.append(_top_dict((t or [])[:top], tid, ch.logprobs[j]))
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
     # ------------------------------------------------------------------ tokenizer endpoints
 
     def _tok_ids(text: str, add_special: bool) -> list:
@@ -857,7 +904,11 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
     def prepare_completion(body: dict):
         req = parse_completion_request(body, vocab_size=vocab, max_n=cfg.max_n)
         check_model(req.model)
-        prompts_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+        add_special = body.get("add_special_tokens", False)
+        if not isinstance(add_special, bool):
+            raise APIError.bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+        # string prompts: no BOS unless add_special_tokens (token-id prompts are taken as sent)
+        prompts_ids = [_tok_ids(p, add_special) if isinstance(p, str) else list(p) for p in req.prompts]
         sps = [check_context(len(ids), req.sampling, cfg.context_length, explicit=req.max_tokens_explicit,
                              param="max_tokens") for ids in prompts_ids]
         constraints = []
@@ -922,6 +973,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                         if not (0 <= upd.index < n):
                             continue
                         ch = choices[k * n + upd.index]
+                        if out.prompt_logprobs is not None:
+                            ch.prompt_logprobs = out.prompt_logprobs
                         if ch.done:
                             continue
                         start = len(ch.token_ids)
@@ -953,9 +1006,15 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                 for c in choices:
                     k = c.index // n
                     text = echo_text[k] + c.text
-                    out.append({"index": c.index, "text": text,
-                                "logprobs": logprobs_completion(c, 0, len(c.token_ids), req.logprobs or 0,
-                                                                len(echo_text[k])) if req.logprobs is not None else None,
+                    if req.logprobs is None:
+                        lp = None
+                    elif req.echo:
+                        if c.prompt_logprobs is None and c.finish_reason not in ("abort", "error"):
+                            return err(APIError(500, "the engine returned no prompt logprobs", code="internal_error"))
+                        lp = logprobs_echo(c, prompts_ids[k], req.logprobs, len(echo_text[k]))
+                    else:
+                        lp = logprobs_completion(c, 0, len(c.token_ids), req.logprobs, len(echo_text[k]))
+                    out.append({"index": c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason or "abort",
                                 **({"matched_stop": c.stop_reason} if c.stop_reason is not None else {})})
                 d = base(out)
