@@ -2,7 +2,7 @@
 """Multiple-choice accuracy by loglikelihood, offline, with the jitted forward (issue 16 item 3).
 
     python scripts/eval_loglik.py --model tiny --data tests/data/mc_sample.jsonl --batch-size 8 \\
-        [--dtype float32] [--limit N] [--out result.json] [--items-out items.jsonl]
+        [--dtype float32] [--limit N] [--backend forward|engine] [--out result.json] [--items-out items.jsonl]
 
 Input: a JSONL file, one item a line: ``{"context": str, "choices": [str, ...], "answer": int}``
 (``gold`` / ``label`` are accepted for ``answer``). Scoring follows lm-evaluation-harness's
@@ -24,9 +24,15 @@ tokens (causal attention: padding after a position changes nothing before it), s
 serve the whole file; the per-position log-softmax and the gather of the target tokens run on the
 device and only ``[B, T]`` floats come back. A tqdm progress bar (stderr) counts sequences.
 
-The loglikelihoods equal the server's prompt logprobs (``/v1/completions`` with ``echo`` and
-``logprobs``) summed over the same continuation tokens; ``tests/test_eval_server.py`` checks that
-for a 20-item file in the fp32 mode (tolerance 1e-3 per item). Result: JSON with acc, acc_norm,
+Backends: ``--backend forward`` (default) as above; ``--backend engine`` scores through the serving
+`Engine` in-process (``max_tokens=0`` requests with prompt logprobs: the jitted all-logits prefill in
+the engine's padded (batch, chunk) buckets) and, given the server's engine flags, gives exactly the
+server's numbers. ``tests/test_eval_server.py`` checks both on a 20-item file in the fp32 mode: the
+engine backend equals the server's ``/v1/completions`` ``echo`` + ``logprobs`` sums for every item
+(1e-5); the forward backend agrees within 1e-3 for most sequences but not all: the full forward and
+the chunked paged prefill are different executables whose ~1e-7 accumulation differences can flip
+an fp8 activation-quant code (SPEC §6), which moves a random-weight tiny model's 20-token sum by up
+to ~0.3 (the forward at batch 8 vs batch 1 differs as much). Result: JSON with acc, acc_norm,
 their stderr, counts and timing; ``--items-out`` writes one line per item with every choice's
 loglikelihood, is_greedy and token count.
 """
@@ -137,9 +143,43 @@ def score_sequences(params, cfg, seqs: list, *, batch_size: int = 8, pad_multipl
     return out
 
 
+def score_sequences_engine(engine, seqs: list, *, progress: bool = True) -> list:
+    """Same as `score_sequences` through the serving `Engine` (no server): every sequence is a
+    ``max_tokens=0`` request with ``prompt_logprobs=1``, batched by the scheduler into the jitted
+    all-logits prefill launches, exactly as ``/v1/completions`` with ``echo`` computes them."""
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=1, temperature=0)
+    for i, (ctx, cont) in enumerate(seqs):
+        engine.add_request(f"loglik-{i}", list(ctx) + list(cont), sp)
+    plp: dict = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(seqs), desc="loglik", unit="seq", file=sys.stderr)
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                plp[int(o.request_id.rsplit("-", 1)[1])] = o.prompt_logprobs
+            if o.finished and bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    out = []
+    for i, (ctx, cont) in enumerate(seqs):
+        full = list(ctx) + list(cont)
+        ent = plp[i][len(ctx):len(full)]
+        toks = [e[0] for e in ent]
+        greedy = all(e[1] and e[1][0][0] == full[len(ctx) + j] for j, e in enumerate(ent))
+        out.append((float(sum(toks)), greedy, toks))
+    return out
+
+
 def evaluate(items: list, tokenizer, params, cfg, *, batch_size: int = 8, pad_multiple: int = 32,
-             add_bos: bool = False, progress: bool = True) -> tuple:
-    """(metrics dict, per-item records) for multiple-choice ``items``."""
+             add_bos: bool = False, progress: bool = True, engine=None) -> tuple:
+    """(metrics dict, per-item records) for multiple-choice ``items``; ``engine``: score with the
+    serving engine (`score_sequences_engine`) instead of the full forward."""
     seqs, owner = [], []
     for i, it in enumerate(items):
         for j, ch in enumerate(it["choices"]):
@@ -148,8 +188,11 @@ def evaluate(items: list, tokenizer, params, cfg, *, batch_size: int = 8, pad_mu
     for (i, j), (_, cont) in zip(owner, seqs):
         if not cont:
             raise ValueError(f"item {i} choice {j}: the continuation has no tokens")
-    scores = score_sequences(params, cfg, seqs, batch_size=batch_size, pad_multiple=pad_multiple,
-                             progress=progress)
+    if engine is not None:
+        scores = score_sequences_engine(engine, seqs, progress=progress)
+    else:
+        scores = score_sequences(params, cfg, seqs, batch_size=batch_size, pad_multiple=pad_multiple,
+                                 progress=progress)
     recs = [{"index": i, "answer": it["answer"], "loglik": [], "is_greedy": [], "n_tokens": [],
              "context_ids": None, "continuation_ids": []} for i, it in enumerate(items)]
     for (i, j), (ctx, cont), (ll, greedy, _) in zip(owner, seqs, scores):
@@ -181,21 +224,23 @@ def evaluate(items: list, tokenizer, params, cfg, *, batch_size: int = 8, pad_mu
 
 
 def main(argv=None) -> dict:
+    from dsv41_jax.serving.engine_args import EngineArgs
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="'tiny' (random weights) or a model directory (default tiny)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer directory / tokenizer.json (default: the model's)")
     ap.add_argument("--data", required=True, help="JSONL file: one {context, choices, answer} item a line")
     ap.add_argument("--limit", type=int, default=None, help="score only the first N items")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward batch (default 8)")
+    ap.add_argument("--backend", default="forward", choices=("forward", "engine"),
+                    help="forward (default): the jitted full forward in padded batches; engine: the serving "
+                         "engine's prefill (the engine flags below apply), the server's exact numerics")
+    ap.add_argument("--batch-size", type=int, default=8, help="forward backend: sequences per batch (default 8)")
     ap.add_argument("--pad-multiple", type=int, default=32,
-                    help="pad each batch's length to a multiple of this (fewer compiled shapes; default 32)")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                    help="activation dtype (auto = the reference bf16 flow; float32 = the equivalence mode)")
+                    help="forward backend: pad each batch's length to a multiple of this (fewer compiled "
+                         "shapes; default 32)")
     ap.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every context")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights (default 0)")
     ap.add_argument("--out", default=None, help="write the metrics JSON here (default: print only)")
     ap.add_argument("--items-out", default=None, help="write one JSON line per item (logliks, is_greedy) here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(ap)  # --model, --tokenizer, --dtype, --seed and the engine flags
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -204,28 +249,36 @@ def main(argv=None) -> dict:
     from dsv41_jax.model import ModelConfig
     from dsv41_jax.serving.tokenizer import load_tokenizer
 
-    cfg = ModelConfig.from_pretrained(ns.model)
-    if ns.dtype != "auto":
-        cfg = cfg.replace(act_dtype=ns.dtype)
+    eargs = EngineArgs.from_cli_args(ns)
+    cfg = ModelConfig.from_pretrained(eargs.model)
+    if eargs.dtype != "auto":
+        cfg = cfg.replace(act_dtype=eargs.act_dtype)
     t0 = time.perf_counter()
-    if ns.model == "tiny" and not os.path.isdir(ns.model):
+    if eargs.model == "tiny" and not os.path.isdir(eargs.model):
         from dsv41_jax.model import init_params
 
-        params = init_params(cfg, jax.random.key(ns.seed))
+        params = init_params(cfg, jax.random.key(eargs.random_seed))
     else:
         from dsv41_jax.model.checkpoint import load_params
 
-        params = load_params(ns.model, cfg)
+        params = load_params(eargs.model, cfg)
+    tok = load_tokenizer(eargs.tokenizer or eargs.model)
+    engine = None
+    if ns.backend == "engine":
+        from dsv41_jax.serving.engine import Engine
+
+        engine = Engine(eargs.replace(skip_server_warmup=True), cfg=cfg, params=params, tokenizer=tok)
     load_s = time.perf_counter() - t0
-    tok = load_tokenizer(ns.tokenizer or ns.model)
     items = read_items(ns.data, ns.limit)
     if not items:
         raise SystemExit(f"{ns.data}: no items")
     t1 = time.perf_counter()
     metrics, recs = evaluate(items, tok, params, cfg, batch_size=ns.batch_size, pad_multiple=ns.pad_multiple,
-                             add_bos=ns.add_bos, progress=not ns.no_progress)
-    result = {"model": ns.model, "data": ns.data, "dtype": cfg.act_dtype, **metrics, "load_s": load_s,
-              "eval_s": time.perf_counter() - t1, "num_compilations": token_logprobs_step(cfg)._cache_size()}
+                             add_bos=ns.add_bos, progress=not ns.no_progress, engine=engine)
+    result = {"model": eargs.model, "data": ns.data, "backend": ns.backend, "dtype": cfg.act_dtype, **metrics,
+              "load_s": load_s, "eval_s": time.perf_counter() - t1,
+              "num_compilations": (engine.num_compilations() if engine is not None
+                                   else token_logprobs_step(cfg)._cache_size())}
     if ns.out:
         os.makedirs(os.path.dirname(os.path.abspath(ns.out)) or ".", exist_ok=True)
         with open(ns.out, "w") as f:

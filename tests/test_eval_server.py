@@ -6,8 +6,12 @@ One server per module (``python -m dsv41_jax.serve`` in a subprocess, tiny model
 size 32 so the 70-token prompt spans three prefill chunks); the all-logits variant compiles on the
 first echo request. The offline reference is `eval_loglik.score_sequences` (the jitted full forward,
 fp32, batches of 8 padded to 128 tokens: one compiled shape). Tolerances (fp32; the paged chunked
-decode step and the full forward differ in accumulation order only): 2e-4 per token logprob, 1e-3
-per summed item loglikelihood.
+decode step and the full forward differ in accumulation order only): 2e-4 per token logprob on random
+prompts. For the 20-item file (75 sequences): eval_loglik's engine backend (the server's engine flags,
+in-process) equals the server on every item (1e-5); its forward backend agrees within 1e-3 on most
+sequences (median, and at least 75%) but not all: the two executables' ~1e-7 accumulation differences
+can flip an fp8 activation-quant code (SPEC §6), which moved single random-weight 20-token sums by up
+to 0.3 in our runs (as much as the forward at batch 8 differs from itself at batch 1).
 
 ``DSV41_LM_EVAL_CMD`` runs another lm-eval launcher (default ``python -m lm_eval`` of this
 interpreter; ``pip install -e '.[test]'`` installs it).
@@ -38,7 +42,7 @@ CTX = 512
 SERVER_FLAGS = ["--model", "tiny", "--dtype", "float32", "--max-running-requests", "4", "--batch-buckets", "4",
                 "--chunked-prefill-size", "32", "--page-size", "32", "--context-length", str(CTX),
                 "--max-total-tokens", "8192"]
-TOK_TOL, ITEM_TOL = 2e-4, 1e-3
+TOK_TOL, ITEM_TOL, ENGINE_TOL = 2e-4, 1e-3, 1e-5
 START_TIMEOUT = 400
 
 
@@ -222,18 +226,28 @@ def test_bad_requests(http):
 
 @pytest.fixture(scope="module")
 def loglik_result(offline, tmp_path_factory):
+    """eval_loglik.py --backend engine with the server's engine flags (its exact numerics)."""
     mod = offline[0]
     out = tmp_path_factory.mktemp("loglik") / "r.json"
-    res = mod.main(["--model", "tiny", "--data", os.path.join(DATA, "mc_sample.jsonl"), "--dtype", "float32",
-                    "--batch-size", "8", "--pad-multiple", "128", "--out", str(out)])
+    res = mod.main(["--data", os.path.join(DATA, "mc_sample.jsonl"), "--backend", "engine", "--out", str(out),
+                    *SERVER_FLAGS])
     assert json.loads(out.read_text())["items"] == 20
     return res
 
 
-def test_eval_loglik_agrees_with_server(http, loglik_result):
-    assert loglik_result["items"] == 20 and loglik_result["sequences"] == 75
-    assert loglik_result["num_compilations"] == 1
-    correct = 0
+@pytest.fixture(scope="module")
+def loglik_forward(offline):
+    """eval_loglik.py --backend forward (the full forward, batches of 8 padded to 128: one shape)."""
+    return offline[0].main(["--data", os.path.join(DATA, "mc_sample.jsonl"), "--dtype", "float32",
+                            "--batch-size", "8", "--pad-multiple", "128"])
+
+
+def test_eval_loglik_agrees_with_server(http, loglik_result, loglik_forward):
+    assert loglik_result["items"] == loglik_forward["items"] == 20
+    assert loglik_result["sequences"] == loglik_forward["sequences"] == 75
+    assert loglik_forward["num_compilations"] == 1
+    fwd = loglik_forward["items_detail"]
+    correct, diffs = 0, []
     for rec in loglik_result["items_detail"]:
         ctx = rec["context_ids"]
         prompts = [ctx + cont for cont in rec["continuation_ids"]]
@@ -243,9 +257,15 @@ def test_eval_loglik_agrees_with_server(http, loglik_result):
         assert r.status_code == 200, r.text
         server_ll = [sum(c["logprobs"]["token_logprobs"][len(ctx):-1]) for c in
                      sorted(r.json()["choices"], key=lambda c: c["index"])]
-        np.testing.assert_allclose(server_ll, rec["loglik"], atol=ITEM_TOL, rtol=0)
+        np.testing.assert_allclose(server_ll, rec["loglik"], atol=ENGINE_TOL, rtol=0)
+        assert int(np.argmax(server_ll)) == rec["pred"]
+        assert fwd[rec["index"]]["continuation_ids"] == rec["continuation_ids"]
+        diffs += [abs(a - b) for a, b in zip(server_ll, fwd[rec["index"]]["loglik"])]
         correct += int(int(np.argmax(server_ll)) == rec["answer"])
     assert correct / 20 == loglik_result["acc"]
+    print("eval_loglik --backend forward vs server |diff| per sequence: max %.2e, median %.2e, share <= %.0e: %.2f"
+          % (max(diffs), float(np.median(diffs)), ITEM_TOL, np.mean(np.asarray(diffs) <= ITEM_TOL)))
+    assert float(np.median(diffs)) <= ITEM_TOL and np.mean(np.asarray(diffs) <= ITEM_TOL) >= 0.75
 
 
 # ------------------------------------------------------------------------------ lm-evaluation-harness
