@@ -1,8 +1,13 @@
 """``python -m dsv41_jax.serve``: the OpenAI-compatible server (FastAPI on uvicorn).
 
     python -m dsv41_jax.serve                      # the embedded tiny model (random weights), :30000
-    python -m dsv41_jax.serve --model /path/to/DeepSeek-V4.1-Flash --port 30000 \\
-        --reasoning-parser deepseek-v41 --tool-call-parser deepseekv41 --enable-metrics
+    python -m dsv41_jax.serve --model /path/to/DeepSeek-V4.1-Flash --port 30000
+
+The reasoning parser, the tool-call parser and ``/metrics`` are on by default for every model this
+server loads (V4.1-family checkpoints, tiny included: ``auto`` resolves a parser to the V4.1 one
+when the tokenizer has its marker tokens, ``</think>`` and ``｜DSML｜``); ``--reasoning-parser none``,
+``--tool-call-parser none`` and ``--disable-metrics`` turn them off. The JAX persistent compilation
+cache is on by default (``--compilation-cache-dir``), so a second start skips the XLA compilations.
 
 Every engine flag (SGLang spelling: ``--max-running-requests``, ``--chunked-prefill-size``,
 ``--page-size``, ``--context-length``, ``--kv-cache-dtype``, ``--mem-fraction-static``, ``--tp``,
@@ -31,6 +36,18 @@ log = logging.getLogger("dsv41_jax.serve")
 
 REASONING_PARSERS = ("deepseek-v41", "deepseek_v41", "auto", "none")
 TOOL_CALL_PARSERS = ("deepseekv41", "deepseek_v41", "auto", "none")
+# the marker token each V4.1 parser needs in the tokenizer ("auto" turns the parser on when it is there)
+_PARSER_MARKERS = {"reasoning": "</think>", "tool": "｜DSML｜"}
+
+
+def default_cache_dir() -> str:
+    """The persistent compilation cache's default: $JAX_COMPILATION_CACHE_DIR, else
+    $XDG_CACHE_HOME/dsv41_jax/jax, else ~/.cache/dsv41_jax/jax (the per-user cache directory)."""
+    env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.join(base, "dsv41_jax", "jax")
 
 
 def _size(text: str) -> int:
@@ -61,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Environment: DSV41_DEFAULT_THINKING (true/false, default false) turns thinking on for requests "
                "that do not decide it; DSV41_REASONING_EFFORT (a tier such as high/max, or 1..100) is the default "
                "effort. Both are validated at startup. Endpoints: POST /v1/chat/completions, POST /v1/completions, "
-               "GET /v1/models, GET /health, GET /metrics (with --enable-metrics).")
+               "GET /v1/models, GET /health, GET /metrics (unless --disable-metrics).")
     EngineArgs.add_cli_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
@@ -72,15 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="the model id reported by /v1/models and accepted in requests (default: 'tiny' or the "
                         "model directory's name); the model path is accepted too")
-    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="split thinking into reasoning_content (deepseek-v41; auto resolves to it). Without it "
-                        "reasoning and answer arrive together in content, as in SGLang")
-    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                   help="parse spaced-DSML tool calls into message.tool_calls (deepseekv41; auto resolves to it). "
-                        "Without it the raw markup stays in content and tool_choice required / named is refused")
-    g.add_argument("--enable-metrics", action="store_true",
-                   help="serve Prometheus metrics at GET /metrics (running / queued requests, token usage, "
-                        "throughput, TTFT / ITL histograms, cache hit rate)")
+    g.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="split thinking into reasoning_content: deepseek-v41; auto (the default) = deepseek-v41 "
+                        "when the tokenizer has </think> (every V4.1-family model, tiny included); none = "
+                        "reasoning and answer arrive together in content")
+    g.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="parse spaced-DSML tool calls into message.tool_calls: deepseekv41; auto (the default) = "
+                        "deepseekv41 when the tokenizer has the DSML token (every V4.1-family model); none = the "
+                        "markup is stripped from content and tool_choice required / named is refused (400)")
+    mg = g.add_mutually_exclusive_group()
+    mg.add_argument("--enable-metrics", dest="enable_metrics", action="store_true", default=True,
+                    help="serve Prometheus metrics at GET /metrics (running / queued requests, token usage, "
+                         "throughput, TTFT / ITL histograms, cache hit rate); on by default")
+    mg.add_argument("--disable-metrics", dest="enable_metrics", action="store_false", default=argparse.SUPPRESS,
+                    help="no /metrics endpoint (it answers 404 saying how to turn it on)")
     g.add_argument("--max-body-size", type=_size, default=16 << 20,
                    help="largest request body in bytes (K/M/G suffixes); larger bodies get HTTP 413")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
@@ -96,10 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "constraints (default: none; the checkpoint's ', ' and ': ' separators only)")
     g.add_argument("--max-n", type=int, default=16, help="largest n (choices per request) accepted")
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="HTTP keep-alive timeout in seconds")
-    g.add_argument("--compilation-cache-dir",
-                   default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join("~", ".cache", "dsv41_jax", "jax"),
-                   help="JAX persistent compilation cache (later starts skip most of the warm-up compile time); "
-                        "'none' disables it")
+    g.add_argument("--compilation-cache-dir", default=default_cache_dir(),
+                   help="JAX persistent compilation cache: every compiled step is stored there, so later starts "
+                        "skip the warm-up's XLA compilations (entries are keyed by the program, the flags and the "
+                        "jax / jaxlib versions, so a stale entry is never reused); 'none' disables it. Default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/dsv41_jax/jax, else "
+                        "~/.cache/dsv41_jax/jax")
     g.add_argument("--log-level", default=os.environ.get("DSV41_LOG_LEVEL", "info"),
                    choices=("debug", "info", "warning", "error"), help="log level of the server and the engine")
     g.add_argument("--log-level-http", default="warning", choices=("debug", "info", "warning", "error"),
@@ -107,8 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_parser(value, known: str):
-    if value in (None, "none"):
+def resolve_parser(value: str, kind: str, tokenizer) -> "str | None":
+    """The parser a ``--reasoning-parser`` / ``--tool-call-parser`` value selects: None for "none";
+    for "auto", the V4.1 parser when the tokenizer has its marker token (a model without it could
+    never produce the markup); the named parser otherwise."""
+    known = "deepseek-v41" if kind == "reasoning" else "deepseekv41"
+    if value == "none":
+        return None
+    if value == "auto" and tokenizer.token_to_id(_PARSER_MARKERS[kind]) is None:
+        log.info("%s parser: auto -> none (the tokenizer has no %s token)", kind, _PARSER_MARKERS[kind])
         return None
     return known
 
@@ -175,12 +206,9 @@ def main(argv=None) -> int:
         except re.error as e:
             print(f"error: --constrained-json-whitespace-pattern: {e}", file=sys.stderr)
             return 2
-    reasoning_parser = _resolve_parser(args.reasoning_parser, "deepseek-v41")
-    tool_parser = _resolve_parser(args.tool_call_parser, "deepseekv41")
     log.info("chat defaults: thinking %s by default, default effort %d, tiers %s; wording: %s",
              "on" if defaults.default_thinking else "off", defaults.default_effort, dict(defaults.tiers),
              wording.source or "ours")
-    log.info("parsers: reasoning=%s, tool calls=%s", reasoning_parser or "none", tool_parser or "none")
 
     # ---- the engine (loads and compiles the model)
     import jax
@@ -190,10 +218,17 @@ def main(argv=None) -> int:
         cache_dir = os.path.expanduser(cache_dir)
         try:
             os.makedirs(cache_dir, exist_ok=True)
-            jax.config.update("jax_compilation_cache_dir", cache_dir)
-            log.info("JAX compilation cache: %s", cache_dir)
         except OSError as e:
-            log.warning("JAX compilation cache %s not usable (%s); compiling without it", cache_dir, e)
+            print(f"error: --compilation-cache-dir {cache_dir!r}: {e} (pass 'none' to run without the cache)",
+                  file=sys.stderr)
+            return 2
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        # every executable, even the small helpers that compile in under a second: a warm start
+        # then compiles nothing at all
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        log.info("JAX compilation cache: %s", cache_dir)
+    else:
+        log.info("JAX compilation cache: off")
     devs = jax.devices()
     log.info("JAX %s, backend %s: %d device(s) (%s)", jax.__version__, jax.default_backend(), len(devs),
              devs[0].device_kind if devs else "?")
@@ -202,101 +237,48 @@ def main(argv=None) -> int:
              engine_args.act_dtype, engine_args.kv_cache_dtype, engine_args.page_size,
              engine_args.max_running_requests, engine_args.chunked_prefill_size, engine_args.max_queued_requests,
              engine_args.tp_size, engine_args.ep_size)
+    from dsv41_jax.serving.async_engine import AsyncEngine
+    from dsv41_jax.serving.engine import EngineError, QueueFullError
+
     t0 = time.perf_counter()
     try:
-        engine = make_engine(engine_args)
+        engine = AsyncEngine(engine_args)
     except Exception as e:  # noqa: BLE001 - report and exit non-zero
         log.exception("engine start failed")
         print(f"error: engine start failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("engine ready in %.1fs", time.perf_counter() - t0)
 
+    import llguidance
+
     from dsv41_jax.serving.constrained import GrammarCompiler
     from dsv41_jax.serving.server import ServerConfig, build_app
 
-    tokenizer = engine_tokenizer(engine)
-    vocab = engine_vocab(engine, tokenizer)
+    inner = engine.engine
+    tokenizer = inner.tokenizer
+    vocab = inner.vocab_size
+    reasoning_parser = resolve_parser(args.reasoning_parser, "reasoning", tokenizer)
+    tool_parser = resolve_parser(args.tool_call_parser, "tool", tokenizer)
+    log.info("parsers: reasoning=%s, tool calls=%s", reasoning_parser or "none", tool_parser or "none")
     grammar = GrammarCompiler(tokenizer, vocab, whitespace_pattern=args.constrained_json_whitespace_pattern)
-    try:
-        import llguidance
-        log.info("constrained decoding: llguidance %s (response_format json_object / json_schema, regex, "
-                 "tool_choice required / named)", getattr(llguidance, "__version__", "?"))
-    except ImportError:  # pragma: no cover
-        pass
+    log.info("constrained decoding: llguidance %s (response_format json_object / json_schema, regex, "
+             "tool_choice required / named)", getattr(llguidance, "__version__", "?"))
     name = _served_name(args)
     aliases = [a for a in model_aliases(args.model) if a != name]
     cfg = ServerConfig(
         model_name=name, model_aliases=aliases, api_key=args.api_key or None,
-        context_length=engine_context_length(engine, engine_args), vocab_size=vocab,
+        context_length=inner.context_length, vocab_size=vocab,
         max_body_bytes=args.max_body_size, max_queued_requests=engine_args.max_queued_requests,
         max_running_requests=engine_args.max_running_requests, reasoning_parser=reasoning_parser,
         tool_call_parser=tool_parser, server_defaults=defaults, wording=wording, enable_metrics=args.enable_metrics,
         render_response_format=args.render_response_format, max_n=args.max_n)
-    app = build_app(engine, tokenizer, cfg, grammar=grammar, on_shutdown=lambda: stop_engine(engine),
-                    queue_full_errors=engine_errors("QueueFullError"),
-                    bad_request_errors=engine_errors("EngineError"))
+    app = build_app(engine, tokenizer, cfg, grammar=grammar, on_shutdown=engine.shutdown,
+                    queue_full_errors=(QueueFullError,), bad_request_errors=(EngineError,))
     log.info("serving %r (aliases %s) on http://%s:%d/v1, context_length=%d, API key %s, metrics %s, body limit "
              "%d bytes", name, aliases, args.host, args.port, cfg.context_length,
              "required" if cfg.api_key else "off", "on /metrics" if cfg.enable_metrics else "off",
              cfg.max_body_bytes)
     return run_uvicorn(app, args)
-
-
-# ------------------------------------------------------------------------------------------ engine glue
-
-
-def make_engine(engine_args):
-    """The async engine for ``engine_args`` (background engine thread)."""
-    from dsv41_jax.serving.async_engine import AsyncEngine
-
-    if hasattr(AsyncEngine, "from_engine_args"):
-        return AsyncEngine.from_engine_args(engine_args)
-    return AsyncEngine(engine_args)
-
-
-def _inner(engine):
-    return getattr(engine, "engine", engine)
-
-
-def engine_tokenizer(engine):
-    tok = getattr(engine, "tokenizer", None) or getattr(_inner(engine), "tokenizer", None)
-    if tok is None:
-        from dsv41_jax.serving.tokenizer import load_tokenizer
-        tok = load_tokenizer("tiny")
-    return tok
-
-
-def engine_vocab(engine, tokenizer) -> int:
-    v = getattr(engine, "vocab_size", None) or getattr(_inner(engine), "vocab_size", None)
-    return int(v) if v else int(tokenizer.vocab_size)
-
-
-def engine_context_length(engine, engine_args) -> int:
-    v = getattr(engine, "context_length", None) or getattr(_inner(engine), "context_length", None)
-    return int(v or engine_args.context_length or 4096)
-
-
-def engine_errors(name: str) -> tuple:
-    """The engine modules' exception classes called ``name`` (QueueFullError -> 503, EngineError -> 400)."""
-    out = []
-    for mod in ("dsv41_jax.serving.engine", "dsv41_jax.serving.async_engine"):
-        try:
-            m = __import__(mod, fromlist=[name])
-            e = getattr(m, name, None)
-            if isinstance(e, type) and e not in out:
-                out.append(e)
-        except ImportError:
-            pass
-    return tuple(out)
-
-
-def stop_engine(engine):
-    for name in ("shutdown", "stop", "close"):
-        fn = getattr(engine, name, None)
-        if callable(fn):
-            log.info("stopping the engine")
-            return fn()
-    return None
 
 
 def run_uvicorn(app, args) -> int:

@@ -34,6 +34,9 @@ def main(argv=None) -> int:
                     help="Markov head tensor names: markov_head.embed/head (default) or markov_w1/w2")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="directory with tokenizer.json etc. to copy (default: the tiny tokenizer)")
+    ap.add_argument("--text-only", action="store_true",
+                    help="leave out the vision-only tensors (ffn.gate.bias_vl), as a release without the vision "
+                         "tower may ship; the loader puts zeros in their place")
     args = ap.parse_args(argv)
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,7 +66,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     params = init_params(cfg, jax.random.key(args.seed), tokenizer=os.path.join(tdir, "tokenizer.json"))
     index = save_hf_checkpoint(params, cfg, args.out, shards=args.shards, tokenizer_dir=tdir,
-                               scale_format=args.scale_format, markov_names=args.markov_names)
+                               scale_format=args.scale_format, markov_names=args.markov_names,
+                               vision_tensors=not args.text_only)
     n_files = len(set(index["weight_map"].values()))
     print(f"wrote {args.out}: {len(index['weight_map'])} tensors, {index['metadata']['total_size']:,} bytes in "
           f"{n_files} shard(s) ({time.time() - t0:.1f} s)")

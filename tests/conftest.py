@@ -1,13 +1,39 @@
-"""Shared fixtures: the tiny config and its random parameters (built once per session)."""
+"""Shared fixtures: the tiny config and its random parameters (built once per session), and the 8
+host CPU devices the mesh tests use.
+
+The device count is forced here, before JAX initializes its backends, whatever ``XLA_FLAGS`` the
+shell had: the other flags are kept and only ``--xla_force_host_platform_device_count`` is set to 8.
+A test that needs the devices takes the ``cpu8`` fixture, which fails (never skips) without them.
+"""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+N_HOST_DEVICES = 8
+_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _with_host_devices(flags: str, n: int) -> str:
+    kept = [f for f in flags.split() if not f.startswith(_FLAG + "=") and f != _FLAG]
+    return " ".join(kept + [f"{_FLAG}={n}"])
+
+
+os.environ["XLA_FLAGS"] = _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_HOST_DEVICES)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from dsv41_jax.model import ModelConfig, init_params  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cpu8():
+    """The 8 host CPU devices (conftest forces them); fails if JAX came up with fewer (e.g. its
+    backends were initialized before this conftest ran)."""
+    devs = jax.devices("cpu")
+    assert len(devs) >= N_HOST_DEVICES, (
+        f"expected {N_HOST_DEVICES} host CPU devices, JAX has {len(devs)} (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r});"
+        " was JAX initialized before tests/conftest.py set the flag?")
+    return devs[:N_HOST_DEVICES]
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("httpx")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_serving.py"
 
@@ -149,7 +148,6 @@ def test_unreachable_endpoint_reports_failures(tmp_path):
 @pytest.mark.slow
 def test_against_our_server(tmp_path):
     """The benchmark against `python -m dsv41_jax.serve` on the tiny model (slow: compiles the model)."""
-    pytest.importorskip("dsv41_jax.serving.async_engine")
     sys.path.insert(0, str(Path(__file__).parent))
     from test_server import ENGINE_FLAGS, start_server, stop_server
 

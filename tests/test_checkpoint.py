@@ -339,10 +339,8 @@ def test_orbax_dir_is_a_standard_orbax_checkpoint(hf_dir, orbax_dir, cfg):
 
 
 @pytest.mark.parametrize("kind", ["hf", "orbax"])
-def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg):
-    devs = np.array(jax.devices()[:8])
-    if devs.size < 8:
-        pytest.skip("needs 8 host devices (conftest sets XLA_FLAGS)")
+def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8):
+    devs = np.array(cpu8)
     mesh = jax.sharding.Mesh(devs.reshape(2, 4), ("tp", "ep"))
     p = ck.load_params(hf_dir if kind == "hf" else orbax_dir, cfg, mesh)
     want = flatten_names(mesh_shardings(cfg, mesh))
@@ -480,3 +478,36 @@ def test_generate_accepts_either_directory(hf_dir, orbax_dir):
     a = generate(str(hf_dir), None, [[5, 6, 7]], 3)
     b = generate(str(orbax_dir), None, [[5, 6, 7]], 3)
     assert a == b and len(a[0]) == 3
+
+
+def test_text_only_release_checkpoint_loads_and_runs(hf_dir, cfg, fwd, tmp_path, caplog):
+    """Issue 9 item 5: a release without vision tensors (no ``ffn.gate.bias_vl`` in any layer or DSpark
+    stage: SPEC §8 says it is read for image tokens only) loads from HF and from Orbax, with zeros in
+    its place, and gives the same logits and tokens as the full checkpoint."""
+    from dsv41_jax import convert
+
+    full = ck.load_params(hf_dir, cfg)
+    d = str(tmp_path / "text_only")
+    assert _run_writer_inprocess("--preset", "tiny", "--out", d, "--seed", "0", "--shards", "2", "--text-only") == 0
+    names = set(raw_headers(d))
+    assert not any(n.endswith("bias_vl") for n in names)
+    assert any(n.endswith("ffn.gate.bias") for n in names) and any(n.startswith("mtp.") for n in names)
+    with caplog.at_level(logging.INFO, logger="dsv41_jax.model.checkpoint"):
+        p = ck.load_params(d, cfg)
+    assert any("vision-only tensors absent" in r.getMessage() for r in caplog.records)
+    vl = [v for k, v in flatten_names(p).items() if k.endswith("bias_vl")]
+    assert len(vl) == cfg.num_hidden_layers + len(p["mtp"])  # every layer and DSpark stage
+    assert all(np.asarray(v).dtype == np.float32 and not np.asarray(v).any() for v in vl)
+    # the roundtrip test's shape: the module's jitted forward is compiled once for both
+    tokens = (jnp.arange(2 * 24, dtype=jnp.int32).reshape(2, 24) * 37 + 5) % cfg.vocab_size
+    la, lb = np.asarray(fwd(full, tokens, cfg)), np.asarray(fwd(p, tokens, cfg))
+    assert np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+    ob = str(tmp_path / "text_only_orbax")
+    assert convert.main(["--hf-dir", d, "--out", ob, "--quiet"]) == 0
+    assert_trees_identical(ck.load_params(ob, cfg), p)
+    # a present bias_vl is still read (not dropped)
+    marked = jax.tree_util.tree_map(lambda x: x, full)
+    marked["layers"][0]["ffn"]["gate"]["bias_vl"] = jnp.full_like(full["layers"][0]["ffn"]["gate"]["bias_vl"], 0.5)
+    d2 = str(tmp_path / "with_vl")
+    ck.save_hf_checkpoint(marked, cfg, d2, shards=1)
+    assert float(ck.load_params(d2, cfg)["layers"][0]["ffn"]["gate"]["bias_vl"][0]) == 0.5

@@ -88,9 +88,21 @@ class AllowSet:
 def test_args_buckets_and_cli():
     import argparse
 
-    a = EngineArgs(max_running_requests=12)
+    a = EngineArgs(max_running_requests=12, chunked_prefill_size=512, shape_buckets="full")
     assert a.resolved_batch_buckets() == [1, 2, 4, 8, 12]
     assert a.resolved_token_buckets() == [1, 64, 512]
+    # the tiny model is small: smaller defaults and compact buckets (2 compiled shapes)
+    a = EngineArgs()
+    assert (a.max_running_requests, a.chunked_prefill_size) == (4, 64) and a.compact_buckets
+    assert a.resolved_batch_buckets() == [4] and a.resolved_token_buckets() == [1, 64]
+    assert EngineArgs(shape_buckets="full").resolved_batch_buckets() == [1, 2, 4]
+    big = EngineArgs(model="flash")  # judged from the config alone: 509 GB of weights
+    assert (big.max_running_requests, big.chunked_prefill_size, big.compact_buckets) == (32, 512, False)
+    assert big.resolved_batch_buckets() == [1, 2, 4, 8, 16, 32] and big.resolved_token_buckets() == [1, 64, 512]
+    with pytest.raises(ValueError, match="shape_buckets"):
+        EngineArgs(shape_buckets="some")
+    with pytest.raises(ValueError, match="no effect"):  # honoured or refused, never ignored
+        EngineArgs(shape_buckets="full", batch_buckets=[4], token_buckets=[16])
     assert [_bucket(n, [2, 8]) for n in (1, 2, 3, 8)] == [2, 2, 8, 8]
     ap = EngineArgs.add_cli_args(argparse.ArgumentParser())
     ns = ap.parse_args(["--max-running-requests", "4", "--chunked-prefill-size", "32", "--mem-fraction-static",

@@ -6,7 +6,6 @@ params.py's declarations.
 """
 
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -282,14 +281,11 @@ def test_init_is_deterministic_and_key_dependent(tiny, params0):
 
 
 def test_flash_param_shapes_abstract_and_spec_shapes(flash):
-    live_before = len(jax.live_arrays())
-    t0 = time.perf_counter()
+    # abstract: 509 GB of declarations, every leaf a ShapeDtypeStruct (a real array here would be
+    # an allocation); no count of live arrays, which other tests' garbage makes vary
     shapes = param_shapes(flash)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0, elapsed
     leaves = jax.tree_util.tree_leaves(shapes)
-    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    assert len(jax.live_arrays()) == live_before  # nothing allocated
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) and not isinstance(x, jax.Array) for x in leaves)
     n = flatten_names(shapes)
 
     def chk(name, shape, dtype):

@@ -7,7 +7,6 @@ import json
 import math
 import os
 
-import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +33,7 @@ def test_bench_offline(tmp_path):
     for r in data["results"]:
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["mean_decode_step_ms"] > 0
     assert data["compilations_during_runs"] == 0 and data["num_compilations"] > 0
-    assert data["compile_time_s"] >= 0
+    assert data["compile_time_s"] > 0  # the batch sizes were compiled before the timed runs
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
@@ -61,9 +60,7 @@ def test_eval_ppl_text_deterministic(tmp_path, ppl_mod):
     assert n_tokens - a["windows"] - len(docs) <= a["tokens"] <= n_tokens - a["windows"]
 
 
-def test_eval_ppl_jsonl_on_a_mesh(ppl_mod):
-    if len(jax.devices()) < 2:
-        pytest.skip("needs 2 devices")
+def test_eval_ppl_jsonl_on_a_mesh(ppl_mod, cpu8):
     argv = ["--data", os.path.join(DATA, "ppl_sample.jsonl"), "--seq-len", "32", "--batch-size", "4", "--dtype",
             "float32", "--no-progress"]
     a = ppl_mod.main(argv)
@@ -77,7 +74,7 @@ def test_eval_chat(tmp_path):
                                      "--max-tokens", "8", "--details", "--out", str(out)] + ENGINE_FLAGS)
     assert set(res["modes"]) == {"chat", "thinking"}
     for mode in res["modes"].values():
-        assert mode["n"] == 8 and 0.0 <= mode["accuracy"] <= 1.0
+        assert mode["n"] == 8 and mode["accuracy"] == sum(r["correct"] for r in mode["records"]) / 8
         assert 0 < mode["mean_completion_tokens"] <= 8 and mode["mean_prompt_tokens"] > 10
         assert len(mode["records"]) == 8
     assert res["modes"]["thinking"]["mean_prompt_tokens"] > res["modes"]["chat"]["mean_prompt_tokens"]

@@ -22,15 +22,10 @@ import httpx
 import jsonschema
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("llguidance")
-if not os.environ.get("DSV41_TEST_SERVE_CMD"):
-    pytest.importorskip("dsv41_jax.serving.async_engine")  # the engine the CLI serves with
+import openai
 
-from dsv41_jax.serving.chat import encode_chat_request  # noqa: E402
-from dsv41_jax.serving.tokenizer import load_tokenizer  # noqa: E402
+from dsv41_jax.serving.chat import encode_chat_request
+from dsv41_jax.serving.tokenizer import load_tokenizer
 
 KEY = "test-key-123"
 ENGINE_FLAGS = ["--model", "tiny", "--dtype", "float32", "--max-running-requests", "4", "--batch-buckets", "4",

@@ -6,6 +6,11 @@ piece of arithmetic:
 * `project_q_kv` — q latent, RoPE'd queries and this layer's window K=V (RoPE + fp8 fake-quant);
 * `attend` — one softmax over [window keys ∪ selected compressed slots] with the per-head sink;
 * `output_proj` — inverse RoPE, grouped wo_a (bf16), wo_b (fp8).
+
+`sparse_attention` is the seam (op "attention" of `dispatch`) of the cached path: queries, the window
+ring's and the compressed pool's *stored codes*, the page table, positions and the selection in; the
+attention output out. Implementations: "reference" (decode, gather, `attend`: the reference math),
+"xla" (`attend` with storage-dtype matmuls) and the Pallas kernels.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import quant
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import dispatch, quant
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import HIGHEST
 from dsv41_jax.model.rope import apply_rope, rope_freqs
@@ -54,7 +60,7 @@ def window_kv(kv_rot, dt):
     return quant.fake_quant_fp8(kv_rot, block=32, out_dtype=dt)
 
 
-def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
+def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False):
     """Joint softmax over window keys and selected compressed slots, with the attention sink.
 
     q [B, T, H, hd]; win_kv [B, Nw, hd] with win_mask bool [B, T, Nw] (keys shared by the T queries of a
@@ -64,13 +70,24 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
     Logits are fp32 (q·k)·hd^−0.5. The sink is unscaled, excluded from the max, and adds
     exp(sink − max) to the denominator only. As the reference kernel, the numerator uses probabilities
     rounded to bf16 (in the bf16 flow) and the denominator stays fp32. A row with no valid key gives 0.
+
+    `fast` (the "xla" implementation): in the bf16 flow the two matmuls take their bf16 operands as
+    they are with fp32 accumulation (`preferred_element_type`) instead of widening them to fp32 at
+    HIGHEST precision — every product of two bf16 values is exact in fp32, so only the summation order
+    may differ; in the fp32 mode (q not bf16) it is the reference math.
     """
     hd = q.shape[-1]
     scale = hd ** -0.5
-    qf = q.astype(jnp.float32)
-    lw = jnp.einsum("bthd,bsd->bths", qf, win_kv.astype(jnp.float32), precision=HIGHEST) * scale
+    low = fast and q.dtype == jnp.bfloat16 and win_kv.dtype == jnp.bfloat16 and comp_kv.dtype == jnp.bfloat16
+
+    def mm(eq, a, b):
+        if low:
+            return jnp.einsum(eq, a.astype(jnp.bfloat16), b, preferred_element_type=jnp.float32)
+        return jnp.einsum(eq, a.astype(jnp.float32), b.astype(jnp.float32), precision=HIGHEST)
+
+    lw = mm("bthd,bsd->bths", q, win_kv) * scale
     lw = jnp.where(win_mask[:, :, None, :], lw, -jnp.inf)
-    lc = jnp.einsum("bthd,btkd->bthk", qf, comp_kv.astype(jnp.float32), precision=HIGHEST) * scale
+    lc = mm("bthd,btkd->bthk", q, comp_kv) * scale
     lc = jnp.where(comp_mask[:, :, None, :], lc, -jnp.inf)
     m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
@@ -78,11 +95,81 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
     pc = jnp.exp(lc - m)
     denom = jnp.sum(pw, axis=-1) + jnp.sum(pc, axis=-1) + jnp.exp(sink[None, None, :] - m[..., 0])
     num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
-    pw = pw.astype(num_dt).astype(jnp.float32)
-    pc = pc.astype(num_dt).astype(jnp.float32)
-    num = jnp.einsum("bths,bsd->bthd", pw, win_kv.astype(jnp.float32), precision=HIGHEST)
-    num = num + jnp.einsum("bthk,btkd->bthd", pc, comp_kv.astype(jnp.float32), precision=HIGHEST)
+    pw = pw.astype(num_dt)
+    pc = pc.astype(num_dt)
+    num = mm("bths,bsd->bthd", pw, win_kv)
+    num = num + mm("bthk,btkd->bthd", pc, comp_kv)
     return (num / denom[..., None]).astype(dt)
+
+
+def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode: str, dt):
+    """Window keys and mask of a chunk: the ring (positions before `start`) + the chunk's own keys.
+
+    ring: the layer's ring codes (first axes [R, W]) or None (no earlier positions: the full forward);
+    ring_rows int32 [B]; new: codes of the chunk's keys (first axes [B, T]); start int32 [B];
+    positions int32 [B, T]; valid bool [B, T]. Returns (keys [B, W+T, hd] or [B, T, hd] in `dt`,
+    mask bool [B, T, W+T] or [B, T, T]): key p is visible from query t iff p ≤ t and p > t − W.
+    """
+    new_kv = kvc.decode("win", mode, new, dt)
+    if ring is None:
+        keys, key_pos, key_ok = new_kv, positions, valid
+    else:
+        W = window
+        ring_kv = kvc.decode("win", mode, kvc.store_get(ring, ring_rows), dt)  # [B, W, hd]
+        s = jnp.arange(W, dtype=jnp.int32)[None, :]
+        ring_pos = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - s, W)  # latest position ≡ s (mod W) before start
+        keys = jnp.concatenate([ring_kv, new_kv], axis=1)
+        key_pos = jnp.concatenate([ring_pos, positions], axis=1)
+        key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
+    q = positions[:, :, None]
+    mask = key_ok[:, None, :] & (key_pos[:, None, :] <= q) & (key_pos[:, None, :] > q - window)
+    return keys, mask
+
+
+def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
+                     ratio: int, page_size: int, window: int, mode: str, impl: str = "reference"):
+    """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
+
+    Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
+      q           [B, T, H, hd] `dt` (bf16 or fp32)   RoPE'd queries, not quantized
+      sink        fp32 [H]                            attn_sink
+      ring        this layer's window ring codes, first axes [R, W] (`cache.empty_store("win", mode,
+                  (R, W), hd)`: {"q": fp8 e4m3 [R, W, hd], "s": e8m0 [R, W, hd/32]} in the default
+                  mode), entry s of a row holding the latest position ≡ s (mod W) before `start`;
+                  None when the chunk starts at 0 with no ring (the full forward)
+      ring_rows   int32 [B]      ring row of each batch row (batch["slot"])
+      new         the chunk's own window codes, first axes [B, T] (`cache.encode("win", mode, kv_rot)`)
+      start       int32 [B]      position of the chunk's first token
+      positions   int32 [B, T]   query positions (= start + t); valid bool [B, T] real tokens
+      comp        the KV source's compressed pool codes, first axis N (`cache.empty_store("comp", mode,
+                  (N,), hd)`: {"q": uint8 [N, hd/2] packed e2m1, "s": fp8 e4m3 [N, hd/16]}), or None
+                  for a window-only layer
+      page_table  int32 [B, P]; slot j of row b is pool row `indexer.pool_index(page_table, j, ratio,
+                  page_size)`
+      sel         int32 [B, T, K] selected compressed slots (−1 = none), from `indexer.topk`
+    Static: ratio, page_size, window, mode (kv_cache_dtype), impl.
+    Returns [B, T, H, hd] in q.dtype (SPEC §3: fp32 logits, sink in the denominator only, bf16-rounded
+    numerator probabilities in the bf16 flow; a query with no valid key gives 0).
+    A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
+    `interpret`.
+    """
+    if impl in ("pallas", "pallas_interpret"):
+        return dispatch.kernel("attention", impl)(
+            q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
+            page_size=page_size, window=window, mode=mode, interpret=impl == "pallas_interpret")
+    if impl not in ("reference", "xla"):
+        raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
+    dt = q.dtype
+    B, T = positions.shape
+    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid, window, mode, dt)
+    if comp is None or sel.shape[-1] == 0:
+        comp_kv = jnp.zeros((B, T, 0, q.shape[-1]), dt)
+        comp_mask = jnp.zeros((B, T, 0), bool)
+    else:
+        rows = kvc.token_locs(page_table, jnp.maximum(sel, 0) * ratio, page_size) // ratio
+        comp_kv = kvc.decode("comp", mode, kvc.store_get(comp, rows), dt)
+        comp_mask = sel >= 0
+    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla")
 
 
 def output_proj(p, o, positions, freqs, cfg, dt):

@@ -56,6 +56,9 @@ class CacheConfig:
     max_slots: requests that can hold per-request state (window rings, partial groups) at once.
     max_pages_per_seq: page-table width (max context = max_pages_per_seq · page_size).
     kv_cache_dtype: one of KV_CACHE_DTYPES.
+    retrieval_block: compressed slots scored per step of the bounded retrieval loop (the "xla" indexer,
+        `indexer.topk`); rounded up to a multiple of candidate_block_size. Small values exercise the
+        multi-step merge in tests; it changes speed only, never a selection.
     """
 
     page_size: int = 256
@@ -63,11 +66,12 @@ class CacheConfig:
     max_slots: int = 8
     max_pages_per_seq: int = 16
     kv_cache_dtype: str = "auto"
+    retrieval_block: int = 512
 
     def validate(self, cfg: ModelConfig) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-        for f in ("page_size", "num_pages", "max_slots", "max_pages_per_seq"):
+        for f in ("page_size", "num_pages", "max_slots", "max_pages_per_seq", "retrieval_block"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f}: must be >= 1, got {getattr(self, f)}")
         for r in set(cfg.compress_ratios):

@@ -200,7 +200,8 @@ class TensorSpec:
     """One tensor of the HF checkpoint, derived from the parameter declarations.
 
     name: the file's name; param: the dotted parameter name (experts stacked); expert: index into the
-    stacked leading axis or None; aliases: other names the release may use for it.
+    stacked leading axis or None; aliases: other names the release may use for it; optional: a
+    vision-only tensor (``P.vision_only``), loaded when present and zeros when absent.
     """
 
     name: str
@@ -209,6 +210,7 @@ class TensorSpec:
     param: str
     expert: Optional[int] = None
     aliases: tuple = ()
+    optional: bool = False
 
     def accepts_dtype(self, st_dtype: str) -> bool:
         if ST_DTYPES.get(st_dtype) == self.dtype:
@@ -284,7 +286,8 @@ def expected_tensors(cfg: ModelConfig) -> dict:
                 n = _expert_name(leaf, e)
                 out[n] = TensorSpec(n, leaf.shape[1:], leaf.dtype, leaf.name, e)
         else:
-            out[leaf.name] = TensorSpec(leaf.name, leaf.shape, leaf.dtype, leaf.name, None, _aliases(leaf.name))
+            out[leaf.name] = TensorSpec(leaf.name, leaf.shape, leaf.dtype, leaf.name, None, _aliases(leaf.name),
+                                        optional=bool(leaf.decl.vision_only))
     return out
 
 
@@ -320,6 +323,7 @@ class HFPlan:
     unknown: list  # STEntry not in the layout (not vision)
     vision: list  # STEntry skipped as vision
     total_bytes: int  # bytes of the expected tensors
+    absent: list = dataclasses.field(default_factory=list)  # optional (vision-only) tensors not in the files
 
     def entry_for_param(self, spec: TensorSpec) -> STEntry:
         return self.found[spec.name]
@@ -389,6 +393,7 @@ def scan_hf(path: str, cfg: ModelConfig) -> HFPlan:
             problems.append(f"{n}: {INDEX_FILE} says {fn} but it is in {os.path.basename(ent.file)}")
     expected = expected_tensors(cfg)
     found = {}
+    absent = []
     claimed = set()
     n_shape = 0
     for name, spec in expected.items():
@@ -400,6 +405,9 @@ def scan_hf(path: str, cfg: ModelConfig) -> HFPlan:
                     break
         want = f"expected shape {list(spec.shape)} dtype {ST_NAME.get(spec.dtype, spec.dtype.name)}" + (
             " (or U8)" if spec.dtype == E8M0 else "")
+        if ent is None and spec.optional:
+            absent.append(name)  # vision-only: the text model runs without it
+            continue
         if ent is None:
             alias = f" (or {', '.join(spec.aliases)})" if spec.aliases else ""
             if name in wm:
@@ -434,7 +442,7 @@ def scan_hf(path: str, cfg: ModelConfig) -> HFPlan:
             hint = f"{n_shape} tensors have other shapes than config.json implies: is config.json this model's?"
         raise CheckpointError(_fmt_problems(problems, path, hint))
     total = sum(e.nbytes for e in found.values())
-    return HFPlan(path, cfg, files, found, unknown, vision, total)
+    return HFPlan(path, cfg, files, found, unknown, vision, total, absent)
 
 
 def report_extras(plan: HFPlan) -> None:
@@ -442,6 +450,9 @@ def report_extras(plan: HFPlan) -> None:
     if plan.vision:
         log.info("%s: skipping %d vision tensors (%s...): text-only model", plan.path, len(plan.vision),
                  ", ".join(e.name for e in plan.vision[:3]))
+    if plan.absent:
+        log.info("%s: %d vision-only tensors absent (%s...), zeros in their place: the text model does not "
+                 "read them", plan.path, len(plan.absent), ", ".join(plan.absent[:2]))
     if plan.unknown:
         names = [f"{e.name} ({os.path.basename(e.file)})" for e in plan.unknown]
         log.warning("%s: %d tensors this config does not use were ignored: %s%s", plan.path, len(names),
@@ -453,12 +464,14 @@ def report_extras(plan: HFPlan) -> None:
 
 def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: int = 1,
                        tokenizer_dir: Optional[str] = None, scale_format: str = "e8m0",
-                       markov_names: str = "embed_head") -> dict:
+                       markov_names: str = "embed_head", vision_tensors: bool = True) -> dict:
     """Write `params` in the release layout (SPEC §8): config.json, index, shards, tokenizer files.
 
     shards: number of `model-0000i-of-0000K.safetensors` files (tensors split contiguously by bytes).
     scale_format: "e8m0" (F8_E8M0, as the release) or "u8" (same bits as U8).
     markov_names: "embed_head" (markov_head.embed/head) or "w1_w2" (markov_head.markov_w1/w2).
+    vision_tensors: False writes a text-only checkpoint, without the vision-only tensors
+    (``ffn.gate.bias_vl``), as a release without the vision tower may be shipped.
     Returns the index dict.
     """
     from safetensors.numpy import save_file
@@ -467,7 +480,7 @@ def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: 
         raise ValueError(f"scale_format must be 'e8m0' or 'u8', got {scale_format!r}")
     if markov_names not in ("embed_head", "w1_w2"):
         raise ValueError(f"markov_names must be 'embed_head' or 'w1_w2', got {markov_names!r}")
-    specs = list(expected_tensors(cfg).values())
+    specs = [s for s in expected_tensors(cfg).values() if vision_tensors or not s.optional]
     shards = max(1, min(int(shards), len(specs)))
     flat = {lf.name: lf for lf in param_leaves(cfg)}
 
@@ -676,6 +689,8 @@ def _skeleton(cfg: ModelConfig) -> dict:
 def _read_hf_leaf(plan: HFPlan, leaf: ParamLeaf, specs_by_param: dict) -> np.ndarray:
     """One param leaf from an HF dir (stacked experts read expert by expert into one buffer)."""
     specs = specs_by_param[leaf.name]
+    if all(spec.name in plan.absent for spec in specs):  # an absent vision-only tensor
+        return np.zeros(leaf.shape, leaf.dtype)
     out = np.empty(leaf.shape, leaf.dtype)
     for spec in specs:
         ent = plan.found[spec.name]
@@ -746,10 +761,13 @@ def _load_orbax(path: str, cfg: ModelConfig, params: dict, place) -> None:
     recorded = meta.get("arrays", {})
     leaves = {lf.name: lf for lf in param_leaves(cfg)}
     problems = []
-    for name, (shape, dt, _) in arrays.items():
+    absent = set()
+    for name, (shape, dt, lf) in arrays.items():
         want = f"expected shape {list(shape)} dtype {dt.name}"
         rec = recorded.get(name)
-        if not os.path.isdir(os.path.join(pdir, name)) or rec is None:
+        if rec is None and not os.path.isdir(os.path.join(pdir, name)) and lf.decl.vision_only:
+            absent.add(name)  # converted from a text-only release: zeros, as from an HF directory
+        elif not os.path.isdir(os.path.join(pdir, name)) or rec is None:
             problems.append(f"{name}: missing from {pdir}; {want}")
         elif tuple(rec["shape"]) != tuple(shape) or rec["dtype"] != dt.name:
             problems.append(f"{name} in {pdir}: found shape {rec['shape']} dtype {rec['dtype']}; {want}")
@@ -759,8 +777,13 @@ def _load_orbax(path: str, cfg: ModelConfig, params: dict, place) -> None:
                                             else ""))
     if extra:
         log.warning("%s: %d arrays this config does not use were ignored: %s", path, len(extra), ", ".join(extra[:20]))
+    if absent:
+        log.info("%s: %d vision-only arrays absent (%s...), zeros in their place: the text model does not read "
+                 "them", path, len(absent), ", ".join(sorted(absent)[:2]))
     for lf in leaves.values():
-        if lf.name in arrays:
+        if lf.name in absent:
+            _set(params, lf.path, place(lf.name, np.zeros(lf.shape, lf.dtype)))
+        elif lf.name in arrays:
             shape, dt, _ = arrays[lf.name]
             arr = _ts_open(os.path.join(pdir, lf.name))
             if tuple(arr.shape) != tuple(shape) or np.dtype(arr.dtype.numpy_dtype) != dt:

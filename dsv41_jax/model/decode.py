@@ -29,7 +29,7 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, indexer
+from dsv41_jax.model import compressor, dispatch, indexer
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype
 from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux
@@ -40,29 +40,14 @@ def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
     return {k: store[k].at[rows[:, None], cols].set(val[k], mode="drop") for k in store}
 
 
-def _window_attention_inputs(st_win, batch, positions, valid, kv_rot, cfg, ccfg, dt):
-    """Window keys for the chunk: the ring (positions before `start`) + the chunk's own keys.
-
-    Returns (keys [B, W+T, hd], mask [B, T, W+T], updated ring store).
-    """
-    W = cfg.sliding_window
-    mode = ccfg.kv_cache_dtype
-    start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
-    ring = kvc.decode("win", mode, kvc.store_get(st_win, slot), dt)  # [B, W, hd]
-    s = jnp.arange(W, dtype=jnp.int32)[None, :]
-    ring_pos = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - s, W)  # latest position ≡ s (mod W) before start
-    new_kv = kvc.decode("win", mode, kvc.encode("win", mode, kv_rot), dt)  # == window_kv(kv_rot)
-    keys = jnp.concatenate([ring, new_kv], axis=1)
-    key_pos = jnp.concatenate([ring_pos, positions], axis=1)
-    key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
-    q = positions[:, :, None]
-    mask = key_ok[:, None, :] & (key_pos[:, None, :] <= q) & (key_pos[:, None, :] > q - W)
-    # Ring update: only the last W real tokens of the chunk (earlier ones would be overwritten).
+def _window_write(st_win, batch, positions, valid, codes, window: int) -> dict:
+    """Ring update: the chunk's window codes at ``pos mod W`` — only the last W real tokens of the chunk
+    (earlier ones would be overwritten); padding tokens are dropped."""
+    W = window
     i = jnp.arange(positions.shape[1])[None, :]
-    write = valid & (i >= n_new[:, None] - W)
+    write = valid & (i >= batch["n_new"][:, None] - W)
     cols = jnp.where(write, jnp.mod(positions, W), W)  # W = out of range: dropped
-    new_store = _row_scatter(st_win, slot, cols, kvc.encode("win", mode, kv_rot))
-    return keys, mask, new_store
+    return _row_scatter(st_win, batch["slot"], cols, codes)
 
 
 def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
@@ -110,11 +95,16 @@ def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
 
 def _pool_index(page_table, slots_j, ratio, page_size):
     """Compressed-pool index of slot j: loc(j·ratio) // ratio."""
-    return kvc.token_locs(page_table, slots_j * ratio, page_size) // ratio
+    return indexer.pool_index(page_table, slots_j, ratio, page_size)
 
 
 def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux):
-    """The attention sublayer of one layer against the cache. Updates `st` (trace-time dict) in place."""
+    """The attention sublayer of one layer against the cache. Updates `st` (trace-time dict) in place.
+
+    Writes first (this chunk's window codes after the read of the old ring; completed compressed
+    groups and index keys before they are read), then the two seams: `indexer.retrieve` (index
+    sources) and `attention.sparse_attention`, both on stored codes + page table.
+    """
     lid = plan.layer_id
     mode = ccfg.kv_cache_dtype
     eps = cfg.rms_norm_eps
@@ -122,15 +112,12 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     pt = batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
     qr, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
-    win_keys, win_mask, st["window"][lid] = _window_attention_inputs(
-        st["window"][lid], batch, positions, valid, kv_rot, cfg, ccfg, dt)
-    B, T = positions.shape
+    win_codes = kvc.encode("win", mode, kv_rot)
+    ring = st["window"][lid]
+    st["window"][lid] = _window_write(ring, batch, positions, valid, win_codes, cfg.sliding_window)
     r = plan.compress_ratio
-    if r == 0:
-        comp = jnp.zeros((B, T, 0, cfg.head_dim), dt)
-        comp_mask = jnp.zeros((B, T, 0), bool)
-    else:
-        visible = (positions + 1) // r
+    comp, sel = None, None
+    if r > 0:
         if plan.is_kv_source:
             key = str(lid)
             latent, j, complete, new_partial = _compress_chunk(
@@ -144,27 +131,14 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
             if key in st["ikeys"]:
                 krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt)
                 st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
-        S = ccfg.max_context // r
         if plan.is_index_source:
-            owner = str(plan.key_owner)
-            jj = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-            keys = kvc.decode("ikey", mode, kvc.store_get(st["ikeys"][owner], _pool_index(pt, jj, r, ps)), dt)
-            iq, iw = indexer.index_query(p["indexer"], qr, x, positions, freqs, cfg, dt)
-            scores = indexer.index_scores(iq, iw, keys, visible, dt)
-            if plan.is_candidate_source:
-                ctx["cand"] = indexer.candidate_mask(scores, visible, cfg.candidate_block_size,
-                                                     cfg.candidate_topk_blocks)
-                aux["cand"][lid] = ctx["cand"]
-            if plan.uses_candidates:
-                scores = jnp.where(ctx["cand"], scores, jnp.asarray(-jnp.inf, scores.dtype))
-            ctx["topk"][lid] = indexer.select_topk(scores, cfg.index_topk)
-            aux["topk"][lid] = ctx["topk"][lid]
+            indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, st["ikeys"][str(plan.key_owner)],
+                             pt, page_size=ps, mode=mode, cfg=cfg, dt=dt, retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
-        src = str(plan.kv_source)
-        comp = kvc.decode("comp", mode, kvc.store_get(st["comp"][src], _pool_index(pt, jnp.maximum(sel, 0), r, ps)),
-                          dt)
-        comp_mask = sel >= 0
-    o = attn_mod.attend(q, win_keys, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt)
+        comp = st["comp"][str(plan.kv_source)]
+    o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
+                                  batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
+                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 

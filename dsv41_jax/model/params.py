@@ -58,6 +58,8 @@ class P:
     shape/dtype: exactly as stored. axes: one logical axis name (or None) per dim.
     init: initializer kind, see `_init_leaf`. std: scale for random kinds.
     in_checkpoint: False for tables derived at load time (not counted in checkpoint bytes).
+    vision_only: read only for image tokens (SPEC §8: ``ffn.gate.bias_vl``); the text model never
+    reads it, so a text-only release checkpoint may lack it: loaded when present, zeros otherwise.
     """
 
     shape: tuple
@@ -66,6 +68,7 @@ class P:
     init: str = "normal"
     std: float = 0.02
     in_checkpoint: bool = True
+    vision_only: bool = False
 
     def abstract(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.shape, self.dtype)
@@ -144,7 +147,7 @@ def _block_decl(cfg: ModelConfig, layer_id: int) -> dict:
     d["ffn"] = {
         "gate": {"weight": P((E, D), BF16, ("experts", "embed"), "normal", 1.0 / math.sqrt(D)),
                  "bias": P((E,), F32, ("experts",), "normal", 0.1),
-                 "bias_vl": P((E,), F32, ("experts",), "zeros")},
+                 "bias_vl": P((E,), F32, ("experts",), "zeros", vision_only=True)},
         "experts": {"w1": mxfp4_experts_decl(E, I, D, "expert_mlp", "embed"),
                     "w3": mxfp4_experts_decl(E, I, D, "expert_mlp", "embed"),
                     "w2": mxfp4_experts_decl(E, D, I, "embed", "expert_mlp")},
@@ -322,27 +325,31 @@ def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
 def engram_token_map_for(cfg: ModelConfig, tokenizer=None) -> np.ndarray:
     """The Engram token map [vocab_size] int32, checked against engram_compressed_vocab_size.
 
-    `tokenizer`: an HF `tokenizers.Tokenizer`, a path to a tokenizer.json, or None for tiny's own.
+    `tokenizer`: an HF `tokenizers.Tokenizer`, a path to a tokenizer.json, or None for the one the
+    package ships (tiny's). Whichever it is, it must fit the config: its compressed-id count must be
+    the config's engram_compressed_vocab_size and its size at most vocab_size (a ConfigError names
+    the mismatch), so a config that needs another tokenizer is told so instead of guessed at.
     Ids >= len(tokenizer) map to the pad's compressed id (SPEC §5, uncertain point).
     """
     from dsv41_jax.model import engram_tables
     from dsv41_jax.model.config import TINY_DIR, ConfigError
     import os
 
-    if tokenizer is None:
-        if cfg.name != "tiny" and cfg.vocab_size != 320:
-            raise ValueError("engram_token_map_for: pass the model's tokenizer (only tiny ships one)")
+    shipped = tokenizer is None
+    if shipped:
         tokenizer = os.path.join(TINY_DIR, "tokenizer.json")
     if isinstance(tokenizer, str):
         m, count = engram_tables.load_engram_token_map(tokenizer)
     else:
         m, count = engram_tables.build_engram_token_map(tokenizer)
+    hint = " (no tokenizer was given, so the tiny model's was used: pass the model's own)" if shipped else ""
     if count != cfg.engram_compressed_vocab_size:
         raise ConfigError(f"engram_compressed_vocab_size: config says {cfg.engram_compressed_vocab_size} but the "
-                          f"tokenizer's normalization gives {count} compressed ids")
+                          f"tokenizer's normalization gives {count} compressed ids{hint}")
     m = np.asarray(m, np.int32)
     if m.shape[0] > cfg.vocab_size:
-        raise ConfigError(f"vocab_size: tokenizer has {m.shape[0]} tokens, more than vocab_size={cfg.vocab_size}")
+        raise ConfigError(f"vocab_size: tokenizer has {m.shape[0]} tokens, more than vocab_size={cfg.vocab_size}"
+                          f"{hint}")
     pad = m[cfg.engram_pad_token_id]
     full = np.full((cfg.vocab_size,), pad, np.int32)
     full[: m.shape[0]] = m

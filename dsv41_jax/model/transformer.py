@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
+from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, indexer
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
@@ -48,6 +49,11 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
 
     p: the layer's ``attn`` params; x [B, T, D] normed input; ctx: dict of stores written by earlier
     layers ("comp"/"keys"/"topk"/"cand" keyed by layer id). Returns y [B, T, D].
+
+    Index selection goes through the same routine as the cached path (`indexer.retrieve`, the
+    "indexer" seam), on the key owner's index-key *codes* laid out as a pool with one page per row
+    (row b's slot j at pool row b·S + j): decoding the codes gives the fake-quantized keys bit for bit.
+    Attention itself is the reference `attend` over the in-flight sequence.
     """
     B, T, _ = x.shape
     W = cfg.sliding_window
@@ -59,29 +65,28 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     win_mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - W)
     win_mask = jnp.broadcast_to(win_mask, (B, T, T))
     r = plan.compress_ratio
-    if r == 0:
+    S = T // r if r else 0
+    if r == 0 or S == 0:  # window-only layer, or a sequence shorter than one group: no compressed slot
         comp = jnp.zeros((B, T, 0, cfg.head_dim), dt)
         comp_mask = jnp.zeros((B, T, 0), bool)
+        if r and plan.is_index_source:
+            ctx["topk"][plan.layer_id] = aux["topk"][plan.layer_id] = jnp.zeros((B, T, 0), jnp.int32)
+            if plan.is_candidate_source:
+                ctx["cand"] = jnp.zeros((B, T, 0), jnp.int32)
+                aux["cand"][plan.layer_id] = jnp.zeros((B, T, 0), bool)
     else:
-        visible = (positions + 1) // r  # [B, T]
         if plan.is_kv_source:
             latent = compressor.compress(p["compressor"], x, r, eps, dt)  # [B, S, hd]
-            S = latent.shape[1]
             slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * r, (B, S))
             if "wk" in p.get("indexer", {}):
-                ctx["keys"][plan.layer_id] = indexer.index_keys(p["indexer"], latent, slot_pos, freqs, eps, dt)
+                krot = indexer.index_keys_rot(p["indexer"], latent, slot_pos, freqs, eps, dt)
+                codes = kvc.encode("ikey", "auto", krot)  # == index_keys(...) once decoded, bitwise
+                ctx["keys"][plan.layer_id] = {k: v.reshape((B * S,) + v.shape[2:]) for k, v in codes.items()}
             ctx["comp"][plan.layer_id] = compressor.compressed_kv(latent, slot_pos, freqs, dt)
         if plan.is_index_source:
-            iq, iw = indexer.index_query(p["indexer"], qr, x, positions, freqs, cfg, dt)
-            scores = indexer.index_scores(iq, iw, ctx["keys"][plan.key_owner], visible, dt)
-            if plan.is_candidate_source:
-                ctx["cand"] = indexer.candidate_mask(scores, visible, cfg.candidate_block_size,
-                                                     cfg.candidate_topk_blocks)
-                aux["cand"][plan.layer_id] = ctx["cand"]
-            if plan.uses_candidates:
-                scores = jnp.where(ctx["cand"], scores, jnp.asarray(-jnp.inf, scores.dtype))
-            ctx["topk"][plan.layer_id] = indexer.select_topk(scores, cfg.index_topk)
-            aux["topk"][plan.layer_id] = ctx["topk"][plan.layer_id]
+            page_table = jnp.arange(B, dtype=jnp.int32)[:, None]  # one page of S·r tokens per row
+            indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, ctx["keys"][plan.key_owner],
+                             page_table, page_size=S * r, mode="auto", cfg=cfg, dt=dt)
         store = ctx["comp"][plan.kv_source]  # [B, S, hd]
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = jnp.take_along_axis(store[:, None, :, :], jnp.maximum(sel, 0)[..., None], axis=2)

@@ -33,7 +33,8 @@ whitespace matching that regex between tokens instead.
 
 Thinking: when the request thinks (the prompt ends with ``<think>``) the grammar starts only after
 the model closes its reasoning with the ``</think>`` token; reasoning itself is free (as SGLang's
-reasoning-gated grammars); until then only EOS is excluded (the answer must still come). A request's
+reasoning-gated grammars); until then only EOS (the answer must still come) and the ``｜DSML｜``
+token (a calls block inside reasoning would end it for the reasoning parser) are excluded. A request's
 ``thinking_budget`` (an extra field, as SGLang's thinking-budget processor) caps the reasoning: after
 that many reasoning tokens only ``</think>`` is allowed; it works with or without a grammar.
 
@@ -176,6 +177,23 @@ def _json_rule(schema: Any, defs: Mapping[str, Any], style: Mapping[str, Any]) -
     return "%json " + json.dumps(sub, ensure_ascii=False)
 
 
+# free-form parameter names (tools without declared properties): bounded, so that every tag the
+# grammar can produce stays within the tool-call parser's tag limit (tools.max_tag_length)
+FREE_NAME_MAX = 64
+_DSML_ATTR_BAD = ('"', "<", ">", "\n", "\r", DSML_TOKEN)
+
+
+def _dsml_attr(value: str, what: str) -> str:
+    """``"value"`` as the chat encoder writes a DSML attribute (verbatim, no escaping: the format has
+    none). A name the markup cannot carry (a quote, an angle bracket, a line break, the DSML token)
+    could be forced by the grammar but never parsed back, so it is refused (400)."""
+    value = str(value)
+    if not value or any(b in value for b in _DSML_ATTR_BAD):
+        raise ChatError(f"tool_choice cannot be enforced: the {what} {value!r} cannot be written in DSML markup "
+                        "(it is empty or contains a quote, '<', '>', a line break or the DSML token)", "tool_choice")
+    return '"' + value + '"'
+
+
 def tool_call_lark(
     tools: Sequence[Mapping[str, Any]],
     tool_choice: Any,
@@ -213,7 +231,7 @@ def tool_call_lark(
         inv_names.append(inv)
         params = fn.get("parameters") if isinstance(fn.get("parameters"), Mapping) else {}
         props = params.get("properties") if isinstance(params.get("properties"), Mapping) else None
-        open_tag = f'{O} {_lark_str(" invoke name=" + json.dumps(fn["name"], ensure_ascii=False) + ">")} "\\n"'
+        open_tag = f'{O} {_lark_str(" invoke name=" + _dsml_attr(fn["name"], "tool name") + ">")} "\\n"'
         close_tag = f'"\\n" {C} " invoke>"'
         addl = params.get("additionalProperties")
         if not props and (addl is True or isinstance(addl, Mapping)):
@@ -222,7 +240,7 @@ def tool_call_lark(
             rules.append(f'{inv}_p: {O} " parameter name=\\"" {inv}_name "\\" string=\\"true\\">" /[^<]*/ {C} " parameter>"'
                          f' | {O} " parameter name=\\"" {inv}_name "\\" string=\\"false\\">" '
                          f'{_json_rule({}, {}, style)} {C} " parameter>"')
-            rules.append(f'{inv}_name: /[A-Za-z0-9_.\\-]+/')
+            rules.append(f'{inv}_name: /[A-Za-z0-9_.\\-]{{1,{FREE_NAME_MAX}}}/')
             continue
         defs = {k2: params[k2] for k2 in ("$defs", "definitions") if isinstance(params.get(k2), Mapping)}
         required = set(params.get("required") or [])
@@ -234,7 +252,7 @@ def tool_call_lark(
         for j, pname in enumerate(names):
             sub = props[pname]
             types = _types_of(sub)
-            head = f'{O} " parameter name=" {_lark_str(json.dumps(pname, ensure_ascii=False))}'
+            head = f'{O} {_lark_str(" parameter name=" + _dsml_attr(pname, "parameter name"))}'
             tail = f'{C} " parameter>"'
             alts = []
             if "string" in types or "any" in types:
@@ -427,7 +445,8 @@ class GrammarCompiler:
         if thinking and gate is None and thinking_budget is not None:
             raise ChatError("thinking_budget: this tokenizer has no </think> token", "thinking_budget")
         return GrammarConstraint(matcher, self.vocab_size, self.eos_token_ids, gate_token_id=gate, spec=spec,
-                                 thinking_budget=thinking_budget if thinking else None)
+                                 thinking_budget=thinking_budget if thinking else None,
+                                 reasoning_excluded_ids=[self.dsml_id] if self.dsml_id is not None else ())
 
     def for_request(self, request: Mapping[str, Any], *, tools=None, tool_choice=None, thinking: bool = False,
                     thinking_budget: int | None = None) -> "GrammarConstraint | None":
@@ -459,8 +478,12 @@ class GrammarConstraint:
 
     def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
                  gate_token_id: int | None = None, spec: ConstraintSpec | None = None,
-                 thinking_budget: int | None = None):
+                 thinking_budget: int | None = None, reasoning_excluded_ids: Sequence[int] = ()):
         self._m = matcher
+        # tokens the reasoning may not contain when a grammar follows: the DSML token (a line-initial
+        # calls block inside reasoning ends it implicitly for the reasoning parser, SPEC §10, while
+        # the grammar would still wait for </think>; the forced markup belongs after </think>)
+        self._reasoning_excluded = [int(t) for t in reasoning_excluded_ids]
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._gate_id = gate_token_id
@@ -492,8 +515,9 @@ class GrammarConstraint:
             if self._budget is not None and self._free >= self._budget:
                 return self._only([self._gate_id])  # the budget is spent: close the reasoning
             if self._m is not None:
-                # a grammar is still to come: the output may not end inside the reasoning
-                return ~self._eos_only()
+                # a grammar is still to come: the output may not end inside the reasoning, nor
+                # contain markup that the parsers would read as the end of the reasoning
+                return ~self._only(self.eos_token_ids + self._reasoning_excluded)
             return None
         if self._m is None:
             return None

@@ -5,8 +5,18 @@ Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-r
 ``--context-length``, ``--kv-cache-dtype``, ``--max-total-tokens``, ``--tp-size``/``--tp``,
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
-``--skip-server-warmup``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--max-logprobs``,
-``--disable-prefix-sharing``, ``--cpu-memory-budget``.
+``--skip-server-warmup``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
+``--max-logprobs``, ``--disable-prefix-sharing``, ``--cpu-memory-budget``.
+
+Small models (under ``SMALL_MODEL_BYTES`` of weights, e.g. the embedded tiny model) get smaller
+defaults: 4 running requests, 64-token prefill chunks and "compact" shape buckets (one batch size x
+tokens 1 and the chunk: 2 compiled shapes instead of 6 to 18). Each shape costs ~17 s of CPU to
+compile on this project's 2-core VM, which makes up most of a small model's first start, while
+what more buckets save is milliseconds: a lone request padded to batch 4 decodes a few times slower
+than at batch 1 (tiny model, measured under heavy load: 16 ms per step at batch 1, 64 ms at batch 8).
+The small batch and chunk keep the padded prefill launch small too ([4, 64] = 256 token rows;
+[8, 128] took ~4 s per step under the same load).
+``--shape-buckets full`` or explicit ``--batch-buckets`` / ``--token-buckets`` restore more shapes.
 
 Use::
 
@@ -25,13 +35,34 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES"]
+__all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES", "SHAPE_BUCKETS", "SMALL_MODEL_BYTES", "model_is_small"]
 
 # --dtype: the activation dtype of the model (weights keep their checkpoint formats).
 DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
           "float": "float32", "fp32": "float32"}
 KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "bfloat16", "bf16": "bfloat16",
                           "float32": "float32"}
+
+
+SHAPE_BUCKETS = ("auto", "compact", "full")
+SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
+# (max_running_requests, chunked_prefill_size) defaults: (small model, other)
+_DEFAULT_RUNNING = (4, 32)
+_DEFAULT_CHUNK = (64, 512)
+
+
+def model_is_small(model: str) -> bool:
+    """Whether ``model`` ('tiny' or a model directory) has under SMALL_MODEL_BYTES of weights,
+    judged from its config alone (nothing is loaded). A directory whose config cannot be read is
+    not small: the engine reports that config's error when it loads the model."""
+    from dsv41_jax.model.config import ConfigError, ModelConfig
+    from dsv41_jax.model.params import param_stats
+
+    try:
+        cfg = ModelConfig.from_pretrained(model)
+    except (ConfigError, OSError):
+        return False
+    return param_stats(cfg)["bytes"] < SMALL_MODEL_BYTES
 
 
 def _int_list(text: str) -> list:
@@ -48,14 +79,15 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     page_size: int = 256
     context_length: Optional[int] = None
-    max_running_requests: int = 32
+    max_running_requests: Optional[int] = None  # None: 32, or 4 for a small model
     max_total_tokens: Optional[int] = None
     mem_fraction_static: Optional[float] = None
     cpu_memory_budget: Optional[int] = None
-    chunked_prefill_size: int = 512
+    chunked_prefill_size: Optional[int] = None  # None: 512, or 64 for a small model
     max_prefill_tokens: int = 16384
     batch_buckets: Optional[list] = None
     token_buckets: Optional[list] = None
+    shape_buckets: str = "auto"
     enable_mixed_chunk: bool = False
     disable_overlap_schedule: bool = False
     disable_prefix_sharing: bool = False
@@ -71,9 +103,23 @@ class EngineArgs:
         self.validate()
 
     # ------------------------------------------------------------------------------------------
+    def _small(self) -> bool:
+        """model_is_small(self.model), computed once per model."""
+        cached = self.__dict__.get("_small_cache")
+        if cached is None or cached[0] != self.model:
+            cached = self.__dict__["_small_cache"] = (self.model, model_is_small(self.model))
+        return cached[1]
+
     def validate(self) -> "EngineArgs":
         def bad(name, msg):
             raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+        if self.shape_buckets not in SHAPE_BUCKETS:
+            bad("shape_buckets", f"must be one of {list(SHAPE_BUCKETS)}")
+        if self.max_running_requests is None:
+            self.max_running_requests = _DEFAULT_RUNNING[0 if self._small() else 1]
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = _DEFAULT_CHUNK[0 if self._small() else 1]
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {sorted(DTYPES)}")
@@ -99,6 +145,9 @@ class EngineArgs:
                 if not v or v[0] < 1:
                     bad(name, "must be a non-empty list of positive integers")
                 setattr(self, name, v)
+        if self.shape_buckets != "auto" and self.batch_buckets is not None and self.token_buckets is not None:
+            bad("shape_buckets", "chooses default buckets and has no effect when batch_buckets and token_buckets "
+                                 "are both given (leave it 'auto')")
         if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running_requests:
             bad("batch_buckets", f"the largest must be >= max_running_requests={self.max_running_requests}")
         return self
@@ -115,14 +164,24 @@ class EngineArgs:
     def replace(self, **kw) -> "EngineArgs":
         return dataclasses.replace(self, **kw)
 
+    @property
+    def compact_buckets(self) -> bool:
+        """Whether the default buckets are compact (``shape_buckets``; "auto": for a small model)."""
+        if self.shape_buckets == "auto":
+            return self._small()
+        return self.shape_buckets == "compact"
+
     def resolved_batch_buckets(self) -> list:
-        """Batch sizes compiled: the given list, else powers of two up to max_running_requests
-        (plus max_running_requests itself when it is not a power of two)."""
+        """Batch sizes compiled: the given list; else max_running_requests alone (compact buckets);
+        else powers of two up to max_running_requests (plus max_running_requests itself when it is
+        not a power of two)."""
         if self.batch_buckets:  # those up to max_running_requests, plus the first above it if needed
             below = [b for b in self.batch_buckets if b <= self.max_running_requests]
             if below and below[-1] == self.max_running_requests:
                 return below
             return below + [b for b in self.batch_buckets if b > self.max_running_requests][:1]
+        if self.compact_buckets:
+            return [self.max_running_requests]
         out, b = [], 1
         while b < self.max_running_requests:
             out.append(b)
@@ -132,12 +191,13 @@ class EngineArgs:
 
     def resolved_token_buckets(self) -> list:
         """Tokens per row compiled: 1 (decode) and the prefill chunk buckets (the given list, else
-        chunked_prefill_size and chunked_prefill_size / 8 when that is at least 16)."""
+        chunked_prefill_size, and with full buckets also chunked_prefill_size / 8 when that is at
+        least 16)."""
         if self.token_buckets:
             tb = [t for t in self.token_buckets if t <= self.chunked_prefill_size]
             return sorted(set([1, self.chunked_prefill_size] + tb))
         tb = [1, self.chunked_prefill_size]
-        if self.chunked_prefill_size // 8 >= 16:
+        if not self.compact_buckets and self.chunked_prefill_size // 8 >= 16:
             tb.append(self.chunked_prefill_size // 8)
         return sorted(set(tb))
 
@@ -164,9 +224,10 @@ class EngineArgs:
                        help="maximum tokens per request (prompt + output); default: the model's "
                             "max_position_embeddings, capped by the pool size. The indexer's cost per step "
                             "grows with it")
-        g.add_argument("--max-running-requests", type=int, default=d["max_running_requests"].default,
+        g.add_argument("--max-running-requests", type=int, default=None,
                        help="requests decoding at once (slots for per-request state); the largest batch "
-                            "bucket; default %(default)s")
+                            f"bucket; default {_DEFAULT_RUNNING[1]}, {_DEFAULT_RUNNING[0]} for a small model "
+                            f"(weights under {SMALL_MODEL_BYTES >> 30} GiB, e.g. tiny)")
         g.add_argument("--max-total-tokens", type=int, default=None,
                        help="KV pool size in tokens; overrides the --mem-fraction-static sizing")
         g.add_argument("--mem-fraction-static", type=float, default=None,
@@ -175,17 +236,22 @@ class EngineArgs:
                             "context_length tokens")
         g.add_argument("--cpu-memory-budget", type=int, default=None,
                        help="bytes treated as the device memory on CPU (default: physical RAM)")
-        g.add_argument("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
+        g.add_argument("--chunked-prefill-size", type=int, default=None,
                        help="largest prefill chunk of one request per step (the largest token bucket); "
-                            "default %(default)s")
+                            f"default {_DEFAULT_CHUNK[1]}, {_DEFAULT_CHUNK[0]} for a small model")
         g.add_argument("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
                        help="prefill tokens per scheduler step over all requests; default %(default)s")
         g.add_argument("--batch-buckets", type=_int_list, default=None,
-                       help="batch sizes to compile, e.g. '1,2,4,8' (default: powers of two up to "
-                            "--max-running-requests)")
+                       help="batch sizes to compile, e.g. '1,2,4,8' (default: see --shape-buckets)")
         g.add_argument("--token-buckets", type=_int_list, default=None,
-                       help="prefill chunk lengths to compile besides 1 (default: --chunked-prefill-size and "
-                            "a size 8x smaller)")
+                       help="prefill chunk lengths to compile besides 1 (default: see --shape-buckets)")
+        g.add_argument("--shape-buckets", default=d["shape_buckets"].default, choices=SHAPE_BUCKETS,
+                       help="the (batch, tokens) shapes compiled at start when --batch-buckets / "
+                            "--token-buckets are not given: 'full' = batch sizes in powers of two up to "
+                            "--max-running-requests x tokens 1, --chunked-prefill-size and a chunk 8x smaller; "
+                            "'compact' = batch --max-running-requests x tokens 1 and --chunked-prefill-size "
+                            "(2 compilations: the fastest start; smaller batches are padded); 'auto' = compact "
+                            "for a small model, else full")
         g.add_argument("--enable-mixed-chunk", action="store_true",
                        help="run decode rows inside the prefill step (one [B, T] launch) instead of a separate "
                             "[B, 1] launch in the same scheduler iteration")

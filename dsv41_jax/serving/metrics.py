@@ -1,4 +1,4 @@
-"""Prometheus metrics of the OpenAI server (``GET /metrics`` with ``--enable-metrics``).
+"""Prometheus metrics of the OpenAI server (``GET /metrics``, on by default; ``--disable-metrics`` turns it off).
 
 Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:`` prefix:
 

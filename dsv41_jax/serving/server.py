@@ -11,7 +11,7 @@ decoding (:mod:`constrained`) and metrics (:mod:`metrics`) into these endpoints:
 * ``POST /v1/completions`` — raw prompts (strings or token ids, one or several), ``echo``;
 * ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's spelling; lm-eval's
   ``tokenizer_backend=remote``);
-* ``GET /v1/models``, ``GET /health`` (no API key), ``GET /metrics`` (``enable_metrics``).
+* ``GET /v1/models``, ``GET /health`` (no API key), ``GET /metrics`` (``enable_metrics``; otherwise a 404 saying how to turn it on).
 
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
 input (the server keeps serving), 401 for a missing / wrong Bearer key, 404 for an unknown model or
@@ -415,6 +415,12 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         async def metrics_endpoint():
             # engine.stats() waits for the current engine step: off the event loop
             return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)
+    else:
+        @app.get("/metrics")
+        async def metrics_off():  # a 404 that says why, instead of "no route"
+            return err(APIError(404, "metrics are off on this server: start it without --disable-metrics "
+                                     "(python -m dsv41_jax.serve serves /metrics by default)",
+                                type="invalid_request_error", code="metrics_disabled"))
 
     # ------------------------------------------------------------------ helpers
 

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jsonschema
+from jsonschema import validators as _js_validators
 
 from .effort import ChatError
 
@@ -155,196 +157,33 @@ def render_calls_block(calls: Iterable[Mapping[str, Any] | tuple[str, Mapping[st
 
 
 # ------------------------------------------------------------------------------- JSON schemas
-
-try:  # jsonschema is optional: a small built-in subset validator stands in without it.
-    import jsonschema as _jsonschema  # type: ignore
-    from jsonschema import validators as _js_validators  # type: ignore
-except Exception:  # pragma: no cover - exercised only where jsonschema is absent
-    _jsonschema = None
-    _js_validators = None
-
-
-_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
-
-
-def _is_type(value: Any, t: str) -> bool:
-    if t == "object":
-        return isinstance(value, dict)
-    if t == "array":
-        return isinstance(value, list)
-    if t == "string":
-        return isinstance(value, str)
-    if t == "boolean":
-        return isinstance(value, bool)
-    if t == "null":
-        return value is None
-    if t == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and math.isfinite(value) and value.is_integer())
-    if t == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return True
-
-
-def _mini_validate(value: Any, schema: Any, path: str = "$") -> str | None:
-    """A small JSON-schema subset (type, enum, const, properties, required, additionalProperties,
-    items, min/max, lengths, pattern, anyOf/oneOf/allOf/not) used only without jsonschema."""
-    if schema is False:
-        return f"{path}: no value is allowed"
-    if not isinstance(schema, Mapping):
-        return None
-    t = schema.get("type")
-    if t is not None:
-        ts = [t] if isinstance(t, str) else list(t)
-        if not any(_is_type(value, x) for x in ts):
-            return f"{path}: {to_json(value)} is not of type {' or '.join(ts)}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"{path}: {to_json(value)} is not one of {to_json(schema['enum'])}"
-    if "const" in schema and value != schema["const"]:
-        return f"{path}: {to_json(value)} is not {to_json(schema['const'])}"
-    if isinstance(value, dict):
-        props = schema.get("properties") or {}
-        for k in schema.get("required") or []:
-            if k not in value:
-                return f"{path}: '{k}' is a required property"
-        for k, v in value.items():
-            if k in props:
-                err = _mini_validate(v, props[k], f"{path}.{k}")
-                if err:
-                    return err
-            else:
-                ap = schema.get("additionalProperties", True)
-                if ap is False:
-                    return f"{path}: additional property '{k}' is not allowed"
-                if isinstance(ap, Mapping):
-                    err = _mini_validate(v, ap, f"{path}.{k}")
-                    if err:
-                        return err
-    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        for i, v in enumerate(value):
-            err = _mini_validate(v, schema["items"], f"{path}[{i}]")
-            if err:
-                return err
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            return f"{path}: {value} is less than the minimum {schema['minimum']}"
-        if "maximum" in schema and value > schema["maximum"]:
-            return f"{path}: {value} is greater than the maximum {schema['maximum']}"
-    if isinstance(value, str):
-        if "minLength" in schema and len(value) < schema["minLength"]:
-            return f"{path}: string is too short"
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            return f"{path}: string is too long"
-        if "pattern" in schema and not re.search(schema["pattern"], value):
-            return f"{path}: string does not match {schema['pattern']!r}"
-    for sub in schema.get("allOf") or []:
-        err = _mini_validate(value, sub, path)
-        if err:
-            return err
-    if schema.get("anyOf") and all(_mini_validate(value, s, path) for s in schema["anyOf"]):
-        return f"{path}: value matches none of anyOf"
-    if schema.get("oneOf") and sum(_mini_validate(value, s, path) is None for s in schema["oneOf"]) != 1:
-        return f"{path}: value does not match exactly one of oneOf"
-    if isinstance(schema.get("not"), Mapping) and _mini_validate(value, schema["not"], path) is None:
-        return f"{path}: value matches a 'not' schema"
-    return None
+# ``jsonschema`` (a dependency) checks tools' parameter schemas and validates parsed arguments.
 
 
 def _check_schema(schema: Any) -> str | None:
-    """None when ``schema`` is a valid JSON schema, else the problem."""
+    """None when ``schema`` is a valid JSON schema (for its declared draft), else the problem."""
     if not isinstance(schema, (Mapping, bool)):
         return f"a JSON schema must be an object, got {type(schema).__name__}"
-    if _js_validators is not None:
-        try:
-            _js_validators.validator_for(schema).check_schema(schema)
-        except _jsonschema.exceptions.SchemaError as e:
-            return e.message
-        return None
-    return _mini_check_schema(schema)
-
-
-_SUBSCHEMA_KEYS = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then", "else",
-                   "additionalItems", "unevaluatedProperties", "unevaluatedItems")
-_SCHEMA_LIST_KEYS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-
-
-def _mini_check_schema(schema: Any, path: str = "schema", depth: int = 0) -> str | None:
-    """Structural meta-validation (the common keywords) used only without jsonschema."""
-    if isinstance(schema, bool):
-        return None
-    if not isinstance(schema, Mapping) or depth > 64:
-        return f"{path} must be an object or a boolean"
-    t = schema.get("type")
-    if t is not None:
-        ts = [t] if isinstance(t, str) else t
-        if not isinstance(ts, list) or not ts or not all(isinstance(x, str) and x in _JSON_TYPES for x in ts):
-            return f"{path}.type: {to_json(t)} is not a valid type"
-    req = schema.get("required")
-    if req is not None and not (isinstance(req, list) and all(isinstance(x, str) for x in req)):
-        return f"{path}.required must be an array of strings"
-    if "enum" in schema and not isinstance(schema["enum"], list):
-        return f"{path}.enum must be an array"
-    for k in _NUMBER_KEYS:
-        v = schema.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            if not (k.startswith("exclusive") and isinstance(v, bool)):
-                return f"{path}.{k} must be a number"
-    for k in _COUNT_KEYS:
-        v = schema.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            return f"{path}.{k} must be a non-negative integer"
-    if "pattern" in schema:
-        try:
-            re.compile(schema["pattern"])
-        except (re.error, TypeError):
-            return f"{path}.pattern is not a valid regular expression"
-    for k in _SUBSCHEMA_KEYS:
-        if k in schema:
-            v = schema[k]
-            subs = v if (k in ("items", "additionalItems") and isinstance(v, list)) else [v]
-            for n, sub in enumerate(subs):
-                err = _mini_check_schema(sub, f"{path}.{k}" + (f"[{n}]" if len(subs) > 1 else ""), depth + 1)
-                if err:
-                    return err
-    for k in _SCHEMA_LIST_KEYS:
-        if k in schema:
-            v = schema[k]
-            if not isinstance(v, list) or not v:
-                return f"{path}.{k} must be a non-empty array of schemas"
-            for n, sub in enumerate(v):
-                err = _mini_check_schema(sub, f"{path}.{k}[{n}]", depth + 1)
-                if err:
-                    return err
-    for k in _SCHEMA_MAP_KEYS:
-        if k in schema:
-            v = schema[k]
-            if not isinstance(v, Mapping):
-                return f"{path}.{k} must be an object"
-            for name, sub in v.items():
-                err = _mini_check_schema(sub, f"{path}.{k}.{name}", depth + 1)
-                if err:
-                    return err
+    try:
+        _js_validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as e:
+        return e.message
     return None
 
 
 def _make_validator(schema: Any) -> Callable[[Any], str | None]:
     if schema is None:
         return lambda value: None
-    if _js_validators is not None:
-        v = _js_validators.validator_for(schema)(schema)
+    v = _js_validators.validator_for(schema)(schema)
 
-        def check(value: Any) -> str | None:
-            err = next(iter(v.iter_errors(value)), None)
-            if err is None:
-                return None
-            where = "".join(f"[{p!r}]" for p in err.absolute_path)
-            return f"$ {where}: {err.message}" if where else err.message
+    def check(value: Any) -> str | None:
+        err = next(iter(v.iter_errors(value)), None)
+        if err is None:
+            return None
+        where = "".join(f"[{p!r}]" for p in err.absolute_path)
+        return f"$ {where}: {err.message}" if where else err.message
 
-        return check
-    return lambda value: _mini_validate(value, schema)
+    return check
 
 
 def validate_arguments(arguments: Any, schema: Any) -> str | None:
@@ -442,7 +281,27 @@ def should_parse_tools(tools: Sequence | None, tool_choice: Any) -> bool:
 # ------------------------------------------------------------------------------- the lexer
 
 _MARKERS = (f"<{DSML}", f"</{DSML}", DSML)
-_MAX_TAG = 512  # a tag longer than this without its '>' is junk
+_MAX_TAG = 512  # a tag longer than this without its '>' is junk (unless the tools need longer tags)
+# the longest a tag gets beyond the names it carries: '</｜DSML｜ parameter name="' + '" string="false">'
+_TAG_OVERHEAD = 64
+
+
+def max_tag_length(tools: Sequence[Mapping[str, Any]] | None) -> int:
+    """The tag-length limit of the lexer for ``tools``: ``_MAX_TAG``, or more when a tool's name or
+    one of its top-level parameter names is long. The tool-call grammar forces exactly these names
+    (issue 9: a name the grammar allowed made a tag the lexer cut off as junk), so every tag the
+    grammar can produce must fit."""
+    longest = 0
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping):
+            continue
+        longest = max(longest, len(str(fn.get("name") or "")))
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if isinstance(props, Mapping):
+            longest = max([longest] + [len(str(k)) for k in props])
+    return max(_MAX_TAG, longest + _TAG_OVERHEAD)
 _TAG_RE = re.compile(r"^(</?)?" + DSML + r"\s*([A-Za-z_]+)(.*?)>$", re.S)
 _ATTR_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*"([^"]*)"')
 
@@ -489,8 +348,9 @@ def _classify(raw: str) -> _Tag:
 class _Lexer:
     """Splits a text stream into plain text and DSML tags; holds back what may start a tag."""
 
-    def __init__(self):
+    def __init__(self, max_tag: int = _MAX_TAG):
         self.buf = ""
+        self.max_tag = int(max_tag)
 
     def feed(self, text: str, final: bool = False) -> list:
         self.buf += text
@@ -527,7 +387,7 @@ class _Lexer:
                 out.append(_Tag(DSML, "junk"))
                 self.buf = buf[q:]
                 continue
-            limit = start + _MAX_TAG
+            limit = start + self.max_tag
             end = None
             for i in range(q, min(len(buf), limit)):
                 c = buf[i]
@@ -594,7 +454,7 @@ class ToolCallStreamParser:
         id_factory: Callable[[], str] = new_call_id,
         emit_calls: bool = True,
     ):
-        self._lexer = _Lexer()
+        self._lexer = _Lexer(max_tag_length(tools))
         self._id_factory = id_factory
         self._emit_calls = emit_calls
         self._check_names = tools is not None
