@@ -86,7 +86,15 @@ def test_completion_fields():
     bad(parse_completion_request, {"prompt": [[1], []]}, "prompt[1]")
     bad(parse_completion_request, {"prompt": "a", "suffix": "b"}, "suffix")
     bad(parse_completion_request, {"prompt": "a", "best_of": 3}, "best_of")
-    bad(parse_completion_request, {"prompt": "a", "echo": True, "logprobs": 1}, "echo")
+    bad(parse_completion_request, {"prompt": "a", "echo": True, "logprobs": 1, "n": 2}, "n")
+    bad(parse_completion_request, {"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "stream")
+    bad(parse_completion_request, {"prompt": "a", "echo": True, "logprobs": 21}, "logprobs")
+    bad(parse_completion_request, {"prompt": "a", "max_tokens": 0}, "max_tokens")  # 0 only with echo
+    r = parse_completion_request({"prompt": [[1, 2]], "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert r.sampling.prompt_logprobs == 1 and r.sampling.logprobs == 1
+    r = parse_completion_request({"prompt": "ab", "echo": True, "max_tokens": 0})
+    assert r.sampling.max_tokens == 0 and r.sampling.prompt_logprobs == 0
+    assert parse_completion_request({"prompt": "ab", "echo": True}).sampling.prompt_logprobs is None
     bad(parse_completion_request, {"prompt": "a", "logprobs": 30}, "logprobs")
 
 

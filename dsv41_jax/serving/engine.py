@@ -48,6 +48,16 @@ preemption (the resumed sequence needs all its tokens) and for rows with a const
 depends on the previous token). ``--disable-overlap-schedule`` reads every iteration's tokens
 before the next is prepared.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``, for ``echo`` + ``logprobs`` scoring): a launch
+holding a prefill chunk of such a sample runs the **all-logits** variant of the extend step
+(``decode.jitted_extend(cfg, ccfg, True)``, compiled lazily, per (B, T) bucket, on the first launch that
+needs it; never in the warm-up), and reduces its fp32 ``[B, T, V]`` logits on the device
+(`_prompt_logprobs`) to the log-softmax of each next prompt token ``[B, T]`` and the top
+``max_logprobs`` ``[B, T, K]``; only those come back to the host. Prefill chunks cover positions
+``0 .. len(prompt) - 2``, i.e. exactly the predictions of prompt tokens ``1 .. len(prompt) - 1``; the
+last prompt token's row samples as usual. Such a sample never shares its prompt by forking (it
+prefills itself), and ``max_tokens=0`` ends it ("length") once its prompt logprobs are read.
+
 If the engine itself must end a request (a scheduler fault), the sample finishes with reason
 "error" and `RequestOutput.error` says why; `AsyncEngine` turns it into `EngineInternalError`
 (HTTP 500 / a stream error event), never a truncated success.
@@ -168,6 +178,10 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     error: Optional[str] = None  # set when the engine ended a sample with finish_reason "error"
+    # with SamplingParams.prompt_logprobs: per prompt token (len(prompt_token_ids)), None for the first,
+    # else (logprob, [(token_id, logprob), ...] top-k). Set in the first output after all are computed
+    # (the final one for output_kind "final").
+    prompt_logprobs: Optional[list] = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,6 +273,26 @@ def _sample_rows(logits, slot_tensors, last_token, slots, step_counter, sample_m
     return tokens, lp, top_ids, top_vals, slot_tensors.replace(output_counts=counts), last
 
 
+@functools.partial(jax.jit, static_argnames=("k",))
+def _prompt_logprobs(logits, targets, *, k):
+    """Per-position scoring of a prefill launch on the device.
+
+    logits: fp32 [B, T, V] (every position of each chunk); targets: int32 [B, T], the prompt token
+    that follows each position. Returns (logprob fp32 [B, T] of the target, top-k ids int32
+    [B, T, k], top-k logprobs fp32 [B, T, k]) from log_softmax over V (ties: lower id first)."""
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(lsm, targets[..., None], axis=-1)[..., 0]
+    top_vals, top_ids = jax.lax.top_k(lsm, k)
+    return lp, top_ids.astype(jnp.int32), top_vals
+
+
+@jax.jit
+def _last_logits(logits, n_new):
+    """[B, T, V] -> [B, V] at each row's last real token (what the last-only variant returns)."""
+    last = jnp.maximum(n_new - 1, 0)
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+
 @jax.jit
 def _fill_first_token(tokens, from_prev, slot, last_token):
     """tokens[:, 0] ← last_token[slot] where from_prev (decode rows whose input is still on device)."""
@@ -314,6 +348,7 @@ class _Group:
         self.seqs: list = []
         self.finished_time: Optional[float] = None
         self.emitted_final = False
+        self.sent_plp = False
 
     @property
     def finished(self) -> bool:
@@ -331,6 +366,10 @@ class _Seq:
         self.lps: list = []
         self.tops: list = []
         self.cum_lp = 0.0
+        n_p = len(self.prompt_ids)
+        self.want_plp = params.prompt_logprobs is not None
+        self.plp: list = [None] * n_p if self.want_plp else []  # per prompt position: (lp, top)
+        self.plp_missing = max(0, n_p - 1) if self.want_plp else 0
         self.status = WAITING
         self.slot: Optional[int] = None
         self.num_cached = 0  # tokens written to the cache (host view, counting dispatched launches)
@@ -387,6 +426,7 @@ class _Launch:
     top_ids: Any = None
     top_vals: Any = None
     want_top: bool = False
+    plp: Any = None  # (lp [B, T], top_ids [B, T, K], top_vals [B, T, K]) on the device (prompt logprobs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -479,6 +519,7 @@ class Engine:
         self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
         self._allow_all: dict = {}
         self._extend = dec.jitted_extend(cfg, ccfg, False)
+        self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
         self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
 
@@ -554,7 +595,10 @@ class Engine:
         return ccfg, info
 
     def _jitted(self) -> list:
-        return [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows]
+        fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows]
+        if self._extend_all is not None:
+            fns += [self._extend_all, _prompt_logprobs, _last_logits]
+        return fns
 
     def num_compilations(self) -> int:
         """Compiled variants held by the jitted functions the engine calls (extend, sampling, helpers)."""
@@ -637,7 +681,11 @@ class Engine:
             con = constraint if j == 0 or constraint is None else constraint.clone()
             g.seqs.append(_Seq(g, j, cp, det, con))
         self._groups[request_id] = g
-        self._waiting.extend(g.seqs)
+        if p.max_tokens == 0 and len(ids) == 1:  # nothing to compute: the first token has no logprob
+            for s in g.seqs:
+                self._finish(s, "length")
+        else:
+            self._waiting.extend(g.seqs)
         self.metrics["prompt_tokens"] += len(ids)
 
     def _check_fits(self, ids: list, p: SamplingParams) -> None:
@@ -723,8 +771,8 @@ class Engine:
         if s.status != RUNNING or s.fork_src is not None:
             return False
         mt = s.params.max_tokens
-        if mt is not None and s.n_out >= mt:
-            return False
+        if mt is not None and s.n_out >= mt and not (mt == 0 and s.num_cached < len(s.prompt_ids) - 1):
+            return False  # (max_tokens=0 with prompt logprobs: active while prefilling)
         return s.total_len < self.context_length
 
     def _decodable(self, s: _Seq) -> bool:
@@ -927,7 +975,7 @@ class Engine:
         they are admitted one by one: too many for the slots, or the prompt plus one page per
         sibling would not fit the pool even when empty)."""
         g = s.group
-        if (g.n < 2 or s.index != 0 or s.ever_admitted or self.args.disable_prefix_sharing
+        if (g.n < 2 or s.index != 0 or s.ever_admitted or self.args.disable_prefix_sharing or s.want_plp
                 or len(g.prompt_ids) < 2 or g.n > self.max_slots
                 or self.allocator.pages_needed(None, len(g.prompt_ids)) + g.n - 1 > self.allocator.capacity):
             return None
@@ -1075,16 +1123,30 @@ class Engine:
                 sample_mask[b] = r.sample
                 step[b] = r.step
             L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
-            self._device_launch(L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step)
+            targets = None
+            if any(r.seq.want_plp and not (r.sample or r.replay) for r in L.rows):
+                targets = np.zeros((B, T), np.int32)
+                for b, r in enumerate(L.rows):
+                    if r.seq.want_plp and not (r.sample or r.replay):
+                        targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
+            self._device_launch(L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step, targets=targets)
 
     def _device_launch(self, L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
-                       force_sample: bool = False) -> None:
+                       force_sample: bool = False, targets=None) -> None:
         """Enqueue one launch: first-token fill, extend, sampling. Host inputs stay numpy (the jit
         fast path transfers them; ``jax.device_put`` costs ~10x more host time) and every call
         passes the same kinds of arguments, so the warm-up's compilations are the ones reused."""
         toks = _fill_first_token(tokens, from_prev, slot, self.last_token)
         batch = {"tokens": toks, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
-        logits, self.state = self._extend(self.params, self.state, batch)
+        if targets is None:
+            logits, self.state = self._extend(self.params, self.state, batch)
+        else:  # prompt logprobs: every position's logits, reduced on the device
+            if self._extend_all is None:
+                log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
+                self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True)
+            all_logits, self.state = self._extend_all(self.params, self.state, batch)
+            L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs)
+            logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
         self.metrics["launches"] += 1
         if not (force_sample or sample_mask.any()):
             return
@@ -1129,6 +1191,8 @@ class Engine:
         n_tok = 0
         for L in launches:
             self._n_processed += 1
+            if L.plp is not None:
+                self._process_prompt_logprobs(L)
             if L.tokens is None:
                 continue
             toks = np.asarray(L.tokens)
@@ -1157,6 +1221,24 @@ class Engine:
             self._reserve_ratio = max(_RESERVE_MIN, self._reserve_ratio - _RESERVE_DECAY)
             if self.args.decode_log_interval and self._decode_iters % self.args.decode_log_interval == 0:
                 self._log_decode()
+
+    def _process_prompt_logprobs(self, L: _Launch) -> None:
+        """Store a launch's prompt logprobs in its samples (position j of a chunk starting at `start`
+        scores prompt token start + j + 1); a max_tokens=0 sample ends once it has them all."""
+        lp, ids, vals = (np.asarray(a) for a in L.plp)
+        for b, r in enumerate(L.rows):
+            s = r.seq
+            if not s.want_plp or r.sample or r.replay or s.status != RUNNING:
+                continue
+            k = s.params.prompt_logprobs
+            for j in range(r.n):
+                pos = r.start + j + 1
+                if s.plp[pos] is None:
+                    s.plp_missing -= 1
+                s.plp[pos] = (float(lp[b, j]), [(int(ids[b, j, q]), float(vals[b, j, q])) for q in range(k)])
+            self._touched[s.group.rid] = s.group
+            if s.plp_missing == 0 and s.params.max_tokens == 0:
+                self._finish(s, "length")
 
     def _append_token(self, s: _Seq, tok: int, lp: float, top, now: float) -> None:
         p = s.params
@@ -1246,7 +1328,11 @@ class Engine:
                 g.emitted_final = True
                 self._groups.pop(rid, None)
             error = next((s.error for s in g.seqs if s.error), None)
-            out.append(RequestOutput(rid, g.prompt, g.prompt_ids, comps, fin, self._group_metrics(g), error))
+            plp = None
+            s0 = g.seqs[0]
+            if s0.want_plp and s0.plp_missing == 0 and not g.sent_plp:
+                plp, g.sent_plp = list(s0.plp), True
+            out.append(RequestOutput(rid, g.prompt, g.prompt_ids, comps, fin, self._group_metrics(g), error, plp))
         self._touched = {}
         return out
 

@@ -26,7 +26,8 @@ Field rules (OpenAI / vLLM / SGLang semantics):
   [0, 1], ``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0, ``seed``
   an integer, ``stop`` a string or a list of at most 16 non-empty strings, ``n`` in 1..max_n.
 * chat ``logprobs`` a boolean and ``top_logprobs`` 0..20 (needs ``logprobs: true``); completions
-  ``logprobs`` an integer 0..20.
+  ``logprobs`` an integer 0..20; with ``echo`` (``n`` = 1, not streamed) it also asks for prompt
+  logprobs, and ``max_tokens`` may be 0 (score the prompt alone).
 * ``stream`` a boolean; ``stream_options`` only with ``stream: true`` and then an object with a
   boolean ``include_usage`` (and SGLang's ``continuous_usage_stats``).
 * extras: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
@@ -242,11 +243,12 @@ def _model(body: Mapping) -> Optional[str]:
 
 
 def _sampling(body: Mapping, *, max_tokens: Optional[int], logprobs: Optional[int], n: int,
-              vocab_size: Optional[int]) -> SamplingParams:
+              vocab_size: Optional[int], prompt_logprobs: Optional[int] = None) -> SamplingParams:
     kw: dict[str, Any] = dict(
         n=n,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=_stop(body),
     )
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -293,7 +295,7 @@ def _unsupported(body: Mapping) -> None:
         raise APIError.bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
-def _max_tokens(body: Mapping, default: Optional[int]) -> Optional[int]:
+def _max_tokens(body: Mapping, default: Optional[int], lo: int = 1) -> Optional[int]:
     names = [n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None]
     if not names:
         return default
@@ -304,8 +306,9 @@ def _max_tokens(body: Mapping, default: Optional[int]) -> Optional[int]:
             v = int(v)
         else:
             raise APIError.bad_request(f"{name} must be an integer, got {_tname(v)}", name)
-    if v < 1:
-        raise APIError.bad_request(f"{name} must be at least 1, got {v}", name)
+    if v < lo:
+        hint = "" if lo == 0 else " (0 only with echo: score the prompt alone)"
+        raise APIError.bad_request(f"{name} must be at least {lo}, got {v}{hint}", name)
     return v
 
 
@@ -414,14 +417,21 @@ def parse_completion_request(body: dict, *, vocab_size: Optional[int] = None, ma
         lp = 0 if lp else None
         body = dict(body, logprobs=lp)
     lp = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    if echo and lp is not None:
-        raise APIError.bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     n = _n(body, max_n)
+    if echo and lp is not None and n > 1:
+        raise APIError.bad_request("echo with logprobs needs n = 1 (the prompt logprobs are the same for every "
+                                   f"sample), got n={n}", "n")
+    if echo and lp is not None and stream:
+        raise APIError.bad_request("echo with logprobs is not supported with stream=true", "stream")
     bo = _int(body, "best_of", None, lo=1)
     if bo is not None and bo != n:
         raise APIError.bad_request("best_of other than n is not supported", "best_of")
-    mt = _max_tokens(body, 16)
-    sp = _sampling(body, max_tokens=mt, logprobs=lp, n=n, vocab_size=vocab_size)
+    mt = _max_tokens(body, 16, lo=0 if echo else 1)
+    if mt == 0 and n > 1:
+        raise APIError.bad_request("max_tokens=0 (score the prompt alone) needs n = 1", "n")
+    # echo + logprobs: prompt logprobs (also computed for max_tokens=0 without logprobs: nothing to sample)
+    plp = (lp if lp is not None else 0) if echo and (lp is not None or mt == 0) else None
+    sp = _sampling(body, max_tokens=mt, logprobs=lp, n=n, vocab_size=vocab_size, prompt_logprobs=plp)
     return CompletionRequest(body, model, prompts, sp, stream, so, lp, echo)
 
 

@@ -166,6 +166,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    # prompt logprobs (vLLM's field): None: none; k >= 0: each prompt token's logprob (the first is
+    # None) and the top-k at that position, from the prefill's own logits. Allows max_tokens=0.
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -218,8 +221,14 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be < vocab_size={vocab_size}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1 or null")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "must be an integer >= 0 or null")
+        if max_logprobs is not None and self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            bad("prompt_logprobs", f"must be <= max_logprobs={max_logprobs}")
+        lo = 0 if self.prompt_logprobs is not None else 1  # max_tokens=0: score the prompt alone
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < lo):
+            bad("max_tokens", f"must be an integer >= {lo} or null" + ("" if lo == 0 else
+                                                                        " (0 only with prompt_logprobs)"))
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -9,6 +9,8 @@ decoding (:mod:`constrained`) and metrics (:mod:`metrics`) into these endpoints:
   ``response_format`` / ``tool_choice`` required-or-named enforced by llguidance masks; SSE
   streaming with ``stream_options.include_usage`` and a final ``data: [DONE]``;
 * ``POST /v1/completions`` — raw prompts (strings or token ids, one or several), ``echo``;
+* ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's spelling; lm-eval's
+  ``tokenizer_backend=remote``);
 * ``GET /v1/models``, ``GET /health`` (no API key), ``GET /metrics`` (``enable_metrics``; otherwise a 404 saying how to turn it on).
 
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
@@ -112,6 +114,8 @@ class EngineOutput:
     finished: bool = False
     prompt_tokens: Optional[int] = None
     cached_tokens: Optional[int] = None
+    # per prompt token: None (the first) or (logprob, [(token_id, logprob), ...]); see RequestOutput
+    prompt_logprobs: Optional[list] = None
 
 
 def _get(o: Any, *names: str, default: Any = None) -> Any:
@@ -179,7 +183,7 @@ def normalize_output(out: Any) -> EngineOutput:
                                     logprobs, top_logprobs))
     finished = bool(_get(out, "finished", default=False))
     return EngineOutput(choices, finished, _get(out, "num_prompt_tokens", "prompt_tokens"),
-                        _get(out, "num_cached_tokens", "cached_tokens"))
+                        _get(out, "num_cached_tokens", "cached_tokens"), _get(out, "prompt_logprobs"))
 
 
 # ----------------------------------------------------------------------------- per-choice state
@@ -251,6 +255,7 @@ class _Choice:
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.top_logprobs: list = []
+        self.prompt_logprobs: Optional[list] = None  # echo + logprobs (completions)
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
         self.think_close_id = think_close_id
@@ -576,6 +581,123 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             off += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops if top else None, "text_offset": offs}
 
+    def _top_dict(pairs: list, tid: int, lp: float) -> dict:
+        """{token text: logprob} of the top-k plus the token itself (as vLLM); a text shared by
+        several ids keeps its highest logprob."""
+        d: dict = {}
+        for a, b in list(pairs) + [(tid, lp)]:
+            key, v = token_text.text(a), _lp(b)
+            if key not in d or v > d[key]:
+                d[key] = v
+        return d
+
+    def logprobs_echo(ch: _Choice, prompt_ids: list, top: int, echo_len: int) -> dict:
+        """Completions ``echo`` + ``logprobs``: the prompt's tokens (the first with a null logprob
+        and null top_logprobs, as OpenAI / vLLM) and then the generated ones; text offsets are the
+        cumulative lengths of the token strings from the start of the echoed prompt (the generated
+        ones from ``echo_len``, the echoed text's length)."""
+        plp = ch.prompt_logprobs or [None] * len(prompt_ids)
+        toks, lps, tops, offs = [], [], [], []
+        off = 0
+        for i, tid in enumerate(prompt_ids):
+            s = token_text.text(tid)
+            toks.append(s)
+            offs.append(off)
+            off += len(s)
+            e = plp[i] if i < len(plp) else None
+            if i == 0 or e is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(_lp(e[0]))
+                tops.append(_top_dict(e[1][:top], tid, e[0]))
+        # the generated text starts after the echoed prompt; where the prompt's token strings are
+        # longer than its decoded text (partial UTF-8 pieces), offsets stay monotone
+        off = max(echo_len, off)
+        for j in range(min(len(ch.token_ids), len(ch.logprobs))):
+            tid = ch.token_ids[j]
+            s = token_text.text(tid)
+            toks.append(s)
+            offs.append(off)
+            off += len(s)
+            lps.append(_lp(ch.logprobs[j]))
+            t = ch.top_logprobs[j] if j < len(ch.top_logprobs) else None
+            tops.append(_top_dict((t or [])[:top], tid, ch.logprobs[j]))
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    # ------------------------------------------------------------------ tokenizer endpoints
+
+    def _tok_ids(text: str, add_special: bool) -> list:
+        ids = list(tokenizer.encode(text))
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if add_special and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def prepare_tokenize(body: dict) -> dict:
+        check_model(body.get("model"))
+        if ("prompt" in body) == ("messages" in body):
+            raise APIError.bad_request("give exactly one of 'prompt' (a string) or 'messages' (a chat)", "prompt")
+        add_special = body.get("add_special_tokens")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise APIError.bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+        if "prompt" in body:
+            if not isinstance(body["prompt"], str):
+                raise APIError.bad_request("prompt must be a string", "prompt")
+            ids = _tok_ids(body["prompt"], bool(add_special))  # vLLM's default for prompts: True; ours: no BOS
+        else:  # the chat's prompt exactly as /v1/chat/completions encodes it (it carries its own BOS)
+            chat_body = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")}
+            try:
+                enc = encode_chat_request(chat_body, wording=cfg.wording, server_defaults=cfg.server_defaults,
+                                          render_response_format=cfg.render_response_format)
+            except ChatError as e:
+                raise APIError.from_chat_error(e) from None
+            ids = _tok_ids(enc.prompt, bool(add_special))
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": cfg.context_length, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM / SGLang ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (encoded as the
+        chat endpoint does), ``add_special_tokens`` (default false: the BOS is not added to a prompt;
+        chat prompts already start with it) -> ``{"tokens": [int], "count", "max_model_len"}``."""
+        try:
+            body = await read_body(request)
+            return JSONResponse(await asyncio.to_thread(prepare_tokenize, body))
+        except APIError as e:
+            return err(e)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """``{"tokens": [int]}`` -> ``{"prompt": str}`` (special tokens kept, as vLLM)."""
+        try:
+            body = await read_body(request)
+            check_model(body.get("model"))
+            toks = body.get("tokens")
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise APIError.bad_request("tokens must be a list of integers", "tokens")
+            if vocab is not None and any(not (0 <= t < vocab) for t in toks):
+                raise APIError.bad_request(f"tokens must be in [0, {vocab})", "tokens")
+            return JSONResponse({"prompt": tokenizer.decode(toks, skip_special_tokens=False)})
+        except APIError as e:
+            return err(e)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """What lm-eval's ``tokenizer_backend=remote`` / ``auto`` reads (vLLM's spelling)."""
+        def name(tid):
+            return tokenizer.id_to_token(tid) if tid is not None else None
+        bos = getattr(tokenizer, "bos_token_id", None)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.context_length,
+                             "max_model_len": cfg.context_length, "vocab_size": vocab,
+                             "bos_token": name(bos), "bos_token_id": bos, "eos_token": name(eos), "eos_token_id": eos,
+                             "pad_token": name(pad), "pad_token_id": pad, "add_bos_token": False,
+                             "chat_template": "deepseek-v41", "chat_template_name": "deepseek-v41"})
+
     # ------------------------------------------------------------------ chat completions
 
     def prepare_chat(body: dict) -> tuple[ChatRequest, EncodedChat, list, Any, Any]:
@@ -788,7 +910,11 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
     def prepare_completion(body: dict):
         req = parse_completion_request(body, vocab_size=vocab, max_n=cfg.max_n)
         check_model(req.model)
-        prompts_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+        add_special = body.get("add_special_tokens", False)
+        if not isinstance(add_special, bool):
+            raise APIError.bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+        # string prompts: no BOS unless add_special_tokens (token-id prompts are taken as sent)
+        prompts_ids = [_tok_ids(p, add_special) if isinstance(p, str) else list(p) for p in req.prompts]
         sps = [check_context(len(ids), req.sampling, cfg.context_length, explicit=req.max_tokens_explicit,
                              param="max_tokens") for ids in prompts_ids]
         constraints = []
@@ -853,6 +979,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                         if not (0 <= upd.index < n):
                             continue
                         ch = choices[k * n + upd.index]
+                        if out.prompt_logprobs is not None:
+                            ch.prompt_logprobs = out.prompt_logprobs
                         if ch.done:
                             continue
                         start = len(ch.token_ids)
@@ -884,9 +1012,15 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                 for c in choices:
                     k = c.index // n
                     text = echo_text[k] + c.text
-                    out.append({"index": c.index, "text": text,
-                                "logprobs": logprobs_completion(c, 0, len(c.token_ids), req.logprobs or 0,
-                                                                len(echo_text[k])) if req.logprobs is not None else None,
+                    if req.logprobs is None:
+                        lp = None
+                    elif req.echo:
+                        if c.prompt_logprobs is None and c.finish_reason not in ("abort", "error"):
+                            return err(APIError(500, "the engine returned no prompt logprobs", code="internal_error"))
+                        lp = logprobs_echo(c, prompts_ids[k], req.logprobs, len(echo_text[k]))
+                    else:
+                        lp = logprobs_completion(c, 0, len(c.token_ids), req.logprobs, len(echo_text[k]))
+                    out.append({"index": c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason or "abort",
                                 **({"matched_stop": c.stop_reason} if c.stop_reason is not None else {})})
                 d = base(out)

@@ -1,0 +1,102 @@
+"""Prompt logprobs from the engine's prefill (issue 16 item 1): equal to the reference forward's
+log-softmax at every prompt position, for prompts longer than one prefill chunk and for batched
+prompts of different lengths; ``max_tokens=0`` scores the prompt alone.
+
+One engine per module in the fp32 mode (token bucket 16 = the chunk size, one batch bucket of 4), so
+a 40-token prompt is prefilled in 3 chunks through the lazily compiled all-logits variant. The
+reference is `forward` (jitted, fp32) on the prompts right-padded to one length (causal: padding
+after a position changes nothing before it). Tolerance: 2e-4 absolute on logprobs (fp32; the paged
+decode step and the full forward differ in accumulation order only)."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from dsv41_jax.model import forward
+from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.sampling import SamplingParams, SamplingParamsError
+
+ENGINE_KW = dict(model="tiny", dtype="float32", page_size=16, context_length=128, max_running_requests=4,
+                 max_total_tokens=1024, chunked_prefill_size=16, batch_buckets=[4], token_buckets=[16])
+TOL = 2e-4
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = Engine(EngineArgs(**ENGINE_KW))
+    yield e
+    assert e.allocator.free_pages == e.allocator.capacity
+
+
+def _reference(eng, prompts):
+    """log_softmax of the full forward: [len(prompts), Tmax, V] fp32 (rows right-padded with 3)."""
+    T = max(len(p) for p in prompts)
+    toks = np.full((len(prompts), T), 3, np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    logits = jax.jit(forward, static_argnames="cfg")(eng.params, jax.numpy.asarray(toks), eng.cfg)
+    return np.asarray(jax.nn.log_softmax(logits.astype(np.float32), axis=-1))
+
+
+def _run(eng, prompts, sp):
+    rids = []
+    for p in prompts:
+        rids.append(f"p{next(_ids)}")
+        eng.add_request(rids[-1], p, sp)
+    outs = {}
+    for o in eng.run_until_done():
+        if o.prompt_logprobs is not None:
+            outs.setdefault(o.request_id, {})["plp"] = o.prompt_logprobs
+        if o.finished:
+            outs.setdefault(o.request_id, {})["out"] = o
+    return [outs[r] for r in rids]
+
+
+def test_prompt_logprobs_match_forward_batched_multichunk(eng):
+    rng = np.random.default_rng(16)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (40, 7, 23, 2)]  # 40 > 2 chunks of 16
+    k = 3
+    res = _run(eng, prompts, SamplingParams(max_tokens=2, temperature=0, logprobs=k, prompt_logprobs=k))
+    ref = _reference(eng, prompts)
+    for i, (p, r) in enumerate(zip(prompts, res)):
+        plp = r["plp"]
+        assert len(plp) == len(p) and plp[0] is None
+        got = np.array([plp[t][0] for t in range(1, len(p))])
+        want = ref[i, np.arange(len(p) - 1), p[1:]]
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+        for t in range(1, len(p)):
+            top = plp[t][1]
+            assert len(top) == k
+            order = np.argsort(-ref[i, t - 1], kind="stable")[:k]
+            np.testing.assert_allclose([v for _, v in top], ref[i, t - 1, order], atol=TOL, rtol=0)
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        out = r["out"].outputs[0]
+        assert len(out.token_ids) == 2
+        # the first generated token's logprob is the forward's at the last prompt position
+        np.testing.assert_allclose(out.logprobs[0], ref[i, len(p) - 1, out.token_ids[0]], atol=TOL, rtol=0)
+
+
+def test_max_tokens_zero_scores_prompt_alone(eng):
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (33, 1, 5)]
+    res = _run(eng, prompts, SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=0))
+    ref = _reference(eng, prompts)
+    for i, (p, r) in enumerate(zip(prompts, res)):
+        out = r["out"]
+        assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+        plp = r["plp"]
+        assert len(plp) == len(p) and plp[0] is None
+        got = np.array([plp[t][0] for t in range(1, len(p))])
+        np.testing.assert_allclose(got, ref[i, np.arange(len(p) - 1), p[1:]], atol=TOL, rtol=0)
+        assert all(plp[t][1] == [] for t in range(1, len(p)))
+
+
+def test_prompt_logprobs_validation(eng):
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(max_tokens=0)  # 0 only with prompt_logprobs
+    with pytest.raises(SamplingParamsError):
+        eng.add_request("bad", [5, 6], SamplingParams(prompt_logprobs=eng.max_logprobs + 1))
