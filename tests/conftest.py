@@ -49,3 +49,12 @@ def tiny_cfg32(tiny_cfg):
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
     return init_params(tiny_cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def pallas_impl():
+    """"pallas" on a GPU, "pallas_interpret" elsewhere: every kernel test is written once and runs
+    natively where it can (`dsv41_jax.pallas.common.test_impl`)."""
+    from dsv41_jax.pallas.common import test_impl
+
+    return test_impl()
