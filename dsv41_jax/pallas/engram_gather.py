@@ -39,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -218,24 +219,23 @@ def _flash_dims():
 BENCH_TABLE_ROWS = 1 << 20  # 256 MiB of codes: far above L2, so random rows miss the cache as the real table's do
 
 
-def bench_inputs(tokens: int, *, seed: int = 0, interpret: bool = False) -> dict:
+def bench_inputs(tokens: int, *, seed: int = 0, interpret: bool = False, table_rows: int = BENCH_TABLE_ROWS) -> dict:
     """Flash-shaped inputs for scripts/bench_kernels.py: ``{part: (kernel_fn, xla_fn, args)}``.
 
     Parts: "gather" (rows -> emb [tokens, 24·256] bf16) and "gate" (h [tokens, 4, 5120] bf16, kv
     [tokens, 5·5120] bf16 -> h'). ``kernel_fn(*args)`` and ``xla_fn(*args)`` return the same array
-    (xla_fn is the model's reference code, jitted). The table has `BENCH_TABLE_ROWS` rows instead of
-    384M (only the 24 gathered rows per token are read either way). The wkv GEMM between them is the
+    (xla_fn is the model's reference code, jitted). The table has `table_rows` rows instead of 384M
+    (only the 24 gathered rows per token are read either way). The wkv GEMM between them is the
     "linear" seam's and is not benchmarked here.
     """
     n, D, R, de, eps = _flash_dims()
-    k = jax.random.split(jax.random.key(seed), 6)
-    table = jax.random.normal(k[0], (BENCH_TABLE_ROWS, de), jnp.float32).astype(quant.FP8)
-    tscale = jax.lax.bitcast_convert_type(
-        jax.random.randint(k[1], (BENCH_TABLE_ROWS, de // 32), 120, 135).astype(jnp.uint8), quant.E8M0)
-    rows = jax.random.randint(k[2], (tokens, R), 0, BENCH_TABLE_ROWS, jnp.int32)
-    h = jax.random.normal(k[3], (tokens, n, D), jnp.float32).astype(jnp.bfloat16)
-    kv = jax.random.normal(k[4], (tokens, (n + 1) * D), jnp.float32).astype(jnp.bfloat16)
-    qk = jax.random.uniform(k[5], (2, n, D), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
+    rng = np.random.default_rng(seed)  # numpy: no device compiles to build the inputs
+    table = jnp.asarray(rng.standard_normal((table_rows, de), np.float32).astype(quant.FP8))
+    tscale = jnp.asarray(rng.integers(120, 135, (table_rows, de // 32)).astype(np.uint8).view(quant.E8M0))
+    rows = jnp.asarray(rng.integers(0, table_rows, (tokens, R)).astype(np.int32))
+    h = jnp.asarray(rng.standard_normal((tokens, n, D), np.float32).astype(jnp.bfloat16))
+    kv = jnp.asarray(rng.standard_normal((tokens, (n + 1) * D), np.float32).astype(jnp.bfloat16))
+    qk = jnp.asarray(rng.uniform(0.5, 1.5, (2, n, D)).astype(jnp.bfloat16))
     bf = jnp.dtype(jnp.bfloat16)
     return {
         "gather": (functools.partial(gather, dt=bf, interpret=interpret),
