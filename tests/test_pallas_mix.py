@@ -207,6 +207,15 @@ def test_mhc_seams(pallas_impl, tiny_cfg, tiny_params):
         mhc.sublayer_enter(h, pp, *w, tiny_cfg.replace(act_dtype="exact", impl=f"xla,mhc={pallas_impl}"), F32)
 
 
+def test_mhc_exact_mode_auto_is_xla(pallas_impl, tiny_cfg, monkeypatch):
+    """Exact mode: "auto" resolving to the fp32 Pallas kernels (as on a GPU) runs "xla" instead; an
+    explicit Pallas choice stays what was asked for (and the kernel refuses the exact mode)."""
+    monkeypatch.setattr(dispatch, "resolve", lambda cfg, op: pallas_impl)
+    assert mhc._seam_impl(tiny_cfg.replace(act_dtype="exact", impl="auto")) == "xla"
+    assert mhc._seam_impl(tiny_cfg.replace(act_dtype="exact", impl=f"mhc={pallas_impl}")) == pallas_impl
+    assert mhc._seam_impl(tiny_cfg.replace(impl="auto")) == pallas_impl
+
+
 # ------------------------------------------------------------------------------------------- bench
 
 def test_bench_inputs_match_their_xla_functions():

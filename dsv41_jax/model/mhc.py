@@ -21,6 +21,8 @@ the functions above unchanged; "pallas" / "pallas_interpret" run `dsv41_jax.pall
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Tuple
 
 import jax
@@ -28,6 +30,8 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
 from dsv41_jax.model.numerics import einsum_exact, is_exact, x64_scope
+
+log = logging.getLogger(__name__)
 
 __all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post", "sublayer_enter", "sublayer_exit"]
 
@@ -165,9 +169,13 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     into one pass over h) have no cheaper XLA formulation, so both implementations share them.
     In the exact mode the mix matmul accumulates in fp64.
     """
-    impl = dispatch.resolve(cfg, "mhc")
+    return _mixes(h, fn, base, scale, cfg, dispatch.resolve(cfg, "mhc"))
+
+
+def _mixes(h, fn, base, scale, cfg, impl):
     if impl not in ("reference", "xla"):
-        raise dispatch.ImplError(f"mhc: no {impl!r} implementation")
+        raise dispatch.ImplError(f"mhc: no mixes-only {impl!r} implementation (the Pallas kernel fuses the "
+                                 f"mixes with hc_pre: call sublayer_enter)")
     return hc_mixes(h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
                     sinkhorn_iters=cfg.hc_sinkhorn_iters, unroll=impl == "xla", exact=is_exact(cfg))
 
@@ -232,6 +240,23 @@ def hc_post(
     return out.astype(out_dtype)
 
 
+def _seam_impl(cfg) -> str:
+    """The mhc implementation for the seams. The Pallas kernels compute the mix projection in fp32,
+    so in the exact numerics mode (fp64-accumulated projection) "auto" means "xla" there (logged
+    once); an explicit "pallas" in the exact mode is an error (raised by the kernel module)."""
+    impl = dispatch.resolve(cfg, "mhc")
+    if impl in ("pallas", "pallas_interpret") and is_exact(cfg) and dispatch.parse_impl(cfg.impl)["mhc"] == "auto":
+        _log_exact_auto(cfg.impl)
+        return "xla"
+    return impl
+
+
+@functools.lru_cache(maxsize=None)
+def _log_exact_auto(spec: str) -> None:
+    log.info("mhc: impl spec %r resolves to pallas, but the exact numerics mode has no Pallas mhc kernel: "
+             "using 'xla'", spec)
+
+
 def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt):
     """Everything a sublayer needs from the streams before it runs, by implementation.
 
@@ -247,12 +272,12 @@ def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt):
       with the mixes of :func:`sublayer_mixes` (fp32). "reference" / "xla": exactly those two calls
       (bitwise today's numbers); Pallas: one fused pass over h (`dsv41_jax.pallas.mhc_mix`).
     """
-    impl = dispatch.resolve(cfg, "mhc")
+    impl = _seam_impl(cfg)
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt,
                                             interpret=impl == "pallas_interpret")
     x_in = hc_pre(h, pre_prev, dt)
-    return (x_in, *sublayer_mixes(h, fn, base, scale, cfg))
+    return (x_in, *_mixes(h, fn, base, scale, cfg, impl))
 
 
 def sublayer_exit(y, h, post, comb, cfg, dt):
@@ -262,7 +287,7 @@ def sublayer_exit(y, h, post, comb, cfg, dt):
     y: [..., D]; h: [..., n, D] (the streams that entered the sublayer); post: fp32 [..., n];
     comb: fp32 [..., n, n]. Returns [..., n, D] in `dt`.
     """
-    impl = dispatch.resolve(cfg, "mhc")
+    impl = _seam_impl(cfg)
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("mhc", impl, "sublayer_exit")(y, h, post, comb, cfg, dt,
                                                             interpret=impl == "pallas_interpret")
