@@ -20,7 +20,9 @@ Layout in registers: the 24 mixes live as one [tokens, 32] tile (24 = (2+n)·n p
 power of two; fn rows ≥ 24 are masked to zero). The Triton lowering has no slicing of register
 tensors, so single mixes are taken out by a masked lane sum (exact: the other lanes add +0.0) and
 Sinkhorn runs on n² per-token vectors [tokens] with the reference's static left-to-right row/column
-sums, inside a `fori_loop` (unrolling 19 iterations of 16 vectors only bloats the kernel).
+sums, inside a `fori_loop` (unrolling 19 iterations of 16 vectors only bloats the kernel); pre, post
+and comb go back as [tokens, n] / [tokens, n²] tiles assembled by masked lane writes, one store each.
+``hc_mult`` must be a power of two (4 in every preset) for those tiles.
 
 Split-K: at decode token counts one program per 16-token block would leave most SMs idle while each
 reads the whole 2 MB fn, so the D axis can be split over a second grid axis (`splits`): each split
