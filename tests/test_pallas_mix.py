@@ -136,7 +136,8 @@ def _check_enter(got, want, dt, comb_atol=5e-6):
 ENTER_CASES = [((2, 5), 64, BF16, None, 1), ((1, 17), 512, BF16, None, 4), ((1, 1), 512, F32, 1, 1)]
 
 
-@pytest.mark.parametrize("lead, D, dt, splits, expect_splits", ENTER_CASES, ids=["tiny10", "d512-17tok-s4", "d512-1tok-f32"])
+@pytest.mark.parametrize("lead, D, dt, splits, expect_splits", ENTER_CASES,
+                         ids=["tiny10", "d512-17tok-s4", "d512-1tok-f32"])
 def test_mhc_enter(pallas_impl, lead, D, dt, splits, expect_splits):
     n = 4
     h, pp, fn, base, scale = _mhc_inputs(np.random.default_rng(D + len(lead)), lead, n, D, dt)

@@ -264,7 +264,8 @@ def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float,
     lead = h.shape[:-2]
     mix = (2 + n) * n
     if n & (n - 1):
-        raise ValueError(f"mhc enter kernel: hc_mult must be a power of two (Triton tiles [tokens, n], [tokens, n²]), got {n}")
+        raise ValueError(f"mhc enter kernel: hc_mult must be a power of two (Triton tiles [tokens, n], "
+                         f"[tokens, n²]), got {n}")
     if fn.shape != (mix, n * d) or base.shape != (mix,) or scale.shape != (3,):
         raise ValueError(f"mhc enter: fn {fn.shape} / base {base.shape} / scale {scale.shape} do not fit h {h.shape}")
     hf = h.reshape(-1, n, d)
