@@ -38,6 +38,8 @@ CHOICES = IMPLS + ("auto",)
 
 # op -> module (under dsv41_jax.pallas) holding its kernel; filled in by the kernels issue.
 KERNEL_MODULES: dict = {}
+KERNEL_MODULES["engram"] = "engram_gather"
+KERNEL_MODULES["mhc"] = "mhc_mix"
 KERNEL_ENTRY = "kernel"
 
 
@@ -101,11 +103,14 @@ def resolve(cfg_or_spec, op: str) -> str:
     return _resolve(spec, op, jax.default_backend())
 
 
-def kernel(op: str, name: str):
-    """The Pallas entry point of `op` (imported lazily); `name` is "pallas" or "pallas_interpret"."""
+def kernel(op: str, name: str, entry: str = KERNEL_ENTRY):
+    """The Pallas entry point of `op` (imported lazily); `name` is "pallas" or "pallas_interpret".
+
+    `entry`: the function's name in the kernel module, `KERNEL_ENTRY` unless the op has more than
+    one seam (mhc: "kernel" enters a sublayer, "sublayer_exit" leaves it)."""
     if name not in ("pallas", "pallas_interpret"):
         raise ImplError(f"kernel(): {name!r} is not a Pallas implementation")
     if not kernel_available(op):
         raise ImplError(f"no Pallas kernel for op {op!r}")
     mod = importlib.import_module(f"dsv41_jax.pallas.{KERNEL_MODULES[op]}")
-    return getattr(mod, KERNEL_ENTRY)
+    return getattr(mod, entry)

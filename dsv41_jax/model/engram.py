@@ -42,37 +42,59 @@ def hash_rows(cfg, layer_id, token_map, tokens, history=None):
     return engram_tables.engram_hash_rows(ids, mult, primes, offsets, pad_id, history=history)
 
 
+def gather_rows(table, tscale, rows, dt):
+    """The reference gather: hashed rows -> dequantized, concatenated Engram embedding.
+
+    table: float8_e4m3fn [N, de]; tscale: E8M0 [N, de/32]; rows: int32 [..., R] (indices into N).
+    Returns [..., R·de] in `dt`: row r's de values e4m3 × 2^(e−127) per 32 (fp32, exact), rows
+    concatenated in order, rounded once to `dt`.
+    """
+    de = table.shape[-1]
+    lead, R = rows.shape[:-1], rows.shape[-1]
+    emb = table[rows].astype(jnp.float32)  # [..., R, de]
+    sc = quant.e8m0_to_f32(tscale[rows])  # [..., R, de/32]
+    emb = (emb.reshape(*lead, R, de // 32, 32) * sc[..., None]).reshape(*lead, R * de)
+    return emb.astype(dt)
+
+
+def gate(h, kv, q_weight, k_weight, eps, dt):
+    """The reference gate (SPEC §5): h_c + g_c · value per stream, in fp32, rounded once.
+
+    h: [..., n, D]; kv: [..., n·D + D] (the wkv output: n keys, then the shared value);
+    q_weight, k_weight: bf16 [n, D]; eps: ``rms_norm_eps``. Returns [..., n, D] in `dt`.
+    """
+    n, D = h.shape[-2], h.shape[-1]
+    keys = kv[..., : n * D].reshape(*kv.shape[:-1], n, D).astype(jnp.float32)
+    value = kv[..., n * D:].astype(jnp.float32)
+    w = q_weight.astype(jnp.float32) * k_weight.astype(jnp.float32)  # [n, D]
+    hf = h.astype(jnp.float32)
+    d = jnp.sum(hf * w * keys, axis=-1)
+    d = d * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1) + eps) * jax.lax.rsqrt(jnp.mean(keys * keys, axis=-1) + eps)
+    d = d * D ** -0.5
+    g = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(d), 1e-6)), d))
+    return (hf + g[..., None] * value[..., None, :]).astype(dt)
+
+
 def engram(p, h, rows, cfg, dt):
     """Apply Engram to the n-stream state.
 
     p: the layer's ``engram`` params; h [B, T, n, D]; rows int32 [B, T, 24]. Returns h' [B, T, n, D] in `dt`:
     h_c ← h_c + g_c · value with g_c = sigmoid(signed sqrt of the normalized ⟨h_c, w_c ⊙ key_c⟩).
 
-    Implementations (`dispatch.resolve(cfg, "engram")`): "reference" and "xla" are this one function,
-    because it already is the fast XLA formulation: only the 24 hashed rows per token are gathered,
-    at stored width (fp8 codes + E8M0 scales, ~0.26 KB per row), and dequantized after the gather in
-    one fusion; the 384M-row table is never touched otherwise. The heavy part, the wkv GEMM
-    (6144 -> n·D + D), goes through the "linear" seam, which has its own xla path; the gate is a few
-    elementwise ops and one reduction per stream. (A Pallas kernel could fuse gather -> GEMM.)
+    Implementations (`dispatch.resolve(cfg, "engram")`): "reference" and "xla" are the same code
+    (`gather_rows` -> wkv -> `gate`), because it already is the fast XLA formulation: only the 24 hashed
+    rows per token are gathered, at stored width (fp8 codes + E8M0 scales, ~0.26 KB per row), and
+    dequantized after the gather in one fusion; the 384M-row table is never touched otherwise. The heavy
+    part, the wkv GEMM (6144 -> n·D + D), goes through the "linear" seam, which has its own xla path;
+    the gate is a few elementwise ops and one reduction per stream. "pallas" / "pallas_interpret":
+    `dsv41_jax.pallas.engram_gather.kernel` (gather + dequantize + concatenate in one kernel, the wkv
+    still through the "linear" seam, then one gate kernel).
     """
     impl = dispatch.resolve(cfg, "engram")
+    if impl in ("pallas", "pallas_interpret"):
+        return dispatch.kernel("engram", impl)(p, h, rows, cfg, dt, interpret=impl == "pallas_interpret")
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"engram: no {impl!r} implementation")
-    B, T, n, D = h.shape
-    table, tscale = p["embed"]["weight"], p["embed"]["scale"]
-    de = table.shape[-1]
-    emb = table[rows].astype(jnp.float32)  # [B, T, R, de]
-    sc = quant.e8m0_to_f32(tscale[rows])  # [B, T, R, de/32]
-    emb = (emb.reshape(B, T, rows.shape[-1], de // 32, 32) * sc[..., None]).reshape(B, T, -1)
-    emb = emb.astype(dt)
+    emb = gather_rows(p["embed"]["weight"], p["embed"]["scale"], rows, dt)
     kv = linear.fp8(emb, p["wkv"], cfg, dt)
-    keys = kv[..., : n * D].reshape(B, T, n, D).astype(jnp.float32)
-    value = kv[..., n * D:].astype(jnp.float32)
-    w = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # [n, D]
-    hf = h.astype(jnp.float32)
-    eps = cfg.rms_norm_eps
-    d = jnp.sum(hf * w * keys, axis=-1)
-    d = d * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1) + eps) * jax.lax.rsqrt(jnp.mean(keys * keys, axis=-1) + eps)
-    d = d * D ** -0.5
-    g = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(d), 1e-6)), d))
-    return (hf + g[..., None] * value[:, :, None, :]).astype(dt)
+    return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt)

@@ -12,10 +12,17 @@ dtype flow).  Around every sublayer:
 All mixing arithmetic is fp32 on (possibly bf16) inputs, with one rounding to ``out_dtype`` at
 the end, as the reference does.  The V4.1 "pre from previous sublayer" ordering is the
 caller's business (the layer code), not this module's.
+
+The seam the layer code calls, by implementation (`dispatch.resolve(cfg, "mhc")`):
+:func:`sublayer_enter` (hc_pre with the previous sublayer's pre + this sublayer's mixes, both from
+the same h, so a kernel reads h once) and :func:`sublayer_exit` (hc_post). "reference" / "xla" run
+the functions above unchanged; "pallas" / "pallas_interpret" run `dsv41_jax.pallas.mhc_mix`.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Tuple
 
 import jax
@@ -24,7 +31,9 @@ import jax.numpy as jnp
 from dsv41_jax.model import dispatch
 from dsv41_jax.model.numerics import einsum_exact, is_exact, x64_scope
 
-__all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post"]
+log = logging.getLogger(__name__)
+
+__all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post", "sublayer_enter", "sublayer_exit"]
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float, unroll: bool = False) -> jnp.ndarray:
@@ -160,9 +169,13 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     into one pass over h) have no cheaper XLA formulation, so both implementations share them.
     In the exact mode the mix matmul accumulates in fp64.
     """
-    impl = dispatch.resolve(cfg, "mhc")
+    return _mixes(h, fn, base, scale, cfg, dispatch.resolve(cfg, "mhc"))
+
+
+def _mixes(h, fn, base, scale, cfg, impl):
     if impl not in ("reference", "xla"):
-        raise dispatch.ImplError(f"mhc: no {impl!r} implementation")
+        raise dispatch.ImplError(f"mhc: no mixes-only {impl!r} implementation (the Pallas kernel fuses the "
+                                 f"mixes with hc_pre: call sublayer_enter)")
     return hc_mixes(h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
                     sinkhorn_iters=cfg.hc_sinkhorn_iters, unroll=impl == "xla", exact=is_exact(cfg))
 
@@ -225,3 +238,59 @@ def hc_post(
         res = res + cf[..., i, :, None] * hf[..., i, None, :]
     out = pf[..., :, None] * yf[..., None, :] + res
     return out.astype(out_dtype)
+
+
+def _seam_impl(cfg) -> str:
+    """The mhc implementation for the seams. The Pallas kernels compute the mix projection in fp32,
+    so in the exact numerics mode (fp64-accumulated projection) "auto" means "xla" there (logged
+    once); an explicit "pallas" in the exact mode is an error (raised by the kernel module)."""
+    impl = dispatch.resolve(cfg, "mhc")
+    if impl in ("pallas", "pallas_interpret") and is_exact(cfg) and dispatch.parse_impl(cfg.impl)["mhc"] == "auto":
+        _log_exact_auto(cfg.impl)
+        return "xla"
+    return impl
+
+
+@functools.lru_cache(maxsize=None)
+def _log_exact_auto(spec: str) -> None:
+    log.info("mhc: impl spec %r resolves to pallas, but the exact numerics mode has no Pallas mhc kernel: "
+             "using 'xla'", spec)
+
+
+def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt):
+    """Everything a sublayer needs from the streams before it runs, by implementation.
+
+    Args:
+      h: [..., n, D] bf16 or fp32, the streams entering the sublayer.
+      pre_prev: [..., n] fp32, the *previous* sublayer's pre (V4.1 ordering; one-hot at the start).
+      fn, base, scale: this sublayer's ``hc_<s>_fn`` [(2+n)·n, n·D], ``hc_<s>_base``, ``hc_<s>_scale``
+        (fp32).
+      cfg: `ModelConfig` (eps constants, the implementation switch); dt: dtype of x_in.
+
+    Returns:
+      (x_in [..., D] dt = ``hc_pre(h, pre_prev, dt)``, pre [..., n], post [..., n], comb [..., n, n])
+      with the mixes of :func:`sublayer_mixes` (fp32). "reference" / "xla": exactly those two calls
+      (bitwise today's numbers); Pallas: one fused pass over h (`dsv41_jax.pallas.mhc_mix`).
+    """
+    impl = _seam_impl(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt,
+                                            interpret=impl == "pallas_interpret")
+    x_in = hc_pre(h, pre_prev, dt)
+    return (x_in, *_mixes(h, fn, base, scale, cfg, impl))
+
+
+def sublayer_exit(y, h, post, comb, cfg, dt):
+    """Write the sublayer output back into the streams, by implementation: ``hc_post(y, h, post, comb,
+    dt)`` ("reference" / "xla", unchanged) or its Pallas kernel.
+
+    y: [..., D]; h: [..., n, D] (the streams that entered the sublayer); post: fp32 [..., n];
+    comb: fp32 [..., n, n]. Returns [..., n, D] in `dt`.
+    """
+    impl = _seam_impl(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        return dispatch.kernel("mhc", impl, "sublayer_exit")(y, h, post, comb, cfg, dt,
+                                                            interpret=impl == "pallas_interpret")
+    if impl not in ("reference", "xla"):
+        raise dispatch.ImplError(f"mhc: no {impl!r} implementation")
+    return hc_post(y, h, post, comb, dt)

@@ -21,15 +21,17 @@ from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, indexer, linear
 from dsv41_jax.model.engram import engram, hash_rows
-from dsv41_jax.model.mhc import hc_post, hc_pre, sublayer_mixes
+from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype
 
 
-def mixes(layer_p, sub: str, h, cfg):
-    """hc mixes of sublayer `sub` ("attn" | "ffn") from its input h [.., n, D]."""
-    return sublayer_mixes(h, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"], cfg)
+def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
+    """Entering sublayer `sub` ("attn" | "ffn") with streams h [.., n, D]: (x_in = hc_pre(h, pre_prev) in
+    `dt`, and the pre / post / comb mixes of h), through the mhc seam (`mhc.sublayer_enter`)."""
+    return sublayer_enter(h, pre_prev, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"],
+                          layer_p[f"hc_{sub}_scale"], cfg, dt)
 
 
 def embed_streams(params, tokens, cfg, dt):
@@ -103,14 +105,15 @@ def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None)
     if plan.is_engram:
         h = engram(lp["engram"], h, engram_rows, cfg, dt)
     aux["layer_inputs"][plan.layer_id] = h
-    a_pre, a_post, a_comb = mixes(lp, "attn", h, cfg)
-    x = rmsnorm(hc_pre(h, pre_prev, dt), lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
-    h = hc_post(attn_fn(x), h, a_post, a_comb, dt)
-    f_pre, f_post, f_comb = mixes(lp, "ffn", h, cfg)
-    x = rmsnorm(hc_pre(h, a_pre, dt), lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
+    # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
+    x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
+    x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
+    h = sublayer_exit(attn_fn(x), h, a_post, a_comb, cfg, dt)
+    x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
+    x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True)
     aux["experts"][plan.layer_id] = eidx
-    h = hc_post(y, h, f_post, f_comb, dt)
+    h = sublayer_exit(y, h, f_post, f_comb, cfg, dt)
     return h, f_pre
 
 
