@@ -270,10 +270,11 @@ class EngineArgs:
         g.add_argument("--skip-server-warmup", action="store_true",
                        help="do not compile every (batch, tokens) bucket at start (they compile on first use)")
         g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
-                       help="tensor parallel size (accepted for SGLang compatibility; this engine runs one "
-                            "device and logs the value)")
+                       help="tensor parallel size: attention heads, the shared expert, embedding/head and the "
+                            "Engram tables are split over tp devices (mesh of tp x ep devices; an impossible "
+                            "combination is refused at start-up)")
         g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
-                       help="expert parallel size (accepted and logged, see --tp-size)")
+                       help="expert parallel size: the routed experts are split over ep devices (see --tp-size)")
         g.add_argument("--random-seed", "--seed", dest="random_seed", type=int, default=0,
                        help="seed of the tiny model's random weights and of requests sent without a seed")
         return parser
