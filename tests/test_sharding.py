@@ -289,3 +289,38 @@ def test_sharded_equals_unsharded_tp2_ep4(cpu8, xcfg, tiny_params, tokens):
 @pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (1, 2), (1, 4)])
 def test_sharded_equals_unsharded_more_meshes(cpu8, xcfg, tiny_params, tokens, tp, ep):
     _check_mesh(xcfg, tiny_params, tokens, tp, ep)
+
+
+# ------------------------------------------------------------------------------------ host Engram table
+
+
+def test_host_table_engram_bitwise(cpu8, tiny_cfg, tiny_params, monkeypatch):
+    """Engram with the host table ≡ with the tp-sharded table ≡ unsharded, bitwise (bf16 flow), and
+    the jitted step holds no table bytes on any device."""
+    from dsv41_jax.model.engram import engram
+    from dsv41_jax.parallel.host_table import HostTable, host_table_requested
+
+    cfg = tiny_cfg
+    mesh = make_mesh(2, 2, cfg=cfg)
+    sp = rules.shard_params(tiny_params, cfg, mesh)
+    hp = rules.shard_params(tiny_params, cfg, mesh, engram_host_table=True)
+    assert isinstance(hp["layers"][1]["engram"]["embed"], HostTable)
+    assert sp["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P("tp", None)
+    table = sum(x.nbytes for x in jax.tree_util.tree_leaves(tiny_params["layers"][1]["engram"]["embed"]))
+    assert table > 0 and hp["layers"][1]["engram"]["embed"].nbytes == table
+    dev_s = max(rules.param_bytes_per_device(sp).values())
+    dev_h = max(rules.param_bytes_per_device(hp).values())
+    assert dev_h < dev_s
+    rng = np.random.default_rng(SEED)
+    N = tiny_params["layers"][1]["engram"]["embed"]["weight"].shape[0]
+    rows = jnp.asarray(rng.integers(0, N, (2, 3, 6)), jnp.int32)
+    h = jnp.asarray(rng.standard_normal((2, 3, cfg.hc_mult, cfg.hidden_size)), jnp.bfloat16)
+    f = jax.jit(lambda p, h, r, mesh: engram(p, h, r, cfg, jnp.bfloat16, mesh=mesh), static_argnums=3)
+    ref = np.asarray(f(tiny_params["layers"][1]["engram"], h, rows, None))
+    for p in (sp, hp):
+        np.testing.assert_array_equal(np.asarray(f(p["layers"][1]["engram"], h, rows, mesh)), ref)
+    monkeypatch.setenv("DSV41_ENGRAM_HOST_TABLE", "1")
+    assert host_table_requested() and not host_table_requested(False)
+    monkeypatch.setenv("DSV41_ENGRAM_HOST_TABLE", "maybe")
+    with pytest.raises(ValueError, match="DSV41_ENGRAM_HOST_TABLE"):
+        host_table_requested()

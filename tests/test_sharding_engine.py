@@ -25,14 +25,20 @@ def _greedy(eng, prompts, n):
     return [list(outs[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))]
 
 
-@pytest.mark.slow  # two engines in the exact mode: ~6 min on 2 busy cores
-def test_tp2_ep2_engine_matches_unsharded(cpu8, tiny_cfg, tiny_params):
+_REF: dict = {}
+
+
+@pytest.mark.slow  # engines in the exact mode: ~3 min each on 2 busy cores
+@pytest.mark.parametrize("host_table", [False, True])
+def test_tp2_ep2_engine_matches_unsharded(cpu8, tiny_cfg, tiny_params, host_table):
     cfg = tiny_cfg.replace(act_dtype="exact")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 300, 11).tolist(), rng.integers(3, 300, 6).tolist()]
-    ref = _greedy(Engine(EngineArgs(**KW), cfg=cfg, params=tiny_params), prompts, 5)
-    eng = Engine(EngineArgs(**KW, tp_size=2, ep_size=2), cfg=cfg, params=tiny_params)
-    assert dict(eng.mesh.shape) == {"ep": 2, "tp": 2}
+    if "ref" not in _REF:
+        _REF["ref"] = _greedy(Engine(EngineArgs(**KW), cfg=cfg, params=tiny_params), prompts, 5)
+    ref = _REF["ref"]
+    eng = Engine(EngineArgs(**KW, tp_size=2, ep_size=2, engram_host_table=host_table), cfg=cfg, params=tiny_params)
+    assert dict(eng.mesh.shape) == {"ep": 2, "tp": 2} and eng.engram_host_table == host_table
     w = eng.params["layers"][3]["ffn"]["experts"]["w1"]["weight"]
     assert w.sharding.spec[0] == "ep" and len(w.sharding.device_set) == 4
     got = _greedy(eng, prompts, 5)

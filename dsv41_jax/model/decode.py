@@ -194,18 +194,19 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None):
+def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False):
     """`extend` jitted for (cfg, ccfg, all_logits[, mesh]), with the cache donated. Compiles once per (B, T).
 
     With a mesh, the step's in/out shardings come from `parallel.rules.step_shardings` (params as
     `rules.shard_params` places them, the cache as `rules.init_cache` does, batch and logits replicated).
+    engram_host_table: the params hold host Engram tables (`parallel.host_table`).
     """
     fn = functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits, mesh=mesh)
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1,))
     from dsv41_jax.parallel import rules
 
-    ins, outs = rules.step_shardings(cfg, ccfg, mesh, all_logits)
+    ins, outs = rules.step_shardings(cfg, ccfg, mesh, all_logits, engram_host_table=engram_host_table)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=(1,))
 
 

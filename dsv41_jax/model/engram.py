@@ -92,7 +92,11 @@ def engram(p, h, rows, cfg, dt, mesh=None):
 
     mesh: a `jax.sharding.Mesh` whose "tp" axis splits the table rows: the gather runs as a local gather
     + one all-reduce (`parallel.collectives.row_gather`, bitwise `gather_rows`), the rest under jit.
+    A `parallel.host_table.HostTable` in place of ``p["embed"]`` gathers on the host instead (bitwise).
     """
+    if hasattr(p["embed"], "host_gather"):  # `parallel.host_table.HostTable`: rows gathered on the host
+        kv = linear.fp8(p["embed"].gather(rows, dt), p["wkv"], cfg, dt)
+        return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt)
     impl = dispatch.resolve(cfg, "engram")
     sharded = mesh is not None and dict(mesh.shape).get("tp", 1) > 1
     if sharded and impl in ("pallas", "pallas_interpret"):

@@ -180,14 +180,22 @@ def _pad_leaf(a, shape):
     return out
 
 
-def shard_params(params, cfg, mesh, rules=None) -> dict:
+def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False) -> dict:
     """Place a parameter tree (host or device arrays, `init_params` / `load_params` layout) on `mesh`.
 
     Engram tables are padded to a multiple of tp rows (`padded_shape`); every leaf goes to its
     `param_shardings` sharding (built from host copies, so it also works for a multi-process mesh when
-    every process holds the same values).
+    every process holds the same values). engram_host_table: keep the Engram tables on the host
+    instead (`host_table.offload_engram`; run the step with ``jitted_extend(..., engram_host_table=True)``).
     """
     abstract = param_shapes(cfg, mesh, rules)
+    if engram_host_table:
+        from dsv41_jax.parallel.host_table import offload_engram
+
+        params = offload_engram(params)
+        abstract = dict(abstract, layers=[dict(a, engram=dict(a["engram"], embed=p["engram"]["embed"]))
+                                          if "engram" in a else a
+                                          for a, p in zip(abstract["layers"], params["layers"])])
     fb = replicated_fallbacks(cfg, mesh, rules)
     if fb:
         log.info("sharding: %d parameter(s) replicated where their rule's mesh axis does not divide them "
@@ -266,13 +274,17 @@ def logits_sharding(mesh, rules=None) -> NamedSharding:
                                              mesh_axis("act_vocab", mesh, rules)))
 
 
-def step_shardings(cfg, ccfg, mesh, all_logits: bool = False, rules=None):
-    """(in_shardings, out_shardings) of `decode.extend` on `mesh`: ((params, cache, batch), (logits, cache))."""
+def step_shardings(cfg, ccfg, mesh, all_logits: bool = False, rules=None, engram_host_table: bool = False):
+    """(in_shardings, out_shardings) of `decode.extend` on `mesh`: ((params, cache, batch), (logits, cache)).
+
+    With `engram_host_table` the params entry is None (= as placed: the tree holds `HostTable` nodes,
+    whose identity is part of its structure, and `shard_params` put every array on its rule)."""
     cache = cache_shardings(cfg, ccfg, mesh, rules)
     lg = logits_sharding(mesh, rules)
     if not all_logits:
         lg = NamedSharding(mesh, PartitionSpec(*lg.spec[:1], *lg.spec[2:]))
-    return (param_shardings(cfg, mesh, rules), cache, batch_shardings(mesh, rules)), (lg, cache)
+    ps = None if engram_host_table else param_shardings(cfg, mesh, rules)
+    return (ps, cache, batch_shardings(mesh, rules)), (lg, cache)
 
 
 def constrain(x, axes, mesh, rules=None):

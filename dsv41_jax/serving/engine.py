@@ -490,10 +490,15 @@ class Engine:
                 from dsv41_jax.model.checkpoint import load_params
 
                 params = load_params(args.model, cfg)
+        from dsv41_jax.parallel.host_table import host_table_requested, offload_engram
+
+        self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
         if self.mesh is not None:
             from dsv41_jax.parallel import rules
 
-            params = rules.shard_params(params, cfg, self.mesh)
+            params = rules.shard_params(params, cfg, self.mesh, engram_host_table=self.engram_host_table)
+        elif self.engram_host_table:
+            params = offload_engram(params)
         self.params = params
         if tokenizer is None:
             from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -531,7 +536,7 @@ class Engine:
         self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
         self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
         self._allow_all: dict = {}
-        self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh)
+        self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh, self.engram_host_table)
         self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
         self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
@@ -1156,7 +1161,7 @@ class Engine:
         else:  # prompt logprobs: every position's logits, reduced on the device
             if self._extend_all is None:
                 log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
-                self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True, self.mesh)
+                self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True, self.mesh, self.engram_host_table)
             all_logits, self.state = self._extend_all(self.params, self.state, batch)
             L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs)
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None

@@ -97,6 +97,7 @@ class EngineArgs:
     skip_server_warmup: bool = False
     tp_size: int = 1
     ep_size: int = 1
+    engram_host_table: Optional[bool] = None  # None: env DSV41_ENGRAM_HOST_TABLE (default off)
     random_seed: int = 0
 
     def __post_init__(self):
@@ -275,6 +276,10 @@ class EngineArgs:
                             "combination is refused at start-up)")
         g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
                        help="expert parallel size: the routed experts are split over ep devices (see --tp-size)")
+        g.add_argument("--engram-host-table", dest="engram_host_table", action="store_const", const=True,
+                       default=None, help="keep the Engram tables in host memory (one copy; rows gathered on the "
+                                          "host each step) instead of split over the tp devices; default: env "
+                                          "DSV41_ENGRAM_HOST_TABLE=1, else off")
         g.add_argument("--random-seed", "--seed", dest="random_seed", type=int, default=0,
                        help="seed of the tiny model's random weights and of requests sent without a seed")
         return parser
