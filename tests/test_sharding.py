@@ -344,3 +344,47 @@ def test_host_table_engram_bitwise(cpu8, tiny_cfg, tiny_params, monkeypatch):
     monkeypatch.setenv("DSV41_ENGRAM_HOST_TABLE", "maybe")
     with pytest.raises(ValueError, match="DSV41_ENGRAM_HOST_TABLE"):
         host_table_requested()
+
+
+# ------------------------------------------------------------------------------------ scripts/aot_flash.py
+
+
+@pytest.mark.slow  # one more whole-model compile (~40 s alone, minutes on busy cores)
+def test_aot_flash_script_tiny(cpu8, tmp_path):
+    """The abstract lowering script on one mesh (tiny config: no weights are allocated either way); its
+    parameter bytes agree with `param_stats` and shrink per device."""
+    import importlib.util
+    import json
+    import os
+
+    from dsv41_jax.model import ModelConfig
+    from dsv41_jax.model.params import param_stats
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "aot_flash.py")
+    spec = importlib.util.spec_from_file_location("aot_flash", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "aot.json"
+    assert mod.main(["--config", "tiny", "--tp", "2", "--ep", "2", "--batch", "2", "--context", "32",
+                     "--page-size", "16", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    total = param_stats(ModelConfig.preset("tiny"))["bytes"]
+    assert rep["param_bytes_checkpoint"] == rep["param_bytes_placed_global"] == total
+    assert rep["param_bytes_per_device_max"] < total
+    assert rep["collective_bytes"].get("all-reduce", 0) > 0
+    assert rep["memory_analysis"]["temp_size_in_bytes"] > 0 and rep["cost_analysis"]["flops"] > 0
+    assert mod.main(["--config", "tiny", "--tp", "3"]) == 2  # refused: heads not divisible
+
+
+def test_collective_bytes_parser():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "aot_flash.py")
+    spec = importlib.util.spec_from_file_location("aot_flash", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    hlo = ("%a = f32[8,8]{1,0} all-reduce(%x), replica_groups={}\n"
+           "%b = (bf16[2,4]{1,0}, f32[2]{0}) all-gather-start(%y), dimensions={0}\n"
+           "%c = u8[16]{0} all-to-all(%z)\n")
+    assert mod.collective_bytes(hlo) == {"all-reduce": 256, "all-gather": 24, "all-to-all": 16}

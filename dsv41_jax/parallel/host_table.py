@@ -47,6 +47,14 @@ class HostTable:
             raise TypeError(f"HostTable: weight must be float8_e4m3fn, got {self.weight.dtype}")
         self.shape = self.weight.shape
 
+    @classmethod
+    def abstract(cls, weight_shape, scale_shape) -> "HostTable":
+        """A table of the given shapes that allocates nothing (zero-stride views of one element), for
+        abstract lowering (`scripts/aot_flash.py`); it gathers zeros."""
+        w = np.broadcast_to(np.zeros((), ml_dtypes.float8_e4m3fn), tuple(weight_shape))
+        sc = np.broadcast_to(np.full((), 127, np.uint8).view(ml_dtypes.float8_e8m0fnu), tuple(scale_shape))
+        return cls(w, sc)
+
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scale.nbytes
