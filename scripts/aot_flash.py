@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="kept free (runtime, NCCL, fragmentation)")
     ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (default tp x ep)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    from dsv41_jax.parallel.distributed import add_distributed_args
+
+    add_distributed_args(ap)
     return ap
 
 
@@ -189,11 +192,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if "jax" not in sys.modules:  # the device count must be set before JAX starts
         _set_devices(args.devices or args.tp * args.ep)
+    from dsv41_jax.parallel.distributed import initialize_from
     from dsv41_jax.parallel.mesh import MeshError
 
     try:
+        initialize_from(args)
         rep = run(args)
-    except MeshError as e:
+    except (MeshError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_table(rep))

@@ -170,7 +170,8 @@ def test_param_shardings_and_bytes_shrink(cpu8, tiny_cfg):
         for k in ("weight", "scale"):
             assert lay["ffn"]["experts"][w][k].sharding.spec == P("ep", None, None)
     assert lay["ffn"]["shared_experts"]["w1"]["weight"].sharding.spec == P("tp", None)
-    assert ab["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P("tp", None)
+    assert ab["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P(("ep", "tp"), None)  # all devices
+    assert specs[(2, 1)]["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P("tp", None)
     assert ab["embed"]["weight"].sharding.spec == P("tp", None)
     assert ab["layers"][0]["hc_attn_fn"].sharding.spec == P(None, None)
     b = per_dev
@@ -184,6 +185,13 @@ def test_padded_engram_rows():
         shape = {"ep": 1, "tp": 4}
 
     assert rules.padded_shape(("engram_rows", None), (10, 32), M) == (12, 32)
+
+    class M2:
+        shape = {"ep": 2, "tp": 4}
+
+    assert rules.padded_shape(("engram_rows", None), (10, 32), M2) == (16, 32)
+    assert rules.spec(("engram_rows", None), (16, 32), M2) == P(("ep", "tp"), None)
+    assert rules.spec(("experts", "engram_rows"), (4, 16), M2) == P("ep", None)  # ep already used: replicated
     assert rules.padded_shape(("vocab", "embed"), (10, 32), M) == (10, 32)  # replicated, not padded
     assert rules.spec(("vocab", "embed"), (10, 32), M) == P(None, None)
     assert rules.spec(("engram_rows", None), (12, 32), M) == P("tp", None)
@@ -233,15 +241,15 @@ def test_moe_reference_refused_on_ep_mesh(cpu8, tiny_cfg, tiny_params):
 
 
 def test_row_gather_bitwise(cpu8, tiny_cfg, tiny_params):
-    """Engram rows split over tp: local gather + psum == the unsharded gather, bitwise."""
+    """Engram rows split over tp, or over ep x tp: local gather + psum == the unsharded gather, bitwise."""
     e = tiny_params["layers"][1]["engram"]["embed"]
     N = e["weight"].shape[0]
     rows = jnp.asarray(np.random.default_rng(SEED).integers(0, N, (2, 3, 6)), jnp.int32)
     for dt in (jnp.bfloat16, jnp.float32):
         ref = gather_rows(e["weight"], e["scale"], rows, dt)
-        for tp in (2, 4):
-            mesh = make_mesh(tp, 1, cfg=tiny_cfg)
-            sh = jax.sharding.NamedSharding(mesh, P("tp", None))
+        for tp, ep in ((2, 1), (4, 1), (2, 4)):
+            mesh = make_mesh(tp, ep, cfg=tiny_cfg)
+            sh = jax.sharding.NamedSharding(mesh, P(("ep", "tp") if ep > 1 else "tp", None))
             out = jax.jit(lambda t, s, r: collectives.row_gather(t, s, r, dt, mesh))(
                 jax.device_put(e["weight"], sh), jax.device_put(e["scale"], sh), rows)
             np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
@@ -325,7 +333,7 @@ def test_host_table_engram_bitwise(cpu8, tiny_cfg, tiny_params, monkeypatch):
     sp = rules.shard_params(tiny_params, cfg, mesh)
     hp = rules.shard_params(tiny_params, cfg, mesh, engram_host_table=True)
     assert isinstance(hp["layers"][1]["engram"]["embed"], HostTable)
-    assert sp["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P("tp", None)
+    assert sp["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P(("ep", "tp"), None)
     table = sum(x.nbytes for x in jax.tree_util.tree_leaves(tiny_params["layers"][1]["engram"]["embed"]))
     assert table > 0 and hp["layers"][1]["engram"]["embed"].nbytes == table
     dev_s = max(rules.param_bytes_per_device(sp).values())
@@ -388,3 +396,73 @@ def test_collective_bytes_parser():
            "%b = (bf16[2,4]{1,0}, f32[2]{0}) all-gather-start(%y), dimensions={0}\n"
            "%c = u8[16]{0} all-to-all(%z)\n")
     assert mod.collective_bytes(hlo) == {"all-reduce": 256, "all-gather": 24, "all-to-all": 16}
+
+
+# ------------------------------------------------------------------------------------ multi-host
+
+_WORKER = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+from dsv41_jax.parallel.distributed import initialize
+assert initialize()  # from DSV41_COORDINATOR_ADDRESS / DSV41_NUM_PROCESSES / DSV41_PROCESS_ID
+import jax, numpy as np
+from dsv41_jax.model import ModelConfig, init_params
+from dsv41_jax.model.transformer import forward
+from dsv41_jax.parallel import rules
+from dsv41_jax.parallel.mesh import make_mesh
+assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+cfg = ModelConfig.preset("tiny").replace(act_dtype="exact")
+mesh = make_mesh(2, 4, cfg=cfg)
+params = rules.shard_params(init_params(cfg, jax.random.key(0)), cfg, mesh)
+toks = np.load(sys.argv[1])
+tok = jax.make_array_from_callback(toks.shape, rules.replicated(mesh), lambda idx: toks[idx])
+out = jax.jit(forward, static_argnames=("cfg", "return_aux", "mesh"))(params, tok, cfg=cfg, mesh=mesh)
+np.save(sys.argv[2] + f".{jax.process_index()}.npy", np.asarray(out.addressable_data(0)))
+"""
+
+
+@pytest.mark.slow  # two processes compile the sharded forward
+def test_two_processes_forward(cpu8, xcfg, tiny_params, tokens, tmp_path):
+    """jax.distributed over loopback, 2 processes x 4 CPU devices = one tp=2 x ep=4 mesh: the sharded
+    forward agrees with the single-process unsharded forward (exact mode, LOGIT_ATOL)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    ref = run_model(xcfg, tiny_params, tokens, None, with_forward=True)["logits"]
+    np.save(tmp_path / "toks.npy", tokens)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, PYTHONPATH=root, DSV41_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   DSV41_NUM_PROCESSES="2", DSV41_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / "toks.npy"),
+                                       str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=1500)[0] for p in procs]
+    for p, lg in zip(procs, logs):
+        assert p.returncode == 0, lg[-3000:]
+    for pid in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"out.{pid}.npy"), ref, rtol=0, atol=LOGIT_ATOL)
+
+
+def test_distributed_settings(monkeypatch):
+    from dsv41_jax.parallel.distributed import settings
+
+    for k in ("DSV41_COORDINATOR_ADDRESS", "DSV41_NUM_PROCESSES", "DSV41_PROCESS_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert settings() == {}
+    assert settings("h:1", 2, 1) == {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}
+    with pytest.raises(ValueError, match="need --coordinator-address"):
+        settings(num_processes=2)
+    with pytest.raises(ValueError, match="outside 0..1"):
+        settings("h:1", 2, 2)
+    monkeypatch.setenv("DSV41_COORDINATOR_ADDRESS", "h:2")
+    monkeypatch.setenv("DSV41_NUM_PROCESSES", "4")
+    monkeypatch.setenv("DSV41_PROCESS_ID", "3")
+    assert settings() == {"coordinator_address": "h:2", "num_processes": 4, "process_id": 3}

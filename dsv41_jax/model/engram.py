@@ -90,17 +90,17 @@ def engram(p, h, rows, cfg, dt, mesh=None):
     `dsv41_jax.pallas.engram_gather.kernel` (gather + dequantize + concatenate in one kernel, the wkv
     still through the "linear" seam, then one gate kernel).
 
-    mesh: a `jax.sharding.Mesh` whose "tp" axis splits the table rows: the gather runs as a local gather
-    + one all-reduce (`parallel.collectives.row_gather`, bitwise `gather_rows`), the rest under jit.
+    mesh: a `jax.sharding.Mesh` (the table rows split over its devices, `parallel.rules`): the gather
+    runs as a local gather + one all-reduce (`parallel.collectives.row_gather`, bitwise `gather_rows`).
     A `parallel.host_table.HostTable` in place of ``p["embed"]`` gathers on the host instead (bitwise).
     """
     if hasattr(p["embed"], "host_gather"):  # `parallel.host_table.HostTable`: rows gathered on the host
         kv = linear.fp8(p["embed"].gather(rows, dt), p["wkv"], cfg, dt)
         return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt)
     impl = dispatch.resolve(cfg, "engram")
-    sharded = mesh is not None and dict(mesh.shape).get("tp", 1) > 1
+    sharded = mesh is not None and mesh.size > 1
     if sharded and impl in ("pallas", "pallas_interpret"):
-        raise dispatch.ImplError("engram: the Pallas gather kernel does not run on a tp-sharded table; use impl "
+        raise dispatch.ImplError("engram: the Pallas gather kernel does not run on a row-split table; use impl "
                                  "'xla' for engram on a mesh")
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("engram", impl)(p, h, rows, cfg, dt, interpret=impl == "pallas_interpret")

@@ -38,7 +38,7 @@ def embed_streams(params, tokens, cfg, dt, mesh=None):
     """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt`.
 
     mesh: rows split over "tp" are gathered locally + one all-reduce (`parallel.collectives`)."""
-    if mesh is not None and dict(mesh.shape).get("tp", 1) > 1:
+    if mesh is not None and mesh.size > 1:
         from dsv41_jax.parallel import collectives
 
         e = collectives.embed_gather(params["embed"]["weight"], tokens, dt, mesh)

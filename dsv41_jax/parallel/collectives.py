@@ -12,9 +12,9 @@
   the price is k/2 times the bytes of an fp32 [N, D] partial-sum all-reduce (bf16 slots), which is
   small at decode batch sizes. (A `jax.lax.ragged_all_to_all` dispatch pays off once tokens are
   themselves split over devices — data-parallel attention — which this mesh does not do.)
-* `row_gather` / `embed_gather` — a table whose rows are split over "tp" (Engram tables, the token
-  embedding): each shard gathers the requested rows it holds (zeros for the others) and one psum over
-  tp assembles them. Exact: one non-zero contributor per value (the dequantized Engram rows are
+* `row_gather` / `embed_gather` — a table whose rows are split over devices (Engram tables over
+  ep x tp, the token embedding over tp: `rules`): each shard gathers the requested rows it holds
+  (zeros for the others) and one psum over those axes assembles them. Exact: one non-zero contributor per value (the dequantized Engram rows are
   e4m3·2^k values, exact in bf16 too).
 
 Every function takes the mesh explicitly and runs inside the caller's `jit`.
@@ -55,21 +55,25 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
     return moe.combine_slots(y, idx)
 
 
-def _sharded_rows(table, mesh, axis):
-    n = axis_size(mesh, axis)
-    return n > 1 and table.shape[0] % n == 0
+def row_axes(table_shape, logical: str, mesh):
+    """The mesh axes (a name or tuple, `rules.spec`) that split dim 0 of a table, or None."""
+    from dsv41_jax.parallel import rules
+
+    return rules.spec((logical,) + (None,) * (len(table_shape) - 1), table_shape, mesh)[0]
 
 
-def row_gather(table, tscale, rows, dt, mesh, axis: str = "tp"):
+def row_gather(table, tscale, rows, dt, mesh, axis=None):
     """`engram.gather_rows` on a table whose rows are split over mesh `axis`: local gather + one psum.
 
-    table float8_e4m3fn [N, de] / tscale E8M0 [N, de/32] (N a multiple of the axis size; a table that
-    is not split is gathered directly); rows int32 [..., R]. Returns [..., R·de] in `dt`, bitwise
-    `gather_rows`.
+    table float8_e4m3fn [N, de] / tscale E8M0 [N, de/32]; rows int32 [..., R]; axis: a mesh axis name
+    or tuple of names (default: the rules' split of "engram_rows" for this shape; a table that is not
+    split is gathered directly). Returns [..., R·de] in `dt`, bitwise `gather_rows`.
     """
     from dsv41_jax.model.engram import gather_rows
 
-    if not _sharded_rows(table, mesh, axis):
+    if axis is None:
+        axis = row_axes(table.shape, "engram_rows", mesh)
+    if axis is None:
         return gather_rows(table, tscale, rows, dt)
     de = table.shape[-1]
 
@@ -85,10 +89,13 @@ def row_gather(table, tscale, rows, dt, mesh, axis: str = "tp"):
                          out_specs=P())(table, tscale, rows)
 
 
-def embed_gather(table, ids, dt, mesh, axis: str = "tp"):
-    """table[ids].astype(dt) for a [V, D] table whose rows are split over mesh `axis`; ids int32 [...]
-    in range. Local gather + one psum (exact: one contributor per row)."""
-    if not _sharded_rows(table, mesh, axis):
+def embed_gather(table, ids, dt, mesh, axis=None):
+    """table[ids].astype(dt) for a [V, D] table whose rows are split over mesh `axis` (default: the
+    rules' split of "vocab"); ids int32 [...] in range. Local gather + one psum (exact: one contributor
+    per row)."""
+    if axis is None:
+        axis = row_axes(table.shape, "vocab", mesh)
+    if axis is None:
         return table[ids].astype(dt)
 
     def local(t, i):

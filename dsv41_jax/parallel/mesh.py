@@ -8,9 +8,9 @@ too few devices, more expert shards than experts (or a count that does not divid
 heads not divisible by tp, a multi-process run that leaves devices out, or ``dp > 1`` (data-parallel
 attention is not implemented: refused, never ignored).
 
-Semantics: the mesh is a product, ``devices = tp · ep``. Attention, the shared expert, the
-embedding / head and the Engram tables are split over tp and replicated over ep; the routed experts
-are split over ep and replicated over tp (see `rules`).
+Semantics: the mesh is a product, ``devices = tp · ep``. Attention, the shared expert and the
+embedding / head are split over tp and replicated over ep; the routed experts are split over ep and
+replicated over tp; the Engram tables are split over all tp · ep devices (see `rules`).
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ Parameters
   - routed experts over ep (stacked expert axis; the gate's rows too). The MoE runs under `shard_map`
     (`collectives.routed_experts`): expert weights never move, each shard multiplies the assignments
     of its own experts, one all-reduce combines (see there).
-  - Engram table rows over tp (`engram_rows`), padded up to a multiple of tp (`padded_shape`; padding
-    rows are never addressed); local gather + one all-reduce (`collectives.row_gather`).
+  - Engram table rows over every device, ep x tp (`engram_rows`; ~189 GiB for flash, the largest
+    tensors, read 24 rows per token: replicating them over ep would cost 189/tp GiB per device), padded
+    up to a multiple of the device count (`padded_shape`; padding rows are never addressed); local
+    gather + one all-reduce over both axes (`collectives.row_gather`). On a tp-only mesh: over tp.
   - everything else (norms, mHC, q/kv down-projections, compressor, indexer) is small: replicated.
     A dim whose size does not divide by its mesh axis is replicated too (e.g. the fp8 block-scale rows
     of a small weight): correct, only less memory-efficient (listed by `replicated_fallbacks`).
@@ -57,7 +59,7 @@ RULES = {
     "o_in": "tp",           # wo_b input (group-major, follows the heads)
     "mlp": "tp",            # shared expert intermediate
     "experts": "ep",        # routed experts (stacked axis), gate rows and biases
-    "engram_rows": "tp",    # Engram table rows (padded to a multiple of tp)
+    "engram_rows": ("ep", "tp"),  # Engram table rows over EVERY device (padded to a multiple of ep·tp)
     "embed": None,          # hidden size
     "q_lora": None,
     "kv": None,             # the one latent head (head_dim)
@@ -89,17 +91,36 @@ def _is_decl(x):
     return isinstance(x, P)
 
 
-def mesh_axis(logical: Optional[str], mesh, rules=None) -> Optional[str]:
-    """The mesh axis of a logical axis (None: replicated, or not in this mesh). Unknown names raise."""
+def mesh_axis(logical: Optional[str], mesh, rules=None):
+    """The mesh axis of a logical axis: a name, a tuple of names (split over their product, major
+    first), or None (replicated; also when every named axis has size 1 here). Unknown names raise."""
     if logical is None:
         return None
     table = RULES if rules is None else rules
     if logical not in table:
         raise KeyError(f"logical axis {logical!r} is not in the sharding rules table (parallel/rules.py RULES)")
     ax = table[logical]
-    if ax is None or axis_size(mesh, ax) == 1:
+    if ax is None:
         return None
-    return ax
+    if isinstance(ax, tuple):
+        ax = tuple(a for a in ax if axis_size(mesh, a) > 1)
+        return None if not ax else (ax[0] if len(ax) == 1 else ax)
+    return None if axis_size(mesh, ax) == 1 else ax
+
+
+def mesh_axes_size(ax, mesh) -> int:
+    """Devices along a `mesh_axis` result (a name, a tuple of names, or None)."""
+    if ax is None:
+        return 1
+    names = ax if isinstance(ax, tuple) else (ax,)
+    n = 1
+    for a in names:
+        n *= axis_size(mesh, a)
+    return n
+
+
+def _names(ax) -> tuple:
+    return () if ax is None else (ax if isinstance(ax, tuple) else (ax,))
 
 
 def padded_shape(axes, shape, mesh, rules=None) -> tuple:
@@ -108,7 +129,7 @@ def padded_shape(axes, shape, mesh, rules=None) -> tuple:
     for ax, d in zip(axes, shape):
         m = mesh_axis(ax, mesh, rules)
         if ax in PAD_AXES and m is not None:
-            k = axis_size(mesh, m)
+            k = mesh_axes_size(m, mesh)
             d = -(-d // k) * k
         out.append(d)
     return tuple(out)
@@ -121,10 +142,9 @@ def spec(axes, shape, mesh, rules=None) -> PartitionSpec:
     used, out = set(), []
     for ax, d in zip(axes, shape):
         m = mesh_axis(ax, mesh, rules)
-        if m is not None and (m in used or d % axis_size(mesh, m)):
+        if m is not None and (used & set(_names(m)) or d % mesh_axes_size(m, mesh)):
             m = None
-        if m is not None:
-            used.add(m)
+        used |= set(_names(m))
         out.append(m)
     return PartitionSpec(*out)
 
