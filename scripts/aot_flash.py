@@ -81,7 +81,8 @@ def run(args) -> dict:
     from dsv41_jax.parallel.host_table import HostTable
     from dsv41_jax.parallel.mesh import make_mesh
 
-    cfg = ModelConfig.preset(args.config) if args.config in ("tiny", "flash") else ModelConfig.from_pretrained(args.config)
+    preset = args.config in ("tiny", "flash")
+    cfg = ModelConfig.preset(args.config) if preset else ModelConfig.from_pretrained(args.config)
     if args.dtype:
         cfg = cfg.replace(act_dtype=args.dtype)
     mesh = make_mesh(args.tp, args.ep, cfg=cfg, devices=jax.devices("cpu"))
@@ -114,7 +115,8 @@ def run(args) -> dict:
     per_dev = rules.param_bytes_per_device(params)
     cache_dev = rules.param_bytes_per_device(cache)
     placed = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
-    derived = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params.get("derived", {})))
+    derived = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                  for x in jax.tree_util.tree_leaves(params.get("derived", {})))
     t0 = time.perf_counter()
     step = dec.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
     lowered = step.lower(params, cache, batch)

@@ -14,8 +14,8 @@
   themselves split over devices — data-parallel attention — which this mesh does not do.)
 * `row_gather` / `embed_gather` — a table whose rows are split over devices (Engram tables over
   ep x tp, the token embedding over tp: `rules`): each shard gathers the requested rows it holds
-  (zeros for the others) and one psum over those axes assembles them. Exact: one non-zero contributor per value (the dequantized Engram rows are
-  e4m3·2^k values, exact in bf16 too).
+  (zeros for the others) and one psum over those axes assembles them. Exact: one non-zero
+  contributor per value (the dequantized Engram rows are e4m3·2^k values, exact in bf16 too).
 
 Every function takes the mesh explicitly and runs inside the caller's `jit`.
 """

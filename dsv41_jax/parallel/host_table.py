@@ -66,7 +66,8 @@ class HostTable:
         emb = self.weight[rows].astype(np.float32)
         sc = self.scale[rows].view(np.uint8).astype(np.int32)
         sc = np.ldexp(np.float32(1.0), sc - 127).astype(np.float32)  # 2^(e-127), exact (e < 255)
-        emb = (emb.reshape(rows.shape + (de // 32, 32)) * sc[..., None]).reshape(rows.shape[:-1] + (rows.shape[-1] * de,))
+        emb = emb.reshape(rows.shape + (de // 32, 32)) * sc[..., None]
+        emb = emb.reshape(rows.shape[:-1] + (rows.shape[-1] * de,))
         return emb.astype(jnp.dtype(dt))
 
     def gather(self, rows, dt):
