@@ -103,6 +103,19 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
+def replicated(x, mesh):
+    """On a mesh, pin activation `x` replicated (`parallel.rules`: per-token activations are not split).
+
+    Without it XLA may keep a tp-split output projection's result split along D (a reduce-scatter
+    instead of the all-reduce), and the norms' / mHC's fp32 sums over D would then be summed in a
+    different order than unsharded. No-op without a mesh."""
+    if mesh is None:
+        return x
+    from dsv41_jax.parallel import rules
+
+    return rules.constrain(x, ("batch", "seq") + (None,) * (x.ndim - 3) + ("act_embed",), mesh)
+
+
 def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None, mesh=None):
     """One layer (any attention implementation): returns (h, pre for the next sublayer).
 
@@ -111,17 +124,17 @@ def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None,
     mesh: optional `jax.sharding.Mesh` (Engram and the routed experts run their sharded forms).
     """
     if plan.is_engram:
-        h = engram(lp["engram"], h, engram_rows, cfg, dt, mesh=mesh)
+        h = replicated(engram(lp["engram"], h, engram_rows, cfg, dt, mesh=mesh), mesh)
     aux["layer_inputs"][plan.layer_id] = h
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
     x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
     x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
-    h = sublayer_exit(attn_fn(x), h, a_post, a_comb, cfg, dt)
+    h = replicated(sublayer_exit(replicated(attn_fn(x), mesh), h, a_post, a_comb, cfg, dt), mesh)
     x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
     x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, mesh=mesh)
     aux["experts"][plan.layer_id] = eidx
-    h = sublayer_exit(y, h, f_post, f_comb, cfg, dt)
+    h = replicated(sublayer_exit(replicated(y, mesh), h, f_post, f_comb, cfg, dt), mesh)
     return h, f_pre
 
 
