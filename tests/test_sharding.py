@@ -421,7 +421,8 @@ mesh = make_mesh(2, 4, cfg=cfg)
 params = rules.shard_params(init_params(cfg, jax.random.key(0)), cfg, mesh)
 toks = np.load(sys.argv[1])
 tok = jax.make_array_from_callback(toks.shape, rules.replicated(mesh), lambda idx: toks[idx])
-out = jax.jit(forward, static_argnames=("cfg", "return_aux", "mesh"))(params, tok, cfg=cfg, mesh=mesh)
+fwd = jax.jit(forward, static_argnames=("cfg", "return_aux", "mesh"), out_shardings=rules.replicated(mesh))
+out = fwd(params, tok, cfg=cfg, mesh=mesh)  # logits gathered (the head splits the vocabulary over tp)
 np.save(sys.argv[2] + f".{jax.process_index()}.npy", np.asarray(out.addressable_data(0)))
 """
 
