@@ -362,6 +362,75 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+class _Setup:
+    """What every stage of one call shares: geometry, the codes as kernel inputs, padded q / w."""
+
+    def __init__(self, q, w, ikeys, page_table, visible, *, ratio, page_size, mode, dt, interpret):
+        dt = jnp.dtype(dt)
+        B, T, nI, dI = q.shape
+        P = page_table.shape[1]
+        S = P * page_size // ratio
+        if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise NotImplementedError(f"indexer_topk: dt {dt} (bfloat16 or float32 only)")
+        if dI < 16 or dI & (dI - 1):
+            raise NotImplementedError(f"indexer_topk: index_head_dim {dI} must be a power of two >= 16")
+        self.codec, self.codes = _codes(ikeys, mode)
+        self.geo = _Geo(B=B, T=T, nI=nI, dI=dI, P=P, N=self.codes[0].shape[0], S=S, ratio=ratio,
+                        page_size=page_size, codec=self.codec, dt=dt)
+        self.B, self.T, self.S, self.dt, self.interpret = B, T, S, dt, interpret
+        self.nbits = 16 if dt == jnp.bfloat16 else 32
+        self.params = triton_params(num_warps=4, num_stages=2)
+        # Heads padded to a power of two ≥ 16 (the dot's M): zero queries and weights add +0 to the sum.
+        nIp = max(16, next_pow2(nI))
+        self.qp = jnp.pad(q.astype(dt), ((0, 0), (0, 0), (0, nIp - nI), (0, 0)))
+        self.wp = jnp.pad(w.astype(dt), ((0, 0), (0, 0), (0, nIp - nI)))
+        self.visible = visible.astype(jnp.int32)
+        self.vis = jnp.clip(self.visible, 0, S)
+        self.pt = page_table.astype(jnp.int32).reshape(-1)
+
+    def call(self, fn, grid, out_shape, *ins, aliases=None, **static):
+        return pl.pallas_call(_kernel_fn(fn, **static), out_shape=out_shape, grid=grid, interpret=self.interpret,
+                              compiler_params=self.params, input_output_aliases=aliases or {})(*ins)
+
+    def dense(self, *, Bs, width_mult, block_size, make_candidates, target_programs):
+        """`_dense_kernel`: (scores [B, T, Wd] dt, block maxima [B, T, Wb] dt or absent)."""
+        B, T, S, dt = self.B, self.T, self.S, self.dt
+        nblk = -(-S // Bs)
+        split = max(1, min(nblk, -(-target_programs // B)))
+        outs = [jax.ShapeDtypeStruct((B, T, _round_up(nblk * Bs, width_mult)), dt)]
+        if make_candidates:
+            outs.append(jax.ShapeDtypeStruct((B, T, _round_up(nblk * (Bs // block_size), width_mult)), dt))
+        return self.call(_dense_kernel, (B, split), tuple(outs), self.vis, jnp.max(self.vis, axis=1), self.pt,
+                         *self.codes, self.qp, self.wp, geo=self.geo, n_codes=len(self.codes), Bs=Bs, split=split,
+                         bs=block_size, make_cand=make_candidates)
+
+    def candidate_scores(self, cb, lim, *, Bs, width_mult, block_size, target_programs):
+        """`_cand_kernel`: scores of the candidate slots [B, T, Wc] dt."""
+        B, T = self.B, self.T
+        kb_in = cb.shape[-1]
+        nch = -(-(kb_in * block_size) // Bs)
+        split = max(1, min(nch, -(-target_programs // (B * T))))
+        out = jax.ShapeDtypeStruct((B, T, _round_up(nch * Bs, width_mult)), self.dt)
+        return self.call(_cand_kernel, (B, T, split), out, self.vis, lim, cb, self.pt, *self.codes, self.qp,
+                         self.wp, geo=self.geo, n_codes=len(self.codes), Bs=Bs, split=split, bs=block_size,
+                         kb_in=kb_in)
+
+    def select(self, kind, scores, n, *, C, block_size, extra=()):
+        """`_select_kernel` over one domain: int32 [B, T, n]."""
+        B, T = self.B, self.T
+        init = jnp.full((B, T, n + C), -1, jnp.int32)
+        ins = (self.visible,) + tuple(extra) + (scores, init)
+        out = self.call(_select_kernel, (B, T), jax.ShapeDtypeStruct(init.shape, jnp.int32), *ins,
+                        aliases={len(ins) - 1: 0}, kind=kind, n=n, C=C, nbits=self.nbits, S=self.S,
+                        bs=block_size, nb=-(-self.S // block_size), kb_in=extra[1].shape[-1] if extra else 1)
+        return out[..., :n]
+
+
+def _check_tile(name: str, v: int) -> None:
+    if v < 16 or v & (v - 1):
+        raise ValueError(f"indexer_topk: {name} = {v} must be a power of two >= 16")
+
+
 def kernel(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: str, k: int, dt,
            cand_blocks=None, make_candidates: bool = False, block_size: int = 1, topk_blocks: int = 0,
            interpret: bool = False, slot_block: int = SLOT_BLOCK, select_chunk: int = SELECT_CHUNK,
@@ -372,88 +441,62 @@ def kernel(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode
     page_table int32 [B, P], visible int32 [B, T]; cand_blocks int32 [B, T, kb_in] (canonical: valid
     ids ascending, then −1 — what the candidate source returns) or None. Returns (sel int32
     [B, T, min(k, S)], cand int32 [B, T, min(topk_blocks, ceil(S / block_size))] or None), identical to
-    the reference. slot_block / select_chunk: tile sizes (powers of two; tests shrink them to run the
-    multi-step paths on small shapes). dt must be bfloat16 or float32; dI a power of two ≥ 16; the
+    the reference. slot_block / select_chunk: tile sizes (powers of two ≥ 16); target_programs: the
+    scoring programs to aim for (how a row's slot blocks are split). Tests shrink all three to run the
+    multi-step loops on small shapes. dt must be bfloat16 or float32; dI a power of two ≥ 16; the
     candidate block size a power of two at the candidate source.
     """
-    dt = jnp.dtype(dt)
-    B, T, nI, dI = q.shape
-    P = page_table.shape[1]
-    S = P * page_size // ratio
+    B, T = visible.shape
+    S = page_table.shape[1] * page_size // ratio
     kk = min(k, S)
     kb = min(topk_blocks, -(-S // block_size)) if make_candidates else 0
     if kk == 0:
         z = jnp.zeros((B, T, 0), jnp.int32)
         return z, (z if make_candidates else None)
-    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise NotImplementedError(f"indexer_topk: dt {dt} (bfloat16 or float32 only)")
-    if dI < 16 or dI & (dI - 1):
-        raise NotImplementedError(f"indexer_topk: index_head_dim {dI} must be a power of two >= 16")
-    for name, v in (("slot_block", slot_block), ("select_chunk", select_chunk)):
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"indexer_topk: {name} = {v} must be a power of two >= 16")
+    _check_tile("slot_block", slot_block)
+    _check_tile("select_chunk", select_chunk)
     if make_candidates and block_size & (block_size - 1):
         raise NotImplementedError(f"indexer_topk: candidate_block_size {block_size} must be a power of two")
-    nbits = 16 if dt == jnp.bfloat16 else 32
-    codec, codes = _codes(ikeys, mode)
-    N = codes[0].shape[0]
-    geo = _Geo(B=B, T=T, nI=nI, dI=dI, P=P, N=N, S=S, ratio=ratio, page_size=page_size, codec=codec, dt=dt)
-    Bs = max(slot_block, block_size) if make_candidates else slot_block
+    st = _Setup(q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode, dt=dt,
+                interpret=interpret)
     C = select_chunk
-    params = triton_params(num_warps=4, num_stages=2)
-    log_choice("indexer_topk", interpret, slot_block=Bs, select_chunk=C, nbits=nbits, codec=codec)
-
-    # Heads padded to a power of two ≥ 16 (the dot's M): zero queries and weights add +0 to the sum.
-    nIp = max(16, next_pow2(nI))
-    qp = jnp.pad(q.astype(dt), ((0, 0), (0, 0), (0, nIp - nI), (0, 0)))
-    wp = jnp.pad(w.astype(dt), ((0, 0), (0, 0), (0, nIp - nI)))
-    visible = visible.astype(jnp.int32)
-    vis = jnp.clip(visible, 0, S)
-    pt = page_table.astype(jnp.int32).reshape(-1)
-    nc = len(codes)
-
-    def select(kind, scores, n, extra=()):
-        kern = _kernel_fn(_select_kernel, kind=kind, n=n, C=C, nbits=nbits, S=S, bs=block_size,
-                          nb=-(-S // block_size), kb_in=extra[1].shape[-1] if extra else 1)
-        init = jnp.full((B, T, n + C), -1, jnp.int32)
-        ins = (visible,) + tuple(extra) + (scores, init)
-        out = pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct(init.shape, jnp.int32), grid=(B, T),
-                             input_output_aliases={len(ins) - 1: 0}, interpret=interpret,
-                             compiler_params=params)(*ins)
-        return out[..., :n]
+    Bs = max(slot_block, block_size) if make_candidates else slot_block
+    log_choice("indexer_topk", interpret, slot_block=Bs, select_chunk=C, nbits=st.nbits, codec=st.codec)
 
     sel = cand = None
     if make_candidates or cand_blocks is None:
-        nblk = -(-S // Bs)
-        split = max(1, min(nblk, -(-target_programs // B)))
-        Wd = _round_up(nblk * Bs, C)
-        outs = [jax.ShapeDtypeStruct((B, T, Wd), dt)]
-        if make_candidates:
-            outs.append(jax.ShapeDtypeStruct((B, T, _round_up(nblk * (Bs // block_size), C)), dt))
-        kern = _kernel_fn(_dense_kernel, geo=geo, n_codes=nc, Bs=Bs, split=split, bs=block_size,
-                          make_cand=make_candidates)
-        res = pl.pallas_call(kern, out_shape=tuple(outs), grid=(B, split), interpret=interpret,
-                             compiler_params=params)(vis, jnp.max(vis, axis=1), pt, *codes, qp, wp)
+        res = st.dense(Bs=Bs, width_mult=C, block_size=block_size, make_candidates=make_candidates,
+                       target_programs=target_programs)
         if cand_blocks is None:
-            sel = select("slots", res[0], kk)
+            sel = st.select("slots", res[0], kk, C=C, block_size=block_size)
         if make_candidates:
-            cand = select("blocks", res[1], kb) if kb > 0 else jnp.zeros((B, T, 0), jnp.int32)
+            cand = (st.select("blocks", res[1], kb, C=C, block_size=block_size) if kb > 0
+                    else jnp.zeros((B, T, 0), jnp.int32))
     if cand_blocks is not None:
         cb = cand_blocks.astype(jnp.int32)
-        kb_in = cb.shape[-1]
-        if kb_in == 0:  # no candidate block at all: every pick is a −inf filler
+        if cb.shape[-1] == 0:  # no candidate block at all: every pick is a −inf filler
             sel = jnp.full((B, T, kk), -1, jnp.int32)
         else:
             lim = jnp.sum(cb >= 0, axis=-1).astype(jnp.int32) * block_size
-            nch = -(-(kb_in * block_size) // slot_block)
-            split = max(1, min(nch, -(-target_programs // (B * T))))
-            Wc = _round_up(nch * slot_block, C)
-            kern = _kernel_fn(_cand_kernel, geo=geo, n_codes=nc, Bs=slot_block, split=split, bs=block_size,
-                              kb_in=kb_in)
-            sc = pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((B, T, Wc), dt), grid=(B, T, split),
-                                interpret=interpret, compiler_params=params)(vis, lim, cb, pt, *codes, qp, wp)
-            sel = select("cand", sc, kk, extra=(lim, cb))
+            sc = st.candidate_scores(cb, lim, Bs=slot_block, width_mult=C, block_size=block_size,
+                                     target_programs=target_programs)
+            sel = st.select("cand", sc, kk, C=C, block_size=block_size, extra=(lim, cb))
     return sel, cand
+
+
+def dense_scores(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: str, dt,
+                 interpret: bool = False, slot_block: int = SLOT_BLOCK, target_programs: int = TARGET_PROGRAMS):
+    """The scoring stage alone (tests, inspection): scores [B, T, S] in `dt`, SPEC §4's arithmetic.
+
+    Entry [b, t, j] is the score for j < visible[b, t]; past it: −inf inside the row's live slot
+    blocks, unwritten (undefined) beyond them.
+    """
+    _check_tile("slot_block", slot_block)
+    st = _Setup(q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode, dt=dt,
+                interpret=interpret)
+    (sc,) = st.dense(Bs=slot_block, width_mult=1, block_size=1, make_candidates=False,
+                     target_programs=target_programs)
+    return sc[..., :st.S]
 
 
 def _kernel_fn(fn, **static):
@@ -552,4 +595,4 @@ def bytes_moved(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int,
     return int(ins + B * T * (kk + kb) * 4)
 
 
-__all__ = ["kernel", "bench_inputs", "bytes_moved", "SLOT_BLOCK", "SELECT_CHUNK"]
+__all__ = ["kernel", "dense_scores", "bench_inputs", "bytes_moved", "SLOT_BLOCK", "SELECT_CHUNK"]
