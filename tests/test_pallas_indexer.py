@@ -133,7 +133,7 @@ def test_seam_batch1_all_ties(pallas_impl):
     vis = jnp.asarray([[11, 2]], jnp.int32)
     kw = dict(ratio=1, page_size=ps, mode=mode, k=4, dt=jnp.float32, make_candidates=True, block_size=2,
               topk_blocks=2)
-    sel, cand = indexer.topk(q, w, codes, pt, vis, impl=pallas_impl, **kw)
+    sel, cand = jax.jit(functools.partial(indexer.topk, impl=pallas_impl, **kw))(q, w, codes, pt, vis)
     assert np.asarray(sel).tolist() == [[[0, 1, 2, 3], [0, 1, -1, -1]]]
     assert np.asarray(cand).tolist() == [[[0, 5], [0, -1]]]  # block 5 holds the newest slot (forced)
     ref_sel, ref_cand = indexer.topk(q, w, codes, pt, vis, impl="reference", **kw)
@@ -141,17 +141,19 @@ def test_seam_batch1_all_ties(pallas_impl):
     np.testing.assert_array_equal(np.asarray(cand), np.asarray(ref_cand))
 
 
-@pytest.mark.parametrize("mode", ["auto", "fp8_e4m3"])
-def test_scores_round_like_spec(pallas_impl, mode):
+@pytest.mark.parametrize("mode, T", [("auto", 6), ("fp8_e4m3", 1)])
+def test_scores_round_like_spec(pallas_impl, mode, T):
     """The scoring stage's bf16 scores equal SPEC §4's step-by-step arithmetic bit for bit, on random
     (inexact) values: bf16 after the q·k dot, after the weight product, after the head sum.
 
     The oracle is numpy (float64 sums, which are exact here, then the roundings), not the jitted
     reference, whose bf16 roundings XLA may drop inside a fusion. The selection tests cannot see a
-    missing rounding step (it rarely moves a top-k boundary); this one does."""
+    missing rounding step (it rarely moves a top-k boundary); this one does. T = 1 is the decode
+    path (the query held in registers across the row's blocks)."""
     bf16 = ml_dtypes.bfloat16
     q, w, codes, pt, vis, S = _case(mode, False, 2, seed=3)
-    q, w = jnp.asarray(q, jnp.bfloat16), jnp.asarray(w * 3.3, jnp.bfloat16)  # w off the power-of-two grid
+    q, w = jnp.asarray(q[:, -T:], jnp.bfloat16), jnp.asarray(w[:, -T:] * 3.3, jnp.bfloat16)  # w off the pow2 grid
+    vis = vis[:, -T:]
     run = jax.jit(functools.partial(indexer_topk.dense_scores, ratio=2, page_size=16, mode=mode, dt=jnp.bfloat16,
                                     interpret=pallas_impl == "pallas_interpret", slot_block=16, target_programs=2))
     got = np.asarray(run(q, w, codes, pt, vis).astype(jnp.float32))
@@ -163,6 +165,7 @@ def test_scores_round_like_spec(pallas_impl, mode):
     qk = rnd(np.einsum("bthd,bsd->bths", qf, keys))
     want = rnd(rnd(wf[..., None] * np.maximum(qk, 0.0)).sum(axis=2)).astype(np.float32)
     live = jj[:, None, :] < np.asarray(vis)[..., None]
-    assert live.sum() > 300
+    assert live.sum() > 50 * T
     np.testing.assert_array_equal(np.where(live, got, 0.0), np.where(live, want, 0.0))
-    assert np.isneginf(got[1, 0, S - 5:]).all()  # past `visible` inside the live blocks: −inf
+    if T > 1:
+        assert np.isneginf(got[1, 0, S - 5:]).all()  # past `visible` inside the live blocks: −inf

@@ -191,23 +191,30 @@ def _dense_kernel(*refs, geo: _Geo, n_codes: int, Bs: int, split: int, bs: int, 
     nbc = Bs // bs
     lane = jnp.arange(Bs, dtype=jnp.int32)
 
+    grp = jnp.arange(nbc, dtype=jnp.int32)[:, None] == lax.div(lane, bs)[None, :]  # [nbc, Bs] block membership
+    # Decode (T = 1): the query and its weights stay in registers across the row's blocks.
+    qw0 = (q_ref[b, 0], w_ref[b, 0]) if geo.T == 1 else None
+
+    def emit(t, c, j, keys, qt, wt):
+        vt = vis_ref[b, t]
+        s = jnp.where(j < vt, geo.scores(qt, wt, keys), -jnp.inf)
+        sc_ref[b, t, pl.ds(c * Bs, Bs)] = s.astype(sc_ref.dtype)
+        if make_cand:
+            bm = jnp.max(jnp.where(grp, s[None, :], -jnp.inf), axis=1)
+            bsc_ref[b, t, pl.ds(c * nbc, nbc)] = bm.astype(bsc_ref.dtype)
+
     def block(i, carry):
         c = p + i * split
         j = c * Bs + lane
         keys = geo.keys(code_refs, geo.rows(pt_ref, b, j, j < L))
+        if qw0 is not None:  # the row's only query sees this block (L = its visible count)
+            emit(0, c, j, keys, *qw0)
+            return carry
 
         def query(t, carry2):
-            vt = vis_ref[b, t]
-
-            @pl.when(c * Bs < vt)
+            @pl.when(c * Bs < vis_ref[b, t])  # queries that see none of this block skip it
             def _():
-                s = geo.scores(q_ref[b, t], w_ref[b, t], keys)
-                s = jnp.where(j < vt, s, -jnp.inf)
-                sc_ref[b, t, pl.ds(c * Bs, Bs)] = s.astype(sc_ref.dtype)
-                if make_cand:
-                    grp = jnp.arange(nbc, dtype=jnp.int32)[:, None] == (lane // bs)[None, :]
-                    bm = jnp.max(jnp.where(grp, s[None, :], -jnp.inf), axis=1)
-                    bsc_ref[b, t, pl.ds(c * nbc, nbc)] = bm.astype(bsc_ref.dtype)
+                emit(t, c, j, keys, q_ref[b, t], w_ref[b, t])
 
             return carry2
 
