@@ -526,7 +526,8 @@ def bench_inputs(batch: int, context: int, T: int, *, mode: str = "auto", seed: 
     ratio 1: also make the candidate blocks) or "masked" (layers 24–36, ratio 1: score only the
     candidate blocks; random canonical candidate sets that include the newest block).
     Shapes from SPEC §4 / `ModelConfig.preset("flash")`: nI = 32, dI = 128, top-k 512, 2048 candidate
-    blocks of 8, page size 256. Codes are random bytes (valid, finite); pages shuffled in the pool.
+    blocks of 8, page size 256. Codes are random e2m1 values with scales 2^-5..2^2 (as the cache
+    stores them; fp4 values re-quantized in the fp8 mode); pages shuffled in the pool.
     """
     from dsv41_jax.model import quant
     from dsv41_jax.model.config import ModelConfig
@@ -546,8 +547,11 @@ def bench_inputs(batch: int, context: int, T: int, *, mode: str = "auto", seed: 
                  "s": lax.bitcast_convert_type(jax.random.randint(k3, (N, dI // 32), 122, 130, jnp.int32)
                                                .astype(jnp.uint8), quant.E8M0)}
     elif mode == "fp8_e4m3":
-        byte = jax.random.randint(k2, (N, dI), 0, 256, jnp.int32)
-        byte = jnp.where((byte & 0x7F) == 0x7F, byte - 1, byte).astype(jnp.uint8)  # no NaN codes
+        # What the cache holds in this mode: fp4 values re-quantized to fp8, i.e. e4m3 bytes of the e2m1
+        # grid ±{0, 0.5, 1, 1.5, 2, 3, 4, 6} (a random byte would be unrealistic, and its dot inexact).
+        grid = jnp.asarray([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C], jnp.int32)
+        code = jax.random.randint(k2, (N, dI), 0, 16, jnp.int32)
+        byte = (grid[code & 7] | ((code >> 3) << 7)).astype(jnp.uint8)
         ikeys = {"q": lax.bitcast_convert_type(byte, quant.FP8),
                  "s": lax.bitcast_convert_type(jax.random.randint(k3, (N, dI // 32), 122, 130, jnp.int32)
                                                .astype(jnp.uint8), quant.E8M0)}
