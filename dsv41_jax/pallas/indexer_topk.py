@@ -7,11 +7,13 @@ block ids. Registered as ``KERNEL_MODULES["indexer"]`` in `dsv41_jax.model.dispa
 
 Lowering: Pallas' **Triton** lowering (see `dsv41_jax.pallas.common`). The kernel reads index keys
 through the page table, i.e. a row gather (``codes_ref[rows, cols]``), which Triton lowers to a
-pointer gather and Mosaic GPU cannot express on Hopper. Everything in the kernels is plain
-elementwise / reduce / dot / cumsum / int-indexed load and store (checked against
-jax/_src/pallas/triton/lowering.py): no sort, top_k, gather or scatter primitive inside a kernel; all
-tensor shapes are powers of two; e8m0 / e4m3 codes are bitcast to uint8 outside and decoded with
-integer ops inside, so no fp8 dtype reaches the kernel.
+pointer gather and Mosaic GPU cannot express on Hopper. The kernels use only elementwise ops,
+reductions, one 2-D dot, cumsum, while/for loops, ``pl.when`` and int-array-indexed ref loads/stores
+(one indexer each), all of which have Triton lowering rules (jax/_src/pallas/triton/lowering.py); no
+sort / top_k / lax gather / scatter primitive; every tensor has a power-of-two size; e8m0 / e4m3 codes
+are bitcast to uint8 outside and decoded with integer ops inside, so no fp8 dtype reaches a kernel.
+Checked: every variant lowers to Triton IR (``jit(...).trace(...).lower(lowering_platforms=("cuda",))``
+on CPU), at the tests' shapes and at flash shapes.
 
 Algorithm (why): the Triton lowering has no sort or top_k, and a per-block partial top-512 with a merge
 would need a sorting network over 512+ lanes in registers per block (plus a merge tree) — bulky to
@@ -21,11 +23,12 @@ write with only 2-way join/concat and expensive in registers. Instead, two stage
    of the stored codes → q·k dot (bf16 MMA with fp32 accumulate in the bf16 flow; IEEE fp32 in the
    fp32 flow) → ReLU-weighted head sum, with SPEC's roundings (to ``dt`` after the dot, after the
    weight product, after the head sum) → causal limit. Writes ``dt`` scores for the live slots only
-   (bounded by the live context: a dynamic trip count per row; no work past it), plus, at the
+   (bounded by the live context: a dynamic trip count per row, no work past it), plus, at the
    candidate source, the block maxima. Grid (rows, splits): each program strides over the row's
    live slot blocks, decodes a block of keys once and scores it for all T queries of the row.
    Layers that mask to candidate blocks score only the candidate slots (the blocks in
-   ``cand_blocks``: 2048 × 8 slots in flash instead of up to 1M), one program set per query.
+   ``cand_blocks``: at most 2048 × 8 slots in flash instead of up to 1M), programs per query.
+   The score round trip through HBM is 2 B (bf16) per slot and query, against 68 B of codes per slot.
 2. **Selection** (`_select_kernel`, one program per query): a radix select on the order-preserving
    integer key of the score (the float's bits made monotone; 16 bits in the bf16 flow, 32 in fp32):
    4 bits per pass, 15 thresholds counted at once (``key >= thr`` summed over chunks), which finds
@@ -33,16 +36,22 @@ write with only 2-way join/concat and expensive in registers. Instead, two stage
    cumsums (keys > θ, then the lowest slots with key == θ — the reference's "lower slot wins"),
    stopping as soon as all are placed. Each pick is scattered straight to its final output position
    (the −1 layout of the reference, see `_select_kernel`), so no sort is ever needed. The same
-   kernel selects the candidate blocks (the forced newest block keyed as +inf).
+   kernel selects the candidate blocks (the forced newest block keyed as +inf). Cost: 4 (bf16) or 8
+   (fp32) reads of a query's live scores plus one partial read, all on one program; at batch 1 with
+   very long contexts that is one SM per query — splitting the counting over slot ranges (partial
+   counts merged between passes) is the next step if measurements call for it.
 
-Identity with the reference: every score is the same per-element arithmetic as `raw_scores`; the
-selection is exact integer logic on those scores (ties to the lower slot; −0 below +0 as
-``lax.top_k`` orders them on CPU). Scores agree bitwise when the fp32 sums (the dot over dI, the sum
-over heads) round the same in both; they do whenever those sums are exact (fp4 keys and queries make
-the dot exact) — on CPU interpret mode the XLA reductions are the reference's own. Caveats: (a) bf16
-flow under XLA's excess precision, see docs/fastpath_attention.md; (b) with ``index_n_heads == 1``
-XLA folds the head sum away and a score can be −0 in the reference while it is +0 here; (c) NaN
-scores are not ordered like ``lax.top_k`` orders them.
+Identity with the reference: every score is SPEC's per-element arithmetic (`raw_scores`, each rounding
+kept); the selection is exact integer logic on the scores (ties to the lower slot; −0 below +0 as
+``lax.top_k`` orders them). Scores agree bitwise whenever the fp32 sums (the dot over dI, the head sum)
+are exact, which fp4 keys and queries make the dot; otherwise their order matters (Triton's MMA and
+tree reductions vs XLA's). Measured on CPU (interpret mode): scores equal SPEC's step-by-step
+arithmetic and the *eagerly* run reference bit for bit; the *jitted* bf16 reference differs from both
+on about half of random scores, because XLA fuses bf16 roundings away (docs/fastpath_attention.md, with
+or without --xla_allow_excess_precision=false) — so in the bf16 flow on inexact values the kernel can
+pick differently from the jitted reference/xla paths, being the one that follows SPEC. Other caveats:
+with ``index_n_heads == 1`` XLA folds the head sum away and a reference score can be −0 where this one
+is +0; NaN scores are not ordered as ``lax.top_k`` orders them.
 """
 
 from __future__ import annotations
