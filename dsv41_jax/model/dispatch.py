@@ -37,9 +37,11 @@ IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 CHOICES = IMPLS + ("auto",)
 
 # op -> module (under dsv41_jax.pallas) holding its kernel; filled in by the kernels issue.
-KERNEL_MODULES: dict = {}
-KERNEL_MODULES["engram"] = "engram_gather"
-KERNEL_MODULES["mhc"] = "mhc_mix"
+KERNEL_MODULES: dict = {
+    "indexer": "indexer_topk",
+    "engram": "engram_gather",
+    "mhc": "mhc_mix",
+}
 KERNEL_ENTRY = "kernel"
 
 
