@@ -92,18 +92,23 @@ def _seam_cases(op: str, quick: bool, smoke: bool, interpret: bool):
     mod = importlib.import_module(f"dsv41_jax.pallas.{'sparse_attention' if op == 'attention' else 'indexer_topk'}")
     seam = attention.sparse_attention if op == "attention" else indexer.topk
     if smoke:
-        grid = [(1, 256, 1)]
+        grid = [(1, 512, 1)]
     elif quick:
         grid = [(1, 4096, 1), (64, 4096, 1), (1, 65536, 1), (4, 4096, 64)]
     else:
         grid = [(b, c, 1) for b in (1, 16, 64, 256) for c in (1024, 8192, 65536)] + \
                [(1, 1 << 20, 1), (8, 1 << 20, 1), (1, 4096, 6), (16, 4096, 6), (4, 4096, 64)]
+    # indexer: a ratio-2 dense key owner, the ratio-1 candidate source, a candidate-masked layer
+    kinds = ("dense",) if op == "attention" or smoke else ("dense", "source", "masked")
     for b, c, t in grid:
-        args, kwargs = mod.bench_inputs(b, c, t, seed=0, **({"small": True} if smoke else {}))
-        kern = jax.jit(lambda *a, kw=kwargs: mod.kernel(*a, interpret=interpret, **kw))
-        xla = jax.jit(lambda *a, kw=kwargs: seam(*a, impl="xla", **kw))
-        yield ({"batch": b, "context": c, "T": t}, {"call": (kern, xla, args)},
-               functools.partial(lambda part, a, kw: mod.bytes_moved(*a, **kw), a=args, kw=kwargs))
+        for kind in kinds:
+            extra = {} if op == "attention" else {"kind": kind}
+            args, kwargs = mod.bench_inputs(b, c, t, seed=0, **extra)
+            kern = jax.jit(lambda *a, kw=kwargs: mod.kernel(*a, interpret=interpret, **kw))
+            xla = jax.jit(lambda *a, kw=kwargs: seam(*a, impl="xla", **kw))
+            case = {"batch": b, "context": c, "T": t, **extra}
+            yield (case, {"call": (kern, xla, args)},
+                   functools.partial(lambda part, a, kw: mod.bytes_moved(*a, **kw), a=args, kw=kwargs))
 
 
 def cases(op: str, quick: bool, smoke: bool, interpret: bool):
