@@ -196,11 +196,12 @@ def _kernel(*refs, c):
     start_b = start_ref[b]
     lane = lax.iota(jnp.int32, BK)
 
-    def update(carry, kvs, vis):
+    def update(carry, load, vis):
+        """One key block: load(j) gathers + dequantizes column chunk j of the block's latents."""
         m, l, accs = carry
         logits = None
-        for qj, kj in zip(qs, kvs):
-            part = lax.dot_general(qj, kj, (((1,), (1,)), ((), ())), precision=prec,
+        for j, qj in enumerate(qs):
+            part = lax.dot_general(qj, load(j), (((1,), (1,)), ((), ())), precision=prec,
                                    preferred_element_type=jnp.float32)
             logits = part if logits is None else logits + part
         logits = jnp.where(vis[None, :], logits * c["scale"], -jnp.inf)
@@ -210,9 +211,11 @@ def _kernel(*refs, c):
         p = jnp.exp(logits - m_safe[:, None])
         l = l * corr + jnp.sum(p, axis=1)
         pn = p.astype(num_dt)
-        accs = tuple(a * corr[:, None] + lax.dot_general(pn, kj, (((1,), (0,)), ((), ())), precision=prec,
+        # The chunks are gathered again for the numerator (L1 hits) rather than kept live across the
+        # softmax: holding the whole [block_k, 512] tile in two dot-operand layouts costs registers.
+        accs = tuple(a * corr[:, None] + lax.dot_general(pn, load(j), (((1,), (0,)), ((), ())), precision=prec,
                                                           preferred_element_type=jnp.float32)
-                     for a, kj in zip(accs, kvs))
+                     for j, a in enumerate(accs))
         return m_new, l, accs
 
     def segment(carry, lo, hi, rows_vis, codec, src_refs):
@@ -222,8 +225,7 @@ def _kernel(*refs, c):
             any_vis = jnp.max(vis.astype(jnp.int32)) > 0
 
             def take(cr):
-                kvs = [_load_rows(codec, src_refs, rows, j * dc, dc, dt) for j in range(nc)]
-                return update(cr, kvs, vis)
+                return update(cr, lambda j: _load_rows(codec, src_refs, rows, j * dc, dc, dt), vis)
 
             return lax.cond(any_vis, take, lambda cr: cr, carry)
 
