@@ -38,6 +38,7 @@ CHOICES = IMPLS + ("auto",)
 
 # op -> module (under dsv41_jax.pallas) holding its kernel; filled in by the kernels issue.
 KERNEL_MODULES: dict = {}
+KERNEL_MODULES["attention"] = "sparse_attention"
 KERNEL_ENTRY = "kernel"
 
 
