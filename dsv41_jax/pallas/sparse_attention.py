@@ -22,8 +22,8 @@ A block whose keys are all invisible is skipped (`lax.cond`), which is exact: it
 
 Numerics vs. the reference: the reference rounds exp(logit − m_final) to bf16; the online softmax
 rounds exp(logit − m_running) and rescales the sum by exp(m_running − m_final) in fp32, so a bf16-flow
-output differs by rounding (about one bf16 ulp of the row's scale); fp32 outputs differ by fp32
-reassociation only (tests: tests/test_pallas_attention.py states the tolerances).
+output differs by rounding: within 2^-7·Σp|v|/denom + one bf16 ulp of the output; fp32 outputs differ
+by fp32 reassociation only (tests/test_pallas_attention.py states and checks the tolerances).
 
 Lowering: Pallas **Triton** (`common.triton_params`). Every key block is a gather — ring rows, new
 rows and above all pool rows chosen by the indexer through the page table — and the Triton lowering
@@ -38,14 +38,19 @@ power-of-two sizes (head_dim must be a power of two ≥ 32): heads are zero-padd
 indices are clamped into range (so no load is ever out of bounds).
 
 Grid and registers: grid (head blocks, key splits, T, B), head blocks fastest so the programs that
-share a query's latents run side by side and the second head block's reads hit L2. The accumulator is
-block_h × head_dim fp32; at flash shapes (64 heads × 512) one block of all heads would need 128
-registers per thread for the accumulator alone at 8 warps, plus the bf16 query (64 more) and the
-dequantized key tile — over the 255-register limit, i.e. spills. The default therefore splits the 64
-heads into two blocks of 32 (accumulator 64 regs/thread at 8 warps; query 32; a 32 × 512 key tile
-decoded in fp32 64) and takes num_warps = 8 for head_dim ≥ 256 (4 below). Each latent is then read
-from HBM once and from L2 once more. `block_h=64` (one read, all heads) is a knob for the GPU
-benchmark to try (`TUNING_CANDIDATES`).
+share a query's latents run side by side and the second head block's reads hit L2. Measured offline
+(scripts/triton_offline_check.py: Triton 3.9 + ptxas for sm_90, no GPU needed) at flash decode shapes,
+"auto" storage:
+* one [block_h, 512] logits dot makes Triton's mma layout (warps along N) hold the whole query operand
+  in every warp: block_h 32 / block_k 32 / 8 warps spilled 1104 B per thread. So q and the
+  accumulator are kept in `block_d`-column chunks (64): per-chunk dots, 8 accumulators of [32, 64];
+* keeping the decoded [block_k, 512] tile live from the logits to the numerator dots spilled 88 B;
+  the numerator re-gathers each chunk (L1 hits) instead: 255 registers, 32 B of stack;
+* 64 heads in one block (each latent read once for all heads) spills 360 B at 8 warps and 1168 B at
+  16 warps; 16 heads at 4 warps 680 B. The default is therefore block_h 32 (two head blocks: each
+  latent read from HBM once and from L2 once more), block_k 32, block_d 64, 8 warps (4 below
+  head_dim 256). bf16 / fp32 storage (no dequantization) needs 182 / 175 registers and no stack.
+`TUNING_CANDIDATES` lists the alternatives worth timing on the GPU.
 
 Split-K: small batches give few programs (decode at batch 1: 2 programs on a 132-SM H200), so the key
 blocks of a query may be split over `num_splits` programs that write unnormalized partials
@@ -77,10 +82,10 @@ _MIN_BLOCKS_PER_SPLIT = 4
 # Knob settings worth timing on a GPU (scripts/bench_kernels.py may sweep them; defaults: see
 # `_defaults`).
 TUNING_CANDIDATES = (
-    dict(block_h=32, block_k=32, num_warps=8),
-    dict(block_h=64, block_k=16, num_warps=8),
-    dict(block_h=64, block_k=32, num_warps=16),
-    dict(block_h=16, block_k=32, num_warps=4),
+    dict(block_h=32, block_k=32, block_d=64, num_warps=8),  # the default at flash shapes
+    dict(block_h=64, block_k=16, block_d=64, num_warps=8),  # one read per latent for all 64 heads
+    dict(block_h=32, block_k=16, block_d=64, num_warps=8),
+    dict(block_h=16, block_k=32, block_d=64, num_warps=4),  # 4 head blocks, more programs
 )
 
 
@@ -360,7 +365,8 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     Returns [B, T, H, hd] in q.dtype.
 
     Knobs (static; defaults from the shapes, see the module docstring): block_h heads per program
-    (power of two ≥ 16; heads are zero-padded), block_k keys per block, num_splits key splits
+    (power of two ≥ 16; heads are zero-padded), block_k keys per block, block_d head_dim columns
+    per dot (power of two ≥ 32 dividing head_dim), num_splits key splits
     (≥ 2 adds an XLA merge), num_warps / num_stages for Triton. `interpret` runs the same body
     through the HLO interpreter (CPU tests).
     """
