@@ -260,9 +260,19 @@ def _assert_same_decisions(got, want, logit_tol):
     assert worst <= logit_tol, f"max |Δ logits| = {worst}"
 
 
-def test_decode_xla_equals_reference(tiny_params, tiny_cfg32, ref_scenario):
+@pytest.fixture(scope="module")
+def xla_scenario(tiny_params, tiny_cfg32):
+    return run_scenario(tiny_params, tiny_cfg32.replace(impl="xla"))
+
+
+@pytest.fixture(scope="module")
+def xla_forward(tiny_params, tiny_cfg32):
+    return run_forward(tiny_params, tiny_cfg32.replace(impl="xla"))
+
+
+def test_decode_xla_equals_reference(tiny_params, tiny_cfg32, ref_scenario, xla_scenario):
     """Prefill chunks, decode and verify over a ragged batch: identical decisions, logits ≤ 1e-5 (fp32 mode)."""
-    got = run_scenario(tiny_params, tiny_cfg32.replace(impl="xla"))
+    got = xla_scenario
     # The scenario reaches every edge it is meant to: an empty selection, −1 padding, dropped slots.
     t6 = ref_scenario["topk2_0_1"]
     assert (t6 == -1).all(), "row 1's first token has no complete ratio-2 group"
@@ -270,8 +280,30 @@ def test_decode_xla_equals_reference(tiny_params, tiny_cfg32, ref_scenario):
     _assert_same_decisions(got, ref_scenario, 1e-5)
 
 
-def test_forward_xla_equals_reference(tiny_params, tiny_cfg32, ref_forward):
-    _assert_same_decisions(run_forward(tiny_params, tiny_cfg32.replace(impl="xla")), ref_forward, 1e-5)
+def test_forward_xla_equals_reference(xla_forward, ref_forward):
+    _assert_same_decisions(xla_forward, ref_forward, 1e-5)
+
+
+def _all_kernels(cfg, pallas_impl):
+    """Every op with a Pallas kernel on `pallas_impl`; the ops without one (linear, moe) on "xla"."""
+    from dsv41_jax.model import dispatch
+
+    kern = sorted(dispatch.KERNEL_MODULES)
+    assert set(kern) >= {"attention", "indexer", "engram", "mhc"}, kern
+    return cfg.replace(impl=",".join(["xla"] + [f"{op}={pallas_impl}" for op in kern]))
+
+
+def test_decode_pallas_equals_xla(tiny_params, tiny_cfg32, xla_scenario, pallas_impl):
+    """Issue 11: the cached path (prefill chunks, one-token decode, a verify window, ragged rows, empty
+    selections) with every kernel on (interpret-mode) Pallas: identical top-k / candidate decisions and
+    logits within 1e-5 of "xla" (fp32 mode: the kernels' sums may be ordered differently from XLA's)."""
+    _assert_same_decisions(run_scenario(tiny_params, _all_kernels(tiny_cfg32, pallas_impl)), xla_scenario, 1e-5)
+
+
+def test_forward_pallas_equals_xla(tiny_params, tiny_cfg32, xla_forward, pallas_impl):
+    """Issue 11: the full forward (40 tokens: the window wraps, both compression ratios, candidate
+    blocks) with every kernel on Pallas: identical decisions, logits within 1e-5 of "xla" (fp32 mode)."""
+    _assert_same_decisions(run_forward(tiny_params, _all_kernels(tiny_cfg32, pallas_impl)), xla_forward, 1e-5)
 
 
 def test_reference_is_bit_for_bit_the_code_before_the_seams(tiny_params, tiny_cfg32, ref_scenario, ref_forward):
