@@ -107,8 +107,18 @@ def _seam_cases(op: str, quick: bool, smoke: bool, interpret: bool):
             kern = jax.jit(lambda *a, kw=kwargs: mod.kernel(*a, interpret=interpret, **kw))
             xla = jax.jit(lambda *a, kw=kwargs: seam(*a, impl="xla", **kw))
             case = {"batch": b, "context": c, "T": t, **extra}
-            yield (case, {"call": (kern, xla, args)},
+            parts = {"call": (kern, xla, args)}
+            if op == "attention" and not smoke and (b, c, t) in TUNE_AT:
+                # the kernel's alternative tilings (`TUNING_CANDIDATES`) on the same inputs
+                for i, knobs in enumerate(mod.TUNING_CANDIDATES):
+                    parts[f"tune{i}"] = (jax.jit(lambda *a, kw=kwargs, kn=knobs: mod.kernel(
+                        *a, interpret=interpret, **kw, **kn)), xla, args)
+            yield (case, parts,
                    functools.partial(lambda part, a, kw: mod.bytes_moved(*a, **kw), a=args, kw=kwargs))
+
+
+# (batch, context, T) at which the attention kernel's tuning candidates are timed too
+TUNE_AT = {(1, 65536, 1), (64, 4096, 1), (16, 8192, 1), (4, 4096, 64)}
 
 
 def cases(op: str, quick: bool, smoke: bool, interpret: bool):
