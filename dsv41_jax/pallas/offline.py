@@ -41,6 +41,36 @@ def capture_ttir(fn, *args) -> list:
     return mods
 
 
+def capture_kernels(fn, *args) -> list:
+    """Like `capture_ttir`, with each kernel's launch parameters: a list of
+    {"name", "ttir", "num_warps", "num_stages"}, one per pallas_call in `fn(*args)` lowered for "cuda".
+    The launch parameters are read back from the lowered module's Triton custom calls (their backend
+    config holds name, num_stages and num_warps), in the order the kernels were lowered."""
+    import re
+
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    ttirs = []
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+
+    def lower(*a, **k):
+        r = orig(*a, **k)
+        if not r.module.operation.verify():
+            raise RuntimeError("Triton IR failed verification")
+        ttirs.append(r.module.operation.get_asm())
+        return r
+
+    reg.lowering.lower_jaxpr_to_triton_module = lower
+    try:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
+    launches = re.findall(r'name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
+    if len(launches) != len(ttirs):
+        raise RuntimeError(f"found {len(launches)} Triton launches for {len(ttirs)} lowered kernels")
+    return [dict(name=n, num_stages=int(s), num_warps=int(w), ttir=t) for (n, s, w), t in zip(launches, ttirs)]
+
+
 def compile_ttir(ttir: str, *, num_warps: int, num_stages: int, arch: int = 90) -> dict:
     """Compile Triton IR text to a cubin for sm_`arch`: {"regs", "stack" (spill bytes), "shared"}."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
