@@ -228,8 +228,8 @@ def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
         n_new[b] = len(t)
         slot[b] = r["slot"]
         pt[b, : len(r["page_table"])] = r["page_table"]
-    return {"tokens": jnp.asarray(tokens), "start": jnp.asarray(start), "n_new": jnp.asarray(n_new),
-            "slot": jnp.asarray(slot), "page_table": jnp.asarray(pt)}
+    # device_put, not jnp.asarray: in JAX 0.10 the latter stages a jitted identity per shape/dtype
+    return jax.device_put({"tokens": tokens, "start": start, "n_new": n_new, "slot": slot, "page_table": pt})
 
 
 def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequence[int], start: int = 0,

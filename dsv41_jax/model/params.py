@@ -298,7 +298,7 @@ def _init_group(name: str, node: dict, key, cfg: ModelConfig, token_map) -> Opti
     else:
         E, out_dim, half = w.shape
         q, s = quant_np.quantize_mxfp4_np(g.standard_normal((E, out_dim, 2 * half), np.float32) * w.std)
-    return {"weight": jnp.asarray(q), "scale": jnp.asarray(s)}
+    return {"weight": jax.device_put(q), "scale": jax.device_put(s)}
 
 
 def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
@@ -306,11 +306,14 @@ def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
         z = _rng(key, name).standard_normal(p.shape, np.float32) * np.float32(p.std)
         if p.init in ("normal_one", "hc_scale"):
             z = z + np.float32(1.0)
-        return jnp.asarray(z).astype(p.dtype)
+        # Built on the host and moved with device_put (ml_dtypes rounds to nearest even, as XLA's
+        # convert does): device-side casts and fills, and `jnp.asarray` of a host array (a staged
+        # identity in JAX 0.10), compile one tiny program per shape — ~60 for tiny, minutes on a GPU.
+        return jax.device_put(z.astype(p.dtype))
     if p.init == "ones":
-        return jnp.ones(p.shape, p.dtype)
+        return jax.device_put(np.ones(p.shape, p.dtype))
     if p.init == "zeros":
-        return jnp.zeros(p.shape, p.dtype)
+        return jax.device_put(np.zeros(p.shape, p.dtype))
     if p.init == "token_map":
         if token_map is None:
             raise ValueError("init_params: this config has Engram layers and needs the tokenizer's Engram token "
@@ -318,7 +321,7 @@ def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
         tm = np.asarray(token_map, np.int32)
         if tm.shape != p.shape:
             raise ValueError(f"engram token map has shape {tm.shape}, expected {p.shape} (vocab_size)")
-        return jnp.asarray(tm)
+        return jax.device_put(tm)
     raise ValueError(f"{name}: unknown initializer {p.init!r}")
 
 
