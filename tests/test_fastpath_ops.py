@@ -110,15 +110,21 @@ def test_f32_kind_and_wo_a_xla(tiny_cfg, tiny_params):
     assert np.all(np.abs(got - ref) <= w.shape[1] * 2.0**-23 * terms)
     ex = [np.asarray(f(x, w, tiny_cfg.replace(act_dtype="exact", impl=i))) for i in ("reference", "xla")]
     np.testing.assert_array_equal(ex[0], ex[1])
-    # wo_a: a load-time bf16 copy ("bf16" entry) gives the same numbers as the per-call dequant.
+    # wo_a: init_params holds the load-time bf16 copy (SPEC §3), exactly the dequantized fp8 pair; the
+    # xla path multiplies it as it is and never reads the fp8 pair, and gives the reference's numbers.
     pa = tiny_params["layers"][0]["attn"]["wo_a"]
+    np.testing.assert_array_equal(np.asarray(pa["bf16"].astype(jnp.float32)),
+                                  np.asarray(quant.dequantize_fp8_block(pa["weight"], pa["scale"])))
     cfg = tiny_cfg
     o = jnp.asarray(rng.standard_normal((1, 2, cfg.o_groups, cfg.o_group_in)), jnp.bfloat16)
     g = jax.jit(linear.wo_a, static_argnums=(2, 3))
     a = np.asarray(g(o, pa, cfg.replace(impl="reference"), jnp.bfloat16).astype(jnp.float32))
-    pb = dict(pa, bf16=quant.dequantize_fp8_block(pa["weight"], pa["scale"], jnp.bfloat16))
-    b = np.asarray(g(o, pb, cfg.replace(impl="xla"), jnp.bfloat16).astype(jnp.float32))
+    b = np.asarray(g(o, pa, cfg.replace(impl="xla"), jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(a, b)
+    jaxpr = jax.make_jaxpr(lambda o, p: linear.wo_a(o, p, cfg.replace(impl="xla"), jnp.bfloat16))(o, pa).jaxpr
+    used = {id(v) for e in jaxpr.eqns for v in e.invars}
+    ins = dict(zip(("o", "bf16", "scale", "weight"), jaxpr.invars))  # pytree order: sorted keys
+    assert id(ins["bf16"]) in used and id(ins["weight"]) not in used and id(ins["scale"]) not in used
 
 
 # -------------------------------------------------------------------------------------------- moe

@@ -212,9 +212,11 @@ def f32(x, w, cfg):
 def wo_a(o, p, cfg, dt):
     """The grouped wo_a projection (SPEC §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
 
-    p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale"}; an optional ``"bf16"`` [G·R, I] entry
-    (the load-time dequantized copy, SPEC §3) is used by "xla" when present. The weight is exactly
-    bf16-representable, so every path computes the same products; "reference" is today's code.
+    p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale", "bf16": [G·R, I]}: "bf16" is the load-time
+    dequantized copy (SPEC §3; `params.fp8_linear_bf16_decl`, built by `init_params` / `load_params`),
+    which "xla" multiplies as it is (without it, e.g. a hand-built dict, "xla" dequantizes per call).
+    "reference" is today's code: it dequantizes the fp8 pair on every call. The weight is exactly
+    bf16-representable, so every path computes the same products.
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
     exact = is_exact(cfg)
