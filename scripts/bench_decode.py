@@ -60,8 +60,14 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------ jaxpr cost counting
 
-def _site(eqn) -> str:
-    """'file.py:function' of the model frame that issued `eqn` (the innermost dsv41_jax frame)."""
+_HELPERS = ("linear.py", "numerics.py", "quant.py", "tiling.py")
+
+
+def _site(eqn, outer: str = None) -> str:
+    """'file.py:function' of the model frame that issued `eqn`: the innermost dsv41_jax/model frame
+    that is not a matmul helper (linear / numerics / quant / tiling). Inside a `cond` branch the
+    recorded traceback stops at the branch function, so a helper-only answer defers to `outer`, the
+    site of the enclosing `cond` (`tiling.scoped` puts each weight tile in one)."""
     from jax._src import source_info_util
 
     best = None
@@ -69,11 +75,11 @@ def _site(eqn) -> str:
         for fr in source_info_util.user_frames(eqn.source_info.traceback):
             if "dsv41_jax" in fr.file_name and "/model/" in fr.file_name:
                 best = f"{os.path.basename(fr.file_name)}:{fr.function_name}"
-                if not fr.file_name.endswith(("linear.py", "numerics.py", "quant.py")):
-                    break  # the op that asked for the matmul, not the matmul helper
+                if not fr.file_name.endswith(_HELPERS):
+                    return best  # the op that asked for the matmul, not the matmul helper
     except Exception:  # source info is best effort
         pass
-    return best or "?"
+    return outer or best or "?"
 
 
 def _nbytes(aval) -> int:
@@ -97,8 +103,9 @@ def _sub_jaxprs(eqn):
     return out
 
 
-def count_matmuls(jaxpr, mult: int = 1, acc: dict = None) -> dict:
-    """Matmul FLOPs / operand bytes of `jaxpr` (a `jax.core.Jaxpr`), through loops (module doc)."""
+def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None) -> dict:
+    """Matmul FLOPs / operand bytes of `jaxpr` (a `jax.core.Jaxpr`), through loops (module doc).
+    `outer`: the site of the enclosing `cond`, if any (see `_site`)."""
     if acc is None:
         acc = {"flops": 0, "bytes": 0, "n_matmuls": 0, "while_loops_counted_once": 0, "by_site": {}}
     for eqn in jaxpr.eqns:
@@ -115,18 +122,18 @@ def count_matmuls(jaxpr, mult: int = 1, acc: dict = None) -> dict:
             acc["flops"] += flops
             acc["bytes"] += nbytes
             acc["n_matmuls"] += mult
-            s = acc["by_site"].setdefault(_site(eqn), {"flops": 0, "bytes": 0})
+            s = acc["by_site"].setdefault(_site(eqn, outer), {"flops": 0, "bytes": 0})
             s["flops"] += flops
             s["bytes"] += nbytes
         elif name == "scan":
-            count_matmuls(eqn.params["jaxpr"].jaxpr, mult * int(eqn.params["length"]), acc)
+            count_matmuls(eqn.params["jaxpr"].jaxpr, mult * int(eqn.params["length"]), acc, outer)
         elif name == "while":
             acc["while_loops_counted_once"] += mult
-            count_matmuls(eqn.params["body_jaxpr"].jaxpr, mult, acc)
+            count_matmuls(eqn.params["body_jaxpr"].jaxpr, mult, acc, outer)
         elif name == "cond":
             best = None
             for br in eqn.params["branches"]:
-                sub = count_matmuls(br.jaxpr, mult)
+                sub = count_matmuls(br.jaxpr, mult, outer=_site(eqn, outer))
                 if best is None or sub["flops"] > best["flops"]:
                     best = sub
             if best is not None:
@@ -139,7 +146,7 @@ def count_matmuls(jaxpr, mult: int = 1, acc: dict = None) -> dict:
                     s["bytes"] += v["bytes"]
         else:
             for sub in _sub_jaxprs(eqn):
-                count_matmuls(sub, mult, acc)
+                count_matmuls(sub, mult, acc, outer)
     return acc
 
 
