@@ -280,3 +280,24 @@ def test_bench_decode_part_b_counts_through_loops(tmp_path):
     assert ref["ideal"]["flops_per_token"] == xla["ideal"]["flops_per_token"] > 0
     assert set(doc["target_check"]) == {"reference", "xla"}
     assert any(k.startswith("moe.py") for k in xla["by_site"])
+
+
+def test_bench_decode_part_a_plumbing(tmp_path):
+    """Part (a) without a compile: contexts that do not fit max_context are skipped (no case, no model
+    built), the JSON records the machine load; the plot is drawn from cases of the documented shape.
+    The timings themselves come from running the script (docs/bench_decode_tiny_cpu.json)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode", pathlib.Path(__file__).parents[1] / "scripts" / "bench_decode.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    out = tmp_path / "a.json"
+    assert bd.main(["--part", "a", "--contexts", "4096", "--max-contexts", "1024", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["part"] == "a" and doc["model"] == "tiny" and doc["cases"] == [] and len(doc["loadavg_before"]) == 3
+    cases = [{"impl": i, "batch": b, "context": c, "max_context": m, "step_ms": 1.0 + c / 1000}
+             for i in ("reference", "xla") for b in (1, 16) for m in (1024, 65536) for c in (64, 1024)]
+    bd.plot_part_a(cases, str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
