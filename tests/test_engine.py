@@ -122,6 +122,32 @@ def test_args_buckets_and_cli():
         EngineArgs.from_kwargs(max_runing_requests=3)
 
 
+def test_impl_flag(eng, caplog):
+    """--impl: "auto" by default (the engine's config runs it), parsed and resolved at start-up, each
+    op's choice logged; a malformed spec or one this backend cannot honour is refused before loading."""
+    import argparse
+    import logging
+
+    from dsv41_jax.model import dispatch
+
+    assert EngineArgs().impl == "auto" and eng.cfg.impl == "auto"
+    ap = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    a = EngineArgs.from_cli_args(ap.parse_args(["--impl", "xla,moe=reference"]))
+    with caplog.at_level(logging.INFO, logger="dsv41_jax.model.dispatch"):
+        chosen = a.resolved_impl()
+    assert chosen["moe"] == "reference" and chosen["linear"] == "xla" and set(chosen) == set(dispatch.OPS)
+    for bad in ("fast", "xla,moe=fast", "warp=xla", ""):
+        with pytest.raises(ValueError, match="impl"):
+            EngineArgs(impl=bad)
+    missing = [op for op in dispatch.OPS if not dispatch.kernel_available(op)]
+    if missing:  # "pallas" for an op without a kernel: refused by the engine before the model loads
+        spec = f"xla,{missing[0]}=pallas"
+        with pytest.raises(ValueError, match="no Pallas kernel"):
+            EngineArgs(impl=spec).resolved_impl()
+        with pytest.raises(EngineError, match="--impl"):
+            Engine(EngineArgs(**dict(ENGINE_KW, impl=spec)))
+
+
 def test_shared_allocator_refcounts():
     a = SharedPageAllocator(9, 4, 4)
     a.ensure("x", 10)  # 3 pages

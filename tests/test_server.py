@@ -513,8 +513,10 @@ def test_help_and_bad_environment():
     for flag in ("--model", "--host", "--port", "--api-key", "--reasoning-parser", "--tool-call-parser",
                  "--enable-metrics", "--max-queued-requests", "--max-running-requests", "--chunked-prefill-size",
                  "--page-size", "--context-length", "--kv-cache-dtype", "--mem-fraction-static", "--tp-size",
-                 "--ep-size", "--max-body-size", "--random-seed"):
+                 "--ep-size", "--max-body-size", "--random-seed", "--impl"):
         assert flag in out.stdout, flag
+    r = subprocess.run(_serve_cmd() + ["--impl", "xla,moe=fast"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "impl" in r.stderr and "fast" in r.stderr, r.stderr
     for env in ({"DSV41_REASONING_EFFORT": "ludicrous"}, {"DSV41_DEFAULT_THINKING": "perhaps"},
                 {"DSV41_REASONING_EFFORT": "101"}):
         r = subprocess.run(_serve_cmd(), capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))

@@ -31,7 +31,7 @@ from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, dispatch, indexer
 from dsv41_jax.model.engram import compressed_ids, hash_rows
-from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux
 
 
@@ -60,12 +60,13 @@ def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
     """
     start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
     eps = cfg.rms_norm_eps
+    exact = is_exact(cfg)
     if ratio == 1:
-        return compressor.compress(p, x, 1, eps, dt), positions, valid, None
+        return compressor.compress(p, x, 1, eps, dt, exact), positions, valid, None
     B, T, _ = x.shape
     r = ratio
     G = T // r + 2
-    kv, score = compressor.group_kv_scores(p, x)  # fp32 [B, T, hd]
+    kv, score = compressor.group_kv_scores(p, x, exact)  # fp32 [B, T, hd]
     hd = kv.shape[-1]
     g0 = start // r
     rel = positions // r - g0[:, None]  # group of each token, relative to g0
@@ -129,7 +130,7 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
             rot = compressor.compressed_rot(latent, j * r, freqs, dt)
             st["comp"][key] = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
             if key in st["ikeys"]:
-                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt)
+                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
                 st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
         if plan.is_index_source:
             indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, st["ikeys"][str(plan.key_owner)],
@@ -138,7 +139,8 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
         comp = st["comp"][str(plan.kv_source)]
     o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
-                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"))
+                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
+                                  exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
