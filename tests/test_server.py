@@ -33,7 +33,7 @@ ENGINE_FLAGS = ["--model", "tiny", "--dtype", "float32", "--max-running-requests
 SERVER_FLAGS = ENGINE_FLAGS + ["--api-key", KEY, "--reasoning-parser", "deepseek-v41", "--tool-call-parser",
                                "deepseekv41", "--enable-metrics", "--max-body-size", "256K",
                                "--max-queued-requests", "2"]
-START_TIMEOUT = 300
+START_TIMEOUT = 900  # a hang guard: a cold start takes ~40 s idle, ~5 min on a loaded 2-core VM
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
