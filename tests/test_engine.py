@@ -11,6 +11,7 @@ row-independent (checked bit-exact), so "alone" and "batched" give identical tok
 import asyncio
 import itertools
 import threading
+import time
 
 import jax
 import numpy as np
@@ -581,10 +582,13 @@ def test_async_engine_streams_aborts_and_limits(eng):
             first = await gen.__anext__()
             assert first.outputs[0].token_ids
             await gen.aclose()
-            # queue limit: hold the loop so the adds stay queued
+            # queue limit: hold the engine lock so no add completes; the third add sees two pending
             with ae._lock:
                 tasks = [asyncio.create_task(collect(f"q{i}", sp)) for i in range(3)]
-                await asyncio.sleep(0.2)
+                for _ in range(100):  # each task runs to its first await (the third raises at once)
+                    await asyncio.sleep(0)
+                    if any(t.done() for t in tasks):
+                        break
             res = await asyncio.gather(*tasks, return_exceptions=True)
             assert sum(isinstance(r, QueueFullError) for r in res) == 1
             with pytest.raises(ValueError):
@@ -592,9 +596,8 @@ def test_async_engine_streams_aborts_and_limits(eng):
                     pass
 
         asyncio.run(main())
-        for _ in range(100):
-            if not eng.has_unfinished():
-                break
+        deadline = time.monotonic() + 120  # a hang guard: the last outputs are out, the loop just drains
+        while eng.has_unfinished() and time.monotonic() < deadline:
             threading.Event().wait(0.05)
         st = ae.stats()
         assert st["num_running_reqs"] == 0 and st["engine_alive"]
