@@ -19,9 +19,11 @@ from dsv41_jax.model.numerics import linear_bf16, linear_f32
 from dsv41_jax.model.rope import apply_rope
 
 
-def group_kv_scores(p, x):
-    """Per-token fp32 (kv, score) of a ratio>1 compressor: x [..., D] -> ([..., hd], [..., hd])."""
-    return linear_f32(x, p["wkv"]["weight"]), linear_f32(x, p["wgate"]["weight"])
+def group_kv_scores(p, x, exact: bool = False):
+    """Per-token fp32 (kv, score) of a ratio>1 compressor: x [..., D] -> ([..., hd], [..., hd]).
+    `exact` (the exact numerics mode): fp64 accumulation, so the values do not depend on how many
+    tokens the step holds (a verify chunk's partial group equals one-token steps' bit for bit)."""
+    return linear_f32(x, p["wkv"]["weight"], exact), linear_f32(x, p["wgate"]["weight"], exact)
 
 
 def pool_groups(kv, score, p, eps, dt):
@@ -35,17 +37,18 @@ def pool_groups(kv, score, p, eps, dt):
     return rmsnorm(latent, p["norm"]["weight"], eps, dt)
 
 
-def compress(p, x, ratio: int, eps, dt):
+def compress(p, x, ratio: int, eps, dt, exact: bool = False):
     """Latents for all complete groups of a sequence that starts at position 0.
 
-    x: [B, T, D] (the layer's normed attention input) -> [B, T // ratio, hd] in `dt`.
+    x: [B, T, D] (the layer's normed attention input) -> [B, T // ratio, hd] in `dt`. `exact`: fp64
+    accumulation of the matmuls (exact numerics mode).
     """
     B, T, _ = x.shape
     if ratio == 1:
-        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt), p["norm"]["weight"], eps, dt)
+        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt, exact), p["norm"]["weight"], eps, dt)
     S = T // ratio
     xs = x[:, : S * ratio]
-    kv, score = group_kv_scores(p, xs)
+    kv, score = group_kv_scores(p, xs, exact)
     hd = kv.shape[-1]
     return pool_groups(kv.reshape(B, S, ratio, hd), score.reshape(B, S, ratio, hd), p, eps, dt)
 

@@ -31,7 +31,7 @@ from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, dispatch, indexer
 from dsv41_jax.model.engram import compressed_ids, hash_rows
-from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux
 
 
@@ -64,11 +64,11 @@ def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
     start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
     eps = cfg.rms_norm_eps
     if ratio == 1:
-        return compressor.compress(p, x, 1, eps, dt), positions, valid, None
+        return compressor.compress(p, x, 1, eps, dt, is_exact(cfg)), positions, valid, None
     B, T, _ = x.shape
     r = ratio
     G = T // r + 2
-    kv, score = compressor.group_kv_scores(p, x)  # fp32 [B, T, hd]
+    kv, score = compressor.group_kv_scores(p, x, is_exact(cfg))  # fp32 [B, T, hd]
     hd = kv.shape[-1]
     g0 = start // r
     rel = positions // r - g0[:, None]  # group of each token, relative to g0
@@ -149,7 +149,7 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
             if key in st["ikeys"]:
                 if saved is not None:
                     saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
-                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt)
+                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
                 st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
         if plan.is_index_source:
             indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, st["ikeys"][str(plan.key_owner)],

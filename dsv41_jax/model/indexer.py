@@ -22,12 +22,13 @@ from dsv41_jax.model.rope import apply_rope
 NEG_INF = -jnp.inf
 
 
-def index_keys_rot(p, latent, slot_pos, freqs, eps, dt):
+def index_keys_rot(p, latent, slot_pos, freqs, eps, dt, exact: bool = False):
     """Index keys before their fp4 fake-quant: k_norm(wk · latent) → RoPE at j·ratio.
 
     latent: [B, S, hd] bf16 pre-RoPE unquantized; slot_pos int32 [B, S] or [S]. Returns [B, S, dI].
+    `exact`: fp64 accumulation of wk (exact numerics mode).
     """
-    k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt), p["k_norm"]["weight"], eps, dt)
+    k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt, exact), p["k_norm"]["weight"], eps, dt)
     return apply_rope(k, slot_pos, freqs, out_dtype=dt)
 
 
