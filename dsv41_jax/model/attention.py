@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import HIGHEST
+from dsv41_jax.model.numerics import HIGHEST, einsum_exact, x64_scope
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 
 
@@ -58,7 +58,7 @@ def window_kv(kv_rot, dt):
     return quant.fake_quant_fp8(kv_rot, block=32, out_dtype=dt)
 
 
-def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False):
+def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False, exact: bool = False):
     """Joint softmax over window keys and selected compressed slots, with the attention sink.
 
     q [B, T, H, hd]; win_kv [B, Nw, hd] with win_mask bool [B, T, Nw] (keys shared by the T queries of a
@@ -73,12 +73,18 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     they are with fp32 accumulation (`preferred_element_type`) instead of widening them to fp32 at
     HIGHEST precision — every product of two bf16 values is exact in fp32, so only the summation order
     may differ; in the fp32 mode (q not bf16) it is the reference math.
+
+    `exact` (the exact numerics mode): both matmuls and the denominator accumulate in fp64, so
+    the output does not depend on how many queries / keys the step holds (a verify chunk equals
+    one-token steps bit for bit; in fp32 the q·k and p·v sums are reordered with the shapes).
     """
     hd = q.shape[-1]
     scale = hd ** -0.5
     low = fast and q.dtype == jnp.bfloat16 and win_kv.dtype == jnp.bfloat16 and comp_kv.dtype == jnp.bfloat16
 
     def mm(eq, a, b):
+        if exact:
+            return einsum_exact(eq, a, b)
         if low:
             return jnp.einsum(eq, a.astype(jnp.bfloat16), b, preferred_element_type=jnp.float32)
         return jnp.einsum(eq, a.astype(jnp.float32), b.astype(jnp.float32), precision=HIGHEST)
@@ -91,7 +97,13 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
     pw = jnp.exp(lw - m)
     pc = jnp.exp(lc - m)
-    denom = jnp.sum(pw, axis=-1) + jnp.sum(pc, axis=-1) + jnp.exp(sink[None, None, :] - m[..., 0])
+    if exact:  # the key count changes with the chunk: sum in fp64 so the order does not matter
+        with x64_scope():
+            f64 = jnp.float64
+            denom = (jnp.sum(pw.astype(f64), axis=-1) + jnp.sum(pc.astype(f64), axis=-1)
+                     + jnp.exp(sink[None, None, :] - m[..., 0]).astype(f64)).astype(jnp.float32)
+    else:
+        denom = jnp.sum(pw, axis=-1) + jnp.sum(pc, axis=-1) + jnp.exp(sink[None, None, :] - m[..., 0])
     num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
     pw = pw.astype(num_dt)
     pc = pc.astype(num_dt)
@@ -125,7 +137,8 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
 
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
-                     ratio: int, page_size: int, window: int, mode: str, impl: str = "reference"):
+                     ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
+                     exact: bool = False):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -145,7 +158,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
       page_table  int32 [B, P]; slot j of row b is pool row `indexer.pool_index(page_table, j, ratio,
                   page_size)`
       sel         int32 [B, T, K] selected compressed slots (−1 = none), from `indexer.topk`
-    Static: ratio, page_size, window, mode (kv_cache_dtype), impl.
+    Static: ratio, page_size, window, mode (kv_cache_dtype), impl, exact (the exact numerics mode:
+    fp64-accumulated matmuls in `attend`; reference / xla only — a kernel is not called with it).
     Returns [B, T, H, hd] in q.dtype (SPEC §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
     A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
@@ -167,7 +181,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
         rows = kvc.token_locs(page_table, jnp.maximum(sel, 0) * ratio, page_size) // ratio
         comp_kv = kvc.decode("comp", mode, kvc.store_get(comp, rows), dt)
         comp_mask = sel >= 0
-    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla")
+    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla", exact=exact)
 
 
 def output_proj(p, o, positions, freqs, cfg, dt):

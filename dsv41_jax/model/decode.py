@@ -158,7 +158,8 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
         comp = st["comp"][str(plan.kv_source)]
     o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
-                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"))
+                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
+                                  exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 

@@ -36,7 +36,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode, linear
 from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.transformer import block, embed_streams, initial_pre, new_aux
 
@@ -133,7 +133,7 @@ def _draft_attention(p, x, ring, slot, start, positions, plan, cfg, ccfg, dt):
     mask = jnp.broadcast_to(ok[:, None, :], (B, K, W + K))
     hd = q.shape[-1]
     o = attn_mod.attend(q, keys, mask, jnp.zeros((B, K, 0, hd), dt), jnp.zeros((B, K, 0), bool),
-                        p["attn_sink"].astype(jnp.float32), dt)
+                        p["attn_sink"].astype(jnp.float32), dt, exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 

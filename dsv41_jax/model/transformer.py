@@ -92,7 +92,7 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = jnp.take_along_axis(store[:, None, :, :], jnp.maximum(sel, 0)[..., None], axis=2)
         comp_mask = sel >= 0
-    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt)
+    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt, exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
