@@ -350,10 +350,13 @@ def plot_part_a(cases: list, path: str) -> None:
     series = {}
     for r in cases:
         series.setdefault((r["impl"], r["batch"], r["max_context"]), []).append((r["context"], r["step_ms"]))
+    shapes = sorted({(B, mc) for (_, B, mc) in series})  # one colour per (batch, max_context), style per impl
+    colours = plt.get_cmap("tab10")
     for (impl, B, mc), pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                linestyle="-" if impl == "xla" else "--", label=f"{impl} B={B} max_ctx={mc // 1024}K")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if impl == "xla" else "s",
+                color=colours(shapes.index((B, mc)) % 10), linestyle="-" if impl == "xla" else "--",
+                label=f"{impl} B={B} max_ctx={mc // 1024}K")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens in the cache)")
