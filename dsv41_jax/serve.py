@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                "effort. Both are validated at startup. Endpoints: POST /v1/chat/completions, POST /v1/completions, "
                "GET /v1/models, GET /health, GET /metrics (unless --disable-metrics).")
     EngineArgs.add_cli_args(p)
+    from dsv41_jax.parallel.distributed import add_distributed_args
+
+    add_distributed_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=30000, help="TCP port")
@@ -213,6 +216,14 @@ def main(argv=None) -> int:
 
     # ---- the engine (loads and compiles the model)
     import jax
+
+    from dsv41_jax.parallel.distributed import initialize_from
+
+    try:  # multi-host: before any device is touched
+        initialize_from(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     cache_dir = args.compilation_cache_dir
     if cache_dir and cache_dir.lower() != "none":

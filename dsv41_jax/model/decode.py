@@ -164,7 +164,8 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
-def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False):
+def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
+                       mesh=None):
     """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
 
     Returns (logits, st, pending, aux):
@@ -178,6 +179,8 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
               `restore`, else None), "engram_ids" int32 [B, T] (Engram configs)};
       aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
               [B, T, n, D] per layer) and "hidden" (final normed x).
+    mesh: optional `jax.sharding.Mesh` (`parallel.make_mesh`): MoE and the row-split tables run their
+    `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
     """
     dt = act_dtype(cfg)
     tokens = batch["tokens"].astype(jnp.int32)
@@ -191,7 +194,7 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
     pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
             "restore": {} if restore else None}
     hist = state.get("engram_hist")
-    h = embed_streams(params, tokens, cfg, dt)
+    h = embed_streams(params, tokens, cfg, dt, mesh)
     pre = initial_pre((B, T), cfg)
     ctx = {"topk": {}, "cand": None}
     aux = new_aux()
@@ -205,7 +208,7 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
         def attn_fn(x, lp=lp, plan=plan):
             return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
 
-        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows)
+        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
     if not all_logits:
         last = jnp.maximum(n_new - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
@@ -254,13 +257,14 @@ def commit(st, pending, batch, n_commit, cfg):
     return out
 
 
-def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False):
+def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, mesh=None):
     """Pure step: (params, cache, batch) -> (logits, cache), every real token committed.
 
     Logits: fp32 [B, T, V] if `all_logits`, else [B, V] at each row's last real token. State keys this
-    step does not own (e.g. the DSpark rings, "dspark") pass through unchanged.
+    step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. mesh: see
+    `extend_uncommitted`.
     """
-    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits)
+    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, mesh=mesh)
     new_state = commit(st, pend, batch, batch["n_new"], cfg)
     if return_aux:
         return logits, new_state, aux
@@ -268,14 +272,25 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_extend(cfg, ccfg, all_logits: bool = False):
-    """`extend` jitted for (cfg, ccfg, all_logits), with the cache donated. Compiles once per (B, T)."""
-    return jax.jit(functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits), donate_argnums=(1,))
+def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False):
+    """`extend` jitted for (cfg, ccfg, all_logits[, mesh]), with the cache donated. Compiles once per (B, T).
+
+    With a mesh, the step's in/out shardings come from `parallel.rules.step_shardings` (params as
+    `rules.shard_params` places them, the cache as `rules.init_cache` does, batch and logits replicated).
+    engram_host_table: the params hold host Engram tables (`parallel.host_table`).
+    """
+    fn = functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits, mesh=mesh)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(1,))
+    from dsv41_jax.parallel import rules
+
+    ins, outs = rules.step_shardings(cfg, ccfg, mesh, all_logits, engram_host_table=engram_host_table)
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=(1,))
 
 
-def decode_step(params, state, batch, cfg, ccfg, all_logits: bool = False):
+def decode_step(params, state, batch, cfg, ccfg, all_logits: bool = False, mesh=None):
     """`(params, state, batch) -> (logits, state)`: the jitted pure step (state donated)."""
-    return jitted_extend(cfg, ccfg, all_logits)(params, state, batch)
+    return jitted_extend(cfg, ccfg, all_logits, mesh)(params, state, batch)
 
 
 def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
@@ -309,7 +324,7 @@ def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
 
 
 def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequence[int], start: int = 0,
-            chunk_size: int = 64, all_logits: bool = False):
+            chunk_size: int = 64, all_logits: bool = False, mesh=None):
     """Write `tokens` (positions start..) for request `rid` into the cache in chunks of `chunk_size`.
 
     Returns (logits, state): logits of the last token [V] (or of every token [n, V] with all_logits).
@@ -322,7 +337,7 @@ def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequenc
         allocator.ensure(rid, pos + len(chunk))
         batch = make_batch([{"tokens": chunk, "start": pos, "slot": slot, "page_table": allocator.pages(rid)}],
                            chunk_size, 1, ccfg)
-        logits, state = decode_step(params, state, batch, cfg, ccfg, all_logits)
+        logits, state = decode_step(params, state, batch, cfg, ccfg, all_logits, mesh)
         outs.append(logits[0, : len(chunk)] if all_logits else logits[0])
         pos += len(chunk)
     if all_logits:

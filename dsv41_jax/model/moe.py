@@ -131,28 +131,38 @@ def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact):
     return tiling.over_rows(xd, N, 0 if exact else tiling.n_tiles(N, G * K), tile)
 
 
-def _routed_grouped(ex, xf, idx, w, cfg, dt):
-    """fp32 [N, D]: the routed experts over only the selected (token, expert) pairs (see module doc)."""
+def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
+    """Per-assignment outputs of the grouped routed experts: [N, k, D] in `dt` (fp32 in exact mode).
+
+    ex: stacked experts holding the E_l experts ``first_expert .. first_expert + E_l − 1`` (all E
+    unsharded; one expert shard's slice under expert parallelism, `first_expert` may be traced);
+    xf [N, D]; idx int32 [N, k] global expert ids; w fp32 [N, k] routing weights. Slot (n, j) holds
+    expert idx[n, j]'s output for token n, or exact zeros when that expert is not among `ex`.
+    Only the assignments of the held experts are multiplied (see the module doc).
+    """
     N, D = xf.shape
     k = idx.shape[1]
     E = ex["w1"]["weight"].shape[0]
     A = N * k
-    if A == 0:
-        return jnp.zeros((N, D), jnp.float32)
-    flat_e = idx.reshape(A)
+    local = idx.reshape(A) - first_expert
+    mine = (local >= 0) & (local < E)
+    # Non-held assignments sort last (key E) and belong to no group: they are never multiplied.
+    flat_e = jnp.where(mine, local, E)
     order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)  # assignments sorted by expert id
     se = flat_e[order]
+    held = se < E
     G = min(A, E)  # static: at most A distinct experts can be selected
     if G < E:
         # Groups = the distinct selected experts in ascending id; unused trailing groups are empty
         # (size 0, they point at expert 0 and are never multiplied).
-        new = jnp.concatenate([jnp.ones((1,), bool), se[1:] != se[:-1]])
+        new = jnp.concatenate([jnp.ones((1,), bool), se[1:] != se[:-1]]) & held
         gid = jnp.cumsum(new.astype(jnp.int32)) - 1
-        gexp = jnp.zeros((G,), jnp.int32).at[gid].set(se)
-        sizes = jnp.zeros((G,), jnp.int32).at[gid].add(1)
+        gid = jnp.where(held, gid, G)  # non-held assignments: out of range, dropped
+        gexp = jnp.zeros((G,), jnp.int32).at[gid].set(se, mode="drop")
+        sizes = jnp.zeros((G,), jnp.int32).at[gid].add(1, mode="drop")
     else:
         gexp = None  # every expert is a group, in id order
-        sizes = jnp.zeros((E,), jnp.int32).at[se].add(1)
+        sizes = jnp.zeros((E,), jnp.int32).at[se].add(1, mode="drop")
     xs = jnp.take(xf, order // k, axis=0)  # [A, D] token rows, sorted by expert
     ws = jnp.take(w.reshape(A), order)
     exact = is_exact(cfg)
@@ -162,22 +172,37 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
 
     act = _swiglu_act(proj(xs, "w1"), proj(xs, "w3"), ws, cfg.swiglu_limit, dt)
     y_sorted = proj(act, "w2")  # [A, D] in dt
-    # Back to (token, slot), then each token's slots in ascending expert id, folded left to right in
-    # fp32: the reference's additions in the reference's order.
-    y = jnp.zeros((A, D), y_sorted.dtype).at[order].set(y_sorted).reshape(N, k, D)
+    y_sorted = jnp.where(held[:, None], y_sorted, jnp.zeros((), y_sorted.dtype))
+    return jnp.zeros((A, D), y_sorted.dtype).at[order].set(y_sorted).reshape(N, k, D)
+
+
+def combine_slots(y, idx):
+    """fp32 [N, D]: each token's k slot outputs y [N, k, D] in ascending expert id, folded left to right
+    in fp32 — the reference's additions in the reference's order."""
+    k = idx.shape[1]
     perm = jnp.argsort(idx, axis=1, stable=True)
     y = jnp.take_along_axis(y, perm[..., None], axis=1).astype(jnp.float32)
-    acc = jnp.zeros((N, D), jnp.float32) + y[:, 0]
+    acc = jnp.zeros(y.shape[:1] + y.shape[2:], jnp.float32) + y[:, 0]
     for j in range(1, k):
         acc = acc + y[:, j]
     return acc
 
 
-def moe(p, x, top_k: int, cfg, dt, *, return_routing=False):
+def _routed_grouped(ex, xf, idx, w, cfg, dt):
+    """fp32 [N, D]: the routed experts over only the selected (token, expert) pairs (see module doc)."""
+    N, D = xf.shape
+    if N * idx.shape[1] == 0:
+        return jnp.zeros((N, D), jnp.float32)
+    return combine_slots(routed_slots(ex, xf, idx, w, cfg, dt), idx)
+
+
+def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
     """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
 
     The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla", module doc); the
     gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
+    mesh: a `jax.sharding.Mesh` with an "ep" axis > 1 runs the routed experts expert-parallel
+    (`parallel.collectives.routed_experts`: the grouped path per expert shard, bitwise the same result).
     """
     impl = dispatch.resolve(cfg, "moe")
     if impl not in ("reference", "xla"):
@@ -187,7 +212,16 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False):
     idx, w, _ = route(p["gate"], xf, top_k, cfg)
     N = xf.shape[0]
     lim = cfg.swiglu_limit
-    routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
+    from_mesh = mesh is not None and dict(mesh.shape).get("ep", 1) > 1
+    if from_mesh:
+        if impl == "reference":
+            raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
+                                     "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
+        from dsv41_jax.parallel import collectives
+
+        routed = collectives.routed_experts(p["experts"], xf, idx, w, cfg, dt, mesh)
+    else:
+        routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]
 
     def fp8(a, wt, sc):

@@ -34,9 +34,16 @@ def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
                           layer_p[f"hc_{sub}_scale"], cfg, dt)
 
 
-def embed_streams(params, tokens, cfg, dt):
-    """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt`."""
-    e = params["embed"]["weight"][tokens].astype(dt)
+def embed_streams(params, tokens, cfg, dt, mesh=None):
+    """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt`.
+
+    mesh: rows split over "tp" are gathered locally + one all-reduce (`parallel.collectives`)."""
+    if mesh is not None and mesh.size > 1:
+        from dsv41_jax.parallel import collectives
+
+        e = collectives.embed_gather(params["embed"]["weight"], tokens, dt, mesh)
+    else:
+        e = params["embed"]["weight"][tokens].astype(dt)
     return jnp.broadcast_to(e[..., None, :], e.shape[:-1] + (cfg.hc_mult, e.shape[-1]))
 
 
@@ -97,24 +104,38 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
-def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None):
+def replicated(x, mesh):
+    """On a mesh, pin activation `x` replicated (`parallel.rules`: per-token activations are not split).
+
+    Without it XLA may keep a tp-split output projection's result split along D (a reduce-scatter
+    instead of the all-reduce), and the norms' / mHC's fp32 sums over D would then be summed in a
+    different order than unsharded. No-op without a mesh."""
+    if mesh is None:
+        return x
+    from dsv41_jax.parallel import rules
+
+    return rules.constrain(x, ("batch", "seq") + (None,) * (x.ndim - 3) + ("act_embed",), mesh)
+
+
+def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None, mesh=None):
     """One layer (any attention implementation): returns (h, pre for the next sublayer).
 
     lp: the layer's params; h [B, T, n, D]; pre_prev fp32 [B, T, n]; attn_fn(x) -> y maps the normed
-    attention input [B, T, D] to the sublayer output; engram_rows int32 [B, T, R] for Engram layers.
+    attention input [B, T, D] to the sublayer output; engram_rows int32 [B, T, R] for Engram layers;
+    mesh: optional `jax.sharding.Mesh` (Engram and the routed experts run their sharded forms).
     """
     if plan.is_engram:
-        h = engram(lp["engram"], h, engram_rows, cfg, dt)
+        h = replicated(engram(lp["engram"], h, engram_rows, cfg, dt, mesh=mesh), mesh)
     aux["layer_inputs"][plan.layer_id] = h
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
     x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
     x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
-    h = sublayer_exit(attn_fn(x), h, a_post, a_comb, cfg, dt)
+    h = replicated(sublayer_exit(replicated(attn_fn(x), mesh), h, a_post, a_comb, cfg, dt), mesh)
     x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
     x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
-    y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True)
+    y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, mesh=mesh)
     aux["experts"][plan.layer_id] = eidx
-    h = sublayer_exit(y, h, f_post, f_comb, cfg, dt)
+    h = replicated(sublayer_exit(replicated(y, mesh), h, f_post, f_comb, cfg, dt), mesh)
     return h, f_pre
 
 
@@ -128,7 +149,7 @@ def new_aux():
     return {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
 
 
-def forward(params, tokens, cfg, return_aux: bool = False):
+def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
     """Reference forward of the target model.
 
     params: the parameter pytree (`init_params` / `load_params`); tokens: int32 [B, T], positions
@@ -137,12 +158,16 @@ def forward(params, tokens, cfg, return_aux: bool = False):
     ``cand`` {layer: bool [B, T, S]}, ``experts`` {layer: int32 [B, T, top_k]}, ``layer_inputs``
     {layer: [B, T, n, D] state entering the layer after its Engram}, ``hidden`` [B, T, D] (final
     normed hidden state).
+
+    mesh: optional `jax.sharding.Mesh` (`parallel.make_mesh`); params placed on it by
+    `parallel.rules.shard_params`. Call under ``jax.jit`` (static cfg, mesh): MoE and the row-split
+    tables run their `shard_map` forms, the rest is partitioned by XLA from the parameter shardings.
     """
     dt = act_dtype(cfg)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h = embed_streams(params, tokens, cfg, dt)
+    h = embed_streams(params, tokens, cfg, dt, mesh)
     pre = initial_pre((B, T), cfg)
     ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
     aux = new_aux()
@@ -154,7 +179,7 @@ def forward(params, tokens, cfg, return_aux: bool = False):
         def attn_fn(x, lp=lp, plan=plan):
             return attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
 
-        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows)
+        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
     logits, x = final_logits(params, h, pre, cfg, dt)
     if return_aux:
         aux["hidden"] = x

@@ -469,9 +469,6 @@ class Engine:
         t0 = time.perf_counter()
         from dsv41_jax.model.config import ModelConfig
 
-        if args.tp_size != 1 or args.ep_size != 1:
-            log.warning("tp_size=%d ep_size=%d requested: this engine runs on one device; the values are only "
-                        "recorded", args.tp_size, args.ep_size)
         if cfg is None:
             cfg = ModelConfig.from_pretrained(args.model)
         if args.dtype != "auto" and cfg.act_dtype != args.act_dtype:
@@ -484,6 +481,13 @@ class Engine:
             raise EngineError(f"--impl {args.impl!r}: {e}") from None
         log.info("impl %r: %s", args.impl, ", ".join(f"{op}={name}" for op, name in chosen.items()))
         self.cfg = cfg
+        # --tp / --ep: the mesh is built (and an impossible combination refused, MeshError) before any
+        # weight is loaded; tp = ep = 1 runs unsharded on the default device.
+        self.mesh = None
+        if args.tp_size != 1 or args.ep_size != 1:
+            from dsv41_jax.parallel.mesh import make_mesh
+
+            self.mesh = make_mesh(args.tp_size, args.ep_size, cfg=cfg)
         if params is None:
             if args.model == "tiny" and not os.path.isdir(args.model):
                 from dsv41_jax.model.params import init_params
@@ -493,6 +497,15 @@ class Engine:
                 from dsv41_jax.model.checkpoint import load_params
 
                 params = load_params(args.model, cfg)
+        from dsv41_jax.parallel.host_table import host_table_requested, offload_engram
+
+        self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
+        if self.mesh is not None:
+            from dsv41_jax.parallel import rules
+
+            params = rules.shard_params(params, cfg, self.mesh, engram_host_table=self.engram_host_table)
+        elif self.engram_host_table:
+            params = offload_engram(params)
         self.params = params
         if tokenizer is None:
             from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -520,12 +533,17 @@ class Engine:
         self.overlap = not args.disable_overlap_schedule
 
         # -- device state
-        self.state = kvc.init_cache(cfg, ccfg)
+        if self.mesh is None:
+            self.state = kvc.init_cache(cfg, ccfg)
+        else:
+            from dsv41_jax.parallel import rules
+
+            self.state = rules.init_cache(cfg, ccfg, self.mesh)
         self._reset_device_slots(list(range(self.max_slots + 1)))
         self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
         self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
         self._allow_all: dict = {}
-        self._extend = dec.jitted_extend(cfg, ccfg, False)
+        self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh, self.engram_host_table)
         self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
         self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
@@ -1150,7 +1168,7 @@ class Engine:
         else:  # prompt logprobs: every position's logits, reduced on the device
             if self._extend_all is None:
                 log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
-                self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True)
+                self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True, self.mesh, self.engram_host_table)
             all_logits, self.state = self._extend_all(self.params, self.state, batch)
             L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs)
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None

@@ -98,6 +98,7 @@ class EngineArgs:
     skip_server_warmup: bool = False
     tp_size: int = 1
     ep_size: int = 1
+    engram_host_table: Optional[bool] = None  # None: env DSV41_ENGRAM_HOST_TABLE (default off)
     random_seed: int = 0
     impl: str = "auto"
 
@@ -289,10 +290,15 @@ class EngineArgs:
         g.add_argument("--skip-server-warmup", action="store_true",
                        help="do not compile every (batch, tokens) bucket at start (they compile on first use)")
         g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
-                       help="tensor parallel size (accepted for SGLang compatibility; this engine runs one "
-                            "device and logs the value)")
+                       help="tensor parallel size: attention heads, the shared expert, embedding/head and the "
+                            "Engram tables are split over tp devices (mesh of tp x ep devices; an impossible "
+                            "combination is refused at start-up)")
         g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
-                       help="expert parallel size (accepted and logged, see --tp-size)")
+                       help="expert parallel size: the routed experts are split over ep devices (see --tp-size)")
+        g.add_argument("--engram-host-table", dest="engram_host_table", action="store_const", const=True,
+                       default=None, help="keep the Engram tables in host memory (one copy; rows gathered on the "
+                                          "host each step) instead of split over the tp devices; default: env "
+                                          "DSV41_ENGRAM_HOST_TABLE=1, else off")
         g.add_argument("--random-seed", "--seed", dest="random_seed", type=int, default=0,
                        help="seed of the tiny model's random weights and of requests sent without a seed")
         g.add_argument("--impl", default=d["impl"].default,

@@ -1,0 +1,108 @@
+"""The `shard_map`'d pieces of the sharded model, where the collective pattern matters.
+
+* `routed_experts` — expert-parallel MoE over mesh axis "ep". Tokens (and the routing, computed by
+  the gate outside) are replicated over ep, so *dispatch* needs no communication: each expert shard
+  keeps the (token, expert) assignments of its own E/ep experts (`moe.routed_slots` with its expert
+  offset: sorted by expert, one grouped GEMM per projection over only those rows), and writes each
+  assignment's output into its (token, slot) position, exact zeros elsewhere. *Combine* is one
+  all-reduce (psum over ep) of those per-slot outputs [N, k, D]: every slot has exactly one non-zero
+  contributor, so the sum is exact whatever order the all-reduce adds in, and the fold over a token's
+  k slots in ascending expert id then runs locally (`moe.combine_slots`) exactly as unsharded —
+  sharded ≡ unsharded bit for bit, in every numerics mode. Expert weights never move (no all-gather);
+  the price is k/2 times the bytes of an fp32 [N, D] partial-sum all-reduce (bf16 slots), which is
+  small at decode batch sizes. (A `jax.lax.ragged_all_to_all` dispatch pays off once tokens are
+  themselves split over devices — data-parallel attention — which this mesh does not do.)
+* `row_gather` / `embed_gather` — a table whose rows are split over devices (Engram tables over
+  ep x tp, the token embedding over tp: `rules`): each shard gathers the requested rows it holds
+  (zeros for the others) and one psum over those axes assembles them. Exact: one non-zero
+  contributor per value (the dequantized Engram rows are e4m3·2^k values, exact in bf16 too).
+
+Every function takes the mesh explicitly and runs inside the caller's `jit`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dsv41_jax.parallel.mesh import axis_size
+
+
+def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
+    """fp32 [N, D]: the routed experts' sum for tokens xf [N, D], expert-parallel over mesh `axis`.
+
+    ex: stacked routed experts (leading expert axis split over `axis`); idx int32 [N, k] global expert
+    ids; w fp32 [N, k] routing weights (both replicated). Equals `moe._routed_grouped` bitwise.
+    """
+    from dsv41_jax.model import moe
+
+    N, D = xf.shape
+    if N * idx.shape[1] == 0:
+        return jnp.zeros((N, D), jnp.float32)
+    E = ex["w1"]["weight"].shape[0]
+    n = axis_size(mesh, axis)
+    if E % n:
+        raise ValueError(f"routed_experts: {E} experts do not split over {axis}={n}")
+
+    def local(ex_l, xf, idx, w):
+        first = jax.lax.axis_index(axis) * ex_l["w1"]["weight"].shape[0]
+        y = moe.routed_slots(ex_l, xf, idx, w, cfg, dt, first_expert=first)  # [N, k, D], zeros elsewhere
+        return jax.lax.psum(y, axis)
+
+    ex_specs = jax.tree_util.tree_map(lambda _: P(axis), ex)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, P(), P(), P()), out_specs=P())(ex, xf, idx, w)
+    return moe.combine_slots(y, idx)
+
+
+def row_axes(table_shape, logical: str, mesh):
+    """The mesh axes (a name or tuple, `rules.spec`) that split dim 0 of a table, or None."""
+    from dsv41_jax.parallel import rules
+
+    return rules.spec((logical,) + (None,) * (len(table_shape) - 1), table_shape, mesh)[0]
+
+
+def row_gather(table, tscale, rows, dt, mesh, axis=None):
+    """`engram.gather_rows` on a table whose rows are split over mesh `axis`: local gather + one psum.
+
+    table float8_e4m3fn [N, de] / tscale E8M0 [N, de/32]; rows int32 [..., R]; axis: a mesh axis name
+    or tuple of names (default: the rules' split of "engram_rows" for this shape; a table that is not
+    split is gathered directly). Returns [..., R·de] in `dt`, bitwise `gather_rows`.
+    """
+    from dsv41_jax.model.engram import gather_rows
+
+    if axis is None:
+        axis = row_axes(table.shape, "engram_rows", mesh)
+    if axis is None:
+        return gather_rows(table, tscale, rows, dt)
+    de = table.shape[-1]
+
+    def local(t, s, r):
+        nl = t.shape[0]
+        loc = r - jax.lax.axis_index(axis) * nl
+        ok = (loc >= 0) & (loc < nl)
+        emb = gather_rows(t, s, jnp.clip(loc, 0, nl - 1), dt).reshape(r.shape + (de,))
+        emb = jnp.where(ok[..., None], emb, jnp.zeros((), emb.dtype)).reshape(r.shape[:-1] + (r.shape[-1] * de,))
+        return jax.lax.psum(emb, axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis, None), P(axis, None), P()),
+                         out_specs=P())(table, tscale, rows)
+
+
+def embed_gather(table, ids, dt, mesh, axis=None):
+    """table[ids].astype(dt) for a [V, D] table whose rows are split over mesh `axis` (default: the
+    rules' split of "vocab"); ids int32 [...] in range. Local gather + one psum (exact: one contributor
+    per row)."""
+    if axis is None:
+        axis = row_axes(table.shape, "vocab", mesh)
+    if axis is None:
+        return table[ids].astype(dt)
+
+    def local(t, i):
+        nl = t.shape[0]
+        loc = i - jax.lax.axis_index(axis) * nl
+        ok = (loc >= 0) & (loc < nl)
+        e = t[jnp.clip(loc, 0, nl - 1)].astype(dt)
+        return jax.lax.psum(jnp.where(ok[..., None], e, jnp.zeros((), dt)), axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis, None), P()), out_specs=P())(table, ids)

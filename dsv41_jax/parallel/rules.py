@@ -1,0 +1,314 @@
+"""ONE table from logical axes to mesh axes, and every sharding derived from it.
+
+`RULES` maps each logical axis name to a mesh axis ("tp", "ep") or None (replicated). Parameters carry
+their logical axes in `params.declare_params`; activations, the cache pytree and the decode step's
+batch use the names below. A logical axis missing from the table is an error (never a silent
+replication), so adding a tensor with a new axis forces a decision here.
+
+Parameters
+  - attention heads over tp: q heads (``wq_b`` rows, ``attn_sink``), the o groups (``wo_a`` rows) and
+    ``wo_b``'s input; after ``wo_b`` each tp shard holds a partial sum over its heads, and XLA inserts
+    the one all-reduce over tp (fp32 — before the output is rounded, so only the fp32 summation order
+    changes; none at all in the exact numerics mode, where the sum is fp64).
+  - the shared expert's intermediate over tp (w1/w3 rows, w2 input): same pattern, one all-reduce.
+  - the embedding and the head over tp along the vocabulary (embedding rows are gathered locally and
+    summed with one all-reduce, `collectives.row_gather`; logits are all-gathered once at the end).
+  - routed experts over ep (stacked expert axis; the gate's rows too). The MoE runs under `shard_map`
+    (`collectives.routed_experts`): expert weights never move, each shard multiplies the assignments
+    of its own experts, one all-reduce combines (see there).
+  - Engram table rows over every device, ep x tp (`engram_rows`; ~189 GiB for flash, the largest
+    tensors, read 24 rows per token: replicating them over ep would cost 189/tp GiB per device), padded
+    up to a multiple of the device count (`padded_shape`; padding rows are never addressed); local
+    gather + one all-reduce over both axes (`collectives.row_gather`). On a tp-only mesh: over tp.
+  - everything else (norms, mHC, q/kv down-projections, compressor, indexer) is small: replicated.
+    A dim whose size does not divide by its mesh axis is replicated too (e.g. the fp8 block-scale rows
+    of a small weight): correct, only less memory-efficient (listed by `replicated_fallbacks`).
+
+Cache (`cache_shardings`): **replicated over both axes**. V4.1 attention is MQA with ONE 512-wide latent
+head: the window rings, the compressed pools and the index-key pools are read by every query head, so
+they cannot follow the heads (there is one), and splitting them along positions or along the latent
+dims would put a collective inside every attention/indexer read (an all-reduce of logits or scores
+per layer and step). Their total is small next to the weights (~890 B/token beyond the window, SPEC
+§9), so each tp/ep shard keeps a full copy and computes the latent K=V itself (``wkv`` is replicated,
+so all shards write the same values: no communication). This is also SGLang's MLA layout under TP.
+Sharding the cache needs data-parallel attention (rows/pages split over a ``dp`` axis), not done yet.
+
+Activations: the residual streams, norms and everything per token are replicated ("batch", "seq",
+"act_embed" -> None); attention activations are split over tp along heads ("act_heads"); the step's
+batch (small int arrays) and its logits are replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dsv41_jax.parallel.mesh import axis_size
+
+log = logging.getLogger(__name__)
+
+RULES = {
+    # parameters (names from params.declare_params)
+    "vocab": "tp",          # embedding / head rows, Engram token map
+    "heads": "tp",          # q heads (wq_b out, attn_sink), o groups (wo_a out)
+    "o_in": "tp",           # wo_b input (group-major, follows the heads)
+    "mlp": "tp",            # shared expert intermediate
+    "experts": "ep",        # routed experts (stacked axis), gate rows and biases
+    "engram_rows": ("ep", "tp"),  # Engram table rows over EVERY device (padded to a multiple of ep·tp)
+    "embed": None,          # hidden size
+    "q_lora": None,
+    "kv": None,             # the one latent head (head_dim)
+    "index": None,          # indexer heads / dims: small
+    "hc": None,             # mHC
+    "expert_mlp": None,     # routed expert intermediate (experts are split over ep instead)
+    # activations
+    "batch": None,
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tp",
+    "act_vocab": None,      # logits: gathered once
+    # cache (module docstring: replicated)
+    "cache_slots": None,
+    "cache_ring": None,
+    "cache_pool": None,
+    "cache_group": None,
+    "cache_dim": None,
+    "cache_ngram": None,
+}
+
+# Logical axes whose dims are padded up to a multiple of their mesh axis instead of being replicated.
+PAD_AXES = ("engram_rows",)
+
+
+def _is_decl(x):
+    from dsv41_jax.model.params import P
+
+    return isinstance(x, P)
+
+
+def mesh_axis(logical: Optional[str], mesh, rules=None):
+    """The mesh axis of a logical axis: a name, a tuple of names (split over their product, major
+    first), or None (replicated; also when every named axis has size 1 here). Unknown names raise."""
+    if logical is None:
+        return None
+    table = RULES if rules is None else rules
+    if logical not in table:
+        raise KeyError(f"logical axis {logical!r} is not in the sharding rules table (parallel/rules.py RULES)")
+    ax = table[logical]
+    if ax is None:
+        return None
+    if isinstance(ax, tuple):
+        ax = tuple(a for a in ax if axis_size(mesh, a) > 1)
+        return None if not ax else (ax[0] if len(ax) == 1 else ax)
+    return None if axis_size(mesh, ax) == 1 else ax
+
+
+def mesh_axes_size(ax, mesh) -> int:
+    """Devices along a `mesh_axis` result (a name, a tuple of names, or None)."""
+    if ax is None:
+        return 1
+    names = ax if isinstance(ax, tuple) else (ax,)
+    n = 1
+    for a in names:
+        n *= axis_size(mesh, a)
+    return n
+
+
+def _names(ax) -> tuple:
+    return () if ax is None else (ax if isinstance(ax, tuple) else (ax,))
+
+
+def padded_shape(axes, shape, mesh, rules=None) -> tuple:
+    """`shape` with the dims of `PAD_AXES` rounded up to a multiple of their mesh axis size."""
+    out = []
+    for ax, d in zip(axes, shape):
+        m = mesh_axis(ax, mesh, rules)
+        if ax in PAD_AXES and m is not None:
+            k = mesh_axes_size(m, mesh)
+            d = -(-d // k) * k
+        out.append(d)
+    return tuple(out)
+
+
+def spec(axes, shape, mesh, rules=None) -> PartitionSpec:
+    """PartitionSpec of a tensor with logical `axes` and (already padded) `shape` on `mesh`.
+
+    A dim that does not divide by its mesh axis is replicated; a mesh axis is used at most once."""
+    used, out = set(), []
+    for ax, d in zip(axes, shape):
+        m = mesh_axis(ax, mesh, rules)
+        if m is not None and (used & set(_names(m)) or d % mesh_axes_size(m, mesh)):
+            m = None
+        used |= set(_names(m))
+        out.append(m)
+    return PartitionSpec(*out)
+
+
+def named(mesh, axes, shape, rules=None) -> NamedSharding:
+    return NamedSharding(mesh, spec(axes, shape, mesh, rules))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+# ------------------------------------------------------------------------------------------ params
+
+
+def param_shapes(cfg, mesh, rules=None) -> dict:
+    """Abstract parameter tree on `mesh` (padded shapes, `ShapeDtypeStruct` with shardings)."""
+    from dsv41_jax.model.params import declare_params
+
+    def one(p):
+        shape = padded_shape(p.axes, p.shape, mesh, rules)
+        return jax.ShapeDtypeStruct(shape, p.dtype, sharding=named(mesh, p.axes, shape, rules))
+
+    return jax.tree_util.tree_map(one, declare_params(cfg), is_leaf=_is_decl)
+
+
+def param_shardings(cfg, mesh, rules=None) -> dict:
+    """`NamedSharding` per parameter (same tree as the params), from the logical axes and `RULES`."""
+    return jax.tree_util.tree_map(lambda s: s.sharding, param_shapes(cfg, mesh, rules))
+
+
+def replicated_fallbacks(cfg, mesh, rules=None) -> list:
+    """Names of parameters with a dim whose rule names a mesh axis but which is replicated (does not
+    divide). Informational (logged by `shard_params`)."""
+    from dsv41_jax.model.params import declare_params, flatten_names
+
+    out = []
+    for name, p in flatten_names(declare_params(cfg)).items():
+        shape = padded_shape(p.axes, p.shape, mesh, rules)
+        sp = spec(p.axes, shape, mesh, rules)
+        if any(mesh_axis(a, mesh, rules) is not None and s is None for a, s in zip(p.axes, sp)):
+            out.append(name)
+    return out
+
+
+def _pad_leaf(a, shape):
+    """Pad array `a` with ones (a valid value of every float8 kind, e8m0 included) up to `shape`."""
+    if tuple(a.shape) == tuple(shape):
+        return a
+    a = np.asarray(a)
+    out = np.ones(shape, a.dtype)
+    out[tuple(slice(0, d) for d in a.shape)] = a
+    return out
+
+
+def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False) -> dict:
+    """Place a parameter tree (host or device arrays, `init_params` / `load_params` layout) on `mesh`.
+
+    Engram tables are padded to a multiple of tp rows (`padded_shape`); every leaf goes to its
+    `param_shardings` sharding (built from host copies, so it also works for a multi-process mesh when
+    every process holds the same values). engram_host_table: keep the Engram tables on the host
+    instead (`host_table.offload_engram`; run the step with ``jitted_extend(..., engram_host_table=True)``).
+    """
+    abstract = param_shapes(cfg, mesh, rules)
+    if engram_host_table:
+        from dsv41_jax.parallel.host_table import offload_engram
+
+        params = offload_engram(params)
+        abstract = dict(abstract, layers=[dict(a, engram=dict(a["engram"], embed=p["engram"]["embed"]))
+                                          if "engram" in a else a
+                                          for a, p in zip(abstract["layers"], params["layers"])])
+    fb = replicated_fallbacks(cfg, mesh, rules)
+    if fb:
+        log.info("sharding: %d parameter(s) replicated where their rule's mesh axis does not divide them "
+                 "(e.g. %s)", len(fb), ", ".join(fb[:3]))
+
+    def place(a, s):
+        if isinstance(a, jax.Array) and a.shape == s.shape and a.sharding == s.sharding:
+            return a
+        host = _pad_leaf(np.asarray(a), s.shape)
+        return jax.make_array_from_callback(s.shape, s.sharding, lambda idx: host[idx])
+
+    return jax.tree_util.tree_map(place, params, abstract)
+
+
+def param_bytes_per_device(tree) -> dict:
+    """{device: bytes} of the shards of a tree of `jax.Array`s or sharded `ShapeDtypeStruct`s."""
+    out: dict = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sh = leaf.sharding
+        shard = sh.shard_shape(leaf.shape)
+        nbytes = int(np.prod(shard)) * jnp.dtype(leaf.dtype).itemsize
+        for d in sh.device_set:
+            out[d] = out.get(d, 0) + nbytes
+    return out
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+
+def cache_axes(state) -> dict:
+    """Logical axes of every leaf of a cache pytree (`cache.init_cache` layout), by its position."""
+    def store(tree, lead):
+        return {k: lead + ("cache_dim",) * (v.ndim - len(lead)) for k, v in tree.items()}
+
+    out = {"window": [store(s, ("cache_slots", "cache_ring")) for s in state["window"]],
+           "comp": {k: store(s, ("cache_pool",)) for k, s in state["comp"].items()},
+           "ikeys": {k: store(s, ("cache_pool",)) for k, s in state["ikeys"].items()},
+           "partial": {k: {n: ("cache_slots", "cache_group", "cache_dim") for n in s}
+                       for k, s in state["partial"].items()}}
+    if "engram_hist" in state:
+        out["engram_hist"] = ("cache_slots", "cache_ngram")
+    return out
+
+
+def cache_shardings(cfg, ccfg, mesh, rules=None) -> dict:
+    """`NamedSharding` per cache leaf (same tree as `cache.init_cache(cfg, ccfg)`)."""
+    from dsv41_jax.model import cache as kvc
+
+    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg))
+    axes = cache_axes(shapes)
+    return jax.tree_util.tree_map(lambda s, a: named(mesh, a, s.shape, rules), shapes, axes,
+                                  is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def init_cache(cfg, ccfg, mesh, rules=None) -> dict:
+    """`cache.init_cache` allocated directly on its shardings (jitted with out_shardings)."""
+    from dsv41_jax.model import cache as kvc
+
+    return jax.jit(lambda: kvc.init_cache(cfg, ccfg), out_shardings=cache_shardings(cfg, ccfg, mesh, rules))()
+
+
+# ------------------------------------------------------------------------------------------ step
+
+BATCH_AXES = {"tokens": ("batch", "seq"), "start": ("batch",), "n_new": ("batch",), "slot": ("batch",),
+              "page_table": ("batch", None)}
+
+
+def batch_shardings(mesh, rules=None) -> dict:
+    """Shardings of the decode step's batch dict (`decode.make_batch`)."""
+    return {k: NamedSharding(mesh, PartitionSpec(*(mesh_axis(a, mesh, rules) for a in ax)))
+            for k, ax in BATCH_AXES.items()}
+
+
+def logits_sharding(mesh, rules=None) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(mesh_axis("batch", mesh, rules), None,
+                                             mesh_axis("act_vocab", mesh, rules)))
+
+
+def step_shardings(cfg, ccfg, mesh, all_logits: bool = False, rules=None, engram_host_table: bool = False):
+    """(in_shardings, out_shardings) of `decode.extend` on `mesh`: ((params, cache, batch), (logits, cache)).
+
+    With `engram_host_table` the params entry is None (= as placed: the tree holds `HostTable` nodes,
+    whose identity is part of its structure, and `shard_params` put every array on its rule)."""
+    cache = cache_shardings(cfg, ccfg, mesh, rules)
+    lg = logits_sharding(mesh, rules)
+    if not all_logits:
+        lg = NamedSharding(mesh, PartitionSpec(*lg.spec[:1], *lg.spec[2:]))
+    ps = None if engram_host_table else param_shardings(cfg, mesh, rules)
+    return (ps, cache, batch_shardings(mesh, rules)), (lg, cache)
+
+
+def constrain(x, axes, mesh, rules=None):
+    """`with_sharding_constraint` of activation `x` to its logical `axes` (no-op without a mesh)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, named(mesh, axes, x.shape, rules))

@@ -1,0 +1,214 @@
+#!/usr/bin/env python
+"""Lower and compile the decode step of the full model for a real mesh, allocating no weights (issue 12).
+
+    python scripts/aot_flash.py --tp 2 --ep 4 [--engram-host-table] [--batch 64 --context 65536]
+
+The mesh is made of fake host CPU devices (``--xla_force_host_platform_device_count``, set here
+before JAX starts; ``--devices`` defaults to tp x ep). Parameters are `jax.ShapeDtypeStruct`s with
+the rules' shardings (`parallel.rules.param_shapes`), the cache is `eval_shape`d for ``--batch``
+requests of ``--context`` tokens, and `decode.jitted_extend` (B rows x T tokens, the serving step) is
+lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--out``):
+
+* parameter bytes: checkpoint total (`param_stats`), the placed tree's global total (with Engram row
+  padding), per device (max / min over devices), and the host-table bytes with ``--engram-host-table``;
+* cache bytes per device (replicated, see `parallel.rules`) for the batch and context;
+* XLA's memory analysis of the compiled step (arguments, outputs, temporaries, generated code) and its
+  cost analysis (FLOPs, bytes accessed — per device: the SPMD program is the per-device program);
+* collective bytes per device per step, summed from the compiled HLO's all-reduce / all-gather /
+  all-to-all / reduce-scatter / collective-permute results, by kind;
+* whether it fits an H200 (``--hbm-gib``, 141 GB by default, minus ``--reserve-gib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_FLAG = "--xla_force_host_platform_device_count"
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e8m0fnu": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2,
+          "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _set_devices(n: int) -> None:
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_FLAG)]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FLAG}={n}"])
+
+
+def collective_bytes(hlo: str) -> dict:
+    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once)."""
+    out: dict = {}
+    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                     r"(-start)?\(")
+    for m in pat.finditer(hlo):
+        n = 0
+        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
+            if dt in _BYTES:
+                n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+        out[m.group(2)] = out.get(m.group(2), 0) + n
+    return out
+
+
+def _cost(compiled) -> dict:
+    c = compiled.cost_analysis()
+    if isinstance(c, (list, tuple)):
+        c = c[0] if c else {}
+    return {k: float(v) for k, v in (c or {}).items() if k in ("flops", "bytes accessed", "transcendentals")}
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
+            "generated_code_size_in_bytes")
+    return {k: int(getattr(m, k)) for k in keys if m is not None and hasattr(m, k)}
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.model import decode as dec
+    from dsv41_jax.model.config import ModelConfig
+    from dsv41_jax.model.params import param_stats
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.host_table import HostTable
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    preset = args.config in ("tiny", "flash")
+    cfg = ModelConfig.preset(args.config) if preset else ModelConfig.from_pretrained(args.config)
+    if args.dtype:
+        cfg = cfg.replace(act_dtype=args.dtype)
+    mesh = make_mesh(args.tp, args.ep, cfg=cfg, devices=jax.devices("cpu"))
+    params = rules.param_shapes(cfg, mesh)
+    host_bytes = 0
+    if args.engram_host_table:
+        layers = []
+        for i, lp in enumerate(params["layers"]):
+            if "engram" in lp:
+                e = lp["engram"]["embed"]
+                rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)]  # host: unpadded
+                t = HostTable.abstract((rows,) + e["weight"].shape[1:], (rows,) + e["scale"].shape[1:])
+                host_bytes += t.nbytes
+                lp = dict(lp, engram=dict(lp["engram"], embed=t))
+            layers.append(lp)
+        params = dict(params, layers=layers)
+    ps = args.page_size
+    per_seq = -(-args.context // ps)
+    ccfg = kvc.CacheConfig(page_size=ps, num_pages=args.batch * per_seq + 1, max_slots=args.batch,
+                           max_pages_per_seq=per_seq)
+    cache_sh = rules.cache_shardings(cfg, ccfg, mesh)
+    cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                   jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg)), cache_sh)
+    bsh = rules.batch_shardings(mesh)
+    B, T = args.batch, args.tokens
+    shapes = {"tokens": (B, T), "start": (B,), "n_new": (B,), "slot": (B,), "page_table": (B, per_seq)}
+    batch = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=bsh[k]) for k, v in shapes.items()}
+
+    stats = param_stats(cfg)
+    per_dev = rules.param_bytes_per_device(params)
+    cache_dev = rules.param_bytes_per_device(cache)
+    placed = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
+    derived = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                  for x in jax.tree_util.tree_leaves(params.get("derived", {})))
+    t0 = time.perf_counter()
+    step = dec.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
+    lowered = step.lower(params, cache, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = _memory(compiled)
+    rep = {
+        "config": cfg.name, "act_dtype": cfg.act_dtype, "tp": args.tp, "ep": args.ep, "devices": args.tp * args.ep,
+        "engram_host_table": bool(args.engram_host_table), "batch": B, "tokens": T, "context": args.context,
+        "page_size": ps,
+        "param_bytes_checkpoint": stats["bytes"],
+        "param_bytes_placed_global": placed - derived + host_bytes,  # checkpoint tensors as placed (+ row padding)
+        "param_bytes_per_device_max": max(per_dev.values()), "param_bytes_per_device_min": min(per_dev.values()),
+        "engram_host_bytes": host_bytes,
+        "cache_bytes_per_device": max(cache_dev.values()),
+        "memory_analysis": mem, "cost_analysis": _cost(compiled),
+        "collective_bytes": collective_bytes(compiled.as_text()),
+        "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
+    }
+    need = rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"] + mem.get("temp_size_in_bytes", 0)
+    budget = (args.hbm_gib - args.reserve_gib) * 2**30
+    rep["device_bytes_needed"] = need
+    rep["fits"] = {"hbm_bytes": int(args.hbm_gib * 2**30), "budget_bytes": int(budget), "fits": need <= budget}
+    return rep
+
+
+def _table(rep: dict) -> str:
+    g = 2**30
+    rows = [("mesh", f"tp={rep['tp']} x ep={rep['ep']} ({rep['devices']} devices)"
+             + (", Engram host table" if rep["engram_host_table"] else "")),
+            ("step", f"B={rep['batch']} x T={rep['tokens']}, context {rep['context']}, {rep['act_dtype']}"),
+            ("params: checkpoint", f"{rep['param_bytes_checkpoint'] / g:10.2f} GiB"),
+            ("params: placed (global)", f"{rep['param_bytes_placed_global'] / g:10.2f} GiB"),
+            ("params: per device max", f"{rep['param_bytes_per_device_max'] / g:10.2f} GiB"),
+            ("Engram on host", f"{rep['engram_host_bytes'] / g:10.2f} GiB"),
+            ("cache per device", f"{rep['cache_bytes_per_device'] / g:10.2f} GiB")]
+    for k, v in rep["memory_analysis"].items():
+        rows.append((f"XLA {k.replace('_size_in_bytes', '')}", f"{v / g:10.3f} GiB"))
+    for k, v in rep["cost_analysis"].items():
+        rows.append((f"cost: {k}", f"{v:.4g}"))
+    for k, v in sorted(rep["collective_bytes"].items()):
+        rows.append((f"collective {k}", f"{v / 2**20:10.3f} MiB/step"))
+    f = rep["fits"]
+    rows.append(("fits H200", f"{'yes' if f['fits'] else 'NO'}: needs {rep['device_bytes_needed'] / g:.1f} of "
+                              f"{f['budget_bytes'] / g:.1f} GiB"))
+    rows.append(("lower / compile", f"{rep['lower_s']} s / {rep['compile_s']} s"))
+    w = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--engram-host-table", action="store_true")
+    ap.add_argument("--config", default="flash", help="preset (flash, tiny) or a model directory")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "exact"), help="act_dtype override")
+    ap.add_argument("--batch", type=int, default=64, help="decode rows (and cache slots)")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per row of the step")
+    ap.add_argument("--context", type=int, default=65536, help="context tokens per request (cache size)")
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--hbm-gib", type=float, default=141 * 1e9 / 2**30, help="device memory (H200: 141 GB)")
+    ap.add_argument("--reserve-gib", type=float, default=4.0, help="kept free (runtime, NCCL, fragmentation)")
+    ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (default tp x ep)")
+    ap.add_argument("--out", default=None, help="write the JSON report here")
+    from dsv41_jax.parallel.distributed import add_distributed_args
+
+    add_distributed_args(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if "jax" not in sys.modules:  # the device count must be set before JAX starts
+        _set_devices(args.devices or args.tp * args.ep)
+    from dsv41_jax.parallel.distributed import initialize_from
+    from dsv41_jax.parallel.mesh import MeshError
+
+    try:
+        initialize_from(args)
+        rep = run(args)
+    except (MeshError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(_table(rep))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
