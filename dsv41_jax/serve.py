@@ -186,6 +186,7 @@ def main(argv=None) -> int:
 
     try:
         engine_args = EngineArgs.from_cli_args(args)
+        engine_args.resolved_impl()  # --impl: refused here if this backend cannot honour it (and logged)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

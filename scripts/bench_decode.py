@@ -22,13 +22,21 @@ traced and compiled, per (impl, batch):
 The step is whatever `decode.extend` is at the time; nothing here depends on its internals beyond
 ``extend(params, state, batch, cfg, ccfg)``, `init_cache(cfg, ccfg)` and `make_batch`.
 
-Part (a), real timings on a small model (``--part a``): tiny-model step time per impl at batch
-1/16/64 and contexts 64..4K, max_context 1K vs 64K, with a PNG plot. Not implemented yet: the
-intended structure is `run_part_a(args)` filling ``{"cases": [{impl, batch, context, max_context,
-step_ms}]}`` through the same JSON writer, with `real_step(...)` timing a jitted `decode_step` after
-a prefill of ``context`` tokens; ``--part a`` says so and exits with status 2.
+Part (a), real timings on a small model (``--part a``, model default tiny): the jitted one-token decode
+step (`decode.decode_step`, cache donated) per impl, batch (default 1/16/64), context (default
+64..4096 tokens already in the cache) and ``max_context`` (default 1K and 64K: the page-table width the
+step is compiled for). One compile per (impl, max_context, batch), reused across contexts; each case
+times ``--iters`` steps after one warm-up and reports the median step time and B / step tokens per
+second. The cache is *not* filled by a prefill: a decode step's work depends on how many tokens the
+rows hold (positions, page tables: the retrieval loop's trip count, what attention reads), not on the
+cached values, so each row is given ``context`` tokens' worth of pages and ``start = context − 1``
+over a zeroed cache (a prefill of 64 x 4K tokens would cost far more than the measurement). Cases
+whose context does not fit ``max_context`` are skipped. The JSON records the machine's load average
+before and after (timings on a shared machine are only comparable within one run), and a PNG plots
+step time against context, one line per (impl, batch, max_context).
 
     python scripts/bench_decode.py --model flash --impls reference,xla --batches 1,64 --out b.json
+    python scripts/bench_decode.py --part a --impls reference,xla --out a.json   # PNG: a.png
 
 A progress line per case goes to stderr; the JSON (``--out``) holds every number, and the summary
 checks the batch-1 targets of issue 10 (matmul FLOPs <= 1.5x ideal, operand bytes <= 2.5x ideal,
@@ -60,8 +68,14 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------ jaxpr cost counting
 
-def _site(eqn) -> str:
-    """'file.py:function' of the model frame that issued `eqn` (the innermost dsv41_jax frame)."""
+_HELPERS = ("linear.py", "numerics.py", "quant.py", "tiling.py")
+
+
+def _site(eqn, outer: str = None) -> str:
+    """'file.py:function' of the model frame that issued `eqn`: the innermost dsv41_jax/model frame
+    that is not a matmul helper (linear / numerics / quant / tiling). Inside a `cond` branch the
+    recorded traceback stops at the branch function, so a helper-only answer defers to `outer`, the
+    site of the enclosing `cond` (`tiling.scoped` puts each weight tile in one)."""
     from jax._src import source_info_util
 
     best = None
@@ -69,11 +83,11 @@ def _site(eqn) -> str:
         for fr in source_info_util.user_frames(eqn.source_info.traceback):
             if "dsv41_jax" in fr.file_name and "/model/" in fr.file_name:
                 best = f"{os.path.basename(fr.file_name)}:{fr.function_name}"
-                if not fr.file_name.endswith(("linear.py", "numerics.py", "quant.py")):
-                    break  # the op that asked for the matmul, not the matmul helper
+                if not fr.file_name.endswith(_HELPERS):
+                    return best  # the op that asked for the matmul, not the matmul helper
     except Exception:  # source info is best effort
         pass
-    return best or "?"
+    return outer or best or "?"
 
 
 def _nbytes(aval) -> int:
@@ -97,8 +111,9 @@ def _sub_jaxprs(eqn):
     return out
 
 
-def count_matmuls(jaxpr, mult: int = 1, acc: dict = None) -> dict:
-    """Matmul FLOPs / operand bytes of `jaxpr` (a `jax.core.Jaxpr`), through loops (module doc)."""
+def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None) -> dict:
+    """Matmul FLOPs / operand bytes of `jaxpr` (a `jax.core.Jaxpr`), through loops (module doc).
+    `outer`: the site of the enclosing `cond`, if any (see `_site`)."""
     if acc is None:
         acc = {"flops": 0, "bytes": 0, "n_matmuls": 0, "while_loops_counted_once": 0, "by_site": {}}
     for eqn in jaxpr.eqns:
@@ -115,18 +130,18 @@ def count_matmuls(jaxpr, mult: int = 1, acc: dict = None) -> dict:
             acc["flops"] += flops
             acc["bytes"] += nbytes
             acc["n_matmuls"] += mult
-            s = acc["by_site"].setdefault(_site(eqn), {"flops": 0, "bytes": 0})
+            s = acc["by_site"].setdefault(_site(eqn, outer), {"flops": 0, "bytes": 0})
             s["flops"] += flops
             s["bytes"] += nbytes
         elif name == "scan":
-            count_matmuls(eqn.params["jaxpr"].jaxpr, mult * int(eqn.params["length"]), acc)
+            count_matmuls(eqn.params["jaxpr"].jaxpr, mult * int(eqn.params["length"]), acc, outer)
         elif name == "while":
             acc["while_loops_counted_once"] += mult
-            count_matmuls(eqn.params["body_jaxpr"].jaxpr, mult, acc)
+            count_matmuls(eqn.params["body_jaxpr"].jaxpr, mult, acc, outer)
         elif name == "cond":
             best = None
             for br in eqn.params["branches"]:
-                sub = count_matmuls(br.jaxpr, mult)
+                sub = count_matmuls(br.jaxpr, mult, outer=_site(eqn, outer))
                 if best is None or sub["flops"] > best["flops"]:
                     best = sub
             if best is not None:
@@ -139,7 +154,7 @@ def count_matmuls(jaxpr, mult: int = 1, acc: dict = None) -> dict:
                     s["bytes"] += v["bytes"]
         else:
             for sub in _sub_jaxprs(eqn):
-                count_matmuls(sub, mult, acc)
+                count_matmuls(sub, mult, acc, outer)
     return acc
 
 
@@ -263,22 +278,157 @@ def check_targets(results: list) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- part (a): real timings
+
+def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_size: int, iters: int):
+    """Yield one timing dict per context for the decode step of `cfg` with impl, batch B, max_context."""
+    import jax
+    import numpy as np
+
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.model import decode
+
+    c = cfg.replace(impl=impl)
+    pages = max(1, max_context // page_size)
+    live = [L for L in contexts if L <= max_context]
+    if not live:
+        return
+    need = max(-(-L // page_size) for L in live)  # pages a row holds at the largest context
+    ccfg = kvc.CacheConfig(page_size=page_size, num_pages=B * need + 1, max_slots=B, max_pages_per_seq=pages)
+    params = _part_a_params(c)
+    state = kvc.init_cache(c, ccfg)
+    if "engram_hist" in state:
+        pad = int(np.asarray(params["derived"]["engram_token_map"])[c.engram_pad_token_id])
+        state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
+    t0 = time.perf_counter()
+    for L in live:
+        n = -(-L // page_size)
+        # Row b holds pages 1 + b·need .. (page 0 stays unused, as the allocator's null page).
+        rows = [{"tokens": [3 + b % 100], "start": L - 1, "slot": b,
+                 "page_table": list(range(1 + b * need, 1 + b * need + n))} for b in range(B)]
+        batch = decode.make_batch(rows, 1, B, ccfg)
+        logits, state = decode.decode_step(params, state, batch, c, ccfg)  # compile (first L) + warm-up
+        jax.block_until_ready(logits)
+        compile_s = time.perf_counter() - t0 if L == live[0] else None
+        times = []
+        for _ in range(iters):
+            t1 = time.perf_counter()
+            logits, state = decode.decode_step(params, state, batch, c, ccfg)
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - t1)
+        ms = 1e3 * float(np.median(times))
+        r = {"impl": impl, "batch": B, "context": L, "max_context": ccfg.max_context, "step_ms": ms,
+             "step_ms_min": 1e3 * min(times), "tokens_per_s": B / (ms / 1e3), "iters": iters}
+        if compile_s is not None:
+            r["compile_and_first_step_s"] = compile_s
+        yield r
+
+
+_PARAMS = {}
+
+
+def _part_a_params(cfg):
+    """The model's random parameters, built once per config (impl does not change them)."""
+    import jax
+
+    from dsv41_jax.model.params import init_params
+
+    key = cfg.replace(impl="auto")
+    if key not in _PARAMS:
+        _PARAMS[key] = init_params(cfg, jax.random.key(0))
+    return _PARAMS[key]
+
+
+def plot_part_a(cases: list, path: str) -> None:
+    """Step time vs context, one line per (impl, batch, max_context); log-log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = {}
+    for r in cases:
+        series.setdefault((r["impl"], r["batch"], r["max_context"]), []).append((r["context"], r["step_ms"]))
+    shapes = sorted({(B, mc) for (_, B, mc) in series})  # one colour per (batch, max_context), style per impl
+    colours = plt.get_cmap("tab10")
+    for (impl, B, mc), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if impl == "xla" else "s",
+                color=colours(shapes.index((B, mc)) % 10), linestyle="-" if impl == "xla" else "--",
+                label=f"{impl} B={B} max_ctx={mc // 1024}K")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens in the cache)")
+    ax.set_ylabel("decode step (ms, median)")
+    ax.set_title("tiny decode step per implementation (CPU)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_part_a(args) -> dict:
+    """Part (a): real step timings (module doc). Returns the JSON document."""
+    import jax
+
+    from dsv41_jax.model import ModelConfig
+
+    cfg = ModelConfig.preset(args.model)
+    if args.act_dtype:
+        cfg = cfg.replace(act_dtype=args.act_dtype)
+    load0 = os.getloadavg()
+    cases = []
+    for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
+        for mc in _ints(args.max_contexts):
+            for B in _ints(args.batches):
+                for r in real_cases(cfg, impl, B, mc, _ints(args.contexts), args.page_size, args.iters):
+                    cases.append(r)
+                    log(f"[a] impl={impl:<9} B={B:<3} max_context={mc:<6} context={r['context']:<5} "
+                        f"step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s"
+                        + (f"  (compile+first {r['compile_and_first_step_s']:.1f}s)"
+                           if "compile_and_first_step_s" in r else ""))
+    return {"part": "a", "model": args.model, "act_dtype": cfg.act_dtype, "jax": jax.__version__,
+            "backend": jax.default_backend(), "host": platform.node(), "cpu_count": os.cpu_count(),
+            "loadavg_before": load0, "loadavg_after": os.getloadavg(), "page_size": args.page_size,
+            "cases": cases}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--part", choices=("a", "b"), default="b", help="b: abstract flash costs (default)")
-    ap.add_argument("--model", default="flash", help="config preset (default flash)")
+    ap.add_argument("--part", choices=("a", "b"), default="b",
+                    help="b: abstract flash costs (default); a: real tiny step timings")
+    ap.add_argument("--model", default=None, help="config preset (default: flash for b, tiny for a)")
     ap.add_argument("--impls", default="reference,xla", help="comma-separated ModelConfig.impl specs")
-    ap.add_argument("--batches", default="1,64", help="decode batch sizes (rows x 1 token)")
-    ap.add_argument("--max-context", type=int, default=65536, help="cache max context (tokens)")
-    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--batches", default=None, help="decode batch sizes (rows x 1 token); default 1,64 for b, "
+                                                    "1,16,64 for a")
+    ap.add_argument("--max-context", type=int, default=65536, help="(b) cache max context (tokens)")
+    ap.add_argument("--max-contexts", default="1024,65536", help="(a) max contexts compiled for")
+    ap.add_argument("--contexts", default="64,256,1024,4096", help="(a) tokens already in the cache")
+    ap.add_argument("--iters", type=int, default=5, help="(a) timed steps per case (median reported)")
+    ap.add_argument("--plot", default=None, help="(a) PNG path (default: the JSON path with .png)")
+    ap.add_argument("--page-size", type=int, default=None, help="default 256 for b, 64 for a")
     ap.add_argument("--act-dtype", default=None, help="override ModelConfig.act_dtype")
     ap.add_argument("--no-compile", action="store_true", help="jaxpr counts only (no XLA compile/memory)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
-    if args.part == "a":
-        log("part (a) (real tiny timings) is not implemented yet; see the module docstring for its structure")
-        return 2
+    a = args.part == "a"
+    args.model = args.model or ("tiny" if a else "flash")
+    args.batches = args.batches or ("1,16,64" if a else "1,64")
+    args.page_size = args.page_size or (64 if a else 256)
+    if a:
+        doc = run_part_a(args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=1)
+            log(f"wrote {args.out}")
+        plot = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
+        if plot and doc["cases"]:
+            plot_part_a(doc["cases"], plot)
+            log(f"wrote {plot}")
+        return 0
 
     import jax
 

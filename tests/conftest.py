@@ -4,9 +4,19 @@ host CPU devices the mesh tests use.
 The device count is forced here, before JAX initializes its backends, whatever ``XLA_FLAGS`` the
 shell had: the other flags are kept and only ``--xla_force_host_platform_device_count`` is set to 8.
 A test that needs the devices takes the ``cpu8`` fixture, which fails (never skips) without them.
+
+One persistent JAX compilation cache per test run, shared by the xdist workers and the servers the tests
+start: the first process to compile a (config, shape) writes it and every other process reads it. The
+directory is fresh for each run (created by the first process, i.e. the xdist controller, whose
+environment the workers inherit, and removed when it exits), so a run never depends on a previous one.
+``DSV41_TEST_JAX_CACHE=DIR`` uses (and keeps) DIR instead; ``DSV41_TEST_JAX_CACHE=none`` turns the cache off
+in the test processes and in the servers they start (to measure the suite without it).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 N_HOST_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
@@ -21,6 +31,26 @@ os.environ["XLA_FLAGS"] = _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+CACHE_ENV = "DSV41_TEST_JAX_CACHE"
+# Compiles shorter than this are not written (the helpers' sub-second compiles cost more to store than to redo).
+CACHE_MIN_COMPILE_S = 1.0
+
+
+def _run_compile_cache() -> str:
+    """The run's shared cache directory ("none": off). Called at import, before anything compiles."""
+    d = os.environ.get(CACHE_ENV)
+    if not d:
+        d = tempfile.mkdtemp(prefix="dsv41_test_jax_cache_")
+        os.environ[CACHE_ENV] = d  # inherited by the xdist workers and by the servers' environments
+        atexit.register(shutil.rmtree, d, True)
+    if d.lower() != "none":
+        jax.config.update("jax_compilation_cache_dir", d)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
+    return d
+
+
+RUN_COMPILE_CACHE = _run_compile_cache()
 
 from dsv41_jax.model import ModelConfig, init_params  # noqa: E402
 

@@ -326,16 +326,33 @@ def test_orbax_dir_is_a_standard_orbax_checkpoint(hf_dir, orbax_dir, cfg):
     from dsv41_jax.model.params import param_shapes
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = param_shapes(cfg)
-    target.pop("derived")
+    def checkpoint_only(tree):  # drop what load_params derives (token map, load-time bf16 copies)
+        tree.pop("derived")
+        for lp in tree["layers"] + tree["mtp"]:
+            lp["attn"]["wo_a"].pop("bf16")
+        return tree
+
+    target = checkpoint_only(param_shapes(cfg))
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), target)
     restored = ocp.StandardCheckpointer().restore(os.path.join(orbax_dir, "params"), target)
-    p = ck.load_params(hf_dir, cfg)
-    p.pop("derived")
+    p = checkpoint_only(ck.load_params(hf_dir, cfg))
     assert_trees_identical(p, restored, ordered=False)
     with open(os.path.join(orbax_dir, ck.META_FILE)) as f:
         meta = json.load(f)
     assert meta["storage"] == "keep" and meta["mesh"]["tp"] == 1 and meta["source"]["tensors"] == 990
+
+
+def test_wo_a_dequantized_once_at_load(hf_dir, orbax_dir, cfg):
+    """SPEC §3: wo_a is fp8 + scale in the file and bf16 in the loaded params (both checkpoint kinds),
+    the exact dequantization of the pair, which stays loaded for the reference path."""
+    for path in (hf_dir, orbax_dir):
+        p = ck.load_params(path, cfg)
+        for lp in p["layers"] + p["mtp"]:
+            wa = lp["attn"]["wo_a"]
+            assert wa["bf16"].dtype == jnp.bfloat16 and wa["weight"].dtype == jnp.float8_e4m3fn
+            want = ck.dequant_fp8_block_np(np.asarray(wa["weight"]), np.asarray(wa["scale"]))
+            np.testing.assert_array_equal(np.asarray(wa["bf16"].astype(jnp.float32)), want)
+    assert "layers.0.attn.wo_a.bf16" not in ck.expected_tensors(cfg)  # never written to a file
 
 
 @pytest.mark.parametrize("kind", ["hf", "orbax"])

@@ -11,6 +11,7 @@ row-independent (checked bit-exact), so "alone" and "batched" give identical tok
 import asyncio
 import itertools
 import threading
+import time
 
 import jax
 import numpy as np
@@ -120,6 +121,32 @@ def test_args_buckets_and_cli():
         EngineArgs(mem_fraction_static=1.5)
     with pytest.raises(TypeError, match="unknown engine argument"):
         EngineArgs.from_kwargs(max_runing_requests=3)
+
+
+def test_impl_flag(eng, caplog):
+    """--impl: "auto" by default (the engine's config runs it), parsed and resolved at start-up, each
+    op's choice logged; a malformed spec or one this backend cannot honour is refused before loading."""
+    import argparse
+    import logging
+
+    from dsv41_jax.model import dispatch
+
+    assert EngineArgs().impl == "auto" and eng.cfg.impl == "auto"
+    ap = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    a = EngineArgs.from_cli_args(ap.parse_args(["--impl", "xla,moe=reference"]))
+    with caplog.at_level(logging.INFO, logger="dsv41_jax.model.dispatch"):
+        chosen = a.resolved_impl()
+    assert chosen["moe"] == "reference" and chosen["linear"] == "xla" and set(chosen) == set(dispatch.OPS)
+    for bad in ("fast", "xla,moe=fast", "warp=xla", ""):
+        with pytest.raises(ValueError, match="impl"):
+            EngineArgs(impl=bad)
+    missing = [op for op in dispatch.OPS if not dispatch.kernel_available(op)]
+    if missing:  # "pallas" for an op without a kernel: refused by the engine before the model loads
+        spec = f"xla,{missing[0]}=pallas"
+        with pytest.raises(ValueError, match="no Pallas kernel"):
+            EngineArgs(impl=spec).resolved_impl()
+        with pytest.raises(EngineError, match="--impl"):
+            Engine(EngineArgs(**dict(ENGINE_KW, impl=spec)))
 
 
 def test_shared_allocator_refcounts():
@@ -555,10 +582,13 @@ def test_async_engine_streams_aborts_and_limits(eng):
             first = await gen.__anext__()
             assert first.outputs[0].token_ids
             await gen.aclose()
-            # queue limit: hold the loop so the adds stay queued
+            # queue limit: hold the engine lock so no add completes; the third add sees two pending
             with ae._lock:
                 tasks = [asyncio.create_task(collect(f"q{i}", sp)) for i in range(3)]
-                await asyncio.sleep(0.2)
+                for _ in range(100):  # each task runs to its first await (the third raises at once)
+                    await asyncio.sleep(0)
+                    if any(t.done() for t in tasks):
+                        break
             res = await asyncio.gather(*tasks, return_exceptions=True)
             assert sum(isinstance(r, QueueFullError) for r in res) == 1
             with pytest.raises(ValueError):
@@ -566,9 +596,8 @@ def test_async_engine_streams_aborts_and_limits(eng):
                     pass
 
         asyncio.run(main())
-        for _ in range(100):
-            if not eng.has_unfinished():
-                break
+        deadline = time.monotonic() + 120  # a hang guard: the last outputs are out, the loop just drains
+        while eng.has_unfinished() and time.monotonic() < deadline:
             threading.Event().wait(0.05)
         st = ae.stats()
         assert st["num_running_reqs"] == 0 and st["engine_alive"]

@@ -110,15 +110,21 @@ def test_f32_kind_and_wo_a_xla(tiny_cfg, tiny_params):
     assert np.all(np.abs(got - ref) <= w.shape[1] * 2.0**-23 * terms)
     ex = [np.asarray(f(x, w, tiny_cfg.replace(act_dtype="exact", impl=i))) for i in ("reference", "xla")]
     np.testing.assert_array_equal(ex[0], ex[1])
-    # wo_a: a load-time bf16 copy ("bf16" entry) gives the same numbers as the per-call dequant.
+    # wo_a: init_params holds the load-time bf16 copy (SPEC §3), exactly the dequantized fp8 pair; the
+    # xla path multiplies it as it is and never reads the fp8 pair, and gives the reference's numbers.
     pa = tiny_params["layers"][0]["attn"]["wo_a"]
+    np.testing.assert_array_equal(np.asarray(pa["bf16"].astype(jnp.float32)),
+                                  np.asarray(quant.dequantize_fp8_block(pa["weight"], pa["scale"])))
     cfg = tiny_cfg
     o = jnp.asarray(rng.standard_normal((1, 2, cfg.o_groups, cfg.o_group_in)), jnp.bfloat16)
     g = jax.jit(linear.wo_a, static_argnums=(2, 3))
     a = np.asarray(g(o, pa, cfg.replace(impl="reference"), jnp.bfloat16).astype(jnp.float32))
-    pb = dict(pa, bf16=quant.dequantize_fp8_block(pa["weight"], pa["scale"], jnp.bfloat16))
-    b = np.asarray(g(o, pb, cfg.replace(impl="xla"), jnp.bfloat16).astype(jnp.float32))
+    b = np.asarray(g(o, pa, cfg.replace(impl="xla"), jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(a, b)
+    jaxpr = jax.make_jaxpr(lambda o, p: linear.wo_a(o, p, cfg.replace(impl="xla"), jnp.bfloat16))(o, pa).jaxpr
+    used = {id(v) for e in jaxpr.eqns for v in e.invars}
+    ins = dict(zip(("o", "bf16", "scale", "weight"), jaxpr.invars))  # pytree order: sorted keys
+    assert id(ins["bf16"]) in used and id(ins["weight"]) not in used and id(ins["scale"]) not in used
 
 
 # -------------------------------------------------------------------------------------------- moe
@@ -274,3 +280,24 @@ def test_bench_decode_part_b_counts_through_loops(tmp_path):
     assert ref["ideal"]["flops_per_token"] == xla["ideal"]["flops_per_token"] > 0
     assert set(doc["target_check"]) == {"reference", "xla"}
     assert any(k.startswith("moe.py") for k in xla["by_site"])
+
+
+def test_bench_decode_part_a_plumbing(tmp_path):
+    """Part (a) without a compile: contexts that do not fit max_context are skipped (no case, no model
+    built), the JSON records the machine load; the plot is drawn from cases of the documented shape.
+    The timings themselves come from running the script (docs/bench_decode_tiny_cpu.json)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode", pathlib.Path(__file__).parents[1] / "scripts" / "bench_decode.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    out = tmp_path / "a.json"
+    assert bd.main(["--part", "a", "--contexts", "4096", "--max-contexts", "1024", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["part"] == "a" and doc["model"] == "tiny" and doc["cases"] == [] and len(doc["loadavg_before"]) == 3
+    cases = [{"impl": i, "batch": b, "context": c, "max_context": m, "step_ms": 1.0 + c / 1000}
+             for i in ("reference", "xla") for b in (1, 16) for m in (1024, 65536) for c in (64, 1024)]
+    bd.plot_part_a(cases, str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"

@@ -45,8 +45,9 @@ def default_server(tmp_path_factory):
     port = _free_port()
     # the defaults, not the shell's (nor the test session's 8 CPU devices)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
-    # DSV41_TEST_JAX_CACHE (as in test_server.py) lets CI keep the compiled steps between runs
-    env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
+    # its own empty cache directory (not the run's shared one): the test below checks that the default
+    # server writes its compiled steps there, and no other test starts a server with the default flags
+    env["JAX_COMPILATION_CACHE_DIR"] = str(d / "jax_cache")
     env.setdefault("JAX_PLATFORMS", "cpu")
     log_path = d / "server.log"
     logf = open(log_path, "w")

@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -34,7 +33,7 @@ ENGINE_FLAGS = ["--model", "tiny", "--dtype", "float32", "--max-running-requests
 SERVER_FLAGS = ENGINE_FLAGS + ["--api-key", KEY, "--reasoning-parser", "deepseek-v41", "--tool-call-parser",
                                "deepseekv41", "--enable-metrics", "--max-body-size", "256K",
                                "--max-queued-requests", "2"]
-START_TIMEOUT = 300
+START_TIMEOUT = 900  # a hang guard: a cold start takes ~40 s idle, ~5 min on a loaded 2-core VM
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -437,59 +436,98 @@ def test_openai_client_error_types(client):
 # ------------------------------------------------------------------------- load / disconnect
 
 
-def _wait(pred, timeout=60.0, step=0.2):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    return pred()
+def _settle(http, want: dict, timeout=120.0) -> dict:
+    """Poll /metrics until it shows `want`. Only for states the test has made certain (the engine is
+    paused, so nothing else can change them): the timeout guards a hang, it is not a race."""
+    t0 = time.monotonic()
+    while True:
+        m = metrics(http)
+        if all(m["dsv41:" + k] == v for k, v in want.items()):
+            return m
+        assert time.monotonic() - t0 < timeout, (want, m)
+        time.sleep(0.1)
+
+
+def _open_request(base, body, path="/v1/chat/completions") -> socket.socket:
+    """Send a request on a raw connection and return the socket unread: closing it is the client
+    going away, at a moment the test chooses."""
+    host, port = base.split("//")[1].split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=120)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _status_line(s: socket.socket) -> str:
+    buf = b""
+    while b"\r\n" not in buf:
+        chunk = s.recv(256)
+        assert chunk, "connection closed before the status line"
+        buf += chunk
+    return buf.split(b"\r\n", 1)[0].decode()
 
 
 def test_queue_full_503_and_disconnects_free_the_pool(server, http):
+    """Driven through /pause_generation and /continue_generation, so every state asserted is one the
+    engine cannot leave on its own: 4 running (max_running_requests) + 2 waiting (max_queued_requests)
+    -> 503 queue_full; six streaming clients and then a non-streaming one hang up -> all aborted, the
+    pool back to empty. No sleeps stand in for progress."""
     base = server["base"]
     m0 = metrics(http)
     assert m0["dsv41:num_used_tokens"] == 0 and m0["dsv41:num_running_reqs"] == 0
     body = {"model": "tiny", "messages": MSG, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    started, stop = [], threading.Event()
-
-    def hold(k):
-        with httpx.Client(timeout=120) as c:
-            with c.stream("POST", base + "/v1/chat/completions", json=body,
-                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
-                started.append(resp.status_code)
-                for _ in resp.iter_lines():
-                    if stop.is_set():
-                        break  # leaving the block closes the connection mid-stream
-
-    threads = [threading.Thread(target=hold, args=(k,), daemon=True) for k in range(6)]
-    for t in threads:
-        t.start()
-        time.sleep(0.1)
+    socks = []
+    assert http.post("/pause_generation").json() == {"paused": True}
     try:
-        m = _wait(lambda: (lambda x: x if x["dsv41:num_running_reqs"] == 4 and x["dsv41:num_queue_reqs"] == 2
-                           else None)(metrics(http)), timeout=60)
-        assert m, metrics(http)
+        for running in (2, 4):  # two at a time: the queue holds two
+            socks += [_open_request(base, body) for _ in range(2)]
+            _settle(http, {"num_queue_reqs": 2, "num_running_reqs": running - 2})
+            for _ in range(10):  # admit them, one engine step at a time
+                if not metrics(http)["dsv41:num_queue_reqs"]:
+                    break
+                assert http.post("/continue_generation", json={"steps": 1}).json() == {"paused": True}
+            _settle(http, {"num_queue_reqs": 0, "num_running_reqs": running})
+        socks += [_open_request(base, body) for _ in range(2)]
+        m = _settle(http, {"num_queue_reqs": 2, "num_running_reqs": 4})
+        assert m["dsv41:num_used_tokens"] > 0
+        assert [_status_line(s) for s in socks] == ["HTTP/1.1 200 OK"] * 6  # streams: headers at once
         e = _err(http.post("/v1/chat/completions", json=dict(body, stream=False)), 503, code="queue_full")
         assert "queue" in e["message"]
-        assert metrics(http)["dsv41:num_used_tokens"] > 0
+        for s in socks:  # the clients go away; the engine is still paused, so only the aborts act
+            s.close()
+        m = _settle(http, {"num_used_tokens": 0, "num_running_reqs": 0, "num_queue_reqs": 0})
+        assert m["dsv41:num_aborted_requests_total"] == m0["dsv41:num_aborted_requests_total"] + 6
+        # a non-streaming client that gives up is aborted too (it waits: the engine is paused)
+        s = _open_request(base, dict(body, stream=False))
+        _settle(http, {"num_queue_reqs": 1})
+        s.close()
+        m = _settle(http, {"num_used_tokens": 0, "num_running_reqs": 0, "num_queue_reqs": 0})
+        assert m["dsv41:num_aborted_requests_total"] == m0["dsv41:num_aborted_requests_total"] + 7
     finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    assert sorted(started) == [200] * 6
-    m = _wait(lambda: (lambda x: x if x["dsv41:num_used_tokens"] == 0 and x["dsv41:num_running_reqs"] == 0
-                       and x["dsv41:num_queue_reqs"] == 0 else None)(metrics(http)), timeout=60)
-    assert m, metrics(http)
-    assert m["dsv41:num_aborted_requests_total"] >= 6
-    # a non-streaming client that gives up is aborted too
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/chat/completions", json=dict(body, stream=False),
-                   headers={"Authorization": f"Bearer {KEY}"}, timeout=3)
-    m = _wait(lambda: (lambda x: x if x["dsv41:num_used_tokens"] == 0 and x["dsv41:num_running_reqs"] == 0
-                       else None)(metrics(http)), timeout=60)
-    assert m, metrics(http)
+        for s in socks:
+            s.close()
+        assert http.post("/continue_generation").json() == {"paused": False}
+
+
+def test_pause_and_continue_generation(server, http, client):
+    """Requests sent while paused wait (no tokens) and complete after /continue_generation; bad step
+    counts are a 400."""
+    _err(http.post("/continue_generation", json={"steps": -1}), 400, param="steps")
+    _err(http.post("/continue_generation", json={"steps": "2"}), 400, param="steps")
+    assert http.post("/pause_generation").json() == {"paused": True}
+    try:
+        s = _open_request(server["base"], {"model": "tiny", "messages": MSG, "max_tokens": 3, "ignore_eos": True})
+        m = _settle(http, {"num_queue_reqs": 1, "num_running_reqs": 0})
+        assert m["dsv41:num_used_tokens"] == 0
+        assert http.post("/continue_generation", json={"steps": 0}).json() == {"paused": True}
+        assert metrics(http)["dsv41:num_queue_reqs"] == 1
+    finally:
+        assert http.post("/continue_generation").json() == {"paused": False}
+    with s:
+        s.settimeout(120)
+        assert _status_line(s) == "HTTP/1.1 200 OK"
+    assert client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2).choices[0].finish_reason
 
 
 def test_metrics_endpoint(http, client):
@@ -513,8 +551,10 @@ def test_help_and_bad_environment():
     for flag in ("--model", "--host", "--port", "--api-key", "--reasoning-parser", "--tool-call-parser",
                  "--enable-metrics", "--max-queued-requests", "--max-running-requests", "--chunked-prefill-size",
                  "--page-size", "--context-length", "--kv-cache-dtype", "--mem-fraction-static", "--tp-size",
-                 "--ep-size", "--max-body-size", "--random-seed"):
+                 "--ep-size", "--max-body-size", "--random-seed", "--impl"):
         assert flag in out.stdout, flag
+    r = subprocess.run(_serve_cmd() + ["--impl", "xla,moe=fast"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "impl" in r.stderr and "fast" in r.stderr, r.stderr
     for env in ({"DSV41_REASONING_EFFORT": "ludicrous"}, {"DSV41_DEFAULT_THINKING": "perhaps"},
                 {"DSV41_REASONING_EFFORT": "101"}):
         r = subprocess.run(_serve_cmd(), capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))

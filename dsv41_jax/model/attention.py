@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import HIGHEST
+from dsv41_jax.model.numerics import HIGHEST, einsum_exact, x64_scope
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 
 
@@ -58,7 +58,7 @@ def window_kv(kv_rot, dt):
     return quant.fake_quant_fp8(kv_rot, block=32, out_dtype=dt)
 
 
-def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False):
+def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False, exact: bool = False):
     """Joint softmax over window keys and selected compressed slots, with the attention sink.
 
     q [B, T, H, hd]; win_kv [B, Nw, hd] with win_mask bool [B, T, Nw] (keys shared by the T queries of a
@@ -73,7 +73,13 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     they are with fp32 accumulation (`preferred_element_type`) instead of widening them to fp32 at
     HIGHEST precision — every product of two bf16 values is exact in fp32, so only the summation order
     may differ; in the fp32 mode (q not bf16) it is the reference math.
+
+    `exact` (the exact numerics mode, `numerics.is_exact`): both matmuls and the denominator's sums
+    accumulate in fp64 and round once to fp32, so the output does not depend on how the keys are laid
+    out (a ring of W + T keys in decode, the whole sequence in the forward, masked entries anywhere).
     """
+    if exact:
+        return _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt)
     hd = q.shape[-1]
     scale = hd ** -0.5
     low = fast and q.dtype == jnp.bfloat16 and win_kv.dtype == jnp.bfloat16 and comp_kv.dtype == jnp.bfloat16
@@ -98,6 +104,27 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     num = mm("bths,bsd->bthd", pw, win_kv)
     num = num + mm("bthk,btkd->bthd", pc, comp_kv)
     return (num / denom[..., None]).astype(dt)
+
+
+def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
+    """`attend` in the exact mode (fp32 activations): the same formula, every sum in fp64 (see `attend`)."""
+    hd = q.shape[-1]
+    scale = hd ** -0.5
+    lw = einsum_exact("bthd,bsd->bths", q, win_kv) * scale
+    lw = jnp.where(win_mask[:, :, None, :], lw, -jnp.inf)
+    lc = einsum_exact("bthd,btkd->bthk", q, comp_kv) * scale
+    lc = jnp.where(comp_mask[:, :, None, :], lc, -jnp.inf)
+    m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+    pw = jnp.exp(lw - m)
+    pc = jnp.exp(lc - m)
+    with x64_scope():
+        f64 = jnp.float64
+        denom = (jnp.sum(pw.astype(f64), axis=-1) + jnp.sum(pc.astype(f64), axis=-1)
+                 + jnp.exp(sink[None, None, :] - m[..., 0]).astype(f64))
+        num = (jnp.einsum("bths,bsd->bthd", pw.astype(f64), win_kv.astype(f64), precision=HIGHEST)
+               + jnp.einsum("bthk,btkd->bthd", pc.astype(f64), comp_kv.astype(f64), precision=HIGHEST))
+        return (num / denom[..., None]).astype(jnp.float32).astype(dt)
 
 
 def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode: str, dt):
@@ -125,7 +152,8 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
 
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
-                     ratio: int, page_size: int, window: int, mode: str, impl: str = "reference"):
+                     ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
+                     exact: bool = False):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -145,12 +173,16 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
       page_table  int32 [B, P]; slot j of row b is pool row `indexer.pool_index(page_table, j, ratio,
                   page_size)`
       sel         int32 [B, T, K] selected compressed slots (−1 = none), from `indexer.topk`
-    Static: ratio, page_size, window, mode (kv_cache_dtype), impl.
+    Static: ratio, page_size, window, mode (kv_cache_dtype), impl, exact (the exact numerics mode:
+    fp64-accumulated sums, `attend`; "reference" and "xla" only).
     Returns [B, T, H, hd] in q.dtype (SPEC §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
     A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
     `interpret`.
     """
+    if impl in ("pallas", "pallas_interpret") and exact:
+        raise dispatch.ImplError(f"attention: the exact numerics mode has no {impl!r} implementation (fp64 "
+                                 f"accumulation is for the jnp paths: use impl 'attention=xla' or 'reference')")
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
@@ -167,7 +199,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
         rows = kvc.token_locs(page_table, jnp.maximum(sel, 0) * ratio, page_size) // ratio
         comp_kv = kvc.decode("comp", mode, kvc.store_get(comp, rows), dt)
         comp_mask = sel >= 0
-    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla")
+    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla", exact=exact)
 
 
 def output_proj(p, o, positions, freqs, cfg, dt):

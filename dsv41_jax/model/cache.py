@@ -299,6 +299,19 @@ class PageAllocator:
             table.append(self._free.pop())
         return list(table)
 
+    def truncate(self, rid, num_tokens: int) -> int:
+        """Give back `rid`'s pages beyond those `num_tokens` tokens need (e.g. pages taken for a
+        speculative verify window whose drafts were rejected); returns how many. The pages' contents
+        need no clearing: nothing reads a position before it is written again."""
+        table = self._tables.get(rid)
+        if table is None:
+            return 0
+        keep = max(-(-num_tokens // self.page_size), 0)
+        extra = table[keep:]
+        del table[keep:]
+        self._free.extend(reversed(extra))
+        return len(extra)
+
     def free(self, rid) -> int:
         """Return every page of `rid` to the free list; returns how many."""
         table = self._tables.pop(rid, [])

@@ -740,6 +740,7 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
             _set(params, leaf.path, place(leaf.name, _read_hf_leaf(plan, leaf, by_param)))
     else:
         _load_orbax(path, cfg, params, place)
+    _derive_dequantized(cfg, params, place)
     if cfg.engram_layer_ids:
         from dsv41_jax.model.params import engram_token_map_for
 
@@ -750,6 +751,22 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
             raise CheckpointError(f"engram token map has shape {tm.shape}, expected ({cfg.vocab_size},)")
         params["derived"]["engram_token_map"] = place("derived.engram_token_map", tm)
     return params
+
+
+def _derive_dequantized(cfg: ModelConfig, params: dict, place) -> None:
+    """Fill the load-time dequantized copies (``init == "dequant_fp8"``, e.g. ``wo_a.bf16``, SPEC §3)
+    from their loaded fp8 pair: exact (e4m3 x 2^k has 4 significant bits), on the host, in row blocks."""
+    for leaf in param_leaves(cfg, include_derived=True):
+        if leaf.decl.init != "dequant_fp8":
+            continue
+        node = params
+        for k in leaf.path[:-1]:
+            node = node[k]
+        q, s = np.asarray(node["weight"]), np.asarray(node["scale"])
+        out = np.empty(leaf.shape, leaf.dtype)
+        for r0, r1 in row_blocks(leaf.shape, 4, READ_BLOCK_BYTES, align=32):  # fp32 working copy per block
+            out[r0:r1] = dequant_fp8_block_np(q[r0:r1], s, r0).astype(leaf.dtype)
+        _set(params, leaf.path, place(leaf.name, out))
 
 
 def _load_orbax(path: str, cfg: ModelConfig, params: dict, place) -> None:

@@ -19,9 +19,12 @@ from dsv41_jax.model.numerics import linear_bf16, linear_f32
 from dsv41_jax.model.rope import apply_rope
 
 
-def group_kv_scores(p, x):
-    """Per-token fp32 (kv, score) of a ratio>1 compressor: x [..., D] -> ([..., hd], [..., hd])."""
-    return linear_f32(x, p["wkv"]["weight"]), linear_f32(x, p["wgate"]["weight"])
+def group_kv_scores(p, x, exact: bool = False):
+    """Per-token fp32 (kv, score) of a ratio>1 compressor: x [..., D] -> ([..., hd], [..., hd]).
+
+    `exact` (the exact numerics mode, `numerics.is_exact`): fp64-accumulated, so the result does not
+    depend on how many tokens are projected together (a prefill chunk vs one decode token)."""
+    return linear_f32(x, p["wkv"]["weight"], exact), linear_f32(x, p["wgate"]["weight"], exact)
 
 
 def pool_groups(kv, score, p, eps, dt):
@@ -35,17 +38,18 @@ def pool_groups(kv, score, p, eps, dt):
     return rmsnorm(latent, p["norm"]["weight"], eps, dt)
 
 
-def compress(p, x, ratio: int, eps, dt):
+def compress(p, x, ratio: int, eps, dt, exact: bool = False):
     """Latents for all complete groups of a sequence that starts at position 0.
 
-    x: [B, T, D] (the layer's normed attention input) -> [B, T // ratio, hd] in `dt`.
+    x: [B, T, D] (the layer's normed attention input) -> [B, T // ratio, hd] in `dt`. `exact`: the
+    projections accumulate in fp64 (exact numerics mode).
     """
     B, T, _ = x.shape
     if ratio == 1:
-        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt), p["norm"]["weight"], eps, dt)
+        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt, exact), p["norm"]["weight"], eps, dt)
     S = T // ratio
     xs = x[:, : S * ratio]
-    kv, score = group_kv_scores(p, xs)
+    kv, score = group_kv_scores(p, xs, exact)
     hd = kv.shape[-1]
     return pool_groups(kv.reshape(B, S, ratio, hd), score.reshape(B, S, ratio, hd), p, eps, dt)
 

@@ -31,7 +31,7 @@ from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, dispatch, indexer
 from dsv41_jax.model.engram import compressed_ids, hash_rows
-from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux
 
 
@@ -40,32 +40,36 @@ def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
     return {k: store[k].at[rows[:, None], cols].set(val[k], mode="drop") for k in store}
 
 
-def _window_write(st_win, batch, positions, valid, codes, window: int) -> dict:
-    """Ring update: the chunk's window codes at ``pos mod W`` — only the last W real tokens of the chunk
-    (earlier ones would be overwritten); padding tokens are dropped."""
+def _window_write(st_win, rows, positions, n, codes, window: int) -> dict:
+    """Ring update: the chunk's window codes at ``pos mod W`` for its first ``n[b]`` tokens — only the
+    last W of them (earlier ones would be overwritten); later tokens (padding, or rejected drafts) are
+    dropped. st_win: ring codes [R, W, ...]; rows int32 [B]; positions int32 [B, T]; n int32 [B]."""
     W = window
     i = jnp.arange(positions.shape[1])[None, :]
-    write = valid & (i >= batch["n_new"][:, None] - W)
+    write = (i < n[:, None]) & (i >= n[:, None] - W)
     cols = jnp.where(write, jnp.mod(positions, W), W)  # W = out of range: dropped
-    return _row_scatter(st_win, batch["slot"], cols, codes)
+    return _row_scatter(st_win, rows, cols, codes)
 
 
 def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
     """Latents of the groups this chunk completes.
 
-    Returns (latent [B, G, hd] in dt, slot j int32 [B, G], complete bool [B, G], new partial state).
-    ratio 1: G = T, one latent per real token. ratio r > 1: the chunk's tokens are placed in the
-    groups they belong to (G = T // r + 2 covers any alignment), the first group seeded with the
-    request's partial group; complete groups are pooled exactly as the full forward pools them.
+    Returns (latent [B, G, hd] in dt, slot j int32 [B, G], complete bool [B, G], group buffers).
+    ratio 1: G = T, one latent per real token, no buffers (None). ratio r > 1: the chunk's tokens are
+    placed in the groups they belong to (G = T // r + 2 covers any alignment), the first group seeded
+    with the request's partial group; complete groups are pooled exactly as the full forward pools
+    them. The buffers {"kv", "score"} fp32 [B, G, r, hd] let `_partial_after` derive the partial group
+    after any prefix of the chunk (the whole chunk, or only its accepted tokens).
     """
     start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
     eps = cfg.rms_norm_eps
+    exact = is_exact(cfg)
     if ratio == 1:
-        return compressor.compress(p, x, 1, eps, dt), positions, valid, None
+        return compressor.compress(p, x, 1, eps, dt, exact), positions, valid, None
     B, T, _ = x.shape
     r = ratio
     G = T // r + 2
-    kv, score = compressor.group_kv_scores(p, x)  # fp32 [B, T, hd]
+    kv, score = compressor.group_kv_scores(p, x, exact)  # fp32 [B, T, hd]
     hd = kv.shape[-1]
     g0 = start // r
     rel = positions // r - g0[:, None]  # group of each token, relative to g0
@@ -82,15 +86,21 @@ def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
     j = g0[:, None] + jnp.arange(G)[None, :]
     end = start + n_new
     complete = (j * r + r - 1) < end[:, None]
-    # The new partial group: the one holding position `end`, unless `end` starts a fresh group.
-    gl = end // r - g0
-    has_partial = (end % r) != 0
-    keep_kv = jnp.take_along_axis(buf_kv, gl[:, None, None, None], axis=1)[:, 0]
-    keep_sc = jnp.take_along_axis(buf_sc, gl[:, None, None, None], axis=1)[:, 0]
-    keep_kv = jnp.where(has_partial[:, None, None], keep_kv, 0.0)
-    keep_sc = jnp.where(has_partial[:, None, None], keep_sc, -jnp.inf)
-    new_partial = {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}
-    return latent, j.astype(jnp.int32), complete, new_partial
+    return latent, j.astype(jnp.int32), complete, {"kv": buf_kv, "score": buf_sc}
+
+
+def _partial_after(partial, buf, start, end, slot, r):
+    """The partial-group state once positions < `end` are in: the group holding position `end` (its
+    entries for positions >= end cleared: kv 0, score −inf), or a cleared group when `end` starts a
+    fresh one. partial: {"kv", "score"} fp32 [R, r, hd]; buf: `_compress_chunk`'s buffers; start, end,
+    slot int32 [B]."""
+    gl = end // r - start // r
+    keep_kv = jnp.take_along_axis(buf["kv"], gl[:, None, None, None], axis=1)[:, 0]  # [B, r, hd]
+    keep_sc = jnp.take_along_axis(buf["score"], gl[:, None, None, None], axis=1)[:, 0]
+    have = (jnp.arange(r)[None, :] < (end % r)[:, None])[:, :, None]  # empty when end % r == 0
+    keep_kv = jnp.where(have, keep_kv, 0.0)
+    keep_sc = jnp.where(have, keep_sc, -jnp.inf)
+    return {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}
 
 
 def _pool_index(page_table, slots_j, ratio, page_size):
@@ -98,12 +108,17 @@ def _pool_index(page_table, slots_j, ratio, page_size):
     return indexer.pool_index(page_table, slots_j, ratio, page_size)
 
 
-def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux):
-    """The attention sublayer of one layer against the cache. Updates `st` (trace-time dict) in place.
+def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend):
+    """The attention sublayer of one layer against the cache. Updates `st` and `pend` (trace-time
+    dicts) in place.
 
-    Writes first (this chunk's window codes after the read of the old ring; completed compressed
-    groups and index keys before they are read), then the two seams: `indexer.retrieve` (index
-    sources) and `attention.sparse_attention`, both on stored codes + page table.
+    Completed compressed groups and index keys are written to `st` before they are read (this chunk's
+    later queries see them); the window codes and the partial-group buffers only go to `pend`, and
+    `commit` writes them for the tokens that are kept (the ring is read as it was before the chunk,
+    the chunk's own keys come from `new`). With ``pend["restore"]`` set (a speculative step), the
+    codes each compressed write overwrites are kept so `commit` can put back those of rejected groups.
+    Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention`, both on
+    stored codes + page table.
     """
     lid = plan.layer_id
     mode = ccfg.kv_cache_dtype
@@ -114,22 +129,28 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     qr, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
     win_codes = kvc.encode("win", mode, kv_rot)
     ring = st["window"][lid]
-    st["window"][lid] = _window_write(ring, batch, positions, valid, win_codes, cfg.sliding_window)
+    pend["window"][lid] = win_codes
     r = plan.compress_ratio
     comp, sel = None, None
     if r > 0:
         if plan.is_kv_source:
             key = str(lid)
-            latent, j, complete, new_partial = _compress_chunk(
+            latent, j, complete, buf = _compress_chunk(
                 p["compressor"], x, batch, positions, valid, st["partial"].get(key), r, cfg, dt)
-            if new_partial is not None:
-                st["partial"][key] = new_partial
+            if buf is not None:
+                pend["partial"][key] = buf
             oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
             dest = jnp.where(complete, _pool_index(pt, j, r, ps), oob)
+            saved = None
+            if pend["restore"] is not None:
+                saved = pend["restore"][key] = {"dest": dest, "last": j * r + r - 1,
+                                                "comp": kvc.store_get(st["comp"][key], dest)}
             rot = compressor.compressed_rot(latent, j * r, freqs, dt)
             st["comp"][key] = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
             if key in st["ikeys"]:
-                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt)
+                if saved is not None:
+                    saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
+                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
                 st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
         if plan.is_index_source:
             indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, st["ikeys"][str(plan.key_owner)],
@@ -138,14 +159,26 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
         comp = st["comp"][str(plan.kv_source)]
     o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
-                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"))
+                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
+                                  exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
-def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, mesh=None):
-    """Pure step: (params, cache, batch) -> (logits, cache).
+def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
+                       mesh=None):
+    """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
 
-    Logits: fp32 [B, T, V] if `all_logits`, else [B, V] at each row's last real token.
+    Returns (logits, st, pending, aux):
+      logits  fp32 [B, T, V] (`all_logits`) or [B, V] at each row's last real token;
+      st      the cache with the chunk's completed compressed groups and index keys written (the
+              chunk's own queries read them); window rings, partial groups and Engram history as
+              before the chunk;
+      pending what `commit` needs to keep any prefix of each row: {"positions" int32 [B, T],
+              "window" [per layer: codes of [B, T, hd]], "partial" {src: fp32 buffers [B, G, r, hd]},
+              "restore" {src: overwritten codes, dest, last position of each group} (only with
+              `restore`, else None), "engram_ids" int32 [B, T] (Engram configs)};
+      aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
+              [B, T, n, D] per layer) and "hidden" (final normed x).
     mesh: optional `jax.sharding.Mesh` (`parallel.make_mesh`): MoE and the row-split tables run their
     `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
     """
@@ -155,8 +188,11 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
     start, n_new = batch["start"], batch["n_new"]
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T)[None, :] < n_new[:, None]
-    st = {"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
-          "partial": dict(state["partial"])}
+    st = dict(state)
+    st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
+               "partial": dict(state["partial"])})
+    pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
+            "restore": {} if restore else None}
     hist = state.get("engram_hist")
     h = embed_streams(params, tokens, cfg, dt, mesh)
     pre = initial_pre((B, T), cfg)
@@ -170,7 +206,7 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
             rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])
 
         def attn_fn(x, lp=lp, plan=plan):
-            return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux)
+            return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
 
         h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
     if not all_logits:
@@ -180,15 +216,57 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
     logits, x = final_logits(params, h, pre, cfg, dt)
     if not all_logits:
         logits = logits[:, 0]
-    new_state = {"window": st["window"], "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
     if hist is not None:
-        ids = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
-        ext = jnp.concatenate([hist[batch["slot"]], ids], axis=1)  # [B, M−1+T]
+        pend["engram_ids"] = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
+    aux["hidden"] = x
+    return logits, st, pend, aux
+
+
+def commit(st, pending, batch, n_commit, cfg):
+    """Make the first ``n_commit[b] <= n_new[b]`` tokens of each row cache state; forget the rest.
+
+    st / pending: from `extend_uncommitted` on `batch`; n_commit int32 [B]. Writes those tokens'
+    window codes (ring slot pos mod W), the partial group after position start + n_commit, and the
+    Engram history ending there; with restore data, puts back the codes under every compressed group
+    that ends at or after start + n_commit (written for the chunk's own queries, not kept). A row with
+    n_commit = n_new gets exactly what the plain step writes. Other state keys pass through.
+    """
+    start, slot = batch["start"], batch["slot"]
+    end = start + n_commit
+    out = dict(st)
+    out["window"] = [_window_write(ring, slot, pending["positions"], n_commit, codes, cfg.sliding_window)
+                     for ring, codes in zip(st["window"], pending["window"])]
+    out["partial"] = dict(st["partial"])
+    for key, buf in pending["partial"].items():
+        r = buf["kv"].shape[2]
+        out["partial"][key] = _partial_after(st["partial"][key], buf, start, end, slot, r)
+    if pending["restore"]:
+        out["comp"], out["ikeys"] = dict(st["comp"]), dict(st["ikeys"])
+        for key, sv in pending["restore"].items():
+            oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]
+            back = jnp.where(sv["last"] >= end[:, None], sv["dest"], oob)  # incomplete groups are oob already
+            out["comp"][key] = kvc.store_set(st["comp"][key], back, sv["comp"])
+            if "ikeys" in sv:
+                out["ikeys"][key] = kvc.store_set(st["ikeys"][key], back, sv["ikeys"])
+    hist = st.get("engram_hist")
+    if hist is not None:
+        ext = jnp.concatenate([hist[slot], pending["engram_ids"]], axis=1)  # [B, M−1+T]
         m1 = hist.shape[1]
-        take = n_new[:, None] + jnp.arange(m1)[None, :]
-        new_state["engram_hist"] = hist.at[batch["slot"]].set(jnp.take_along_axis(ext, take, axis=1))
+        take = n_commit[:, None] + jnp.arange(m1)[None, :]
+        out["engram_hist"] = hist.at[slot].set(jnp.take_along_axis(ext, take, axis=1))
+    return out
+
+
+def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, mesh=None):
+    """Pure step: (params, cache, batch) -> (logits, cache), every real token committed.
+
+    Logits: fp32 [B, T, V] if `all_logits`, else [B, V] at each row's last real token. State keys this
+    step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. mesh: see
+    `extend_uncommitted`.
+    """
+    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, mesh=mesh)
+    new_state = commit(st, pend, batch, batch["n_new"], cfg)
     if return_aux:
-        aux["hidden"] = x
         return logits, new_state, aux
     return logits, new_state
 
@@ -241,8 +319,8 @@ def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
         n_new[b] = len(t)
         slot[b] = r["slot"]
         pt[b, : len(r["page_table"])] = r["page_table"]
-    return {"tokens": jnp.asarray(tokens), "start": jnp.asarray(start), "n_new": jnp.asarray(n_new),
-            "slot": jnp.asarray(slot), "page_table": jnp.asarray(pt)}
+    # device_put, not jnp.asarray: in JAX 0.10 the latter stages a jitted identity per shape/dtype
+    return jax.device_put({"tokens": tokens, "start": start, "n_new": n_new, "slot": slot, "page_table": pt})
 
 
 def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequence[int], start: int = 0,

@@ -36,10 +36,13 @@ OPS = ("attention", "indexer", "engram", "mhc", "moe", "linear")
 IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 CHOICES = IMPLS + ("auto",)
 
-# op -> module (under dsv41_jax.pallas) holding its kernel; filled in by the kernels issue.
-KERNEL_MODULES: dict = {}
-KERNEL_MODULES["engram"] = "engram_gather"
-KERNEL_MODULES["mhc"] = "mhc_mix"
+# op -> module (under dsv41_jax.pallas) holding its kernel (issue 11); linear and moe have none yet.
+KERNEL_MODULES: dict = {
+    "attention": "sparse_attention",
+    "indexer": "indexer_topk",
+    "engram": "engram_gather",
+    "mhc": "mhc_mix",
+}
 KERNEL_ENTRY = "kernel"
 
 

@@ -16,18 +16,19 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import HIGHEST, linear_bf16
+from dsv41_jax.model.numerics import HIGHEST, einsum_exact, is_exact, linear_bf16, x64_scope
 from dsv41_jax.model.rope import apply_rope
 
 NEG_INF = -jnp.inf
 
 
-def index_keys_rot(p, latent, slot_pos, freqs, eps, dt):
+def index_keys_rot(p, latent, slot_pos, freqs, eps, dt, exact: bool = False):
     """Index keys before their fp4 fake-quant: k_norm(wk · latent) → RoPE at j·ratio.
 
     latent: [B, S, hd] bf16 pre-RoPE unquantized; slot_pos int32 [B, S] or [S]. Returns [B, S, dI].
+    `exact`: wk accumulates in fp64 (exact numerics mode).
     """
-    k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt), p["k_norm"]["weight"], eps, dt)
+    k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt, exact), p["k_norm"]["weight"], eps, dt)
     return apply_rope(k, slot_pos, freqs, out_dtype=dt)
 
 
@@ -52,25 +53,32 @@ def index_query(p, qr, x, positions, freqs, cfg, dt):
     return q, w
 
 
-def raw_scores(q, w, keys, dt):
+def raw_scores(q, w, keys, dt, exact: bool = False):
     """Σ_h w_h · ReLU(q_h · k_j), rounded to `dt` after each step, no visibility mask.
 
     q [B, T, nI, dI], w [B, T, nI], keys [B, S, dI] -> [B, T, S] in `dt`. fp32 accumulation inside each
-    sum (the q·k dot over dI, then the sum over heads).
+    sum (the q·k dot over dI, then the sum over heads). `exact` (exact numerics mode): both sums
+    accumulate in fp64 and round once to fp32, so a score does not depend on how many slots or queries
+    are scored together (the reference's one pass vs the bounded loop's blocks).
     """
+    if exact:
+        qk = einsum_exact("bthd,bsd->bths", q, keys).astype(dt)
+        prod = (w.astype(jnp.float32)[..., None] * jax.nn.relu(qk.astype(jnp.float32))).astype(dt)
+        with x64_scope():
+            return jnp.sum(prod.astype(jnp.float64), axis=2).astype(jnp.float32).astype(dt)
     qk = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
                     precision=HIGHEST).astype(dt)
     prod = (w.astype(jnp.float32)[..., None] * jax.nn.relu(qk.astype(jnp.float32))).astype(dt)
     return jnp.sum(prod.astype(jnp.float32), axis=2).astype(dt)
 
 
-def index_scores(q, w, keys, visible, dt):
+def index_scores(q, w, keys, visible, dt, exact: bool = False):
     """score(t, j) = Σ_h w_h · ReLU(q_h · k_j), rounded to `dt` after each step; −inf where j ≥ visible.
 
     q [B, T, nI, dI], w [B, T, nI], keys [B, S, dI], visible int32 [B, T] (= (t+1)//ratio).
-    Returns [B, T, S] in `dt`.
+    Returns [B, T, S] in `dt`. `exact`: see `raw_scores`.
     """
-    score = raw_scores(q, w, keys, dt)
+    score = raw_scores(q, w, keys, dt, exact)
     S = keys.shape[1]
     ok = jnp.arange(S)[None, None, :] < visible[..., None]
     return jnp.where(ok, score, jnp.asarray(NEG_INF, dt))
@@ -162,7 +170,7 @@ RETRIEVAL_BLOCK = 512
 
 def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: str, k: int, dt,
          cand_blocks=None, make_candidates: bool = False, block_size: int = 1, topk_blocks: int = 0,
-         impl: str = "reference", retrieval_block: int = RETRIEVAL_BLOCK):
+         impl: str = "reference", retrieval_block: int = RETRIEVAL_BLOCK, exact: bool = False):
     """The indexer seam: top-k compressed slots of each query over a key owner's paged index keys.
 
     Inputs (B rows, T queries per row, nI = index_n_heads, dI = index_head_dim):
@@ -180,7 +188,8 @@ def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: 
       make_candidates: this layer is the candidate source: also return its candidate blocks (scored on
                   its own unmasked scores)
     Static: ratio, page_size, mode (kv_cache_dtype), k (index_topk), dt, block_size / topk_blocks
-    (candidate_block_size / candidate_topk_blocks), impl ("reference" | "xla" | Pallas), retrieval_block.
+    (candidate_block_size / candidate_topk_blocks), impl ("reference" | "xla" | Pallas), retrieval_block,
+    exact (the exact numerics mode: fp64-accumulated scores, `raw_scores`; "reference" and "xla" only).
 
     S = P · page_size // ratio is the slot extent of the page table (static).
     Returns (sel int32 [B, T, min(k, S)]: picked slots ascending, −1 for picks whose score is −inf —
@@ -202,11 +211,14 @@ def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: 
     if impl == "reference":
         return _topk_reference(q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode,
                                k=k, dt=dt, cand_blocks=cand_blocks, make_candidates=make_candidates,
-                               block_size=block_size, topk_blocks=topk_blocks)
+                               block_size=block_size, topk_blocks=topk_blocks, exact=exact)
     if impl == "xla":
         return _topk_xla(q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode, k=kk,
                          kb=kb, dt=dt, cand_blocks=cand_blocks, make_candidates=make_candidates,
-                         block_size=block_size, retrieval_block=retrieval_block)
+                         block_size=block_size, retrieval_block=retrieval_block, exact=exact)
+    if exact:
+        raise dispatch.ImplError(f"indexer: the exact numerics mode has no {impl!r} implementation (fp64 "
+                                 f"accumulation is for the jnp paths: use impl 'indexer=xla' or 'reference')")
     return dispatch.kernel("indexer", impl)(
         q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode, k=k, dt=dt,
         cand_blocks=cand_blocks, make_candidates=make_candidates, block_size=block_size,
@@ -214,13 +226,13 @@ def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: 
 
 
 def _topk_reference(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, dt, cand_blocks,
-                    make_candidates, block_size, topk_blocks):
+                    make_candidates, block_size, topk_blocks, exact=False):
     """The reference: decode all S slots the page table can address, score them all, top-k once."""
     B = visible.shape[0]
     S = page_table.shape[1] * page_size // ratio
     jj = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
     keys = kvc.decode("ikey", mode, kvc.store_get(ikeys, pool_index(page_table, jj, ratio, page_size)), dt)
-    scores = index_scores(q, w, keys, visible, dt)
+    scores = index_scores(q, w, keys, visible, dt, exact)
     cand = candidate_blocks(scores, visible, block_size, topk_blocks) if make_candidates else None
     if cand_blocks is not None:
         scores = jnp.where(blocks_to_mask(cand_blocks, S, block_size), scores, jnp.asarray(NEG_INF, scores.dtype))
@@ -228,7 +240,7 @@ def _topk_reference(q, w, ikeys, page_table, visible, *, ratio, page_size, mode,
 
 
 def _topk_xla(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, kb, dt, cand_blocks,
-              make_candidates, block_size, retrieval_block):
+              make_candidates, block_size, retrieval_block, exact=False):
     """Retrieval bounded by the live context: a loop over blocks of slots with a running top-k.
 
     Design (why a loop rather than length buckets): the trip count is dynamic — ceil(L / Bs) steps for
@@ -283,7 +295,7 @@ def _topk_xla(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, kb
         jj = j0 + jnp.arange(Bs, dtype=jnp.int32)  # [Bs] slots of this step
         rows = pool_index(page_table, jnp.broadcast_to(jj[None, :], (B, Bs)), ratio, page_size)
         keys = kvc.decode("ikey", mode, kvc.store_get(ikeys, rows), dt)  # [B, Bs, dI]
-        sc = raw_scores(q, w, keys, dt)
+        sc = raw_scores(q, w, keys, dt, exact)
         sc = jnp.where(jj[None, None, :] < vis[..., None], sc, ninf)  # [B, T, Bs]
         out = ()
         if make_candidates:
@@ -334,7 +346,7 @@ def retrieve(p, qr, x, positions, freqs, plan, ctx, aux, ikeys, page_table, *, p
                      k=cfg.index_topk, dt=dt, cand_blocks=ctx["cand"] if plan.uses_candidates else None,
                      make_candidates=plan.is_candidate_source, block_size=cfg.candidate_block_size,
                      topk_blocks=cfg.candidate_topk_blocks, impl=dispatch.resolve(cfg, "indexer"),
-                     retrieval_block=retrieval_block)
+                     retrieval_block=retrieval_block, exact=is_exact(cfg))
     if plan.is_candidate_source:
         ctx["cand"] = cand
         S = page_table.shape[1] * page_size // r

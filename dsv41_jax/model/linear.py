@@ -36,7 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from dsv41_jax.model import dispatch, quant
+from dsv41_jax.model import dispatch, quant, tiling
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
 # Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
@@ -74,27 +74,43 @@ def fp4_codes_to_e4m3(packed):
     return jax.lax.bitcast_convert_type(sign | mag, jnp.float8_e4m3fn)
 
 
-def _block_gemm(x, wq, sw_rows, dt, exact):
-    """The K-blockwise fp8 GEMM (SPEC §6): x [..., K] float; wq e4m3 [N, K]; sw_rows fp32 [N, K/32].
+def _block_gemm(xq, sx, wq, sw_rows, dt, exact):
+    """The K-blockwise fp8 GEMM (SPEC §6) on a quantized activation.
 
-    Returns [..., N] in `dt` (fp32 in exact mode)."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    N = wq.shape[0]
+    xq e4m3 [M, K] and sx fp32 [M, K/32] (`quant.act_quant_fp8` of the input, flattened to M rows);
+    wq e4m3 [N, K]; sw_rows fp32 [N, K/32]. Returns fp32 [M, N]."""
+    N, K = wq.shape
     kb = K // 32
-    xq, sx = quant.act_quant_fp8(x)  # e4m3 [..., K], fp32 [..., K/32]
     xq = xq.reshape(-1, kb, 32)
-    sx = sx.reshape(-1, kb)
     w3 = wq.reshape(N, kb, 32)
     dn = (((2,), (2,)), ((1,), (1,)))  # contract the 32 in-block elements, batch over K-blocks
     if exact:
         with x64_scope():
             p = jax.lax.dot_general(xq, w3, dn, preferred_element_type=jnp.float64)  # [kb, M, N]
             y = jnp.sum(p * sx.T.astype(jnp.float64)[:, :, None] * sw_rows.T.astype(jnp.float64)[:, None, :], axis=0)
-            y = y.astype(jnp.float32)
-    else:
-        p = jax.lax.dot_general(xq, w3, dn, preferred_element_type=jnp.float32)  # [kb, M, N]
-        y = jnp.sum(p * sx.T[:, :, None] * sw_rows.T[:, None, :], axis=0)
-    return y.reshape(*lead, N).astype(dt)
+            return y.astype(jnp.float32)
+    p = jax.lax.dot_general(xq, w3, dn, preferred_element_type=jnp.float32)  # [kb, M, N]
+    return jnp.sum(p * sx.T[:, :, None] * sw_rows.T[:, None, :], axis=0)
+
+
+def _quantized_gemm(x, n_rows, k, align, small_tile, large_tile, dt, exact):
+    """Shared driver of the xla fp8 / MXFP4 GEMMs: x [..., K] -> [..., N] in `dt` (fp32 in exact mode).
+
+    small M (<= `BLOCK_M_MAX` rows): the activation is fp8-quantized once and
+    ``small_tile(r0, tn) -> (wq e4m3 [tn, K], sw_rows fp32 [tn, K/32])`` yields each row tile of the
+    weight for `_block_gemm`; large M: ``large_tile(r0, tn, wdt) -> w [tn, K]`` (dequantized, exact in
+    `wdt`) for one dot against the fake-quantized activation. Row tiles: `tiling` (one tile except
+    where the backend widens dot operands outside the GEMM; never in the exact mode)."""
+    lead = x.shape[:-1]
+    nt = 0 if exact else tiling.n_tiles(n_rows, k, align)
+    if _rows(x) <= BLOCK_M_MAX:
+        xq, sx = quant.act_quant_fp8(x)  # e4m3 [..., K], fp32 [..., K/32]
+        xq, sx = xq.reshape(-1, k), sx.reshape(-1, k // 32)
+        y = tiling.over_rows(sx, n_rows, nt, lambda r0, tn: _block_gemm(xq, sx, *small_tile(r0, tn), dt, exact))
+        return y.reshape(*lead, n_rows).astype(dt)
+    wdt = jnp.float32 if exact else jnp.bfloat16
+    xd = quant.fake_quant_fp8(x, out_dtype=wdt)
+    return tiling.over_rows(xd, n_rows, nt, lambda r0, tn: _bf16_gemm(xd, large_tile(r0, tn, wdt), dt, exact))
 
 
 def _bf16_gemm(xd, wd, dt, exact):
@@ -125,10 +141,18 @@ def fp8(x, p, cfg, dt):
             return quant.fp8_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
         return dot_exact(xd, quant.dequantize_fp8_block(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
-    if _rows(x) <= BLOCK_M_MAX:
-        return _block_gemm(x, w, _fp8_row_scales(s, w.shape[0]), dt, exact)
-    wdt = jnp.float32 if exact else jnp.bfloat16
-    return _bf16_gemm(quant.fake_quant_fp8(x, out_dtype=wdt), quant.dequantize_fp8_block(w, s, wdt), dt, exact)
+    N, K = w.shape
+
+    def small(r0, tn):  # row tiles are whole 32-row scale blocks (align=32) unless untiled
+        wt = tiling.rows(w, r0, tn)
+        st = s if tn == N else tiling.rows(s, r0 // 32, tn // 32)
+        return wt, _fp8_row_scales(st, tn)
+
+    def large(r0, tn, wdt):
+        st = s if tn == N else tiling.rows(s, r0 // 32, tn // 32)
+        return quant.dequantize_fp8_block(tiling.rows(w, r0, tn), st, wdt)
+
+    return _quantized_gemm(x, N, K, 32, small, large, dt, exact)
 
 
 def mxfp4(x, p, cfg, dt):
@@ -143,10 +167,15 @@ def mxfp4(x, p, cfg, dt):
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
         return dot_exact(xd, quant.dequantize_mxfp4(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
-    if _rows(x) <= BLOCK_M_MAX:
-        return _block_gemm(x, fp4_codes_to_e4m3(w), quant.e8m0_to_f32(s), dt, exact)
-    wdt = jnp.float32 if exact else jnp.bfloat16
-    return _bf16_gemm(quant.fake_quant_fp8(x, out_dtype=wdt), quant.dequantize_mxfp4(w, s, wdt), dt, exact)
+    N, K = w.shape[0], 2 * w.shape[1]
+
+    def small(r0, tn):
+        return fp4_codes_to_e4m3(tiling.rows(w, r0, tn)), quant.e8m0_to_f32(tiling.rows(s, r0, tn))
+
+    def large(r0, tn, wdt):
+        return quant.dequantize_mxfp4(tiling.rows(w, r0, tn), tiling.rows(s, r0, tn), wdt)
+
+    return _quantized_gemm(x, N, K, 1, small, large, dt, exact)
 
 
 def plain_bf16(x, w, cfg, dt):
@@ -169,19 +198,25 @@ def f32(x, w, cfg):
     if impl_of(cfg) == "reference":
         return linear_f32(x, w)
     dn = (((x.ndim - 1,), (1,)), ((), ()))
+    N, K = w.shape
     if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
         # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has
         # the same (exact) products and needs no widened copy of either operand on any backend.
-        return jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(x.astype(jnp.float32), w, dn, precision=HIGHEST, preferred_element_type=jnp.float32)
+        return tiling.over_rows(x, N, tiling.n_tiles(N, K), lambda r0, tn: jax.lax.dot_general(
+            x, tiling.rows(w, r0, tn), dn, preferred_element_type=jnp.float32))
+    xf = x.astype(jnp.float32)
+    return tiling.over_rows(xf, N, tiling.n_tiles(N, K), lambda r0, tn: jax.lax.dot_general(
+        xf, tiling.rows(w, r0, tn), dn, precision=HIGHEST, preferred_element_type=jnp.float32))
 
 
 def wo_a(o, p, cfg, dt):
     """The grouped wo_a projection (SPEC §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
 
-    p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale"}; an optional ``"bf16"`` [G·R, I] entry
-    (the load-time dequantized copy, SPEC §3) is used by "xla" when present. The weight is exactly
-    bf16-representable, so every path computes the same products; "reference" is today's code.
+    p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale", "bf16": [G·R, I]}: "bf16" is the load-time
+    dequantized copy (SPEC §3; `params.fp8_linear_bf16_decl`, built by `init_params` / `load_params`),
+    which "xla" multiplies as it is (without it, e.g. a hand-built dict, "xla" dequantizes per call).
+    "reference" is today's code: it dequantizes the fp8 pair on every call. The weight is exactly
+    bf16-representable, so every path computes the same products.
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
     exact = is_exact(cfg)
@@ -191,14 +226,31 @@ def wo_a(o, p, cfg, dt):
             y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.float64), w.astype(jnp.float64), precision=HIGHEST,
                            preferred_element_type=jnp.float64)
             return y.astype(jnp.float32)
-    if impl_of(cfg) == "xla" and "bf16" in p:
-        w = p["bf16"]
-    else:
-        wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
-        w = quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=wdt)
-    w = w.reshape(G, R, -1)
-    if dt == jnp.float32:
-        return jnp.einsum("btgi,gri->btgr", o, w.astype(jnp.float32), precision=HIGHEST)
-    y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                   preferred_element_type=jnp.float32)
-    return y.astype(dt)
+    wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
+
+    def groups(o_t, w):  # o_t [B, T, g, I], w [g·R, I] -> [B, T, g, R]
+        w = w.reshape(o_t.shape[2], R, -1)
+        if dt == jnp.float32:
+            return jnp.einsum("btgi,gri->btgr", o_t, w.astype(jnp.float32), precision=HIGHEST)
+        y = jnp.einsum("btgi,gri->btgr", o_t.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32)
+        return y.astype(dt)
+
+    if impl_of(cfg) == "reference":
+        return groups(o, quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=wdt))
+    # xla: the load-time bf16 copy when present; on backends that widen outside the GEMM, scoped row
+    # tiles of whole groups (`tiling`), each tile's weight dequantized inside its scope.
+    B, T = o.shape[:2]
+    I = o.shape[-1]
+    tg = tiling.n_tiles(G, R * I) if (R % 32 == 0 or "bf16" in p) else min(1, tiling.n_tiles(G, R * I))
+
+    def tile(g0, ng):
+        o_t = tiling.rows(o, g0, ng, axis=2)
+        if "bf16" in p:
+            w = tiling.rows(p["bf16"], g0 * R, ng * R)
+        else:  # R % 32 == 0 here (else at most one tile), so a group is whole 32-row scale blocks
+            w = quant.dequantize_fp8_block(tiling.rows(p["weight"], g0 * R, ng * R),
+                                           tiling.rows(p["scale"], g0 * R // 32, ng * R // 32), out_dtype=wdt)
+        return groups(o_t, w).reshape(B, T, ng * R)
+
+    return tiling.over_rows(o, G, tg, tile).reshape(B, T, G, R)

@@ -7,7 +7,8 @@ Two implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe
   order). O(E) compute — the ground truth for the grouped path.
 * ``"xla"`` — grouped: the N·k (token, expert) assignments are sorted by expert id, only the selected
   experts' MXFP4 weights are gathered (at stored width: packed bytes + E8M0 scales) when fewer than E
-  experts can be selected (N·k < E, i.e. decode), else all E are used in place; they are dequantized
+  experts can be selected (N·k < E, i.e. decode), else all E are used in place (on CPU in scoped row
+  tiles, `tiling`, so the widened copy is one tile, not every expert of every layer); they are dequantized
   to bf16 (exact: e2m1 x 2^k has 2 significant bits) and one `jax.lax.ragged_dot_general` per
   projection multiplies each group of rows by its expert only, with fp32 accumulation (fp64 in the
   exact mode). No token is dropped; experts with no token are groups of size 0.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import dispatch, linear, quant
+from dsv41_jax.model import dispatch, linear, quant, tiling
 from dsv41_jax.model.numerics import einsum_exact, is_exact
 
 
@@ -95,25 +96,39 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def _grouped_mxfp4(xs, wp, ws, sizes, dt, exact):
+def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact):
     """Grouped MXFP4 GEMM with fp8-quantized input: rows of xs [A, K] (sorted by group) times their
-    group's weight. wp uint8 [G, N, K/2], ws E8M0 [G, N, K/32], sizes int32 [G] (sum = A).
-    Returns [A, N] in `dt` (fp32 in the exact mode)."""
-    G, N, Kh = wp.shape
+    group's weight. wp uint8 [E, N, K/2] and ws E8M0 [E, N, K/32]: the layer's whole expert stack;
+    gexp int32 [G]: the expert of each group (None: the groups are all E experts in order);
+    sizes int32 [G] (sum = A). Returns [A, N] in `dt` (fp32 in the exact mode).
+
+    Only the groups' experts are read (a gather at stored width); on backends that widen dot operands
+    outside the GEMM, in scoped row tiles of the experts' output rows (`tiling`)."""
+    E, N, Kh = wp.shape
     K = 2 * Kh
+    G = E if gexp is None else gexp.shape[0]
     cdt = jnp.float32 if exact else jnp.bfloat16  # both exact: e4m3·2^k and e2m1·2^k fit bf16
     xd = quant.fake_quant_fp8(xs, out_dtype=cdt)
-    # Widened through e4m3 by bit arithmetic (`linear.fp4_codes_to_e4m3`), so the dequantization
-    # fuses into one pass producing the bf16 operand (no LUT gather, no fp32 copy).
-    v = linear.fp4_codes_to_e4m3(wp).astype(jnp.float32).reshape(G, N, K // 32, 32)
-    wd = (v * quant.e8m0_to_f32(ws)[..., None]).reshape(G, N, K).astype(cdt)
-    if exact:
-        # ragged_dot is decomposed when lowered, outside any x64 scope, so it cannot accumulate in
-        # fp64: the exact mode (tests only) multiplies each row by its group's weight explicitly.
-        row_group = jnp.repeat(jnp.arange(G, dtype=jnp.int32), sizes, total_repeat_length=xs.shape[0])
-        return einsum_exact("ak,ank->an", xd, jnp.take(wd, row_group, axis=0))
-    y = jax.lax.ragged_dot_general(xd, wd, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
-    return y.astype(dt)
+
+    def pick(t, r0, tn):  # [G, tn, ·] rows r0.. of the groups' experts, one gather at stored width
+        if gexp is None:
+            return tiling.rows(t, r0, tn, axis=1)
+        return jnp.take(tiling.rows(t, r0, tn, axis=1), gexp, axis=0)
+
+    def tile(r0, tn):
+        # Widened through e4m3 by bit arithmetic (`linear.fp4_codes_to_e4m3`), so the dequantization
+        # fuses into one pass producing the bf16 operand (no LUT gather, no fp32 copy).
+        v = linear.fp4_codes_to_e4m3(pick(wp, r0, tn)).astype(jnp.float32).reshape(G, tn, K // 32, 32)
+        wd = (v * quant.e8m0_to_f32(pick(ws, r0, tn))[..., None]).reshape(G, tn, K).astype(cdt)
+        if exact:
+            # ragged_dot is decomposed when lowered, outside any x64 scope, so it cannot accumulate in
+            # fp64: the exact mode (tests only) multiplies each row by its group's weight explicitly.
+            row_group = jnp.repeat(jnp.arange(G, dtype=jnp.int32), sizes, total_repeat_length=xs.shape[0])
+            return einsum_exact("ak,ank->an", xd, jnp.take(wd, row_group, axis=0))
+        y = jax.lax.ragged_dot_general(xd, wd, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+        return y.astype(dt)
+
+    return tiling.over_rows(xd, N, 0 if exact else tiling.n_tiles(N, G * K), tile)
 
 
 def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
@@ -142,19 +157,18 @@ def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
         # (size 0, they point at expert 0 and are never multiplied).
         new = jnp.concatenate([jnp.ones((1,), bool), se[1:] != se[:-1]]) & held
         gid = jnp.cumsum(new.astype(jnp.int32)) - 1
-        gid = jnp.where(held, gid, G)  # out of range: dropped
+        gid = jnp.where(held, gid, G)  # non-held assignments: out of range, dropped
         gexp = jnp.zeros((G,), jnp.int32).at[gid].set(se, mode="drop")
         sizes = jnp.zeros((G,), jnp.int32).at[gid].add(1, mode="drop")
-        pick = lambda t: jnp.take(t, gexp, axis=0)  # gather at stored width (uint8 / E8M0)
     else:
+        gexp = None  # every expert is a group, in id order
         sizes = jnp.zeros((E,), jnp.int32).at[se].add(1, mode="drop")
-        pick = lambda t: t
     xs = jnp.take(xf, order // k, axis=0)  # [A, D] token rows, sorted by expert
     ws = jnp.take(w.reshape(A), order)
     exact = is_exact(cfg)
 
     def proj(a, name):
-        return _grouped_mxfp4(a, pick(ex[name]["weight"]), pick(ex[name]["scale"]), sizes, dt, exact)
+        return _grouped_mxfp4(a, ex[name]["weight"], ex[name]["scale"], gexp, sizes, dt, exact)
 
     act = _swiglu_act(proj(xs, "w1"), proj(xs, "w3"), ws, cfg.swiglu_limit, dt)
     y_sorted = proj(act, "w2")  # [A, D] in dt

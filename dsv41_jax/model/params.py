@@ -4,7 +4,9 @@ The parameter pytree mirrors the checkpoint's names (SPEC §8): ``layers.L.attn.
 ``params["layers"][L]["attn"]["wq_a"]["weight"]``. Two differences from the file, both lossless:
 routed experts are stacked along a leading expert axis (``ffn.experts.E.w1.weight`` is
 ``params[...]["ffn"]["experts"]["w1"]["weight"][E]``), and ``params["derived"]`` holds tables derived
-from the tokenizer (the Engram token map), which the checkpoint does not store.
+from the tokenizer (the Engram token map), which the checkpoint does not store. One addition, also not
+in the checkpoint: ``attn.wo_a.bf16``, the load-time bf16 dequantization of ``wo_a`` (SPEC §3; built
+by `init_params` and `checkpoint.load_params` beside the fp8 pair, which the reference still reads).
 
 Dtypes follow the checkpoint: fp8 e4m3 + e8m0 32×32 block scales for dense weights, packed MXFP4
 (uint8, low nibble = even element) + e8m0 per-32 scales for routed experts, bf16 / fp32 as SPEC §6.
@@ -87,6 +89,15 @@ def fp8_linear_decl(out_dim, in_dim, out_axis=None, in_axis=None):
     }
 
 
+def fp8_linear_bf16_decl(out_dim, in_dim, out_axis=None, in_axis=None):
+    """An fp8 linear that is dequantized to bf16 once at load (SPEC §3: ``wo_a``): the file's fp8 weight
+    and block scale, plus ``"bf16"`` [out, in], their exact product (not in the checkpoint; built by
+    `init_params` and `checkpoint.load_params`). The reference path keeps reading the fp8 pair."""
+    d = fp8_linear_decl(out_dim, in_dim, out_axis, in_axis)
+    d["bf16"] = P((out_dim, in_dim), BF16, (out_axis, in_axis), "dequant_fp8", in_checkpoint=False)
+    return d
+
+
 def mxfp4_experts_decl(n_experts, out_dim, in_dim, out_axis=None, in_axis=None):
     """Stacked MXFP4 experts: uint8 [E, out, in/2] (2 e2m1 per byte) + e8m0 [E, out, in/32]."""
     std = 1.0 / math.sqrt(in_dim)
@@ -123,7 +134,7 @@ def _block_decl(cfg: ModelConfig, layer_id: int) -> dict:
         "wq_b": fp8_linear_decl(H * hd, cfg.q_lora_rank, "heads", "q_lora"),
         "wkv": fp8_linear_decl(hd, D, "kv", "embed"),
         "kv_norm": _norm(hd),
-        "wo_a": fp8_linear_decl(G * R, cfg.o_group_in, "heads", None),
+        "wo_a": fp8_linear_bf16_decl(G * R, cfg.o_group_in, "heads", None),
         "wo_b": fp8_linear_decl(D, G * R, "embed", "o_in"),
     }
     if plan.is_kv_source:
@@ -298,7 +309,10 @@ def _init_group(name: str, node: dict, key, cfg: ModelConfig, token_map) -> Opti
     else:
         E, out_dim, half = w.shape
         q, s = quant_np.quantize_mxfp4_np(g.standard_normal((E, out_dim, 2 * half), np.float32) * w.std)
-    return {"weight": jnp.asarray(q), "scale": jnp.asarray(s)}
+    out = {"weight": jax.device_put(q), "scale": jax.device_put(s)}
+    if "bf16" in node:  # the load-time dequantized copy (`fp8_linear_bf16_decl`)
+        out["bf16"] = quant.dequantize_fp8_block(out["weight"], out["scale"], out_dtype=BF16)
+    return out
 
 
 def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
@@ -306,11 +320,14 @@ def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
         z = _rng(key, name).standard_normal(p.shape, np.float32) * np.float32(p.std)
         if p.init in ("normal_one", "hc_scale"):
             z = z + np.float32(1.0)
-        return jnp.asarray(z).astype(p.dtype)
+        # Built on the host and moved with device_put (ml_dtypes rounds to nearest even, as XLA's
+        # convert does): device-side casts and fills, and `jnp.asarray` of a host array (a staged
+        # identity in JAX 0.10), compile one tiny program per shape — ~60 for tiny, minutes on a GPU.
+        return jax.device_put(z.astype(p.dtype))
     if p.init == "ones":
-        return jnp.ones(p.shape, p.dtype)
+        return jax.device_put(np.ones(p.shape, p.dtype))
     if p.init == "zeros":
-        return jnp.zeros(p.shape, p.dtype)
+        return jax.device_put(np.zeros(p.shape, p.dtype))
     if p.init == "token_map":
         if token_map is None:
             raise ValueError("init_params: this config has Engram layers and needs the tokenizer's Engram token "
@@ -318,7 +335,7 @@ def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):
         tm = np.asarray(token_map, np.int32)
         if tm.shape != p.shape:
             raise ValueError(f"engram token map has shape {tm.shape}, expected {p.shape} (vocab_size)")
-        return jnp.asarray(tm)
+        return jax.device_put(tm)
     raise ValueError(f"{name}: unknown initializer {p.init!r}")
 
 

@@ -24,7 +24,7 @@ from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.numerics import act_dtype, is_exact
 
 
 def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
@@ -84,10 +84,10 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
                 aux["cand"][plan.layer_id] = jnp.zeros((B, T, 0), bool)
     else:
         if plan.is_kv_source:
-            latent = compressor.compress(p["compressor"], x, r, eps, dt)  # [B, S, hd]
+            latent = compressor.compress(p["compressor"], x, r, eps, dt, is_exact(cfg))  # [B, S, hd]
             slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * r, (B, S))
             if "wk" in p.get("indexer", {}):
-                krot = indexer.index_keys_rot(p["indexer"], latent, slot_pos, freqs, eps, dt)
+                krot = indexer.index_keys_rot(p["indexer"], latent, slot_pos, freqs, eps, dt, is_exact(cfg))
                 codes = kvc.encode("ikey", "auto", krot)  # == index_keys(...) once decoded, bitwise
                 ctx["keys"][plan.layer_id] = {k: v.reshape((B * S,) + v.shape[2:]) for k, v in codes.items()}
             ctx["comp"][plan.layer_id] = compressor.compressed_kv(latent, slot_pos, freqs, dt)
@@ -99,7 +99,8 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = jnp.take_along_axis(store[:, None, :, :], jnp.maximum(sel, 0)[..., None], axis=2)
         comp_mask = sel >= 0
-    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt)
+    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt,
+                        exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 

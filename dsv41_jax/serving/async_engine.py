@@ -15,6 +15,13 @@ task cancelled) is aborted, which frees its pages. `generate` raises `QueueFullE
 (a ValueError, HTTP 400) for a request the engine refuses. A request the engine had to end itself
 (finish reason "error") raises `EngineInternalError` (HTTP 500 / a stream error event) instead of
 yielding its last output, so no client mistakes it for a complete answer.
+
+`pause()` holds the loop between steps (SGLang's pause_generation): requests and aborts are still
+taken in, so new requests wait and aborted ones free their pages, but no step runs until `resume()`;
+``resume(steps=N)`` runs N steps and holds again. Both go through the command queue, so they are
+ordered with the requests and aborts sent before them; the returned events say when the loop got
+there. This puts the scheduler in a known state (operators: drain-free maintenance; tests: "these
+requests run, those wait" without racing the decode loop).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._streams: dict = {}
         self._n_pending_adds = 0
+        self._budget: Optional[int] = None  # steps left before holding (None: run freely, 0: paused)
+        self._budget_done: list = []  # events of resume(steps=N) calls, set when the budget is spent
         self._stop = False
         self._dead: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -99,13 +108,17 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                     self._handle(cmd)
-                if eng.has_unfinished():
+                if self._budget and not eng.has_unfinished():
+                    self._spend_budget(all_of_it=True)  # resume(steps=N) with nothing left to run
+                if eng.has_unfinished() and self._budget != 0:
                     with self._lock:
                         outs = eng.step()
                     for o in outs:
                         self._deliver(o.request_id, EngineInternalError(o.error) if o.error else o)
                         if o.finished:
                             self._streams.pop(o.request_id, None)
+                    if self._budget is not None:
+                        self._spend_budget()
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -116,20 +129,42 @@ class AsyncEngine:
                 self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
             self._streams.clear()
 
+    def _spend_budget(self, all_of_it: bool = False) -> None:
+        self._budget = 0 if all_of_it else self._budget - 1
+        if self._budget == 0:
+            for ev in self._budget_done:
+                ev.set()
+            self._budget_done.clear()
+
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt_ids, params, constraint = cmd
-            self._n_pending_adds -= 1
             try:
                 with self._lock:
                     self.engine.add_request(rid, prompt_ids, params, constraint=constraint, output_kind="delta")
             except Exception as e:  # noqa: BLE001 (the request's own error)
                 self._deliver(rid, e)
                 self._streams.pop(rid, None)
+            finally:
+                # only now: until the engine holds it, the request counts as pending (never as neither,
+                # which would let `num_queued` undercount and one request too many past the limit)
+                self._n_pending_adds -= 1
         elif kind == "abort":
             with self._lock:
                 self.engine.abort_request(cmd[1])
+        elif kind == "pause":
+            self._budget = 0
+            cmd[1].set()
+        elif kind == "resume":
+            _, steps, ev = cmd
+            self._budget = steps
+            if steps is None:
+                ev.set()
+            else:
+                self._budget_done.append(ev)
+                if steps == 0:
+                    self._spend_budget(all_of_it=True)
 
     # ------------------------------------------------------------------------------------ API
     def num_queued(self) -> int:
@@ -180,6 +215,28 @@ class AsyncEngine:
         self._cmds.put(("abort", request_id))
         self._wake.set()
 
+    def pause(self) -> threading.Event:
+        """Hold the loop between steps (see the module docstring). Returns an event set once the loop
+        has taken the pause: from then on no step runs until `resume`."""
+        ev = threading.Event()
+        self._cmds.put(("pause", ev))
+        self._wake.set()
+        return ev
+
+    def resume(self, steps: Optional[int] = None) -> threading.Event:
+        """Run freely again (steps=None), or run `steps` more steps and hold again (fewer if the engine
+        runs out of work). Returns an event set when the loop runs freely / when those steps are done."""
+        if steps is not None and steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        ev = threading.Event()
+        self._cmds.put(("resume", steps, ev))
+        self._wake.set()
+        return ev
+
+    @property
+    def paused(self) -> bool:
+        return self._budget is not None
+
     def stats(self) -> dict:
         """Engine metrics (see `Engine.stats`) plus uptime and queue limit."""
         with self._lock:
@@ -188,6 +245,7 @@ class AsyncEngine:
         s["max_queued_requests"] = self.max_queued_requests
         s["uptime_s"] = time.time() - self.start_time
         s["engine_alive"] = self.is_running
+        s["paused"] = self.paused
         return s
 
     @property

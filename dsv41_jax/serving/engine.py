@@ -473,6 +473,13 @@ class Engine:
             cfg = ModelConfig.from_pretrained(args.model)
         if args.dtype != "auto" and cfg.act_dtype != args.act_dtype:
             cfg = cfg.replace(act_dtype=args.act_dtype)
+        if cfg.impl != args.impl:
+            cfg = cfg.replace(impl=args.impl)
+        try:
+            chosen = args.resolved_impl()
+        except ValueError as e:
+            raise EngineError(f"--impl {args.impl!r}: {e}") from None
+        log.info("impl %r: %s", args.impl, ", ".join(f"{op}={name}" for op, name in chosen.items()))
         self.cfg = cfg
         # --tp / --ep: the mesh is built (and an impossible combination refused, MeshError) before any
         # weight is loaded; tp = ep = 1 runs unsharded on the default device.

@@ -6,7 +6,8 @@ Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-r
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
 ``--skip-server-warmup``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
-``--max-logprobs``, ``--disable-prefix-sharing``, ``--cpu-memory-budget``.
+``--max-logprobs``, ``--disable-prefix-sharing``, ``--cpu-memory-budget``, ``--impl`` (which
+implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto").
 
 Small models (under ``SMALL_MODEL_BYTES`` of weights, e.g. the embedded tiny model) get smaller
 defaults: 4 running requests, 64-token prefill chunks and "compact" shape buckets (one batch size x
@@ -99,6 +100,7 @@ class EngineArgs:
     ep_size: int = 1
     engram_host_table: Optional[bool] = None  # None: env DSV41_ENGRAM_HOST_TABLE (default off)
     random_seed: int = 0
+    impl: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -151,7 +153,24 @@ class EngineArgs:
                                  "are both given (leave it 'auto')")
         if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running_requests:
             bad("batch_buckets", f"the largest must be >= max_running_requests={self.max_running_requests}")
+        from dsv41_jax.model.dispatch import ImplError, parse_impl
+
+        try:
+            parse_impl(self.impl)
+        except ImplError as e:
+            raise ValueError(str(e)) from None
         return self
+
+    def resolved_impl(self) -> dict:
+        """{op: implementation} that ``impl`` selects on the current backend (`dispatch.resolve`, which
+        logs each choice once). Raises ValueError for a choice this backend cannot honour (e.g.
+        "pallas" for an op without a kernel) — at start-up, before any model is loaded."""
+        from dsv41_jax.model.dispatch import OPS, ImplError, resolve
+
+        try:
+            return {op: resolve(self.impl, op) for op in OPS}
+        except ImplError as e:
+            raise ValueError(str(e)) from None
 
     @property
     def act_dtype(self) -> str:
@@ -282,6 +301,12 @@ class EngineArgs:
                                           "DSV41_ENGRAM_HOST_TABLE=1, else off")
         g.add_argument("--random-seed", "--seed", dest="random_seed", type=int, default=0,
                        help="seed of the tiny model's random weights and of requests sent without a seed")
+        g.add_argument("--impl", default=d["impl"].default,
+                       help="implementation of the ops with a fast path (attention, indexer, engram, mhc, moe, "
+                            "linear): 'auto' (default: the fastest available on this backend), 'reference' (the "
+                            "faithful oracle), 'xla', 'pallas', 'pallas_interpret', or per-op items such as "
+                            "'xla,moe=reference'; the choice per op is logged at start-up, and a choice this "
+                            "backend cannot honour is refused there")
         return parser
 
     @classmethod

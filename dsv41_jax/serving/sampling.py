@@ -418,7 +418,7 @@ class SamplingTensors:
         pr = None if prompt_token_ids is None else list(prompt_token_ids) + [None] * (B - n)
         out = None if output_token_ids is None else list(output_token_ids) + [None] * (B - n)
         a = cls._host_rows(plist, vocab_size, pr, out, eos_token_ids)
-        return cls(**{k: jnp.asarray(v) for k, v in a.items()})
+        return cls(**jax.device_put(dict(a)))  # host rows: no per-shape staging compile
 
     def update_slots(
         self,
@@ -449,7 +449,7 @@ class SamplingTensors:
         for k, v in rows.items():
             pad = np.zeros((m - v.shape[0],) + v.shape[1:], v.dtype)
             padded[k] = np.concatenate([v, pad], 0)
-        return _scatter_rows(self, jnp.asarray(idx), SamplingTensors(**padded))
+        return _scatter_rows(self, jax.device_put(idx), SamplingTensors(**padded))
 
 
 @jax.jit

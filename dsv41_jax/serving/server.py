@@ -422,6 +422,30 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                                      "(python -m dsv41_jax.serve serves /metrics by default)",
                                 type="invalid_request_error", code="metrics_disabled"))
 
+    if callable(getattr(engine, "pause", None)) and callable(getattr(engine, "resume", None)):
+        # SGLang's names. Requests keep arriving (and waiting) while paused; aborts still free pages.
+        @app.post("/pause_generation")
+        async def pause_generation():
+            """Hold the engine between steps; answers once no step runs (or 504 after 60 s)."""
+            if not await asyncio.to_thread(engine.pause().wait, 60.0):
+                return err(APIError(504, "the engine loop did not take the pause within 60 s", code="timeout"))
+            return JSONResponse({"paused": True})
+
+        @app.post("/continue_generation")
+        async def continue_generation(request: Request):
+            """Run freely again; with a JSON body {"steps": N}: run N engine steps, hold again, and answer
+            when they are done (fewer steps if the engine runs out of work)."""
+            raw = await request.body()
+            try:
+                steps = parse_json_body(raw).get("steps") if raw.strip() else None
+                if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+                    raise APIError.bad_request("steps must be a non-negative integer", "steps")
+            except APIError as e:
+                return err(e)
+            if not await asyncio.to_thread(engine.resume(steps).wait, 60.0):
+                return err(APIError(504, "the engine did not finish the steps within 60 s", code="timeout"))
+            return JSONResponse({"paused": steps is not None})
+
     # ------------------------------------------------------------------ helpers
 
     def check_model(model: Optional[str]) -> None:

@@ -1,0 +1,196 @@
+"""DSpark, V4.1's bundled speculative draft (SPEC §7): target features, draft rings, block proposal.
+
+The draft is `num_nextn_predict_layers` stages ``params["mtp"][s]``, each a full block (mHC, window-only
+attention at rope_theta, its own MoE with dspark_n_routed_experts experts, top
+dspark_num_experts_per_tok, one shared expert; no Engram / compressor / indexer), sharing the
+target's embedding and LM head. Pieces, all pure:
+
+* `target_features` — main_x [B, T, D]: the bf16 mean over the n streams of the state entering each
+  of dspark_target_layer_ids (after its Engram), concatenated, ``mtp.0.main_proj`` (fp8),
+  ``mtp.0.main_norm``.
+* `ring_codes` / `write_rings` — each stage's window ring holds, for every committed target position
+  p, fp8-fake-quant(RoPE_p(kv_norm(wkv_stage(main_x_p)))) at slot p mod sliding_window. The rings live
+  in the cache pytree under ``state["dspark"]`` (`init_rings`, `with_rings`): a list over stages of
+  window stores [max_slots + 1, W, head_dim] (same codec as the target's window rings).
+* `propose` — one bidirectional pass over the block [anchor, noise × (block_size − 1)] at positions
+  s+1..s+block_size (s = last committed position), attending to the committed positions
+  max(0, s − W + 1)..s of the stage's ring plus every block row; then the Markov fix-up, sequential
+  over the block (prev_0 = anchor; logits_k += markov_head(markov_embed(prev_k)); draw d_k;
+  prev_{k+1} = d_k) and the confidence head c_k = proj([x_k ; m_k]) (raw, fp32).
+* `extend_seeding` — the target's `decode.extend` plus the rings written for every token it
+  committed (prompt prefill: "a pass from position 0 only seeds the rings and proposes nothing").
+
+Verification and the commit of the accepted prefix are `dsv41_jax.serving.speculative`'s (it needs the
+sampler); docs/dspark.md describes the whole step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model import attention as attn_mod
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import decode, linear
+from dsv41_jax.model.mhc import hc_pre
+from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.numerics import act_dtype, is_exact
+from dsv41_jax.model.rope import apply_rope
+from dsv41_jax.model.transformer import block, embed_streams, initial_pre, new_aux
+
+
+def _require(cfg):
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("DSpark: this config has no DSpark stages (num_nextn_predict_layers = 0)")
+
+
+def init_rings(cfg, ccfg) -> list:
+    """Zeroed draft rings: one window store per stage, codes of [max_slots + 1, W, head_dim]."""
+    _require(cfg)
+    rows = ccfg.max_slots + 1
+    return [kvc.empty_store("win", ccfg.kv_cache_dtype, (rows, cfg.sliding_window), cfg.head_dim)
+            for _ in range(cfg.num_nextn_predict_layers)]
+
+
+def with_rings(state: dict, cfg, ccfg) -> dict:
+    """The cache pytree plus ``"dspark"`` rings (`init_rings`). Rings need no per-request reset: a
+    proposal reads only positions <= s of its own request, all written when they were committed."""
+    return {**state, "dspark": init_rings(cfg, ccfg)}
+
+
+def target_features(params, layer_inputs: dict, cfg, dt):
+    """main_x [B, T, D] in `dt` from {layer id: state entering it [B, T, n, D]} (SPEC §7).
+
+    The mean over streams is taken in fp32 and rounded once to `dt` (the "bf16 mean" of the bf16
+    flow); concatenated in dspark_target_layer_ids order (3·D) → main_proj (fp8 GEMM) → main_norm.
+    """
+    _require(cfg)
+    feats = [jnp.mean(layer_inputs[lid].astype(jnp.float32), axis=-2).astype(dt)
+             for lid in cfg.dspark_target_layer_ids]
+    p0 = params["mtp"][0]
+    x = linear.fp8(jnp.concatenate(feats, axis=-1), p0["main_proj"], cfg, dt)
+    return rmsnorm(x, p0["main_norm"]["weight"], cfg.rms_norm_eps, dt)
+
+
+def _stage_plan(cfg, s):
+    return cfg.layer_plan(cfg.num_hidden_layers + s)
+
+
+def ring_codes(params, main_x, positions, cfg, mode: str, dt) -> list:
+    """Per stage: window codes of [B, T, hd] for main_x [B, T, D] at positions int32 [B, T]:
+    kv_norm(wkv_stage(main_x)) → RoPE at rope_theta (no YaRN) → fp8 codes (`cache.encode("win")`)."""
+    out = []
+    for s, sp in enumerate(params["mtp"]):
+        p = sp["attn"]
+        freqs = attn_mod.layer_freqs(cfg, _stage_plan(cfg, s))
+        kv = rmsnorm(linear.fp8(main_x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt)
+        kv = apply_rope(kv, positions, freqs, out_dtype=dt)
+        out.append(kvc.encode("win", mode, kv))
+    return out
+
+
+def write_rings(params, rings: list, layer_inputs: dict, slot, positions, n_commit, cfg, ccfg) -> list:
+    """Rings after committing the first n_commit[b] tokens of each row (positions int32 [B, T], slot
+    int32 [B]); layer_inputs as `target_features` takes them (the target's aux of the same step)."""
+    dt = act_dtype(cfg)
+    main_x = target_features(params, layer_inputs, cfg, dt)
+    codes = ring_codes(params, main_x, positions, cfg, ccfg.kv_cache_dtype, dt)
+    return [decode._window_write(r, slot, positions, n_commit, c, cfg.sliding_window)
+            for r, c in zip(rings, codes)]
+
+
+def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False):
+    """`decode.extend` for a cache with DSpark rings: the same logits and target cache, and every
+    committed token's draft KV written (prefill chunks, and plain steps while DSpark is on).
+    Returns (logits, state)."""
+    logits, st, pend, aux = decode.extend_uncommitted(params, state, batch, cfg, ccfg, all_logits)
+    new_state = decode.commit(st, pend, batch, batch["n_new"], cfg)
+    new_state["dspark"] = write_rings(params, state["dspark"], aux["layer_inputs"], batch["slot"],
+                                      pend["positions"], batch["n_new"], cfg, ccfg)
+    return logits, new_state
+
+
+def _draft_attention(p, x, ring, slot, start, positions, plan, cfg, ccfg, dt):
+    """A stage's attention over [its ring's committed positions ∪ the whole block].
+
+    x [B, K, D] normed block input at positions int32 [B, K] (= start + k); ring: the stage's ring
+    codes; slot, start int32 [B] (start = s + 1). The block rows' K=V is a window K (kv_norm, RoPE,
+    fp8 fake-quant) and is never cached; ring entry i holds the latest position ≡ i (mod W) <= s, shown
+    iff >= 0. Every row sees every block row (bidirectional). Returns [B, K, D] in `dt`.
+    """
+    W = cfg.sliding_window
+    B, K = positions.shape
+    freqs = attn_mod.layer_freqs(cfg, plan)
+    _, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
+    blk = attn_mod.window_kv(kv_rot, dt)
+    ring_kv = kvc.decode("win", ccfg.kv_cache_dtype, kvc.store_get(ring, slot), dt)  # [B, W, hd]
+    s = (start - 1)[:, None]
+    ring_pos = s - jnp.mod(s - jnp.arange(W, dtype=jnp.int32)[None, :], W)
+    keys = jnp.concatenate([ring_kv, blk], axis=1)
+    ok = jnp.concatenate([ring_pos >= 0, jnp.ones((B, K), bool)], axis=1)
+    mask = jnp.broadcast_to(ok[:, None, :], (B, K, W + K))
+    hd = q.shape[-1]
+    o = attn_mod.attend(q, keys, mask, jnp.zeros((B, K, 0, hd), dt), jnp.zeros((B, K, 0), bool),
+                        p["attn_sink"].astype(jnp.float32), dt, exact=is_exact(cfg))
+    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
+
+
+def greedy_draw(k, logits):
+    """The default `draw`: argmax (ties to the lower id), q one-hot. logits fp32 [B, V]."""
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tok, jax.nn.one_hot(tok, logits.shape[-1], dtype=jnp.float32)
+
+
+def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional[int] = None,
+            draw: Callable = greedy_draw) -> dict:
+    """One DSpark block proposal (SPEC §7).
+
+    anchor int32 [B]: the token the target just produced, at position start[b] (= s + 1, the number of
+    tokens in the cache); slot int32 [B]: the request's ring row. gamma (static, 1..dspark_block_size,
+    default the block size): how many proposals are returned — the pass always runs the whole block
+    the draft was trained with, and the first gamma slots are kept.
+    draw(k, logits fp32 [B, V]) -> (token int32 [B], q fp32 [B, V]) samples slot k at the request's
+    parameters and returns the distribution it sampled from (`greedy_draw` by default).
+
+    Returns {"tokens" int32 [B, γ] (d_k proposes the token at position s + k + 2), "probs" q fp32
+    [B, γ, V], "logits" fp32 [B, γ, V] (after the Markov term), "confidence" fp32 [B, γ] (raw)}.
+    """
+    _require(cfg)
+    G = cfg.dspark_block_size
+    gamma = G if gamma is None else int(gamma)
+    if not 1 <= gamma <= G:
+        raise ValueError(f"gamma: {gamma} must be in 1..dspark_block_size={G}")
+    dt = act_dtype(cfg)
+    anchor = anchor.astype(jnp.int32)
+    B = anchor.shape[0]
+    ids = jnp.concatenate([anchor[:, None], jnp.full((B, G - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(G, dtype=jnp.int32)[None, :]
+    h = embed_streams(params, ids, cfg, dt)
+    pre = initial_pre((B, G), cfg)
+    for s, sp in enumerate(params["mtp"]):
+        plan = _stage_plan(cfg, s)
+
+        def attn_fn(x, sp=sp, ring=rings[s], plan=plan):
+            return _draft_attention(sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt)
+
+        h, pre = block(sp, h, pre, plan, cfg, dt, new_aux(), cfg.dspark_num_experts_per_tok, attn_fn)
+    last = params["mtp"][-1]
+    x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
+    base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt), params["head"]["weight"], cfg)
+    mk = last["markov_head"]
+    prev = anchor
+    toks, probs, logits, conf = [], [], [], []
+    for k in range(gamma):
+        m = mk["embed"]["weight"][prev].astype(dt)  # [B, R]
+        lg = base[:, k] + linear.f32(m, mk["head"]["weight"], cfg)
+        tok, q = draw(k, lg)
+        c = linear.f32(jnp.concatenate([x[:, k], m], axis=-1), last["confidence_head"]["proj"]["weight"], cfg)
+        toks.append(tok.astype(jnp.int32))
+        probs.append(q)
+        logits.append(lg)
+        conf.append(c[:, 0])
+        prev = tok.astype(jnp.int32)
+    return {"tokens": jnp.stack(toks, 1), "probs": jnp.stack(probs, 1), "logits": jnp.stack(logits, 1),
+            "confidence": jnp.stack(conf, 1)}

@@ -1,0 +1,218 @@
+"""The DSpark speculative step: propose, verify over γ+1 tokens, commit the accepted prefix (SPEC §7).
+
+`speculative_step(params, state, batch, tensors, step_counter) -> (tokens [B, γ+1], n_accept [B], state)`
+is pure and jitted once per (cfg, ccfg, γ, batch size, greedy-or-sampled) — the accept lengths are
+values, never shapes, so steps with different accept lengths reuse one compiled program.
+
+Per active row (anchor a at position start = s + 1, the cache holding positions 0..s):
+1. `dspark.propose` drafts d_0..d_{γ−1} from the row's DSpark rings (q = the distribution each d_k
+   was drawn from: the request's penalties — counting the drafts before it —, min_tokens,
+   temperature and top-k / top-p / min-p, through `sampling.processed_probs`; its own random stream,
+   ``step_keys(..., salt=DRAFT_SALT)``);
+2. the target runs [a, d_0..d_{γ−1}] at start..start+γ as one chunk (`decode.extend_uncommitted`, with
+   restore data): logits [B, γ+1, V];
+3. `sampling.greedy_verify` (no `tensors`: every row greedy, no penalties) or `sampling.spec_verify`
+   (mixed greedy / chain speculative sampling with the same processing applied to p): n_accept and
+   the committed tokens [d_0..d_{n−1}, bonus], −1 padded;
+4. `decode.commit` keeps the first n_accept + 1 chunk tokens (a, d_0..d_{n−1}) of the target cache,
+   and `dspark.write_rings` writes their draft KV. The bonus is the next step's anchor.
+
+The host side (the runner) must, per active row: allocate pages for start + γ + 1 tokens before the
+step (the verify chunk's compressed groups are written to the row's own pages, read by the chunk's
+queries, and put back if rejected; two rows must never share a page) and `PageAllocator.truncate` to
+start + n_accept + 1 after it; add the committed tokens to the sampling counts
+(`sampling.update_counts(tensors, tokens)`); advance step_counter by n_accept + 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.model import decode, dspark
+from dsv41_jax.serving import sampling
+
+DRAFT_SALT = 0x44535041  # "DSPA": the draft's random stream, apart from the verifier's
+
+
+def make_spec_batch(rows: Sequence[dict], B: Optional[int], ccfg) -> dict:
+    """Host helper: rows of {anchor, start, slot, page_table} -> a padded batch of B rows.
+
+    anchor int32 [B] (the request's last generated token, not yet in the cache), start int32 [B]
+    (tokens in the cache = the anchor's position), slot int32 [B] (scratch for padding), page_table
+    int32 [B, P] (must cover start + γ + 1 tokens), active bool [B] (False for padding rows).
+    """
+    B = B or len(rows)
+    if len(rows) > B:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {B}")
+    anchor = np.zeros((B,), np.int32)
+    start = np.zeros((B,), np.int32)
+    slot = np.full((B,), ccfg.max_slots, np.int32)
+    pt = np.zeros((B, ccfg.max_pages_per_seq), np.int32)
+    active = np.zeros((B,), bool)
+    for b, r in enumerate(rows):
+        if not 0 <= r["slot"] < ccfg.max_slots:
+            raise ValueError(f"row {b}: slot {r['slot']} is outside 0..{ccfg.max_slots - 1}")
+        if len(r["page_table"]) > ccfg.max_pages_per_seq:
+            raise ValueError(f"row {b}: {len(r['page_table'])} pages exceed max_pages_per_seq={ccfg.max_pages_per_seq}")
+        if r["start"] < 1:
+            raise ValueError(f"row {b}: start {r['start']} — speculation needs a committed prefix (prefill first)")
+        anchor[b], start[b], slot[b], active[b] = r["anchor"], r["start"], r["slot"], True
+        pt[b, : len(r["page_table"])] = r["page_table"]
+    return {"anchor": jnp.asarray(anchor), "start": jnp.asarray(start), "slot": jnp.asarray(slot),
+            "page_table": jnp.asarray(pt), "active": jnp.asarray(active)}
+
+
+def sampling_draw(tensors, step_counter):
+    """A `dspark.propose` draw for the request's sampling parameters.
+
+    Slot k is the request's token step_counter + k: q_k = `processed_probs` with the penalty counts
+    including d_0..d_{k−1} (as `target_verify_logits` counts them for p), greedy rows take its argmax,
+    others draw from it with ``step_keys(tensors, step_counter + k, salt=DRAFT_SALT)``.
+    """
+    t = {"cur": tensors}
+    step_counter = jnp.asarray(step_counter, jnp.int32)
+
+    def draw(k, logits):
+        cur = t["cur"]
+        q = sampling.processed_probs(logits, cur, step_counter + k)
+        keys = sampling.step_keys(cur, step_counter + k, salt=DRAFT_SALT)
+        drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
+        greedy = cur.temperature < sampling.SAMPLING_EPS
+        tok = jnp.where(greedy, jnp.argmax(q, axis=-1).astype(jnp.int32), drawn)
+        t["cur"] = sampling.update_counts(cur, tok)
+        return tok, q
+
+    return draw
+
+
+def speculative_step(params, state, batch, tensors=None, step_counter=None, forced_draft=None, *, cfg, ccfg,
+                     gamma: Optional[int] = None):
+    """One DSpark step for B rows (see the module docstring).
+
+    state: the cache pytree with ``"dspark"`` rings (`dspark.with_rings`); batch: `make_spec_batch`.
+    tensors: `sampling.SamplingTensors` of the B rows and step_counter int32 [B] (tokens each request
+    has generated, the anchor included), or None for all-greedy rows without penalties.
+    forced_draft: int32 [B, γ] or None — a test/benchmark hook replacing the draft's proposals where
+    >= 0 (q one-hot there; −1 keeps the draft's own); the draft still runs. (A benchmark can force a
+    simulated accept length by forcing the target's tokens, or wrong ones.)
+    Returns (tokens int32 [B, γ+1]: the n_accept + 1 committed tokens then −1; n_accept int32 [B];
+    the new state). Inactive rows: tokens −1, n_accept 0, nothing written.
+    """
+    gamma = cfg.dspark_block_size if gamma is None else int(gamma)
+    anchor, start, slot, active = batch["anchor"], batch["start"], batch["slot"], batch["active"]
+    draw = dspark.greedy_draw if tensors is None else sampling_draw(tensors, step_counter)
+    prop = dspark.propose(params, state["dspark"], anchor, start, slot, cfg, ccfg, gamma, draw)
+    d, q = prop["tokens"], prop["probs"]
+    if forced_draft is not None:
+        forced = jnp.asarray(forced_draft, jnp.int32)
+        keep = forced < 0  # −1: keep the draft's own proposal
+        q = jnp.where(keep[..., None], q, jax.nn.one_hot(forced, cfg.vocab_size, dtype=jnp.float32))
+        d = jnp.where(keep, d, forced)
+    vb = {"tokens": jnp.concatenate([anchor[:, None].astype(jnp.int32), d], axis=1), "start": start,
+          "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
+          "page_table": batch["page_table"]}
+    logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True)
+    if tensors is None:
+        n_acc, toks = sampling.greedy_verify(d, logits)
+    else:
+        n_acc, toks = sampling.spec_verify(d, q, logits, tensors, step_counter)
+    n_acc = jnp.where(active, n_acc, 0).astype(jnp.int32)
+    toks = jnp.where(active[:, None], toks, -1)
+    n_commit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
+    new_state = decode.commit(st, pend, vb, n_commit, cfg)
+    new_state["dspark"] = dspark.write_rings(params, state["dspark"], aux["layer_inputs"], slot, pend["positions"],
+                                             n_commit, cfg, ccfg)
+    return toks, n_acc, new_state
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_speculative_step(cfg, ccfg, gamma: Optional[int] = None):
+    """`speculative_step` jitted for (cfg, ccfg, γ) with the cache donated. Called as
+    ``fn(params, state, batch, tensors, step_counter, forced_draft)``; compiles once per batch size
+    and per which of tensors / forced_draft are None."""
+    return jax.jit(functools.partial(speculative_step, cfg=cfg, ccfg=ccfg, gamma=gamma), donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False):
+    """`dspark.extend_seeding` jitted (cache donated): prefill chunks and plain steps with DSpark on."""
+    return jax.jit(functools.partial(dspark.extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits),
+                   donate_argnums=(1,))
+
+
+def _pow2(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def generate_speculative(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, ccfg=None,
+                         gamma: Optional[int] = None, chunk_size: int = 32, stats: Optional[dict] = None):
+    """Greedy generation with DSpark (host loop over `speculative_step`), all prompts as one batch:
+    the reference for the runner and for tests (≡ `decode.generate` token for token in exact mode).
+
+    Returns a list of generated token lists (each max_new_tokens long). `stats`, if given, receives
+    "accepts": a list per step of the n_accept of each row still generating.
+    """
+    from dsv41_jax.model import cache as kvc
+
+    gamma = cfg.dspark_block_size if gamma is None else int(gamma)
+    n = len(prompts)
+    if n == 0:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_speculative: every prompt needs at least one token")
+    B = _pow2(n)
+    longest = max(len(p) for p in prompts) + max_new_tokens + gamma + 1
+    if ccfg is None:
+        ps = 16
+        ccfg = kvc.CacheConfig(page_size=ps, num_pages=B * _pow2(-(-longest // ps)) + 1, max_slots=B,
+                               max_pages_per_seq=_pow2(-(-longest // ps)))
+    alloc = kvc.PageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+    state = dspark.with_rings(kvc.init_cache(cfg, ccfg), cfg, ccfg)
+    if "engram_hist" in state:
+        pad = int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
+        state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
+    prefill = jitted_extend_seeding(cfg, ccfg)
+    lens = [len(p) for p in prompts]
+    pos = [0] * n
+    outs = [[] for _ in range(n)]
+    while any(pos[i] < lens[i] for i in range(n)):
+        rows = []
+        for i in range(n):
+            chunk = list(prompts[i][pos[i]: pos[i] + chunk_size])
+            alloc.ensure(i, pos[i] + len(chunk))
+            rows.append({"tokens": chunk, "start": pos[i], "slot": i if chunk else ccfg.max_slots,
+                         "page_table": alloc.pages(i)})
+        logits, state = prefill(params, state, decode.make_batch(rows, chunk_size, B, ccfg))
+        logits = np.asarray(logits)
+        for i in range(n):
+            if pos[i] < lens[i]:
+                pos[i] += len(rows[i]["tokens"])
+                if pos[i] == lens[i]:
+                    outs[i].append(int(np.argmax(logits[i])))
+    step = jitted_speculative_step(cfg, ccfg, gamma)
+    while True:
+        live = [i for i in range(n) if len(outs[i]) < max_new_tokens]
+        if not live:
+            break
+        rows = []
+        for i in live:
+            alloc.ensure(i, pos[i] + gamma + 1)
+            rows.append({"anchor": outs[i][-1], "start": pos[i], "slot": i, "page_table": alloc.pages(i)})
+        toks, n_acc, state = step(params, state, make_spec_batch(rows, B, ccfg), None, None, None)
+        toks, n_acc = np.asarray(toks), np.asarray(n_acc)
+        if stats is not None:
+            stats.setdefault("accepts", []).append([int(n_acc[b]) for b in range(len(live))])
+        for b, i in enumerate(live):
+            k = int(n_acc[b]) + 1
+            outs[i].extend(int(t) for t in toks[b, :k])
+            pos[i] += k
+            alloc.truncate(i, pos[i])
+    return [o[:max_new_tokens] for o in outs]
