@@ -219,8 +219,14 @@ def test_cache_and_step_shardings(cpu8, tiny_cfg):
 # ------------------------------------------------------------------------------------ collectives
 
 
-def test_routed_experts_ep_bitwise(cpu8, tiny_cfg, tiny_params):
-    """Expert-parallel MoE == the unsharded grouped path, bitwise, in the default bf16 flow."""
+@pytest.mark.parametrize("scoped", [False, True])
+def test_routed_experts_ep_bitwise(cpu8, tiny_cfg, tiny_params, scoped, monkeypatch):
+    """Expert-parallel MoE == the unsharded grouped path, bitwise, in the default bf16 flow; `scoped`:
+    with the CPU weight tiles inside `lax.cond` (`model.tiling`, as at flash sizes) forced on."""
+    from dsv41_jax.model import tiling
+
+    if scoped:
+        monkeypatch.setattr(tiling, "MIN_SCOPED_BYTES", 0)
     cfg = tiny_cfg
     ex = tiny_params["layers"][3]["ffn"]["experts"]
     rng = np.random.default_rng(SEED)

@@ -51,7 +51,11 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
         return jax.lax.psum(y, axis)
 
     ex_specs = jax.tree_util.tree_map(lambda _: P(axis), ex)
-    y = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, P(), P(), P()), out_specs=P())(ex, xf, idx, w)
+    # check_vma=False: the grouped GEMM may run its weight tiles inside `lax.cond` (`model.tiling`, on
+    # CPU), whose never-taken zeros branch is not marked as varying over `axis` like the taken one; the
+    # output is replicated by the psum, as out_specs says.
+    y = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, P(), P(), P()), out_specs=P(),
+                      check_vma=False)(ex, xf, idx, w)
     return moe.combine_slots(y, idx)
 
 
