@@ -271,14 +271,20 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
     return logits, new_state
 
 
-@functools.lru_cache(maxsize=None)
 def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False):
     """`extend` jitted for (cfg, ccfg, all_logits[, mesh]), with the cache donated. Compiles once per (B, T).
 
     With a mesh, the step's in/out shardings come from `parallel.rules.step_shardings` (params as
     `rules.shard_params` places them, the cache as `rules.init_cache` does, batch and logits replicated).
     engram_host_table: the params hold host Engram tables (`parallel.host_table`).
+    One jitted function per distinct setting, however the arguments are spelled (an lru_cache on this
+    signature would key ``(cfg, ccfg, True)`` and ``(cfg, ccfg, True, None)`` apart: two compiles).
     """
+    return _jitted_extend(cfg, ccfg, bool(all_logits), mesh, bool(engram_host_table))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_extend(cfg, ccfg, all_logits, mesh, engram_host_table):
     fn = functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits, mesh=mesh)
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1,))
