@@ -21,24 +21,7 @@ import jax
 
 def capture_ttir(fn, *args) -> list:
     """Triton IR text of every pallas_call in `fn(*args)` lowered for "cuda" (each module verified)."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    mods = []
-    orig = reg.lowering.lower_jaxpr_to_triton_module
-
-    def wrapped(*a, **k):
-        r = orig(*a, **k)
-        if not r.module.operation.verify():
-            raise RuntimeError("Triton IR failed verification")
-        mods.append(r.module.operation.get_asm())
-        return r
-
-    reg.lowering.lower_jaxpr_to_triton_module = wrapped
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module = orig
-    return mods
+    return [k["ttir"] for k in capture_kernels(fn, *args)]
 
 
 def capture_kernels(fn, *args) -> list:
