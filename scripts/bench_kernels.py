@@ -153,12 +153,22 @@ def main(argv=None) -> int:
           f"{'-' if peak is None else f'{peak / 1e9:.0f} GB/s'}", flush=True)
     print(f"{'op':10s} {'part':7s} {'case':34s} {'kernel ms':>10s} {'xla ms':>10s} {'xla/kern':>8s} "
           f"{'GB/s':>8s} {'%peak':>6s} {'maxdiff':>9s}", flush=True)
+    failed = 0
     for op in ops:
         for case, parts, nbytes in cases(op, a.quick, a.smoke, interpret):
             for part, (kfn, xfn, args) in parts.items():
-                tk = _time(kfn, args, reps, warmup=1 if a.smoke else 2)
-                tx = _time(xfn, args, reps, warmup=1 if a.smoke else 2)
-                diff = _max_diff(kfn(*args), xfn(*args))
+                try:
+                    tk = _time(kfn, args, reps, warmup=1 if a.smoke else 2)
+                    tx = _time(xfn, args, reps, warmup=1 if a.smoke else 2)
+                    diff = _max_diff(kfn(*args), xfn(*args))
+                except Exception as e:  # one failing case is recorded; the others still run
+                    if a.smoke:
+                        raise
+                    failed += 1
+                    out["records"].append(dict(op=op, part=part, **case, error=f"{type(e).__name__}: {e}"[:2000]))
+                    print(f"{op:10s} {part:7s} {case} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    _write(a.out, out)
+                    continue
                 bw = nbytes(part) / tk
                 rec = dict(op=op, part=part, **case, kernel_s=tk, xla_s=tx, speedup=tx / tk,
                            bytes=int(nbytes(part)), kernel_GBps=bw / 1e9,
@@ -168,10 +178,15 @@ def main(argv=None) -> int:
                 print(f"{op:10s} {part:7s} {cs:34s} {tk * 1e3:10.3f} {tx * 1e3:10.3f} {tx / tk:8.2f} "
                       f"{bw / 1e9:8.1f} {'-' if peak is None else f'{100 * bw / peak:5.1f}':>6s} {diff:9.2e}",
                       flush=True)
-    with open(a.out, "w") as f:
+                _write(a.out, out)  # after every record: a run cut short by its lease still leaves its JSON
+    _write(a.out, out)
+    print(f"wrote {a.out}" + (f"; {failed} case(s) failed" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+def _write(path: str, out: dict) -> None:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {a.out}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

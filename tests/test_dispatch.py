@@ -46,3 +46,13 @@ def test_config_field_is_static_and_validated(tiny_cfg):
     with pytest.raises(ConfigError, match="impl"):
         tiny_cfg.replace(impl="fastest")
     assert "impl" not in ModelConfig.preset("tiny").to_hf_dict()["text_config"]
+
+
+def test_auto_on_gpu_picks_the_kernels_measured_faster():
+    """On a GPU "auto" follows `GPU_AUTO` (measured on an H200: attention and the indexer run their
+    kernels, Engram and mHC stay on XLA); an explicit "pallas" still runs every kernel; off-GPU "auto" is xla."""
+    assert {op: D._resolve("auto", op, "gpu") for op in D.KERNEL_MODULES} == {
+        "attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "xla"}
+    assert all(D._resolve("pallas", op, "gpu") == "pallas" for op in D.KERNEL_MODULES)
+    assert all(D._resolve("auto", op, "cpu") == "xla" for op in D.OPS)
+    assert D._resolve("auto", "moe", "gpu") == "xla"  # no kernel

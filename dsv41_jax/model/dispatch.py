@@ -6,7 +6,7 @@ Every op with a seam keeps its plain-``jnp`` reference and may have faster imple
 * ``"xla"`` — the fast ``jnp``/``lax`` path (grouped MoE, stored-width matmuls, bounded retrieval);
 * ``"pallas"`` / ``"pallas_interpret"`` — the Pallas kernels in ``dsv41_jax/pallas/`` (natively on
   GPU, or in interpret mode anywhere, for tests);
-* ``"auto"`` — the fastest implementation available for the backend.
+* ``"auto"`` — the fastest implementation measured for the backend (`GPU_AUTO` on a GPU, else ``"xla"``).
 
 The choice is a *string in the config* (``ModelConfig.impl``), so it is static under ``jit``: changing it
 retraces, and a jitted step never mixes implementations by accident. The spec is either one name for
@@ -79,10 +79,19 @@ def kernel_available(op: str) -> bool:
     return op in KERNEL_MODULES
 
 
+# What "auto" picks on a GPU, per op: the kernel where it measured at least as fast as the XLA path on
+# the H200 (docs/gpu_check_2026-11-30.md, scripts/bench_kernels.py --quick, jax 0.11.2), XLA where it
+# measured slower. indexer: 1.2-19x faster (fused scoring + radix select); attention: 0.97-1.09x with
+# the 64-head/16-key tiling that is now its default (0.6-0.8x with the old 32-head default); engram:
+# 0.5-1.0x and mhc enter: 0.3-0.9x (both XLA fusions already read each byte once at these sizes).
+# An explicit "pallas" still runs every kernel.
+GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "xla"}
+
+
 def _auto(op: str, backend: str) -> str:
     # Pallas kernels pay off on GPU only; interpret mode is for tests, never chosen automatically.
     if backend == "gpu" and kernel_available(op):
-        return "pallas"
+        return GPU_AUTO.get(op, "pallas")
     return "xla"
 
 

@@ -47,10 +47,14 @@ share a query's latents run side by side and the second head block's reads hit L
 * keeping the decoded [block_k, 512] tile live from the logits to the numerator dots spilled 88 B;
   the numerator re-gathers each chunk (L1 hits) instead: 255 registers, 32 B of stack;
 * 64 heads in one block (each latent read once for all heads) spills 360 B at 8 warps and 1168 B at
-  16 warps; 16 heads at 4 warps 680 B. The default is therefore block_h 32 (two head blocks: each
-  latent read from HBM once and from L2 once more), block_k 32, block_d 64, 8 warps (4 below
-  head_dim 256). bf16 / fp32 storage (no dequantization) needs 182 / 175 registers and no stack.
-`TUNING_CANDIDATES` lists the alternatives worth timing on the GPU.
+  16 warps; 16 heads at 4 warps 680 B. bf16 / fp32 storage (no dequantization) needs 182 / 175
+  registers and no stack.
+Measured natively on an H200 (jax 0.11.2, docs/gpu_check_2026-11-30.md), the register estimate did not
+decide it: 64 heads / 16 keys / 8 warps (one read per latent for all heads, despite its spill) was the
+fastest of `TUNING_CANDIDATES` at all three timed shapes (B=64 ctx 4K decode 0.37 ms vs 0.50-0.66 ms;
+B=1 ctx 64K 0.13 vs 0.14-0.17; B=4 T=64 prefill chunk 0.81 vs 0.96-2.13). So for head_dim >= 256 the
+default is block_h 64, block_k 16, block_d 64, 8 warps; below that block_h 32, block_k 64, 4 warps.
+`TUNING_CANDIDATES` lists the alternatives worth timing on the GPU (the first is the default).
 
 Split-K: small batches give few programs (decode at batch 1: 2 programs on a 132-SM H200), so the key
 blocks of a query may be split over `num_splits` programs that write unnormalized partials
@@ -82,8 +86,8 @@ _MIN_BLOCKS_PER_SPLIT = 4
 # Knob settings worth timing on a GPU (scripts/bench_kernels.py may sweep them; defaults: see
 # `_defaults`).
 TUNING_CANDIDATES = (
-    dict(block_h=32, block_k=32, block_d=64, num_warps=8),  # the default at flash shapes
-    dict(block_h=64, block_k=16, block_d=64, num_warps=8),  # one read per latent for all 64 heads
+    dict(block_h=64, block_k=16, block_d=64, num_warps=8),  # the default at flash shapes: one read per latent
+    dict(block_h=32, block_k=32, block_d=64, num_warps=8),  # two head blocks (second read from L2)
     dict(block_h=32, block_k=16, block_d=64, num_warps=8),
     dict(block_h=16, block_k=32, block_d=64, num_warps=4),  # 4 head blocks, more programs
 )
@@ -315,9 +319,9 @@ def _plan(q, ring, sel, comp, window: int, block_h, block_k, block_d, num_splits
     W = int(window)
     hp = max(_MIN_DOT, next_pow2(H))
     if block_h is None:
-        block_h = min(hp, 32)
+        block_h = min(hp, 64 if hd >= 256 else 32)
     if block_k is None:
-        block_k = 32 if hd >= 256 else 64
+        block_k = 16 if hd >= 256 else 64
         block_k = max(_MIN_DOT, min(block_k, next_pow2(max(W if ring is not None else 0, T, K))))
     if num_warps is None:
         num_warps = 8 if hd >= 256 else 4
