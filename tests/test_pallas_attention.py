@@ -146,6 +146,24 @@ def test_kernel_decode_batch1_split_k(pallas_impl, splits):
     _check(got, _call(c, "xla", 4, "auto"), _magnitude(c, 4, "auto"), "bfloat16", f"decode, {splits} splits")
 
 
+@pytest.mark.parametrize("i", range(len(sa.TUNING_CANDIDATES)))
+def test_kernel_tuning_candidates(pallas_impl, i):
+    """Every tiling the benchmark times (the first is the flash default) gives the seam's result on the
+    ragged verify batch: heads padded up to block_h, 16- and 32-key blocks over ring, chunk and slots."""
+    c = _case(6, mode="auto", dtype="bfloat16", **RAGGED)
+    got = _call(c, pallas_impl, RAGGED["ratio"], "auto", knobs=tuple(sa.TUNING_CANDIDATES[i].items()))
+    _check(got, _call(c, "xla", RAGGED["ratio"], "auto"), _magnitude(c, RAGGED["ratio"], "auto"), "bfloat16",
+           f"tiling {sa.TUNING_CANDIDATES[i]}")
+
+
+def test_flash_default_tiling_is_the_measured_fastest():
+    """At flash shapes (64 heads, head_dim 512) the defaults are TUNING_CANDIDATES[0], the tiling that
+    measured fastest on the H200 (docs/gpu_check_2026-11-30.md); shapes only, nothing runs."""
+    shapes = jax.eval_shape(lambda: sa.bench_inputs(64, 4096, 1)[0])
+    kn = sa.effective_knobs(*shapes, window=128)
+    assert {k: kn[k] for k in sa.TUNING_CANDIDATES[0]} == sa.TUNING_CANDIDATES[0]
+
+
 def test_kernel_prefill_chunk_without_ring(pallas_impl):
     """A prefill chunk of 16 tokens (twice the window) from position 0 with no ring (the full forward's
     call), ragged lengths 16 / 11, ratio 1, fp32 flow."""
