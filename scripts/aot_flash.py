@@ -99,6 +99,9 @@ def run(args) -> dict:
                 lp = dict(lp, engram=dict(lp["engram"], embed=t))
             layers.append(lp)
         params = dict(params, layers=layers)
+    from dsv41_jax.model import layer_scan
+
+    params = layer_scan.prepare(params, cfg)  # as the engine holds them (runs stacked at load)
     ps = args.page_size
     per_seq = -(-args.context // ps)
     ccfg = kvc.CacheConfig(page_size=ps, num_pages=args.batch * per_seq + 1, max_slots=args.batch,

@@ -111,6 +111,19 @@ def _sub_jaxprs(eqn):
     return out
 
 
+def _count_eqns(jaxpr) -> int:
+    """Equations in `jaxpr` and its sub-jaxprs, each body once (the size of what XLA compiles)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for v in eqn.params.values():
+            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    n += _count_eqns(sub)
+    return n
+
+
 def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None) -> dict:
     """Matmul FLOPs / operand bytes of `jaxpr` (a `jax.core.Jaxpr`), through loops (module doc).
     `outer`: the site of the enclosing `cond`, if any (see `_site`)."""
@@ -205,12 +218,13 @@ def abstract_case(cfg, B: int, max_context: int, page_size: int):
     import jax
 
     from dsv41_jax.model import cache as kvc
-    from dsv41_jax.model import decode
+    from dsv41_jax.model import decode, layer_scan
     from dsv41_jax.model.params import param_shapes
 
     pages = max(1, max_context // page_size)
     ccfg = kvc.CacheConfig(page_size=page_size, num_pages=B * pages, max_slots=B, max_pages_per_seq=pages)
-    params = param_shapes(cfg)
+    # the layout a server runs: runs of plan-identical layers stacked at load (`layer_scan.prepare`)
+    params = layer_scan.prepare(param_shapes(cfg), cfg)
     state = jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg))
     rows = [{"tokens": [3], "start": 0, "slot": b, "page_table": [0]} for b in range(B)]
     batch = decode.make_batch(rows, 1, B, ccfg)
@@ -227,12 +241,16 @@ def run_case(cfg, impl: str, B: int, args) -> dict:
 
     c = cfg.replace(impl=impl)
     step, avals, ccfg = abstract_case(c, B, args.max_context, args.page_size)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     closed = jax.make_jaxpr(step)(*avals)
-    t_trace = time.perf_counter() - t0
+    t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
     mm = count_matmuls(closed.jaxpr)
     ideal = ideal_costs(c, B)
+    from dsv41_jax.model import layer_scan
+
     res = {"impl": impl, "batch": B, "T": 1, "max_context": ccfg.max_context, "trace_s": t_trace,
+           "trace_cpu_s": c_trace, "layer_scan": c.layer_scan, "layer_bodies": len(layer_scan.layer_runs(c)),
+           "jaxpr_eqns": _count_eqns(closed.jaxpr),
            "matmul_flops_per_token": mm["flops"] / B, "matmul_bytes_per_token": mm["bytes"] / B,
            "matmul_flops_step": mm["flops"], "matmul_bytes_step": mm["bytes"], "n_matmuls": mm["n_matmuls"],
            "while_loops_counted_once": mm["while_loops_counted_once"],
@@ -241,9 +259,15 @@ def run_case(cfg, impl: str, B: int, args) -> dict:
            "bytes_x_ideal": mm["bytes"] / ideal["weight_bytes_per_step"],
            "by_site": dict(sorted(mm["by_site"].items(), key=lambda kv: -kv[1]["bytes"]))}
     if not args.no_compile:
-        t0 = time.perf_counter()
-        compiled = jax.jit(step).lower(*avals).compile()
-        res["compile_s"] = time.perf_counter() - t0
+        # wall and CPU (process) seconds, lowering (trace + StableHLO) and XLA's compile apart: on a shared
+        # machine the CPU seconds are the comparable number
+        t0, c0 = time.perf_counter(), time.process_time()
+        lowered = jax.jit(step).lower(*avals)
+        t1, c1 = time.perf_counter(), time.process_time()
+        compiled = lowered.compile()
+        t2, c2 = time.perf_counter(), time.process_time()
+        res.update(compile_s=t2 - t0, lower_s=t1 - t0, xla_compile_s=t2 - t1, compile_cpu_s=c2 - c0,
+                   lower_cpu_s=c1 - c0, xla_compile_cpu_s=c2 - c1)
         ma = compiled.memory_analysis()
         if ma is not None:
             res["memory"] = {k: int(getattr(ma, k)) for k in
@@ -260,7 +284,7 @@ def fmt_case(r: dict) -> str:
     if "memory" in r:
         s += f"  temp {r['memory'].get('temp_size_in_bytes', 0) / g:.2f} GB"
     if "compile_s" in r:
-        s += f"  compile {r['compile_s']:.1f}s"
+        s += f"  compile {r['compile_s']:.1f}s (lower {r['lower_s']:.1f}s, CPU {r['compile_cpu_s']:.1f}s)"
     return s
 
 
@@ -411,6 +435,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="(a) PNG path (default: the JSON path with .png)")
     ap.add_argument("--page-size", type=int, default=None, help="default 256 for b, 64 for a")
     ap.add_argument("--act-dtype", default=None, help="override ModelConfig.act_dtype")
+    ap.add_argument("--no-layer-scan", action="store_true",
+                    help="(b) ModelConfig.layer_scan=False: the unrolled layer loop (default: scan runs of layers)")
     ap.add_argument("--no-compile", action="store_true", help="jaxpr counts only (no XLA compile/memory)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
@@ -437,6 +463,8 @@ def main(argv=None) -> int:
     cfg = ModelConfig.preset(args.model)
     if args.act_dtype:
         cfg = cfg.replace(act_dtype=args.act_dtype)
+    if args.no_layer_scan:
+        cfg = cfg.replace(layer_scan=False)
     results = []
     for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
         for B in _ints(args.batches):
@@ -449,7 +477,8 @@ def main(argv=None) -> int:
     for impl, t in targets.items():
         log(f"[b] batch-1 targets impl={impl}: " + ", ".join(
             f"{k} {v['value']:.3g} <= {v['limit']:.3g} {'OK' if v['ok'] else 'MISSED'}" for k, v in t.items()))
-    doc = {"part": "b", "model": args.model, "act_dtype": cfg.act_dtype, "max_context": args.max_context,
+    doc = {"part": "b", "model": args.model, "act_dtype": cfg.act_dtype, "layer_scan": cfg.layer_scan,
+           "max_context": args.max_context,
            "jax": jax.__version__, "backend": jax.default_backend(), "host": platform.node(),
            "targets": TARGETS, "target_check": targets, "cases": results}
     if args.out:

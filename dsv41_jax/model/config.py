@@ -1,7 +1,7 @@
 """Model configuration for DeepSeek-V4.1 Flash (SPEC §1).
 
 `ModelConfig` holds every field of the HF release's ``config.json`` under its real (HF) name, plus
-three runtime fields that are ours (`act_dtype`, `impl`, `name`). It is a frozen, hashable dataclass
+four runtime fields that are ours (`act_dtype`, `impl`, `layer_scan`, `name`). It is a frozen, hashable dataclass
 so it can be a static argument of ``jax.jit``. Layer lists are tuples.
 
 Nothing about the layer layout is hard-coded outside the two presets: everything downstream asks the
@@ -194,6 +194,9 @@ class ModelConfig:
     # Which implementation each op with a fast path runs (`dispatch.parse_impl`): "auto", one of
     # "reference" | "xla" | "pallas" | "pallas_interpret", or "xla,moe=reference"-style per-op items.
     impl: str = "auto"
+    # Run each run of >= 2 plan-identical layers as one lax.scan (`layer_scan`; compile time); False =
+    # the unrolled Python loop over layers, the reference the scan is tested against.
+    layer_scan: bool = True
     name: str = field(default="custom", compare=False)  # a label only: equal models compare equal
 
     # ------------------------------------------------------------------ construction
@@ -298,7 +301,7 @@ class ModelConfig:
         """The HF ``config.json`` form (top level with ``text_config`` and ``quantization_config``)."""
         text = {}
         for f in dataclasses.fields(self):
-            if f.name in ("act_dtype", "impl", "name"):
+            if f.name in ("act_dtype", "impl", "layer_scan", "name"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, RopeScaling):
@@ -418,6 +421,8 @@ class ModelConfig:
         if self.act_dtype not in ("bfloat16", "float32", "exact"):
             err("act_dtype", f"= {self.act_dtype!r}; use 'bfloat16' (reference numerics), 'float32' or 'exact' "
                              f"(fp64-accumulated matmuls, for equivalence tests)")
+        if not isinstance(self.layer_scan, bool):
+            err("layer_scan", f"= {self.layer_scan!r} must be a bool")
         from dsv41_jax.model.dispatch import ImplError, parse_impl
 
         try:

@@ -29,10 +29,10 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer
+from dsv41_jax.model import compressor, dispatch, indexer, layer_scan
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype, is_exact
-from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux
+from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux, scan_blocks
 
 
 def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
@@ -164,6 +164,33 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
+def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend,
+                     mesh):
+    """Layers first..first+n-1 (a `layer_scan` run: consumers or window-only layers, which write no
+    store) as one scan. Each layer's window ring is read only at this batch's rows, so those rows
+    ([n, B, W, ...], a few KiB per row and layer) are gathered before the scan and scanned over with
+    the stacked params; the body is `attention_cached` on them (ring rows 0..B-1). The window codes
+    each layer leaves for `commit` come back stacked and go to ``pend["window"]`` per layer."""
+    lid = plan.layer_id
+    B = batch["tokens"].shape[0]
+    rings = layer_scan.stack_tree([jax.tree_util.tree_map(lambda a: a[batch["slot"]], st["window"][i])
+                                   for i in range(first, first + n)], traced=True)
+    rows_batch = dict(batch, slot=jnp.arange(B, dtype=jnp.int32))
+
+    def attn_run(p, x, ring, out):
+        st_l = {"window": {lid: ring}, "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
+        pend_l = {"window": {}, "partial": {}, "restore": None}
+        y = attention_cached(p, x, plan, st_l, ctx, rows_batch, positions, valid, cfg, ccfg, dt, new_aux(), pend_l)
+        out["window"] = pend_l["window"][lid]
+        return y
+
+    h, pre, outs = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
+                               cfg.num_experts_per_tok, attn_run, xs=rings, mesh=mesh)
+    for k in range(n):
+        pend["window"][first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
+    return h, pre
+
+
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
                        mesh=None):
     """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
@@ -198,9 +225,13 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
     pre = initial_pre((B, T), cfg)
     ctx = {"topk": {}, "cand": None}
     aux = new_aux()
-    for i in range(cfg.num_hidden_layers):
+    for i, n in layer_scan.layer_runs(cfg):
         plan = cfg.layer_plan(i)
-        lp = params["layers"][i]
+        if n > 1:
+            h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
+                                      aux, pend, mesh)
+            continue
+        lp = layer_scan.layer_params(params, i, cfg)
         rows = None
         if plan.is_engram:
             rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])

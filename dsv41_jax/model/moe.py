@@ -70,8 +70,32 @@ def swiglu_expert(x, w1, w3, w2, weight, limit, dt, linear):
     return linear(a, *w2)
 
 
+def layer_slice(ex):
+    """Split a routed-experts tree into (weights, layer): `ex` is a layer's stacked experts, or — inside
+    a scan over a run of layers (`layer_scan`) — the whole run's stacks [n, E, ...] with ``"layer"`` (an
+    int32 scalar, the scan counter), so that only the selected experts are gathered out of the stack
+    instead of a dynamic slice copying the layer's every expert per step."""
+    if "layer" not in ex:
+        return ex, None
+    return {k: v for k, v in ex.items() if k != "layer"}, ex["layer"]
+
+
+def _one_layer(ex, layer):
+    """The layer's experts as plain arrays (a dynamic slice of each stack; the scale bitcast back to
+    E8M0 from its stored uint8, `layer_scan.storage_dtype`)."""
+    if layer is None:
+        return ex
+    return {k: {"weight": v["weight"][layer], "scale": _e8m0(v["scale"][layer])} for k, v in ex.items()}
+
+
+def _e8m0(s):
+    """Scales stacked by `layer_scan` are stored as their uint8 bit patterns."""
+    return jax.lax.bitcast_convert_type(s, quant.E8M0) if s.dtype == jnp.uint8 else s
+
+
 def _routed_reference(ex, xf, idx, w, cfg, dt):
     """fp32 [N, D]: every expert on every token, summed in ascending expert id (see module doc)."""
+    ex = _one_layer(*layer_slice(ex))  # the oracle: a plain copy of the layer's experts is fine
     N, D = xf.shape
     E = ex["w1"]["weight"].shape[0]
     dense_w = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].set(w)
@@ -96,21 +120,27 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact):
+def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact, layer=None):
     """Grouped MXFP4 GEMM with fp8-quantized input: rows of xs [A, K] (sorted by group) times their
     group's weight. wp uint8 [E, N, K/2] and ws E8M0 [E, N, K/32]: the layer's whole expert stack;
     gexp int32 [G]: the expert of each group (None: the groups are all E experts in order);
     sizes int32 [G] (sum = A). Returns [A, N] in `dt` (fp32 in the exact mode).
 
     Only the groups' experts are read (a gather at stored width); on backends that widen dot operands
-    outside the GEMM, in scoped row tiles of the experts' output rows (`tiling`)."""
-    E, N, Kh = wp.shape
+    outside the GEMM, in scoped row tiles of the experts' output rows (`tiling`). layer: with wp / ws
+    a run's stacks [n, E, ...] (`layer_slice`), the layer to read (the gather takes (layer, expert)
+    pairs: no copy of the layer's experts)."""
+    E, N, Kh = wp.shape[-3:]
     K = 2 * Kh
     G = E if gexp is None else gexp.shape[0]
     cdt = jnp.float32 if exact else jnp.bfloat16  # both exact: e4m3·2^k and e2m1·2^k fit bf16
     xd = quant.fake_quant_fp8(xs, out_dtype=cdt)
 
     def pick(t, r0, tn):  # [G, tn, ·] rows r0.. of the groups' experts, one gather at stored width
+        if layer is not None:
+            t = tiling.rows(t, r0, tn, axis=2)
+            # (a stacked scale stays uint8: `quant.e8m0_to_f32` decodes the raw exponent bytes as they are)
+            return t[layer] if gexp is None else t[layer, gexp]
         if gexp is None:
             return tiling.rows(t, r0, tn, axis=1)
         return jnp.take(tiling.rows(t, r0, tn, axis=1), gexp, axis=0)
@@ -134,15 +164,16 @@ def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact):
 def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     """Per-assignment outputs of the grouped routed experts: [N, k, D] in `dt` (fp32 in exact mode).
 
-    ex: stacked experts holding the E_l experts ``first_expert .. first_expert + E_l − 1`` (all E
-    unsharded; one expert shard's slice under expert parallelism, `first_expert` may be traced);
+    ex: stacked experts holding the E_l experts ``first_expert .. first_expert + E_l − 1`` (or a run's
+    stacks with ``"layer"``, `layer_slice`; all E unsharded; one expert shard's slice under expert parallelism, `first_expert` may be traced);
     xf [N, D]; idx int32 [N, k] global expert ids; w fp32 [N, k] routing weights. Slot (n, j) holds
     expert idx[n, j]'s output for token n, or exact zeros when that expert is not among `ex`.
     Only the assignments of the held experts are multiplied (see the module doc).
     """
+    ex, layer = layer_slice(ex)
     N, D = xf.shape
     k = idx.shape[1]
-    E = ex["w1"]["weight"].shape[0]
+    E = ex["w1"]["weight"].shape[-3]
     A = N * k
     local = idx.reshape(A) - first_expert
     mine = (local >= 0) & (local < E)
@@ -168,7 +199,7 @@ def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     exact = is_exact(cfg)
 
     def proj(a, name):
-        return _grouped_mxfp4(a, ex[name]["weight"], ex[name]["scale"], gexp, sizes, dt, exact)
+        return _grouped_mxfp4(a, ex[name]["weight"], ex[name]["scale"], gexp, sizes, dt, exact, layer)
 
     act = _swiglu_act(proj(xs, "w1"), proj(xs, "w3"), ws, cfg.swiglu_limit, dt)
     y_sorted = proj(act, "w2")  # [A, D] in dt

@@ -3,7 +3,8 @@
 Plain `jnp`, pure, jittable (``jax.jit(forward, static_argnames=("cfg", "return_aux"))``). Layers are
 heterogeneous (which stores a layer writes and reads depends on the config's layer lists), so the
 loop over layers is a Python loop unrolled at trace time; each layer's role comes from
-`cfg.layer_plan`.
+`cfg.layer_plan`. Runs of >= 2 layers with the same plan (`layer_scan`) are one `lax.scan` each
+(`scan_blocks`) unless ``cfg.layer_scan`` is False (the unrolled loop, the reference).
 
 Per layer L (V4.1's "pre from previous sublayer" ordering, SPEC §2):
   Engram (if L is an Engram layer) on the whole n-stream state;
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, indexer, linear
+from dsv41_jax.model import compressor, indexer, layer_scan, linear
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit
 from dsv41_jax.model.moe import moe
@@ -139,6 +140,43 @@ def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None,
     return h, f_pre
 
 
+def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, mesh=None):
+    """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
+
+    stacked: the run's layer params with a leading axis n, in storage dtypes (`layer_scan.run_params`); h [B, T, n_hc, D]
+    and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan
+    (the run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs
+    with a leading axis n (or None). attn_fn(p, x, xs_row, out) -> y is the attention sublayer of one
+    layer (p its ``attn`` params) and may put per-layer arrays in the dict `out`. Writes each layer's
+    ``layer_inputs`` / ``experts`` to `aux` under its own layer id. Returns (h, pre, outs): `outs` is
+    `out` stacked over the run (leading axis n)."""
+    like = layer_scan.layer_decl(cfg, first)
+    # The routed experts are not sliced per layer: the body gathers only the selected (layer, expert)
+    # rows out of the run's stacks (`moe.layer_slice`); a dynamic slice would copy all of a layer's
+    # experts every step (flash: 6.4 GB per layer).
+    experts = stacked["ffn"]["experts"]
+    rest = dict(stacked, ffn={k: v for k, v in stacked["ffn"].items() if k != "experts"})
+    like = dict(like, ffn={k: v for k, v in like["ffn"].items() if k != "experts"})
+    n = jax.tree_util.tree_leaves(experts)[0].shape[0]
+
+    def body(carry, inp):
+        h, pre = carry
+        lp, row, k = inp
+        lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
+        lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
+        local, out = new_aux(), {}
+        h, pre = block(lp, h, pre, plan, cfg, dt, local, top_k, lambda x: attn_fn(lp["attn"], x, row, out),
+                       None, mesh=mesh)
+        lid = plan.layer_id
+        return (h, pre), (local["layer_inputs"][lid], local["experts"][lid], out)
+
+    (h, pre), (inputs, eidx, outs) = jax.lax.scan(body, (h, pre), (rest, xs, jnp.arange(n, dtype=jnp.int32)))
+    for k in range(n):
+        aux["layer_inputs"][first + k] = inputs[k]
+        aux["experts"][first + k] = eidx[k]
+    return h, pre, outs
+
+
 def final_logits(params, h, pre, cfg, dt):
     """x = hc_pre(h, last ffn pre) → norm → head → fp32 logits. Returns (logits, normed x)."""
     x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
@@ -152,7 +190,8 @@ def new_aux():
 def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
     """Reference forward of the target model.
 
-    params: the parameter pytree (`init_params` / `load_params`); tokens: int32 [B, T], positions
+    params: the parameter pytree (`init_params` / `load_params`), canonical or stacked layout
+    (`layer_scan.stack_layers`); tokens: int32 [B, T], positions
     0..T−1; cfg: `ModelConfig` (static). Returns fp32 logits [B, T, vocab_size], and with
     `return_aux` also a dict of the discrete decisions and states: ``topk`` {layer: int32 [B, T, k]},
     ``cand`` {layer: bool [B, T, S]}, ``experts`` {layer: int32 [B, T, top_k]}, ``layer_inputs``
@@ -171,9 +210,16 @@ def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
     pre = initial_pre((B, T), cfg)
     ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
     aux = new_aux()
-    for i in range(cfg.num_hidden_layers):
+    for i, n in layer_scan.layer_runs(cfg):
         plan = cfg.layer_plan(i)
-        lp = params["layers"][i]
+        if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
+            def attn_run(p, x, _row, _out, plan=plan):
+                return attention_full(p, x, positions, plan, ctx, cfg, dt, new_aux())
+
+            h, pre, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux, i,
+                                    cfg.num_experts_per_tok, attn_run, mesh=mesh)
+            continue
+        lp = layer_scan.layer_params(params, i, cfg)
         rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
 
         def attn_fn(x, lp=lp, plan=plan):

@@ -40,22 +40,26 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
     N, D = xf.shape
     if N * idx.shape[1] == 0:
         return jnp.zeros((N, D), jnp.float32)
-    E = ex["w1"]["weight"].shape[0]
+    ex, layer = moe.layer_slice(ex)  # inside a layer scan: the run's stacks [n, E, ...] + the layer
+    E = ex["w1"]["weight"].shape[-3]
     n = axis_size(mesh, axis)
     if E % n:
         raise ValueError(f"routed_experts: {E} experts do not split over {axis}={n}")
+    lead = () if layer is None else (None,)
 
-    def local(ex_l, xf, idx, w):
-        first = jax.lax.axis_index(axis) * ex_l["w1"]["weight"].shape[0]
+    def local(ex_l, xf, idx, w, layer):
+        first = jax.lax.axis_index(axis) * ex_l["w1"]["weight"].shape[-3]
+        if layer is not None:
+            ex_l = dict(ex_l, layer=layer)
         y = moe.routed_slots(ex_l, xf, idx, w, cfg, dt, first_expert=first)  # [N, k, D], zeros elsewhere
         return jax.lax.psum(y, axis)
 
-    ex_specs = jax.tree_util.tree_map(lambda _: P(axis), ex)
+    ex_specs = jax.tree_util.tree_map(lambda _: P(*lead, axis), ex)
     # check_vma=False: the grouped GEMM may run its weight tiles inside `lax.cond` (`model.tiling`, on
     # CPU), whose never-taken zeros branch is not marked as varying over `axis` like the taken one; the
     # output is replicated by the psum, as out_specs says.
-    y = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, P(), P(), P()), out_specs=P(),
-                      check_vma=False)(ex, xf, idx, w)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, P(), P(), P(), P()), out_specs=P(),
+                      check_vma=False)(ex, xf, idx, w, layer)
     return moe.combine_slots(y, idx)
 
 

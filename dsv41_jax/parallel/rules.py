@@ -297,13 +297,21 @@ def logits_sharding(mesh, rules=None) -> NamedSharding:
 def step_shardings(cfg, ccfg, mesh, all_logits: bool = False, rules=None, engram_host_table: bool = False):
     """(in_shardings, out_shardings) of `decode.extend` on `mesh`: ((params, cache, batch), (logits, cache)).
 
+    The params are expected in the layout `layer_scan.prepare` gives (stacked runs when the config
+    scans any: the new leading axis replicated, each layer's split kept), as the engine holds them.
+
     With `engram_host_table` the params entry is None (= as placed: the tree holds `HostTable` nodes,
     whose identity is part of its structure, and `shard_params` put every array on its rule)."""
     cache = cache_shardings(cfg, ccfg, mesh, rules)
     lg = logits_sharding(mesh, rules)
     if not all_logits:
         lg = NamedSharding(mesh, PartitionSpec(*lg.spec[:1], *lg.spec[2:]))
-    ps = None if engram_host_table else param_shardings(cfg, mesh, rules)
+    ps = None
+    if not engram_host_table:
+        from dsv41_jax.model import layer_scan
+
+        # the layout the step is given: runs of plan-identical layers stacked at load (`layer_scan.prepare`)
+        ps = layer_scan.prepare(param_shardings(cfg, mesh, rules), cfg)
     return (ps, cache, batch_shardings(mesh, rules)), (lg, cache)
 
 

@@ -506,6 +506,11 @@ class Engine:
             params = rules.shard_params(params, cfg, self.mesh, engram_host_table=self.engram_host_table)
         elif self.engram_host_table:
             params = offload_engram(params)
+        from dsv41_jax.model import layer_scan
+
+        # runs of plan-identical layers stacked once here, so the step's scans read them in place
+        # (stacking inside the step would copy their weights on every call)
+        params = layer_scan.prepare(params, cfg)
         self.params = params
         if tokenizer is None:
             from dsv41_jax.serving.tokenizer import load_tokenizer

@@ -1,0 +1,150 @@
+"""Runs of plan-identical layers as one lax.scan (issue 10 item 5): scanned ≡ unrolled.
+
+tiny has no run of >= 2 plan-identical layers (every layer is a source, an Engram layer or a consumer
+of a different source), so the equivalence tests use `tiny_runs_cfg`: tiny's sizes over 7 layers
+with a window-only run (layers 0-1) and a run of compressed consumers (3-4, reading source 2's pool
+and top-k), with DSpark reading the scanned layers' inputs (targets 3, 4, 6). In the exact numerics
+mode (fp32 activations, fp64-accumulated matmuls) the scan computes the same operations as the
+unrolled loop, and the tests require *bitwise* equal logits, layer inputs and cache, and identical
+top-k / candidate / expert decisions. Cost: 4 compiles of the 7-layer model (forward and one [2, T]
+cached step, scanned and unrolled).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import ModelConfig, forward, init_params, layer_scan
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import decode as dec
+from dsv41_jax.model.config import _engram_rows
+from dsv41_jax.model.params import declare_params, param_shapes
+
+CCFG = kvc.CacheConfig(page_size=8, num_pages=12, max_slots=2, max_pages_per_seq=4)
+T = 12  # > window (8), several ratio-2 groups, > index_topk (4)
+
+
+def tiny_runs_cfg(**kw) -> ModelConfig:
+    """Runs (0-1) and (3-4); layers 2 and 5 are KV + index sources with Engram, 5 the candidate source."""
+    t = ModelConfig.preset("tiny")
+    return t.replace(num_hidden_layers=7, compress_ratios=(0, 0, 2, 2, 2, 1, 1, 0, 0, 0), kv_source_layer_ids=(2, 5),
+                     index_source_layer_ids=(2, 5), candidate_source_layer_id=5, engram_layer_ids=(2, 5),
+                     engram_num_embeddings=tuple(_engram_rows((2, 5), 4, 2, 50)), dspark_target_layer_ids=(3, 4, 6),
+                     name="tiny_runs", **kw)
+
+
+@pytest.fixture(scope="module")
+def cfgs():
+    on = tiny_runs_cfg(act_dtype="exact")
+    return on, on.replace(layer_scan=False)
+
+
+@pytest.fixture(scope="module")
+def params(cfgs):
+    return init_params(cfgs[0], jax.random.key(3))
+
+
+def test_runs(cfgs):
+    """Which layers form runs: flash's 18 bodies for 40 layers (docs/layer_scan.md), none in tiny, and
+    the switch turns them off."""
+    assert all(n == 1 for _, n in layer_scan.plan_runs(ModelConfig.preset("tiny")))
+    flash = ModelConfig.preset("flash")
+    assert layer_scan.plan_runs(flash) == ((0, 1), (1, 1), (2, 1), (3, 5), (8, 1), (9, 5), (14, 1), (15, 5),
+                                           (20, 1), (21, 3), (24, 1), (25, 3), (28, 1), (29, 3), (32, 1),
+                                           (33, 3), (36, 1), (37, 3))
+    on, off = cfgs
+    assert layer_scan.layer_runs(on) == ((0, 2), (2, 1), (3, 2), (5, 1), (6, 1))
+    assert layer_scan.layer_runs(off) == tuple((i, 1) for i in range(7))
+    assert layer_scan.has_runs(on) and not layer_scan.has_runs(off)
+    with pytest.raises(ValueError, match="layer_scan"):
+        ModelConfig.preset("tiny").replace(layer_scan="yes")
+
+
+def test_stacked_layout_round_trip(cfgs, params):
+    """stack_layers / unstack_layers are exact inverses, and the same function stacks declarations and
+    abstract shapes consistently with the arrays (what the abstract bench and the mesh shardings use)."""
+    on, _ = cfgs
+    st = layer_scan.stack_layers(params, on)
+    assert st["layers"][0] is None and st["layers"][4] is None and st["layers"][2] is not None
+    assert sorted(st["layer_stacks"]) == ["0", "3"]
+    w = st["layer_stacks"]["3"]["attn"]["wq_b"]["weight"]
+    assert w.shape == (2,) + params["layers"][3]["attn"]["wq_b"]["weight"].shape
+    back = layer_scan.unstack_layers(st, on)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for i in (2, 4):  # either layout answers per-layer reads (4: the second row of a stack)
+        np.testing.assert_array_equal(np.asarray(layer_scan.layer_params(st, i, on)["ffn_norm"]["weight"]),
+                                      np.asarray(params["layers"][i]["ffn_norm"]["weight"]))
+    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), layer_scan.stack_layers(param_shapes(on), on))
+    assert shapes == jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), st)
+    decl = layer_scan.stack_layers(declare_params(on), on)
+    assert decl["layer_stacks"]["0"]["attn"]["wq_b"]["weight"].axes == (None, "heads", "q_lora")
+
+
+def _scan_lengths(jaxpr) -> list:
+    return [int(e.params["length"]) for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_forward_scan_equals_unrolled(cfgs, params):
+    """Full forward in the exact mode: scanned (canonical params, stacked under jit) ≡ unrolled, bitwise
+    logits / layer inputs / hidden state, identical top-k, candidate and expert choices; the scanned
+    trace holds the two runs as two scans of length 2."""
+    on, off = cfgs
+    tokens = jax.random.randint(jax.random.key(5), (2, T), 3, 300, dtype=jnp.int32)
+    fwd = jax.jit(forward, static_argnames=("cfg", "return_aux"))
+    lg_s, aux_s = fwd(params, tokens, on, return_aux=True)
+    lg_u, aux_u = fwd(params, tokens, off, return_aux=True)
+    np.testing.assert_array_equal(np.asarray(lg_s), np.asarray(lg_u))
+    for key in ("topk", "cand", "experts", "layer_inputs"):
+        assert sorted(aux_s[key]) == sorted(aux_u[key]), key
+        for lid in aux_u[key]:
+            np.testing.assert_array_equal(np.asarray(aux_s[key][lid]), np.asarray(aux_u[key][lid]), err_msg=f"{key} {lid}")
+    np.testing.assert_array_equal(np.asarray(aux_s["hidden"]), np.asarray(aux_u["hidden"]))
+    # the traces the calls above compiled (jit's trace cache: no new trace)
+    assert _scan_lengths(fwd.trace(params, tokens, on, return_aux=True).jaxpr.jaxpr) == [2, 2]
+    assert _scan_lengths(fwd.trace(params, tokens, off, return_aux=True).jaxpr.jaxpr) == []
+
+
+def _fresh(cfg, params):
+    st = kvc.init_cache(cfg, CCFG)
+    pad = int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
+    return kvc.reset_slots(st, np.arange(CCFG.max_slots + 1), pad)
+
+
+def test_extend_scan_equals_unrolled(cfgs, params):
+    """The cached step, scanned with load-time stacked params ≡ unrolled with canonical params: a ragged
+    two-row prefill chunk and then one decode token per row (same [2, T] step); bitwise logits, layer
+    inputs and every cache leaf (window rings written through the scan's stacked outputs), identical
+    top-k and expert choices."""
+    on, off = cfgs
+    stacked = layer_scan.prepare(params, on)
+    assert layer_scan.is_stacked(stacked)
+    toks = np.asarray(jax.random.randint(jax.random.key(7), (2, T), 3, 300), np.int32)
+    pts = [[0, 1], [2, 3]]
+    # one [2, T] step for both calls (a ragged chunk, then one token per row as ragged rows): one compile
+    chunk = dec.make_batch([{"tokens": toks[0, :10], "start": 0, "slot": 0, "page_table": pts[0]},
+                            {"tokens": toks[1, :7], "start": 0, "slot": 1, "page_table": pts[1]}], T, 2, CCFG)
+    step1 = dec.make_batch([{"tokens": toks[0, 10:11], "start": 10, "slot": 0, "page_table": pts[0]},
+                            {"tokens": toks[1, 7:8], "start": 7, "slot": 1, "page_table": pts[1]}], T, 2, CCFG)
+
+    def run(p, cfg):
+        f = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, CCFG, all_logits=True, return_aux=True))
+        st = _fresh(cfg, params)
+        outs = []
+        for b in (chunk, step1):
+            lg, st, aux = f(p, st, b)
+            outs.append((lg, aux))
+        return outs, st
+
+    (o_s, st_s), (o_u, st_u) = run(stacked, on), run(params, off)
+    for (lg_s, a_s), (lg_u, a_u) in zip(o_s, o_u):
+        np.testing.assert_array_equal(np.asarray(lg_s), np.asarray(lg_u))
+        for key in ("topk", "experts", "layer_inputs"):
+            for lid in a_u[key]:
+                np.testing.assert_array_equal(np.asarray(a_s[key][lid]), np.asarray(a_u[key][lid]),
+                                              err_msg=f"{key} {lid}")
+    assert jax.tree_util.tree_structure(st_s) == jax.tree_util.tree_structure(st_u)
+    for a, b in zip(jax.tree_util.tree_leaves(st_s), jax.tree_util.tree_leaves(st_u)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
