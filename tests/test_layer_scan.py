@@ -107,44 +107,96 @@ def test_forward_scan_equals_unrolled(cfgs, params):
     assert _scan_lengths(fwd.trace(params, tokens, off, return_aux=True).jaxpr.jaxpr) == []
 
 
-def _fresh(cfg, params):
-    st = kvc.init_cache(cfg, CCFG)
+def _fresh(cfg, params, mesh=None):
+    if mesh is None:
+        st = kvc.init_cache(cfg, CCFG)
+    else:
+        from dsv41_jax.parallel import rules
+
+        st = rules.init_cache(cfg, CCFG, mesh)
     pad = int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
-    return kvc.reset_slots(st, np.arange(CCFG.max_slots + 1), pad)
+    st = kvc.reset_slots(st, np.arange(CCFG.max_slots + 1), pad)
+    if mesh is not None:
+        st = jax.device_put(st, rules.cache_shardings(cfg, CCFG, mesh))
+    return st
 
 
-def test_extend_scan_equals_unrolled(cfgs, params):
-    """The cached step, scanned with load-time stacked params ≡ unrolled with canonical params: a ragged
-    two-row prefill chunk and then one decode token per row (same [2, T] step); bitwise logits, layer
-    inputs and every cache leaf (window rings written through the scan's stacked outputs), identical
-    top-k and expert choices."""
-    on, off = cfgs
-    stacked = layer_scan.prepare(params, on)
-    assert layer_scan.is_stacked(stacked)
+def _batches():
+    """A ragged two-row prefill chunk, then one decode token per row, both in one [2, T] step (one compile)."""
     toks = np.asarray(jax.random.randint(jax.random.key(7), (2, T), 3, 300), np.int32)
     pts = [[0, 1], [2, 3]]
-    # one [2, T] step for both calls (a ragged chunk, then one token per row as ragged rows): one compile
     chunk = dec.make_batch([{"tokens": toks[0, :10], "start": 0, "slot": 0, "page_table": pts[0]},
                             {"tokens": toks[1, :7], "start": 0, "slot": 1, "page_table": pts[1]}], T, 2, CCFG)
     step1 = dec.make_batch([{"tokens": toks[0, 10:11], "start": 10, "slot": 0, "page_table": pts[0]},
                             {"tokens": toks[1, 7:8], "start": 7, "slot": 1, "page_table": pts[1]}], T, 2, CCFG)
+    return chunk, step1
 
-    def run(p, cfg):
+
+def _run_extend(p, cfg, params, mesh=None):
+    """[(logits, aux) per batch], final cache."""
+    if mesh is None:
         f = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, CCFG, all_logits=True, return_aux=True))
-        st = _fresh(cfg, params)
-        outs = []
-        for b in (chunk, step1):
-            lg, st, aux = f(p, st, b)
-            outs.append((lg, aux))
-        return outs, st
+    else:
+        from dsv41_jax.parallel import rules
 
-    (o_s, st_s), (o_u, st_u) = run(stacked, on), run(params, off)
+        (ps, cs, bs), (lg, cs_out) = rules.step_shardings(cfg, CCFG, mesh, all_logits=True)
+        f = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, CCFG, all_logits=True, return_aux=True, mesh=mesh),
+                    in_shardings=(ps, cs, bs), out_shardings=(lg, cs_out, None))
+    st = _fresh(cfg, params, mesh)
+    outs = []
+    for b in _batches():
+        lg, st, aux = f(p, st, b)
+        outs.append((np.asarray(lg), jax.device_get({k: aux[k] for k in ("topk", "experts", "layer_inputs")})))
+    return outs, st
+
+
+@pytest.fixture(scope="module")
+def unrolled_extend(cfgs, params):
+    return _run_extend(params, cfgs[1], params)
+
+
+def _same_steps(got, ref, logit_atol=None):
+    (o_s, st_s), (o_u, st_u) = got, ref
     for (lg_s, a_s), (lg_u, a_u) in zip(o_s, o_u):
-        np.testing.assert_array_equal(np.asarray(lg_s), np.asarray(lg_u))
-        for key in ("topk", "experts", "layer_inputs"):
+        if logit_atol is None:
+            np.testing.assert_array_equal(lg_s, lg_u)
+        else:
+            np.testing.assert_allclose(lg_s, lg_u, rtol=0, atol=logit_atol)
+        for key in ("topk", "experts") + (("layer_inputs",) if logit_atol is None else ()):
+            assert sorted(a_s[key]) == sorted(a_u[key]), key
             for lid in a_u[key]:
-                np.testing.assert_array_equal(np.asarray(a_s[key][lid]), np.asarray(a_u[key][lid]),
-                                              err_msg=f"{key} {lid}")
+                np.testing.assert_array_equal(a_s[key][lid], a_u[key][lid], err_msg=f"{key} {lid}")
     assert jax.tree_util.tree_structure(st_s) == jax.tree_util.tree_structure(st_u)
     for a, b in zip(jax.tree_util.tree_leaves(st_s), jax.tree_util.tree_leaves(st_u)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_extend_scan_equals_unrolled(cfgs, params, unrolled_extend):
+    """The cached step, scanned with load-time stacked params ≡ unrolled with canonical params: a ragged
+    two-row prefill chunk and then one decode token per row (same [2, T] step); bitwise logits, layer
+    inputs and every cache leaf (window rings written through the scan's stacked outputs), identical
+    top-k and expert choices."""
+    on, _ = cfgs
+    stacked = layer_scan.prepare(params, on)
+    assert layer_scan.is_stacked(stacked)
+    _same_steps(_run_extend(stacked, on, params), unrolled_extend)
+
+
+def test_extend_scan_on_mesh(cfgs, params, unrolled_extend, cpu8):
+    """The mesh path as the engine runs it: params sharded by the rules, then stacked (each layer's split
+    kept, the layer axis replicated; the routed experts stay split over ep inside the scan), the step
+    jitted with `rules.step_shardings` (tp 2 x ep 2). Same decisions and cache codes as the unrolled
+    unsharded step; logits within test_sharding's tolerance (the tp all-reduce sums in another order)."""
+    from jax.sharding import PartitionSpec as PS
+
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    on, _ = cfgs
+    mesh = make_mesh(2, 2, cfg=on, devices=cpu8[:4])
+    sp = layer_scan.prepare(rules.shard_params(params, on, mesh), on)
+    w1 = sp["layer_stacks"]["3"]["ffn"]["experts"]["w1"]["weight"]
+    assert w1.sharding.spec == PS(None, "ep", None, None)
+    want = rules.step_shardings(on, CCFG, mesh)[0][0]
+    assert want["layer_stacks"]["3"]["ffn"]["experts"]["w1"]["weight"].spec == w1.sharding.spec
+    _same_steps(_run_extend(sp, on, params, mesh), unrolled_extend, logit_atol=1e-4)

@@ -173,8 +173,9 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
     each layer leaves for `commit` come back stacked and go to ``pend["window"]`` per layer."""
     lid = plan.layer_id
     B = batch["tokens"].shape[0]
-    rings = layer_scan.stack_tree([jax.tree_util.tree_map(lambda a: a[batch["slot"]], st["window"][i])
-                                   for i in range(first, first + n)], traced=True)
+    # (plain stack, in the codes' own dtypes: these are a few rows, not weights)
+    rings = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[
+        jax.tree_util.tree_map(lambda a: a[batch["slot"]], st["window"][i]) for i in range(first, first + n)])
     rows_batch = dict(batch, slot=jnp.arange(B, dtype=jnp.int32))
 
     def attn_run(p, x, ring, out):
