@@ -182,6 +182,7 @@ def test_extend_scan_equals_unrolled(cfgs, params, unrolled_extend):
     _same_steps(_run_extend(stacked, on, params), unrolled_extend)
 
 
+@pytest.mark.slow  # ~25 CPU-s: a third compile; scan and mesh are each covered in the default tier
 def test_extend_scan_on_mesh(cfgs, params, unrolled_extend, cpu8):
     """The mesh path as the engine runs it: params sharded by the rules, then stacked (each layer's split
     kept, the layer axis replicated; the routed experts stay split over ep inside the scan), the step
