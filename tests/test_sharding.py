@@ -199,8 +199,20 @@ def test_padded_engram_rows():
     assert rules.padded_shape(("vocab", "embed"), (10, 32), M) == (10, 32)  # replicated, not padded
     assert rules.spec(("vocab", "embed"), (10, 32), M) == P(None, None)
     assert rules.spec(("engram_rows", None), (12, 32), M) == P("tp", None)
-    a = rules._pad_leaf(np.arange(20, dtype=np.float32).reshape(10, 2), (12, 2))
-    assert a.shape == (12, 2) and np.array_equal(a[:10], np.arange(20).reshape(10, 2)) and (a[10:] == 1).all()
+
+
+
+def test_place_host_pads_per_block(cpu8, tiny_cfg):
+    """`rules.place_host`: each device's block is cut from the host array (rows past its end = ones,
+    the Engram row padding), without a padded host copy."""
+    mesh = make_mesh(4, 1, cfg=tiny_cfg)
+    host = np.arange(20, dtype=np.float32).reshape(10, 2)
+    a = rules.place_host(host, (12, 2), jax.sharding.NamedSharding(mesh, P("tp", None)))
+    assert a.shape == (12, 2) and [s.data.shape for s in a.addressable_shards] == [(3, 2)] * 4
+    full = np.asarray(a)
+    assert np.array_equal(full[:10], host) and (full[10:] == 1).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        rules.place_host(host, (8, 2), rules.replicated(mesh))
 
 
 def test_cache_and_step_shardings(cpu8, tiny_cfg):
@@ -477,3 +489,57 @@ def test_distributed_settings(monkeypatch):
     monkeypatch.setenv("DSV41_NUM_PROCESSES", "4")
     monkeypatch.setenv("DSV41_PROCESS_ID", "3")
     assert settings() == {"coordinator_address": "h:2", "num_processes": 4, "process_id": 3}
+
+
+# ------------------------------------------------------------------------------------ CPU row tiles on a mesh
+
+
+def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
+    """`model.tiling` on a mesh: the CPU row tiles of a weight whose rows are split over tp (wq_b, wo_a,
+    the head, the shared expert) are taken within each device's rows, so the compiled product moves no
+    weight — no collective at all for a replicated input — and equals the unsharded, untiled product.
+    (Contiguous tiles of a split weight made XLA move widened weight tiles between devices: ~2.9 GB
+    per flash decode step, scripts/aot_flash.py.)"""
+    from dsv41_jax.model import linear, tiling
+
+    monkeypatch.setitem(tiling.SCOPED_BACKENDS, jax.default_backend(), 4)
+    monkeypatch.setattr(tiling, "MIN_SCOPED_BYTES", 0)
+    monkeypatch.setattr(tiling, "TILE_BYTES", 8192)  # several tiles per shard at tiny sizes
+    tiling._itemsize.cache_clear()
+    cfg = tiny_cfg.replace(act_dtype="float32")
+    dt = jnp.float32
+    mesh = make_mesh(2, 1, cfg=cfg)
+    sp = rules.shard_params(tiny_params, cfg, mesh)
+    rng = np.random.default_rng(SEED)
+    H, hd, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    x_small = jnp.asarray(rng.standard_normal((2, 1, cfg.q_lora_rank)), dt)  # decode rows: block GEMM
+    x_large = jnp.asarray(rng.standard_normal((2, 8, cfg.q_lora_rank)), dt)  # prefill rows: dequant GEMM
+    xh = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), dt)
+    o = jnp.asarray(rng.standard_normal((2, 1, G, H * hd // G)), dt)
+
+    def fn(p, xs, xl, xh, o, mesh):
+        with tiling.on_mesh(mesh):
+            a = p["layers"][2]
+            return (linear.fp8(xs, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),
+                    linear.fp8(xl, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),
+                    linear.f32(xh, p["head"]["weight"], cfg, row_axis="vocab"),
+                    linear.wo_a(o, a["attn"]["wo_a"], cfg, dt, row_axis="heads"),
+                    linear.fp8(xh, a["ffn"]["shared_experts"]["w1"], cfg, dt, row_axis="mlp"))
+
+    try:
+        assert tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")[0] == 0  # no mesh: not split
+        with tiling.on_mesh(mesh):
+            nt, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
+        assert split is not None and split.k == 2 and nt >= 2  # tiled within each shard
+        ref = jax.jit(fn, static_argnums=5)(tiny_params, x_small, x_large, xh, o, None)
+        o_sh = jax.device_put(o, jax.sharding.NamedSharding(mesh, P(None, None, "tp", None)))
+        f = jax.jit(fn, static_argnums=5).lower(sp, x_small, x_large, xh, o_sh, mesh).compile()
+        got = f(sp, x_small, x_large, xh, o_sh)
+    finally:
+        tiling._itemsize.cache_clear()
+    hlo = f.as_text()
+    assert hlo.count("conditional(") >= 10  # the tiles are there
+    assert not _collectives(hlo), _collectives(hlo)
+    for g, r in zip(got, ref):
+        assert g.sharding.spec[-1] == "tp"  # the output follows the rows' split
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
