@@ -499,7 +499,7 @@ def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
     the head, the shared expert) are taken within each device's rows, so the compiled product moves no
     weight — no collective at all for a replicated input — and equals the unsharded, untiled product.
     (Contiguous tiles of a split weight made XLA move widened weight tiles between devices: ~2.9 GB
-    per flash decode step, scripts/aot_flash.py.)"""
+    per flash decode step, scripts/aot_flash.py; this test then fails on collective-permutes.)"""
     from dsv41_jax.model import linear, tiling
 
     monkeypatch.setitem(tiling.SCOPED_BACKENDS, jax.default_backend(), 4)
@@ -513,33 +513,33 @@ def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
     rng = np.random.default_rng(SEED)
     H, hd, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
     x_small = jnp.asarray(rng.standard_normal((2, 1, cfg.q_lora_rank)), dt)  # decode rows: block GEMM
-    x_large = jnp.asarray(rng.standard_normal((2, 8, cfg.q_lora_rank)), dt)  # prefill rows: dequant GEMM
     xh = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), dt)
     o = jnp.asarray(rng.standard_normal((2, 1, G, H * hd // G)), dt)
 
-    def fn(p, xs, xl, xh, o, mesh):
+    def fn(p, xs, xh, o, mesh):
         with tiling.on_mesh(mesh):
             a = p["layers"][2]
-            return (linear.fp8(xs, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),
-                    linear.fp8(xl, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),
-                    linear.f32(xh, p["head"]["weight"], cfg, row_axis="vocab"),
-                    linear.wo_a(o, a["attn"]["wo_a"], cfg, dt, row_axis="heads"),
-                    linear.fp8(xh, a["ffn"]["shared_experts"]["w1"], cfg, dt, row_axis="mlp"))
+            return (linear.fp8(xs, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),  # 2 tiles per shard
+                    linear.f32(xh, p["head"]["weight"], cfg, row_axis="vocab"),  # 5 tiles per shard
+                    linear.wo_a(o, a["attn"]["wo_a"], cfg, dt, row_axis="heads"))  # 1 group per shard
 
     try:
-        assert tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")[0] == 0  # no mesh: not split
+        nt_all, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
+        assert split is None and nt_all >= 4  # no mesh: tiles of the whole weight
         with tiling.on_mesh(mesh):
             nt, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
-        assert split is not None and split.k == 2 and nt >= 2  # tiled within each shard
-        ref = jax.jit(fn, static_argnums=5)(tiny_params, x_small, x_large, xh, o, None)
-        o_sh = jax.device_put(o, jax.sharding.NamedSharding(mesh, P(None, None, "tp", None)))
-        f = jax.jit(fn, static_argnums=5).lower(sp, x_small, x_large, xh, o_sh, mesh).compile()
-        got = f(sp, x_small, x_large, xh, o_sh)
+        assert split is not None and split.k == 2 and nt >= 2  # tiled within each device's rows
+        ref = jax.jit(fn, static_argnums=4)(tiny_params, x_small, xh, o, None)
+        o_sh = jax.device_put(o, jax.sharding.NamedSharding(mesh, P(None, None, "tp", None)))  # head-split
+        f = jax.jit(fn, static_argnums=4).lower(sp, x_small, xh, o_sh, mesh).compile()
+        got = f(sp, x_small, xh, o_sh)
     finally:
         tiling._itemsize.cache_clear()
     hlo = f.as_text()
-    assert hlo.count("conditional(") >= 10  # the tiles are there
-    assert not _collectives(hlo), _collectives(hlo)
+    assert hlo.count("conditional(") >= 8  # the tiles are there
+    # nothing moves but the tiles' 4-byte predicates (`tiling._always_true` reads one element)
+    assert all(op == "all-reduce" and re.fullmatch(r"f32\[[1,]*\]\S*", t) for t, op in _collectives(hlo)), \
+        _collectives(hlo)
     for g, r in zip(got, ref):
         assert g.sharding.spec[-1] == "tp"  # the output follows the rows' split
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
