@@ -64,26 +64,49 @@ def test_impossible_mesh_refused_at_startup(cpu8, tiny_cfg, capsys):
 
 
 # One [1, 1] extend shape per server (prompt fed a token per step), exact numerics (--dtype exact).
-SERVE_FLAGS = ["--model", "tiny", "--dtype", "exact", "--max-running-requests", "1", "--batch-buckets", "1",
+SERVE_FLAGS = ["--dtype", "exact", "--max-running-requests", "1", "--batch-buckets", "1",
                "--chunked-prefill-size", "1", "--page-size", "8", "--context-length", "32",
                "--max-total-tokens", "64", "--decode-log-interval", "1000"]
 
 
-def test_server_tp2_ep2_chat_equals_unsharded(cpu8, tmp_path):
+def _five_layer_checkpoint(tiny_cfg, out) -> str:
+    """The tiny model cut to 5 layers (window, window + Engram, ratio-2 KV/index source, ratio-1 KV/index/
+    candidate source, ratio-1 candidate re-scoring; no DSpark), random weights, written in the release
+    layout: half the tiny model's compile time, and the server loads it with `load_params(..., mesh)`."""
+    import jax
+
+    from dsv41_jax.model import init_params
+    from dsv41_jax.model.checkpoint import save_hf_checkpoint
+    from dsv41_jax.model.config import _engram_rows
+
+    cfg = tiny_cfg.replace(num_hidden_layers=5, compress_ratios=(0, 0, 2, 1, 1), kv_source_layer_ids=(2, 3),
+                           index_source_layer_ids=(2, 3, 4), candidate_source_layer_id=3, engram_layer_ids=(1,),
+                           engram_num_embeddings=tuple(_engram_rows((1,), tiny_cfg.engram_max_ngram_size,
+                                                                    tiny_cfg.engram_n_heads,
+                                                                    tiny_cfg.engram_vocab_size)),
+                           num_nextn_predict_layers=0, dspark_target_layer_ids=())
+    assert cfg.layer_plan(4).uses_candidates and cfg.layer_plan(1).is_engram
+    save_hf_checkpoint(init_params(cfg, jax.random.key(3)), cfg, str(out))
+    return str(out)
+
+def test_server_tp2_ep2_chat_equals_unsharded(cpu8, tiny_cfg, tmp_path):
     """`python -m dsv41_jax.serve --tp 2 --ep 2` on 4 of the fake CPU devices (conftest's XLA_FLAGS are
-    inherited) serves a greedy chat completion equal to the unsharded server's: same text, same token
-    ids (logprobs' tokens), same usage; logprobs within LOGIT_ATOL (tests/test_sharding.py: bitwise
-    in practice on tp=2)."""
+    inherited) serves a greedy chat completion equal to the unsharded server's (--dtype exact): same
+    text, same tokens (logprobs), same usage; logprobs within 2·LOGIT_ATOL (tests/test_sharding.py;
+    bitwise in practice on tp=2). The model is a 5-layer cut of tiny from a checkpoint directory, so
+    the sharded server also loads it straight onto the mesh (`load_params(..., mesh)`)."""
     import httpx
     from test_server import start_server, stop_server
     from test_sharding import LOGIT_ATOL
 
+    model = _five_layer_checkpoint(tiny_cfg, tmp_path / "ckpt")
     cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(tmp_path / "jax_cache")
-    runs = {"tp2ep2": SERVE_FLAGS + ["--tp", "2", "--ep", "2"], "unsharded": SERVE_FLAGS}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    base_flags = ["--model", model, "--served-model-name", "cut5"] + SERVE_FLAGS
+    runs = {"tp2ep2": base_flags + ["--tp", "2", "--ep", "2"], "unsharded": base_flags}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two start-ups (compiles) side by side
         futs = {k: pool.submit(start_server, f, tmp_path / f"{k}.log", cache) for k, f in runs.items()}
         servers = {k: f.result() for k, f in futs.items()}
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+    body = {"model": "cut5", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
             "logprobs": True, "top_logprobs": 2}
     try:
         out = {k: httpx.post(base + "/v1/chat/completions", json=body, timeout=300).json()
