@@ -92,8 +92,8 @@ def _five_layer_checkpoint(tiny_cfg, out) -> str:
 def test_server_tp2_ep2_chat_equals_unsharded(cpu8, tiny_cfg, tmp_path):
     """`python -m dsv41_jax.serve --tp 2 --ep 2` on 4 of the fake CPU devices (conftest's XLA_FLAGS are
     inherited) serves a greedy chat completion equal to the unsharded server's (--dtype exact): same
-    text, same tokens (logprobs), same usage; logprobs within 2·LOGIT_ATOL (tests/test_sharding.py;
-    bitwise in practice on tp=2). The model is a 5-layer cut of tiny from a checkpoint directory, so
+    text, same tokens (logprobs), same usage, same logprobs (2·LOGIT_ATOL = 0: bitwise, tests/test_sharding.py
+    says why). The model is a 5-layer cut of tiny from a checkpoint directory, so
     the sharded server also loads it straight onto the mesh (`load_params(..., mesh)`)."""
     import httpx
     from test_server import start_server, stop_server
