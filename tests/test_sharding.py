@@ -426,6 +426,14 @@ def test_collective_bytes_parser():
            "%b = (bf16[2,4]{1,0}, f32[2]{0}) all-gather-start(%y), dimensions={0}\n"
            "%c = u8[16]{0} all-to-all(%z)\n")
     assert mod.collective_bytes(hlo) == {"all-reduce": 256, "all-gather": 24, "all-to-all": 16}
+    hlo += ('%d = f32[8,8]{1,0} all-reduce(%w), metadata={op_name="jit(extend)/shard_map/psum" stack_frame_id=3}\n'
+            '%e = f16[4,2]{1,0} collective-permute(%v), metadata={op_name="jit(extend)/cond/branch_1_fun/slice"}\n')
+    src = mod.collective_sources(hlo)
+    assert src[0]["bytes"] == src[1]["bytes"] == 256 and src[-1]["bytes"] == 16  # largest first
+    assert {"kind": "all-reduce", "type": "f32[8,8]", "op_name": "jit(extend)/shard_map/psum", "count": 1,
+            "bytes": 256} in src
+    assert {"kind": "collective-permute", "type": "f16[4,2]", "op_name": "jit(extend)/cond/branch_1_fun/slice",
+            "count": 1, "bytes": 16} in src and len(src) == 5
 
 
 # ------------------------------------------------------------------------------------ multi-host
