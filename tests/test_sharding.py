@@ -434,6 +434,16 @@ def test_collective_bytes_parser():
             "bytes": 256} in src
     assert {"kind": "collective-permute", "type": "f16[4,2]", "op_name": "jit(extend)/cond/branch_1_fun/slice",
             "count": 1, "bytes": 16} in src and len(src) == 5
+    # --keep-layers: the flash cut used in docs/aot_flash_tp2ep4_keep_0_1_2_20_cpu.json
+    from dsv41_jax.model import ModelConfig
+
+    c = mod.keep_layers(ModelConfig.preset("flash"), [0, 1, 2, 20])
+    plans = [c.layer_plan(i) for i in range(4)]
+    assert c.num_hidden_layers == 4 and c.num_nextn_predict_layers == 0 and c.hidden_size == 5120
+    assert [p.compress_ratio for p in plans] == [0, 0, 2, 1] and plans[1].is_engram
+    assert plans[2].is_kv_source and plans[3].is_kv_source and plans[3].is_candidate_source
+    with pytest.raises(ValueError, match="--keep-layers"):
+        mod.keep_layers(c, [4])
 
 
 # ------------------------------------------------------------------------------------ multi-host
