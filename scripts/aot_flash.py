@@ -15,7 +15,8 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
 * XLA's memory analysis of the compiled step (arguments, outputs, temporaries, generated code) and its
   cost analysis (FLOPs, bytes accessed — per device: the SPMD program is the per-device program);
 * collective bytes per device per step, summed from the compiled HLO's all-reduce / all-gather /
-  all-to-all / reduce-scatter / collective-permute results, by kind;
+  all-to-all / reduce-scatter / collective-permute results, by kind, and the largest groups by source
+  (kind, result type, JAX op name: `collective_sources`);
 * whether it fits an H200 (``--hbm-gib``, 141 GB by default, minus ``--reserve-gib``).
 """
 
@@ -55,6 +56,26 @@ def collective_bytes(hlo: str) -> dict:
     return out
 
 
+def collective_sources(hlo: str, top: int = 12) -> list:
+    """The collectives of an HLO text grouped by (kind, result type, JAX op name from the metadata), the
+    largest first: [{"kind", "type", "op_name", "count", "bytes"}] (bytes per step, all instances) — where
+    each collective comes from (a `tiling` conditional, a `shard_map` psum, a reshape that reshards, ...)."""
+    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                     r"(-start)?\(([^\n]*)")
+    groups: dict = {}
+    for m in pat.finditer(hlo):
+        n = 0
+        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
+            if dt in _BYTES:
+                n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+        name = re.search(r'op_name="([^"]*)"', m.group(4))
+        key = (m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1)).strip(), name.group(1) if name else "")
+        g = groups.setdefault(key, {"kind": key[0], "type": key[1], "op_name": key[2], "count": 0, "bytes": 0})
+        g["count"] += 1
+        g["bytes"] += n
+    return sorted(groups.values(), key=lambda g: -g["bytes"])[:top]
+
+
 def _cost(compiled) -> dict:
     c = compiled.cost_analysis()
     if isinstance(c, (list, tuple)):
@@ -67,6 +88,24 @@ def _memory(compiled) -> dict:
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
             "generated_code_size_in_bytes")
     return {k: int(getattr(m, k)) for k in keys if m is not None and hasattr(m, k)}
+
+
+def keep_layers(cfg, keep):
+    """`cfg` cut to the target layers `keep` (ascending ids, renumbered 0..; DSpark dropped): the same
+    layer kinds at the same sizes, for a quick look at what a layer costs (compiles in ~1/10 the time)."""
+    keep = sorted(set(keep))
+    if not keep or keep[0] < 0 or keep[-1] >= cfg.num_hidden_layers:
+        raise ValueError(f"--keep-layers: ids must be in 0..{cfg.num_hidden_layers - 1}")
+    new = {old: i for i, old in enumerate(keep)}
+    eng = [(new[i], rows) for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if i in new]
+    cand = cfg.candidate_source_layer_id
+    return cfg.replace(
+        num_hidden_layers=len(keep), compress_ratios=tuple(cfg.compress_ratios[i] for i in keep),
+        kv_source_layer_ids=tuple(new[i] for i in cfg.kv_source_layer_ids if i in new),
+        index_source_layer_ids=tuple(new[i] for i in cfg.index_source_layer_ids if i in new),
+        candidate_source_layer_id=new.get(cand) if cand is not None else None,
+        engram_layer_ids=tuple(i for i, _ in eng), engram_num_embeddings=tuple(r for _, r in eng),
+        num_nextn_predict_layers=0, dspark_target_layer_ids=())
 
 
 def run(args) -> dict:
@@ -85,6 +124,8 @@ def run(args) -> dict:
     cfg = ModelConfig.preset(args.config) if preset else ModelConfig.from_pretrained(args.config)
     if args.dtype:
         cfg = cfg.replace(act_dtype=args.dtype)
+    if args.keep_layers:
+        cfg = keep_layers(cfg, [int(i) for i in args.keep_layers.split(",")])
     mesh = make_mesh(args.tp, args.ep, cfg=cfg, devices=jax.devices("cpu"))
     params = rules.param_shapes(cfg, mesh)
     host_bytes = 0
@@ -127,8 +168,9 @@ def run(args) -> dict:
     compiled = lowered.compile()
     t2 = time.perf_counter()
     mem = _memory(compiled)
+    hlo = compiled.as_text()
     rep = {
-        "config": cfg.name, "act_dtype": cfg.act_dtype, "tp": args.tp, "ep": args.ep, "devices": args.tp * args.ep,
+        "config": cfg.name, "keep_layers": args.keep_layers, "act_dtype": cfg.act_dtype, "tp": args.tp, "ep": args.ep, "devices": args.tp * args.ep,
         "engram_host_table": bool(args.engram_host_table), "batch": B, "tokens": T, "context": args.context,
         "page_size": ps,
         "param_bytes_checkpoint": stats["bytes"],
@@ -137,7 +179,8 @@ def run(args) -> dict:
         "engram_host_bytes": host_bytes,
         "cache_bytes_per_device": max(cache_dev.values()),
         "memory_analysis": mem, "cost_analysis": _cost(compiled),
-        "collective_bytes": collective_bytes(compiled.as_text()),
+        "collective_bytes": collective_bytes(hlo),
+        "collective_sources": collective_sources(hlo),
         "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
     }
     need = rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"] + mem.get("temp_size_in_bytes", 0)
@@ -163,6 +206,9 @@ def _table(rep: dict) -> str:
         rows.append((f"cost: {k}", f"{v:.4g}"))
     for k, v in sorted(rep["collective_bytes"].items()):
         rows.append((f"collective {k}", f"{v / 2**20:10.3f} MiB/step"))
+    for src in rep.get("collective_sources", [])[:6]:
+        rows.append((f"  {src['kind']} x{src['count']}",
+                     f"{src['bytes'] / 2**20:10.3f} MiB  {src['type']}  {src['op_name'][-60:]}"))
     f = rep["fits"]
     rows.append(("fits H200", f"{'yes' if f['fits'] else 'NO'}: needs {rep['device_bytes_needed'] / g:.1f} of "
                               f"{f['budget_bytes'] / g:.1f} GiB"))
@@ -178,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--engram-host-table", action="store_true")
     ap.add_argument("--config", default="flash", help="preset (flash, tiny) or a model directory")
+    ap.add_argument("--keep-layers", default=None,
+                    help="comma list of target layer ids to keep (renumbered; DSpark dropped), e.g. 0,1,2,20 for "
+                         "flash: window, window + Engram, ratio-2 source, ratio-1 source")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "exact"), help="act_dtype override")
     ap.add_argument("--batch", type=int, default=64, help="decode rows (and cache slots)")
     ap.add_argument("--tokens", type=int, default=1, help="tokens per row of the step")

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax.model import ModelConfig, forward, init_params, mesh_shardings
+from dsv41_jax.model import ModelConfig, forward, init_params
 from dsv41_jax.model import checkpoint as ck
 from dsv41_jax.model.params import flatten_names
 
@@ -356,18 +356,59 @@ def test_wo_a_dequantized_once_at_load(hf_dir, orbax_dir, cfg):
 
 
 @pytest.mark.parametrize("kind", ["hf", "orbax"])
-def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8):
-    devs = np.array(cpu8)
-    mesh = jax.sharding.Mesh(devs.reshape(2, 4), ("tp", "ep"))
+def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8, monkeypatch):
+    """load_params(..., mesh) puts every leaf straight onto its `parallel.rules` sharding: each device
+    gets only its own block, cut on the host (`jax.make_array_from_callback`); no leaf goes whole onto a
+    device first (jax.device_put is never called), and the values are the unsharded load's."""
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    mesh = make_mesh(tp=2, ep=4, cfg=cfg)
+    blocks: list = []  # (global shape, sharding, [block shapes handed to devices])
+    real = jax.make_array_from_callback
+
+    def spy(shape, sharding, cb, *a, **k):
+        got: list = []
+        blocks.append((tuple(shape), sharding, got))
+
+        def recording(idx):
+            block = cb(idx)
+            got.append(np.shape(block))
+            return block
+
+        return real(shape, sharding, recording, *a, **k)
+
+    def no_device_put(*a, **k):
+        raise AssertionError("load_params(..., mesh) must not device_put a whole leaf")
+
+    monkeypatch.setattr(jax, "make_array_from_callback", spy)
+    monkeypatch.setattr(jax, "device_put", no_device_put)
     p = ck.load_params(hf_dir if kind == "hf" else orbax_dir, cfg, mesh)
-    want = flatten_names(mesh_shardings(cfg, mesh))
+    monkeypatch.undo()
+    want = flatten_names(rules.param_shardings(cfg, mesh))
     got = flatten_names(p)
-    assert set(got) == set(want)
+    assert set(got) == set(want) and len(blocks) == len(got)
     for k, x in got.items():
         assert x.sharding.is_equivalent_to(want[k], x.ndim), k
     assert got["layers.0.ffn.experts.w1.weight"].sharding.spec[0] == "ep"
     assert got["embed.weight"].sharding.spec[0] == "tp"
+    assert got["layers.1.engram.embed.weight"].sharding.spec[0] == ("ep", "tp")
+    assert got["layers.2.attn.wo_a.bf16"].sharding.spec[0] == "tp"  # the derived copy too
+    split = 0
+    for shape, sh, got_blocks in blocks:
+        assert got_blocks and set(got_blocks) == {sh.shard_shape(shape)}, (shape, sh, got_blocks)
+        split += sh.shard_shape(shape) != shape
+    assert split >= len(blocks) // 4  # most leaves are small and replicated; the big ones are split
     assert_trees_identical(p, ck.load_params(hf_dir, cfg))
+    # the host Engram table: the tables stay numpy `HostTable`s, never placed; the rest as above
+    from dsv41_jax.parallel.host_table import HostTable
+
+    h = ck.load_params(hf_dir, cfg, mesh, engram_host_table=True)
+    t = h["layers"][1]["engram"]["embed"]
+    assert isinstance(t, HostTable)
+    np.testing.assert_array_equal(t.weight.view(np.uint8),
+                                  np.asarray(got["layers.1.engram.embed.weight"]).view(np.uint8))
+    assert h["layers"][2]["attn"]["wq_b"]["weight"].sharding.is_equivalent_to(want["layers.2.attn.wq_b.weight"], 2)
 
 
 def test_load_without_cfg_and_load_model(orbax_dir, hf_dir, cfg):

@@ -3,8 +3,7 @@
 
 Equivalence runs in the exact numerics mode (fp64-accumulated matmuls: results do not depend on the
 summation order that tp all-reduces change) and must give identical discrete decisions (MoE experts,
-index top-k) and logits within LOGIT_ATOL (mostly bitwise equal: the MoE and table collectives are
-exact by construction, see `parallel.collectives`; LOGIT_ATOL says where not). The MoE/gather collectives are also
+index top-k) and bitwise-equal logits (LOGIT_ATOL = 0 says why). The MoE/gather collectives are also
 checked bitwise in the default bf16 flow.
 
 Compile budget: the default tier compiles the whole model twice — the extend step (prefill chunks
@@ -31,11 +30,20 @@ from dsv41_jax.model.transformer import forward
 from dsv41_jax.parallel import collectives, rules
 from dsv41_jax.parallel.mesh import MeshError, make_mesh
 
-# Exact mode. Observed: 0 (bitwise) for tp=2 / ep meshes; 1.8e-5 on tp=4 (forward, one token of the last
-# layer): attention's q·k / p·v einsums are still fp32 (not fp64) in the exact mode, and with one head
-# per device XLA sums them in another order, which flipped one fp8 activation code. 1e-4 is the
-# project's decode-vs-forward tolerance (tests/test_decode.py); the discrete decisions must be identical.
-LOGIT_ATOL = 1e-4
+# Exact mode: logits bitwise equal (atol 0) on every mesh. Why that holds: the only sums whose order a
+# mesh changes are the tp-split contractions (wo_b and the shared expert's w2 over their split inputs,
+# wo_a when tp splits a group's heads) and the all-reduces after them; in the exact mode they accumulate
+# in fp64, and their products are exact in fp64 with few significant bits (fp8 GEMMs: <= 8 bits; wo_a:
+# fp32 x bf16 = 32 bits), so each fp64 sum — in any order — is the exact sum unless its terms span more
+# than ~2^13 in magnitude, and then differs by 2^-53 relative, which rounds to the same fp32 value except
+# within 2^-29 of an fp32 rounding boundary. The MoE / Engram / embedding collectives are exact by
+# construction (`parallel.collectives`). Attention's q·k and p·v run in fp64 too (`attention._attend_exact`);
+# when they were fp32, tp=4 (one head per device: XLA blocks the head-batched einsums differently) gave
+# 1.8e-5 on the forward's logits — one flipped fp8 code in the last layer — reproduced by forcing the fp32
+# attention back: 1.76e-5 on tp=4, 0 with fp64 attention. Observed with fp64 attention: 0 on tp=2 x ep=4,
+# tp=2 and tp=4 (forward, prefill chunks and decode steps); ep=2 / ep=4 split no contraction (0 there
+# already with the fp32 attention).
+LOGIT_ATOL = 0.0
 SEED = 1234
 B, CHUNK = 2, 4
 PROMPT_LENS = (7, 5)
@@ -199,8 +207,20 @@ def test_padded_engram_rows():
     assert rules.padded_shape(("vocab", "embed"), (10, 32), M) == (10, 32)  # replicated, not padded
     assert rules.spec(("vocab", "embed"), (10, 32), M) == P(None, None)
     assert rules.spec(("engram_rows", None), (12, 32), M) == P("tp", None)
-    a = rules._pad_leaf(np.arange(20, dtype=np.float32).reshape(10, 2), (12, 2))
-    assert a.shape == (12, 2) and np.array_equal(a[:10], np.arange(20).reshape(10, 2)) and (a[10:] == 1).all()
+
+
+
+def test_place_host_pads_per_block(cpu8, tiny_cfg):
+    """`rules.place_host`: each device's block is cut from the host array (rows past its end = ones,
+    the Engram row padding), without a padded host copy."""
+    mesh = make_mesh(4, 1, cfg=tiny_cfg)
+    host = np.arange(20, dtype=np.float32).reshape(10, 2)
+    a = rules.place_host(host, (12, 2), jax.sharding.NamedSharding(mesh, P("tp", None)))
+    assert a.shape == (12, 2) and [s.data.shape for s in a.addressable_shards] == [(3, 2)] * 4
+    full = np.asarray(a)
+    assert np.array_equal(full[:10], host) and (full[10:] == 1).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        rules.place_host(host, (8, 2), rules.replicated(mesh))
 
 
 def test_cache_and_step_shardings(cpu8, tiny_cfg):
@@ -406,6 +426,24 @@ def test_collective_bytes_parser():
            "%b = (bf16[2,4]{1,0}, f32[2]{0}) all-gather-start(%y), dimensions={0}\n"
            "%c = u8[16]{0} all-to-all(%z)\n")
     assert mod.collective_bytes(hlo) == {"all-reduce": 256, "all-gather": 24, "all-to-all": 16}
+    hlo += ('%d = f32[8,8]{1,0} all-reduce(%w), metadata={op_name="jit(extend)/shard_map/psum" stack_frame_id=3}\n'
+            '%e = f16[4,2]{1,0} collective-permute(%v), metadata={op_name="jit(extend)/cond/branch_1_fun/slice"}\n')
+    src = mod.collective_sources(hlo)
+    assert src[0]["bytes"] == src[1]["bytes"] == 256 and src[-1]["bytes"] == 16  # largest first
+    assert {"kind": "all-reduce", "type": "f32[8,8]", "op_name": "jit(extend)/shard_map/psum", "count": 1,
+            "bytes": 256} in src
+    assert {"kind": "collective-permute", "type": "f16[4,2]", "op_name": "jit(extend)/cond/branch_1_fun/slice",
+            "count": 1, "bytes": 16} in src and len(src) == 5
+    # --keep-layers: the flash cut used in docs/aot_flash_tp2ep4_keep_0_1_2_20_cpu.json
+    from dsv41_jax.model import ModelConfig
+
+    c = mod.keep_layers(ModelConfig.preset("flash"), [0, 1, 2, 20])
+    plans = [c.layer_plan(i) for i in range(4)]
+    assert c.num_hidden_layers == 4 and c.num_nextn_predict_layers == 0 and c.hidden_size == 5120
+    assert [p.compress_ratio for p in plans] == [0, 0, 2, 1] and plans[1].is_engram
+    assert plans[2].is_kv_source and plans[3].is_kv_source and plans[3].is_candidate_source
+    with pytest.raises(ValueError, match="--keep-layers"):
+        mod.keep_layers(c, [4])
 
 
 # ------------------------------------------------------------------------------------ multi-host
@@ -477,3 +515,57 @@ def test_distributed_settings(monkeypatch):
     monkeypatch.setenv("DSV41_NUM_PROCESSES", "4")
     monkeypatch.setenv("DSV41_PROCESS_ID", "3")
     assert settings() == {"coordinator_address": "h:2", "num_processes": 4, "process_id": 3}
+
+
+# ------------------------------------------------------------------------------------ CPU row tiles on a mesh
+
+
+def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
+    """`model.tiling` on a mesh: the CPU row tiles of a weight whose rows are split over tp (wq_b, wo_a,
+    the head, the shared expert) are taken within each device's rows, so the compiled product moves no
+    weight — no collective at all for a replicated input — and equals the unsharded, untiled product.
+    (Contiguous tiles of a split weight made XLA move widened weight tiles between devices: ~2.9 GB
+    per flash decode step, scripts/aot_flash.py; this test then fails on collective-permutes.)"""
+    from dsv41_jax.model import linear, tiling
+
+    monkeypatch.setitem(tiling.SCOPED_BACKENDS, jax.default_backend(), 4)
+    monkeypatch.setattr(tiling, "MIN_SCOPED_BYTES", 0)
+    monkeypatch.setattr(tiling, "TILE_BYTES", 8192)  # several tiles per shard at tiny sizes
+    tiling._itemsize.cache_clear()
+    cfg = tiny_cfg.replace(act_dtype="float32")
+    dt = jnp.float32
+    mesh = make_mesh(2, 1, cfg=cfg)
+    sp = rules.shard_params(tiny_params, cfg, mesh)
+    rng = np.random.default_rng(SEED)
+    H, hd, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    x_small = jnp.asarray(rng.standard_normal((2, 1, cfg.q_lora_rank)), dt)  # decode rows: block GEMM
+    xh = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), dt)
+    o = jnp.asarray(rng.standard_normal((2, 1, G, H * hd // G)), dt)
+
+    def fn(p, xs, xh, o, mesh):
+        with tiling.on_mesh(mesh):
+            a = p["layers"][2]
+            return (linear.fp8(xs, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),  # 2 tiles per shard
+                    linear.f32(xh, p["head"]["weight"], cfg, row_axis="vocab"),  # 5 tiles per shard
+                    linear.wo_a(o, a["attn"]["wo_a"], cfg, dt, row_axis="heads"))  # 1 group per shard
+
+    try:
+        nt_all, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
+        assert split is None and nt_all >= 4  # no mesh: tiles of the whole weight
+        with tiling.on_mesh(mesh):
+            nt, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
+        assert split is not None and split.k == 2 and nt >= 2  # tiled within each device's rows
+        ref = jax.jit(fn, static_argnums=4)(tiny_params, x_small, xh, o, None)
+        o_sh = jax.device_put(o, jax.sharding.NamedSharding(mesh, P(None, None, "tp", None)))  # head-split
+        f = jax.jit(fn, static_argnums=4).lower(sp, x_small, xh, o_sh, mesh).compile()
+        got = f(sp, x_small, xh, o_sh)
+    finally:
+        tiling._itemsize.cache_clear()
+    hlo = f.as_text()
+    assert hlo.count("conditional(") >= 8  # the tiles are there
+    # nothing moves but the tiles' 4-byte predicates (`tiling._always_true` reads one element)
+    assert all(op == "all-reduce" and re.fullmatch(r"f32\[[1,]*\]\S*", t) for t, op in _collectives(hlo)), \
+        _collectives(hlo)
+    for g, r in zip(got, ref):
+        assert g.sharding.spec[-1] == "tp"  # the output follows the rows' split
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)

@@ -1,10 +1,17 @@
-"""The engine on a mesh (`--tp` / `--ep`): same greedy tokens as unsharded in the exact numerics mode,
-and impossible combinations refused at start-up (engine and `serve.main`: clear message, exit 1).
+"""The engine and the server on a mesh (`--tp` / `--ep`): same greedy tokens / chat completion as
+unsharded in the exact numerics mode, and impossible combinations refused at start-up (engine and
+`serve.main`: clear message, exit 1).
 
 Each engine compiles one extend shape (batch bucket 2, token bucket 8: prefill chunks and decode steps
-share it) plus the sampling helpers; the equality test builds two engines in the exact mode and is
-marked slow (the model-level sharded ≡ unsharded checks run in the default tier, tests/test_sharding.py).
+share it) plus the sampling helpers; the engine equality test builds two engines in the exact mode and
+is marked slow (the model-level sharded ≡ unsharded checks run in the default tier, tests/test_sharding.py).
+The server test (default tier) keeps the compile count at one extend shape per server: one request at a
+time, one-token prefill chunks (`--chunked-prefill-size 1`: every step is [1, 1]); the two servers start
+side by side.
 """
+
+import concurrent.futures
+import os
 
 import numpy as np
 import pytest
@@ -54,3 +61,71 @@ def test_impossible_mesh_refused_at_startup(cpu8, tiny_cfg, capsys):
 
     assert main(["--model", "tiny", "--tp", "2", "--ep", "8", "--port", "18123"]) == 1
     assert "more expert shards than experts" in capsys.readouterr().err
+
+
+# One [1, 1] extend shape per server (prompt fed a token per step), exact numerics (--dtype exact).
+SERVE_FLAGS = ["--dtype", "exact", "--max-running-requests", "1", "--batch-buckets", "1",
+               "--chunked-prefill-size", "1", "--page-size", "8", "--context-length", "32",
+               "--max-total-tokens", "64", "--decode-log-interval", "1000"]
+
+
+def _five_layer_checkpoint(tiny_cfg, out) -> str:
+    """The tiny model cut to 5 layers (window, window + Engram, ratio-2 KV/index source, ratio-1 KV/index/
+    candidate source, ratio-1 candidate re-scoring; no DSpark), random weights, written in the release
+    layout: half the tiny model's compile time, and the server loads it with `load_params(..., mesh)`."""
+    import jax
+
+    from dsv41_jax.model import init_params
+    from dsv41_jax.model.checkpoint import save_hf_checkpoint
+    from dsv41_jax.model.config import _engram_rows
+
+    cfg = tiny_cfg.replace(num_hidden_layers=5, compress_ratios=(0, 0, 2, 1, 1), kv_source_layer_ids=(2, 3),
+                           index_source_layer_ids=(2, 3, 4), candidate_source_layer_id=3, engram_layer_ids=(1,),
+                           engram_num_embeddings=tuple(_engram_rows((1,), tiny_cfg.engram_max_ngram_size,
+                                                                    tiny_cfg.engram_n_heads,
+                                                                    tiny_cfg.engram_vocab_size)),
+                           num_nextn_predict_layers=0, dspark_target_layer_ids=())
+    assert cfg.layer_plan(4).uses_candidates and cfg.layer_plan(1).is_engram
+    save_hf_checkpoint(init_params(cfg, jax.random.key(3)), cfg, str(out))
+    return str(out)
+
+def test_server_tp2_ep2_chat_equals_unsharded(cpu8, tiny_cfg, tmp_path):
+    """`python -m dsv41_jax.serve --tp 2 --ep 2` on 4 of the fake CPU devices (conftest's XLA_FLAGS are
+    inherited) serves a greedy chat completion equal to the unsharded server's (--dtype exact): same
+    text, same tokens (logprobs), same usage, same logprobs (2·LOGIT_ATOL = 0: bitwise, tests/test_sharding.py
+    says why). The model is a 5-layer cut of tiny from a checkpoint directory, so
+    the sharded server also loads it straight onto the mesh (`load_params(..., mesh)`)."""
+    import httpx
+    from test_server import start_server, stop_server
+    from test_sharding import LOGIT_ATOL
+
+    model = _five_layer_checkpoint(tiny_cfg, tmp_path / "ckpt")
+    cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(tmp_path / "jax_cache")
+    base_flags = ["--model", model, "--served-model-name", "cut5"] + SERVE_FLAGS
+    runs = {"tp2ep2": base_flags + ["--tp", "2", "--ep", "2"], "unsharded": base_flags}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two start-ups (compiles) side by side
+        futs = {k: pool.submit(start_server, f, tmp_path / f"{k}.log", cache) for k, f in runs.items()}
+        servers = {k: f.result() for k, f in futs.items()}
+    body = {"model": "cut5", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    try:
+        out = {k: httpx.post(base + "/v1/chat/completions", json=body, timeout=300).json()
+               for k, (_, base, _) in servers.items()}
+    finally:
+        rcs = {k: stop_server(proc, logf) for k, (proc, _, logf) in servers.items()}
+    logs = {k: (tmp_path / f"{k}.log").read_text() for k in runs}
+    assert rcs == {"tp2ep2": 0, "unsharded": 0}, {k: v[-2000:] for k, v in logs.items()}
+    assert "mesh: ep=2 x tp=2 over 4 cpu devices" in logs["tp2ep2"] and "mesh:" not in logs["unsharded"]
+    a, b = out["tp2ep2"], out["unsharded"]
+    assert "choices" in a and "choices" in b, (a, b)
+    ca, cb = a["choices"][0], b["choices"][0]
+    assert a["usage"] == b["usage"] and a["usage"]["completion_tokens"] == 6
+    assert ca["message"] == cb["message"] and ca["finish_reason"] == cb["finish_reason"] == "length"
+    la, lb = ca["logprobs"]["content"], cb["logprobs"]["content"]
+    assert len(la) == len(lb) == 6
+    for x, y in zip(la, lb):
+        assert x["token"] == y["token"] and x["bytes"] == y["bytes"]
+        assert [t["token"] for t in x["top_logprobs"]] == [t["token"] for t in y["top_logprobs"]]
+        np.testing.assert_allclose([x["logprob"]] + [t["logprob"] for t in x["top_logprobs"]],
+                                   [y["logprob"]] + [t["logprob"] for t in y["top_logprobs"]],
+                                   rtol=0, atol=2 * LOGIT_ATOL)

@@ -45,7 +45,7 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     """
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     qr = rmsnorm(linear.fp8(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt)
-    q = linear.fp8(qr, p["wq_b"], cfg, dt)
+    q = linear.fp8(qr, p["wq_b"], cfg, dt, row_axis="heads")
     q = q.reshape(q.shape[:-1] + (H, hd))
     q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
     kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], eps, dt)
@@ -212,5 +212,5 @@ def output_proj(p, o, positions, freqs, cfg, dt):
     G, R = cfg.o_groups, cfg.o_lora_rank
     o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt)
     o = o.reshape(B, T, G, cfg.o_group_in)
-    y = linear.wo_a(o, p["wo_a"], cfg, dt).astype(dt).reshape(B, T, G * R)
+    y = linear.wo_a(o, p["wo_a"], cfg, dt, row_axis="heads").astype(dt).reshape(B, T, G * R)
     return linear.fp8(y, p["wo_b"], cfg, dt)

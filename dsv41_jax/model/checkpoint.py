@@ -18,9 +18,9 @@ Two kinds of model directory are accepted everywhere a model path is taken (`che
   dequantized weights, hence the logits, are unchanged).
 
 `load_params` reads either kind one tensor at a time (host memory bounded by the largest tensor,
-read in row blocks where it can) and places each leaf on its `mesh_shardings` sharding when a mesh is
-given. The HF reader parses safetensors headers itself (the `safetensors` numpy backend cannot
-return fp8 arrays) and reads each tensor with positioned reads into one preallocated buffer.
+read in row blocks where it can) and, when a mesh is given, places each leaf straight onto its
+sharding from `parallel.rules` (each device receives only its own block). The HF reader parses
+safetensors headers itself (the `safetensors` numpy backend cannot return fp8 arrays) and reads each tensor with positioned reads into one preallocated buffer.
 """
 
 from __future__ import annotations
@@ -645,24 +645,41 @@ def _tokenizer_for(path: str, tokenizer):
     raise CheckpointError(f"{path}: no tokenizer.json (needed for the Engram token map); pass tokenizer=...")
 
 
-def _placer(cfg: ModelConfig, mesh, shardings):
-    """name -> function(np array) -> jax.Array on its sharding (or the default device)."""
+def _placer(cfg: ModelConfig, mesh, shardings, host_names=frozenset()):
+    """name -> function(np array) -> the leaf as loaded.
+
+    With a mesh (and no explicit `shardings`): each leaf goes straight onto its sharding from the rules
+    table, `parallel.rules.param_shapes` (padded Engram rows included), by `rules.place_host`: every
+    device receives only its own block, cut from the host array — no whole-tensor device copy first.
+    With explicit `shardings` the same, on the given shardings (unpadded shapes). Otherwise the
+    default device. Names in `host_names` stay numpy (the host Engram table)."""
     import jax
 
     from dsv41_jax.model.params import flatten_names
 
-    if shardings is None and mesh is not None:
-        from dsv41_jax.model.params import mesh_shardings
-        shardings = mesh_shardings(cfg, mesh)
-    flat = flatten_names(shardings) if shardings is not None else {}
+    flat: dict = {}
+    if shardings is not None:
+        flat = {n: (None, s) for n, s in flatten_names(shardings).items()}
+    elif mesh is not None:
+        from dsv41_jax.parallel import rules
+
+        flat = {n: (a.shape, a.sharding) for n, a in flatten_names(rules.param_shapes(cfg, mesh)).items()}
 
     def place(name: str, a: np.ndarray):
-        sh = flat.get(name)
-        if sh is None:
+        if name in host_names:
+            return np.asarray(a)
+        if name not in flat:
             return jax.device_put(a)
-        return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+        from dsv41_jax.parallel import rules
+
+        shape, sh = flat[name]
+        return rules.place_host(a, a.shape if shape is None else shape, sh)
 
     return place
+
+
+def _engram_table_names(cfg: ModelConfig) -> frozenset:
+    return frozenset(f"layers.{i}.engram.embed.{k}" for i in cfg.engram_layer_ids for k in ("weight", "scale"))
 
 
 def _set(tree: dict, path: tuple, value) -> None:
@@ -700,14 +717,19 @@ def _read_hf_leaf(plan: HFPlan, leaf: ParamLeaf, specs_by_param: dict) -> np.nda
 
 
 def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shardings=None, tokenizer=None,
-                engram_token_map=None) -> dict:
+                engram_token_map=None, engram_host_table: bool = False) -> dict:
     """Load parameters from an HF directory or a converted Orbax directory (`checkpoint_kind`).
 
     Args:
       path: the model directory, or "tiny" for the tiny preset's random parameters (seed 0).
       cfg: the model config; default: the directory's config.json (`ModelConfig.from_pretrained`).
-      mesh: a `jax.sharding.Mesh`: each leaf is placed on `mesh_shardings(cfg, mesh)` (default device
-        otherwise). shardings: an explicit tree of shardings instead (same structure as the params).
+      mesh: a `jax.sharding.Mesh`: each leaf is read on the host and placed straight onto its sharding
+        from `parallel.rules` (`rules.param_shapes`: Engram rows padded to the device count), each
+        device receiving only its block — the tree `rules.shard_params` would build, without a
+        whole-tensor copy on one device first (default device without a mesh). shardings: an explicit
+        tree of shardings instead (same structure as the params, unpadded shapes).
+      engram_host_table: keep the Engram tables on the host (`parallel.host_table.HostTable` leaves,
+        never copied to a device; run the step with ``engram_host_table=True``).
       tokenizer: tokenizer.json path or `tokenizers.Tokenizer` for the Engram token map (default: the
         directory's tokenizer.json). engram_token_map: the map itself, if already built.
     Returns the parameter pytree of `params.declare_params(cfg)` (``derived`` included).
@@ -721,14 +743,16 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
         from dsv41_jax.model.params import init_params
 
         cfg = cfg or ModelConfig.preset("tiny")
-        place = _placer(cfg, mesh, shardings)
+        place = _placer(cfg, mesh, shardings, _engram_table_names(cfg) if engram_host_table else frozenset())
         p = init_params(cfg, jax.random.key(0), tokenizer=tokenizer, engram_token_map=engram_token_map)
-        return jax.tree_util.tree_map_with_path(
+        p = jax.tree_util.tree_map_with_path(
             lambda kp, x: place(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp), np.asarray(x)), p)
+        return _host_tables(p) if engram_host_table else p
     kind = checkpoint_kind(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
-    place = _placer(cfg, mesh, shardings)
+    place, host = _keeping_host(_placer(cfg, mesh, shardings, _engram_table_names(cfg) if engram_host_table
+                                        else frozenset()), _dequant_sources(cfg))
     params = _skeleton(cfg)
     if kind == "hf":
         plan = scan_hf(path, cfg)
@@ -740,7 +764,7 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
             _set(params, leaf.path, place(leaf.name, _read_hf_leaf(plan, leaf, by_param)))
     else:
         _load_orbax(path, cfg, params, place)
-    _derive_dequantized(cfg, params, place)
+    _derive_dequantized(cfg, params, place, host)
     if cfg.engram_layer_ids:
         from dsv41_jax.model.params import engram_token_map_for
 
@@ -750,19 +774,44 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
         if tm.shape != (cfg.vocab_size,):
             raise CheckpointError(f"engram token map has shape {tm.shape}, expected ({cfg.vocab_size},)")
         params["derived"]["engram_token_map"] = place("derived.engram_token_map", tm)
-    return params
+    return _host_tables(params) if engram_host_table else params
 
 
-def _derive_dequantized(cfg: ModelConfig, params: dict, place) -> None:
+def _host_tables(params: dict) -> dict:
+    """The Engram tables (numpy, never placed) wrapped as `HostTable`s."""
+    from dsv41_jax.parallel.host_table import offload_engram
+
+    return offload_engram(params)
+
+
+def _dequant_sources(cfg: ModelConfig) -> frozenset:
+    """Names of the fp8 (weight, scale) pairs the load-time dequantized copies are made from."""
+    return frozenset(leaf.name.rsplit(".", 1)[0] + "." + k for leaf in param_leaves(cfg, include_derived=True)
+                     if leaf.decl.init == "dequant_fp8" for k in ("weight", "scale"))
+
+
+def _keeping_host(place, names):
+    """`place` that also keeps the host arrays of `names` (returned dict, filled as leaves load), so the
+    derived copies are computed from host data — never read back from (possibly sharded) devices."""
+    kept: dict = {}
+
+    def wrapped(name, a):
+        if name in names:
+            kept[name] = a
+        return place(name, a)
+
+    return wrapped, kept
+
+
+def _derive_dequantized(cfg: ModelConfig, params: dict, place, host: dict) -> None:
     """Fill the load-time dequantized copies (``init == "dequant_fp8"``, e.g. ``wo_a.bf16``, SPEC §3)
-    from their loaded fp8 pair: exact (e4m3 x 2^k has 4 significant bits), on the host, in row blocks."""
+    from their loaded fp8 pair (host copies in `host`, by name): exact (e4m3 x 2^k has 4 significant
+    bits), on the host, in row blocks."""
     for leaf in param_leaves(cfg, include_derived=True):
         if leaf.decl.init != "dequant_fp8":
             continue
-        node = params
-        for k in leaf.path[:-1]:
-            node = node[k]
-        q, s = np.asarray(node["weight"]), np.asarray(node["scale"])
+        base = leaf.name.rsplit(".", 1)[0]
+        q, s = np.asarray(host.pop(base + ".weight")), np.asarray(host.pop(base + ".scale"))
         out = np.empty(leaf.shape, leaf.dtype)
         for r0, r1 in row_blocks(leaf.shape, 4, READ_BLOCK_BYTES, align=32):  # fp32 working copy per block
             out[r0:r1] = dequant_fp8_block_np(q[r0:r1], s, r0).astype(leaf.dtype)

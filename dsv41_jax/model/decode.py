@@ -29,7 +29,7 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer, layer_scan
+from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, tiling
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux, scan_blocks
@@ -210,48 +210,49 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
     mesh: optional `jax.sharding.Mesh` (`parallel.make_mesh`): MoE and the row-split tables run their
     `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
     """
-    dt = act_dtype(cfg)
-    tokens = batch["tokens"].astype(jnp.int32)
-    B, T = tokens.shape
-    start, n_new = batch["start"], batch["n_new"]
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    valid = jnp.arange(T)[None, :] < n_new[:, None]
-    st = dict(state)
-    st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
-               "partial": dict(state["partial"])})
-    pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
-            "restore": {} if restore else None}
-    hist = state.get("engram_hist")
-    h = embed_streams(params, tokens, cfg, dt, mesh)
-    pre = initial_pre((B, T), cfg)
-    ctx = {"topk": {}, "cand": None}
-    aux = new_aux()
-    for i, n in layer_scan.layer_runs(cfg):
-        plan = cfg.layer_plan(i)
-        if n > 1:
-            h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
-                                      aux, pend, mesh)
-            continue
-        lp = layer_scan.layer_params(params, i, cfg)
-        rows = None
-        if plan.is_engram:
-            rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])
+    with tiling.on_mesh(mesh):  # CPU row tiles follow the weights' splits (model.tiling)
+        dt = act_dtype(cfg)
+        tokens = batch["tokens"].astype(jnp.int32)
+        B, T = tokens.shape
+        start, n_new = batch["start"], batch["n_new"]
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        valid = jnp.arange(T)[None, :] < n_new[:, None]
+        st = dict(state)
+        st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
+                   "partial": dict(state["partial"])})
+        pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
+                "restore": {} if restore else None}
+        hist = state.get("engram_hist")
+        h = embed_streams(params, tokens, cfg, dt, mesh)
+        pre = initial_pre((B, T), cfg)
+        ctx = {"topk": {}, "cand": None}
+        aux = new_aux()
+        for i, n in layer_scan.layer_runs(cfg):
+            plan = cfg.layer_plan(i)
+            if n > 1:
+                h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
+                                          aux, pend, mesh)
+                continue
+            lp = layer_scan.layer_params(params, i, cfg)
+            rows = None
+            if plan.is_engram:
+                rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])
 
-        def attn_fn(x, lp=lp, plan=plan):
-            return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
+            def attn_fn(x, lp=lp, plan=plan):
+                return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
 
-        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
-    if not all_logits:
-        last = jnp.maximum(n_new - 1, 0)
-        h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
-        pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
-    logits, x = final_logits(params, h, pre, cfg, dt)
-    if not all_logits:
-        logits = logits[:, 0]
-    if hist is not None:
-        pend["engram_ids"] = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
-    aux["hidden"] = x
-    return logits, st, pend, aux
+            h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
+        if not all_logits:
+            last = jnp.maximum(n_new - 1, 0)
+            h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
+            pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
+        logits, x = final_logits(params, h, pre, cfg, dt)
+        if not all_logits:
+            logits = logits[:, 0]
+        if hist is not None:
+            pend["engram_ids"] = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
+        aux["hidden"] = x
+        return logits, st, pend, aux
 
 
 def commit(st, pending, batch, n_commit, cfg):

@@ -178,7 +178,8 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
         h, pre = block(sp, h, pre, plan, cfg, dt, new_aux(), cfg.dspark_num_experts_per_tok, attn_fn)
     last = params["mtp"][-1]
     x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
-    base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt), params["head"]["weight"], cfg)
+    base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt), params["head"]["weight"], cfg,
+                      row_axis="vocab")
     mk = last["markov_head"]
     prev = anchor
     toks, probs, logits, conf = [], [], [], []

@@ -28,6 +28,10 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
   so the reference and the xla formulation agree (bit for bit in practice) however they sum.
 
 Shapes: x [..., K] with K % 32 == 0; weights [N, K] (MXFP4: packed [N, K/2]); outputs [..., N].
+
+``row_axis`` (fp8, f32, wo_a): the logical axis of the weight's rows ("heads", "mlp", "vocab"; None
+for rows that are never split). It changes no arithmetic: on a mesh, where the rows are split over
+devices, it lets the CPU row tiles follow the split (`tiling`, module doc).
 """
 
 from __future__ import annotations
@@ -93,24 +97,27 @@ def _block_gemm(xq, sx, wq, sw_rows, dt, exact):
     return jnp.sum(p * sx.T[:, :, None] * sw_rows.T[:, None, :], axis=0)
 
 
-def _quantized_gemm(x, n_rows, k, align, small_tile, large_tile, dt, exact):
+def _quantized_gemm(x, n_rows, k, align, small_tile, large_tile, dt, exact, row_axis=None):
     """Shared driver of the xla fp8 / MXFP4 GEMMs: x [..., K] -> [..., N] in `dt` (fp32 in exact mode).
 
     small M (<= `BLOCK_M_MAX` rows): the activation is fp8-quantized once and
     ``small_tile(r0, tn) -> (wq e4m3 [tn, K], sw_rows fp32 [tn, K/32])`` yields each row tile of the
     weight for `_block_gemm`; large M: ``large_tile(r0, tn, wdt) -> w [tn, K]`` (dequantized, exact in
     `wdt`) for one dot against the fake-quantized activation. Row tiles: `tiling` (one tile except
-    where the backend widens dot operands outside the GEMM; never in the exact mode)."""
+    where the backend widens dot operands outside the GEMM; never in the exact mode; following the
+    rows' split over devices on a mesh, `row_axis`)."""
     lead = x.shape[:-1]
-    nt = 0 if exact else tiling.n_tiles(n_rows, k, align)
+    nt, split = (0, None) if exact else tiling.plan(n_rows, k, align, row_axis)
     if _rows(x) <= BLOCK_M_MAX:
         xq, sx = quant.act_quant_fp8(x)  # e4m3 [..., K], fp32 [..., K/32]
         xq, sx = xq.reshape(-1, k), sx.reshape(-1, k // 32)
-        y = tiling.over_rows(sx, n_rows, nt, lambda r0, tn: _block_gemm(xq, sx, *small_tile(r0, tn), dt, exact))
+        y = tiling.over_rows(sx, n_rows, nt, lambda r0, tn: _block_gemm(xq, sx, *small_tile(r0, tn), dt, exact),
+                             split)
         return y.reshape(*lead, n_rows).astype(dt)
     wdt = jnp.float32 if exact else jnp.bfloat16
     xd = quant.fake_quant_fp8(x, out_dtype=wdt)
-    return tiling.over_rows(xd, n_rows, nt, lambda r0, tn: _bf16_gemm(xd, large_tile(r0, tn, wdt), dt, exact))
+    return tiling.over_rows(xd, n_rows, nt, lambda r0, tn: _bf16_gemm(xd, large_tile(r0, tn, wdt), dt, exact),
+                            split)
 
 
 def _bf16_gemm(xd, wd, dt, exact):
@@ -128,7 +135,7 @@ def _fp8_row_scales(scale, n):
     return jnp.repeat(quant.e8m0_to_f32(scale), 32, axis=0)[:n]
 
 
-def fp8(x, p, cfg, dt):
+def fp8(x, p, cfg, dt, row_axis=None):
     """GEMM with a 32x32-block fp8 weight and fp8-quantized input (SPEC §6).
 
     x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}.
@@ -145,14 +152,15 @@ def fp8(x, p, cfg, dt):
 
     def small(r0, tn):  # row tiles are whole 32-row scale blocks (align=32) unless untiled
         wt = tiling.rows(w, r0, tn)
-        st = s if tn == N else tiling.rows(s, r0 // 32, tn // 32)
-        return wt, _fp8_row_scales(st, tn)
+        st = s if wt.shape[0] == N else tiling.rows(s, r0 // 32, tn // 32)
+        return wt, _fp8_row_scales(st, wt.shape[0])
 
     def large(r0, tn, wdt):
-        st = s if tn == N else tiling.rows(s, r0 // 32, tn // 32)
-        return quant.dequantize_fp8_block(tiling.rows(w, r0, tn), st, wdt)
+        wt = tiling.rows(w, r0, tn)
+        st = s if wt.shape[0] == N else tiling.rows(s, r0 // 32, tn // 32)
+        return quant.dequantize_fp8_block(wt, st, wdt)
 
-    return _quantized_gemm(x, N, K, 32, small, large, dt, exact)
+    return _quantized_gemm(x, N, K, 32, small, large, dt, exact, row_axis)
 
 
 def mxfp4(x, p, cfg, dt):
@@ -186,7 +194,7 @@ def plain_bf16(x, w, cfg, dt):
     return linear_bf16(x, w, dt, exact=is_exact(cfg))
 
 
-def f32(x, w, cfg):
+def f32(x, w, cfg, row_axis=None):
     """An "fp32 matmul on bf16-valued weights" (MoE gate, head, ...): x [..., K], w [N, K] -> fp32 [..., N].
 
     "xla": the weight enters the dot at its stored dtype (bf16 for the head and gate) with fp32
@@ -199,17 +207,18 @@ def f32(x, w, cfg):
         return linear_f32(x, w)
     dn = (((x.ndim - 1,), (1,)), ((), ()))
     N, K = w.shape
+    nt, split = tiling.plan(N, K, 1, row_axis)
     if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
         # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has
         # the same (exact) products and needs no widened copy of either operand on any backend.
-        return tiling.over_rows(x, N, tiling.n_tiles(N, K), lambda r0, tn: jax.lax.dot_general(
-            x, tiling.rows(w, r0, tn), dn, preferred_element_type=jnp.float32))
+        return tiling.over_rows(x, N, nt, lambda r0, tn: jax.lax.dot_general(
+            x, tiling.rows(w, r0, tn), dn, preferred_element_type=jnp.float32), split)
     xf = x.astype(jnp.float32)
-    return tiling.over_rows(xf, N, tiling.n_tiles(N, K), lambda r0, tn: jax.lax.dot_general(
-        xf, tiling.rows(w, r0, tn), dn, precision=HIGHEST, preferred_element_type=jnp.float32))
+    return tiling.over_rows(xf, N, nt, lambda r0, tn: jax.lax.dot_general(
+        xf, tiling.rows(w, r0, tn), dn, precision=HIGHEST, preferred_element_type=jnp.float32), split)
 
 
-def wo_a(o, p, cfg, dt):
+def wo_a(o, p, cfg, dt, row_axis=None):
     """The grouped wo_a projection (SPEC §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
 
     p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale", "bf16": [G·R, I]}: "bf16" is the load-time
@@ -242,15 +251,17 @@ def wo_a(o, p, cfg, dt):
     # tiles of whole groups (`tiling`), each tile's weight dequantized inside its scope.
     B, T = o.shape[:2]
     I = o.shape[-1]
-    tg = tiling.n_tiles(G, R * I) if (R % 32 == 0 or "bf16" in p) else min(1, tiling.n_tiles(G, R * I))
+    tg, split = tiling.plan(G, R * I, 1, row_axis)
+    if not (R % 32 == 0 or "bf16" in p):
+        tg = min(1, tg)
 
     def tile(g0, ng):
-        o_t = tiling.rows(o, g0, ng, axis=2)
+        o_t = tiling.rows(o, g0, ng, axis=2)  # [B, T, k·ng, I] inside a split tile (`tiling.rows`)
         if "bf16" in p:
             w = tiling.rows(p["bf16"], g0 * R, ng * R)
         else:  # R % 32 == 0 here (else at most one tile), so a group is whole 32-row scale blocks
             w = quant.dequantize_fp8_block(tiling.rows(p["weight"], g0 * R, ng * R),
                                            tiling.rows(p["scale"], g0 * R // 32, ng * R // 32), out_dtype=wdt)
-        return groups(o_t, w).reshape(B, T, ng * R)
+        return groups(o_t, w).reshape(B, T, o_t.shape[2] * R)
 
-    return tiling.over_rows(o, G, tg, tile).reshape(B, T, G, R)
+    return tiling.over_rows(o, G, tg, tile, split).reshape(B, T, G, R)

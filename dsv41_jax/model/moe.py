@@ -255,10 +255,12 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]
 
-    def fp8(a, wt, sc):
-        return linear.fp8(a, {"weight": wt, "scale": sc}, cfg, dt)
+    def fp8(a, wt, sc, row_axis=None):
+        return linear.fp8(a, {"weight": wt, "scale": sc}, cfg, dt, row_axis)
 
-    shared = swiglu_expert(xf, (sh["w1"]["weight"], sh["w1"]["scale"]), (sh["w3"]["weight"], sh["w3"]["scale"]),
+    # w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh); w2's rows are the hidden size
+    shared = swiglu_expert(xf, (sh["w1"]["weight"], sh["w1"]["scale"], "mlp"),
+                           (sh["w3"]["weight"], sh["w3"]["scale"], "mlp"),
                            (sh["w2"]["weight"], sh["w2"]["scale"]), jnp.ones((N,), jnp.float32), lim, dt, fp8)
     out = (routed + shared.astype(jnp.float32)).astype(dt).reshape(shape)
     if return_routing:

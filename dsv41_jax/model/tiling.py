@@ -31,12 +31,26 @@ to show.
 
 Cost counters: a `cond` counts its costliest branch once, and each tile is its own `cond`, so counts
 that follow branches (scripts/bench_decode.py) see every tile once.
+
+On a mesh (`on_mesh`, entered by the model's entry points when they get one) a weight whose rows are
+split over devices (its logical row axis names a mesh axis: q heads, o groups, the shared expert's
+intermediate, the vocabulary — `parallel.rules`) is tiled *within each device's rows*: tile i is rows
+r0 .. r0 + tn − 1 of every shard at once (`rows` takes that strided slice: a reshape to [k, N/k, ...]
+and a slice of the inner axis, local on every device), each tile's output is pinned split over the
+mesh axis, and the tiles are reassembled shard-major, so the result is laid out (and split) as the
+untiled product. Without that, a contiguous tile of a split weight lies on some devices only, XLA
+computes the conditional's result replicated, and moves the (widened) weight tile to every device:
+measured on the flash decode step at tp=2 x ep=4, ~2.9 GB of collective-permutes and all-to-alls per
+step (scripts/aot_flash.py, README), where the untiled program needs none.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -92,10 +106,63 @@ def n_tiles(n_rows: int, row_elems: int, align: int = 1, backend: str = None) ->
     return units
 
 
+class Split(NamedTuple):
+    """A weight's rows split over `k` devices along mesh axis (or axes) `axis` of `mesh`."""
+    k: int
+    mesh: object
+    axis: object
+
+
+_MESH = contextvars.ContextVar("dsv41_tiling_mesh", default=None)
+_ACTIVE = contextvars.ContextVar("dsv41_tiling_split", default=None)  # the Split of the tile being traced
+
+
+@contextlib.contextmanager
+def on_mesh(mesh):
+    """Trace the enclosed model code for `mesh` (None: no-op): row tiles follow the weights' row splits."""
+    tok = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(tok)
+
+
+def row_split(logical: Optional[str], n_rows: int, align: int = 1) -> Optional[Split]:
+    """The `Split` of a weight with `n_rows` rows of logical axis `logical` on the current mesh (`on_mesh`),
+    or None: no mesh, rows not split by the rules, or rows that do not split into whole `align` blocks."""
+    mesh = _MESH.get()
+    if mesh is None or logical is None:
+        return None
+    from dsv41_jax.parallel import rules
+
+    ax = rules.mesh_axis(logical, mesh)
+    k = rules.mesh_axes_size(ax, mesh)
+    if k == 1 or n_rows % (k * align):
+        return None
+    return Split(k, mesh, ax)
+
+
+def plan(n_rows: int, row_elems: int, align: int = 1, logical: Optional[str] = None, backend: str = None):
+    """(tiles, split) for `over_rows`: `n_tiles` of one device's rows when the rows are split
+    (`row_split`), else of the whole weight."""
+    split = row_split(logical, n_rows, align)
+    k = split.k if split else 1
+    return n_tiles(n_rows // k, row_elems, align, backend), split
+
+
+def _pin(y, split: Split):
+    """y [..., k·w] pinned split over the mesh axis along its last dim."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.lax.with_sharding_constraint(
+        y, NamedSharding(split.mesh, PartitionSpec(*(None,) * (y.ndim - 1), split.axis)))
+
+
 def _always_true(x):
     """A bool scalar that is always true but depends on `x` through an op XLA does not fold: the number
-    of set bits of x's first element is at most its bit width."""
-    v = x.reshape(-1)[0]
+    of set bits of x's first element is at most its bit width. (Indexed, not ``x.reshape(-1)[0]``: a
+    reshape of an activation split over devices gathers all of it first.)"""
+    v = x[(0,) * x.ndim]
     bits = v.dtype.itemsize * 8
     u = jax.lax.bitcast_convert_type(v, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[v.dtype.itemsize])
     return jax.lax.population_count(u) <= bits
@@ -110,21 +177,56 @@ def scoped(x, fn):
                         lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out))
 
 
-def over_rows(x, n_rows: int, nt: int, body):
+def over_rows(x, n_rows: int, nt: int, body, split: Optional[Split] = None):
     """body(r0, tn) -> [..., w] over row tiles r0 .. r0 + tn − 1 of a weight, concatenated: [..., nt·w].
 
     `nt` from `n_tiles`: 0 = body(0, n_rows) as is; else `nt` static tiles (r0, tn Python ints), each
     `scoped` on the activation `x`. Tiles are in row order.
+
+    `split` (from `plan` / `row_split`): the weight's rows are split over `split.k` devices and `nt`
+    counts tiles per device: body(r0, tn) then sees rows r0 .. r0 + tn − 1 *of every shard* through
+    `rows` (k·tn rows, shard-major) and returns [..., k·w]; the tiles are reassembled shard-major into
+    the untiled layout, split over the mesh axis (module doc).
     """
     if nt == 0:
         return body(0, n_rows)
-    tn = n_rows // nt
-    ys = [scoped(x, functools.partial(body, i * tn, tn)) for i in range(nt)]
-    return ys[0] if nt == 1 else jnp.concatenate(ys, axis=-1)
+    if split is None:
+        tn = n_rows // nt
+        ys = [scoped(x, functools.partial(body, i * tn, tn)) for i in range(nt)]
+        return ys[0] if nt == 1 else jnp.concatenate(ys, axis=-1)
+    k = split.k
+    tn = n_rows // k // nt
+
+    def tile(r0):
+        tok = _ACTIVE.set(split)
+        try:
+            return _pin(body(r0, tn), split)
+        finally:
+            _ACTIVE.reset(tok)
+
+    ys = [scoped(x, functools.partial(tile, i * tn)) for i in range(nt)]
+    if nt == 1:
+        return _pin(ys[0], split)
+    ys = [y.reshape(y.shape[:-1] + (k, y.shape[-1] // k)) for y in ys]
+    y = jnp.concatenate(ys, axis=-1)
+    return _pin(y.reshape(y.shape[:-2] + (-1,)), split)
 
 
 def rows(a, r0: int, tn: int, axis: int = 0):
-    """a[..., r0 : r0 + tn, ...] along `axis` (a static slice of a stored weight, at stored width)."""
-    if r0 == 0 and tn == a.shape[axis]:
+    """a[..., r0 : r0 + tn, ...] along `axis` (a static slice of a stored weight, at stored width).
+
+    Inside a split tile (`over_rows` with a `Split`): rows r0 .. r0 + tn − 1 of each of the k equal
+    shards of that axis, concatenated shard-major (k·tn rows; local on every device)."""
+    split = _ACTIVE.get()
+    if split is None:
+        if r0 == 0 and tn == a.shape[axis]:
+            return a
+        return jax.lax.slice_in_dim(a, r0, r0 + tn, axis=axis)
+    k, n = split.k, a.shape[axis]
+    if n % k:
+        raise ValueError(f"tiling.rows: axis {axis} of {a.shape} does not split into {k} shards")
+    if tn == n // k:
         return a
-    return jax.lax.slice_in_dim(a, r0, r0 + tn, axis=axis)
+    a3 = a.reshape(a.shape[:axis] + (k, n // k) + a.shape[axis + 1:])
+    t = jax.lax.slice_in_dim(a3, r0, r0 + tn, axis=axis + 1)
+    return t.reshape(a.shape[:axis] + (k * tn,) + a.shape[axis + 1:])

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, indexer, layer_scan, linear
+from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit
 from dsv41_jax.model.moe import moe
@@ -180,7 +180,7 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
 def final_logits(params, h, pre, cfg, dt):
     """x = hc_pre(h, last ffn pre) → norm → head → fp32 logits. Returns (logits, normed x)."""
     x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
-    return linear.f32(x, params["head"]["weight"], cfg), x
+    return linear.f32(x, params["head"]["weight"], cfg, row_axis="vocab"), x
 
 
 def new_aux():
@@ -202,32 +202,33 @@ def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
     `parallel.rules.shard_params`. Call under ``jax.jit`` (static cfg, mesh): MoE and the row-split
     tables run their `shard_map` forms, the rest is partitioned by XLA from the parameter shardings.
     """
-    dt = act_dtype(cfg)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h = embed_streams(params, tokens, cfg, dt, mesh)
-    pre = initial_pre((B, T), cfg)
-    ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
-    aux = new_aux()
-    for i, n in layer_scan.layer_runs(cfg):
-        plan = cfg.layer_plan(i)
-        if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-            def attn_run(p, x, _row, _out, plan=plan):
-                return attention_full(p, x, positions, plan, ctx, cfg, dt, new_aux())
+    with tiling.on_mesh(mesh):  # CPU row tiles follow the weights' splits (model.tiling)
+        dt = act_dtype(cfg)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, T = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h = embed_streams(params, tokens, cfg, dt, mesh)
+        pre = initial_pre((B, T), cfg)
+        ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
+        aux = new_aux()
+        for i, n in layer_scan.layer_runs(cfg):
+            plan = cfg.layer_plan(i)
+            if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
+                def attn_run(p, x, _row, _out, plan=plan):
+                    return attention_full(p, x, positions, plan, ctx, cfg, dt, new_aux())
 
-            h, pre, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux, i,
-                                    cfg.num_experts_per_tok, attn_run, mesh=mesh)
-            continue
-        lp = layer_scan.layer_params(params, i, cfg)
-        rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
+                h, pre, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux, i,
+                                        cfg.num_experts_per_tok, attn_run, mesh=mesh)
+                continue
+            lp = layer_scan.layer_params(params, i, cfg)
+            rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
 
-        def attn_fn(x, lp=lp, plan=plan):
-            return attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
+            def attn_fn(x, lp=lp, plan=plan):
+                return attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
 
-        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
-    logits, x = final_logits(params, h, pre, cfg, dt)
-    if return_aux:
-        aux["hidden"] = x
-        return logits, aux
-    return logits
+            h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
+        logits, x = final_logits(params, h, pre, cfg, dt)
+        if return_aux:
+            aux["hidden"] = x
+            return logits, aux
+        return logits

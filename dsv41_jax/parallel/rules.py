@@ -190,14 +190,37 @@ def replicated_fallbacks(cfg, mesh, rules=None) -> list:
     return out
 
 
-def _pad_leaf(a, shape):
-    """Pad array `a` with ones (a valid value of every float8 kind, e8m0 included) up to `shape`."""
-    if tuple(a.shape) == tuple(shape):
-        return a
-    a = np.asarray(a)
-    out = np.ones(shape, a.dtype)
-    out[tuple(slice(0, d) for d in a.shape)] = a
+def _shard_of(host, idx, shape):
+    """The block `idx` (a tuple of slices into the padded `shape`) of host array `host`, whose dims may
+    be shorter than `shape` (Engram row padding): rows past the end are ones (a valid value of every float8 kind,
+    e8m0 included; padding rows are never addressed)."""
+    idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
+    if tuple(host.shape) == tuple(shape):
+        return host[idx]
+    bounds = [sl.indices(d) for sl, d in zip(idx, shape)]
+    out = np.ones(tuple(len(range(*b)) for b in bounds), host.dtype)
+    src, dst = [], []
+    for (b0, b1, st), n in zip(bounds, host.shape):
+        if st != 1:
+            raise ValueError("place_host: strided shard index")
+        hi = min(b1, n)
+        src.append(slice(b0, max(b0, hi)))
+        dst.append(slice(0, max(0, hi - b0)))
+    out[tuple(dst)] = host[tuple(src)]
     return out
+
+
+def place_host(host, shape, sharding):
+    """A host array (numpy) placed on `sharding` as a global array of `shape` (>= host.shape per dim;
+    the extra rows are padding, ones): each device receives only ITS block, cut from the host copy by
+    `jax.make_array_from_callback` — no device ever holds the whole tensor first (unless its sharding
+    replicates it), and no padded host copy is made. Works for a multi-process mesh when every process
+    holds the same host values (each process fills its own devices)."""
+    host = np.asarray(host)
+    shape = tuple(shape)
+    if len(shape) != host.ndim or any(h > d for h, d in zip(host.shape, shape)):
+        raise ValueError(f"place_host: host array {host.shape} does not fit the placed shape {shape}")
+    return jax.make_array_from_callback(shape, sharding, lambda idx: _shard_of(host, idx, shape))
 
 
 def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False) -> dict:
@@ -223,9 +246,8 @@ def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False)
 
     def place(a, s):
         if isinstance(a, jax.Array) and a.shape == s.shape and a.sharding == s.sharding:
-            return a
-        host = _pad_leaf(np.asarray(a), s.shape)
-        return jax.make_array_from_callback(s.shape, s.sharding, lambda idx: host[idx])
+            return a  # already on its sharding (e.g. `checkpoint.load_params(..., mesh)`)
+        return place_host(np.asarray(a), s.shape, s.sharding)
 
     return jax.tree_util.tree_map(place, params, abstract)
 

@@ -488,6 +488,9 @@ class Engine:
             from dsv41_jax.parallel.mesh import make_mesh
 
             self.mesh = make_mesh(args.tp_size, args.ep_size, cfg=cfg)
+        from dsv41_jax.parallel.host_table import host_table_requested, offload_engram
+
+        self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
         if params is None:
             if args.model == "tiny" and not os.path.isdir(args.model):
                 from dsv41_jax.model.params import init_params
@@ -496,10 +499,8 @@ class Engine:
             else:
                 from dsv41_jax.model.checkpoint import load_params
 
-                params = load_params(args.model, cfg)
-        from dsv41_jax.parallel.host_table import host_table_requested, offload_engram
-
-        self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
+                # straight onto the mesh's shardings (no whole-tensor copy on one device first)
+                params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
         if self.mesh is not None:
             from dsv41_jax.parallel import rules
 

@@ -40,7 +40,7 @@ __all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES", "SHAPE_BUCKETS", "S
 
 # --dtype: the activation dtype of the model (weights keep their checkpoint formats).
 DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
-          "float": "float32", "fp32": "float32"}
+          "float": "float32", "fp32": "float32", "exact": "exact"}
 KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "bfloat16", "bf16": "bfloat16",
                           "float32": "float32"}
 
@@ -174,7 +174,9 @@ class EngineArgs:
 
     @property
     def act_dtype(self) -> str:
-        """The model's activation dtype ("bfloat16" reference flow or "float32" equivalence mode)."""
+        """The model's activation dtype / numerics mode (`model.numerics`): "bfloat16" (the reference
+        flow), "float32" or "exact" (fp32 activations, fp64-accumulated matmuls: results independent of
+        summation order, so a sharded server's greedy outputs equal the unsharded one's)."""
         return DTYPES[self.dtype]
 
     @property
@@ -234,7 +236,9 @@ class EngineArgs:
                        help="tokenizer directory or tokenizer.json (default: the model directory / tiny's)")
         g.add_argument("--dtype", default=d["dtype"].default, choices=sorted(DTYPES),
                        help="activation dtype: auto/bfloat16 = the reference bf16 flow; float32 = the full-fp32 "
-                            "equivalence mode, in which greedy outputs do not depend on batch composition")
+                            "equivalence mode, in which greedy outputs do not depend on batch composition; "
+                            "exact = fp32 with fp64-accumulated matmuls (slower): outputs independent of "
+                            "summation order, e.g. of --tp / --ep")
         g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=sorted(KV_CACHE_DTYPE_CHOICES),
                        help="KV storage: auto (fp8 window, fp4 compressed latents / index keys: lossless), "
                             "fp8_e4m3 (all fp8, lossy), bfloat16 / float32 (debugging)")
