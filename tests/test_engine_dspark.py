@@ -1,6 +1,7 @@
 """The engine with DSpark (issue 13 parts 3-4): greedy with DSpark ≡ greedy without, token for token, with
 rows accepting different lengths in one step; zero compilations across steps with different accept
-lengths; pages and slots back after every request; the simulated-accept-length knob; start-up errors.
+lengths; pages and slots back after every request; constrained decoding with drafts checked by the
+grammar; the simulated-accept-length knob; start-up errors.
 
 Two module-scoped engines on tiny in the exact numerics mode (fp64-accumulated matmuls: a verify chunk
 equals one-token steps), one without DSpark and one with (γ = 3, the tiny checkpoint's block). Same
@@ -19,10 +20,10 @@ from dsv41_jax.serving.sampling import SamplingParams
 
 KW = dict(model="tiny", page_size=8, max_total_tokens=192, context_length=48, max_running_requests=4,
           chunked_prefill_size=1, batch_buckets=[4], skip_server_warmup=True, decode_log_interval=1000)
-# 6 requests on 4 slots (two wait for a slot); prompt lengths put rows at different window (8) /
+# 5 requests on 4 slots (one waits for a slot); prompt lengths put rows at different window (8) /
 # ratio-group / candidate-block / index_topk phases while they speculate (as in test_dspark).
-PROMPTS = [[5, 6, 7], list(range(10, 23)), [100] * 9, [41, 42, 43, 44, 45, 46], [7, 300, 12, 64, 9], [250] * 2]
-N_NEW = 20
+PROMPTS = [[5, 6, 7], list(range(10, 23)), [100] * 9, [41, 42, 43, 44, 45, 46], [7, 300, 12, 64, 9]]
+N_NEW = 16
 _ids = itertools.count()
 
 
@@ -168,6 +169,84 @@ def test_dspark_stops_max_tokens_sampling_and_simulated_accept(spec_eng, ref):
     finally:
         spec_eng.runner.simulate_accept_length = None
     assert len(o.outputs[0].token_ids) == 12 and o.metrics["spec_accept_length"] == g + 1
+    assert spec_eng.num_compilations() == n_comp
+    assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
+
+
+class NotMod3:
+    """A grammar: every token id that is not a multiple of 3 (never done); `accept` checks the rule, so
+    a committed token the grammar did not allow fails the test."""
+
+    def __init__(self, vocab):
+        self.vocab, self.n = vocab, 0
+
+    def allowed_mask(self):
+        return np.arange(self.vocab) % 3 != 0
+
+    def accept(self, t):
+        assert t % 3 != 0, f"committed token {t} is not allowed by the grammar"
+        self.n += 1
+
+    def is_done(self):
+        return False
+
+    def clone(self):
+        c = NotMod3(self.vocab)
+        c.n = self.n
+        return c
+
+
+def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
+    """Constrained greedy with DSpark ≡ constrained greedy without: the runner drafts first, walks each
+    row's grammar through the drafts and masks the verify rows up to the first draft the grammar
+    rejects. The oracle proposes the plain run's tokens with, per row and step, a grammar-rejected
+    token (a multiple of 3) or a grammar-allowed wrong one at one position: both are rejected, the
+    tokens before them accepted."""
+    V, g = spec_eng.vocab_size, spec_eng.spec_gamma
+    prompts = PROMPTS[:4]
+    rids = [f"c{next(_ids)}" for _ in prompts]
+    for rid, p in zip(rids, prompts):
+        plain_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
+    ref_c = {o.request_id: o.outputs[0].token_ids for o in plain_eng.run_until_done()}
+    ref_c = [ref_c[r] for r in rids]
+    assert all(t % 3 for r in ref_c for t in r)
+
+    launches, by_rid, injected = [], {}, {"rejected_by_grammar": 0}
+
+    def oracle(L):
+        launches.append(L)
+        out = np.full((len(L.rows), g), -1, np.int32)
+        for b, r in enumerate(L.rows):
+            i = by_rid[r.seq.group.rid]
+            n = len(r.seq.output_ids)
+            want = ref_c[i][n:n + g]
+            out[b, :len(want)] = want
+            k = (n + i + len(launches)) % (g + 1)
+            if k < len(want):
+                bad = (want[k] // 3) * 3 if (n + i) % 2 else (want[k] + 3) % V  # grammar-rejected / allowed
+                injected["rejected_by_grammar"] += bad % 3 == 0
+                out[b, k] = bad if bad != want[k] else (want[k] + 1) % V
+        return out
+
+    n_comp = None
+    spec_eng.runner.draft_hook = oracle
+    try:
+        rids = [f"c{next(_ids)}" for _ in prompts]
+        by_rid.update({r: i for i, r in enumerate(rids)})
+        for rid, p in zip(rids, prompts):
+            spec_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
+        done = {}
+        while spec_eng.has_unfinished():
+            for o in spec_eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            if launches and n_comp is None:
+                n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
+    finally:
+        spec_eng.runner.draft_hook = None
+    assert [done[r].outputs[0].token_ids for r in rids] == ref_c
+    accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
+    assert any(len(set(a)) > 1 for a in accepts) and injected["rejected_by_grammar"] > 0
     assert spec_eng.num_compilations() == n_comp
     assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
 

@@ -256,8 +256,9 @@ def test_dspark_rows_accept_different_lengths(tok, gamma):
 
 
 def test_dspark_falls_back_to_plain_rows(tok):
-    """Rows that cannot speculate decode plainly: logprobs requested, a constraint, no pages for the
-    verify window (a 2-page pool per request here); nothing is preempted for speculation."""
+    """Rows that cannot speculate decode plainly: logprobs requested, a constraint without clone() (the
+    runner walks a clone through the drafts), a verify window past the context; nothing is preempted
+    for speculation."""
 
     class AllowAll:
         def allowed_mask(self):

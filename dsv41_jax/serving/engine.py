@@ -47,12 +47,14 @@ per `Engine.step()`:
    outputs emitted, finished sequences release their pages and slot.
 
 DSpark speculative decoding (``--speculative-algorithm DSPARK``, `runner` / `speculative`): a decode
-row that can speculate (`Scheduler.can_speculate`: host-known anchor, no logprobs, no constraint, γ+1
-positions within its context, pages for them) runs in a [B, γ+1] DSpark launch instead of the [B, 1]
+row that can speculate (`Scheduler.can_speculate`: host-known anchor, no logprobs, a constraint only
+if it can be cloned, γ+1 positions within its context, pages for them) runs in a [B, γ+1] DSpark launch instead of the [B, 1]
 one: the draft proposes γ tokens, the target verifies them in one forward, and the row commits
 n_accept + 1 tokens (rows of one launch accept different numbers). The output processor appends them
 one at a time, so stop tokens / strings, max_tokens and the context length cut at the right token;
-the pages of rejected positions go back (`PageAllocator.truncate`). The next step's positions depend
+the pages of rejected positions go back (`PageAllocator.truncate`). A constrained row's drafts are
+checked by its grammar before verification (`Runner._grammar_masks`): the verify rows are masked up to
+the first draft the grammar rejects, so no disallowed token is ever accepted. The next step's positions depend
 on the accept lengths, so a sample with a DSpark row in flight is read before it is planned again
 (overlap is kept for everything else). Greedy with DSpark gives exactly the tokens of greedy without
 in the exact numerics mode (tests/test_engine_dspark.py); accept length and rate are in the decode log

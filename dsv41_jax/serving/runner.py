@@ -14,7 +14,10 @@ reads them):
 - `SpecLaunch` [B, γ+1]: one `speculative.speculative_step` (draft γ tokens, verify them in one
   target forward, commit the accepted prefix + bonus) with the rows' sampling tensors gathered from
   the slots, the committed tokens added to the penalty counts and the bonus put in ``last_token``:
-  one compiled program per batch bucket (`_jitted_spec_launch`): accept lengths are values.
+  one compiled program per batch bucket (`_jitted_spec_launch`): accept lengths are values. A launch
+  with constrained rows first runs the draft alone (`_propose_launch`) and walks each row's grammar
+  through the drafts on the host (`_grammar_masks`); the verify rows' logits are masked up to the first
+  draft the grammar rejects.
 - fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples.
 
 Every (batch, tokens) bucket, and with DSpark the verify step per batch bucket, is compiled in
@@ -227,8 +230,8 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
     return out
 
 
-def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, forced_draft, accept_override, *,
-                 cfg, ccfg, gamma):
+def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, forced_draft, accept_override,
+                 allowed, *, cfg, ccfg, gamma):
     """One DSpark step for the rows of a `SpecLaunch`: sampling tensors gathered from the rows' slots,
     `speculative.speculative_step`, then the committed tokens added to the slots' penalty counts and
     each row's bonus token (the next anchor) put in ``last_token[slot]``.
@@ -236,14 +239,15 @@ def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, f
     batch: `speculative.make_spec_batch`-style {anchor, start, slot, page_table, active} (numpy is
     fine); step_counter int32 [B]: tokens each row has generated (the anchor included); forced_draft
     int32 [B, γ]: −1 (the draft's own proposal) or a token replacing it (the test-only oracle hook);
-    accept_override int32 [B]: −1, or a forced accept count (the simulated-accept-length knob).
+    accept_override int32 [B]: −1, or a forced accept count (the simulated-accept-length knob);
+    allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True for unconstrained rows).
     Returns (tokens int32 [B, γ+1] −1 padded, n_accept int32 [B], slot_tensors, last_token, state)."""
     slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
     n_rows = last_token.shape[0]
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & active)
     toks, n_acc, state = spec.speculative_step(params, state, batch, t, step_counter, forced_draft, cfg=cfg, ccfg=ccfg,
-                                               gamma=gamma, accept_override=accept_override)
+                                               gamma=gamma, accept_override=accept_override, allowed=allowed)
     rows = jnp.where(active, slots, n_rows)  # out of range: dropped
     V = slot_tensors.output_counts.shape[1]
     cols = jnp.where(toks >= 0, toks, V)  # −1 padding: out of range, dropped
@@ -251,6 +255,26 @@ def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, f
     bonus = jnp.take_along_axis(toks, n_acc[:, None], axis=1)[:, 0]
     last = last_token.at[rows].set(bonus, mode="drop")
     return toks, n_acc, slot_tensors.replace(output_counts=counts), last, state
+
+
+def _propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma):
+    """The draft alone for the rows of a `SpecLaunch` (the same draws as `_spec_launch`'s own draft):
+    int32 [B, γ]. Used when a row has a constraint: the host checks the drafts against the grammar
+    before the verify step (which then gets them as forced drafts, and the grammar's masks)."""
+    from dsv41_jax.model import dspark
+
+    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & active)
+    draw = spec.sampling_draw(t, step_counter)
+    prop = dspark.propose(params, state["dspark"], jnp.asarray(batch["anchor"]), jnp.asarray(batch["start"]), slots,
+                          cfg, ccfg, gamma, draw)
+    return prop["tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_propose_launch(cfg, ccfg, gamma: int):
+    return jax.jit(functools.partial(_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,12 +403,14 @@ class Runner:
         self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
         self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
         self._allow_all: dict = {}
+        self._allow_all_spec: dict = {}
         if self.spec_gamma:  # every plain step also writes the draft rings of the tokens it commits
             self._extend = spec.jitted_extend_seeding(cfg, ccfg)
             self._spec = _jitted_spec_launch(cfg, ccfg, self.spec_gamma)
+            self._propose = _jitted_propose_launch(cfg, ccfg, self.spec_gamma)
         else:
             self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh, self.engram_host_table)
-            self._spec = None
+            self._spec = self._propose = None
         self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
         self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
@@ -470,7 +496,7 @@ class Runner:
     def _jitted(self) -> list:
         fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows]
         if self._spec is not None:
-            fns.append(self._spec)
+            fns += [self._spec, self._propose]
         if self._extend_all is not None:
             fns += [self._extend_all, _prompt_logprobs, _last_logits]
         return fns
@@ -490,8 +516,8 @@ class Runner:
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:
-                self._spec_dispatch(SpecLaunch([], B, self.spec_gamma))
-                what = f"DSpark verify (tokens {self.spec_gamma + 1})"
+                self._spec_dispatch(SpecLaunch([], B, self.spec_gamma), warm_propose=True)
+                what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
             else:
                 z = np.zeros((B,), np.int32)
                 self._device_launch(None, np.zeros((B, T), np.int32), z, z, np.full((B,), self.scratch, np.int32),
@@ -629,9 +655,42 @@ class Runner:
             out[:n_rows] = np.minimum(base + up.astype(np.int32), self.spec_gamma)
         return out
 
-    def _spec_dispatch(self, L: SpecLaunch) -> None:
+    def _grammar_masks(self, L: SpecLaunch, batch: dict, step, forced: np.ndarray):
+        """Constrained rows of L: draft on the device, read the drafts, walk a clone of each row's grammar
+        through them. Sets the row's forced drafts to those drafts (the verify step then checks exactly
+        what the grammar saw) and returns the masks bool [B, γ+1, V] of the verify rows: row j = what the
+        grammar allows after d_0..d_{j−1}, up to the first draft it rejects (later rows: all True; the
+        rejected draft has probability 0 under the masked target, so it and everything after it is
+        rejected). None when no row has a constraint."""
+        rows = [(b, r) for b, r in enumerate(L.rows) if r.seq.constraint is not None]
+        if not rows:
+            return None
+        g, V = self.spec_gamma, self.vocab_size
+        d = np.asarray(self._propose(self.params, self.state, self.slot_tensors, batch, step))
+        m = np.ones((L.B, g + 1, V), bool)
+        for b, r in rows:
+            c = r.seq.constraint.clone()
+            for j in range(g + 1):
+                a = c.allowed_mask()
+                if a is not None:
+                    a = np.asarray(a, bool).reshape(-1)
+                    m[b, j, :] = False
+                    m[b, j, : min(V, a.shape[0])] = a[:V]
+                if j == g:
+                    break
+                tok = int(forced[b, j]) if forced[b, j] >= 0 else int(d[b, j])
+                forced[b, j] = tok
+                if not m[b, j, tok]:
+                    break  # the grammar rejects d_j: verification stops there
+                c.accept(tok)
+                if c.is_done():
+                    break  # the request ends with d_j
+        return m
+
+    def _spec_dispatch(self, L: SpecLaunch, warm_propose: bool = False) -> None:
         """Enqueue one DSpark step for the rows of L (row b: anchor ``tokens[0]`` at ``start``, slot, pages
-        covering start + γ + 1 tokens)."""
+        covering start + γ + 1 tokens). Rows with a constraint get their drafts checked by the grammar
+        first (`_grammar_masks`: a draft-only launch and a host round trip)."""
         B, P = L.B, self.ccfg.max_pages_per_seq
         anchor = np.zeros((B,), np.int32)
         start = np.zeros((B,), np.int32)
@@ -646,7 +705,15 @@ class Runner:
         forced = np.full((B, self.spec_gamma), -1, np.int32)  # always passed: one compiled variant
         if self.draft_hook is not None and L.rows:
             forced[:len(L.rows)] = np.asarray(self.draft_hook(L), np.int32)
+        if warm_propose:
+            jax.block_until_ready(self._propose(self.params, self.state, self.slot_tensors, batch, step))
+        allowed = self._grammar_masks(L, batch, step, forced)
+        if allowed is None:
+            allowed = self._allow_all_spec.get(B)
+            if allowed is None:
+                allowed = self._allow_all_spec[B] = jax.device_put(np.ones((B, self.spec_gamma + 1,
+                                                                            self.vocab_size), bool))
         out = self._spec(self.params, self.state, self.slot_tensors, self.last_token, batch, step, forced,
-                         self._accept_override(len(L.rows), B))
+                         self._accept_override(len(L.rows), B), allowed)
         L.tokens, L.n_accept, self.slot_tensors, self.last_token, self.state = out
         self.launches += 1

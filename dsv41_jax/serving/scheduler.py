@@ -333,15 +333,15 @@ class Scheduler:
     # ------------------------------------------------------------------------------------ DSpark
     def _may_speculate(self, s: Seq) -> bool:
         """The request's own reasons allow DSpark rows (see `can_speculate`)."""
-        return s.constraint is None and s.params.logprobs is None
+        return (s.constraint is None or hasattr(s.constraint, "clone")) and s.params.logprobs is None
 
     def can_speculate(self, s: Seq) -> bool:
         """Whether s's next step may be a DSpark row (else it decodes plainly): DSpark is on; the row
         samples s's next token from a host-known anchor (not a replay, nothing in flight, at least one
         generated token — the first comes from the plain step after the prompt); it asks for no
-        logprobs (the verify step returns none); it has no constraint (a grammar would have to accept
-        every draft before verification, which needs the drafts on the host first: not built, so
-        constrained rows always decode plainly); and the γ+1 verify positions fit its context."""
+        logprobs (the verify step returns none); a constraint, if any, can be cloned (the runner walks
+        a clone through the drafts before verifying them, `Runner._grammar_masks`); and the γ+1 verify
+        positions fit its context."""
         g = self.spec_gamma
         if g <= 0 or not self._may_speculate(s):
             return False

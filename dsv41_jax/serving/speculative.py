@@ -91,7 +91,7 @@ def sampling_draw(tensors, step_counter):
 
 
 def speculative_step(params, state, batch, tensors=None, step_counter=None, forced_draft=None, *, cfg, ccfg,
-                     gamma: Optional[int] = None, accept_override=None):
+                     gamma: Optional[int] = None, accept_override=None, allowed=None):
     """One DSpark step for B rows (see the module docstring).
 
     state: the cache pytree with ``"dspark"`` rings (`dspark.with_rings`); batch: `make_spec_batch`.
@@ -104,6 +104,11 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     where >= 0, the row commits min(override, γ) drafts *unverified* plus the target's argmax after
     them as the bonus, whatever the verifier decided (−1: verify as usual). The cache stays
     consistent with the committed tokens; the text is meaningless.
+    allowed: bool [B, γ+1, V] or None — constrained decoding: verify row j's logits are masked to the
+    tokens the request's grammar allows after d_0..d_{j−1} (the host walked the grammar through the
+    drafts; rows after the first draft it rejects are all True and never reached: that draft has
+    probability 0 under the masked target, so verification rejects it and the bonus is drawn from the
+    masked distribution — lossless for greedy and sampled rows).
     Returns (tokens int32 [B, γ+1]: the n_accept + 1 committed tokens then −1; n_accept int32 [B];
     the new state). Inactive rows: tokens −1, n_accept 0, nothing written.
     """
@@ -121,6 +126,8 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
           "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
           "page_table": batch["page_table"]}
     logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True)
+    if allowed is not None:
+        logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
     if tensors is None:
         n_acc, toks = sampling.greedy_verify(d, logits)
     else:
