@@ -220,13 +220,13 @@ def test_queue_limit_refuses_and_aborts_free(tok):
 
 
 @pytest.mark.parametrize("gamma", [3])
-def test_dspark_rows_accept_different_lengths(tok, gamma):
+def test_dspark_rows_accept_different_lengths(tok, gamma, caplog):
     """DSpark rows of one launch accept different numbers of drafts (0..γ, by position); the engine
     appends each row's n_accept + 1 tokens, so outputs equal the plain run's; max_tokens and a stop token
     inside a block cut there; pages beyond each row's committed tokens go back after every step."""
     accept = lambda seq, start: (start * 3 + seq.group.order) % (gamma + 1)  # noqa: E731
     runner = MockRunner(spec_gamma=gamma, accept=accept)
-    eng = make(tok, runner=runner, speculative_algorithm="DSPARK")
+    eng = make(tok, runner=runner, speculative_algorithm="DSPARK", decode_log_interval=4)
     prompts = [list(range(40, 40 + n)) for n in (5, 12, 3, 8)]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (17, 9, 22, 13)]
     stop_tok = expected(eng, 3, prompts[3], 13)[6]
@@ -238,7 +238,10 @@ def test_dspark_rows_accept_different_lengths(tok, gamma):
             if not s.spec_inflight:
                 assert len(e.allocator.pages(s.key)) <= -(-(s.num_cached + 1) // 8) + (-(-(gamma + 1) // 8))
 
-    outs = run_all(eng, [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))], check)
+    with caplog.at_level("INFO", logger="dsv41_jax.engine"):
+        outs = run_all(eng, [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))], check)
+    assert any("Decode batch." in r.message and "accept len: " in r.message and "accept rate: " in r.message
+               for r in caplog.records)
     mixed = [op for ops in runner.log for op in ops if isinstance(op, SpecLaunch)
              and len(set(np.asarray(op.n_accept)[:len(op.rows)].tolist())) > 1]
     assert mixed, "no DSpark launch had rows accepting different lengths"
@@ -253,6 +256,23 @@ def test_dspark_rows_accept_different_lengths(tok, gamma):
     m = outs["s0"].metrics
     assert m["spec_verify_steps"] > 0 and m["spec_accept_length"] >= 1.0
     assert_idle(eng)
+
+    # /metrics: the engine's cumulative DSpark figures mirrored into counters, gauges and the histogram
+    from dsv41_jax.serving.metrics import ServerMetrics
+
+    sm = ServerMetrics(eng.stats)
+    for _ in range(2):  # a second scrape adds nothing (counters mirror what is new)
+        vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in sm.render().decode().splitlines()
+                if ln.startswith("dsv41:spec")}
+    assert vals["dsv41:spec_verify_steps_total"] == st["spec_verify_steps"]
+    assert vals["dsv41:spec_accepted_tokens_total"] == st["spec_accepted_tokens"]
+    assert vals["dsv41:spec_draft_tokens_total"] == gamma * st["spec_verify_steps"]
+    assert vals["dsv41:spec_accept_length"] == pytest.approx(st["spec_accept_length"])
+    assert vals["dsv41:spec_accept_rate"] == pytest.approx(st["spec_accept_rate"])
+    assert vals["dsv41:spec_accept_length_per_step_count"] == st["spec_verify_steps"]
+    assert vals['dsv41:spec_accept_length_per_step_bucket{le="1.0"}'] == st["spec_accept_hist"][0]
+    assert vals["dsv41:spec_accept_length_per_step_sum"] == sum((n + 1) * c for n, c in
+                                                               enumerate(st["spec_accept_hist"]))
 
 
 def test_dspark_falls_back_to_plain_rows(tok):
