@@ -10,7 +10,10 @@
     chats[0].outputs[0].reasoning_content, chats[0].outputs[0].content
 
 Every request runs through the same scheduler as the server (`dsv41_jax.serving.engine.Engine`);
-keyword arguments of `LLM` are `EngineArgs` fields (SGLang spellings with underscores).
+keyword arguments of `LLM` are `EngineArgs` fields (SGLang spellings with underscores), e.g.
+``LLM(model=..., speculative_algorithm="DSPARK")`` for DSpark speculative decoding: each output's
+``metrics["spec_accept_length"]`` is then that request's accept length (tokens committed per verify
+step, 1 + accepted drafts) and `LLM.spec_stats` the engine's totals.
 """
 
 from __future__ import annotations
@@ -55,6 +58,18 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def spec_stats(self) -> Optional[dict]:
+        """DSpark totals since the engine started, or None when DSpark is off: ``accept_length``
+        (tokens committed per row-step, 1 + accepted drafts), ``accept_rate`` (accepted / proposed
+        drafts), ``verify_steps`` (row-steps), ``gamma`` and ``accept_hist`` (row-steps per accepted
+        count 0..γ)."""
+        if not getattr(self.engine, "spec_gamma", 0):
+            return None
+        st = self.engine.stats()
+        return {"accept_length": st["spec_accept_length"], "accept_rate": st["spec_accept_rate"],
+                "verify_steps": st["spec_verify_steps"], "gamma": st["spec_gamma"],
+                "accept_hist": st["spec_accept_hist"]}
 
     # ------------------------------------------------------------------------------------------
     @staticmethod

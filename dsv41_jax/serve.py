@@ -255,6 +255,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         engine = AsyncEngine(engine_args)
+    except EngineError as e:  # a refused configuration (e.g. DSpark without mtp.* weights): the message says why
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - report and exit non-zero
         log.exception("engine start failed")
         print(f"error: engine start failed: {type(e).__name__}: {e}", file=sys.stderr)

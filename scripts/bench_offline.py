@@ -15,7 +15,9 @@ through the scheduler, ``--repeats`` times (the best run is kept). Reported per 
 * mean step time of the decode-only iterations (with the overlap schedule this is the device time
   of a step plus whatever host work is not hidden);
 * and, once: the warm-up (compile) time and the number of compilations, plus how many happened
-  during the measured runs (0 when the buckets cover everything).
+  during the measured runs (0 when the buckets cover everything);
+* with ``--speculative-algorithm DSPARK``: the DSpark accept length (tokens committed per row-step,
+  1 + accepted drafts) and accept rate of each batch size's run.
 
 The JSON holds every number; the PNG plots decode / prefill tok/s and step time against b. The
 summary line reports decode throughput at 16 over that at 1 when both were measured.
@@ -53,6 +55,7 @@ def bench_one(llm, b: int, input_len: int, output_len: int, seed: int) -> dict:
     for r, p in zip(rids, prompts):
         eng.add_request(r, p, sp, output_kind="final")
     seqs = [s for r in rids for s in eng._groups[r].seqs]
+    m0 = dict(eng.metrics)
     n_first = None
     decode_steps = []
     outs = []
@@ -66,6 +69,9 @@ def bench_one(llm, b: int, input_len: int, output_len: int, seed: int) -> dict:
         if n_first is None and all(s.first_token_time is not None for s in seqs):
             n_first = te
     t1 = time.perf_counter()
+    steps = eng.metrics["spec_verify_steps"] - m0["spec_verify_steps"]
+    acc = eng.metrics["spec_accepted_tokens"] - m0["spec_accepted_tokens"]
+    drafts = eng.metrics["spec_draft_tokens"] - m0["spec_draft_tokens"]
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     assert gen == b * output_len, (gen, b * output_len)
     t_first = (n_first or t1) - t0
@@ -78,6 +84,8 @@ def bench_one(llm, b: int, input_len: int, output_len: int, seed: int) -> dict:
         "output_tok_s": gen / wall, "total_tok_s": (gen + b * input_len) / wall,
         "mean_decode_step_ms": 1000 * float(np.mean(decode_steps)) if decode_steps else None,
         "decode_steps": len(decode_steps),
+        "spec_accept_length": (1.0 + acc / steps) if steps else None,
+        "spec_accept_rate": (acc / drafts) if drafts else None,
     }
 
 
@@ -161,9 +169,11 @@ def main(argv=None) -> dict:
             if best is None or r["wall_s"] < best["wall_s"]:
                 best = r
         results.append(best)
-        logging.info("batch %3d: decode %.1f tok/s, prefill %.1f tok/s, output %.1f tok/s, decode step %.2f ms",
+        logging.info("batch %3d: decode %.1f tok/s, prefill %.1f tok/s, output %.1f tok/s, decode step %.2f ms%s",
                      b, best["decode_tok_s"] or 0, best["prefill_tok_s"] or 0, best["output_tok_s"],
-                     best["mean_decode_step_ms"] or 0)
+                     best["mean_decode_step_ms"] or 0,
+                     "" if best["spec_accept_length"] is None else
+                     f", accept length {best['spec_accept_length']:.2f} (rate {best['spec_accept_rate']:.2f})")
     by_b = {r["batch_size"]: r for r in results}
     scaling = None
     if 1 in by_b and 16 in by_b and by_b[1]["decode_tok_s"]:

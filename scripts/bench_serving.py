@@ -22,7 +22,11 @@ Definitions (as SGLang's / vLLM's serving benchmarks):
 * TPOT: ``(e2e - ttft) / (output_tokens - 1)`` per request (requests with > 1 output token);
 * output tokens come from the stream's ``usage`` (``stream_options.include_usage``) when the
   server reports it, else the number of text chunks;
-* throughputs are totals over the level's wall time (first send to last completion).
+* throughputs are totals over the level's wall time (first send to last completion);
+* accept length (speculative decoding, e.g. ours with ``--speculative-algorithm DSPARK``): tokens
+  committed per verify row-step over the level, from the server's Prometheus counters scraped before
+  and after it (``dsv41:spec_verify_steps_total`` / ``dsv41:spec_accepted_tokens_total``, or SGLang's
+  ``sglang:spec_accept_length`` gauge); absent when the server exports neither.
 
 Random prompts: with ``--tokenizer`` (``tiny`` or a model directory / tokenizer.json) each prompt
 is decoded from ``--random-input-len`` random token ids (exact lengths for /v1/completions, which
@@ -285,6 +289,44 @@ async def run_level(base_url: str, items: list, args, tokenizer, concurrency: in
     return summarize(results, wall, concurrency)
 
 
+_SPEC_SERIES = ("dsv41:spec_verify_steps_total", "dsv41:spec_accepted_tokens_total", "dsv41:spec_draft_tokens_total",
+                "sglang:spec_accept_length")
+
+
+def scrape_spec(base_url: str, api_key: Optional[str], timeout: float) -> dict:
+    """The speculative-decoding series of the server's /metrics ({} when unreachable or absent)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=timeout)
+        if r.status_code != 200:
+            return {}
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in r.text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in _SPEC_SERIES:
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                pass
+    return out
+
+
+def accept_length(before: dict, after: dict) -> dict:
+    """Accept length / rate over a level from two scrapes (None when the server has no such series)."""
+    k_steps, k_acc, k_draft = _SPEC_SERIES[:3]
+    if k_steps in after:
+        steps = after[k_steps] - before.get(k_steps, 0.0)
+        acc = after.get(k_acc, 0.0) - before.get(k_acc, 0.0)
+        drafts = after.get(k_draft, 0.0) - before.get(k_draft, 0.0)
+        return {"spec_accept_length": (1.0 + acc / steps) if steps else None,
+                "spec_accept_rate": (acc / drafts) if drafts else None, "spec_verify_steps": steps}
+    if _SPEC_SERIES[3] in after:  # SGLang: a gauge of the recent accept length
+        return {"spec_accept_length": after[_SPEC_SERIES[3]], "spec_accept_rate": None, "spec_verify_steps": None}
+    return {"spec_accept_length": None, "spec_accept_rate": None, "spec_verify_steps": None}
+
+
 def discover_model(base_url: str, api_key: Optional[str], timeout: float) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout)
@@ -404,13 +446,17 @@ def main(argv=None) -> int:
               "num_prompts": args.num_prompts, "input_len": args.random_input_len, "output_len": args.output_len,
               "levels": []}
     for c in levels:
+        before = scrape_spec(base, args.api_key, args.timeout)
         s = asyncio.run(run_level(base, items, args, tokenizer, c))
+        s.update(accept_length(before, scrape_spec(base, args.api_key, args.timeout)))
         report["levels"].append(s)
         print(f"concurrency {c:4d}: {s['completed']}/{s['completed'] + s['failed']} ok, "
               f"req/s {s['request_throughput']:.2f}, out tok/s {s['output_throughput']:.1f}, "
               f"TTFT med {_fmt(s['ttft_ms']['median'])} p99 {_fmt(s['ttft_ms']['p99'])} ms, "
               f"TPOT med {_fmt(s['tpot_ms']['median'])} ms, ITL med {_fmt(s['itl_ms']['median'])} "
-              f"p99 {_fmt(s['itl_ms']['p99'])} ms", flush=True)
+              f"p99 {_fmt(s['itl_ms']['p99'])} ms"
+              + ("" if s["spec_accept_length"] is None else f", accept length {s['spec_accept_length']:.2f}"),
+              flush=True)
         if s["failed"]:
             print(f"  errors: {s['errors']}", flush=True)
     if args.output_json:

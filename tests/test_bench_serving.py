@@ -166,3 +166,16 @@ def test_against_our_server(tmp_path):
         assert all(lv["total_input_tokens"] == 8 * 32 for lv in rep["levels"])
     finally:
         assert stop_server(proc, logf) == 0
+
+
+def test_accept_length_from_metrics_scrapes():
+    """Accept length over a level from two /metrics scrapes: ours (counters) and SGLang's (a gauge)."""
+    a = {"dsv41:spec_verify_steps_total": 10.0, "dsv41:spec_accepted_tokens_total": 5.0,
+         "dsv41:spec_draft_tokens_total": 30.0}
+    b = {"dsv41:spec_verify_steps_total": 30.0, "dsv41:spec_accepted_tokens_total": 35.0,
+         "dsv41:spec_draft_tokens_total": 90.0}
+    r = bench.accept_length(a, b)
+    assert r["spec_accept_length"] == 2.5 and r["spec_accept_rate"] == 0.5 and r["spec_verify_steps"] == 20
+    assert bench.accept_length({}, {"sglang:spec_accept_length": 3.1})["spec_accept_length"] == 3.1
+    assert bench.accept_length({}, {})["spec_accept_length"] is None
+

@@ -277,14 +277,14 @@ def test_llm_raises_when_the_engine_fails_a_request(eng, monkeypatch):
     from dsv41_jax.serving.engine import EngineInternalError
 
     mark = [318, 317, 316]
-    orig = eng._append_token
+    orig = eng.output.append_token
 
     def faulty(s, tok, lp, top, now):
         orig(s, tok, lp, top, now)
         if s.prompt_ids[:3] == mark and len(s.output_ids) == 2 and s.status == "running":
             eng._fail(s, "internal error: injected engine fault")
 
-    monkeypatch.setattr(eng, "_append_token", faulty)
+    monkeypatch.setattr(eng.output, "append_token", faulty)
     llm = LLM(engine=eng)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with pytest.raises(EngineInternalError, match="1 request\\(s\\) failed: internal error: injected engine fault"):
@@ -351,14 +351,14 @@ def test_http_engine_fault_is_an_error_not_a_short_answer(eng, app_client, monke
     an error event and no finish_reason, never HTTP 200 with a partial answer."""
     ae, client = app_client
     mark = [317, 316, 315, 314]
-    orig = eng._append_token
+    orig = eng.output.append_token
 
     def faulty(s, tok, lp, top, now):
         orig(s, tok, lp, top, now)
         if s.prompt_ids[:4] == mark and len(s.output_ids) == 3 and s.status == "running":
             eng._fail(s, "internal error: injected engine fault")
 
-    monkeypatch.setattr(eng, "_append_token", faulty)
+    monkeypatch.setattr(eng.output, "append_token", faulty)
     body = dict(model="tiny", max_tokens=20, temperature=0, ignore_eos=True, prompt=mark + [5, 6, 7])
 
     async def main():

@@ -49,6 +49,8 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Thread-backed asyncio wrapper of `Engine`."""
 
+    detokenizes = True  # outputs carry text deltas from the engine's `output.TextStream` (the server uses them)
+
     def __init__(self, engine_or_args=None, *, max_queued_requests: Optional[int] = None, start: bool = True,
                  **engine_kw):
         if isinstance(engine_or_args, Engine):
@@ -139,10 +141,11 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt_ids, params, constraint = cmd
+            _, rid, prompt_ids, params, constraint, drop_ids = cmd
             try:
                 with self._lock:
-                    self.engine.add_request(rid, prompt_ids, params, constraint=constraint, output_kind="delta")
+                    self.engine.add_request(rid, prompt_ids, params, constraint=constraint, output_kind="delta",
+                                            drop_token_ids=drop_ids)
             except Exception as e:  # noqa: BLE001 (the request's own error)
                 self._deliver(rid, e)
                 self._streams.pop(rid, None)
@@ -170,13 +173,14 @@ class AsyncEngine:
     def num_queued(self) -> int:
         """Samples waiting for admission plus requests not yet handed to the loop (lock-free: a
         deque's length is read atomically)."""
-        return len(self.engine._waiting) + max(self._n_pending_adds, 0)
+        return len(self.engine.scheduler.waiting) + max(self._n_pending_adds, 0)
 
     async def generate(self, prompt_ids, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, constraint=None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, constraint=None,
+                       drop_token_ids=()) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: each `RequestOutput` holds the new text / tokens / logprobs
         of the samples that advanced (``outputs[i].index`` tells which); the last has
-        ``finished=True`` and the finish reasons."""
+        ``finished=True`` and the finish reasons. drop_token_ids: ids left out of the text."""
         if self._dead is not None or self._thread is None:
             raise EngineDeadError("the engine loop is not running")
         if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
@@ -193,7 +197,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (loop, q)
         self._n_pending_adds += 1
-        self._cmds.put(("add", rid, list(prompt_ids), params, constraint))
+        self._cmds.put(("add", rid, list(prompt_ids), params, constraint, tuple(drop_token_ids)))
         self._wake.set()
         finished = False
         try:

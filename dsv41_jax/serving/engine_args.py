@@ -5,9 +5,11 @@ Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-r
 ``--context-length``, ``--kv-cache-dtype``, ``--max-total-tokens``, ``--tp-size``/``--tp``,
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
-``--skip-server-warmup``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
+``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK). Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
 ``--max-logprobs``, ``--disable-prefix-sharing``, ``--cpu-memory-budget``, ``--impl`` (which
-implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto").
+implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
+``--speculative-dspark-block-size`` (DSpark proposals per step, 1..5, at most the checkpoint's block),
+``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``).
 
 Small models (under ``SMALL_MODEL_BYTES`` of weights, e.g. the embedded tiny model) get smaller
 defaults: 4 running requests, 64-token prefill chunks and "compact" shape buckets (one batch size x
@@ -46,6 +48,8 @@ KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "b
 
 
 SHAPE_BUCKETS = ("auto", "compact", "full")
+SPECULATIVE_ALGORITHMS = ("DSPARK",)
+DSPARK_MAX_BLOCK = 5  # SPEC §7: the largest DSpark block (V4.1 Flash ships 5)
 SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
 # (max_running_requests, chunked_prefill_size) defaults: (small model, other)
 _DEFAULT_RUNNING = (4, 32)
@@ -101,6 +105,9 @@ class EngineArgs:
     engram_host_table: Optional[bool] = None  # None: env DSV41_ENGRAM_HOST_TABLE (default off)
     random_seed: int = 0
     impl: str = "auto"
+    speculative_algorithm: Optional[str] = None  # "DSPARK" (DSpark speculative decoding) or None
+    speculative_dspark_block_size: Optional[int] = None  # γ, 1..5; None: the checkpoint's dspark_block_size
+    speculative_simulate_accept_length: Optional[float] = None  # performance runs only (see runner.py)
 
     def __post_init__(self):
         self.validate()
@@ -153,6 +160,22 @@ class EngineArgs:
                                  "are both given (leave it 'auto')")
         if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running_requests:
             bad("batch_buckets", f"the largest must be >= max_running_requests={self.max_running_requests}")
+        if self.speculative_algorithm is not None:
+            if str(self.speculative_algorithm).upper() not in SPECULATIVE_ALGORITHMS:
+                bad("speculative_algorithm", f"must be one of {list(SPECULATIVE_ALGORITHMS)} or None")
+            self.speculative_algorithm = str(self.speculative_algorithm).upper()
+        v = self.speculative_dspark_block_size
+        if v is not None:
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= DSPARK_MAX_BLOCK:
+                bad("speculative_dspark_block_size", f"must be an integer in 1..{DSPARK_MAX_BLOCK}")
+            if self.speculative_algorithm is None:
+                bad("speculative_dspark_block_size", "needs --speculative-algorithm DSPARK")
+        v = self.speculative_simulate_accept_length
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= float(v) <= DSPARK_MAX_BLOCK + 1:
+                bad("speculative_simulate_accept_length", f"must be a number in 1..{DSPARK_MAX_BLOCK + 1}")
+            if self.speculative_algorithm is None:
+                bad("speculative_simulate_accept_length", "needs --speculative-algorithm DSPARK")
         from dsv41_jax.model.dispatch import ImplError, parse_impl
 
         try:
@@ -311,6 +334,19 @@ class EngineArgs:
                             "faithful oracle), 'xla', 'pallas', 'pallas_interpret', or per-op items such as "
                             "'xla,moe=reference'; the choice per op is logged at start-up, and a choice this "
                             "backend cannot honour is refused there")
+        g.add_argument("--speculative-algorithm", dest="speculative_algorithm", default=None,
+                       type=lambda x: str(x).upper(), choices=SPECULATIVE_ALGORITHMS,
+                       help="speculative decoding: DSPARK = the checkpoint's DSpark draft (mtp.* stages) proposes "
+                            "a block of tokens that the model verifies in one step; refused at start-up when the "
+                            "checkpoint has no DSpark stages, and with --tp-size/--ep-size > 1, "
+                            "--engram-host-table or --enable-mixed-chunk. Off by default")
+        g.add_argument("--speculative-dspark-block-size", dest="speculative_dspark_block_size", type=int,
+                       default=None, help=f"DSpark proposals per step (1..{DSPARK_MAX_BLOCK}, at most the checkpoint's "
+                                          "dspark_block_size, which is the default)")
+        g.add_argument("--speculative-simulate-accept-length", dest="speculative_simulate_accept_length", type=float,
+                       default=None, help="PERFORMANCE RUNS ONLY: every DSpark row commits this many tokens per "
+                                          "step (drafts unverified; the text is meaningless), like SGLang's "
+                                          "SGLANG_SIMULATE_ACC_LEN; default: env DSV41_SIMULATE_ACC_LEN, else off")
         return parser
 
     @classmethod

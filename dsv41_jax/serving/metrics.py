@@ -19,6 +19,13 @@ Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:``
 ``dsv41:num_preemptions_total``             counter    samples preempted under KV-pool pressure, label
                                                        ``reason`` (engine: "decode_pages" /
                                                        "prefill_pages"; see `engine.PREEMPTION_REASONS`)
+``dsv41:spec_verify_steps_total``           counter    DSpark row-steps (one per row of a verify launch)
+``dsv41:spec_accepted_tokens_total``        counter    drafts accepted by verification
+``dsv41:spec_draft_tokens_total``           counter    drafts proposed (γ per row-step)
+``dsv41:spec_accept_length``                gauge      mean tokens committed per row-step (1 + accepted;
+                                                       SGLang's "accept length"), since start
+``dsv41:spec_accept_rate``                  gauge      accepted / proposed drafts, since start
+``dsv41:spec_accept_length_per_step``       histogram  tokens committed per row-step (1..γ+1)
 ``dsv41:time_to_first_token_seconds``       histogram  arrival -> first generated token
 ``dsv41:inter_token_latency_seconds``       histogram  time between consecutive output tokens
 ``dsv41:time_per_output_token_seconds``     histogram  (e2e - ttft) / (tokens - 1) per request
@@ -27,7 +34,10 @@ Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:``
 ==========================================  =========  =================================================
 
 Each :class:`ServerMetrics` has its own ``CollectorRegistry`` (several servers in one process, as in
-tests, do not clash). Engine gauges are refreshed from ``engine.stats()`` at scrape time.
+tests, do not clash). Engine gauges are refreshed from ``engine.stats()`` at scrape time; the engine's
+cumulative counts (preemptions, DSpark steps / accepts and the accept-length histogram) are mirrored
+into the counters / histogram by adding what is new since the last scrape. The ``spec_*`` series
+exist only when the engine reports them (``--speculative-algorithm DSPARK``).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0)
+SPEC_ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6)  # tokens committed per DSpark row-step: 1..γ+1, γ <= 5
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
 # keys of engine.stats() tried for each gauge (first present wins)
@@ -143,6 +154,9 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency (s)",
                              buckets=E2E_BUCKETS, registry=r)
         self.info = Gauge(PREFIX + "model_info", "Served model", ["model"], registry=r)
+        self._r = r
+        self._spec = None  # DSpark series, made on the first scrape whose stats have them
+        self._spec_seen: dict = {}
         if model_name:
             self.info.labels(model=model_name).set(1)
         self._window = window
@@ -208,6 +222,45 @@ class ServerMetrics:
         v = _stat(stats, "gen_throughput")
         self.gen_throughput.set(v if v is not None else self.own_throughput())
         self._mirror_preemptions(stats.get("preemptions_by_reason"))
+        self._mirror_spec(stats)
+
+    def _mirror_spec(self, stats: Mapping[str, Any]) -> None:
+        """DSpark counters / gauges / histogram from the engine's cumulative figures."""
+        hist = stats.get("spec_accept_hist")
+        if not isinstance(hist, (list, tuple)):
+            return
+        r = self._r
+        if self._spec is None:
+            self._spec = {
+                "spec_verify_steps": Counter(PREFIX + "spec_verify_steps", "DSpark row-steps (verified blocks)",
+                                             registry=r),
+                "spec_accepted_tokens": Counter(PREFIX + "spec_accepted_tokens", "DSpark drafts accepted",
+                                                registry=r),
+                "spec_draft_tokens": Counter(PREFIX + "spec_draft_tokens", "DSpark drafts proposed", registry=r),
+                "accept_length": Gauge(PREFIX + "spec_accept_length",
+                                       "Mean tokens committed per DSpark row-step (1 + accepted drafts)", registry=r),
+                "accept_rate": Gauge(PREFIX + "spec_accept_rate", "DSpark accepted / proposed drafts", registry=r),
+                "hist": Histogram(PREFIX + "spec_accept_length_per_step",
+                                  "Tokens committed per DSpark row-step (1 + accepted drafts)",
+                                  buckets=SPEC_ACCEPT_BUCKETS, registry=r),
+            }
+        sp = self._spec
+        for key in ("spec_verify_steps", "spec_accepted_tokens", "spec_draft_tokens"):
+            n = stats.get(key)
+            seen = self._spec_seen.get(key, 0)
+            if isinstance(n, (int, float)) and n > seen:
+                sp[key].inc(n - seen)
+                self._spec_seen[key] = n
+        for key, g in (("spec_accept_length", "accept_length"), ("spec_accept_rate", "accept_rate")):
+            v = stats.get(key)
+            if isinstance(v, (int, float)):
+                sp[g].set(float(v))
+        seen = self._spec_seen.setdefault("hist", [0] * len(hist))
+        seen += [0] * (len(hist) - len(seen))
+        for n_acc, count in enumerate(hist):
+            for _ in range(max(0, int(count) - seen[n_acc])):
+                sp["hist"].observe(n_acc + 1)
+            seen[n_acc] = max(seen[n_acc], int(count))
 
     def _mirror_preemptions(self, counts: Any) -> None:
         """The engine counts preemptions per reason (cumulative); a Prometheus counter only grows,

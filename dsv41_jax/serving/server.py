@@ -19,8 +19,10 @@ route, 413 for a body over ``max_body_bytes``, 503 when the queue is full or the
 A client that disconnects (streaming or not) gets its request aborted in the engine, so its KV pages
 return to the pool.
 
-Text: the server detokenizes each choice from the engine's token ids itself (incrementally, never a
-broken UTF-8 sequence). While tools are given or the request thinks, special tokens are kept (SPEC
+Text: one detokenizer per choice, `output.TextStream` (incremental, never a broken UTF-8 sequence). With
+our engine (``engine.detokenizes``) it runs in the engine's output processor, told which ids to leave
+out (``drop_token_ids``), and the server uses the engine's text deltas; with another engine (one that
+yields token ids only) the server runs the same `TextStream` on the ids itself. While tools are given or the request thinks, special tokens are kept (SPEC
 §10: otherwise ``｜DSML｜`` / ``</think>`` vanish and the parsers cannot see the markup) and every
 special token other than ``<think>``, ``</think>`` and ``｜DSML｜`` is dropped; the stop token that
 ended a choice is never text. Stop strings are matched on that text (the engine also stops on them).
@@ -243,13 +245,16 @@ class _Choice:
 
     def __init__(self, index: int, tokenizer: Any, prompt_ids: Sequence[int], sp: Any, *, keep_special: bool,
                  drop_ids: frozenset, parser: Optional[ChatOutputParser], think_close_id: Optional[int],
-                 thinking: bool):
-        from .tokenizer import IncrementalDetokenizer
+                 thinking: bool, engine_text: bool = False):
+        from .output import TextStream
 
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=not keep_special,
-                                            stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
-                                            min_tokens=sp.min_tokens)
+        # engine_text: the engine detokenizes (the same TextStream, with these drop ids) and its text
+        # deltas are used as they are; else this one runs on the token ids
+        self.engine_text = engine_text
+        self.detok = TextStream(tokenizer, prompt_ids, skip_special_tokens=not keep_special, stop=sp.stop,
+                                include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
+                                drop_ids=drop_ids)
         self.drop_ids = drop_ids
         self.parser = parser
         self.token_ids: list[int] = []
@@ -285,8 +290,13 @@ class _Choice:
                     self._reasoning_open = False
                     break
                 self.reasoning_tokens += 1
-        feed = [t for t in ids if t not in self.drop_ids]
-        text = self.detok.add(feed) if feed else ""
+        if self.engine_text:  # the engine's TextStream already applied stops and drop ids
+            text = upd.text or ""
+            if upd.finish_reason is not None:
+                self.finish_reason, self.stop_reason, self.done = upd.finish_reason, upd.stop_reason, True
+            self.text += text
+            return text
+        text = self.detok.add(ids)
         if self.detok.stopped and upd.finish_reason is None:
             upd.finish_reason = "stop"
             upd.stop_reason = self.detok.stop_str
@@ -301,6 +311,11 @@ class _Choice:
             self.done = True
         self.text += text
         return text
+
+    @property
+    def stopped_here(self) -> bool:
+        """A stop string matched by the server's own detokenizer (the engine must be told to stop)."""
+        return not self.engine_text and self.detok.stopped
 
     def reasoning_progress(self) -> None:
         # an implicit close (a DSML block inside reasoning) ends reasoning at the parser's word
@@ -482,10 +497,15 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def run_generation(prompt_ids: list, sp: Any, rid: str, constraint: Any) -> AsyncIterator[EngineOutput]:
+    engine_text = bool(getattr(engine, "detokenizes", False))
+
+    async def run_generation(prompt_ids: list, sp: Any, rid: str, constraint: Any,
+                             drop_ids: frozenset = frozenset()) -> AsyncIterator[EngineOutput]:
         kwargs = {}
         if constraint is not None:
             kwargs["constraint"] = constraint
+        if engine_text and drop_ids:
+            kwargs["drop_token_ids"] = sorted(drop_ids)
         try:
             gen = engine.generate(prompt_ids, sp, rid, **kwargs)
             if asyncio.iscoroutine(gen):
@@ -765,7 +785,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                                       tool_parser=bool(cfg.tool_call_parser))
             out.append(_Choice(i, tokenizer, prompt_ids, req_sp, keep_special=keep_special,
                                drop_ids=drop_when_kept if keep_special else frozenset(), parser=parser,
-                               think_close_id=think_close_id, thinking=enc.thinking))
+                               think_close_id=think_close_id, thinking=enc.thinking, engine_text=engine_text))
         return out
 
     @app.post("/v1/chat/completions")
@@ -810,7 +830,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             """Yields (choice, OutputDelta, token start, token end) for every engine update."""
             state.inflight += 1
             try:
-                async for out in run_generation(prompt_ids, sp, rid, constraint):
+                async for out in run_generation(prompt_ids, sp, rid, constraint, choices[0].drop_ids):
                     for upd in out.choices:
                         if not (0 <= upd.index < len(choices)):
                             continue
@@ -833,7 +853,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                     n0 = len(ch.token_ids)
                     text = ch.add(ChoiceUpdate(ch.index, [], finish_reason="abort"))
                     yield ch, _parse_step(ch, text), n0, n0
-            if any(c.detok.stopped for c in choices):
+            if any(c.stopped_here for c in choices):
                 await abort(rid)  # a server-side stop string: make sure the engine stops too
 
         if not req.stream:
@@ -973,7 +993,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
         for k, ids in enumerate(prompts_ids):
             for j in range(n):
                 choices.append(_Choice(k * n + j, tokenizer, ids, sps[k], keep_special=not sps[k].skip_special_tokens,
-                                       drop_ids=frozenset(), parser=None, think_close_id=None, thinking=False))
+                                       drop_ids=frozenset(), parser=None, think_close_id=None, thinking=False,
+                                       engine_text=engine_text))
         timer = metrics.timer() if metrics is not None else None
         if timer is not None:
             timer.arrival = arrival
@@ -1012,7 +1033,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                             timer.tokens(len(upd.token_ids))
                         text = ch.add(upd)
                         yield ch, text, start, len(ch.token_ids)
-                        if ch.done and ch.detok.stopped and all(c.done for c in choices[k * n:(k + 1) * n]):
+                        if ch.done and ch.stopped_here and all(c.done for c in choices[k * n:(k + 1) * n]):
                             await abort(rids[k])
                     if all(c.done for c in choices):
                         break

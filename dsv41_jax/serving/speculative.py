@@ -91,7 +91,7 @@ def sampling_draw(tensors, step_counter):
 
 
 def speculative_step(params, state, batch, tensors=None, step_counter=None, forced_draft=None, *, cfg, ccfg,
-                     gamma: Optional[int] = None):
+                     gamma: Optional[int] = None, accept_override=None, allowed=None):
     """One DSpark step for B rows (see the module docstring).
 
     state: the cache pytree with ``"dspark"`` rings (`dspark.with_rings`); batch: `make_spec_batch`.
@@ -100,6 +100,15 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     forced_draft: int32 [B, γ] or None — a test/benchmark hook replacing the draft's proposals where
     >= 0 (q one-hot there; −1 keeps the draft's own); the draft still runs. (A benchmark can force a
     simulated accept length by forcing the target's tokens, or wrong ones.)
+    accept_override: int32 [B] or None — the simulated-accept-length knob (performance runs only):
+    where >= 0, the row commits min(override, γ) drafts *unverified* plus the target's argmax after
+    them as the bonus, whatever the verifier decided (−1: verify as usual). The cache stays
+    consistent with the committed tokens; the text is meaningless.
+    allowed: bool [B, γ+1, V] or None — constrained decoding: verify row j's logits are masked to the
+    tokens the request's grammar allows after d_0..d_{j−1} (the host walked the grammar through the
+    drafts; rows after the first draft it rejects are all True and never reached: that draft has
+    probability 0 under the masked target, so verification rejects it and the bonus is drawn from the
+    masked distribution — lossless for greedy and sampled rows).
     Returns (tokens int32 [B, γ+1]: the n_accept + 1 committed tokens then −1; n_accept int32 [B];
     the new state). Inactive rows: tokens −1, n_accept 0, nothing written.
     """
@@ -117,10 +126,22 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
           "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
           "page_table": batch["page_table"]}
     logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True)
+    if allowed is not None:
+        logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
     if tensors is None:
         n_acc, toks = sampling.greedy_verify(d, logits)
     else:
         n_acc, toks = sampling.spec_verify(d, q, logits, tensors, step_counter)
+    if accept_override is not None:
+        ov = jnp.asarray(accept_override, jnp.int32)
+        n_f = jnp.clip(ov, 0, gamma)
+        bonus = jnp.argmax(jnp.take_along_axis(logits, n_f[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
+        j = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+        d_pad = jnp.concatenate([d, jnp.zeros_like(d[:, :1])], axis=1)
+        toks_f = jnp.where(j < n_f[:, None], d_pad, jnp.where(j == n_f[:, None], bonus[:, None], -1))
+        forced_acc = ov >= 0
+        n_acc = jnp.where(forced_acc, n_f, n_acc)
+        toks = jnp.where(forced_acc[:, None], toks_f, toks)
     n_acc = jnp.where(active, n_acc, 0).astype(jnp.int32)
     toks = jnp.where(active[:, None], toks, -1)
     n_commit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)

@@ -1,0 +1,725 @@
+"""The runner: owns the device state and launches the jitted steps (plain and DSpark).
+
+It holds the model parameters (loaded or given), the cache pytree (donated through every step; with
+DSpark, plus the draft's rings), the page allocator (`SharedPageAllocator`, host-side: the scheduler
+asks it for room, the runner's launches read its page tables), the per-slot sampling tensors and the
+``last_token`` array the overlap schedule reads decode inputs from. It turns the scheduler's ops into
+device launches, asynchronously (results stay device arrays in the op until the output processor
+reads them):
+
+- `Launch` [B, T]: first-token fill from ``last_token`` (decode rows whose input is still on the
+  device), `decode.extend` (with DSpark: `dspark.extend_seeding`, which also writes the draft rings of
+  every committed token), then sampling on the device (`_sample_rows`, constraint masks applied).
+  A launch with prompt-logprob rows runs the all-logits variant and reduces on the device.
+- `SpecLaunch` [B, γ+1]: one `speculative.speculative_step` (draft γ tokens, verify them in one
+  target forward, commit the accepted prefix + bonus) with the rows' sampling tensors gathered from
+  the slots, the committed tokens added to the penalty counts and the bonus put in ``last_token``:
+  one compiled program per batch bucket (`_jitted_spec_launch`): accept lengths are values. A launch
+  with constrained rows first runs the draft alone (`_propose_launch`) and walks each row's grammar
+  through the drafts on the host (`_grammar_masks`); the verify rows' logits are masked up to the first
+  draft the grammar rejects.
+- fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples.
+
+Every (batch, tokens) bucket, and with DSpark the verify step per batch bucket, is compiled in
+`warmup`; steady-state serving never compiles (tests count `num_compilations`).
+
+DSpark (``--speculative-algorithm DSPARK``) is refused at start-up (EngineError, naming the reason)
+with a checkpoint without DSpark stages, a block size above the checkpoint's, a mesh (--tp-size /
+--ep-size > 1: the speculative step is not sharded), --engram-host-table and --enable-mixed-chunk.
+``--speculative-simulate-accept-length L`` (env ``DSV41_SIMULATE_ACC_LEN``; performance runs only)
+forces each DSpark row to commit L tokens per step (floor/ceil by a seeded stream around a
+fractional L) whatever the verifier says: the *drafts* are committed as if accepted, so the text is
+garbage and only the timing means anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import decode as dec
+from dsv41_jax.serving import sampling as smp
+from dsv41_jax.serving import speculative as spec
+from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.request import RUNNING, EngineError
+from dsv41_jax.serving.sampling import SamplingTensors
+from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
+
+__all__ = ["Runner", "SharedPageAllocator", "SIMULATE_ACC_LEN_ENV"]
+
+log = logging.getLogger("dsv41_jax.engine")
+
+_ADMIT_ROWS = 8  # slot resets / sampling-row updates are dispatched in groups of this many (one shape)
+_CPU_MEM_FRACTION = 0.5
+_ACCEL_MEM_FRACTION = 0.85
+SIMULATE_ACC_LEN_ENV = "DSV41_SIMULATE_ACC_LEN"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pages with sharing
+# ----------------------------------------------------------------------------------------------------
+
+
+class SharedPageAllocator(kvc.PageAllocator):
+    """`PageAllocator` whose pages may be shared by several requests (reference counted).
+
+    `share(src, dst, n)` gives ``dst`` the first ``n`` pages of ``src`` (they must be full and never
+    written again); a page returns to the free list when its last holder frees it."""
+
+    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+        super().__init__(num_pages, page_size, max_pages_per_seq)
+        self._refs: dict = {}
+
+    def ensure(self, rid, num_tokens: int) -> list:
+        before = len(self._tables.get(rid, []))
+        table = super().ensure(rid, num_tokens)
+        for p in table[before:]:
+            self._refs[p] = 1
+        return table
+
+    def pages_needed(self, rid, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(self._tables.get(rid, [])))
+
+    def share(self, src, dst, n_pages: int) -> None:
+        if self._tables.get(dst):
+            raise ValueError(f"share: {dst!r} already holds pages")
+        pages = list(self._tables.get(src, []))[:n_pages]
+        if len(pages) < n_pages:
+            raise ValueError(f"share: {src!r} holds {len(pages)} pages, fewer than {n_pages}")
+        self._tables[dst] = pages
+        for p in pages:
+            self._refs[p] += 1
+
+    def truncate(self, rid, num_tokens: int) -> int:
+        """Give back `rid`'s pages beyond `num_tokens` tokens (a DSpark verify window's rejected
+        positions); a shared page returns to the free list only when its last holder lets it go."""
+        table = self._tables.get(rid)
+        if table is None:
+            return 0
+        keep = max(-(-num_tokens // self.page_size), 0)
+        extra = table[keep:]
+        del table[keep:]
+        released = []
+        for p in extra:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                del self._refs[p]
+                released.append(p)
+        self._free.extend(reversed(released))
+        return len(released)
+
+    def free(self, rid) -> int:
+        table = self._tables.pop(rid, [])
+        released = []
+        for p in table:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                del self._refs[p]
+                released.append(p)
+        self._free.extend(reversed(released))
+        return len(released)
+
+    @property
+    def used_pages(self) -> int:
+        return self.capacity - len(self._free)
+
+    def check_invariants(self) -> None:
+        counts: dict = collections.Counter()
+        for rid, t in self._tables.items():
+            if len(set(t)) != len(t):
+                raise AssertionError(f"request {rid!r} holds a page twice")
+            counts.update(t)
+        if dict(counts) != self._refs:
+            raise AssertionError("reference counts do not match the page tables")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("free list has duplicates")
+        if 0 in free or 0 in counts:
+            raise AssertionError("the null page 0 was handed out")
+        if set(counts) & free:
+            raise AssertionError(f"pages both live and free: {sorted(set(counts) & free)}")
+        if len(counts) + len(free) != self.capacity:
+            raise AssertionError(f"{self.capacity - len(counts) - len(free)} pages lost")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Jitted device helpers (module level: shared by every engine, compiled once per shape)
+# ----------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("max_logprobs",), donate_argnums=(1, 2))
+def _sample_rows(logits, slot_tensors, last_token, slots, step_counter, sample_mask, allowed, *, max_logprobs):
+    """Sample the rows of a launch from their slots' tensors; scatter tokens into ``last_token`` and
+    the penalty counts. Rows with ``sample_mask`` False change nothing."""
+    n_rows = last_token.shape[0]
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & sample_mask)
+    x = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
+    tokens, lp, (top_ids, top_vals) = smp.sample(x, t, step_counter, max_logprobs=max_logprobs)
+    rows = jnp.where(sample_mask, slots, n_rows)  # out of range: dropped
+    counts = slot_tensors.output_counts.at[rows, tokens].add(1, mode="drop")
+    last = last_token.at[rows].set(tokens, mode="drop")
+    return tokens, lp, top_ids, top_vals, slot_tensors.replace(output_counts=counts), last
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _prompt_logprobs(logits, targets, *, k):
+    """Per-position scoring of a prefill launch on the device.
+
+    logits: fp32 [B, T, V] (every position of each chunk); targets: int32 [B, T], the prompt token
+    that follows each position. Returns (logprob fp32 [B, T] of the target, top-k ids int32
+    [B, T, k], top-k logprobs fp32 [B, T, k]) from log_softmax over V (ties: lower id first)."""
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(lsm, targets[..., None], axis=-1)[..., 0]
+    top_vals, top_ids = jax.lax.top_k(lsm, k)
+    return lp, top_ids.astype(jnp.int32), top_vals
+
+
+@jax.jit
+def _last_logits(logits, n_new):
+    """[B, T, V] -> [B, V] at each row's last real token (what the last-only variant returns)."""
+    last = jnp.maximum(n_new - 1, 0)
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+
+@jax.jit
+def _fill_first_token(tokens, from_prev, slot, last_token):
+    """tokens[:, 0] ← last_token[slot] where from_prev (decode rows whose input is still on device)."""
+    return tokens.at[:, 0].set(jnp.where(from_prev, last_token[slot], tokens[:, 0]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_rows(state, slots, pad_id):
+    return kvc.reset_slots(state, slots, pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "ratios"), donate_argnums=(0,))
+def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
+    """Copy slot ``src``'s rows to slot ``dst`` and page ``src_page``'s pool entries to ``dst_page``."""
+    row = lambda a: a.at[dst].set(a[src])  # noqa: E731
+    out = dict(state)
+    out["window"] = [jax.tree.map(row, w) for w in state["window"]]
+    out["partial"] = {k: jax.tree.map(row, v) for k, v in state["partial"].items()}
+    if "engram_hist" in state:
+        out["engram_hist"] = row(state["engram_hist"])
+    r_of = dict(ratios)
+
+    def page_copy(store, r):
+        n = page_size // r
+
+        def one(a):
+            z = (0,) * (a.ndim - 1)
+            blk = jax.lax.dynamic_slice(a, (src_page * n,) + z, (n,) + a.shape[1:])
+            return jax.lax.dynamic_update_slice(a, blk, (dst_page * n,) + z)
+
+        return jax.tree.map(one, store)
+
+    out["comp"] = {k: page_copy(v, r_of[k]) for k, v in state["comp"].items()}
+    out["ikeys"] = {k: page_copy(v, r_of[k]) for k, v in state["ikeys"].items()}
+    if "dspark" in state:  # the DSpark rings hold the prompt's draft KV, per slot
+        out["dspark"] = [jax.tree.map(row, r) for r in state["dspark"]]
+    return out
+
+
+def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, forced_draft, accept_override,
+                 allowed, *, cfg, ccfg, gamma):
+    """One DSpark step for the rows of a `SpecLaunch`: sampling tensors gathered from the rows' slots,
+    `speculative.speculative_step`, then the committed tokens added to the slots' penalty counts and
+    each row's bonus token (the next anchor) put in ``last_token[slot]``.
+
+    batch: `speculative.make_spec_batch`-style {anchor, start, slot, page_table, active} (numpy is
+    fine); step_counter int32 [B]: tokens each row has generated (the anchor included); forced_draft
+    int32 [B, γ]: −1 (the draft's own proposal) or a token replacing it (the test-only oracle hook);
+    accept_override int32 [B]: −1, or a forced accept count (the simulated-accept-length knob);
+    allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True for unconstrained rows).
+    Returns (tokens int32 [B, γ+1] −1 padded, n_accept int32 [B], slot_tensors, last_token, state)."""
+    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
+    n_rows = last_token.shape[0]
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & active)
+    toks, n_acc, state = spec.speculative_step(params, state, batch, t, step_counter, forced_draft, cfg=cfg, ccfg=ccfg,
+                                               gamma=gamma, accept_override=accept_override, allowed=allowed)
+    rows = jnp.where(active, slots, n_rows)  # out of range: dropped
+    V = slot_tensors.output_counts.shape[1]
+    cols = jnp.where(toks >= 0, toks, V)  # −1 padding: out of range, dropped
+    counts = slot_tensors.output_counts.at[rows[:, None], cols].add(1, mode="drop")
+    bonus = jnp.take_along_axis(toks, n_acc[:, None], axis=1)[:, 0]
+    last = last_token.at[rows].set(bonus, mode="drop")
+    return toks, n_acc, slot_tensors.replace(output_counts=counts), last, state
+
+
+def _propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma):
+    """The draft alone for the rows of a `SpecLaunch` (the same draws as `_spec_launch`'s own draft):
+    int32 [B, γ]. Used when a row has a constraint: the host checks the drafts against the grammar
+    before the verify step (which then gets them as forced drafts, and the grammar's masks)."""
+    from dsv41_jax.model import dspark
+
+    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & active)
+    draw = spec.sampling_draw(t, step_counter)
+    prop = dspark.propose(params, state["dspark"], jnp.asarray(batch["anchor"]), jnp.asarray(batch["start"]), slots,
+                          cfg, ccfg, gamma, draw)
+    return prop["tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_propose_launch(cfg, ccfg, gamma: int):
+    return jax.jit(functools.partial(_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_spec_launch(cfg, ccfg, gamma: int):
+    """`_spec_launch` jitted per (cfg, ccfg, γ), cache / tensors / last_token donated; compiles once per
+    batch bucket."""
+    return jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma), donate_argnums=(1, 2, 3))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runner
+# ----------------------------------------------------------------------------------------------------
+
+
+def _device_memory_bytes(args: EngineArgs) -> tuple:
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        try:
+            stats = dev.memory_stats() or {}
+            if stats.get("bytes_limit"):
+                return int(stats["bytes_limit"]), f"{dev.platform} bytes_limit", _ACCEL_MEM_FRACTION
+        except Exception:  # noqa: BLE001 (backends without memory_stats)
+            pass
+    if args.cpu_memory_budget:
+        return int(args.cpu_memory_budget), "--cpu-memory-budget", _CPU_MEM_FRACTION
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return int(total), "physical RAM", _CPU_MEM_FRACTION if dev.platform == "cpu" else _ACCEL_MEM_FRACTION
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
+
+
+
+def resolve_simulated_accept_length(args: EngineArgs) -> Optional[float]:
+    """``--speculative-simulate-accept-length``, else env ``DSV41_SIMULATE_ACC_LEN`` (None: off)."""
+    if args.speculative_simulate_accept_length is not None:
+        return float(args.speculative_simulate_accept_length)
+    env = os.environ.get(SIMULATE_ACC_LEN_ENV)
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            raise EngineError(f"{SIMULATE_ACC_LEN_ENV}={env!r}: not a number") from None
+    return None
+
+
+class Runner:
+    """Device state and launches (see the module docstring). Built by `Engine`; single-threaded."""
+
+    def __init__(self, args: EngineArgs, *, cfg=None, params=None):
+        self.args = args
+        t0 = time.perf_counter()
+        from dsv41_jax.model.config import ModelConfig
+
+        if cfg is None:
+            cfg = ModelConfig.from_pretrained(args.model)
+        if args.dtype != "auto" and cfg.act_dtype != args.act_dtype:
+            cfg = cfg.replace(act_dtype=args.act_dtype)
+        if cfg.impl != args.impl:
+            cfg = cfg.replace(impl=args.impl)
+        try:
+            chosen = args.resolved_impl()
+        except ValueError as e:
+            raise EngineError(f"--impl {args.impl!r}: {e}") from None
+        log.info("impl %r: %s", args.impl, ", ".join(f"{op}={name}" for op, name in chosen.items()))
+        self.cfg = cfg
+        # --tp / --ep: the mesh is built (and an impossible combination refused, MeshError) before any
+        # weight is loaded; tp = ep = 1 runs unsharded on the default device.
+        self.mesh = None
+        if args.tp_size != 1 or args.ep_size != 1:
+            from dsv41_jax.parallel.mesh import make_mesh
+
+            self.mesh = make_mesh(args.tp_size, args.ep_size, cfg=cfg)
+        from dsv41_jax.parallel.host_table import host_table_requested, offload_engram
+
+        self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
+        self.spec_gamma = self._check_speculative(cfg)  # before any weight is loaded
+        if params is None:
+            if args.model == "tiny" and not os.path.isdir(args.model):
+                from dsv41_jax.model.params import init_params
+
+                params = init_params(cfg, jax.random.key(args.random_seed))
+            else:
+                from dsv41_jax.model.checkpoint import load_params
+
+                # straight onto the mesh's shardings (no whole-tensor copy on one device first)
+                params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
+        if self.spec_gamma and len(params.get("mtp") or []) < cfg.num_nextn_predict_layers:
+            raise EngineError("--speculative-algorithm DSPARK: the checkpoint has no DSpark parameters (mtp.*: "
+                              f"{len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} stages loaded)")
+        if self.mesh is not None:
+            from dsv41_jax.parallel import rules
+
+            params = rules.shard_params(params, cfg, self.mesh, engram_host_table=self.engram_host_table)
+        elif self.engram_host_table:
+            params = offload_engram(params)
+        from dsv41_jax.model import layer_scan
+
+        # runs of plan-identical layers stacked once here, so the step's scans read them in place
+        # (stacking inside the step would copy their weights on every call)
+        params = layer_scan.prepare(params, cfg)
+        self.params = params
+        self.vocab_size = cfg.vocab_size
+        self.pad_compressed_id = (int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
+                                  if cfg.engram_layer_ids else 0)
+        self.load_time = time.perf_counter() - t0
+
+        # -- memory plan
+        self.ccfg, self.memory_plan = self._plan_memory()
+        ccfg = self.ccfg
+        self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
+        self.max_slots = ccfg.max_slots
+        self.scratch = ccfg.max_slots
+        self.max_logprobs = min(args.max_logprobs, self.vocab_size)
+
+        # -- device state
+        if self.mesh is None:
+            self.state = kvc.init_cache(cfg, ccfg)
+        else:
+            from dsv41_jax.parallel import rules
+
+            self.state = rules.init_cache(cfg, ccfg, self.mesh)
+        if self.spec_gamma:
+            from dsv41_jax.model import dspark
+
+            self.state = dspark.with_rings(self.state, cfg, ccfg)
+        self.reset_slots(list(range(self.max_slots + 1)))
+        self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
+        self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
+        self._allow_all: dict = {}
+        self._allow_all_spec: dict = {}
+        if self.spec_gamma:  # every plain step also writes the draft rings of the tokens it commits
+            self._extend = spec.jitted_extend_seeding(cfg, ccfg)
+            self._spec = _jitted_spec_launch(cfg, ccfg, self.spec_gamma)
+            self._propose = _jitted_propose_launch(cfg, ccfg, self.spec_gamma)
+        else:
+            self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh, self.engram_host_table)
+            self._spec = self._propose = None
+        self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
+        self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
+        self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+        self.simulate_accept_length = resolve_simulated_accept_length(args) if self.spec_gamma else None
+        if self.simulate_accept_length is not None:
+            L = self.simulate_accept_length
+            if not 1.0 <= L <= self.spec_gamma + 1:
+                raise EngineError(f"simulated accept length {L}: must be in 1..{self.spec_gamma + 1} (γ + 1)")
+            log.warning("DSpark: simulated accept length %.2f (PERFORMANCE RUNS ONLY: drafts are committed "
+                        "unverified, the text is meaningless)", L)
+        elif args.speculative_simulate_accept_length is None and os.environ.get(SIMULATE_ACC_LEN_ENV) \
+                and not self.spec_gamma:
+            raise EngineError(f"{SIMULATE_ACC_LEN_ENV} is set but --speculative-algorithm is not DSPARK")
+        self._sim_rng = np.random.default_rng(args.random_seed)
+        self.launches = 0
+        # test-only: fn(SpecLaunch) -> int32 [len(rows), γ] drafts replacing the draft's own where >= 0
+        # (an oracle proposing known tokens, to make rows accept chosen lengths); None: the draft's own
+        self.draft_hook = None
+
+    # ------------------------------------------------------------------------------------ setup
+    def _check_speculative(self, cfg) -> int:
+        """γ (DSpark proposals per step), 0 when off; EngineError naming any unsupported combination."""
+        args = self.args
+        if args.speculative_algorithm is None:
+            return 0
+        name = "--speculative-algorithm DSPARK"
+        if cfg.num_nextn_predict_layers < 1:
+            raise EngineError(f"{name}: this checkpoint has no DSpark stages (num_nextn_predict_layers = 0, "
+                              "no mtp.* parameters)")
+        G = cfg.dspark_block_size
+        gamma = G if args.speculative_dspark_block_size is None else args.speculative_dspark_block_size
+        if not 1 <= gamma <= G:
+            raise EngineError(f"--speculative-dspark-block-size {gamma}: the checkpoint's DSpark block is "
+                              f"{G} (dspark_block_size); choose 1..{G}")
+        if self.mesh is not None:
+            raise EngineError(f"{name} with --tp-size {args.tp_size} / --ep-size {args.ep_size}: not supported "
+                              "(the speculative step is not sharded); run DSpark unsharded")
+        if self.engram_host_table:
+            raise EngineError(f"{name} with --engram-host-table: not supported (the verify step reads the "
+                              "Engram tables on the device)")
+        if args.enable_mixed_chunk:
+            raise EngineError(f"{name} with --enable-mixed-chunk: not supported (DSpark rows run as their own "
+                              "[B, γ+1] launch)")
+        return gamma
+
+    def _plan_memory(self):
+        args, cfg = self.args, self.cfg
+        ps, S = args.page_size, args.max_running_requests
+        mode = args.cache_dtype
+        want_ctx = args.context_length or cfg.max_position_embeddings
+        ctx = -(-want_ctx // ps) * ps
+        b = kvc.kv_bytes_per_token(cfg, mode)
+        info = {"page_size": ps, "max_running_requests": S, "bytes_per_token": b["per_token"],
+                "window_bytes": (S + 1) * b["window_per_request"]}
+        if args.max_total_tokens:
+            num_pages = -(-args.max_total_tokens // ps) + 1
+            info["source"] = "--max-total-tokens"
+        else:
+            total, source, default_frac = _device_memory_bytes(args)
+            frac = args.mem_fraction_static if args.mem_fraction_static is not None else default_frac
+            weights = _tree_bytes(self.params)
+            budget = int(total * frac) - weights
+            plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode)
+            num_pages = min(plan["num_pages"], S * (ctx // ps) + 1)
+            info.update(source=f"{frac:.2f} x {source} ({total / 2**30:.1f} GiB) - weights {weights / 2**20:.1f} MiB",
+                        budget_bytes=budget)
+        num_pages = max(num_pages, 2)
+        ctx = min(ctx, (num_pages - 1) * ps)
+        if min(ctx, want_ctx) < 2:
+            raise EngineError("the KV pool is too small for a single request")
+        ccfg = kvc.CacheConfig(page_size=ps, num_pages=num_pages, max_slots=S, max_pages_per_seq=ctx // ps,
+                               kv_cache_dtype=mode)
+        ccfg.validate(cfg)
+        info.update(num_pages=num_pages, pool_tokens=(num_pages - 1) * ps, context_length=min(ctx, want_ctx),
+                    pool_bytes=int(num_pages * ps * b["per_token"]))
+        log.info("KV cache (%s): page_size=%d, %d pages = %d tokens, pools %.1f MiB (%.0f B/token), window rings "
+                 "%.1f MiB for %d slots, context_length=%d, kv_cache_dtype=%s, act dtype=%s", info["source"], ps,
+                 num_pages - 1, info["pool_tokens"], info["pool_bytes"] / 2**20, b["per_token"],
+                 info["window_bytes"] / 2**20, S, info["context_length"], mode, cfg.act_dtype)
+        return ccfg, info
+
+
+    def _jitted(self) -> list:
+        fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows]
+        if self._spec is not None:
+            fns += [self._spec, self._propose]
+        if self._extend_all is not None:
+            fns += [self._extend_all, _prompt_logprobs, _last_logits]
+        return fns
+
+    def num_compilations(self) -> int:
+        """Compiled variants held by the jitted functions the runner calls (extend, DSpark step,
+        sampling, helpers)."""
+        return int(sum(f._cache_size() for f in self._jitted()))
+
+    def warmup(self, batch_buckets: list, token_buckets: list) -> int:
+        """Compile every (batch, tokens) bucket, the DSpark step per batch bucket and the helpers, with a
+        progress line per shape. Returns the number of shapes."""
+        shapes = [(B, T) for T in token_buckets for B in batch_buckets]
+        if self.spec_gamma:
+            shapes += [(B, -1) for B in batch_buckets]  # T = −1: the DSpark verify step
+        P = self.ccfg.max_pages_per_seq
+        for i, (B, T) in enumerate(shapes):
+            ts = time.perf_counter()
+            if T < 0:
+                self._spec_dispatch(SpecLaunch([], B, self.spec_gamma), warm_propose=True)
+                what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
+            else:
+                z = np.zeros((B,), np.int32)
+                self._device_launch(None, np.zeros((B, T), np.int32), z, z, np.full((B,), self.scratch, np.int32),
+                                    np.zeros((B, P), np.int32), np.zeros((B,), bool), np.zeros((B,), bool), z,
+                                    force_sample=(T == token_buckets[0]))
+                what = f"tokens={T}"
+            jax.block_until_ready(self.state)
+            log.info("warm-up [%d/%d] batch=%d %s: %.1fs", i + 1, len(shapes), B, what, time.perf_counter() - ts)
+        self.reset_slots([self.scratch])
+        self.slot_tensors = self.slot_tensors.update_slots([self.scratch] * _ADMIT_ROWS, [None] * _ADMIT_ROWS)
+        self.state = _fork_slot(self.state, np.int32(self.scratch), np.int32(self.scratch), np.int32(0), np.int32(0),
+                                page_size=self.ccfg.page_size, ratios=self._ratios)
+        jax.block_until_ready(self.state)
+        self.launches = 0
+        return len(shapes)
+
+    def reset_slots(self, slots: list) -> None:
+        for i in range(0, len(slots), _ADMIT_ROWS):
+            part = slots[i:i + _ADMIT_ROWS]
+            part = part + [self.scratch] * (_ADMIT_ROWS - len(part))
+            self.state = _reset_rows(self.state, np.asarray(part, np.int32), np.int32(self.pad_compressed_id))
+
+    def admit_sampling(self, seqs: list, eos_token_ids) -> None:
+        """Write the sampling rows (parameters, prompt mask, counts of already generated tokens) of
+        admitted samples into their slots."""
+        seqs = [s for s in seqs if s.status == RUNNING and s.slot is not None]
+        for i in range(0, len(seqs), _ADMIT_ROWS):
+            part = seqs[i:i + _ADMIT_ROWS]
+            pad = _ADMIT_ROWS - len(part)
+            slots = [s.slot for s in part] + [self.scratch] * pad
+            plist = [s.params for s in part] + [None] * pad
+            prompts = [s.prompt_ids for s in part] + [None] * pad
+            outs = [s.output_ids for s in part] + [None] * pad
+            self.slot_tensors = self.slot_tensors.update_slots(slots, plist, prompt_token_ids=prompts,
+                                                               output_token_ids=outs, eos_token_ids=eos_token_ids)
+
+    # ------------------------------------------------------------------------------------ dispatch
+    def dispatch(self, ops: list, resets: list, admitted: list, eos_token_ids) -> None:
+        """Enqueue one plan: slot resets and sampling rows of admitted samples first (device order:
+        after everything already dispatched), then the launches and fork copies in plan order."""
+        if resets:
+            self.reset_slots(resets)
+        if admitted:
+            self.admit_sampling(admitted, eos_token_ids)
+        P = self.ccfg.max_pages_per_seq
+        for op in ops:
+            if isinstance(op, ForkOp):
+                self.state = _fork_slot(self.state, np.int32(op.src_slot), np.int32(op.dst_slot),
+                                        np.int32(op.src_page), np.int32(op.dst_page),
+                                        page_size=self.ccfg.page_size, ratios=self._ratios)
+                continue
+            if isinstance(op, SpecLaunch):
+                self._spec_dispatch(op)
+                continue
+            L = op
+            B, T = L.B, L.T
+            tokens = np.zeros((B, T), np.int32)
+            start = np.zeros((B,), np.int32)
+            n_new = np.zeros((B,), np.int32)
+            slot = np.full((B,), self.scratch, np.int32)
+            pt = np.zeros((B, P), np.int32)
+            from_prev = np.zeros((B,), bool)
+            sample_mask = np.zeros((B,), bool)
+            step = np.zeros((B,), np.int32)
+            for b, r in enumerate(L.rows):
+                if r.tokens:
+                    tokens[b, :len(r.tokens)] = r.tokens
+                start[b], n_new[b], slot[b] = r.start, r.n, r.seq.slot
+                pt[b, :len(r.pages)] = r.pages
+                from_prev[b] = r.from_prev
+                sample_mask[b] = r.sample
+                step[b] = r.step
+            L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
+            targets = None
+            if any(r.seq.want_plp and not (r.sample or r.replay) for r in L.rows):
+                targets = np.zeros((B, T), np.int32)
+                for b, r in enumerate(L.rows):
+                    if r.seq.want_plp and not (r.sample or r.replay):
+                        targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
+            self._device_launch(L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step, targets=targets)
+
+    def _device_launch(self, L: Optional[Launch], tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
+                       force_sample: bool = False, targets=None) -> None:
+        """Enqueue one launch: first-token fill, extend, sampling. Host inputs stay numpy (the jit
+        fast path transfers them; ``jax.device_put`` costs ~10x more host time) and every call
+        passes the same kinds of arguments, so the warm-up's compilations are the ones reused."""
+        toks = _fill_first_token(tokens, from_prev, slot, self.last_token)
+        batch = {"tokens": toks, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
+        if targets is None:
+            logits, self.state = self._extend(self.params, self.state, batch)
+        else:  # prompt logprobs: every position's logits, reduced on the device
+            if self._extend_all is None:
+                log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
+                if self.spec_gamma:
+                    self._extend_all = spec.jitted_extend_seeding(self.cfg, self.ccfg, True)
+                else:
+                    self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True, self.mesh,
+                                                         self.engram_host_table)
+            all_logits, self.state = self._extend_all(self.params, self.state, batch)
+            L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs)
+            logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
+        self.launches += 1
+        if not (force_sample or sample_mask.any()):
+            return
+        B, V = tokens.shape[0], self.vocab_size
+        rows = L.rows if L is not None else []
+        if any(r.seq.constraint is not None and r.sample for r in rows):
+            m = np.ones((B, V), bool)
+            for b, r in enumerate(rows):
+                if r.sample and r.seq.constraint is not None:
+                    a = r.seq.constraint.allowed_mask()
+                    if a is not None:
+                        a = np.asarray(a, bool).reshape(-1)
+                        m[b, :] = False
+                        m[b, : min(V, a.shape[0])] = a[:V]
+            allowed = jax.device_put(m)
+        else:
+            allowed = self._allow_all.get(B)
+            if allowed is None:
+                allowed = self._allow_all[B] = jax.device_put(np.ones((B, V), bool))
+        out = _sample_rows(logits, self.slot_tensors, self.last_token, slot, step, sample_mask, allowed,
+                           max_logprobs=self.max_logprobs)
+        tokens_d, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
+        if L is not None:
+            L.tokens, L.lp, L.top_ids, L.top_vals = tokens_d, lp, top_ids, top_vals
+
+    def _accept_override(self, n_rows: int, B: int) -> np.ndarray:
+        """int32 [B]: −1 (verify), or with a simulated accept length L the forced accept count of each
+        row (L − 1 drafts: floor or ceil of a fractional L, drawn so the mean is L − 1)."""
+        out = np.full((B,), -1, np.int32)
+        L = self.simulate_accept_length
+        if L is not None and n_rows:
+            base, frac = int(np.floor(L - 1)), (L - 1) - np.floor(L - 1)
+            up = self._sim_rng.random(n_rows) < frac
+            out[:n_rows] = np.minimum(base + up.astype(np.int32), self.spec_gamma)
+        return out
+
+    def _grammar_masks(self, L: SpecLaunch, batch: dict, step, forced: np.ndarray):
+        """Constrained rows of L: draft on the device, read the drafts, walk a clone of each row's grammar
+        through them. Sets the row's forced drafts to those drafts (the verify step then checks exactly
+        what the grammar saw) and returns the masks bool [B, γ+1, V] of the verify rows: row j = what the
+        grammar allows after d_0..d_{j−1}, up to the first draft it rejects (later rows: all True; the
+        rejected draft has probability 0 under the masked target, so it and everything after it is
+        rejected). None when no row has a constraint."""
+        rows = [(b, r) for b, r in enumerate(L.rows) if r.seq.constraint is not None]
+        if not rows:
+            return None
+        g, V = self.spec_gamma, self.vocab_size
+        d = np.asarray(self._propose(self.params, self.state, self.slot_tensors, batch, step))
+        m = np.ones((L.B, g + 1, V), bool)
+        for b, r in rows:
+            c = r.seq.constraint.clone()
+            for j in range(g + 1):
+                a = c.allowed_mask()
+                if a is not None:
+                    a = np.asarray(a, bool).reshape(-1)
+                    m[b, j, :] = False
+                    m[b, j, : min(V, a.shape[0])] = a[:V]
+                if j == g:
+                    break
+                tok = int(forced[b, j]) if forced[b, j] >= 0 else int(d[b, j])
+                forced[b, j] = tok
+                if not m[b, j, tok]:
+                    break  # the grammar rejects d_j: verification stops there
+                c.accept(tok)
+                if c.is_done():
+                    break  # the request ends with d_j
+        return m
+
+    def _spec_dispatch(self, L: SpecLaunch, warm_propose: bool = False) -> None:
+        """Enqueue one DSpark step for the rows of L (row b: anchor ``tokens[0]`` at ``start``, slot, pages
+        covering start + γ + 1 tokens). Rows with a constraint get their drafts checked by the grammar
+        first (`_grammar_masks`: a draft-only launch and a host round trip)."""
+        B, P = L.B, self.ccfg.max_pages_per_seq
+        anchor = np.zeros((B,), np.int32)
+        start = np.zeros((B,), np.int32)
+        slot = np.full((B,), self.scratch, np.int32)
+        pt = np.zeros((B, P), np.int32)
+        active = np.zeros((B,), bool)
+        step = np.zeros((B,), np.int32)
+        for b, r in enumerate(L.rows):
+            anchor[b], start[b], slot[b], active[b], step[b] = r.tokens[0], r.start, r.seq.slot, True, r.step
+            pt[b, :len(r.pages)] = r.pages
+        batch = {"anchor": anchor, "start": start, "slot": slot, "page_table": pt, "active": active}
+        forced = np.full((B, self.spec_gamma), -1, np.int32)  # always passed: one compiled variant
+        if self.draft_hook is not None and L.rows:
+            forced[:len(L.rows)] = np.asarray(self.draft_hook(L), np.int32)
+        if warm_propose:
+            jax.block_until_ready(self._propose(self.params, self.state, self.slot_tensors, batch, step))
+        allowed = self._grammar_masks(L, batch, step, forced)
+        if allowed is None:
+            allowed = self._allow_all_spec.get(B)
+            if allowed is None:
+                allowed = self._allow_all_spec[B] = jax.device_put(np.ones((B, self.spec_gamma + 1,
+                                                                            self.vocab_size), bool))
+        out = self._spec(self.params, self.state, self.slot_tensors, self.last_token, batch, step, forced,
+                         self._accept_override(len(L.rows), B), allowed)
+        L.tokens, L.n_accept, self.slot_tensors, self.last_token, self.state = out
+        self.launches += 1

@@ -1,0 +1,536 @@
+"""The scheduler: decides what runs each iteration (admission, chunked-prefill budget, preemption,
+prompt sharing, DSpark rows). Host-only and model-free: it sees the runner only through
+``runner.allocator`` (a `SharedPageAllocator`), ``runner.max_slots`` and ``runner.scratch``, so its
+unit tests drive it with a mock runner (tests/test_scheduler.py), as JetStream's mock engine does.
+
+One iteration's plan (`Scheduler.schedule`) is a list of ops for the runner: `Launch` (rows of one
+[B, T] step, B and T rounded up to the compiled buckets), `SpecLaunch` (DSpark rows: one [B, γ+1]
+verify step) and fork copies. Policy (see engine.py's docstring for the why):
+
+- Running samples contribute one row each: a decode row (newest token, position ``num_cached``), a
+  replay row (a resumed sample's generated token, written again without sampling), a DSpark row
+  (anchor + γ drafts, when DSpark is on and the row can speculate, see `_can_speculate`) or a prefill
+  chunk (at most ``chunked_prefill_size`` tokens, all rows together at most ``max_prefill_tokens``).
+- Waiting samples are admitted in priority order (a preempted one resumes before anything newer) while
+  slots, prefill budget and pages allow (the whole prefill plus ``_reserve_ratio`` of what the running
+  samples may still generate).
+- When decode rows need pages the pool does not have ("decode_pages"), or the admitted prefills are
+  blocked on pages ("prefill_pages"), the sample that arrived last is preempted (pages and slot freed,
+  back to the queue). The oldest sample is never preempted while another runs.
+- A DSpark row needs pages for start + γ + 1 tokens; when the pool cannot give them the row decodes
+  plainly this iteration (never a preemption for speculation). After the step the runner's result
+  says how many tokens were committed (`spec_done`), and the pages beyond them go back.
+
+The host state (``num_cached``, ``n_inflight``, page tables) is advanced as if the plan had run, so the
+next plan can be made before this one's tokens are read (the overlap schedule); a preemption needs the
+in-flight tokens first, which `schedule` gets through the ``sync`` callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from dsv41_jax.model.decode import _bucket
+from dsv41_jax.serving.request import PREEMPTION_REASONS, RUNNING, WAITING, Seq
+
+__all__ = ["ForkOp", "Launch", "Row", "Scheduler", "SpecLaunch"]
+
+log = logging.getLogger("dsv41_jax.engine")
+
+# Admission headroom (as SGLang's new_token_ratio): a sample is admitted when the pool also holds
+# this fraction of the tokens the running samples may still generate. It rises after a preemption
+# (admissions were too eager) and decays by one step per decode iteration (requests often stop early).
+_RESERVE_INIT, _RESERVE_MIN, _RESERVE_BUMP, _RESERVE_DECAY = 0.5, 0.1, 0.3, 0.002
+
+
+@dataclass
+class Row:
+    seq: Seq
+    start: int
+    n: int
+    tokens: list  # host tokens (empty for a decode row whose token is still on the device)
+    from_prev: bool
+    sample: bool
+    step: int
+    pages: list
+    replay: bool = False  # a resumed sample's generated token, written again (not sampled)
+
+
+@dataclass
+class Launch:
+    """One [B, T] extend step; the runner fills the result fields (device arrays) when it dispatches."""
+
+    rows: list
+    B: int
+    T: int
+    tokens: Any = None
+    lp: Any = None
+    top_ids: Any = None
+    top_vals: Any = None
+    want_top: bool = False
+    plp: Any = None  # (lp [B, T], top_ids [B, T, K], top_vals [B, T, K]) on the device (prompt logprobs)
+    spec: bool = False
+
+
+@dataclass
+class SpecLaunch:
+    """One DSpark step for B rows (anchor at ``row.start``, ``row.tokens == [anchor]``, ``row.n = γ+1``).
+    The runner fills ``tokens`` [B, γ+1] (committed tokens, −1 padded) and ``n_accept`` [B]."""
+
+    rows: list
+    B: int
+    gamma: int
+    tokens: Any = None
+    n_accept: Any = None
+    plp: Any = None
+    spec: bool = True
+
+    @property
+    def T(self) -> int:
+        return self.gamma + 1
+
+
+@dataclass
+class ForkOp:
+    """Copy slot ``src_slot``'s rows to ``dst_slot`` and page ``src_page`` to ``dst_page`` (0, 0: none)."""
+
+    src_slot: int
+    dst_slot: int
+    src_page: int
+    dst_page: int
+    seqs: list
+
+
+class Scheduler:
+    """Decides each iteration's rows. Single-threaded; owned by `Engine`.
+
+    args: `EngineArgs` (max_prefill_tokens, chunked prefill, mixed chunk, prefix sharing); runner: has
+    ``allocator``, ``max_slots``, ``scratch``; context_length: per-request token limit; batch_buckets /
+    token_buckets: the compiled shapes; spec_gamma: DSpark proposals per step (0: off); metrics /
+    preemptions: the engine's counters (dicts, updated in place); sync: reads the in-flight tokens
+    (called before a preemption and before planning rows whose inputs are still on the device).
+    """
+
+    def __init__(self, args, runner, *, context_length: int, batch_buckets: list, token_buckets: list,
+                 metrics: dict, preemptions: dict, sync: Callable[[], None], spec_gamma: int = 0,
+                 on_release: Optional[Callable[[Seq], None]] = None):
+        self.args, self.runner = args, runner
+        self.allocator = runner.allocator
+        self.page_size = runner.allocator.page_size
+        self.context_length = context_length
+        self.max_context = runner.allocator.max_pages_per_seq * runner.allocator.page_size
+        self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
+        self.chunk_cap = token_buckets[-1]
+        self.metrics, self.preemptions = metrics, preemptions
+        self.sync = sync
+        self.spec_gamma = int(spec_gamma)
+        self.spec_batch_buckets = [b for b in batch_buckets]
+        self.on_release = on_release
+        self.waiting: collections.deque = collections.deque()
+        self.running: list = []
+        self.free_slots = list(range(runner.max_slots - 1, -1, -1))
+        self.pending_resets: list = []  # slots to reset on the device before the next launches
+        self.pending_sampling: list = []  # admitted samples whose sampling rows the runner must write
+        self.reserve_ratio = _RESERVE_INIT
+        self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
+        self.has_inflight: Callable[[], bool] = lambda: False  # set by the engine: launches not yet read
+
+    # ------------------------------------------------------------------------------------ queue
+    def add(self, seqs: list) -> None:
+        self.waiting.extend(seqs)
+
+    def remove_waiting(self, s: Seq) -> None:
+        try:
+            self.waiting.remove(s)
+        except ValueError:
+            pass
+
+    @property
+    def num_waiting(self) -> int:
+        return len({s.group.rid for s in self.waiting})
+
+    def take_device_work(self) -> tuple:
+        """(slots to reset, samples whose sampling rows to write) since the last call."""
+        r, s = self.pending_resets, self.pending_sampling
+        self.pending_resets, self.pending_sampling = [], []
+        return r, s
+
+    # ------------------------------------------------------------------------------------ plan
+    def schedule(self) -> list:
+        """This iteration's ops ([] when nothing can run)."""
+        if self.has_inflight() and any((s.constraint is not None and s.n_inflight) or s.spec_inflight
+                                       or (self.spec_gamma and s.n_inflight and self._may_speculate(s))
+                                       for s in self.running):
+            # a constraint mask, a DSpark row's anchor and position depend on the tokens in flight (with
+            # DSpark on, the overlap schedule thus only covers rows that never speculate)
+            self.sync()
+        for _ in range(2):
+            ops = self._plan()
+            if ops is not None:
+                return ops
+            self.sync()  # a preemption needs the in-flight tokens first
+        return []
+
+    def active(self, s: Seq) -> bool:
+        """Running, not waiting for a fork or a DSpark result, and not already at max_tokens / the
+        context length."""
+        if s.status != RUNNING or s.fork_src is not None or s.spec_inflight:
+            return False
+        mt = s.params.max_tokens
+        if mt is not None and s.n_out >= mt and not (mt == 0 and s.num_cached < len(s.prompt_ids) - 1):
+            return False  # (max_tokens=0 with prompt logprobs: active while prefilling)
+        return s.total_len < self.context_length
+
+    def decodable(self, s: Seq) -> bool:
+        """In the one-token-per-step phase: the prompt's last token onwards. A resumed sample first
+        *replays* its generated tokens here (rows that write the cache without sampling), so its
+        cache is built by the same [B, 1] steps as when the tokens were generated: with one batch
+        bucket the resumed sample's tokens are exactly those it gets without preemption."""
+        return self.active(s) and s.num_cached >= len(s.prompt_ids) - 1
+
+    def prefilling(self, s: Seq) -> bool:
+        return self.active(s) and s.num_cached < len(s.prompt_ids) - 1
+
+    def pick_victim(self) -> Optional[Seq]:
+        """The running sample that arrived last (fork children waiting for their source excepted):
+        the oldest sample is never preempted while another runs, so it always progresses."""
+        cands = [s for s in self.running if s.fork_src is None]
+        return max(cands, key=lambda s: s.priority) if cands else None
+
+    def _decode_row(self, s: Seq) -> Row:
+        """s's next one-token row: its newest token (sampled), or a replayed one (not sampled)."""
+        self.allocator.ensure(s.key, s.num_cached + 1)
+        sample = s.num_cached == s.total_len - 1
+        from_prev = sample and s.n_inflight > 0
+        tok = [] if from_prev else s.tokens(s.num_cached, s.num_cached + 1)
+        return Row(s, s.num_cached, 1, tok, from_prev, sample, s.n_out, self.allocator.pages(s.key), not sample)
+
+    def _plan(self) -> Optional[list]:
+        """This iteration's device work: launches (and fork copies between them), with the host state
+        (num_cached, in-flight counts, pages) advanced as if they had run. None: a preemption is
+        needed and the in-flight tokens must be read first."""
+        dec_seqs = self._reserve_decode_pages()
+        if dec_seqs is None:
+            return None
+        budget = self.args.max_prefill_tokens
+        pre_rows = []
+        self._room_blocked = False
+        for s in sorted((s for s in self.running if self.prefilling(s)), key=lambda s: s.priority):
+            if budget <= 0:
+                break
+            row = self._prefill_row(s, budget)
+            if row is not None:
+                pre_rows.append(row)
+                budget -= row.n
+        pre_rows += self._admit_waiting(budget)
+        # forks: sources whose prompt (minus its last token) is now all dispatched
+        fork_ops = []
+        for r in pre_rows:
+            if r.seq.num_cached == len(r.seq.prompt_ids) - 1:
+                fork_ops += self._fork(r.seq)
+        dec_rows = self._decode_rows(dec_seqs, pre_rows, fork_ops)
+        spec_rows = self._spec_rows(dec_rows)
+        if spec_rows:
+            picked = {id(r.seq) for r in spec_rows}
+            dec_rows = [r for r in dec_rows if id(r.seq) not in picked]
+        for r in dec_rows:
+            r.seq.num_cached += 1
+            if r.sample:
+                r.seq.n_inflight += 1
+            else:
+                self.metrics["replayed_tokens"] += 1
+        if not pre_rows and not dec_rows and not spec_rows:
+            return self._unblock_prefills()
+        ops = self._assemble(pre_rows, fork_ops, dec_rows)
+        if spec_rows:
+            ops.append(SpecLaunch(spec_rows, _bucket(len(spec_rows), self.spec_batch_buckets), self.spec_gamma))
+        return ops
+
+    def _reserve_decode_pages(self) -> Optional[list]:
+        """Pages for every sample in the one-token phase, preempting the newest while the pool is
+        short. Returns those samples (oldest first), or None when the in-flight tokens must be read
+        before a preemption."""
+        alloc = self.allocator
+        while True:
+            dec_seqs = [s for s in self.running if self.decodable(s)]
+            need = sum(alloc.pages_needed(s.key, s.num_cached + 1) for s in dec_seqs)
+            if need <= alloc.free_pages:
+                break
+            victim = self.pick_victim()
+            if victim is None:
+                break  # nothing to preempt (cannot happen with requests that fit): run those that fit
+            if self.has_inflight():
+                return None
+            self.preempt(victim, "decode_pages")
+        dec_seqs.sort(key=lambda s: s.priority)
+        out = []
+        for s in dec_seqs:
+            if alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages:
+                alloc.ensure(s.key, s.num_cached + 1)
+                out.append(s)
+        return out
+
+    def _admission_pages(self, members: list) -> int:
+        """Pages a waiting sample (with its fork siblings) needs to be admitted: its whole prefill and
+        replay plus its first new token (a fork sibling: its copy of the partial page), plus headroom
+        for the share `reserve_ratio` of what the running samples may still generate, so that
+        admissions rarely force a preemption."""
+        s = members[0]
+        need = self.allocator.pages_needed(None, s.total_len) + (len(members) - 1)
+        future = sum(self.remaining(q) for q in self.running)
+        return need + math.ceil(future * self.reserve_ratio / self.page_size)
+
+    def remaining(self, s: Seq) -> int:
+        """Tokens s may still generate (max_tokens, or up to the context length)."""
+        room = self.context_length - s.total_len
+        mt = s.params.max_tokens
+        return max(0, room if mt is None else min(room, mt - s.n_out))
+
+    def _admit_waiting(self, budget: int) -> list:
+        """Admit waiting samples in priority order (a preempted one resumes before anything newer)
+        while slots, prefill budget and pages allow; returns their first prefill chunks."""
+        rows = []
+        while self.waiting and budget > 0 and not self._room_blocked:  # blocked prefills go first
+            s = self.waiting[0]
+            members = self._fork_group(s) or [s]
+            if len(self.free_slots) < len(members):
+                break
+            if self._admission_pages(members) > self.allocator.free_pages and self.running:
+                break
+            if self.allocator.pages_needed(None, s.total_len) + len(members) - 1 > self.allocator.free_pages:
+                break  # (nothing running) pages held outside the scheduler: if it persists, `unstick` reports it
+            for q in members:
+                self.waiting.remove(q)
+                self._admit(q)
+            for q in members[1:]:
+                q.fork_src = s
+            if len(s.prompt_ids) > 1:
+                row = self._prefill_row(s, budget)
+                if row is not None:
+                    rows.append(row)
+                    budget -= row.n
+        return rows
+
+    def _decode_rows(self, dec_seqs: list, pre_rows: list, fork_ops: list) -> list:
+        """One-token rows: the samples that had pages reserved, plus (split launches) those whose
+        prefill was just dispatched, whose next token runs in the decode launch after the prefill.
+        (The host state is advanced by `_plan`, after DSpark picked its rows.)"""
+        alloc = self.allocator
+        rows = [self._decode_row(s) for s in dec_seqs]
+        have = {id(s) for s in dec_seqs}
+        if self.args.enable_mixed_chunk:  # one launch: a sample gets one row; fork copies run after it
+            have |= {id(r.seq) for r in pre_rows} | {id(q) for op in fork_ops for q in op.seqs}
+        for s in sorted(self.running, key=lambda s: s.priority):
+            if (id(s) not in have and self.decodable(s)
+                    and alloc.pages_needed(s.key, s.num_cached + 1) <= alloc.free_pages):
+                rows.append(self._decode_row(s))
+        return rows
+
+    # ------------------------------------------------------------------------------------ DSpark
+    def _may_speculate(self, s: Seq) -> bool:
+        """The request's own reasons allow DSpark rows (see `can_speculate`)."""
+        return (s.constraint is None or hasattr(s.constraint, "clone")) and s.params.logprobs is None
+
+    def can_speculate(self, s: Seq) -> bool:
+        """Whether s's next step may be a DSpark row (else it decodes plainly): DSpark is on; the row
+        samples s's next token from a host-known anchor (not a replay, nothing in flight, at least one
+        generated token — the first comes from the plain step after the prompt); it asks for no
+        logprobs (the verify step returns none); a constraint, if any, can be cloned (the runner walks
+        a clone through the drafts before verifying them, `Runner._grammar_masks`); and the γ+1 verify
+        positions fit its context."""
+        g = self.spec_gamma
+        if g <= 0 or not self._may_speculate(s):
+            return False
+        if s.n_inflight or not s.output_ids or s.num_cached != s.total_len - 1:
+            return False
+        return s.num_cached + g + 1 <= self.max_context
+
+    def _spec_rows(self, dec_rows: list) -> list:
+        """Turn the decode rows that can speculate into DSpark rows, oldest first, while the pool has
+        the pages of their verify window (start + γ + 1 tokens); the others stay plain."""
+        if self.spec_gamma <= 0:
+            return []
+        alloc, g = self.allocator, self.spec_gamma
+        out = []
+        for r in sorted(dec_rows, key=lambda r: r.seq.priority):
+            s = r.seq
+            if not (r.sample and self.can_speculate(s)):
+                continue
+            if len(out) == self.spec_batch_buckets[-1]:
+                break
+            if alloc.pages_needed(s.key, s.num_cached + g + 1) > alloc.free_pages:
+                continue  # no pages for the verify window: a plain step this iteration
+            alloc.ensure(s.key, s.num_cached + g + 1)
+            out.append(Row(s, s.num_cached, g + 1, [s.output_ids[-1]], False, True, s.n_out, alloc.pages(s.key)))
+            s.spec_inflight = True
+        return out
+
+    def spec_done(self, s: Seq, start: int, n_commit: int) -> None:
+        """A DSpark row of s committed n_commit tokens (anchor + accepted drafts) at start..: advance
+        the host state and give back the pages taken for rejected positions."""
+        s.spec_inflight = False
+        if s.status != RUNNING:
+            return
+        s.num_cached = start + n_commit
+        self.allocator.truncate(s.key, s.num_cached)
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _unblock_prefills(self) -> Optional[list]:
+        """No row could run: the admitted prefills are blocked on pages others hold. Preempt the
+        newest sample (after reading the in-flight tokens) and plan again; [] when nothing runs."""
+        if not any(self.prefilling(s) for s in self.running):
+            return []
+        victim = self.pick_victim()
+        if victim is None:
+            return []
+        if self.has_inflight():
+            return None
+        self.preempt(victim, "prefill_pages")
+        return self._plan()
+
+    def _assemble(self, pre_rows: list, fork_ops: list, dec_rows: list) -> list:
+        if self.args.enable_mixed_chunk:
+            return ([self._launch(dec_rows + pre_rows)] if dec_rows or pre_rows else []) + fork_ops
+        ops: list = []
+        if pre_rows:
+            ops.append(self._launch(pre_rows))
+        ops += fork_ops
+        if dec_rows:
+            ops.append(self._launch(dec_rows))
+        return ops
+
+    def _launch(self, rows: list) -> Launch:
+        T = _bucket(max(r.n for r in rows), self.token_buckets)
+        B = _bucket(len(rows), self.batch_buckets)
+        return Launch(rows, B, T)
+
+    def _prefill_row(self, s: Seq, budget: int) -> Optional[Row]:
+        """The next chunk of s's prompt (all but its last token), within budget; advances
+        s.num_cached. Chunks end at multiples of the chunk size, as when the sample runs alone, and
+        a chunk the pool has no room for waits whole (None; `_room_blocked` set) instead of being
+        cut: same chunks, same numerics, whatever the pressure."""
+        alloc = self.allocator
+        n = min(len(s.prompt_ids) - 1 - s.num_cached, self.chunk_cap - s.num_cached % self.chunk_cap, budget)
+        if n <= 0:
+            return None
+        if alloc.pages_needed(s.key, s.num_cached + n) > alloc.free_pages:
+            self._room_blocked = True
+            return None
+        alloc.ensure(s.key, s.num_cached + n)
+        row = Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
+                  alloc.pages(s.key))
+        s.num_cached += n
+        self.metrics["computed_prompt_tokens"] += n
+        return row
+
+    def _fork_group(self, s: Seq) -> Optional[list]:
+        """The n fresh samples of s's request to admit together with prompt sharing, or None (then
+        they are admitted one by one: too many for the slots, or the prompt plus one page per
+        sibling would not fit the pool even when empty)."""
+        g = s.group
+        if (g.n < 2 or s.index != 0 or s.ever_admitted or self.args.disable_prefix_sharing or s.want_plp
+                or len(g.prompt_ids) < 2 or g.n > self.runner.max_slots
+                or self.allocator.pages_needed(None, len(g.prompt_ids)) + g.n - 1 > self.allocator.capacity):
+            return None
+        if not all(q.status == WAITING and not q.ever_admitted for q in g.seqs):
+            return None
+        return list(g.seqs)
+
+    def _admit(self, s: Seq) -> None:
+        s.status = RUNNING
+        s.slot = self.free_slots.pop()
+        s.num_cached = 0
+        s.ever_admitted = True
+        self.running.append(s)
+        self.pending_resets.append(s.slot)
+        self.pending_sampling.append(s)
+
+    def preempt(self, s: Seq, reason: str) -> None:
+        """Back to the queue (in priority order); resumes later by prefilling its prompt and replaying
+        its generated tokens. Counted per reason."""
+        assert s.n_inflight == 0 and not s.spec_inflight and reason in PREEMPTION_REASONS
+        log.info("preempting %s#%d (%s: %d tokens cached, %d generated; %d/%d pages used)", s.group.rid, s.index,
+                 reason, s.num_cached, len(s.output_ids), self.allocator.used_pages, self.allocator.capacity)
+        self.metrics["num_preemptions"] += 1
+        self.preemptions[reason] += 1
+        self.reserve_ratio = min(1.0, self.reserve_ratio + _RESERVE_BUMP)
+        s.num_preemptions += 1
+        self.release(s)
+        s.status = WAITING
+        s.num_cached = 0
+        self.orphan_children(s)
+        self._requeue(s)
+
+    def decode_iteration_done(self) -> None:
+        """A decode iteration was processed: admissions may be a little more eager again."""
+        self.reserve_ratio = max(_RESERVE_MIN, self.reserve_ratio - _RESERVE_DECAY)
+
+    def _requeue(self, s: Seq) -> None:
+        """Insert s into the waiting queue by priority (the queue stays sorted: new arrivals are
+        appended and are younger than anything ever admitted)."""
+        i = 0
+        for i, q in enumerate(self.waiting):
+            if q.priority > s.priority:
+                break
+        else:
+            i = len(self.waiting)
+        self.waiting.insert(i, s)
+
+    def orphan_children(self, s: Seq) -> None:
+        """Fork children still waiting for s: they prefill the prompt themselves."""
+        for q in s.group.seqs:
+            if q.fork_src is s:
+                q.fork_src = None
+                if q.status == RUNNING and q.slot is not None:
+                    q.num_cached = 0
+                    self.pending_resets.append(q.slot)
+
+    def release(self, s: Seq) -> None:
+        """Free s's pages and slot (it finished, was aborted or preempted)."""
+        if s in self.running:
+            self.running.remove(s)
+        if s.status == WAITING:
+            self.remove_waiting(s)
+        self.allocator.free(s.key)
+        if s.slot is not None:
+            self.free_slots.append(s.slot)
+            s.slot = None
+
+    def stuck_victim(self) -> Seq:
+        """The sample to fail when the scheduler had work and no move (see `Engine._unstick`)."""
+        s = self.pick_victim() if self.running else self.waiting[0]
+        return s if s is not None else self.running[-1]
+
+    def _fork(self, src: Seq) -> list:
+        """src has (in this iteration's launches) prefilled its prompt minus the last token: give its
+        waiting siblings the same cache (full pages shared, the partial page copied, slot rows
+        copied). Returns the device copies to dispatch after the launch."""
+        alloc, ps = self.allocator, self.page_size
+        k = src.num_cached
+        n_full = k // ps
+        src_pages = alloc.pages(src.key)
+        ops = []
+        for q in src.group.seqs:
+            if q.fork_src is not src:
+                continue
+            q.fork_src = None
+            if k % ps and alloc.free_pages < 1:
+                q.num_cached = 0
+                self.pending_resets.append(q.slot)
+                log.info("fork of %s#%d: no free page for the partial page; it prefills itself", q.group.rid,
+                         q.index)
+                continue
+            alloc.share(src.key, q.key, n_full)
+            src_page = dst_page = 0
+            if k % ps:
+                alloc.ensure(q.key, k)
+                src_page, dst_page = src_pages[n_full], alloc.pages(q.key)[n_full]
+            ops.append(ForkOp(src.slot, q.slot, src_page, dst_page, [q]))
+            q.num_cached = k
+            self.metrics["shared_prompt_tokens"] += k
+            self.metrics["num_forks"] += 1
+        return ops

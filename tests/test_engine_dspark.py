@@ -1,0 +1,264 @@
+"""The engine with DSpark (issue 13 parts 3-4): greedy with DSpark ≡ greedy without, token for token, with
+rows accepting different lengths in one step; zero compilations across steps with different accept
+lengths; pages and slots back after every request; constrained decoding with drafts checked by the
+grammar; the simulated-accept-length knob; start-up errors.
+
+Two module-scoped engines on tiny in the exact numerics mode (fp64-accumulated matmuls: a verify chunk
+equals one-token steps), one without DSpark and one with (γ = 3, the tiny checkpoint's block). Same
+shapes as tests/test_dspark.py (batch 4, pages of 8, 25 pages, context 48) and one-token prefill
+chunks, so the DSpark engine's plain step is the very program test_dspark compiles; shapes compile on
+first use (no warm-up), and every request here runs on already compiled programs after the first.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dsv41_jax.serving.engine import Engine, EngineError
+from dsv41_jax.serving.sampling import SamplingParams
+
+KW = dict(model="tiny", page_size=8, max_total_tokens=192, context_length=48, max_running_requests=4,
+          chunked_prefill_size=1, batch_buckets=[4], skip_server_warmup=True, decode_log_interval=1000)
+# 5 requests on 4 slots (one waits for a slot); prompt lengths put rows at different window (8) /
+# ratio-group / candidate-block / index_topk phases while they speculate (as in test_dspark).
+PROMPTS = [[5, 6, 7], list(range(10, 23)), [100] * 9, [41, 42, 43, 44, 45, 46], [7, 300, 12, 64, 9]]
+N_NEW = 16
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg):
+    return tiny_cfg.replace(act_dtype="exact")
+
+
+@pytest.fixture(scope="module")
+def plain_eng(cfg, tiny_params):
+    return Engine(cfg=cfg, params=tiny_params, **KW)
+
+
+@pytest.fixture(scope="module")
+def spec_eng(cfg, tiny_params):
+    e = Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", **KW)
+    assert e.spec_gamma == cfg.dspark_block_size == 3
+    return e
+
+
+def _greedy(n=N_NEW):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run(eng, prompts, sps, each_step=None):
+    rids = [f"d{next(_ids)}" for _ in prompts]
+    for rid, p, sp in zip(rids, prompts, sps):
+        eng.add_request(rid, p, sp)
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        for g in list(eng._groups.values()):  # a finished sample holds no page and no slot
+            for s in g.seqs:
+                if s.status == "finished":
+                    assert not eng.allocator.has(s.key) and s.slot is None
+        eng.allocator.check_invariants()
+        if each_step:
+            each_step(eng)
+    a = eng.allocator
+    assert a.free_pages == a.capacity and sorted(eng._free_slots) == list(range(eng.max_slots))
+    assert eng.num_running == 0 and eng.num_waiting == 0
+    return [outs[r] for r in rids], rids
+
+
+@pytest.fixture(scope="module")
+def ref(plain_eng):
+    outs, _ = run(plain_eng, PROMPTS, [_greedy()] * len(PROMPTS))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
+    """Greedy through the DSpark engine gives the plain engine's tokens exactly. First with the draft's
+    own proposals (random weights: it accepts little), then with an oracle draft (the test-only
+    ``runner.draft_hook``) proposing the reference tokens with a wrong one at a per-row, per-step
+    position, so rows of one launch accept 0..γ drafts; no compilation across those steps."""
+    g = spec_eng.spec_gamma
+    outs, _ = run(spec_eng, PROMPTS, [_greedy()] * len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    own = spec_eng.stats()
+    assert own["spec_verify_steps"] > 0
+
+    n_comp = spec_eng.num_compilations()
+    launches, by_rid = [], {}
+
+    def oracle(L):
+        launches.append(L)
+        out = np.full((len(L.rows), g), -1, np.int32)
+        for b, r in enumerate(L.rows):
+            i = by_rid[r.seq.group.rid]
+            n = len(r.seq.output_ids)  # drafts propose output tokens n, n+1, ...
+            want = ref[i][n:n + g]
+            out[b, :len(want)] = want
+            k = (n + 2 * i + len(launches)) % (g + 1)  # the first wrong draft (k = γ: all right)
+            if k < len(want):
+                out[b, k] = (want[k] + 1) % spec_eng.vocab_size
+        return out
+
+    spec_eng.runner.draft_hook = oracle
+    try:
+        rids = [f"o{next(_ids)}" for _ in PROMPTS]
+        by_rid.update({r: i for i, r in enumerate(rids)})
+        for rid, p in zip(rids, PROMPTS):
+            spec_eng.add_request(rid, p, _greedy())
+        done = {}
+        while spec_eng.has_unfinished():
+            for o in spec_eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            spec_eng.allocator.check_invariants()
+    finally:
+        spec_eng.runner.draft_hook = None
+    assert [done[r].outputs[0].token_ids for r in rids] == ref
+    accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
+    assert any(len(set(a)) > 1 for a in accepts), accepts  # rows accepting different lengths in one step
+    assert {n for a in accepts for n in a} == set(range(g + 1))
+    assert spec_eng.num_compilations() == n_comp  # zero recompilations across accept lengths
+    st = spec_eng.stats()
+    assert st["spec_accept_length"] > own["spec_accept_length"] and 0 < st["spec_accept_rate"] <= 1
+    assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
+
+
+def test_dspark_stops_max_tokens_sampling_and_simulated_accept(spec_eng, ref):
+    """Multi-token steps end at the right token: with an oracle draft accepting whole blocks, max_tokens
+    below γ + 1 and a stop token inside an accepted block cut there (the tokens after it, committed to
+    the cache, are dropped with it); a sampled row (temperature, top-p, penalties) runs through the same
+    compiled verify step; the simulated accept length commits exactly γ + 1 tokens per row-step."""
+    g = spec_eng.spec_gamma
+    stop = ref[1][5]
+    cut = ref[1].index(stop) + 1
+    sps = [_greedy(2), _greedy().replace(stop_token_ids=[stop]),
+           SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.5, max_tokens=9, seed=3, ignore_eos=True)]
+    rids: list = []
+
+    def oracle(L):  # the reference's tokens (all accepted) for the greedy rows, the draft's own for the other
+        out = np.full((len(L.rows), g), -1, np.int32)
+        for b, r in enumerate(L.rows):
+            i = rids.index(r.seq.group.rid)
+            if i < 2:
+                want = ref[i][len(r.seq.output_ids):len(r.seq.output_ids) + g]
+                out[b, :len(want)] = want
+        return out
+
+    n_comp = spec_eng.num_compilations()
+    spec_eng.runner.draft_hook = oracle
+    try:
+        rids += [f"s{next(_ids)}" for _ in range(3)]
+        for rid, p, sp in zip(rids, PROMPTS[:3], sps):
+            spec_eng.add_request(rid, p, sp)
+        outs = {o.request_id: o for o in spec_eng.run_until_done()}
+    finally:
+        spec_eng.runner.draft_hook = None
+    o0, o1, o2 = (outs[r].outputs[0] for r in rids)
+    assert o0.token_ids == ref[0][:2] and o0.finish_reason == "length"
+    assert o1.token_ids == ref[1][:cut] and o1.finish_reason == "stop" and o1.stop_reason == stop
+    assert outs[rids[1]].metrics["spec_accept_length"] > 1.5
+    assert len(o2.token_ids) == 9 and o2.finish_reason == "length"
+
+    spec_eng.runner.simulate_accept_length = float(g + 1)  # performance knob: drafts committed unverified
+    try:
+        (o,), _ = run(spec_eng, [PROMPTS[3]], [_greedy(12)])
+    finally:
+        spec_eng.runner.simulate_accept_length = None
+    assert len(o.outputs[0].token_ids) == 12 and o.metrics["spec_accept_length"] == g + 1
+    assert spec_eng.num_compilations() == n_comp
+    assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
+
+
+class NotMod3:
+    """A grammar: every token id that is not a multiple of 3 (never done); `accept` checks the rule, so
+    a committed token the grammar did not allow fails the test."""
+
+    def __init__(self, vocab):
+        self.vocab, self.n = vocab, 0
+
+    def allowed_mask(self):
+        return np.arange(self.vocab) % 3 != 0
+
+    def accept(self, t):
+        assert t % 3 != 0, f"committed token {t} is not allowed by the grammar"
+        self.n += 1
+
+    def is_done(self):
+        return False
+
+    def clone(self):
+        c = NotMod3(self.vocab)
+        c.n = self.n
+        return c
+
+
+def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
+    """Constrained greedy with DSpark ≡ constrained greedy without: the runner drafts first, walks each
+    row's grammar through the drafts and masks the verify rows up to the first draft the grammar
+    rejects. The oracle proposes the plain run's tokens with, per row and step, a grammar-rejected
+    token (a multiple of 3) or a grammar-allowed wrong one at one position: both are rejected, the
+    tokens before them accepted."""
+    V, g = spec_eng.vocab_size, spec_eng.spec_gamma
+    prompts = PROMPTS[:4]
+    rids = [f"c{next(_ids)}" for _ in prompts]
+    for rid, p in zip(rids, prompts):
+        plain_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
+    ref_c = {o.request_id: o.outputs[0].token_ids for o in plain_eng.run_until_done()}
+    ref_c = [ref_c[r] for r in rids]
+    assert all(t % 3 for r in ref_c for t in r)
+
+    launches, by_rid, injected = [], {}, {"rejected_by_grammar": 0}
+
+    def oracle(L):
+        launches.append(L)
+        out = np.full((len(L.rows), g), -1, np.int32)
+        for b, r in enumerate(L.rows):
+            i = by_rid[r.seq.group.rid]
+            n = len(r.seq.output_ids)
+            want = ref_c[i][n:n + g]
+            out[b, :len(want)] = want
+            k = (n + i + len(launches)) % (g + 1)
+            if k < len(want):
+                bad = (want[k] // 3) * 3 if (n + i) % 2 else (want[k] + 3) % V  # grammar-rejected / allowed
+                injected["rejected_by_grammar"] += bad % 3 == 0
+                out[b, k] = bad if bad != want[k] else (want[k] + 1) % V
+        return out
+
+    n_comp = None
+    spec_eng.runner.draft_hook = oracle
+    try:
+        rids = [f"c{next(_ids)}" for _ in prompts]
+        by_rid.update({r: i for i, r in enumerate(rids)})
+        for rid, p in zip(rids, prompts):
+            spec_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
+        done = {}
+        while spec_eng.has_unfinished():
+            for o in spec_eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            if launches and n_comp is None:
+                n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
+    finally:
+        spec_eng.runner.draft_hook = None
+    assert [done[r].outputs[0].token_ids for r in rids] == ref_c
+    accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
+    assert any(len(set(a)) > 1 for a in accepts) and injected["rejected_by_grammar"] > 0
+    assert spec_eng.num_compilations() == n_comp
+    assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
+
+
+def test_startup_errors(cfg, tiny_params):
+    """Unsupported DSpark combinations are refused at start-up, naming the reason."""
+    no_mtp = dict(tiny_params, mtp=[])
+    with pytest.raises(EngineError, match="no DSpark parameters"):
+        Engine(cfg=cfg, params=no_mtp, speculative_algorithm="DSPARK", **KW)
+    with pytest.raises(EngineError, match="block-size 4.*dspark_block_size"):
+        Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", speculative_dspark_block_size=4, **KW)
+    with pytest.raises(EngineError, match="enable-mixed-chunk"):
+        Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", enable_mixed_chunk=True, **KW)
+    with pytest.raises(EngineError, match="tp-size"):
+        Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", tp_size=2, **KW)
