@@ -8,6 +8,8 @@ equals one-token steps), one without DSpark and one with (γ = 3, the tiny check
 shapes as tests/test_dspark.py (batch 4, pages of 8, 25 pages, context 48) and one-token prefill
 chunks, so the DSpark engine's plain step is the very program test_dspark compiles; shapes compile on
 first use (no warm-up), and every request here runs on already compiled programs after the first.
+Cost: ~120 CPU-s for the module with a cold compile cache, mostly compiling the DSpark verify step and
+the draft-only step (constrained rows), each of which holds the draft's three stages.
 """
 
 import itertools
