@@ -9,8 +9,9 @@ the rules' shardings (`parallel.rules.param_shapes`), the cache is `eval_shape`d
 requests of ``--context`` tokens, and `decode.jitted_extend` (B rows x T tokens, the serving step) is
 lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--out``):
 
-* parameter bytes: checkpoint total (`param_stats`), the placed tree's global total (with Engram row
-  padding), per device (max / min over devices), and the host-table bytes with ``--engram-host-table``;
+* parameter bytes: checkpoint total (`param_stats`), the placed tree's global total of checkpoint tensors
+  (with Engram row padding) and of the load-time derived copies (``wo_a.bf16``), per device (max / min
+  over devices, everything placed), and the host-table bytes with ``--engram-host-table``;
 * cache bytes per device (replicated, see `parallel.rules`) for the batch and context;
 * XLA's memory analysis of the compiled step (arguments, outputs, temporaries, generated code) and its
   cost analysis (FLOPs, bytes accessed — per device: the SPMD program is the per-device program);
@@ -108,6 +109,24 @@ def keep_layers(cfg, keep):
         num_nextn_predict_layers=0, dspark_target_layer_ids=())
 
 
+def placed_bytes(cfg, params) -> tuple:
+    """(all placed device bytes, of which load-time derived leaves) of a placed / abstract params tree,
+    global (every shard once). Derived = the leaves not in the checkpoint (`params.P.in_checkpoint`:
+    ``wo_a.bf16``, ``derived.*``), so placed − derived is the checkpoint's tensors as placed."""
+    import jax.numpy as jnp
+
+    from dsv41_jax.model.params import declare_params, flatten_names
+
+    def nbytes(x):
+        return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize if hasattr(x, "dtype") else 0  # HostTable: 0
+
+    decl = flatten_names(declare_params(cfg))
+    flat = flatten_names(params)
+    placed = sum(nbytes(x) for x in flat.values())
+    derived = sum(nbytes(x) for n, x in flat.items() if n in decl and not decl[n].in_checkpoint)
+    return placed, derived
+
+
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -158,9 +177,7 @@ def run(args) -> dict:
     stats = param_stats(cfg)
     per_dev = rules.param_bytes_per_device(params)
     cache_dev = rules.param_bytes_per_device(cache)
-    placed = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
-    derived = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                  for x in jax.tree_util.tree_leaves(params.get("derived", {})))
+    placed, derived = placed_bytes(cfg, params)
     t0 = time.perf_counter()
     step = dec.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
     lowered = step.lower(params, cache, batch)
@@ -175,6 +192,7 @@ def run(args) -> dict:
         "page_size": ps,
         "param_bytes_checkpoint": stats["bytes"],
         "param_bytes_placed_global": placed - derived + host_bytes,  # checkpoint tensors as placed (+ row padding)
+        "param_bytes_derived": derived,  # load-time copies (wo_a.bf16, the Engram token map), global
         "param_bytes_per_device_max": max(per_dev.values()), "param_bytes_per_device_min": min(per_dev.values()),
         "engram_host_bytes": host_bytes,
         "cache_bytes_per_device": max(cache_dev.values()),
