@@ -108,19 +108,15 @@ class SharedPageAllocator(kvc.PageAllocator):
         keep = max(-(-num_tokens // self.page_size), 0)
         extra = table[keep:]
         del table[keep:]
-        released = []
-        for p in extra:
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                del self._refs[p]
-                released.append(p)
-        self._free.extend(reversed(released))
-        return len(released)
+        return self._release(extra)
 
     def free(self, rid) -> int:
-        table = self._tables.pop(rid, [])
+        return self._release(self._tables.pop(rid, []))
+
+    def _release(self, pages) -> int:
+        """Drop one reference to each page; those no one holds any more go back to the free list."""
         released = []
-        for p in table:
+        for p in pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 del self._refs[p]
