@@ -309,14 +309,16 @@ class PageAllocator:
         keep = max(-(-num_tokens // self.page_size), 0)
         extra = table[keep:]
         del table[keep:]
-        self._free.extend(reversed(extra))
-        return len(extra)
+        return self._release(extra)
 
     def free(self, rid) -> int:
         """Return every page of `rid` to the free list; returns how many."""
-        table = self._tables.pop(rid, [])
-        self._free.extend(reversed(table))
-        return len(table)
+        return self._release(self._tables.pop(rid, []))
+
+    def _release(self, pages) -> int:
+        """Pages a request let go of back to the free list (a sharing allocator overrides this)."""
+        self._free.extend(reversed(pages))
+        return len(pages)
 
     def table_array(self, rids) -> np.ndarray:
         """int32 [len(rids), max_pages_per_seq]; unused entries point at the null page 0."""

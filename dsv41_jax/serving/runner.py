@@ -99,20 +99,6 @@ class SharedPageAllocator(kvc.PageAllocator):
         for p in pages:
             self._refs[p] += 1
 
-    def truncate(self, rid, num_tokens: int) -> int:
-        """Give back `rid`'s pages beyond `num_tokens` tokens (a DSpark verify window's rejected
-        positions); a shared page returns to the free list only when its last holder lets it go."""
-        table = self._tables.get(rid)
-        if table is None:
-            return 0
-        keep = max(-(-num_tokens // self.page_size), 0)
-        extra = table[keep:]
-        del table[keep:]
-        return self._release(extra)
-
-    def free(self, rid) -> int:
-        return self._release(self._tables.pop(rid, []))
-
     def _release(self, pages) -> int:
         """Drop one reference to each page; those no one holds any more go back to the free list."""
         released = []
