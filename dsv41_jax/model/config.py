@@ -215,12 +215,15 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        """``"flash"``: the real V4.1 Flash values. ``"tiny"``: a small config with every mechanism."""
+        """``"flash"``: the real V4.1 Flash values. ``"tiny"``: a small config with every mechanism.
+        ``"nano"``: tiny's layout at a trainable width (scripts/train_nano.py)."""
         if name == "flash":
             return cls(name="flash")
         if name == "tiny":
             return _tiny()
-        raise ConfigError(f"unknown preset {name!r}; known presets: 'flash', 'tiny'")
+        if name == "nano":
+            return _nano()
+        raise ConfigError(f"unknown preset {name!r}; known presets: 'flash', 'tiny', 'nano'")
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<dict>") -> "ModelConfig":
@@ -564,6 +567,22 @@ def _tiny() -> ModelConfig:
         dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=16, dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2, name="tiny",
     )
+
+
+def _nano() -> ModelConfig:
+    """The trained toy (scripts/train_nano.py): tiny's layer layout and tokenizer, wider.
+
+    Every mechanism is present as in tiny (window-only layers 0-1, ratio-2 sources 2/4, ratio-1
+    source 6 = candidate source, index sources 2/4/6/8 with 8 re-scoring, Engram at 1 and 4, MoE,
+    mHC, 3 DSpark stages). The retrieval budgets (index_topk, candidate blocks) cover every slot of a
+    training sequence (<= 256 tokens): the indexers get no gradient through their discrete top-k, so
+    at training lengths they select everything and the attention learns over full context.
+    """
+    return _tiny().replace(
+        hidden_size=128, num_attention_heads=4, head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, sliding_window=32,
+        index_topk=256, candidate_topk_blocks=32, candidate_block_size=8, dspark_block_size=5,
+        dspark_markov_rank=32, name="nano")
 
 
 @functools.lru_cache(maxsize=1)

@@ -348,13 +348,16 @@ def dequantize_mxfp4(packed, scale, out_dtype=jnp.float32, block=32):
     """Exact dequantization of an MXFP4 weight.
 
     Args:
-      packed: uint8 [out, in/2] (low nibble = even element).
+      packed: uint8 [out, in/2] (low nibble = even element); or a float [out, in] weight taken as the
+        element values themselves (training master weights).
       scale: float8_e8m0fnu (or uint8 exponent bytes) [out, in/block].
       out_dtype: result dtype (e2m1 * 2^k is exact in fp32 and bf16).
     Returns:
       out_dtype [out, in].
     """
-    v = unpack_fp4(packed)
+    # A float `packed` is an already unpacked weight [out, in] (the fp32 master weights that
+    # scripts/train_nano.py differentiates, with unit scales); uint8 is the stored format.
+    v = packed.astype(jnp.float32) if jnp.issubdtype(packed.dtype, jnp.floating) else unpack_fp4(packed)
     s = e8m0_to_f32(scale)
     if s.shape != (v.shape[0], v.shape[1] // block):
         raise ValueError(f"scale shape {s.shape} does not match MXFP4 weight {v.shape} / block {block}")
@@ -372,6 +375,25 @@ def _blocks(x, block, name):
     if k % block:
         raise ValueError(f"{name}: last dimension {k} is not a multiple of block {block}")
     return x.astype(jnp.float32).reshape(*x.shape[:-1], k // block, block)
+
+
+def _straight_through(fake_quant):
+    """``fake_quant(x, block, out_dtype)`` with the straight-through estimator as its derivative.
+
+    The forward is `fake_quant`'s, bit for bit. Its true derivative is zero almost everywhere
+    (rounding), and the cast through float8 would also round the cotangent itself to e4m3; the
+    straight-through estimator takes d out / d x = identity instead, so `jax.grad` through the model's
+    fake-quantized activations reaches the weights before them (quantization-aware training,
+    scripts/train_nano.py). Nothing in inference differentiates, so inference is unchanged.
+    """
+    f = jax.custom_jvp(fake_quant, nondiff_argnums=(1, 2))
+
+    @f.defjvp
+    def _jvp(block, out_dtype, primals, tangents):
+        (x,), (t,) = primals, tangents
+        return f(x, block, out_dtype), t.astype(out_dtype)
+
+    return f
 
 
 @functools.partial(jax.jit, static_argnames=('block',))
@@ -394,8 +416,7 @@ def act_quant_fp8(x, block=32):
     return xq, s
 
 
-@functools.partial(jax.jit, static_argnames=('block', 'out_dtype'))
-def fake_quant_fp8(x, block=32, out_dtype=None):
+def _fake_quant_fp8(x, block=32, out_dtype=None):
     """fp8 e4m3 fake-quant with power-of-two per-block scales (window KV store, DSpark rings).
 
     Args:
@@ -410,8 +431,16 @@ def fake_quant_fp8(x, block=32, out_dtype=None):
     return (xb * s[..., None]).reshape(x.shape).astype(out_dtype)
 
 
+_fake_quant_fp8_ste = _straight_through(_fake_quant_fp8)
+
+
 @functools.partial(jax.jit, static_argnames=('block', 'out_dtype'))
-def fake_quant_fp4_pow2(x, block=32, out_dtype=None):
+def fake_quant_fp8(x, block=32, out_dtype=None):
+    """`_fake_quant_fp8` (see there) with a straight-through derivative (`_straight_through`)."""
+    return _fake_quant_fp8_ste(x, block, x.dtype if out_dtype is None else out_dtype)
+
+
+def _fake_quant_fp4_pow2(x, block=32, out_dtype=None):
     """fp4 (e2m1) fake-quant with power-of-two per-block scales (index q and k, SPEC §4/§6).
 
     Args:
@@ -430,8 +459,16 @@ def fake_quant_fp4_pow2(x, block=32, out_dtype=None):
     return v.reshape(x.shape).astype(out_dtype)
 
 
+_fake_quant_fp4_pow2_ste = _straight_through(_fake_quant_fp4_pow2)
+
+
 @functools.partial(jax.jit, static_argnames=('block', 'out_dtype'))
-def fake_quant_fp4_e4m3(x, block=16, out_dtype=None):
+def fake_quant_fp4_pow2(x, block=32, out_dtype=None):
+    """`_fake_quant_fp4_pow2` (see there) with a straight-through derivative (`_straight_through`)."""
+    return _fake_quant_fp4_pow2_ste(x, block, x.dtype if out_dtype is None else out_dtype)
+
+
+def _fake_quant_fp4_e4m3(x, block=16, out_dtype=None):
     """fp4 (e2m1) fake-quant with e4m3 per-block scales (compressed KV latents, SPEC §3/§6).
 
     Args:
@@ -452,6 +489,15 @@ def fake_quant_fp4_e4m3(x, block=16, out_dtype=None):
     s = round_e4m3(jnp.minimum(amax / E2M1_MAX, E4M3_MAX))[..., None]
     v = round_e2m1(jnp.clip(xb / s, -E2M1_MAX, E2M1_MAX)) * s
     return v.reshape(x.shape).astype(out_dtype)
+
+
+_fake_quant_fp4_e4m3_ste = _straight_through(_fake_quant_fp4_e4m3)
+
+
+@functools.partial(jax.jit, static_argnames=('block', 'out_dtype'))
+def fake_quant_fp4_e4m3(x, block=16, out_dtype=None):
+    """`_fake_quant_fp4_e4m3` (see there) with a straight-through derivative (`_straight_through`)."""
+    return _fake_quant_fp4_e4m3_ste(x, block, x.dtype if out_dtype is None else out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

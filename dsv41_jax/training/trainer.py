@@ -1,0 +1,236 @@
+"""Training the `nano` preset with `jax.grad` through the project's own forward (scripts/train_nano.py).
+
+Master weights are fp32. The parameter tree keeps the checkpoint's layout, with every quantized
+weight replaced by its fp32 master value and a unit scale, which the model's linears take as they are:
+an fp8 pair {"weight": fp32 [N, K], "scale": e8m0 ones} dequantizes to the fp32 weight itself, and an
+MXFP4 expert stack {"weight": fp32 [E, N, K], "scale": ones} likewise (`quant.dequantize_mxfp4` reads a
+float "packed" as the unpacked values). Activations keep the model's fake-quants, whose derivative is
+the straight-through estimator (`quant._straight_through`), so the forward trained is the forward
+served. The release's fp8 / MXFP4 formats are applied at export (`to_release_params`).
+
+Frozen (not in the trainable tree): scales, the gate's load-balancing biases (they only move the
+top-k, which has no gradient), the ``wo_a`` bf16 copy (rebuilt at export), the tokenizer-derived
+tables, and the DSpark stages (trained afterwards on the frozen target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dsv41_jax.model import quant
+from dsv41_jax.model.config import ModelConfig
+from dsv41_jax.model.transformer import forward
+
+log = logging.getLogger(__name__)
+
+_FROZEN_KEYS = ("scale", "bias", "bias_vl", "bf16")
+
+
+def train_config(cfg: ModelConfig) -> ModelConfig:
+    """The config the training step runs: fp32 activations, the reference implementations (the
+    every-expert MoE, whose gradient reaches every routed expert it weights) and the unrolled layer
+    loop (the scan's stacked storage bitcasts the declared fp8 dtypes, which fp32 masters are not)."""
+    return cfg.replace(act_dtype="float32", impl="reference", layer_scan=False)
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "idx", k)))
+
+
+def _path_names(path) -> tuple:
+    return tuple(_key_name(k) for k in path)
+
+
+def is_trainable(names: tuple) -> bool:
+    """Whether the leaf at `names` (a path of dict keys / list indices) is a trained master weight."""
+    return names[0] not in ("derived", "mtp") and names[-1] not in _FROZEN_KEYS
+
+
+def to_master(params: dict) -> dict:
+    """Checkpoint-format params (`init_params` / `load_params`) -> master params: every fp8 / MXFP4
+    weight dequantized to fp32 with unit scales, bf16 leaves widened to fp32."""
+
+    def conv(node, name=""):
+        if isinstance(node, dict):
+            if set(node) >= {"weight", "scale"} and node["weight"].dtype in (quant.FP8, jnp.uint8):
+                w, s = node["weight"], node["scale"]
+                if w.dtype == jnp.uint8:  # MXFP4 experts [E, N, K/2]
+                    wf = jax.vmap(lambda a, b: quant.dequantize_mxfp4(a, b, jnp.float32))(w, s)
+                elif name.endswith("engram/embed"):  # the Engram table: per-row scales [N, de/32]
+                    wf = w.astype(jnp.float32) * jnp.repeat(quant.e8m0_to_f32(s), 32, axis=1)
+                else:
+                    wf = quant.dequantize_fp8_block(w, s, jnp.float32)
+                out = dict(node, weight=wf, scale=jnp.ones(s.shape, quant.E8M0))
+                return out
+            return {k: conv(v, f"{name}/{k}") for k, v in node.items()}
+        if isinstance(node, list):
+            return [conv(v, f"{name}/{i}") for i, v in enumerate(node)]
+        if node is not None and jnp.issubdtype(node.dtype, jnp.floating) and node.dtype == jnp.bfloat16:
+            return node.astype(jnp.float32)
+        return node
+
+    return conv(params)
+
+
+def split(params: dict) -> tuple[dict, dict]:
+    """(trainable {path string: array}, the whole tree) — the flat dict is what the optimizer sees."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = _path_names(path)
+        if is_trainable(names):
+            flat[".".join(names)] = leaf
+    return flat, params
+
+
+def merge(train: dict, params: dict) -> dict:
+    """`params` with its trainable leaves replaced by `train`'s (same keys as `split`)."""
+
+    def put(path, leaf):
+        key = ".".join(_path_names(path))
+        return train.get(key, leaf)
+
+    return jax.tree_util.tree_map_with_path(put, params)
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to lr/10, global-norm clipping; decay on matrices only."""
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1), lr / 10)
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=weight_decay,
+                                   mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()}))
+
+
+def loss_and_metrics(train: dict, params: dict, batch: dict, cfg: ModelConfig):
+    """Masked next-token cross entropy over the completion tokens.
+
+    batch: tokens / targets int32 [B, T], mask float32 [B, T] (`data.pack`). Returns (loss, metrics):
+    ``acc`` = token accuracy of the argmax on masked positions, ``seq_acc`` = fraction of rows whose
+    every masked token is the argmax (teacher-forced: greedy decoding reproduces such a completion)."""
+    logits = forward(merge(train, params), batch["tokens"], cfg)  # fp32 [B, T, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    m = batch["mask"]
+    n = jnp.maximum(m.sum(), 1.0)
+    loss = (nll * m).sum() / n
+    hit = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    acc = (hit * m).sum() / n
+    row_ok = jnp.all((hit > 0) | (m == 0), axis=-1).astype(jnp.float32)
+    has = (m.sum(-1) > 0).astype(jnp.float32)
+    seq_acc = (row_ok * has).sum() / jnp.maximum(has.sum(), 1.0)
+    return loss, {"loss": loss, "acc": acc, "seq_acc": seq_acc}
+
+
+def make_train_step(cfg: ModelConfig, opt: optax.GradientTransformation) -> Callable:
+    """jit((train, opt_state, params, batch) -> (train, opt_state, metrics)); `params` supplies the
+    frozen leaves. `cfg` is the model config (turned into `train_config` here)."""
+    tcfg = train_config(cfg)
+
+    @jax.jit
+    def step(train, opt_state, params, batch):
+        (_, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(train, params, batch, tcfg)
+        updates, opt_state = opt.update(grads, opt_state, train)
+        train = optax.apply_updates(train, updates)
+        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
+        return train, opt_state, metrics
+
+    return step
+
+
+def make_eval_step(cfg: ModelConfig) -> Callable:
+    tcfg = train_config(cfg)
+
+    @jax.jit
+    def ev(train, params, batch):
+        return loss_and_metrics(train, params, batch, tcfg)[1]
+
+    return ev
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_manager(directory: str, keep: int = 2):
+    """An Orbax `CheckpointManager` over `directory` (absolute path; created), keeping the last `keep`."""
+    import os
+
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+
+def save_state(manager, step: int, train: dict, opt_state, meta: dict) -> None:
+    """Save (train, opt_state) at `step` with JSON `meta` (the run's arguments), and wait for it."""
+    import orbax.checkpoint as ocp
+
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"train": train, "opt": opt_state}),
+                                               meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+
+
+def restore_state(manager, train_like: dict, opt_like, step: int | None = None):
+    """(step, train, opt_state, meta) of the latest (or `step`'s) checkpoint, or None if there is none.
+
+    train_like / opt_like: trees of the same structure (their shapes and dtypes are the targets)."""
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        return None
+    target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"train": train_like, "opt": opt_like})
+    got = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                        meta=ocp.args.JsonRestore()))
+    return step, got["state"]["train"], got["state"]["opt"], got["meta"]
+
+
+# ----------------------------------------------------------------------------------- export
+
+
+def to_release_params(train: dict, params: dict, template: dict) -> dict:
+    """Master params -> checkpoint-format params (the release's fp8 32×32 blocks, MXFP4 experts,
+    per-row fp8 Engram tables, bf16 / fp32 as declared), on the host with the numpy quantizers.
+
+    train / params: as `split` returns them (trained leaves, the rest); template: checkpoint-format
+    params of the same config (`init_params`): their dtypes are the targets, and their values are kept
+    for every leaf that is not trained (the DSpark stages, the gate biases, derived tables). The
+    ``wo_a`` bf16 copy is rebuilt from the quantized pair."""
+    from dsv41_jax.model.checkpoint import dequant_fp8_block_np, requantize_np
+
+    full = merge(train, params)
+
+    def conv(node, tmpl, name=""):
+        if isinstance(node, dict):
+            if set(node) >= {"weight", "scale"} and tmpl["weight"].dtype in (quant.FP8, jnp.uint8):
+                if name.split("/")[1] == "mtp":  # DSpark stages: not trained here, kept as they are
+                    return tmpl
+                w = np.asarray(node["weight"], np.float32)
+                if tmpl["weight"].dtype == jnp.uint8:
+                    qs = [requantize_np("mxfp4", w[e]) for e in range(w.shape[0])]
+                    q, s = np.stack([a for a, _ in qs]), np.stack([b for _, b in qs])
+                else:
+                    q, s = requantize_np("fp8_rows" if name.endswith("engram/embed") else "fp8", w)
+                out = dict(tmpl, weight=jnp.asarray(q), scale=jnp.asarray(s))
+                if "bf16" in tmpl:
+                    out["bf16"] = jnp.asarray(dequant_fp8_block_np(np.asarray(q), np.asarray(s)).astype(jnp.bfloat16))
+                for k in ("weight", "scale"):
+                    if out[k].shape != tmpl[k].shape or out[k].dtype != tmpl[k].dtype:
+                        raise ValueError(f"{name}/{k}: exported {out[k].shape} {out[k].dtype}, the checkpoint "
+                                         f"declares {tmpl[k].shape} {tmpl[k].dtype}")
+                return out
+            return {k: conv(node[k], tmpl[k], f"{name}/{k}") for k in tmpl}
+        if isinstance(node, list):
+            return [conv(a, b, f"{name}/{i}") for i, (a, b) in enumerate(zip(node, tmpl))]
+        if name.split("/")[1] in ("mtp", "derived"):
+            return tmpl
+        return jnp.asarray(np.asarray(node, np.float32).astype(tmpl.dtype))
+
+    return conv(full, template)

@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Train the `nano` preset on the synthetic chat corpus, on CPU (issue 14, part 1).
+
+    python scripts/train_nano.py --out runs/nano                # train (resumes if runs/nano has a checkpoint)
+    python scripts/train_nano.py --out runs/nano --steps 3000   # continue a finished run to more steps
+
+What it does: builds the `nano` config (tiny's layer layout, every mechanism, 128 wide), initializes
+it from `--init-seed`, converts the weights to fp32 masters (`training.trainer`), and trains with
+`jax.grad` through the project's own forward (fake-quantized activations with straight-through
+derivatives) on rows of the synthetic corpus (`training.data`: rendered with the V4.1 chat encoder,
+loss on the completion only), loaded by Grain. Every --log-every steps a line with loss / token
+accuracy / sequence accuracy (teacher-forced: the fraction of completions greedy decoding would
+reproduce exactly); every --eval-every steps the same on held-out rows (--eval-seed, another seed
+than the training data); an Orbax checkpoint every --ckpt-every steps, at the end, and when
+--max-minutes runs out or on SIGTERM / Ctrl-C (after the current step), so an interrupted run
+resumes where it stopped (same rows, same state).
+
+Same seeds -> same data -> same run. The DSpark stages are not trained here (they stay as
+initialized); export to the release format is a later step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+log = logging.getLogger("train_nano")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="run directory: Orbax checkpoints under OUT/ckpt, metrics in "
+                    "OUT/metrics.jsonl; a run found there is resumed")
+    ap.add_argument("--steps", type=int, default=2000, help="total optimizer steps (default 2000)")
+    ap.add_argument("--batch-size", type=int, default=8, help="rows per step (default 8)")
+    ap.add_argument("--seq-len", type=int, default=160,
+                    help="tokens per row (default 160: every text task fits; the tool kinds need ~1050 with "
+                         "the byte-level tiny tokenizer)")
+    ap.add_argument("--kinds", default=",".join(_text_kinds()),
+                    help="comma-separated task kinds to train on (default: the text kinds, %(default)s); "
+                         "all kinds: " + ",".join(_all_kinds()))
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW; default 2e-3)")
+    ap.add_argument("--warmup", type=int, default=50, help="linear warmup steps (default 50)")
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay on matrices (default 0.01)")
+    ap.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
+    ap.add_argument("--seed", type=int, default=0, help="training-data seed (default 0)")
+    ap.add_argument("--eval-seed", type=int, default=1, help="held-out data seed (default 1; must differ from --seed)")
+    ap.add_argument("--init-seed", type=int, default=0, help="parameter initialization seed (default 0)")
+    ap.add_argument("--log-every", type=int, default=10, help="steps between training metric lines (default 10)")
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (default 100; 0 = off)")
+    ap.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation (default 4)")
+    ap.add_argument("--ckpt-every", type=int, default=100, help="steps between Orbax checkpoints (default 100)")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="stop (after a checkpoint) once this much wall time has passed; 0 = no limit")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (metric lines only)")
+    return ap
+
+
+def _text_kinds():
+    from dsv41_jax.training.data import TEXT_KINDS
+
+    return TEXT_KINDS
+
+
+def _all_kinds():
+    from dsv41_jax.training.data import KINDS
+
+    return KINDS
+
+
+def _fmt(m: dict) -> str:
+    return " ".join(f"{k}={float(v):.4f}" for k, v in sorted(m.items()))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save INFO lines
+    from dsv41_jax.training.data import KINDS
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    errors = []
+    if bad or not kinds:
+        errors.append(f"--kinds: unknown kind(s) {bad or '(none given)'}; known: {', '.join(KINDS)}")
+    for name in ("steps", "batch_size", "seq_len", "log_every", "ckpt_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_every < 0 or args.lr <= 0 or args.max_minutes < 0:
+        errors.append("--eval-every and --max-minutes must be >= 0 and --lr > 0")
+    if args.eval_seed == args.seed:
+        errors.append(f"--eval-seed must differ from --seed (both {args.seed}): held-out rows must be unseen")
+    if errors:
+        for e in errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from dsv41_jax.model.config import ModelConfig
+    from dsv41_jax.model.params import init_params
+    from dsv41_jax.serving.tokenizer import load_tokenizer
+    from dsv41_jax.training import data, trainer
+
+    cfg = ModelConfig.preset("nano")
+    tok = load_tokenizer("tiny")
+    os.makedirs(args.out, exist_ok=True)
+    # A resumed run finds the compiled step here instead of compiling it again (minutes on a busy CPU).
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 5.0)
+    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out")}
+    meta["kinds"] = list(kinds)
+    log.info("config nano: hidden %d, %d layers + %d DSpark stages, vocab %d; run %s", cfg.hidden_size,
+             cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.vocab_size, json.dumps(meta))
+
+    params = trainer.to_master(init_params(cfg, jax.random.key(args.init_seed)))  # engram map: the tiny tokenizer
+    train, params = trainer.split(params)
+    log.info("trainable: %d tensors, %d parameters (fp32 masters)", len(train), sum(v.size for v in train.values()))
+    opt = trainer.make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+    opt_state = opt.init(train)
+    manager = trainer.checkpoint_manager(os.path.join(args.out, "ckpt"))
+    start = 0
+    got = trainer.restore_state(manager, train, opt_state)
+    if got is not None:
+        start, train, opt_state, old = got
+        changed = {k: (old.get(k), v) for k, v in meta.items() if k != "steps" and old.get(k) != v}
+        if changed:
+            print(f"error: {args.out} holds a run with other settings {changed}; use another --out",
+                  file=sys.stderr)
+            return 2
+        log.info("resumed from the step-%d checkpoint in %s", start, os.path.join(args.out, "ckpt"))
+    else:
+        log.info("no checkpoint in %s: starting from scratch", os.path.join(args.out, "ckpt"))
+    if start >= args.steps:
+        log.info("already at step %d >= --steps %d: nothing to do", start, args.steps)
+        return 0
+
+    step_fn = trainer.make_train_step(cfg, opt)
+    eval_fn = trainer.make_eval_step(cfg)
+    src = data.PackedSource(tok, args.seed, args.seq_len, kinds=kinds)
+    held = data.PackedSource(tok, args.eval_seed, args.seq_len, kinds=kinds)
+    eval_batches = [jax.tree_util.tree_map(jnp.asarray, b)
+                    for b, _ in zip(data.batches(held, args.batch_size), range(args.eval_batches))]
+    it = data.batches(src, args.batch_size, start)
+    mpath = os.path.join(args.out, "metrics.jsonl")
+    t0 = time.time()
+    bar = tqdm(total=args.steps, initial=start, desc="train nano", unit="step", disable=args.no_progress,
+               file=sys.stderr, dynamic_ncols=True)
+    acc_m: dict = {}
+    step = start
+    stop = []  # SIGTERM / SIGINT: finish the step, checkpoint, exit (a rerun resumes there)
+
+    def on_signal(signum, _frame):
+        if stop:  # a second signal: give up at once
+            raise KeyboardInterrupt
+        stop.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    with open(mpath, "a", encoding="utf-8") as mf:
+        while step < args.steps:
+            batch = jax.tree_util.tree_map(jnp.asarray, next(it))
+            ts = time.time()
+            train, opt_state, m = step_fn(train, opt_state, params, batch)
+            m = {k: float(v) for k, v in m.items()}
+            step += 1
+            m["step_s"] = time.time() - ts
+            for k, v in m.items():
+                acc_m.setdefault(k, []).append(v)
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}")
+            if step % args.log_every == 0:
+                avg = {k: float(np.mean(v)) for k, v in acc_m.items()}
+                acc_m = {}
+                bar.write(f"step {step}: train {_fmt(avg)}")
+                mf.write(json.dumps({"step": step, "split": "train", **avg}) + "\n")
+                mf.flush()
+            out_of_time = bool(stop) or (args.max_minutes and (time.time() - t0) > args.max_minutes * 60)
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                ev = [{k: float(v) for k, v in eval_fn(train, params, b).items()} for b in eval_batches]
+                avg = {k: float(np.mean([e[k] for e in ev])) for k in ev[0]}
+                bar.write(f"step {step}: held-out {_fmt(avg)}")
+                mf.write(json.dumps({"step": step, "split": "eval", **avg}) + "\n")
+                mf.flush()
+            if step % args.ckpt_every == 0 or step == args.steps or out_of_time:
+                trainer.save_state(manager, step, train, opt_state, meta)
+                bar.write(f"step {step}: checkpoint saved to {os.path.join(args.out, 'ckpt')}")
+            if out_of_time:
+                why = f"{stop[0]} received" if stop else f"--max-minutes {args.max_minutes} reached"
+                bar.write(f"{why} at step {step}; rerun the same command to resume")
+                break
+    bar.close()
+    log.info("done at step %d in %.1f min", step, (time.time() - t0) / 60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

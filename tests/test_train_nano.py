@@ -1,0 +1,173 @@
+"""scripts/train_nano.py and `dsv41_jax.training`: the synthetic corpus, the training step, resume.
+
+Fast checks only (the training itself is not run here): the corpus is deterministic per seed and
+renders through the V4.1 chat encoder and the server's parsers; the fake-quants have straight-through
+derivatives; a few steps on a fixed batch reduce the loss of the (tiny) model; Orbax save / restore
+gives back the same state; bad CLI input exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import quant
+from dsv41_jax.serving.reasoning import parse_chat_output
+from dsv41_jax.serving.tokenizer import load_tokenizer
+from dsv41_jax.training import data, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny")
+
+
+def test_corpus_is_deterministic_per_seed():
+    a = [data.make_example(0, i) for i in range(40)]
+    b = [data.make_example(0, i) for i in range(40)]
+    c = [data.make_example(1, i) for i in range(40)]
+    assert [(x.prompt, x.completion) for x in a] == [(x.prompt, x.completion) for x in b]
+    assert [(x.prompt, x.completion) for x in a] != [(x.prompt, x.completion) for x in c]
+    assert data.make_example(0, 3, attempt=1).prompt != data.make_example(0, 3).prompt or \
+        data.make_example(0, 3, attempt=1).completion != data.make_example(0, 3).completion
+    assert len({x.kind for x in a}) >= 6 and {x.thinking for x in a} == {False, True}
+
+
+@pytest.mark.parametrize("kind", data.KINDS)
+@pytest.mark.parametrize("thinking", [False, True])
+def test_examples_render_and_parse_like_the_server(kind, thinking):
+    """prompt + completion is the encoder's rendering (checked inside `render`), and the server's parser
+    splits the completion into the expected reasoning / content / tool call."""
+    ex = data.make_example(7, 0, kinds=(kind,), thinking=thinking)
+    assert ex.completion.endswith(data.EOS)
+    text = ex.completion[: -len(data.EOS)]  # the engine stops at EOS and does not return it
+    reasoning, content, calls, warnings = parse_chat_output(text, thinking, ex.tools)
+    assert not warnings
+    assert reasoning == (ex.target["reasoning_content"] if thinking else "")
+    if kind == "tool_call":
+        assert content == "" and len(calls) == 1
+        assert (calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"])) == ex.answer
+    else:
+        assert content == ex.answer and not calls
+
+
+def test_pack_masks_exactly_the_completion(tok):
+    ex = data.make_example(0, 5, kinds=("add",), thinking=False)
+    p, c = data.tokenize(ex, tok)
+    row = data.pack(p, c, 64, 2)
+    m = row["mask"].astype(bool)
+    assert m.sum() == len(c)
+    assert list(row["targets"][m]) == list(c)
+    assert list(row["tokens"][: len(p)]) == list(p)
+    assert data.pack(p, c, len(p) + len(c) - 2, 2) is None
+
+
+def test_grain_batches_are_random_access(tok):
+    src = data.PackedSource(tok, 0, 160)
+    b3 = next(data.batches(src, 4, 3))
+    assert b3["tokens"].shape == (4, 160)
+    np.testing.assert_array_equal(b3["tokens"][1], src[13]["tokens"])  # row 3·4 + 1
+
+
+def test_fake_quants_are_straight_through():
+    x = jax.random.normal(jax.random.key(0), (4, 64), jnp.float32) * 3
+    for f, block in ((quant.fake_quant_fp8, 32), (quant.fake_quant_fp4_pow2, 32), (quant.fake_quant_fp4_e4m3, 16)):
+        y = f(x, block=block)
+        assert not np.array_equal(np.asarray(y), np.asarray(x))  # it does quantize
+        g = jax.grad(lambda v: jnp.sum(f(v, block=block) * jnp.arange(64.0)))(x)
+        np.testing.assert_array_equal(np.asarray(g), np.broadcast_to(np.arange(64.0), x.shape))
+
+
+def _micro():
+    """tiny cut to 3 layers (window-only, ratio-2 source, ratio-1 source + candidate source, Engram at 1)
+    and 1 DSpark stage: every mechanism of the step, at a third of tiny's compile time."""
+    from dsv41_jax.model.config import ModelConfig, _engram_rows
+
+    return ModelConfig.preset("tiny").replace(
+        num_hidden_layers=3, compress_ratios=(0, 2, 1, 0), kv_source_layer_ids=(1, 2),
+        index_source_layer_ids=(1, 2), candidate_source_layer_id=2, engram_layer_ids=(1,),
+        engram_num_embeddings=tuple(_engram_rows((1,), 4, 2, 50)), num_nextn_predict_layers=1,
+        dspark_target_layer_ids=(2,), name="micro")
+
+
+def test_master_params_reproduce_the_quantized_forward():
+    """fp32 masters with unit scales give the same logits as the fp8 / MXFP4 checkpoint params."""
+    from dsv41_jax.model.params import init_params
+    from dsv41_jax.model.transformer import forward
+
+    cfg = trainer.train_config(_micro())
+    p = init_params(cfg, jax.random.key(0))
+    tokens = jnp.arange(16, dtype=jnp.int32)[None] % 300
+    a = jax.jit(forward, static_argnums=2)(p, tokens, cfg)
+    b = jax.jit(forward, static_argnums=2)(trainer.to_master(p), tokens, cfg)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
+
+
+def test_train_steps_reduce_loss_on_a_fixed_batch(tok):
+    from dsv41_jax.model.params import init_params
+
+    cfg = _micro()
+    train, params = trainer.split(trainer.to_master(init_params(cfg, jax.random.key(0))))
+    assert not any(k.startswith(("mtp.", "derived.")) or k.endswith(".scale") for k in train)
+    src = data.PackedSource(tok, 0, 48, kinds=("add", "sub"))
+    batch = jax.tree_util.tree_map(jnp.asarray, next(data.batches(src, 2)))
+    opt = trainer.make_optimizer(3e-3, 10, 1, 0.0, 1.0)
+    st = opt.init(train)
+    step = trainer.make_train_step(cfg, opt)
+    losses = []
+    for _ in range(4):
+        train, st, m = step(train, st, params, batch)
+        losses.append(float(m["loss"]))
+        assert np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 0
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_orbax_save_and_resume_give_the_same_state(tmp_path):
+    train = {"a.weight": jnp.arange(12.0).reshape(3, 4), "b.weight": jnp.ones((5,))}
+    opt = trainer.make_optimizer(1e-2, 10, 2, 0.1, 1.0)
+    st = opt.init(train)
+    grads = jax.tree_util.tree_map(jnp.ones_like, train)
+    upd, st = opt.update(grads, st, train)
+    train = jax.tree_util.tree_map(lambda a, b: a + b, train, upd)
+    trainer.save_state(trainer.checkpoint_manager(str(tmp_path)), 7, train, st, {"seed": 0})
+    fresh = opt.init(jax.tree_util.tree_map(jnp.zeros_like, train))
+    step, t2, s2, meta = trainer.restore_state(trainer.checkpoint_manager(str(tmp_path)), train, fresh)
+    assert step == 7 and meta == {"seed": 0}
+    for x, y in zip(jax.tree_util.tree_leaves((train, st)), jax.tree_util.tree_leaves((t2, s2))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert trainer.restore_state(trainer.checkpoint_manager(str(tmp_path / "none")), train, st) is None
+
+
+def test_cli_rejects_bad_input(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_nano.py"), "--out", str(tmp_path),
+                        "--kinds", "add,nope", "--eval-seed", "0"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert r.returncode == 2
+    assert "nope" in r.stderr and "--eval-seed" in r.stderr
+
+
+def test_export_round_trips_the_master_values():
+    """to_release_params writes checkpoint dtypes/shapes whose dequantized values are the masters' (the
+    masters of an init are on the fp8 / MXFP4 grids, so the export must be lossless for them)."""
+    from dsv41_jax.model.params import init_params
+
+    cfg = _micro()
+    p = init_params(cfg, jax.random.key(1))
+    master = trainer.to_master(p)
+    train, params = trainer.split(master)
+    rel = trainer.to_release_params(train, params, p)
+    flat_p = jax.tree_util.tree_flatten_with_path(p)[0]
+    flat_r = jax.tree_util.tree_flatten_with_path(rel)[0]
+    assert [(k, v.shape, v.dtype) for k, v in flat_p] == [(k, v.shape, v.dtype) for k, v in flat_r]
+    back = dict(jax.tree_util.tree_flatten_with_path(trainer.to_master(rel))[0])
+    for k, v in jax.tree_util.tree_flatten_with_path(master)[0]:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v), err_msg=jax.tree_util.keystr(k))
