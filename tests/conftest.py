@@ -55,6 +55,21 @@ RUN_COMPILE_CACHE = _run_compile_cache()
 from dsv41_jax.model import ModelConfig, init_params  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop JAX's in-memory caches of compiled programs and traces.
+
+    A worker runs many modules in turn, each with its own jitted steps (module-level functions keep their
+    executables alive); without this a worker grew past 10 GB over a run and two of them could exhaust a
+    24 GB machine. A later module that needs the same program gets it from the run's persistent
+    compilation cache (a load, not a compile)."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def cpu8():
     """The 8 host CPU devices (conftest forces them); fails if JAX came up with fewer (e.g. its

@@ -14,6 +14,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -187,7 +188,7 @@ def test_pool_sized_from_memory_fraction(caplog):
     S, ps = 4, 16
     budget = int((S + 1) * b["window_per_request"] + 10 * ps * b["per_token"]) + 1
     kw = dict(model="tiny", page_size=ps, context_length=64, max_running_requests=S, mem_fraction_static=0.5,
-              skip_server_warmup=True)
+              skip_server_warmup=True, disable_radix_cache=True)  # (the prefix cache's rows: test_prefix_cache)
     with caplog.at_level("INFO", logger="dsv41_jax.engine"):
         e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), params=params)
     assert e.ccfg.num_pages == 10 and e.context_length == 64 and e.ccfg.max_pages_per_seq == 4
@@ -316,6 +317,37 @@ def test_abort_mid_generation_frees_pages(eng):
 
 
 # ------------------------------------------------------------------------------------------- compilations
+
+
+def test_jit_reuses_what_lower_compile_built():
+    """The concurrent warm-up (`Runner._precompile_extend`) relies on this: after ``f.lower(x).compile()``
+    the call ``f(x)`` compiles nothing (one backend compile per shape in all), also when the shapes were
+    compiled in threads."""
+    import concurrent.futures as cf
+
+    compiles = []
+
+    def listener(name, *a, **k):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    f = jax.jit(lambda x: jnp.cumsum(jnp.sin(x) * 3.0 + 1.25), donate_argnums=0)
+    xs = [jax.device_put(np.ones(s, np.float32)) for s in [(3, 5), (7,), (2, 2, 2)]]  # device_put: no compile
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda x: f.lower(x).compile(), xs))
+        assert len(compiles) == len(xs)
+        for x in xs:
+            f(x).block_until_ready()
+        assert len(compiles) == len(xs), "jit compiled again what lower().compile() had built"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_warmup_compiles_its_extend_shapes_concurrently(eng):
+    """The engine's warm-up built its extend shapes (tokens 1 and 16) through `_precompile_extend`."""
+    assert eng.runner.precompiled_shapes == [(8, 1), (8, 16)]
 
 
 def test_zero_compilations_after_warmup(eng):

@@ -135,9 +135,12 @@ def test_n_samples_that_fill_the_whole_pool(eng):
 # ------------------------------------------------------------------------------------------- the issue's reproduction
 
 
-def test_eight_concurrent_requests_ten_repetitions_all_complete(eng, caplog):
+REPS = 4  # the issue's 10 repetitions are the slow soak below (test_issue_reproduction_exact_geometry_...)
+
+
+def test_eight_concurrent_requests_repeated_all_complete(eng, caplog):
     """The issue's reproduction at this pool's scale: 8 concurrent greedy requests, each 55% of the
-    pool alone (prompt 60-120 + 40 tokens of 384; the issue: 220-400 + 160 of 1,024), 10 times.
+    pool alone (prompt 60-120 + 40 tokens of 384; the issue: 220-400 + 160 of 1,024), REPS times.
     Every one completes with all its tokens (it used to come back "abort" after a few dozen), and
     equals the same request run without pressure."""
     rng = np.random.default_rng(170)
@@ -145,7 +148,7 @@ def test_eight_concurrent_requests_ten_repetitions_all_complete(eng, caplog):
     p0 = dict(eng.preemptions)
     reps = []
     with caplog.at_level("INFO", logger="dsv41_jax.engine"):
-        for rep in range(10):
+        for rep in range(REPS):
             prompts = [rng.integers(3, 319, size=int(rng.integers(60, 121))).tolist() for _ in range(8)]
             rids = [f"rep{rep}-{i}" for i in range(8)]
             for r, p in zip(rids, prompts):
@@ -219,8 +222,10 @@ def _burst(eng, rng, n_req, burst):
     return reqs
 
 
-def test_stress_bursts_fp32_equal_alone(eng, caplog):
-    """200 requests in 4 bursts (mixed prompt lengths, max_tokens, n, greedy and seeded sampling
+# requests per burst: 25 in the default run, 50 (the original soak, ~1 min more) under -m slow
+@pytest.mark.parametrize("burst_size", [25, pytest.param(50, marks=pytest.mark.slow)])
+def test_stress_bursts_fp32_equal_alone(eng, caplog, burst_size):
+    """4 x burst_size requests in 4 bursts (mixed prompt lengths, max_tokens, n, greedy and seeded sampling
     with penalties, streaming, client aborts; the third burst without the overlap schedule, the
     fourth with mixed chunks) through the 384-token pool: every request the client did not abort
     completes with all its max_tokens (ignore_eos), none ends "abort" or "error" otherwise, the
@@ -235,7 +240,7 @@ def test_stress_bursts_fp32_equal_alone(eng, caplog):
             eng.overlap = burst != 2
             eng.args.enable_mixed_chunk = burst == 3
             try:
-                done += [(burst, r) for r in _burst(eng, rng, 50, burst)]
+                done += [(burst, r) for r in _burst(eng, rng, burst_size, burst)]
             finally:
                 eng.overlap = True
                 eng.args.enable_mixed_chunk = False
@@ -261,11 +266,14 @@ def test_stress_bursts_fp32_equal_alone(eng, caplog):
             assert len(got) == r["sp"].max_tokens, (r["rid"], j)
             specs.append((r["prompt"], r["sp"].replace(n=1, seed=r["sp"].seed + j)))
             where.append((r["rid"], j, got))
-    assert 5 <= n_aborted <= 40 and len(specs) > 180
+    # the bursts really stressed the pool (25 per burst, seed 1717: 7 aborted, 115 samples compared,
+    # 5 resumed, 11 decode-page preemptions): bounds that fail if aborts or preemptions stop happening
+    n_req = 4 * burst_size
+    assert 0.02 * n_req <= n_aborted <= 0.2 * n_req and len(specs) > 0.45 * n_req
     grew = {k: eng.preemptions[k] - p0[k] for k in PREEMPTION_REASONS}
-    assert grew["decode_pages"] > 8 and sum(grew.values()) == eng.metrics["num_preemptions"] - sum(p0.values())
+    assert grew["decode_pages"] > 5 and sum(grew.values()) == eng.metrics["num_preemptions"] - sum(p0.values())
     # the comparison covers resumed samples, some replaying generated tokens
-    assert resumed > 5 and eng.metrics["replayed_tokens"] > r0
+    assert resumed >= 3 and eng.metrics["replayed_tokens"] > r0
     ref = _run_alone_like(eng, specs)
     bad = [(rid, j) for i, (rid, j, got) in enumerate(where) if ref[i] != got]
     assert not bad, f"{len(bad)} samples differ from their pressure-free run, first {bad[:5]}"

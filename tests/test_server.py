@@ -245,6 +245,20 @@ def test_completions(client, server, tok):
     assert chunks[-1].usage.completion_tokens == 5
 
 
+def test_prefix_cache_cached_tokens_and_hit_rate(http):
+    """A prompt extending a finished request's tokens resumes from the radix prefix cache: usage
+    reports the cached prompt tokens, /metrics a hit rate above 0."""
+    ids = [(7 * i) % 300 + 10 for i in range(70)]  # past one page (64): a shared page plus a partial copy
+    r1 = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0})
+    assert r1.status_code == 200 and r1.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # r1 wrote its 70 prompt tokens (its one sampled token is not written): the cache holds them
+    r2 = http.post("/v1/completions", json={"model": "tiny", "prompt": ids + [11, 12, 13], "max_tokens": 2,
+                                            "temperature": 0})
+    assert r2.status_code == 200, r2.text
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 70
+    assert metrics(http)["dsv41:cache_hit_rate"] > 0
+
+
 # ---------------------------------------------------------------- tools / reasoning / structure
 
 

@@ -332,10 +332,16 @@ def decode_step(params, state, batch, cfg, ccfg, all_logits: bool = False, mesh=
     return jitted_extend(cfg, ccfg, all_logits, mesh)(params, state, batch)
 
 
-def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
-    """Host helper: rows of {tokens, start, slot, page_table} -> padded device batch of B×T.
+def pack_rows(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
+    """Host helper: rows of {tokens, start, slot, page_table[, n_new]} -> the step's batch dict as numpy
+    arrays, padded to B rows of T tokens: tokens int32 [B, T], start / n_new / slot int32 [B],
+    page_table int32 [B, max_pages_per_seq].
 
-    Padded rows get n_new = 0 and the scratch slot; padded tokens are 0 (masked).
+    ``n_new`` defaults to ``len(tokens)``; a row may give more (its first token supplied on the device,
+    as the engine does for a token it sampled but has not read back). Padded rows get n_new = 0 and the
+    scratch slot (``ccfg.max_slots``); padded tokens are 0 (masked). The engine's runner calls this per
+    launch (numpy in: jit transfers it, cheaper than `jax.device_put` on the host); `make_batch` puts it
+    on the device.
     """
     B = B or len(rows)
     if len(rows) > B:
@@ -346,20 +352,27 @@ def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
     slot = np.full((B,), ccfg.max_slots, np.int32)
     pt = np.zeros((B, ccfg.max_pages_per_seq), np.int32)
     for b, r in enumerate(rows):
-        t = list(r["tokens"])
-        if len(t) > T:
-            raise ValueError(f"row {b}: {len(t)} tokens exceed the step's T={T}")
+        t = r["tokens"]
+        n = r.get("n_new", len(t))
+        if len(t) > n or n > T:
+            raise ValueError(f"row {b}: {len(t)} tokens, n_new={n}: need len(tokens) <= n_new <= T={T}")
         if not 0 <= r["slot"] <= ccfg.max_slots:
             raise ValueError(f"row {b}: slot {r['slot']} is outside 0..{ccfg.max_slots} (max_slots = scratch)")
         if len(r["page_table"]) > ccfg.max_pages_per_seq:
             raise ValueError(f"row {b}: {len(r['page_table'])} pages exceed max_pages_per_seq={ccfg.max_pages_per_seq}")
-        tokens[b, : len(t)] = t
+        if len(t):
+            tokens[b, : len(t)] = t
         start[b] = r["start"]
-        n_new[b] = len(t)
+        n_new[b] = n
         slot[b] = r["slot"]
         pt[b, : len(r["page_table"])] = r["page_table"]
+    return {"tokens": tokens, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
+
+
+def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
+    """`pack_rows`, put on the device (the batch dict `extend` / the decode step take)."""
     # device_put, not jnp.asarray: in JAX 0.10 the latter stages a jitted identity per shape/dtype
-    return jax.device_put({"tokens": tokens, "start": start, "n_new": n_new, "slot": slot, "page_table": pt})
+    return jax.device_put(pack_rows(rows, T, B, ccfg))
 
 
 def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequence[int], start: int = 0,

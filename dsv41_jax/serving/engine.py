@@ -168,7 +168,7 @@ class Engine:
                         "generation_tokens": 0, "requests_finished": 0,
                         "requests_aborted": 0, "shared_prompt_tokens": 0, "computed_prompt_tokens": 0,
                         "num_forks": 0, "steps": 0, "launches": 0, "spec_verify_steps": 0,
-                        "spec_accepted_tokens": 0, "spec_draft_tokens": 0}
+                        "spec_accepted_tokens": 0, "spec_draft_tokens": 0, "cached_prompt_tokens": 0}
         self.scheduler = Scheduler(args, r, context_length=self.context_length, batch_buckets=self.batch_buckets,
                                    token_buckets=self.token_buckets, metrics=self.metrics,
                                    preemptions=self.preemptions, sync=self._sync, spec_gamma=self.spec_gamma)
@@ -442,7 +442,8 @@ class Engine:
         accept length / rate / histogram (``spec_*``, with DSpark on)."""
         a = self.allocator
         m = dict(self.metrics)
-        computed = m["computed_prompt_tokens"] + m["shared_prompt_tokens"]
+        reused = m["shared_prompt_tokens"] + m["cached_prompt_tokens"]  # forked n > 1 prompts + prefix-cache hits
+        computed = m["computed_prompt_tokens"] + reused
         ps = a.page_size
         out = {
             "num_running_reqs": len({s.group.rid for s in self.scheduler.running}),
@@ -452,7 +453,7 @@ class Engine:
             "max_total_num_tokens": a.capacity * ps,
             "token_usage": a.used_pages / a.capacity,
             "gen_throughput": self.throughput(),
-            "cache_hit_rate": (m["shared_prompt_tokens"] / computed) if computed else 0.0,
+            "cache_hit_rate": (reused / computed) if computed else 0.0,
             "ttft_s": list(self.output.ttft),
             "itl_s": list(self.output.itl),
             "e2e_s": list(self.output.e2e),
@@ -462,4 +463,7 @@ class Engine:
         }
         if self.spec_gamma:
             out.update(self.output.spec_summary(), spec_gamma=self.spec_gamma)
+        if hasattr(a, "host_entries"):  # the radix prefix cache (and its host tier)
+            out.update(prefix_cache_entries=len(a.entries), prefix_cache_host_entries=len(a.host_entries),
+                       prefix_cache_hits=a.hits, prefix_cache_host_hits=a.host_hits, prefix_cache_spills=a.spills)
         return out

@@ -6,7 +6,8 @@ Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-r
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
 ``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK). Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
-``--max-logprobs``, ``--disable-prefix-sharing``, ``--cpu-memory-budget``, ``--impl`` (which
+``--max-logprobs``, ``--disable-prefix-sharing``, ``--disable-radix-cache``, ``--radix-cache-snapshots``, ``--enable-hierarchical-cache``,
+``--hicache-ratio``, ``--cpu-memory-budget``, ``--impl`` (which
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
 ``--speculative-dspark-block-size`` (DSpark proposals per step, 1..5, at most the checkpoint's block),
 ``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``).
@@ -96,6 +97,10 @@ class EngineArgs:
     enable_mixed_chunk: bool = False
     disable_overlap_schedule: bool = False
     disable_prefix_sharing: bool = False
+    disable_radix_cache: bool = False
+    radix_cache_snapshots: Optional[int] = None  # None: 4 x max_running_requests
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: Optional[float] = None  # None: 2.0 (with enable_hierarchical_cache)
     max_logprobs: int = 20
     max_queued_requests: Optional[int] = None
     decode_log_interval: int = 40
@@ -120,6 +125,9 @@ class EngineArgs:
             cached = self.__dict__["_small_cache"] = (self.model, model_is_small(self.model))
         return cached[1]
 
+    def resolved_hicache_ratio(self) -> float:
+        return 2.0 if self.hicache_ratio is None else float(self.hicache_ratio)
+
     def validate(self) -> "EngineArgs":
         def bad(name, msg):
             raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
@@ -131,6 +139,18 @@ class EngineArgs:
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = _DEFAULT_CHUNK[0 if self._small() else 1]
 
+        if self.radix_cache_snapshots is not None:
+            if self.radix_cache_snapshots < 1:
+                bad("radix_cache_snapshots", "must be >= 1")
+            if self.disable_radix_cache:
+                bad("radix_cache_snapshots", "has no effect with --disable-radix-cache (drop one of them)")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            bad("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
+        if self.hicache_ratio is not None:
+            if not self.enable_hierarchical_cache:
+                bad("hicache_ratio", "has no effect without --enable-hierarchical-cache")
+            if not self.hicache_ratio > 0:
+                bad("hicache_ratio", "must be > 0")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {sorted(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -306,6 +326,21 @@ class EngineArgs:
                        help="read each step's tokens before preparing the next step (no host/device overlap)")
         g.add_argument("--disable-prefix-sharing", action="store_true",
                        help="n > 1: prefill the prompt once per sample instead of forking the prompt's pages")
+        g.add_argument("--disable-radix-cache", action="store_true",
+                       help="turn off the radix prefix cache (on by default): a request whose tokens extend "
+                            "an earlier request's prompt or whole sequence resumes from its cached state (pages "
+                            "shared, window / compressor / Engram rows restored) instead of prefilling from token 0")
+        g.add_argument("--radix-cache-snapshots", type=int, default=None,
+                       help="cached states the radix prefix cache keeps at most (each holds one copy of a "
+                            "request's window rows; its pages are counted in the KV pool); default 4 x "
+                            "--max-running-requests, at most a quarter of the KV memory budget")
+        g.add_argument("--enable-hierarchical-cache", action="store_true",
+                       help="HiCache L2: prefix-cache entries the device pool evicts are copied to a host pool "
+                            "(--hicache-ratio x the device pool's pages, its own LRU) and loaded back on a hit "
+                            "instead of being recomputed")
+        g.add_argument("--hicache-ratio", type=float, default=None,
+                       help="host pool size as a multiple of the device KV pool (with "
+                            "--enable-hierarchical-cache); default 2")
         g.add_argument("--max-logprobs", type=int, default=d["max_logprobs"].default,
                        help="largest top_logprobs a request may ask for (fixed size of the on-device top-k); "
                             "default %(default)s")

@@ -88,6 +88,8 @@ class RequestOutput:
     # else (logprob, [(token_id, logprob), ...] top-k). Set in the first output after all are computed
     # (the final one for output_kind "final").
     prompt_logprobs: Optional[list] = None
+    # prompt tokens whose cache came from the prefix cache (the usage's prompt_tokens_details.cached_tokens)
+    num_cached_tokens: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -134,6 +136,8 @@ class Seq:
         self.slot: Optional[int] = None
         self.num_cached = 0  # tokens written to the cache (host view, counting dispatched launches)
         self.n_inflight = 0  # sampled on the device, not read yet
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache at the last admission
+        self.lpm_skips = 0  # times a sample with a longer cached prefix was admitted before this one
         self.fork_src: Optional["Seq"] = None  # fork child: waiting for the source's prefix
         self.priority = (group.order, index)  # smaller runs first and is preempted last
         self.error: Optional[str] = None  # why the engine ended it (finish_reason "error")

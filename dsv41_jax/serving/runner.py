@@ -49,6 +49,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.serving import sampling as smp
 from dsv41_jax.serving import speculative as spec
+from dsv41_jax.serving.prefix_cache import LoadOp, RestoreOp, SaveOp, SpillOp, make_radix_allocator
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import RUNNING, EngineError
 from dsv41_jax.serving.sampling import SamplingTensors
@@ -184,15 +185,28 @@ def _reset_rows(state, slots, pad_id):
     return kvc.reset_slots(state, slots, pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "ratios"), donate_argnums=(0,))
-def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
-    """Copy slot ``src``'s rows to slot ``dst`` and page ``src_page``'s pool entries to ``dst_page``."""
-    row = lambda a: a.at[dst].set(a[src])  # noqa: E731
-    out = dict(state)
-    out["window"] = [jax.tree.map(row, w) for w in state["window"]]
-    out["partial"] = {k: jax.tree.map(row, v) for k, v in state["partial"].items()}
-    if "engram_hist" in state:
-        out["engram_hist"] = row(state["engram_hist"])
+# per-slot rows of the cache pytree (window rings, partial groups, Engram history, DSpark rings)
+_SLOT_ROW_KEYS = ("window", "partial", "engram_hist", "dspark")
+
+
+def _slot_rows(state) -> dict:
+    return {k: state[k] for k in _SLOT_ROW_KEYS if k in state}
+
+
+def empty_snapshots(state, num_rows: int) -> dict:
+    """The prefix cache's snapshot pool: the per-slot rows of ``state`` with ``num_rows`` rows
+    (each leaf [num_rows, ...] where the cache's is [max_slots + 1, ...])."""
+    return jax.tree.map(lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype), _slot_rows(state))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _save_snapshot(snaps, state, slot, row):
+    """snaps[row] ← slot ``slot``'s rows of the cache (a prefix-cache entry's snapshot)."""
+    return jax.tree.map(lambda s, a: s.at[row].set(a[slot]), snaps, _slot_rows(state))
+
+
+def _copy_page(state: dict, src_page, dst_page, page_size: int, ratios) -> dict:
+    """``state`` with pool page ``src_page``'s compressed-latent and index-key entries copied to ``dst_page``."""
     r_of = dict(ratios)
 
     def page_copy(store, r):
@@ -205,8 +219,77 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
 
         return jax.tree.map(one, store)
 
+    out = dict(state)
     out["comp"] = {k: page_copy(v, r_of[k]) for k, v in state["comp"].items()}
     out["ikeys"] = {k: page_copy(v, r_of[k]) for k, v in state["ikeys"].items()}
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "ratios"), donate_argnums=(0,))
+def _restore_snapshot(state, snaps, row, slot, src_page, dst_page, *, page_size, ratios):
+    """Slot ``slot``'s rows ← snaps[row], and page ``src_page`` copied to ``dst_page`` (a prefix-cache hit)."""
+    out = _set_slot_rows(state, jax.tree.map(lambda s: s[row], snaps), slot)
+    return _copy_page(out, src_page, dst_page, page_size, ratios)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "ratios"))
+def _gather_page(state, page, *, page_size, ratios):
+    """HiCache spill: pool page ``page``'s compressed-latent / index-key entries (a copy)."""
+    r_of = dict(ratios)
+
+    def blk(store, r):
+        n = page_size // r
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (page * n,) + (0,) * (a.ndim - 1),
+                                                            (n,) + a.shape[1:]), store)
+
+    return {"comp": {k: blk(v, r_of[k]) for k, v in state["comp"].items()},
+            "ikeys": {k: blk(v, r_of[k]) for k, v in state["ikeys"].items()}}
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "ratios"), donate_argnums=(0,))
+def _scatter_page(state, blocks, page, *, page_size, ratios):
+    """HiCache load: `_gather_page`'s ``blocks`` written into pool page ``page``."""
+    r_of = dict(ratios)
+
+    def put(store, b, r):
+        n = page_size // r
+        return jax.tree.map(lambda a, x: jax.lax.dynamic_update_slice(a, x.astype(a.dtype),
+                                                                      (page * n,) + (0,) * (a.ndim - 1)), store, b)
+
+    out = dict(state)
+    out["comp"] = {k: put(v, blocks["comp"][k], r_of[k]) for k, v in state["comp"].items()}
+    out["ikeys"] = {k: put(v, blocks["ikeys"][k], r_of[k]) for k, v in state["ikeys"].items()}
+    return out
+
+
+@jax.jit
+def _get_snapshot(snaps, row):
+    return jax.tree.map(lambda s: s[row], snaps)
+
+
+def _set_slot_rows(state: dict, rows: dict, slot) -> dict:
+    """``state`` with slot ``slot``'s per-request rows (`_slot_rows`) replaced by ``rows``."""
+    out = dict(state)
+    out.update(jax.tree.map(lambda a, r: a.at[slot].set(r.astype(a.dtype)), _slot_rows(state), rows))
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_snapshot(state, rows, slot):
+    """HiCache load: slot ``slot``'s rows ← a snapshot row brought back from the host."""
+    return _set_slot_rows(state, rows, slot)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "ratios"), donate_argnums=(0,))
+def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
+    """Copy slot ``src``'s rows to slot ``dst`` and page ``src_page``'s pool entries to ``dst_page``."""
+    row = lambda a: a.at[dst].set(a[src])  # noqa: E731
+    out = dict(state)
+    out["window"] = [jax.tree.map(row, w) for w in state["window"]]
+    out["partial"] = {k: jax.tree.map(row, v) for k, v in state["partial"].items()}
+    if "engram_hist" in state:
+        out["engram_hist"] = row(state["engram_hist"])
+    out = _copy_page(out, src_page, dst_page, page_size, ratios)
     if "dspark" in state:  # the DSpark rings hold the prompt's draft KV, per slot
         out["dspark"] = [jax.tree.map(row, r) for r in state["dspark"]]
     return out
@@ -401,7 +484,34 @@ class Runner:
             self._spec = self._propose = None
         self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
-        self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+        # the radix prefix cache (prefix_cache.py): one snapshot row per entry
+        self.snapshot_rows = getattr(self, "_planned_snapshot_rows", None)
+        if self.snapshot_rows is None:
+            self.snapshot_rows = self._snapshot_rows()
+        self.host_pages = 0
+        if self.snapshot_rows and args.enable_hierarchical_cache:  # HiCache L2: R x the device pool, on the host
+            self.host_pages = int(args.resolved_hicache_ratio() * (ccfg.num_pages - 1))
+            log.info("hierarchical cache: host pool of %d pages (%.1f x the device pool)", self.host_pages,
+                     args.resolved_hicache_ratio())
+        self._host_unsettled: list = []  # host-store keys whose device-to-host copies are in flight
+        if self.snapshot_rows:
+            self.allocator = make_radix_allocator(SharedPageAllocator, ccfg.num_pages, ccfg.page_size,
+                                                  ccfg.max_pages_per_seq, self.snapshot_rows, self.host_pages)
+            self.snaps = empty_snapshots(self.state, self.snapshot_rows)
+            log.info("radix prefix cache: %d snapshot rows (%.1f MiB)", self.snapshot_rows,
+                     _tree_bytes(self.snaps) / 2**20)
+            # compile the two copies now (tiny programs), even with --skip-server-warmup, so that serving
+            # never compiles on a first save / hit (row 0 and the scratch slot hold nothing yet)
+            self.snaps = _save_snapshot(self.snaps, self.state, np.int32(self.scratch), np.int32(0))
+            self.state = _restore_snapshot(self.state, self.snaps, np.int32(0), np.int32(self.scratch), np.int32(0),
+                                           np.int32(0), page_size=ccfg.page_size, ratios=self._ratios)
+            if self.host_pages:  # and the host tier's copies (page 0 is the null page: never read)
+                blk = _gather_page(self.state, np.int32(0), page_size=ccfg.page_size, ratios=self._ratios)
+                self.state = _scatter_page(self.state, blk, np.int32(0), page_size=ccfg.page_size, ratios=self._ratios)
+                self.state = _put_snapshot(self.state, _get_snapshot(self.snaps, np.int32(0)), np.int32(self.scratch))
+        else:
+            self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+            self.snaps = None
         self.simulate_accept_length = resolve_simulated_accept_length(args) if self.spec_gamma else None
         if self.simulate_accept_length is not None:
             L = self.simulate_accept_length
@@ -413,12 +523,26 @@ class Runner:
                 and not self.spec_gamma:
             raise EngineError(f"{SIMULATE_ACC_LEN_ENV} is set but --speculative-algorithm is not DSPARK")
         self._sim_rng = np.random.default_rng(args.random_seed)
+        self.precompiled_shapes: list = []  # the (B, T) extend shapes the warm-up compiled concurrently
         self.launches = 0
         # test-only: fn(SpecLaunch) -> int32 [len(rows), γ] drafts replacing the draft's own where >= 0
         # (an oracle proposing known tokens, to make rows accept chosen lengths); None: the draft's own
         self.draft_hook = None
 
     # ------------------------------------------------------------------------------------ setup
+    def _snapshot_rows(self) -> int:
+        """Rows of the prefix cache's snapshot pool (--radix-cache-snapshots, default 4 per slot); 0 (off) with
+        --disable-radix-cache or a mesh (the snapshot pool is not sharded: logged)."""
+        if self.args.disable_radix_cache:
+            return 0
+        if self.mesh is not None:
+            if self.args.enable_hierarchical_cache:
+                raise EngineError("--enable-hierarchical-cache with --tp-size / --ep-size > 1: not supported (the "
+                                  "prefix cache is off on a mesh: its snapshot pool is not sharded)")
+            log.info("radix prefix cache: off with --tp-size / --ep-size > 1 (its snapshot pool is not sharded)")
+            return 0
+        return self.args.radix_cache_snapshots or 4 * self.args.max_running_requests
+
     def _check_speculative(self, cfg) -> int:
         """γ (DSpark proposals per step), 0 when off; EngineError naming any unsupported combination."""
         args = self.args
@@ -461,6 +585,16 @@ class Runner:
             frac = args.mem_fraction_static if args.mem_fraction_static is not None else default_frac
             weights = _tree_bytes(self.params)
             budget = int(total * frac) - weights
+            # the prefix cache's snapshot rows hold per-slot rows (windows, and with DSpark its rings): taken
+            # from the budget; by default at most a quarter of it (fewer rows, or none: cache off, logged)
+            rows = self._snapshot_rows()
+            per_row = b["window_per_request"] + (b["dspark_window_per_request"] if self.spec_gamma else 0)
+            if rows and self.args.radix_cache_snapshots is None:
+                rows = min(rows, max(0, int(budget * 0.25 // per_row)))
+                if rows < self._snapshot_rows():
+                    log.info("radix prefix cache: %d snapshot rows fit a quarter of the KV budget", rows)
+            self._planned_snapshot_rows = rows
+            budget -= int(rows * per_row)
             plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode)
             num_pages = min(plan["num_pages"], S * (ctx // ps) + 1)
             info.update(source=f"{frac:.2f} x {source} ({total / 2**30:.1f} GiB) - weights {weights / 2**20:.1f} MiB",
@@ -482,7 +616,8 @@ class Runner:
 
 
     def _jitted(self) -> list:
-        fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows]
+        fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows,
+               _save_snapshot, _restore_snapshot, _gather_page, _scatter_page, _get_snapshot, _put_snapshot]
         if self._spec is not None:
             fns += [self._spec, self._propose]
         if self._extend_all is not None:
@@ -501,6 +636,7 @@ class Runner:
         if self.spec_gamma:
             shapes += [(B, -1) for B in batch_buckets]  # T = −1: the DSpark verify step
         P = self.ccfg.max_pages_per_seq
+        self._precompile_extend([(B, T) for B, T in shapes if T >= 0])
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:
@@ -521,6 +657,37 @@ class Runner:
         jax.block_until_ready(self.state)
         self.launches = 0
         return len(shapes)
+
+    def _precompile_extend(self, shapes: list) -> None:
+        """Lower and compile the extend step of every (B, T) in `shapes` concurrently, one thread per
+        shape (at most one per CPU core), before the warm-up runs them one by one.
+
+        XLA's compile and the persistent cache's executable load release the GIL, so on a warm start the
+        shapes' executables load side by side instead of in turn (2 shapes: ~13 s → ~9 s on 2 cores).
+        `jit` keeps what ``lower(...).compile()`` built for the same arguments, so the warm-up launches
+        that follow reuse these executables (they compile nothing: `num_compilations` counts them once).
+        The arguments are the ones `_device_launch` passes (same kinds, shardings and dtypes)."""
+        if len(shapes) < 2:
+            return
+        import concurrent.futures as cf
+
+        self.precompiled_shapes = list(shapes)
+
+        P = self.ccfg.max_pages_per_seq
+        jobs = []
+        for B, T in shapes:
+            z = np.zeros((B,), np.int32)
+            toks = _fill_first_token(np.zeros((B, T), np.int32), np.zeros((B,), bool),
+                                     np.full((B,), self.scratch, np.int32), self.last_token)
+            batch = {"tokens": toks, "start": z, "n_new": z, "slot": np.full((B,), self.scratch, np.int32),
+                     "page_table": np.zeros((B, P), np.int32)}
+            jobs.append(batch)
+        ts = time.perf_counter()
+        workers = max(1, min(len(jobs), os.cpu_count() or 1))
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="warmup-compile") as ex:
+            list(ex.map(lambda b: self._extend.lower(self.params, self.state, b).compile(), jobs))
+        log.info("warm-up: %d extend shapes compiled in %d threads: %.1fs", len(jobs), workers,
+                 time.perf_counter() - ts)
 
     def reset_slots(self, slots: list) -> None:
         for i in range(0, len(slots), _ADMIT_ROWS):
@@ -545,36 +712,50 @@ class Runner:
     # ------------------------------------------------------------------------------------ dispatch
     def dispatch(self, ops: list, resets: list, admitted: list, eos_token_ids) -> None:
         """Enqueue one plan: slot resets and sampling rows of admitted samples first (device order:
-        after everything already dispatched), then the launches and fork copies in plan order."""
+        after everything already dispatched), then the launches and fork copies in plan order. Prefix-cache
+        snapshot saves go before the resets (a released slot may be reset for its next owner)."""
+        self._settle_host()
+        for op in ops:  # HiCache spills first: their pages and rows may be reused by this dispatch
+            if isinstance(op, SpillOp):
+                self._spill(op)
+        for op in ops:
+            if isinstance(op, SaveOp) and not op.in_order:
+                self.snaps = _save_snapshot(self.snaps, self.state, np.int32(op.slot), np.int32(op.row))
         if resets:
             self.reset_slots(resets)
         if admitted:
             self.admit_sampling(admitted, eos_token_ids)
-        P = self.ccfg.max_pages_per_seq
         for op in ops:
             if isinstance(op, ForkOp):
                 self.state = _fork_slot(self.state, np.int32(op.src_slot), np.int32(op.dst_slot),
                                         np.int32(op.src_page), np.int32(op.dst_page),
                                         page_size=self.ccfg.page_size, ratios=self._ratios)
                 continue
+            if isinstance(op, SaveOp):
+                if op.in_order:  # a prompt-end snapshot, after the launch that wrote the prompt
+                    self.snaps = _save_snapshot(self.snaps, self.state, np.int32(op.slot), np.int32(op.row))
+                continue
+            if isinstance(op, SpillOp):
+                continue
+            if isinstance(op, LoadOp):
+                self._load(op)
+                continue
+            if isinstance(op, RestoreOp):
+                self.state = _restore_snapshot(self.state, self.snaps, np.int32(op.row), np.int32(op.slot),
+                                               np.int32(op.src_page), np.int32(op.dst_page),
+                                               page_size=self.ccfg.page_size, ratios=self._ratios)
+                continue
             if isinstance(op, SpecLaunch):
                 self._spec_dispatch(op)
                 continue
             L = op
             B, T = L.B, L.T
-            tokens = np.zeros((B, T), np.int32)
-            start = np.zeros((B,), np.int32)
-            n_new = np.zeros((B,), np.int32)
-            slot = np.full((B,), self.scratch, np.int32)
-            pt = np.zeros((B, P), np.int32)
+            hb = dec.pack_rows([{"tokens": r.tokens or (), "n_new": r.n, "start": r.start, "slot": r.seq.slot,
+                                 "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
             from_prev = np.zeros((B,), bool)
             sample_mask = np.zeros((B,), bool)
             step = np.zeros((B,), np.int32)
             for b, r in enumerate(L.rows):
-                if r.tokens:
-                    tokens[b, :len(r.tokens)] = r.tokens
-                start[b], n_new[b], slot[b] = r.start, r.n, r.seq.slot
-                pt[b, :len(r.pages)] = r.pages
                 from_prev[b] = r.from_prev
                 sample_mask[b] = r.sample
                 step[b] = r.step
@@ -585,7 +766,39 @@ class Runner:
                 for b, r in enumerate(L.rows):
                     if r.seq.want_plp and not (r.sample or r.replay):
                         targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
-            self._device_launch(L, tokens, start, n_new, slot, pt, from_prev, sample_mask, step, targets=targets)
+            self._device_launch(L, hb["tokens"], hb["start"], hb["n_new"], hb["slot"], hb["page_table"], from_prev,
+                                sample_mask, step, targets=targets)
+
+    # ------------------------------------------------------------------------------------ HiCache
+    def _spill(self, op: SpillOp) -> None:
+        """Copy an evicted entry's pages and snapshot row out of the device pools (async: the copies
+        are device arrays whose host transfer starts now; `_settle_host` makes them numpy)."""
+        alloc = self.allocator
+        if op.key not in alloc.host_entries:
+            return  # dropped from the host tier before its spill ran
+        kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
+        blocks = [_gather_page(self.state, np.int32(p), **kw) for p in op.pages]
+        row = _get_snapshot(self.snaps, np.int32(op.row))
+        for x in jax.tree_util.tree_leaves((blocks, row)):
+            x.copy_to_host_async()
+        alloc.host_store[op.key] = (blocks, row)
+        self._host_unsettled.append(op.key)
+
+    def _settle_host(self) -> None:
+        """Spilled copies into host memory (numpy), releasing their device buffers."""
+        store = getattr(self.allocator, "host_store", None)
+        for key in self._host_unsettled:
+            if store is not None and key in store:
+                store[key] = jax.tree.map(np.asarray, store[key])
+        self._host_unsettled = []
+
+    def _load(self, op: LoadOp) -> None:
+        """A host-tier hit: the entry's pages into the request's fresh pages, its snapshot into the slot."""
+        blocks, row = self.allocator.host_store[op.key]
+        kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
+        for p, blk in zip(op.dst_pages, blocks):
+            self.state = _scatter_page(self.state, blk, np.int32(p), **kw)
+        self.state = _put_snapshot(self.state, row, np.int32(op.slot))
 
     def _device_launch(self, L: Optional[Launch], tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
                        force_sample: bool = False, targets=None) -> None:

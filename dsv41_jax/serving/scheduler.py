@@ -29,12 +29,14 @@ in-flight tokens first, which `schedule` gets through the ``sync`` callback.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from dsv41_jax.model.decode import _bucket
+from dsv41_jax.serving.prefix_cache import RadixPageAllocator
 from dsv41_jax.serving.request import PREEMPTION_REASONS, RUNNING, WAITING, Seq
 
 __all__ = ["ForkOp", "Launch", "Row", "Scheduler", "SpecLaunch"]
@@ -45,6 +47,9 @@ log = logging.getLogger("dsv41_jax.engine")
 # this fraction of the tokens the running samples may still generate. It rises after a preemption
 # (admissions were too eager) and decays by one step per decode iteration (requests often stop early).
 _RESERVE_INIT, _RESERVE_MIN, _RESERVE_BUMP, _RESERVE_DECAY = 0.5, 0.1, 0.3, 0.002
+# Longest-prefix-match admission (prefix cache): fresh samples looked at behind the queue head, and
+# how many times a head may be passed over.
+_LPM_WINDOW, _LPM_MAX_SKIPS = 8, 4
 
 
 @dataclass
@@ -138,6 +143,9 @@ class Scheduler:
         self.reserve_ratio = _RESERVE_INIT
         self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
         self.has_inflight: Callable[[], bool] = lambda: False  # set by the engine: launches not yet read
+        # the radix prefix cache (prefix_cache.py), when the runner's allocator has one
+        self.cache = self.allocator if isinstance(self.allocator, RadixPageAllocator) else None
+        self.pending_restores: list = []  # this plan's RestoreOps (dispatched before its launches)
 
     # ------------------------------------------------------------------------------------ queue
     def add(self, seqs: list) -> None:
@@ -161,7 +169,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ plan
     def schedule(self) -> list:
-        """This iteration's ops ([] when nothing can run)."""
+        """This iteration's ops ([] when nothing can run). With the prefix cache, the snapshot saves
+        of samples released since the last plan and this plan's restores come first (`_cache_ops`)."""
+        if self.cache is not None:
+            self.cache.unpin_all()  # the previous plan's restores are dispatched
+        return self._cache_ops(self._schedule())
+
+    def _cache_ops(self, ops: list) -> list:
+        if self.cache is None:
+            return ops
+        pre = self.cache.take_spills() + self.cache.take_saves() + self.pending_restores
+        self.pending_restores = []
+        # the plan is complete and goes to the runner as it is: its restores and saves now precede
+        # anything a later eviction could dispatch, so nothing needs pinning any more (an idle or
+        # paused engine then counts every cached page as free)
+        self.cache.unpin_all()
+        return pre + ops
+
+    def _schedule(self) -> list:
         if self.has_inflight() and any((s.constraint is not None and s.n_inflight) or s.spec_inflight
                                        or (self.spec_gamma and s.n_inflight and self._may_speculate(s))
                                        for s in self.running):
@@ -232,6 +257,10 @@ class Scheduler:
         for r in pre_rows:
             if r.seq.num_cached == len(r.seq.prompt_ids) - 1:
                 fork_ops += self._fork(r.seq)
+                if self.cache is not None:  # prompt-end snapshot, saved right after this plan's prefill launch
+                    self.cache.cache_insert(r.seq.key, r.seq.slot, r.seq.tokens(0, r.seq.num_cached), in_order=True)
+        # (prompt-end saves go where fork copies go: right after the launch holding the prefill rows)
+        cache_saves = self.cache.take_saves(in_order=True) if self.cache is not None else []
         dec_rows = self._decode_rows(dec_seqs, pre_rows, fork_ops)
         spec_rows = self._spec_rows(dec_rows)
         if spec_rows:
@@ -245,7 +274,7 @@ class Scheduler:
                 self.metrics["replayed_tokens"] += 1
         if not pre_rows and not dec_rows and not spec_rows:
             return self._unblock_prefills()
-        ops = self._assemble(pre_rows, fork_ops, dec_rows)
+        ops = self._assemble(pre_rows, cache_saves + fork_ops, dec_rows)
         if spec_rows:
             ops.append(SpecLaunch(spec_rows, _bucket(len(spec_rows), self.spec_batch_buckets), self.spec_gamma))
         return ops
@@ -295,7 +324,7 @@ class Scheduler:
         while slots, prefill budget and pages allow; returns their first prefill chunks."""
         rows = []
         while self.waiting and budget > 0 and not self._room_blocked:  # blocked prefills go first
-            s = self.waiting[0]
+            head, s = self.waiting[0], self._next_waiting()
             members = self._fork_group(s) or [s]
             if len(self.free_slots) < len(members):
                 break
@@ -306,6 +335,10 @@ class Scheduler:
             for q in members:
                 self.waiting.remove(q)
                 self._admit(q)
+            if len(members) == 1:
+                self._cache_hit(s)
+            if s is not head:
+                head.lpm_skips += 1
             for q in members[1:]:
                 q.fork_src = s
             if len(s.prompt_ids) > 1:
@@ -440,6 +473,58 @@ class Scheduler:
             return None
         return list(g.seqs)
 
+    def _next_waiting(self) -> Seq:
+        """The sample to admit next: the queue head, except that with the prefix cache a fresh
+        single sample among the first `_LPM_WINDOW` whose cached prefix is at least a page longer
+        than the head's goes first (SGLang's longest-prefix-match policy, bounded): it needs that
+        much less prefill, so the same budget admits more. A preempted sample, an n > 1 group and a
+        head already passed over `_LPM_MAX_SKIPS` times are never overtaken (no starvation)."""
+        s = self.waiting[0]
+        if (self.cache is None or s.ever_admitted or s.group.n > 1 or s.lpm_skips >= _LPM_MAX_SKIPS
+                or len(self.waiting) < 2):
+            return s
+        best, best_k = s, self._cached_len(s)
+        for q in itertools.islice(self.waiting, 1, _LPM_WINDOW):
+            if q.ever_admitted or q.group.n > 1:
+                continue
+            k = self._cached_len(q)
+            if k >= best_k + self.page_size:
+                best, best_k = q, k
+        return best
+
+    def _cached_len(self, s: Seq) -> int:
+        if s.want_plp:
+            return 0
+        e = self.cache.tree.longest(s.tokens(0, s.total_len - 1))
+        return e.k if e is not None else 0
+
+    def _cache_hit(self, s: Seq) -> None:
+        """A just-admitted sample resumes from the deepest cached state its known tokens (minus the
+        last, whose logits start it) extend: pages shared, slot rows restored before its first
+        launch. Not for prompt-logprob samples (every prompt position must be scored)."""
+        s.cached_tokens = 0
+        if self.cache is None or s.want_plp:
+            return
+        k, op = self.cache.cache_match(s.key, s.slot, s.tokens(0, s.total_len - 1))
+        if op is None:
+            return
+        s.num_cached = k
+        s.cached_tokens = min(k, len(s.prompt_ids))
+        self.pending_restores.append(op)
+        self.metrics["cached_prompt_tokens"] = self.metrics.get("cached_prompt_tokens", 0) + s.cached_tokens
+
+    def _cache_insert(self, s: Seq) -> None:
+        """Keep s's state at num_cached in the prefix cache (before its pages are freed), when it is
+        well defined: its slot holds s's rows for every token < num_cached and the host knows those
+        tokens (a DSpark row or a fork copy in flight, or a slot admitted in the plan being made
+        whose reset / restore is not dispatched yet, would make the snapshot wrong: skipped)."""
+        k = s.num_cached
+        if (self.cache is None or s.slot is None or s.fork_src is not None or s.spec_inflight or k < 1
+                or k > len(s.prompt_ids) + len(s.output_ids) or s.slot in self.pending_resets
+                or not self.allocator.has(s.key)):
+            return
+        self.cache.cache_insert(s.key, s.slot, s.tokens(0, k))
+
     def _admit(self, s: Seq) -> None:
         s.status = RUNNING
         s.slot = self.free_slots.pop()
@@ -495,6 +580,7 @@ class Scheduler:
             self.running.remove(s)
         if s.status == WAITING:
             self.remove_waiting(s)
+        self._cache_insert(s)
         self.allocator.free(s.key)
         if s.slot is not None:
             self.free_slots.append(s.slot)

@@ -815,10 +815,12 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                 d["usage"] = usage
             return d
 
+        cached: dict = {}  # prompt tokens served from the prefix cache (engine outputs' cached_tokens)
+
         def usage():
             comp = sum(len(c.token_ids) for c in choices)
             reas = sum(c.reasoning_tokens for c in choices)
-            return usage_dict(len(prompt_ids), comp, reas)
+            return usage_dict(len(prompt_ids), comp, reas, cached_tokens=cached.get(0))
 
         def finish_metrics():
             if metrics is not None:
@@ -831,6 +833,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             state.inflight += 1
             try:
                 async for out in run_generation(prompt_ids, sp, rid, constraint, choices[0].drop_ids):
+                    if out.cached_tokens is not None:
+                        cached[0] = out.cached_tokens
                     for upd in out.choices:
                         if not (0 <= upd.index < len(choices)):
                             continue
@@ -1007,8 +1011,11 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
                 d["usage"] = usage
             return d
 
+        cached: dict = {}  # per prompt: tokens served from the prefix cache
+
         def usage():
-            return usage_dict(sum(len(p) for p in prompts_ids), sum(len(c.token_ids) for c in choices))
+            return usage_dict(sum(len(p) for p in prompts_ids), sum(len(c.token_ids) for c in choices),
+                              cached_tokens=sum(cached.values()) if cached else None)
 
         def finish_metrics():
             if metrics is not None:
@@ -1020,6 +1027,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
             state.inflight += len(streams)
             try:
                 async for k, out in merged(streams):
+                    if out.cached_tokens is not None:
+                        cached[k] = out.cached_tokens
                     for upd in out.choices:
                         if not (0 <= upd.index < n):
                             continue

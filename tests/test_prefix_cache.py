@@ -1,0 +1,434 @@
+"""The radix prefix cache (issue 15 part 1, `serving/prefix_cache.py`).
+
+* `RadixTree`: longest cached prefix, edge splits and merges.
+* The scheduler + allocator against a *model-checking* mock runner (no device): the mock keeps, per
+  slot, per snapshot row and per page, the tokens whose state each holds, applies every op in the
+  runner's order (saves, resets, restores / forks / launches) and checks that every row a launch
+  runs sees exactly its own tokens before ``start`` in its slot and its pages. A randomized test
+  interleaves arrivals (prompts extending earlier conversations), aborts, finishes, preemptions and
+  evictions and checks reference counts and the pool's free count against the live requests and the
+  cache after every step.
+* The engine on tiny in the exact numerics mode (order-independent: a cached prefix and a cold
+  prefill give the same bits): a request whose prefix is cached gives the same tokens and logprobs
+  as on a cold engine, for prefixes ending mid-page, mid compressor group, inside and beyond the
+  window, through the Engram layers; and the ``cached_tokens`` / hit-rate reporting.
+"""
+
+import collections
+import itertools
+
+import numpy as np
+import pytest
+
+from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.prefix_cache import (CACHE_OWNER, CacheEntry, LoadOp, RadixTree, RestoreOp, SaveOp, SpillOp,
+                                            make_radix_allocator)
+from dsv41_jax.serving.runner import SharedPageAllocator
+from dsv41_jax.serving.sampling import SamplingParams
+from dsv41_jax.serving.scheduler import ForkOp, SpecLaunch
+from dsv41_jax.serving.tokenizer import load_tokenizer
+
+V = 320
+
+
+# ------------------------------------------------------------------------------------------- tree
+
+
+def _entry(tokens):
+    return CacheEntry(tuple(tokens), (CACHE_OWNER, tuple(tokens)), 0)
+
+
+def test_radix_tree_longest_prefix_split_and_merge():
+    t = RadixTree()
+    a, b, c = _entry([1, 2, 3, 4]), _entry([1, 2, 5]), _entry([1, 2])
+    for e in (a, b, c):
+        t.insert(e.tokens, e)
+    assert t.longest([1, 2, 3, 4, 9]) is a
+    assert t.longest([1, 2, 3, 9]) is c  # diverges inside a's edge: the point above it
+    assert t.longest([1, 2, 5]) is b and t.longest([1, 2]) is c
+    assert t.longest([1]) is None and t.longest([]) is None and t.longest([7, 1, 2]) is None
+    assert t.find((1, 2, 3)) is None and t.find((1, 2, 5)) is b
+    t.remove(c)
+    assert t.longest([1, 2, 3, 9]) is None and t.longest([1, 2, 3, 4]) is a
+    t.remove(b)  # the node above a loses its last other branch: merged into one edge
+    assert list(t.root.children.values())[0].label == (1, 2, 3, 4)
+    t.remove(a)
+    assert not t.root.children and t.entries() == []
+    with pytest.raises(ValueError):
+        t.remove(a)
+
+
+# ------------------------------------------------------------------------------------------- mock
+
+
+def token_at(seq, pos: int) -> int:
+    """The mock model's token at position pos of a sample (10..209, never special)."""
+    return 10 + (pos * 7 + seq.group.order * 13 + seq.index * 5) % 200
+
+
+def true_token(seq, pos: int) -> int:
+    return seq.prompt_ids[pos] if pos < len(seq.prompt_ids) else token_at(seq, pos)
+
+
+class CheckingRunner:
+    """The runner's interface without a model; it tracks which tokens each slot row, snapshot row and
+    page position holds and asserts that every launch row sees exactly its own history."""
+
+    def __init__(self, *, num_pages=25, page_size=4, max_pages_per_seq=12, max_slots=4, rows=6, host_pages=0):
+        rows = max(rows, 2 * max_slots)
+        self.allocator = make_radix_allocator(SharedPageAllocator, num_pages, page_size, max_pages_per_seq, rows,
+                                              host_pages)
+        self.n_loads = 0
+        self.snapshot_rows = rows
+        self.max_slots, self.scratch = max_slots, max_slots
+        self.context_length = page_size * max_pages_per_seq
+        self.vocab_size, self.max_logprobs, self.spec_gamma = V, 5, 0
+        self.launches = 0
+        self.slot_hist = collections.defaultdict(dict)  # slot -> {pos: token}
+        self.snap_hist: dict = {}
+        self.page_hist = collections.defaultdict(dict)  # page -> {offset: token}
+        self.n_restores = 0
+
+    def warmup(self, *a) -> int:
+        return 0
+
+    def num_compilations(self) -> int:
+        return 0
+
+    def dispatch(self, ops, resets, admitted, eos_token_ids) -> None:
+        ps = self.allocator.page_size
+        for op in ops:  # (spills first: their pages and rows may be reused by this dispatch)
+            if isinstance(op, SpillOp):
+                self.allocator.host_store[op.key] = ([dict(self.page_hist[p]) for p in op.pages],
+                                                     dict(self.snap_hist[op.row]))
+        for op in ops:
+            if isinstance(op, SaveOp) and not op.in_order:
+                self.snap_hist[op.row] = dict(self.slot_hist[op.slot])
+        for slot in resets:
+            self.slot_hist[slot] = {}
+        for op in ops:
+            if isinstance(op, SaveOp):
+                if op.in_order:
+                    self.snap_hist[op.row] = dict(self.slot_hist[op.slot])
+                continue
+            if isinstance(op, SpillOp):
+                continue
+            if isinstance(op, LoadOp):
+                pages, row = self.allocator.host_store[op.key]
+                for p, h in zip(op.dst_pages, pages):
+                    self.page_hist[p] = dict(h)
+                self.slot_hist[op.slot] = dict(row)
+                self.n_restores += 1
+                self.n_loads += 1
+                continue
+            if isinstance(op, RestoreOp):
+                self.slot_hist[op.slot] = dict(self.snap_hist[op.row])
+                self.page_hist[op.dst_page] = dict(self.page_hist[op.src_page])
+                self.n_restores += 1
+                continue
+            if isinstance(op, ForkOp):
+                self.slot_hist[op.dst_slot] = dict(self.slot_hist[op.src_slot])
+                self.page_hist[op.dst_page] = dict(self.page_hist[op.src_page])
+                continue
+            assert not isinstance(op, SpecLaunch)
+            self.launches += 1
+            toks = np.zeros((op.B,), np.int32)
+            for b, r in enumerate(op.rows):
+                s = r.seq
+                hist = self.slot_hist[s.slot]
+                want = {p: true_token(s, p) for p in range(r.start)}
+                got = {p: hist.get(p) for p in range(r.start)}
+                assert got == want, f"{s.key}: slot rows differ before {r.start}"
+                for p in range(r.start):
+                    assert self.page_hist[r.pages[p // ps]].get(p % ps) == want[p], f"{s.key}: page at {p}"
+                for p in range(r.start, r.start + r.n):
+                    hist[p] = true_token(s, p)
+                    self.page_hist[r.pages[p // ps]][p % ps] = true_token(s, p)
+                if r.sample:
+                    toks[b] = token_at(s, r.start + r.n)
+            op.tokens, op.lp = toks, np.zeros((op.B,), np.float32)
+            op.top_ids = np.zeros((op.B, self.max_logprobs), np.int32)
+            op.top_vals = np.zeros((op.B, self.max_logprobs), np.float32)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny")
+
+
+def _mock_engine(tok, num_pages=25, host_pages=0, **kw):
+    args = dict(model="tiny", page_size=4, max_running_requests=4, chunked_prefill_size=4, max_prefill_tokens=8,
+                batch_buckets=[4], token_buckets=[4], decode_log_interval=1000)
+    args.update(kw)
+    runner = CheckingRunner(page_size=args["page_size"], num_pages=num_pages,
+                            max_slots=args["max_running_requests"], host_pages=host_pages)
+    return Engine(EngineArgs(**args), runner=runner, tokenizer=tok)
+
+
+def _check_refs(eng) -> None:
+    """Reference counts and the free count against the live requests and the cache entries."""
+    a = eng.allocator
+    a.check_invariants()
+    holders = collections.Counter()
+    live = set()
+    for s in eng.scheduler.running:
+        holders.update(a.pages(s.key))
+        live.update(a.pages(s.key))
+    for key in a.entries:
+        holders.update(a.pages(key))
+    assert dict(holders) == a._refs
+    assert not live & set(a._free), "a page a running request holds is free"
+    only_cache = {p for p in holders if p not in live}
+    pinned_only = {p for p in only_cache if any(p in a.pages(k) for k in a.pinned if k in a.entries)}
+    assert a.free_pages == a.capacity - len(live) - len(pinned_only)
+    for g in list(eng._groups.values()):
+        for s in g.seqs:
+            if s.status == "finished":
+                assert not a.has(s.key) and s.slot is None
+
+
+def test_cache_hit_resumes_with_exact_history(tok):
+    eng = _mock_engine(tok)
+    p1 = list(range(20, 31))  # 11 tokens: ends mid-page (pages of 4)
+    o = _run(eng, [("a", p1, 5)])["a"]
+    conv = p1 + list(o.outputs[0].token_ids)  # 16 tokens; 15 written (the last sampled is not)
+    assert sorted(e.k for e in eng.allocator.entries.values()) == [10, 15]  # prompt end, request end
+    outs = _run(eng, [("b", conv + [7, 8, 9], 3)])
+    assert outs["b"].num_cached_tokens == 15 and eng.runner.n_restores == 1
+    # a shorter request that diverges inside the cached prefix: the deepest point on its path only
+    outs = _run(eng, [("c", conv[:9] + [5, 5], 2)])
+    assert outs["c"].num_cached_tokens == 0
+    # one that continues the first prompt differently: resumes at its prompt-end point
+    outs = _run(eng, [("d", p1[:10] + [6, 6, 6], 2)])
+    assert outs["d"].num_cached_tokens == 10 and eng.runner.n_restores == 2
+    st = eng.stats()
+    assert st["cached_prompt_tokens"] == 25 and 0 < st["cache_hit_rate"] < 1
+    _check_refs(eng)
+    assert eng.allocator.free_pages == eng.allocator.capacity
+
+
+def test_longest_cached_prefix_admitted_first_bounded(tok):
+    """One slot, a queue [x (nothing cached), y (12 tokens cached), z (12 cached)]: y and z overtake x
+    (at least a page less prefill each), but x is passed over at most 4 times in a row."""
+    eng = _mock_engine(tok, max_running_requests=1, batch_buckets=[1])
+    p = list(range(40, 52))
+    _run(eng, [("a", p, 1)])
+    order = []
+    for rid, prompt in [("x", list(range(100, 110)))] + [(f"y{i}", p + [i + 1, 1]) for i in range(6)]:
+        eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["y0", "y1", "y2", "y3", "x", "y4", "y5"]
+    assert eng.metrics["cached_prompt_tokens"] == 6 * 12
+    _check_refs(eng)
+
+
+def test_hit_without_a_page_for_the_copy_falls_back_to_prefill(tok):
+    """The pool is exactly full of a cached prefix's pages (its partial page would need a copy and
+    no page is free): the hit is abandoned and the sample prefills itself in the same plan, evicting
+    the entry (as test_preemption's whole-pool n = 2 request)."""
+    eng = _mock_engine(tok, num_pages=13)  # 12 pages of 4 = 48 tokens
+    p = list(range(20, 67))  # 47 tokens: needs every page
+    outs = _run(eng, [("a", p, 1)])
+    outs.update(_run(eng, [("b", p, 1)]))
+    assert outs["b"].outputs[0].finish_reason == "length" and outs["b"].num_cached_tokens == 0
+    _check_refs(eng)
+    assert eng.allocator.free_pages == eng.allocator.capacity
+
+
+def _run(eng, reqs, each=None):
+    for rid, prompt, n in reqs:
+        eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if each:
+            each(eng)
+    return outs
+
+
+@pytest.mark.parametrize("seed,host,mixed", [(0, 0, False), (1, 0, False), (2, 0, False), (5, 0, True), (3, 30, False),
+                                             (4, 30, True)])
+def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
+    """Conversations grow turn by turn (each prompt extends an earlier prompt + answer, or a random
+    prefix of it) under a pool small enough to preempt and evict; requests are aborted at random;
+    with and without a host tier (evictions spill there, hits load back), split and mixed launches.
+    After every step: reference counts = live holders, the free count = capacity − pages of the
+    running requests (and of pinned entries); and the checking runner saw every row's exact history."""
+    rng = np.random.default_rng(seed)
+    eng = _mock_engine(tok, num_pages=16, host_pages=host, enable_mixed_chunk=mixed)
+    a = eng.allocator
+    history: list = [list(rng.integers(20, 300, size=int(rng.integers(2, 10))).tolist())]
+    rid_n = itertools.count()
+    live: dict = {}
+    for step in range(220):
+        if rng.random() < 0.35 and len(live) < 8:
+            base = history[int(rng.integers(len(history)))]
+            base = base if len(base) < 26 else base[:int(rng.integers(1, 10))]
+            cut = len(base) if rng.random() < 0.6 else int(rng.integers(1, len(base) + 1))
+            prompt = base[:cut] + rng.integers(20, 300, size=int(rng.integers(1, 5))).tolist()
+            prompt = prompt[:30] or [21]
+            rid = f"r{next(rid_n)}"
+            eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 14)),
+                                                        ignore_eos=True))
+            live[rid] = prompt
+        if live and rng.random() < 0.06:
+            eng.abort_request(sorted(live)[int(rng.integers(len(live)))])
+        if rng.random() < 0.03:
+            a.evict(a.capacity)  # forced eviction: everything unpinned goes
+        for o in eng.step():
+            if o.finished:
+                prompt = live.pop(o.request_id)
+                history.append(prompt + list(o.outputs[0].token_ids))
+        _check_refs(eng)
+    while eng.has_unfinished():
+        eng.step()
+        _check_refs(eng)
+    assert eng.runner.n_restores >= 2 and eng.metrics["num_preemptions"] > 0
+    if host:  # evicted entries went to the host tier and came back on hits
+        assert a.spills > 0 and eng.runner.n_loads > 0 and a.host_used > 0
+    assert a.free_pages == a.capacity
+    a.clear_cache()
+    assert len(a._free) == a.capacity and not a.entries and len(a.free_rows) == a.num_rows
+    assert not a.host_entries and a.host_used == 0 and not a.host_store
+
+
+# ------------------------------------------------------------------------------------------- engine
+
+# The plain engine of tests/test_engine_dspark.py (same shapes: its compiled programs are reused).
+KW = dict(model="tiny", page_size=8, max_total_tokens=192, context_length=48, max_running_requests=4,
+          chunked_prefill_size=1, batch_buckets=[4], skip_server_warmup=True, decode_log_interval=1000)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_cfg, tiny_params):
+    e = Engine(cfg=tiny_cfg.replace(act_dtype="exact"), params=tiny_params, **KW)
+    assert e.runner.snapshot_rows == 16
+    yield e
+    e.allocator.check_invariants()
+    assert e.allocator.free_pages == e.allocator.capacity
+
+
+def _greedy_lp(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
+
+
+def _run_eng(eng, reqs):
+    """reqs: [(prompt, n)] all at once; returns the outputs in order."""
+    rids = [f"e{next(_eids)}" for _ in reqs]
+    for rid, (p, n) in zip(rids, reqs):
+        eng.add_request(rid, p, _greedy_lp(n))
+    outs = {o.request_id: o for o in eng.run_until_done() if o.finished}
+    eng.allocator.check_invariants()
+    return [outs[r] for r in rids]
+
+
+_eids = itertools.count()
+
+
+def test_cached_prefix_equals_cold_exact(eng):
+    """Conversations whose cached state ends at k = 5 (inside the window of 8, mid page of 8, mid
+    ratio-2 group), 10 (beyond the window, mid page, group boundary), 13 (mid page, mid group) and 16
+    (page and group boundary); every step runs the Engram layers (1 and 4), whose history is part of
+    the snapshot. The next turn resumes from the cache and gives the tokens and logprobs (sampled
+    and top-3) of the same request on a cold cache, bit for bit."""
+    rng = np.random.default_rng(7)
+    firsts = [(rng.integers(3, 319, size=a).tolist(), m) for a, m in ((3, 3), (8, 3), (10, 4), (12, 5))]
+    eng.allocator.clear_cache()
+    outs = _run_eng(eng, firsts)
+    ks = sorted(e.k for e in eng.allocator.entries.values())
+    assert ks == [2, 5, 7, 9, 10, 11, 13, 16]  # prompt ends (len − 1) and request ends (len + m − 1)
+    seconds = [(p + list(o.outputs[0].token_ids) + rng.integers(3, 319, size=2).tolist(), 3)
+               for (p, _), o in zip(firsts, outs)]
+    _warm_equals_cold(eng, seconds, [5, 10, 13, 16])
+
+
+def test_prompt_end_snapshot_equals_cold_exact(eng):
+    """Prompt-end points (k = len(prompt) − 1 = 2, 7, 9, 11): saved while the request ran on, so the
+    shared partial page also holds the source's later tokens (positions ≥ k, overwritten by the new
+    request before any read). A different continuation of the same prompt prefix resumes there and
+    equals a cold run."""
+    rng = np.random.default_rng(8)
+    firsts = [(rng.integers(3, 319, size=a).tolist(), m) for a, m in ((3, 3), (8, 3), (10, 4), (12, 5))]
+    eng.allocator.clear_cache()
+    _run_eng(eng, firsts)
+    thirds = [(p[:-1] + rng.integers(3, 319, size=2).tolist(), 3) for p, _ in firsts]
+    _warm_equals_cold(eng, thirds, [2, 7, 9, 11])
+
+
+@pytest.fixture(scope="module")
+def host_eng(tiny_cfg, tiny_params):
+    """The same engine with the host tier (the same compiled steps; only the page copies are new)."""
+    e = Engine(cfg=tiny_cfg.replace(act_dtype="exact"), params=tiny_params, enable_hierarchical_cache=True,
+               hicache_ratio=1.5, **KW)
+    assert e.allocator.host_pages == int(1.5 * e.allocator.capacity)
+    yield e
+    e.allocator.check_invariants()
+
+
+def test_host_tier_round_trip_equals_cold_exact(host_eng):
+    """Every cached state is evicted from the device pool to the host tier (pages and snapshot row
+    copied out, device pages freed); the next turns load them back (fresh pages) and equal a cold
+    run bit for bit, as in `test_cached_prefix_equals_cold_exact`."""
+    eng, a = host_eng, host_eng.allocator
+    rng = np.random.default_rng(7)
+    firsts = [(rng.integers(3, 319, size=n).tolist(), m) for n, m in ((3, 3), (8, 3), (10, 4), (12, 5))]
+    outs = _run_eng(eng, firsts)
+    eng.step()  # dispatches the last snapshot saves (an entry is spilled only once its save ran)
+    a.evict(a.capacity)
+    assert not a.entries and len(a._free) == a.capacity and a.spills == 8
+    a.check_invariants()
+    seconds = [(p + list(o.outputs[0].token_ids) + rng.integers(3, 319, size=2).tolist(), 3)
+               for (p, _), o in zip(firsts, outs)]
+    _warm_equals_cold(eng, seconds, [5, 10, 13, 16])
+    assert a.host_hits == 4 and eng.stats()["prefix_cache_host_hits"] == 4
+
+
+def _warm_equals_cold(eng, reqs, want_cached):
+    warm = _run_eng(eng, reqs)
+    assert [o.num_cached_tokens for o in warm] == want_cached
+    eng.allocator.clear_cache()
+    cold = _run_eng(eng, reqs)
+    assert [o.num_cached_tokens for o in cold] == [0] * len(reqs)
+    for w, c in zip(warm, cold):
+        wo, co = w.outputs[0], c.outputs[0]
+        assert wo.token_ids == co.token_ids
+        assert wo.logprobs == co.logprobs  # exact: the same bits
+        assert wo.top_logprobs == co.top_logprobs
+    eng.allocator.clear_cache()
+
+
+def test_snapshot_rows_come_out_of_the_memory_budget(tiny_cfg, tiny_params):
+    """The snapshot pool is paid from the KV budget: with --radix-cache-snapshots 3 the pool gets the
+    same 10 pages as without the cache when the budget has 3 window rows more; by default the rows
+    are capped to a quarter of the budget; 0 rows, or rows with the cache off, are refused."""
+    import jax
+
+    from dsv41_jax.model import cache as kvc
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the CPU memory stand-in")
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(tiny_params))
+    b = kvc.kv_bytes_per_token(tiny_cfg)
+    S, ps, w = 4, 16, b["window_per_request"]
+    budget = int((S + 1 + 3) * w + 10 * ps * b["per_token"]) + 1
+    kw = dict(model="tiny", page_size=ps, context_length=64, max_running_requests=S, mem_fraction_static=0.5,
+              skip_server_warmup=True)
+    e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), radix_cache_snapshots=3, **kw),
+               cfg=tiny_cfg, params=tiny_params)
+    assert e.ccfg.num_pages == 10 and e.runner.snapshot_rows == 3 and e.allocator.num_rows == 3
+    e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), cfg=tiny_cfg, params=tiny_params)
+    assert e.runner.snapshot_rows == int(budget * 0.25 // w) < 4 * S
+    with pytest.raises(ValueError, match="radix_cache_snapshots"):
+        EngineArgs(radix_cache_snapshots=0, **kw)
+    with pytest.raises(ValueError, match="disable-radix-cache"):
+        EngineArgs(radix_cache_snapshots=2, disable_radix_cache=True, **kw)
+    with pytest.raises(ValueError, match="enable-hierarchical-cache"):
+        EngineArgs(hicache_ratio=2, **kw)
+    with pytest.raises(ValueError, match="hicache_ratio"):
+        EngineArgs(hicache_ratio=0, enable_hierarchical_cache=True, **kw)
+    with pytest.raises(ValueError, match="radix cache"):
+        EngineArgs(enable_hierarchical_cache=True, disable_radix_cache=True, **kw)
