@@ -162,7 +162,8 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     """:func:`hc_mixes` with the config's constants, by implementation (`dispatch.resolve(cfg, "mhc")`).
 
     "reference": today's code (Sinkhorn as a fori_loop). "xla": Sinkhorn unrolled so the mixing fuses
-    into one kernel per sublayer; same operations, but XLA reassociates the fused 4-element sums, so
+    into one kernel per sublayer (except on `SINKHORN_LOOP_BACKENDS`, where it stays the loop: see
+    there); same operations, but XLA reassociates the fused 4-element sums, so
     comb differs by 1-2 fp32 ulps (tested: <= 1e-6 absolute on values <= 1; identical in the exact
     mode, where Sinkhorn runs in fp64). The mix matmul ([.., n·D] x [24, n·D], fp32 on the
     bf16 stream) and hc_pre / hc_post (static-order elementwise sums over n that XLA already fuses
@@ -172,12 +173,30 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     return _mixes(h, fn, base, scale, cfg, dispatch.resolve(cfg, "mhc"))
 
 
+# Backends where the "xla" path keeps Sinkhorn as a loop. Measured on XLA:CPU (tiny fp32 forward,
+# 12 tokens): unrolled, the 19 iterations x 2 sublayers x 10 layers fuse into chains that XLA
+# duplicates per consumer (124K optimized HLO lines, 57K of them from Sinkhorn's divisions) and the
+# compile takes 39.6 CPU-s; as the fori_loop, 47K lines and 28.9 CPU-s. A CPU runs the loop's tiny
+# steps without a launch or a sync each, so the fusion buys nothing there that pays for the compile.
+SINKHORN_LOOP_BACKENDS = ("cpu",)
+
+
+@functools.lru_cache(maxsize=None)
+def sinkhorn_unrolled_on(backend: str) -> bool:
+    """Whether the "xla" mhc path unrolls Sinkhorn on ``backend`` (logged once per backend)."""
+    unroll = backend not in SINKHORN_LOOP_BACKENDS
+    log.info("mhc xla path on %s: Sinkhorn %s", backend,
+             "unrolled (fuses into one kernel per sublayer)" if unroll else "as a fori_loop (cheaper to compile)")
+    return unroll
+
+
 def _mixes(h, fn, base, scale, cfg, impl):
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"mhc: no mixes-only {impl!r} implementation (the Pallas kernel fuses the "
                                  f"mixes with hc_pre: call sublayer_enter)")
+    unroll = impl == "xla" and sinkhorn_unrolled_on(jax.default_backend())
     return hc_mixes(h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
-                    sinkhorn_iters=cfg.hc_sinkhorn_iters, unroll=impl == "xla", exact=is_exact(cfg))
+                    sinkhorn_iters=cfg.hc_sinkhorn_iters, unroll=unroll, exact=is_exact(cfg))
 
 
 def hc_pre(h: jnp.ndarray, pre: jnp.ndarray, out_dtype=None) -> jnp.ndarray:
