@@ -116,7 +116,13 @@ from dsv41_jax.serving.runner import Runner, SharedPageAllocator
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import Scheduler
 
-__all__ = ["CompletionOutput", "Engine", "EngineError", "EngineInternalError", "QueueFullError", "RequestOutput",
+# The one wording of the refusal (engine, LLM and the server's 400 all carry it).
+BOUNDED_REPLAY_PLP_REFUSAL = ("prompt_logprobs: refused with --enable-decoder-swa-bounded-replay: its prefill runs "
+                              "the late layers only on each prompt's last sliding_window tokens, so the other prompt "
+                              "positions have no logits and the tail's are approximate (not equal to full prefill); "
+                              "start the server without that flag to score prompts")
+
+__all__ = ["BOUNDED_REPLAY_PLP_REFUSAL", "CompletionOutput", "Engine", "EngineError", "EngineInternalError", "QueueFullError", "RequestOutput",
            "SharedPageAllocator", "PREEMPTION_REASONS"]
 
 log = logging.getLogger("dsv41_jax.engine")
@@ -289,6 +295,8 @@ class Engine:
             raise ValueError(f"output_kind: 'final' or 'delta', got {output_kind!r}")
         p = sampling_params or SamplingParams()
         p.validate(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
+        if p.prompt_logprobs is not None and self.args.enable_decoder_swa_bounded_replay:
+            raise EngineError(BOUNDED_REPLAY_PLP_REFUSAL)
         text = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
