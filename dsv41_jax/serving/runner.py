@@ -10,7 +10,10 @@ reads them):
 - `Launch` [B, T]: first-token fill from ``last_token`` (decode rows whose input is still on the
   device), `decode.extend` (with DSpark: `dspark.extend_seeding`, which also writes the draft rings of
   every committed token), then sampling on the device (`_sample_rows`, constraint masks applied).
-  A launch with prompt-logprob rows runs the all-logits variant and reduces on the device.
+  A launch with prompt-logprob rows runs the all-logits variant and reduces on the device. With
+  ``--enable-decoder-swa-bounded-replay`` a launch of more than one token per row runs
+  `decode.extend_bounded` instead (layers after the last store layer only on each row's tokens at or
+  after ``tail_lo`` = prompt length − sliding_window; one-token launches, i.e. decode, are unchanged).
 - `SpecLaunch` [B, γ+1]: one `speculative.speculative_step` (draft γ tokens, verify them in one
   target forward, commit the accepted prefix + bonus) with the rows' sampling tensors gathered from
   the slots, the committed tokens added to the penalty counts and the bonus put in ``last_token``:
