@@ -127,13 +127,15 @@ def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
         return (num / denom[..., None]).astype(jnp.float32).astype(dt)
 
 
-def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode: str, dt):
+def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode: str, dt, key_lo=None):
     """Window keys and mask of a chunk: the ring (positions before `start`) + the chunk's own keys.
 
     ring: the layer's ring codes (first axes [R, W]) or None (no earlier positions: the full forward);
     ring_rows int32 [B]; new: codes of the chunk's keys (first axes [B, T]); start int32 [B];
     positions int32 [B, T]; valid bool [B, T]. Returns (keys [B, W+T, hd] or [B, T, hd] in `dt`,
     mask bool [B, T, W+T] or [B, T, T]): key p is visible from query t iff p ≤ t and p > t − W.
+    key_lo: optional int32 [B]: keys at positions < key_lo[b] are hidden too (SWA bounded replay: the
+    late layers never computed them, their ring entries are stale). None: no such bound (and no op).
     """
     new_kv = kvc.decode("win", mode, new, dt)
     if ring is None:
@@ -148,12 +150,14 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
         key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
     q = positions[:, :, None]
     mask = key_ok[:, None, :] & (key_pos[:, None, :] <= q) & (key_pos[:, None, :] > q - window)
+    if key_lo is not None:
+        mask = mask & (key_pos[:, None, :] >= key_lo[:, None, None])
     return keys, mask
 
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
                      ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
-                     exact: bool = False):
+                     exact: bool = False, key_lo=None):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -173,6 +177,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
       page_table  int32 [B, P]; slot j of row b is pool row `indexer.pool_index(page_table, j, ratio,
                   page_size)`
       sel         int32 [B, T, K] selected compressed slots (−1 = none), from `indexer.topk`
+      key_lo      int32 [B] or None  window keys at positions < key_lo[b] are not visible (SWA bounded
+                  replay's late layers: `decode.extend_bounded`); None = no bound
     Static: ratio, page_size, window, mode (kv_cache_dtype), impl, exact (the exact numerics mode:
     fp64-accumulated sums, `attend`; "reference" and "xla" only).
     Returns [B, T, H, hd] in q.dtype (SPEC §3: fp32 logits, sink in the denominator only, bf16-rounded
@@ -183,6 +189,9 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     if impl in ("pallas", "pallas_interpret") and exact:
         raise dispatch.ImplError(f"attention: the exact numerics mode has no {impl!r} implementation (fp64 "
                                  f"accumulation is for the jnp paths: use impl 'attention=xla' or 'reference')")
+    if impl in ("pallas", "pallas_interpret") and key_lo is not None:
+        raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "
+                                  f"kernel; run the attention op with impl 'xla' or 'reference'")
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
@@ -191,7 +200,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
         raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
     dt = q.dtype
     B, T = positions.shape
-    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid, window, mode, dt)
+    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid, window, mode, dt, key_lo)
     if comp is None or sel.shape[-1] == 0:
         comp_kv = jnp.zeros((B, T, 0, q.shape[-1]), dt)
         comp_mask = jnp.zeros((B, T, 0), bool)

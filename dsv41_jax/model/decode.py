@@ -118,7 +118,8 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     the chunk's own keys come from `new`). With ``pend["restore"]`` set (a speculative step), the
     codes each compressed write overwrites are kept so `commit` can put back those of rejected groups.
     Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention`, both on
-    stored codes + page table.
+    stored codes + page table. ``batch["key_lo"]`` (int32 [B], SWA bounded replay's late layers only)
+    hides window keys below that position.
     """
     lid = plan.layer_id
     mode = ccfg.kv_cache_dtype
@@ -160,7 +161,7 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
                                   window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
-                                  exact=is_exact(cfg))
+                                  exact=is_exact(cfg), key_lo=batch.get("key_lo"))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
@@ -189,6 +190,36 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
                                cfg.num_experts_per_tok, attn_run, xs=rings, mesh=mesh)
     for k in range(n):
         pend["window"][first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
+    return h, pre
+
+
+def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
+                mesh, cols=None):
+    """The layers of `runs` ((first, n) from `layer_scan.layer_runs`, in order) on h [B, T', n, D] /
+    pre fp32 [B, T', n]: returns (h, pre). Updates st / ctx / aux / pend in place.
+
+    positions / valid [B, T'] belong to the rows of h. tokens int32 [B, T] are the chunk's tokens (the
+    Engram hashes need each token's predecessors); cols int32 [B, T'] (SWA bounded replay's late
+    layers) says which chunk column each row of h is, so the Engram rows are hashed on the whole chunk
+    and then gathered; None: h holds the whole chunk.
+    """
+    for i, n in runs:
+        plan = cfg.layer_plan(i)
+        if n > 1:
+            h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
+                                      aux, pend, mesh)
+            continue
+        lp = layer_scan.layer_params(params, i, cfg)
+        rows = None
+        if plan.is_engram:
+            rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])
+            if cols is not None:
+                rows = jnp.take_along_axis(rows, cols[:, :, None], axis=1)
+
+        def attn_fn(x, lp=lp, plan=plan):
+            return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
+
+        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
     return h, pre
 
 
@@ -227,21 +258,8 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
         aux = new_aux()
-        for i, n in layer_scan.layer_runs(cfg):
-            plan = cfg.layer_plan(i)
-            if n > 1:
-                h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
-                                          aux, pend, mesh)
-                continue
-            lp = layer_scan.layer_params(params, i, cfg)
-            rows = None
-            if plan.is_engram:
-                rows = hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens, history=hist[batch["slot"]])
-
-            def attn_fn(x, lp=lp, plan=plan):
-                return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
-
-            h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
+        h, pre = _run_layers(params, layer_scan.layer_runs(cfg), h, pre, st, ctx, batch, positions, valid, tokens,
+                             hist, cfg, ccfg, dt, aux, pend, mesh)
         if not all_logits:
             last = jnp.maximum(n_new - 1, 0)
             h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
@@ -267,7 +285,9 @@ def commit(st, pending, batch, n_commit, cfg):
     start, slot = batch["start"], batch["slot"]
     end = start + n_commit
     out = dict(st)
-    out["window"] = [_window_write(ring, slot, pending["positions"], n_commit, codes, cfg.sliding_window)
+    # (a layer with codes None wrote nothing here: SWA bounded replay writes its late layers itself)
+    out["window"] = [ring if codes is None else
+                     _window_write(ring, slot, pending["positions"], n_commit, codes, cfg.sliding_window)
                      for ring, codes in zip(st["window"], pending["window"])]
     out["partial"] = dict(st["partial"])
     for key, buf in pending["partial"].items():
@@ -304,7 +324,134 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
     return logits, new_state
 
 
-def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False):
+# ----------------------------------------------------------------------------------------------------
+# SWA bounded replay (--enable-decoder-swa-bounded-replay, as SGLang's): late layers run only the tail
+# ----------------------------------------------------------------------------------------------------
+
+
+def last_store_layer(cfg) -> int:
+    """S: the last target layer that writes a cache store (a KV source's compressed latents / index
+    keys / partial groups, or the candidate source's blocks, which later index sources read); -1 if none.
+
+    After S a layer's only state that outlives a step is its own window ring, and each token's
+    computation there reads only its own row of the residual stream, the stored pools and its window:
+    that is what lets SWA bounded replay run layers S+1.. on a few tokens. (An index source after S
+    re-scores stored keys per query token: it stays exact on any subset of the tokens.)
+    """
+    ids = list(cfg.kv_source_layer_ids)
+    if cfg.candidate_source_layer_id is not None:
+        ids.append(cfg.candidate_source_layer_id)
+    return max(ids) if ids else -1
+
+
+def split_runs(cfg) -> tuple:
+    """(early, late): `layer_scan.layer_runs` split after `last_store_layer` (S is a source, so it is a
+    run of one and no run straddles it)."""
+    S = last_store_layer(cfg)
+    runs = layer_scan.layer_runs(cfg)
+    return tuple(r for r in runs if r[0] <= S), tuple(r for r in runs if r[0] > S)
+
+
+def tail_columns(start, n_new, tail_lo, tail: int):
+    """Which chunk tokens the late layers run, per row: the tokens at positions >= tail_lo[b], at most the
+    last `tail` of them.
+
+    start, n_new, tail_lo int32 [B]; tail static. Returns (cols int32 [B, tail] chunk columns, clipped
+    into the chunk; count int32 [B] real ones, 0..tail). Row b's late tokens are columns
+    cols[b, :count[b]] = off[b] .. n_new[b] − 1 (contiguous, ending at the row's last real token).
+    """
+    off = jnp.clip(tail_lo - start, 0, n_new)
+    off = jnp.maximum(off, n_new - tail)  # more than `tail` tokens at or after tail_lo: the last `tail`
+    count = n_new - off
+    cols = off[:, None] + jnp.arange(tail, dtype=jnp.int32)[None, :]
+    return cols, count
+
+
+def _gather_cols(x, cols):
+    """x [B, T, ...] -> [B, T', ...]: x[b, cols[b, i]] (cols already inside 0..T−1)."""
+    idx = cols.reshape(cols.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, mesh=None, return_aux: bool = False):
+    """SWA bounded replay's step: layers 0..S (`last_store_layer`) run the whole chunk as `extend` does;
+    layers S+1.. run only each row's tail — its tokens at positions >= ``batch["tail_lo"][b]``, at most
+    the last ``min(T, late_tail)`` of them — as a static [B, min(T, late_tail)] sub-batch.
+
+    batch: `extend`'s batch plus ``tail_lo`` int32 [B]: the first position the late layers compute for
+    the request (the runner: max(0, prompt length − sliding_window), so the late layers cover exactly
+    the prompt tokens whose window KV decode reads; a decode row's token is always at or after it).
+    late_tail: static, normally cfg.sliding_window (with it, the tokens a chunk computes at a late layer
+    are always the last ones of the request computed so far there: the rows of the ring the next chunk
+    can see were all written).
+
+    Not numerically equal to `extend` once a prompt is longer than the window: a late-layer tail token
+    attends (window part) only to late-layer keys that were computed — positions >= tail_lo — and the
+    ring entries below tail_lo (never written for this request) are masked (`attention.window_keys`
+    key_lo). The compressed part is exact: the stores come from layers <= S, which ran every token.
+    With every token at or after tail_lo and the chunk no longer than late_tail, it computes what
+    `extend` computes (tests/test_bounded_replay.py checks the logits are equal).
+
+    Returns (logits fp32 [B, V] at each row's last real token — 0 for a row with no late token, whose
+    last token the late layers skipped —, new cache). Window rings of the late layers are written for
+    the tail tokens only; everything else is written as `extend` writes it.
+    """
+    with tiling.on_mesh(mesh):
+        dt = act_dtype(cfg)
+        tokens = batch["tokens"].astype(jnp.int32)
+        B, T = tokens.shape
+        start, n_new = batch["start"], batch["n_new"]
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        valid = jnp.arange(T)[None, :] < n_new[:, None]
+        st = dict(state)
+        st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
+                   "partial": dict(state["partial"])})
+        pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {}, "restore": None}
+        hist = state.get("engram_hist")
+        h = embed_streams(params, tokens, cfg, dt, mesh)
+        pre = initial_pre((B, T), cfg)
+        ctx = {"topk": {}, "cand": None}
+        aux = new_aux()
+        early, late = split_runs(cfg)
+        h, pre = _run_layers(params, early, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt,
+                             aux, pend, mesh)
+        # the late sub-batch: each row's tail tokens, gathered to [B, tail]
+        tail = min(T, late_tail)
+        cols, count = tail_columns(start, n_new, batch["tail_lo"], tail)
+        colc = jnp.minimum(cols, T - 1)  # padding columns (i >= count) read a real column, masked by sub_valid
+        sub_pos = start[:, None] + cols
+        sub_valid = jnp.arange(tail)[None, :] < count[:, None]
+        h, pre = _gather_cols(h, colc), _gather_cols(pre, colc)
+        ctx["topk"] = {k: _gather_cols(v, colc) for k, v in ctx["topk"].items()}
+        if ctx["cand"] is not None:
+            ctx["cand"] = _gather_cols(ctx["cand"], colc)
+        # `start` stays the chunk's: the ring holds positions < start (window_keys places its entries by it)
+        sub_batch = dict(batch, n_new=count, key_lo=batch["tail_lo"])
+        late_pend = {"window": [None] * cfg.num_hidden_layers, "partial": {}, "restore": None}
+        h, pre = _run_layers(params, late, h, pre, st, ctx, sub_batch, sub_pos, sub_valid, tokens, hist, cfg, ccfg,
+                             dt, aux, late_pend, mesh, cols=colc)
+        last = jnp.maximum(count - 1, 0)
+        h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
+        pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
+        logits, _ = final_logits(params, h, pre, cfg, dt)
+        logits = jnp.where(count[:, None] > 0, logits[:, 0], 0.0)
+        if hist is not None:
+            pend["engram_ids"] = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
+        new_state = commit(st, pend, batch, n_new, cfg)
+        rings = list(new_state["window"])
+        for f, n in late:
+            for lid in range(f, f + n):
+                rings[lid] = _window_write(st["window"][lid], batch["slot"], sub_pos, count, late_pend["window"][lid],
+                                           cfg.sliding_window)
+        new_state["window"] = rings
+        if return_aux:
+            aux.update(late_tokens=count, late_cols=cols)
+            return logits, new_state, aux
+        return logits, new_state
+
+
+def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False,
+                  late_tail: Optional[int] = None):
     """`extend` jitted for (cfg, ccfg, all_logits[, mesh]), with the cache donated. Compiles once per (B, T).
 
     With a mesh, the step's in/out shardings come from `parallel.rules.step_shardings` (params as
@@ -312,8 +459,22 @@ def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_ta
     engram_host_table: the params hold host Engram tables (`parallel.host_table`).
     One jitted function per distinct setting, however the arguments are spelled (an lru_cache on this
     signature would key ``(cfg, ccfg, True)`` and ``(cfg, ccfg, True, None)`` apart: two compiles).
+    late_tail: None = `extend` (the reference path); an int = SWA bounded replay (`extend_bounded`: the
+    batch carries ``tail_lo``; last-token logits only, no mesh).
     """
+    if late_tail is not None:
+        if all_logits or mesh is not None:
+            raise NotImplementedError("SWA bounded replay (late_tail): last-token logits only, unsharded (its "
+                                      "late layers skip tokens, so there are no logits for them)")
+        if late_tail < 1:
+            raise ValueError(f"late_tail = {late_tail}: must be >= 1")
+        return _jitted_bounded(cfg, ccfg, int(late_tail))
     return _jitted_extend(cfg, ccfg, bool(all_logits), mesh, bool(engram_host_table))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bounded(cfg, ccfg, late_tail):
+    return jax.jit(functools.partial(extend_bounded, cfg=cfg, ccfg=ccfg, late_tail=late_tail), donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=None)

@@ -80,7 +80,10 @@ needs it; never in the warm-up), and reduces its fp32 ``[B, T, V]`` logits on th
 ``max_logprobs`` ``[B, T, K]``; only those come back to the host. Prefill chunks cover positions
 ``0 .. len(prompt) - 2``, i.e. exactly the predictions of prompt tokens ``1 .. len(prompt) - 1``; the
 last prompt token's row samples as usual. Such a sample never shares its prompt by forking (it
-prefills itself), and ``max_tokens=0`` ends it ("length") once its prompt logprobs are read.
+prefills itself), and ``max_tokens=0`` ends it ("length") once its prompt logprobs are read. With
+``--enable-decoder-swa-bounded-replay`` (SWA bounded replay: prefill's late layers run only each
+prompt's last sliding_window tokens, `decode.extend_bounded`) there are no exact prompt logits, so
+`add_request` refuses such requests (`EngineError`: HTTP 400), saying why.
 
 If the engine itself must end a request (a scheduler fault), the sample finishes with reason
 "error" and `RequestOutput.error` says why; `AsyncEngine` turns it into `EngineInternalError`
@@ -116,7 +119,14 @@ from dsv41_jax.serving.runner import Runner, SharedPageAllocator
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import Scheduler
 
-__all__ = ["CompletionOutput", "Engine", "EngineError", "EngineInternalError", "QueueFullError", "RequestOutput",
+# The one wording of the refusal (engine, LLM and the server's 400 all carry it).
+BOUNDED_REPLAY_PLP_REFUSAL = ("prompt_logprobs: refused with --enable-decoder-swa-bounded-replay: its prefill runs "
+                              "the late layers only on each prompt's last sliding_window tokens, so the other prompt "
+                              "positions have no logits and the tail's are approximate (not equal to full prefill); "
+                              "start the server without that flag to score prompts")
+
+__all__ = ["BOUNDED_REPLAY_PLP_REFUSAL", "CompletionOutput", "Engine", "EngineError", "EngineInternalError",
+           "QueueFullError", "RequestOutput",
            "SharedPageAllocator", "PREEMPTION_REASONS"]
 
 log = logging.getLogger("dsv41_jax.engine")
@@ -289,6 +299,8 @@ class Engine:
             raise ValueError(f"output_kind: 'final' or 'delta', got {output_kind!r}")
         p = sampling_params or SamplingParams()
         p.validate(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
+        if p.prompt_logprobs is not None and self.args.enable_decoder_swa_bounded_replay:
+            raise EngineError(BOUNDED_REPLAY_PLP_REFUSAL)
         text = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):

@@ -7,7 +7,7 @@ Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-r
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
 ``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK). Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
 ``--max-logprobs``, ``--disable-prefix-sharing``, ``--disable-radix-cache``, ``--radix-cache-snapshots``, ``--enable-hierarchical-cache``,
-``--hicache-ratio``, ``--cpu-memory-budget``, ``--impl`` (which
+``--hicache-ratio``, ``--cpu-memory-budget``, ``--enable-decoder-swa-bounded-replay`` (SGLang's name), ``--impl`` (which
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
 ``--speculative-dspark-block-size`` (DSpark proposals per step, 1..5, at most the checkpoint's block),
 ``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``).
@@ -113,6 +113,9 @@ class EngineArgs:
     speculative_algorithm: Optional[str] = None  # "DSPARK" (DSpark speculative decoding) or None
     speculative_dspark_block_size: Optional[int] = None  # γ, 1..5; None: the checkpoint's dspark_block_size
     speculative_simulate_accept_length: Optional[float] = None  # performance runs only (see runner.py)
+    # SWA bounded replay (SGLang's flag): prefill runs the layers after the last store layer only on each
+    # request's last sliding_window prompt tokens (decode.extend_bounded). Approximate: no prompt logprobs.
+    enable_decoder_swa_bounded_replay: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -196,6 +199,17 @@ class EngineArgs:
                 bad("speculative_simulate_accept_length", f"must be a number in 1..{DSPARK_MAX_BLOCK + 1}")
             if self.speculative_algorithm is None:
                 bad("speculative_simulate_accept_length", "needs --speculative-algorithm DSPARK")
+        if self.enable_decoder_swa_bounded_replay:
+            # combinations it does not implement are refused here, before anything is loaded
+            flag = "enable_decoder_swa_bounded_replay"
+            if not self.disable_radix_cache:
+                bad(flag, "cannot share the radix prefix cache (a cached state's late-layer window rings would "
+                          "hold only the rows its own prompt's tail computed): add --disable-radix-cache")
+            if self.speculative_algorithm is not None:
+                bad(flag, "is not implemented with --speculative-algorithm DSPARK (the draft reads the late "
+                          "layers' hidden states of every prompt token)")
+            if self.tp_size != 1 or self.ep_size != 1:
+                bad(flag, "is not implemented with --tp-size / --ep-size > 1 (its step is not sharded)")
         from dsv41_jax.model.dispatch import ImplError, parse_impl
 
         try:
@@ -382,6 +396,16 @@ class EngineArgs:
                        default=None, help="PERFORMANCE RUNS ONLY: every DSpark row commits this many tokens per "
                                           "step (drafts unverified; the text is meaningless), like SGLang's "
                                           "SGLANG_SIMULATE_ACC_LEN; default: env DSV41_SIMULATE_ACC_LEN, else off")
+        g.add_argument("--enable-decoder-swa-bounded-replay", dest="enable_decoder_swa_bounded_replay",
+                       action="store_true",
+                       help="SWA bounded replay (as SGLang's; off by default): in prefill, the layers after the last "
+                            "layer that writes compressed KV / index keys run only each request's last "
+                            "sliding_window prompt tokens (the ones decode's window reads), the earlier layers run "
+                            "every token. Faster prefill, NOT numerically equal to full prefill (those tokens' "
+                            "window attention in the late layers sees only the replayed tokens; README gives the "
+                            "measured cost): requests asking for prompt logprobs are refused (HTTP 400). Needs "
+                            "--disable-radix-cache; refused with DSPARK, --tp-size / --ep-size > 1 and a Pallas "
+                            "attention kernel")
         return parser
 
     @classmethod

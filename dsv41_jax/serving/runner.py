@@ -10,7 +10,10 @@ reads them):
 - `Launch` [B, T]: first-token fill from ``last_token`` (decode rows whose input is still on the
   device), `decode.extend` (with DSpark: `dspark.extend_seeding`, which also writes the draft rings of
   every committed token), then sampling on the device (`_sample_rows`, constraint masks applied).
-  A launch with prompt-logprob rows runs the all-logits variant and reduces on the device.
+  A launch with prompt-logprob rows runs the all-logits variant and reduces on the device. With
+  ``--enable-decoder-swa-bounded-replay`` a launch of more than one token per row runs
+  `decode.extend_bounded` instead (layers after the last store layer only on each row's tokens at or
+  after ``tail_lo`` = prompt length − sliding_window; one-token launches, i.e. decode, are unchanged).
 - `SpecLaunch` [B, γ+1]: one `speculative.speculative_step` (draft γ tokens, verify them in one
   target forward, commit the accepted prefix + bonus) with the rows' sampling tensors gathered from
   the slots, the committed tokens added to the penalty counts and the bonus put in ``last_token``:
@@ -483,6 +486,7 @@ class Runner:
             self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh, self.engram_host_table)
             self._spec = self._propose = None
         self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
+        self._extend_bounded = self._bounded_replay(cfg, ccfg)  # None unless --enable-decoder-swa-bounded-replay
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
         # the radix prefix cache (prefix_cache.py): one snapshot row per entry
         self.snapshot_rows = getattr(self, "_planned_snapshot_rows", None)
@@ -542,6 +546,42 @@ class Runner:
             log.info("radix prefix cache: off with --tp-size / --ep-size > 1 (its snapshot pool is not sharded)")
             return 0
         return self.args.radix_cache_snapshots or 4 * self.args.max_running_requests
+
+    def _bounded_replay(self, cfg, ccfg):
+        """The SWA bounded replay step (`decode.extend_bounded`, late_tail = sliding_window) used for launches of
+        more than one token per row, or None when --enable-decoder-swa-bounded-replay is off. EngineArgs has
+        refused the combinations it does not implement; the attention kernel is checked here (the window
+        lower bound has no Pallas kernel). Logs, once at start-up, what the mode does and that prompt
+        logprobs are refused."""
+        if not self.args.enable_decoder_swa_bounded_replay:
+            return None
+        from dsv41_jax.model import dispatch
+
+        impl = dispatch.resolve(cfg, "attention")
+        if impl in ("pallas", "pallas_interpret"):
+            raise EngineError(f"--enable-decoder-swa-bounded-replay: the attention op resolves to {impl!r}, which has "
+                              "no kernel for the replay's window bound; pass e.g. --impl 'auto,attention=xla'")
+        S = dec.last_store_layer(cfg)
+        W = cfg.sliding_window
+        log.warning("SWA bounded replay ON (--enable-decoder-swa-bounded-replay): prefill runs layers 0-%d on every "
+                    "token and layers %d-%d only on each request's last %d prompt tokens; NOT numerically equal to "
+                    "full prefill, so requests asking for prompt logprobs are refused (HTTP 400)", S, S + 1,
+                    cfg.num_hidden_layers - 1, W)
+        return dec.jitted_extend(cfg, ccfg, late_tail=W)
+
+    def _extend_for(self, T: int):
+        """The extend step a launch of T tokens per row runs: the bounded replay one for T > 1 when on (a
+        one-token launch is decode: unchanged), else the plain one."""
+        return self._extend_bounded if (self._extend_bounded is not None and T > 1) else self._extend
+
+    def _tail_lo(self, rows, B: int) -> np.ndarray:
+        """int32 [B]: each row's first position the bounded replay's late layers compute, max(0, prompt length −
+        sliding_window) (its prompt's last W tokens: the window the first decode steps read); padded rows 0."""
+        out = np.zeros((B,), np.int32)
+        W = self.cfg.sliding_window
+        for b, r in enumerate(rows):
+            out[b] = max(0, len(r.seq.prompt_ids) - W)
+        return out
 
     def _check_speculative(self, cfg) -> int:
         """γ (DSpark proposals per step), 0 when off; EngineError naming any unsupported combination."""
@@ -622,6 +662,8 @@ class Runner:
             fns += [self._spec, self._propose]
         if self._extend_all is not None:
             fns += [self._extend_all, _prompt_logprobs, _last_logits]
+        if self._extend_bounded is not None:
+            fns.append(self._extend_bounded)
         return fns
 
     def num_compilations(self) -> int:
@@ -681,11 +723,14 @@ class Runner:
                                      np.full((B,), self.scratch, np.int32), self.last_token)
             batch = {"tokens": toks, "start": z, "n_new": z, "slot": np.full((B,), self.scratch, np.int32),
                      "page_table": np.zeros((B, P), np.int32)}
+            if self._extend_for(T) is self._extend_bounded:
+                batch["tail_lo"] = z
             jobs.append(batch)
         ts = time.perf_counter()
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="warmup-compile") as ex:
-            list(ex.map(lambda b: self._extend.lower(self.params, self.state, b).compile(), jobs))
+            list(ex.map(lambda b: self._extend_for(b["tokens"].shape[1]).lower(self.params, self.state, b).compile(),
+                        jobs))
         log.info("warm-up: %d extend shapes compiled in %d threads: %.1fs", len(jobs), workers,
                  time.perf_counter() - ts)
 
@@ -767,7 +812,7 @@ class Runner:
                     if r.seq.want_plp and not (r.sample or r.replay):
                         targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
             self._device_launch(L, hb["tokens"], hb["start"], hb["n_new"], hb["slot"], hb["page_table"], from_prev,
-                                sample_mask, step, targets=targets)
+                                sample_mask, step, targets=targets, tail_lo=self._tail_lo(L.rows, B))
 
     # ------------------------------------------------------------------------------------ HiCache
     def _spill(self, op: SpillOp) -> None:
@@ -801,14 +846,20 @@ class Runner:
         self.state = _put_snapshot(self.state, row, np.int32(op.slot))
 
     def _device_launch(self, L: Optional[Launch], tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
-                       force_sample: bool = False, targets=None) -> None:
+                       force_sample: bool = False, targets=None, tail_lo=None) -> None:
         """Enqueue one launch: first-token fill, extend, sampling. Host inputs stay numpy (the jit
         fast path transfers them; ``jax.device_put`` costs ~10x more host time) and every call
-        passes the same kinds of arguments, so the warm-up's compilations are the ones reused."""
+        passes the same kinds of arguments, so the warm-up's compilations are the ones reused.
+        tail_lo int32 [B] (`_tail_lo`; None: zeros) is read only by the bounded replay step."""
         toks = _fill_first_token(tokens, from_prev, slot, self.last_token)
         batch = {"tokens": toks, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
+        extend = self._extend_for(tokens.shape[1])
+        if extend is self._extend_bounded:
+            if targets is not None:  # Engine.add_request refuses them; never silently approximate
+                raise EngineError("prompt logprobs with --enable-decoder-swa-bounded-replay")
+            batch["tail_lo"] = np.zeros((tokens.shape[0],), np.int32) if tail_lo is None else tail_lo
         if targets is None:
-            logits, self.state = self._extend(self.params, self.state, batch)
+            logits, self.state = extend(self.params, self.state, batch)
         else:  # prompt logprobs: every position's logits, reduced on the device
             if self._extend_all is None:
                 log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
