@@ -81,3 +81,14 @@ def test_eval_chat(tmp_path):
     assert json.loads(out.read_text())["modes"]["chat"]["n"] == 8
     ec = _script("eval_chat")
     assert ec.normalize(' "Paris." ') == "paris"
+
+
+def test_bench_compile_refuses_unknown_cases(capsys):
+    """scripts/bench_compile.py: an unknown program or variant is a usage error (exit 2) naming the
+    known ones, before anything compiles (its measurements are the script's to make, not a test's)."""
+    mod = _script("bench_compile")
+    for argv, known in ((["--programs", "forward,nope"], "forward, extend"), (["--variants", "fused"], "loop, unrolled")):
+        with pytest.raises(SystemExit) as e:
+            mod.main(argv)
+        assert e.value.code == 2
+        assert known in capsys.readouterr().err
