@@ -223,6 +223,24 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
     return h, pre
 
 
+def _step_setup(state, batch, cfg, restore: bool):
+    """What every cached step starts from: (act dtype, tokens int32 [B, T], positions int32 [B, T],
+    valid bool [B, T], a shallow copy of the cache whose per-layer containers the step may rebind,
+    the empty `pending` record (restore data kept iff `restore`), the Engram history or None)."""
+    dt = act_dtype(cfg)
+    tokens = batch["tokens"].astype(jnp.int32)
+    T = tokens.shape[1]
+    start, n_new = batch["start"], batch["n_new"]
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(T)[None, :] < n_new[:, None]
+    st = dict(state)
+    st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
+               "partial": dict(state["partial"])})
+    pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
+            "restore": {} if restore else None}
+    return dt, tokens, positions, valid, st, pend, state.get("engram_hist")
+
+
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
                        mesh=None):
     """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
@@ -242,18 +260,9 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
     `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
     """
     with tiling.on_mesh(mesh):  # CPU row tiles follow the weights' splits (model.tiling)
-        dt = act_dtype(cfg)
-        tokens = batch["tokens"].astype(jnp.int32)
+        dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
         B, T = tokens.shape
         start, n_new = batch["start"], batch["n_new"]
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        valid = jnp.arange(T)[None, :] < n_new[:, None]
-        st = dict(state)
-        st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
-                   "partial": dict(state["partial"])})
-        pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
-                "restore": {} if restore else None}
-        hist = state.get("engram_hist")
         h = embed_streams(params, tokens, cfg, dt, mesh)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
@@ -397,17 +406,9 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, mesh=None, r
     the tail tokens only; everything else is written as `extend` writes it.
     """
     with tiling.on_mesh(mesh):
-        dt = act_dtype(cfg)
-        tokens = batch["tokens"].astype(jnp.int32)
+        dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, False)
         B, T = tokens.shape
         start, n_new = batch["start"], batch["n_new"]
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        valid = jnp.arange(T)[None, :] < n_new[:, None]
-        st = dict(state)
-        st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
-                   "partial": dict(state["partial"])})
-        pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {}, "restore": None}
-        hist = state.get("engram_hist")
         h = embed_streams(params, tokens, cfg, dt, mesh)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
