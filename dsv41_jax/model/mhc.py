@@ -173,11 +173,11 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     return _mixes(h, fn, base, scale, cfg, dispatch.resolve(cfg, "mhc"))
 
 
-# Backends where the "xla" path keeps Sinkhorn as a loop. Measured on XLA:CPU (tiny fp32 forward,
-# 12 tokens): unrolled, the 19 iterations x 2 sublayers x 10 layers fuse into chains that XLA
-# duplicates per consumer (124K optimized HLO lines, 57K of them from Sinkhorn's divisions) and the
-# compile takes 39.6 CPU-s; as the fori_loop, 47K lines and 28.9 CPU-s. A CPU runs the loop's tiny
-# steps without a launch or a sync each, so the fusion buys nothing there that pays for the compile.
+# Backends where the "xla" path keeps Sinkhorn as a loop. Measured on XLA:CPU (scripts/bench_compile.py,
+# docs/bench_compile_cpu.json; tiny fp32 forward, 12 tokens): unrolled, the 19 iterations x 2 sublayers
+# x 10 layers fuse into chains that XLA duplicates per consumer — 138K optimized HLO lines, 27.2 CPU-s
+# to compile, 28.4 ms a run; as the fori_loop 50K lines, 18.5 CPU-s, 16.2 ms. A CPU runs the loop's
+# tiny steps without a launch or a sync each, so there the fusion costs more than it saves.
 SINKHORN_LOOP_BACKENDS = ("cpu",)
 
 
