@@ -13,6 +13,8 @@ control, in the same run and server state. Reported:
 * ``usage.prompt_tokens_details.cached_tokens`` per request (the server's own count) and the hit
   rate = cached / prompt tokens over the cached turns, plus the server's ``dsv41:cache_hit_rate``
   gauge when ``/metrics`` is on;
+* the first turns' cached tokens: conversations after the first share only the system prompt with
+  what came before (the second makes a branch point there, the later ones resume from it);
 * generated tokens per second over the whole run.
 
 Run it against a server with the cache on (the default) and, for the "off" numbers, one started with
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
         xs = [r["ttft_s"] for r in records if r["kind"] == kind and (turn is None or r["turn"] == turn)]
         return statistics.median(xs) if xs else None
 
+    firsts = [r for r in records if r["kind"] == "first"]
     cached = [r for r in records if r["kind"] == "cached"]
     ptoks = sum(r["prompt_tokens"] or 0 for r in cached)
     ctoks = sum(r["cached_tokens"] or 0 for r in cached)
@@ -138,7 +141,10 @@ def main(argv=None) -> int:
                "ttft_first_turn_median_s": med("first"), "ttft_cached_median_s": med("cached"),
                "ttft_cold_median_s": med("cold"),
                "ttft_cold_over_cached": (med("cold") / med("cached")) if med("cached") else None,
-               "hit_rate_cached_turns": (ctoks / ptoks) if ptoks else None, "server_cache_hit_rate": server_hit_rate,
+               "hit_rate_cached_turns": (ctoks / ptoks) if ptoks else None,
+               "first_turn_cached_tokens": [r["cached_tokens"] for r in firsts],
+               "first_turn_prompt_tokens": [r["prompt_tokens"] for r in firsts],
+               "first_turn_ttft_s": [r["ttft_s"] for r in firsts], "server_cache_hit_rate": server_hit_rate,
                "gen_tokens_per_s": gen_tokens / wall, "wall_s": wall, "per_turn": per_turn}
     print(json.dumps({k: v for k, v in summary.items() if k != "per_turn"}, indent=1))
     if a.output_json:

@@ -454,6 +454,7 @@ def test_stop_string_spanning_two_tokens(eng):
 def test_n3_seeded_samples_differ_and_match_single(eng):
     sp = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
     prompt = P0[1]
+    eng.allocator.clear_cache()  # the group prefills once and forks (with the prompt cached it would restore it)
     shared0 = eng.metrics["shared_prompt_tokens"]
     out = run(eng, [prompt], sp)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -463,7 +464,9 @@ def test_n3_seeded_samples_differ_and_match_single(eng):
     for j in range(3):
         single = run(eng, [prompt], sp.replace(n=1, seed=42 + j))[0].outputs[0].token_ids
         assert single == samples[j]
-    again = run(eng, [prompt], sp)[0]
+    forks0 = eng.metrics["num_forks"]
+    again = run(eng, [prompt], sp)[0]  # the prompt is cached now: every sample restores it, none forks
+    assert again.num_cached_tokens == len(prompt) - 1 and eng.metrics["num_forks"] == forks0
     assert [c.token_ids for c in again.outputs] == samples
 
 

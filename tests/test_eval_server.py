@@ -364,3 +364,26 @@ def test_lm_eval_harness(server, tmp_path, loglik_result):
     gen = _samples(out2, "dsv41_gen_local")
     assert len(gen) == 4 and all(isinstance(s["resps"][0][0], str) for s in gen)
     assert "exact_match,none" in _results(out2)["dsv41_gen_local"]
+
+
+def test_bench_multiturn_against_the_server(server, tmp_path):
+    """scripts/bench_multiturn.py against the live server (issue 15): the cached turns resume from
+    the previous turn's points; the first turns share only the system prompt, so the second
+    conversation makes a branch point at its last page boundary and the third resumes there; the cold
+    controls (a number in front of the system prompt) reuse nothing. TTFTs are reported, not asserted
+    (timing)."""
+    bench = _script("bench_multiturn")
+    out = tmp_path / "mt.json"
+    rc = bench.main(["--base-url", server["base"], "--conversations", "3", "--turns", "2", "--system-words", "25",
+                     "--user-words", "4", "--max-tokens", "3", "--output-json", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    s, recs = rep["summary"], rep["records"]
+    first = s["first_turn_cached_tokens"]
+    page = int(SERVER_FLAGS[SERVER_FLAGS.index("--page-size") + 1])
+    n_sys = s["first_turn_prompt_tokens"][0]
+    assert first[0] == 0 and first[1] == 0  # cold; the second makes the branch point
+    assert page <= first[2] < n_sys and first[2] % page == 0
+    assert all(r["cached_tokens"] > 0 for r in recs if r["kind"] == "cached")
+    assert all(r["cached_tokens"] == 0 for r in recs if r["kind"] == "cold")
+    assert 0 < s["hit_rate_cached_turns"] <= 1 and s["ttft_cached_median_s"] > 0

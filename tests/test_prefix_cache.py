@@ -237,6 +237,48 @@ def test_hit_without_a_page_for_the_copy_falls_back_to_prefill(tok):
     assert eng.allocator.free_pages == eng.allocator.capacity
 
 
+def test_shared_system_prompt_gets_a_branch_point(tok):
+    """A shared system prompt S (13 tokens) followed by different questions: the first request leaves
+    points only at its own ends; the second shares S with the tree's path, so it saves its state at
+    S's last page boundary (12) while it prefills (its 8-token chunks are cut there); every later
+    question — and a prompt that leaves S inside the cached page — resumes at 12."""
+    eng = _mock_engine(tok, chunked_prefill_size=8, max_prefill_tokens=16, token_buckets=[8])
+    S = list(range(20, 33))
+    outs = _run(eng, [("a", S + [100, 101, 102], 2)])
+    assert sorted(e.k for e in eng.allocator.entries.values()) == [15, 17]
+    outs = _run(eng, [("b", S + [110, 111, 112, 113], 2)])
+    assert outs["b"].num_cached_tokens == 0
+    assert 12 in [e.k for e in eng.allocator.entries.values()]
+    outs = _run(eng, [("c", S + [120, 121], 3), ("d", S[:12] + [5, 5, 5], 1)])
+    assert outs["c"].num_cached_tokens == 12 and outs["d"].num_cached_tokens == 12
+    assert eng.runner.n_restores == 2
+    # a prompt sharing less than a page with the tree makes no point (only its own ends: 8, 9)
+    _run(eng, [("e", S[:3] + [7, 7, 7, 7, 7, 7], 1)])
+    assert min(e.k for e in eng.allocator.entries.values()) == 8
+    _check_refs(eng)
+    assert eng.allocator.free_pages == eng.allocator.capacity
+
+
+def test_n_gt_1_groups_hit_the_cache(tok):
+    """An n = 2 request whose prompt (minus its last token) is all cached: both samples restore the
+    point (no prefill, no fork); one whose prompt goes on past the cached point: the first sample
+    restores it, prefills the rest, and its sibling forks from it. The checking runner sees every
+    sample's exact history."""
+    eng = _mock_engine(tok)
+    P = list(range(20, 31))
+    _run(eng, [("a", P, 2)])
+    eng.add_request("g", P, SamplingParams(temperature=0, max_tokens=3, n=2, ignore_eos=True))
+    outs = {o.request_id: o for o in eng.run_until_done() if o.finished}
+    assert outs["g"].num_cached_tokens == 10 and eng.runner.n_restores == 2
+    assert eng.metrics["num_forks"] == 0 and len(outs["g"].outputs) == 2
+    eng.add_request("h", P + [50, 51, 52, 53, 54, 55], SamplingParams(temperature=0, max_tokens=3, n=2,
+                                                                      ignore_eos=True))
+    outs = {o.request_id: o for o in eng.run_until_done() if o.finished}
+    assert outs["h"].num_cached_tokens == 10 and eng.runner.n_restores == 3 and eng.metrics["num_forks"] == 1
+    _check_refs(eng)
+    assert eng.allocator.free_pages == eng.allocator.capacity
+
+
 def _run(eng, reqs, each=None):
     for rid, prompt, n in reqs:
         eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -255,7 +297,8 @@ def _run(eng, reqs, each=None):
 def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
     """Conversations grow turn by turn (each prompt extends an earlier prompt + answer, or a random
     prefix of it) under a pool small enough to preempt and evict; requests are aborted at random;
-    with and without a host tier (evictions spill there, hits load back), split and mixed launches.
+    with and without a host tier (evictions spill there, hits load back), split and mixed launches;
+    some requests are n = 2 groups, and prompts that leave an earlier one mid-way make branch points.
     After every step: reference counts = live holders, the free count = capacity − pages of the
     running requests (and of pinned entries); and the checking runner saw every row's exact history."""
     rng = np.random.default_rng(seed)
@@ -263,6 +306,7 @@ def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
     a = eng.allocator
     history: list = [list(rng.integers(20, 300, size=int(rng.integers(2, 10))).tolist())]
     rid_n = itertools.count()
+    n_rng = np.random.default_rng(100 + seed)
     live: dict = {}
     for step in range(220):
         if rng.random() < 0.35 and len(live) < 8:
@@ -272,8 +316,9 @@ def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
             prompt = base[:cut] + rng.integers(20, 300, size=int(rng.integers(1, 5))).tolist()
             prompt = prompt[:30] or [21]
             rid = f"r{next(rid_n)}"
+            n = 2 if n_rng.random() < 0.15 else 1  # n > 1 groups hit (and fork) too
             eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 14)),
-                                                        ignore_eos=True))
+                                                        ignore_eos=True, n=n))
             live[rid] = prompt
         if live and rng.random() < 0.06:
             eng.abort_request(sorted(live)[int(rng.integers(len(live)))])
@@ -287,7 +332,7 @@ def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
     while eng.has_unfinished():
         eng.step()
         _check_refs(eng)
-    assert eng.runner.n_restores >= 2 and eng.metrics["num_preemptions"] > 0
+    assert eng.runner.n_restores >= 2 and eng.metrics["num_preemptions"] > 0 and eng.metrics["num_forks"] > 0
     if host:  # evicted entries went to the host tier and came back on hits
         assert a.spills > 0 and eng.runner.n_loads > 0 and a.host_used > 0
     assert a.free_pages == a.capacity
@@ -357,6 +402,24 @@ def test_prompt_end_snapshot_equals_cold_exact(eng):
     _run_eng(eng, firsts)
     thirds = [(p[:-1] + rng.integers(3, 319, size=2).tolist(), 3) for p, _ in firsts]
     _warm_equals_cold(eng, thirds, [2, 7, 9, 11])
+
+
+def test_branch_point_equals_cold_exact(eng):
+    """Shared system prompts of 13 and 21 tokens, each followed by different questions: the second
+    question's request saves a branch point at the system prompt's last page boundary (8: the window's
+    edge; 16: beyond it, with Engram history and compressor groups), and the third resumes there and
+    equals a cold run bit for bit."""
+    rng = np.random.default_rng(9)
+    systems = [rng.integers(3, 319, size=n).tolist() for n in (13, 21)]
+    eng.allocator.clear_cache()
+
+    def turn():
+        return [(S + rng.integers(3, 319, size=3).tolist(), 3) for S in systems]
+
+    _run_eng(eng, turn())
+    assert [o.num_cached_tokens for o in _run_eng(eng, turn())] == [0, 0]
+    assert {8, 16} <= {e.k for e in eng.allocator.entries.values()}
+    _warm_equals_cold(eng, turn(), [8, 16])
 
 
 @pytest.fixture(scope="module")

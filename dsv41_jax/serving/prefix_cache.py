@@ -39,6 +39,16 @@ written again by the new sample before anything reads it (reads are masked by po
 latent is read only once the group is complete). Chat clients send the previous answer back as
 text that may re-tokenize differently, so the prompt-end point is often the one a next turn hits.
 
+A third kind of point is a *branch point*, for prefixes that several requests share inside their
+prompts (a shared system prompt followed by different questions): when a new sample's prompt goes
+along the tree's paths further than the deepest point it can resume from (the paths go on with an
+earlier request's tokens), the scheduler gives it a branch point at the last page boundary of the
+shared part (`RadixTree.shared_len`, `Scheduler._cache_hit`): a prefill chunk ends there and an
+in-order save follows it, as at the prompt end. The second request with a shared system prompt thus
+makes the point, and every later one resumes there. Page-aligned because questions diverge at
+different tokens: a point at the page boundary is shared by all of them; in the exact numerics mode
+the cut chunk changes nothing, in the others it changes the chunking as a hit does.
+
 Entries are the *points* of a radix tree over token ids (`RadixTree`): a lookup walks the new
 prompt once and returns the deepest entry on its path. Each entry holds one snapshot row; the pool
 has ``num_rows`` of them (`Runner`: ``--radix-cache-snapshots``, default 4 × max_running_requests). Entries are evicted least recently
@@ -62,10 +72,13 @@ The host pool has its own LRU (host entries dropped when a spill needs room). An
 snapshot save has not been handed to the runner yet is dropped, not spilled (its spill would run
 before its save).
 
-Not covered (yet): hits for prompt-logprob samples (their prompt positions must be scored) and for
-n > 1 groups admitted together (they share one prefill by forking); points inside a prompt (a
-shared system prompt followed by different questions hits only up to where an earlier request's
-prompt or request ended); spills and loads go page by page (one small program each, compiled once).
+An n > 1 group admitted together resumes too: its first sample restores the point and prefills the
+rest, and the siblings fork from it at its prompt end as without the cache; when the point covers
+the whole prompt (minus its last token) there is nothing to fork after, and each sibling restores it.
+
+By design, prompt-logprob samples never resume from a point (every prompt position must be scored;
+vLLM skips its prefix cache for them too); they still leave points behind. Spills and loads go page
+by page (one small program each, compiled once).
 """
 
 from __future__ import annotations
@@ -205,6 +218,25 @@ class RadixTree:
             if node.entry is not None:
                 best = node.entry
         return best
+
+    def shared_len(self, query) -> int:
+        """Length of the longest common prefix of ``query`` and any cached prefix (an edge may match
+        in part): where ``query`` leaves the tree, whether or not a point is there."""
+        node, i = self.root, 0
+        n = len(query)
+        while i < n:
+            child = node.children.get(query[i])
+            if child is None:
+                break
+            lab = child.label
+            j = 0
+            while j < len(lab) and i + j < n and lab[j] == query[i + j]:
+                j += 1
+            i += j
+            if j < len(lab):
+                break
+            node = child
+        return i
 
     def remove(self, entry: CacheEntry) -> None:
         node = entry.node

@@ -137,6 +137,7 @@ class Seq:
         self.num_cached = 0  # tokens written to the cache (host view, counting dispatched launches)
         self.n_inflight = 0  # sampled on the device, not read yet
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache at the last admission
+        self.branch_at = 0  # prompt position of a branch point to save while prefilling (0: none; prefix_cache.py)
         self.lpm_skips = 0  # times a sample with a longer cached prefix was admitted before this one
         self.fork_src: Optional["Seq"] = None  # fork child: waiting for the source's prefix
         self.priority = (group.order, index)  # smaller runs first and is preempted last

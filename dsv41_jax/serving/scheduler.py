@@ -259,6 +259,9 @@ class Scheduler:
                 fork_ops += self._fork(r.seq)
                 if self.cache is not None:  # prompt-end snapshot, saved right after this plan's prefill launch
                     self.cache.cache_insert(r.seq.key, r.seq.slot, r.seq.tokens(0, r.seq.num_cached), in_order=True)
+            elif r.seq.branch_at and r.seq.num_cached == r.seq.branch_at:  # a branch point (`_cache_hit`)
+                self.cache.cache_insert(r.seq.key, r.seq.slot, r.seq.tokens(0, r.seq.num_cached), in_order=True)
+                r.seq.branch_at = 0
         # (prompt-end saves go where fork copies go: right after the launch holding the prefill rows)
         cache_saves = self.cache.take_saves(in_order=True) if self.cache is not None else []
         dec_rows = self._decode_rows(dec_seqs, pre_rows, fork_ops)
@@ -335,12 +338,17 @@ class Scheduler:
             for q in members:
                 self.waiting.remove(q)
                 self._admit(q)
-            if len(members) == 1:
-                self._cache_hit(s)
+            self._cache_hit(s)
             if s is not head:
                 head.lpm_skips += 1
+            # n > 1: siblings fork from s once it has prefilled; when the cache held all of it (s has
+            # no prefill left to fork after), each restores the point itself (or prefills on a miss)
+            whole = s.num_cached == len(s.prompt_ids) - 1
             for q in members[1:]:
-                q.fork_src = s
+                if whole:
+                    self._cache_hit(q)
+                else:
+                    q.fork_src = s
             if len(s.prompt_ids) > 1:
                 row = self._prefill_row(s, budget)
                 if row is not None:
@@ -443,11 +451,14 @@ class Scheduler:
 
     def _prefill_row(self, s: Seq, budget: int) -> Optional[Row]:
         """The next chunk of s's prompt (all but its last token), within budget; advances
-        s.num_cached. Chunks end at multiples of the chunk size, as when the sample runs alone, and
-        a chunk the pool has no room for waits whole (None; `_room_blocked` set) instead of being
-        cut: same chunks, same numerics, whatever the pressure."""
+        s.num_cached. Chunks end at multiples of the chunk size, as when the sample runs alone (and
+        at its branch point, if the prefix cache gave it one: see `_cache_hit`), and a chunk the pool
+        has no room for waits whole (None; `_room_blocked` set) instead of being cut: same chunks,
+        same numerics, whatever the pressure."""
         alloc = self.allocator
         n = min(len(s.prompt_ids) - 1 - s.num_cached, self.chunk_cap - s.num_cached % self.chunk_cap, budget)
+        if s.branch_at > s.num_cached:  # the chunk ends at the branch point, whose state is saved there
+            n = min(n, s.branch_at - s.num_cached)
         if n <= 0:
             return None
         if alloc.pages_needed(s.key, s.num_cached + n) > alloc.free_pages:
@@ -501,17 +512,30 @@ class Scheduler:
     def _cache_hit(self, s: Seq) -> None:
         """A just-admitted sample resumes from the deepest cached state its known tokens (minus the
         last, whose logits start it) extend: pages shared, slot rows restored before its first
-        launch. Not for prompt-logprob samples (every prompt position must be scored)."""
-        s.cached_tokens = 0
-        if self.cache is None or s.want_plp:
+        launch. Not for prompt-logprob samples: every prompt position must be scored, so they
+        prefill from 0 (as vLLM skips its prefix cache for them); they still leave points behind.
+
+        Branch point: when the prompt shares more with the tree than the deepest point gives (a
+        shared system prompt followed by another question: the tree's path goes on with an earlier
+        request's tokens), the sample saves its own state at the last page boundary of the shared
+        part while it prefills (a chunk ends there; an in-order save right after it), so the next
+        request with that prefix resumes there."""
+        s.cached_tokens = s.branch_at = 0
+        if self.cache is None:
             return
-        k, op = self.cache.cache_match(s.key, s.slot, s.tokens(0, s.total_len - 1))
-        if op is None:
-            return
-        s.num_cached = k
-        s.cached_tokens = min(k, len(s.prompt_ids))
-        self.pending_restores.append(op)
-        self.metrics["cached_prompt_tokens"] = self.metrics.get("cached_prompt_tokens", 0) + s.cached_tokens
+        query = s.tokens(0, s.total_len - 1)
+        k = 0
+        if not s.want_plp:
+            k, op = self.cache.cache_match(s.key, s.slot, query)
+            if op is not None:
+                s.num_cached = k
+                s.cached_tokens = min(k, len(s.prompt_ids))
+                self.pending_restores.append(op)
+                self.metrics["cached_prompt_tokens"] = self.metrics.get("cached_prompt_tokens", 0) + s.cached_tokens
+        n_pre = len(s.prompt_ids) - 1
+        b = min(self.cache.tree.shared_len(query), n_pre) // self.page_size * self.page_size
+        if s.num_cached < b < n_pre:
+            s.branch_at = b
 
     def _cache_insert(self, s: Seq) -> None:
         """Keep s's state at num_cached in the prefix cache (before its pages are freed), when it is
