@@ -11,6 +11,10 @@ directory is fresh for each run (created by the first process, i.e. the xdist co
 environment the workers inherit, and removed when it exits), so a run never depends on a previous one.
 ``DSV41_TEST_JAX_CACHE=DIR`` uses (and keeps) DIR instead; ``DSV41_TEST_JAX_CACHE=none`` turns the cache off
 in the test processes and in the servers they start (to measure the suite without it).
+
+``DSV41_TEST_COMPILE_LOG=PATH`` (for work on the suite's time): each test process appends one JSON line
+per (test, event, function) to ``PATH.<worker>`` with the seconds JAX spent tracing, lowering and
+compiling (a persistent-cache load counts as a compile) in that test, from `jax.monitoring` events.
 """
 
 import atexit
@@ -51,6 +55,39 @@ def _run_compile_cache() -> str:
 
 
 RUN_COMPILE_CACHE = _run_compile_cache()
+
+COMPILE_LOG_ENV = "DSV41_TEST_COMPILE_LOG"
+_compile_log: dict = {}  # (test id, event, function) -> [count, seconds]
+_current_test = ["<collection>"]
+
+
+def _on_duration(event: str, secs: float, **kw) -> None:
+    if event.startswith("/jax/core/compile/"):
+        rec = _compile_log.setdefault((_current_test[0], event.rsplit("/", 1)[-1], kw.get("fun_name", "?")), [0, 0.0])
+        rec[0] += 1
+        rec[1] += secs
+
+
+if os.environ.get(COMPILE_LOG_ENV):
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_test[0] = item.nodeid
+    yield
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if not path or not _compile_log:
+        return
+    import json
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(f"{path}.{worker}", "a") as f:
+        for (test, event, fun), (n, secs) in sorted(_compile_log.items()):
+            f.write(json.dumps({"test": test, "event": event, "fun": fun, "n": n, "secs": round(secs, 4)}) + "\n")
 
 from dsv41_jax.model import ModelConfig, init_params  # noqa: E402
 
