@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import HIGHEST, einsum_exact, x64_scope
+from dsv41_jax.model.numerics import HIGHEST, einsum_exact, is_exact, x64_scope
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 
 
@@ -44,11 +44,12 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     forward too — callers apply `window_kv` (or store its codes, which decode to the same values).
     """
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    qr = rmsnorm(linear.fp8(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt)
+    exact = is_exact(cfg)
+    qr = rmsnorm(linear.fp8(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt, exact)
     q = linear.fp8(qr, p["wq_b"], cfg, dt, row_axis="heads")
     q = q.reshape(q.shape[:-1] + (H, hd))
     q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
-    kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], eps, dt)
+    kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], eps, dt, exact)
     kv = apply_rope(kv, positions, freqs, out_dtype=dt)
     return qr, q, kv
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import linear_bf16, linear_f32
+from dsv41_jax.model.numerics import linear_bf16, linear_f32, softmax_f32, sum_f32
 from dsv41_jax.model.rope import apply_rope
 
 
@@ -27,15 +27,16 @@ def group_kv_scores(p, x, exact: bool = False):
     return linear_f32(x, p["wkv"]["weight"], exact), linear_f32(x, p["wgate"]["weight"], exact)
 
 
-def pool_groups(kv, score, p, eps, dt):
+def pool_groups(kv, score, p, eps, dt, exact: bool = False):
     """Per-channel softmax pooling of complete groups.
 
     kv, score: fp32 [..., r, hd] (score −inf where a slot of the group is absent). Returns the normed
-    latent [..., hd] in `dt`.
+    latent [..., hd] in `dt`. `exact`: the softmax's and the pooling's sums (and the norm's mean)
+    accumulate in fp64.
     """
-    w = jax.nn.softmax(score, axis=-2)
-    latent = jnp.sum(w * kv, axis=-2).astype(dt)
-    return rmsnorm(latent, p["norm"]["weight"], eps, dt)
+    w = softmax_f32(score, -2, exact)
+    latent = sum_f32(w * kv, -2, exact).astype(dt)
+    return rmsnorm(latent, p["norm"]["weight"], eps, dt, exact)
 
 
 def compress(p, x, ratio: int, eps, dt, exact: bool = False):
@@ -46,12 +47,12 @@ def compress(p, x, ratio: int, eps, dt, exact: bool = False):
     """
     B, T, _ = x.shape
     if ratio == 1:
-        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt, exact), p["norm"]["weight"], eps, dt)
+        return rmsnorm(linear_bf16(x, p["wkv"]["weight"], dt, exact), p["norm"]["weight"], eps, dt, exact)
     S = T // ratio
     xs = x[:, : S * ratio]
     kv, score = group_kv_scores(p, xs, exact)
     hd = kv.shape[-1]
-    return pool_groups(kv.reshape(B, S, ratio, hd), score.reshape(B, S, ratio, hd), p, eps, dt)
+    return pool_groups(kv.reshape(B, S, ratio, hd), score.reshape(B, S, ratio, hd), p, eps, dt, exact)
 
 
 def compressed_kv(latent, slot_pos, freqs, dt):

@@ -82,7 +82,7 @@ def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
     gi = jnp.where(valid, rel, G)  # padding tokens -> out of range (dropped)
     buf_kv = buf_kv.at[bi, gi, qpos].set(kv, mode="drop")
     buf_sc = buf_sc.at[bi, gi, qpos].set(score, mode="drop")
-    latent = compressor.pool_groups(buf_kv, buf_sc, p, eps, dt)  # [B, G, hd]
+    latent = compressor.pool_groups(buf_kv, buf_sc, p, eps, dt, exact)  # [B, G, hd]
     j = g0[:, None] + jnp.arange(G)[None, :]
     end = start + n_new
     complete = (j * r + r - 1) < end[:, None]

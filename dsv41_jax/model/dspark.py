@@ -71,7 +71,7 @@ def target_features(params, layer_inputs: dict, cfg, dt):
              for lid in cfg.dspark_target_layer_ids]
     p0 = params["mtp"][0]
     x = linear.fp8(jnp.concatenate(feats, axis=-1), p0["main_proj"], cfg, dt)
-    return rmsnorm(x, p0["main_norm"]["weight"], cfg.rms_norm_eps, dt)
+    return rmsnorm(x, p0["main_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
 
 
 def _stage_plan(cfg, s):
@@ -85,7 +85,8 @@ def ring_codes(params, main_x, positions, cfg, mode: str, dt) -> list:
     for s, sp in enumerate(params["mtp"]):
         p = sp["attn"]
         freqs = attn_mod.layer_freqs(cfg, _stage_plan(cfg, s))
-        kv = rmsnorm(linear.fp8(main_x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt)
+        kv = rmsnorm(linear.fp8(main_x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt,
+                     is_exact(cfg))
         kv = apply_rope(kv, positions, freqs, out_dtype=dt)
         out.append(kvc.encode("win", mode, kv))
     return out
@@ -178,7 +179,7 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
         h, pre = block(sp, h, pre, plan, cfg, dt, new_aux(), cfg.dspark_num_experts_per_tok, attn_fn)
     last = params["mtp"][-1]
     x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
-    base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt), params["head"]["weight"], cfg,
+    base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"], cfg,
                       row_axis="vocab")
     mk = last["markov_head"]
     prev = anchor

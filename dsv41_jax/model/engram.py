@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from dsv41_jax.model import dispatch, engram_tables, linear, quant
+from dsv41_jax.model.numerics import is_exact, mean_f32, sum_f32, x64_scope
 
 
 @functools.lru_cache(maxsize=32)
@@ -57,7 +58,7 @@ def gather_rows(table, tscale, rows, dt):
     return emb.astype(dt)
 
 
-def gate(h, kv, q_weight, k_weight, eps, dt):
+def gate(h, kv, q_weight, k_weight, eps, dt, exact: bool = False):
     """The reference gate (SPEC §5): h_c + g_c · value per stream, in fp32, rounded once.
 
     h: [..., n, D]; kv: [..., n·D + D] (the wkv output: n keys, then the shared value);
@@ -68,10 +69,14 @@ def gate(h, kv, q_weight, k_weight, eps, dt):
     value = kv[..., n * D:].astype(jnp.float32)
     w = q_weight.astype(jnp.float32) * k_weight.astype(jnp.float32)  # [n, D]
     hf = h.astype(jnp.float32)
-    d = jnp.sum(hf * w * keys, axis=-1)
-    d = d * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1) + eps) * jax.lax.rsqrt(jnp.mean(keys * keys, axis=-1) + eps)
+    d = sum_f32(hf * w * keys, -1, exact)
+    d = d * jax.lax.rsqrt(mean_f32(hf * hf, -1, exact) + eps) * jax.lax.rsqrt(mean_f32(keys * keys, -1, exact) + eps)
     d = d * D ** -0.5
     g = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(d), 1e-6)), d))
+    if exact:  # h + g·value in fp64 (the product is exact): no FMA contraction can change it
+        with x64_scope():
+            out = hf.astype(jnp.float64) + g[..., None].astype(jnp.float64) * value[..., None, :].astype(jnp.float64)
+            return out.astype(jnp.float32).astype(dt)
     return (hf + g[..., None] * value[..., None, :]).astype(dt)
 
 
@@ -96,7 +101,7 @@ def engram(p, h, rows, cfg, dt, mesh=None):
     """
     if hasattr(p["embed"], "host_gather"):  # `parallel.host_table.HostTable`: rows gathered on the host
         kv = linear.fp8(p["embed"].gather(rows, dt), p["wkv"], cfg, dt)
-        return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt)
+        return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     impl = dispatch.resolve(cfg, "engram")
     sharded = mesh is not None and mesh.size > 1
     if sharded and impl in ("pallas", "pallas_interpret"):
@@ -113,4 +118,4 @@ def engram(p, h, rows, cfg, dt, mesh=None):
     else:
         emb = gather_rows(p["embed"]["weight"], p["embed"]["scale"], rows, dt)
     kv = linear.fp8(emb, p["wkv"], cfg, dt)
-    return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt)
+    return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt, is_exact(cfg))

@@ -28,7 +28,7 @@ def index_keys_rot(p, latent, slot_pos, freqs, eps, dt, exact: bool = False):
     latent: [B, S, hd] bf16 pre-RoPE unquantized; slot_pos int32 [B, S] or [S]. Returns [B, S, dI].
     `exact`: wk accumulates in fp64 (exact numerics mode).
     """
-    k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt, exact), p["k_norm"]["weight"], eps, dt)
+    k = rmsnorm(linear_bf16(latent, p["wk"]["weight"], dt, exact), p["k_norm"]["weight"], eps, dt, exact)
     return apply_rope(k, slot_pos, freqs, out_dtype=dt)
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
-from dsv41_jax.model.numerics import einsum_exact, is_exact, x64_scope
+from dsv41_jax.model.numerics import einsum_exact, is_exact, mean_f32, x64_scope
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def hc_mixes(
     # One RMS over all n*D values jointly (not per stream); it is applied to the 24 mix
     # values after the matmul rather than to x, which is the same up to rounding and is how
     # the reference orders it.
-    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+    r = jax.lax.rsqrt(mean_f32(x * x, -1, exact, keepdims=True) + norm_eps)
     # An fp32 matmul: HIGHEST stops TPU/GPU defaults from dropping to bf16 / TF32 passes.
     if exact:
         m = einsum_exact("...k,mk->...m", x, fn.astype(jnp.float32))
@@ -143,18 +143,26 @@ def hc_mixes(
 
     scale = scale.astype(jnp.float32)
     base = base.astype(jnp.float32)
+    if exact:
+        # m * scale + base in fp64: the fp32 product is exact there, so whether LLVM contracts it
+        # into an FMA (XLA:CPU does in some loops of a fusion and not in others, depending on the
+        # batch shape) no longer changes the result; pre / post are rounded to fp32 once before
+        # the sigmoid. Sinkhorn's 4-element row/column sums are reassociated differently once XLA
+        # fuses the unrolled form (1-2 fp32 ulps apart from the fori_loop): the exact mode runs it
+        # in fp64 on the fp64 logits and rounds once, so every implementation and batch shape gives
+        # the same fp32 result.
+        with x64_scope():
+            m64 = m.astype(jnp.float64)
+            s64, b64 = scale.astype(jnp.float64), base.astype(jnp.float64)
+            pre_l = (m64[..., :n] * s64[0] + b64[:n]).astype(jnp.float32)
+            post_l = (m64[..., n: 2 * n] * s64[1] + b64[n: 2 * n]).astype(jnp.float32)
+            comb_l = (m64[..., 2 * n:] * s64[2] + b64[2 * n:]).reshape(*lead, n, n)
+            comb = sinkhorn(comb_l, sinkhorn_iters, hc_eps, unroll=unroll).astype(jnp.float32)
+        return jax.nn.sigmoid(pre_l) + hc_eps, 2.0 * jax.nn.sigmoid(post_l), comb
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*lead, n, n)
-    if exact:
-        # Sinkhorn's 4-element row/column sums are reassociated differently once XLA fuses the
-        # unrolled form (1-2 fp32 ulps apart from the fori_loop): the exact mode runs it in fp64
-        # and rounds once, so both implementations give the same fp32 result.
-        with x64_scope():
-            comb = sinkhorn(comb_logits.astype(jnp.float64), sinkhorn_iters, hc_eps, unroll=unroll)
-            comb = comb.astype(jnp.float32)
-    else:
-        comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unroll=unroll)
+    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps, unroll=unroll)
     return pre, post, comb
 
 

@@ -13,8 +13,19 @@ Three static modes, chosen by ``ModelConfig.act_dtype`` (a ``cfg.replace(act_dty
   longer depends on summation order, blocking or batch shape (in practice: it could differ only when
   the fp64 sum lands within ~K·2^-53 of an fp32 rounding boundary). fp64 needs x64 types: they are
   enabled for the fp64 matmul only (`x64_scope`, also inside ``jit``), so nothing global changes and the
-  rest of the program stays 32-bit. Reductions that are not matmuls (norm means, softmax sums) stay
-  fp32: their order is fixed per row and does not change with the batch shape on XLA's backends.
+  rest of the program stays 32-bit. The reductions that are not matmuls and run over a model width
+  (RMSNorm means, the Engram gate's dot products and means, the compressor's pooling softmax and sum,
+  attention's softmax denominator) accumulate in fp64 too (`sum_f32`, `mean_f32`): XLA's CPU backend
+  orders an fp32 row sum by the number of rows (a 64-wide mean over [1, 18] rows and over [8, 128]
+  rows differ in the last bit), so fp32 there would tie the result to the batch shape. Sums over a
+  handful of terms (the 4 mHC streams, Sinkhorn's 4×4, the top-k routing weights) stay fp32.
+  XLA:CPU also always lets LLVM contract a·b + c into an FMA, and whether it does depends on how
+  the ops were fused, which depends on the shapes: the steps where that moved results measurably
+  (mHC's mix affine before Sinkhorn and the sigmoids, the Engram gate's h + g·value) run in fp64,
+  where the product is exact. What remains (elementwise FMAs elsewhere) is at the last-ulp level:
+  the tiny forward over an [8, 128] padded batch and over one [1, 18] row agree within 5e-7 in the
+  logits with every fp8 code and top-k choice equal (tests/test_eval_server.py checks 75 sequences
+  against the paged engine: 1e-5 per token).
 
 Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is applied in every mode.
 """
@@ -46,6 +57,33 @@ def x64_scope():
         return fn(True)
     from jax.experimental import enable_x64  # pragma: no cover - old JAX only
     return enable_x64(True)
+
+
+def sum_f32(x, axis, exact: bool = False, keepdims: bool = False):
+    """Sum of fp32 values over ``axis``; with ``exact`` accumulated in fp64 and rounded once to fp32
+    (order- and shape-independent, see the module docstring)."""
+    if not exact:
+        return jnp.sum(x, axis=axis, keepdims=keepdims)
+    with x64_scope():
+        return jnp.sum(x.astype(jnp.float64), axis=axis, keepdims=keepdims).astype(jnp.float32)
+
+
+def mean_f32(x, axis, exact: bool = False, keepdims: bool = False):
+    """Mean of fp32 values over ``axis`` (one int); with ``exact`` the sum and the division are fp64,
+    rounded once to fp32."""
+    if not exact:
+        return jnp.mean(x, axis=axis, keepdims=keepdims)
+    with x64_scope():
+        s = jnp.sum(x.astype(jnp.float64), axis=axis, keepdims=keepdims)
+        return (s / x.shape[axis]).astype(jnp.float32)
+
+
+def softmax_f32(x, axis, exact: bool = False):
+    """``jax.nn.softmax`` over ``axis``; with ``exact`` its denominator is summed in fp64 (`sum_f32`)."""
+    if not exact:
+        return jax.nn.softmax(x, axis=axis)
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / sum_f32(e, axis, True, keepdims=True)
 
 
 def dot_exact(x, w, dimension_numbers):

@@ -130,10 +130,10 @@ def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None,
     aux["layer_inputs"][plan.layer_id] = h
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
     x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
-    x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt)
+    x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     h = replicated(sublayer_exit(replicated(attn_fn(x), mesh), h, a_post, a_comb, cfg, dt), mesh)
     x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
-    x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt)
+    x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, mesh=mesh)
     aux["experts"][plan.layer_id] = eidx
     h = replicated(sublayer_exit(replicated(y, mesh), h, f_post, f_comb, cfg, dt), mesh)
@@ -179,7 +179,7 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
 
 def final_logits(params, h, pre, cfg, dt):
     """x = hc_pre(h, last ffn pre) → norm → head → fp32 logits. Returns (logits, normed x)."""
-    x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
+    x = rmsnorm(hc_pre(h, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     return linear.f32(x, params["head"]["weight"], cfg, row_axis="vocab"), x
 
 
