@@ -205,24 +205,17 @@ class RadixTree:
         return e if e is not None and e.k == len(tokens) else None
 
     def longest(self, query) -> Optional[CacheEntry]:
-        node, i, best = self.root, 0, None
-        n = len(query)
-        while i < n:
-            child = node.children.get(query[i])
-            if child is None:
-                break
-            lab = child.label
-            if i + len(lab) > n or tuple(query[i:i + len(lab)]) != lab:
-                break
-            node, i = child, i + len(lab)
-            if node.entry is not None:
-                best = node.entry
-        return best
+        return self._walk(query)[0]
 
     def shared_len(self, query) -> int:
         """Length of the longest common prefix of ``query`` and any cached prefix (an edge may match
         in part): where ``query`` leaves the tree, whether or not a point is there."""
-        node, i = self.root, 0
+        return self._walk(query)[1]
+
+    def _walk(self, query) -> tuple:
+        """One walk down ``query``: (the deepest entry whose tokens prefix it or None, the length of
+        its common prefix with the tree)."""
+        node, i, best = self.root, 0, None
         n = len(query)
         while i < n:
             child = node.children.get(query[i])
@@ -236,7 +229,9 @@ class RadixTree:
             if j < len(lab):
                 break
             node = child
-        return i
+            if node.entry is not None:
+                best = node.entry
+        return best, i
 
     def remove(self, entry: CacheEntry) -> None:
         node = entry.node
