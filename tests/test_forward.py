@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model import ModelConfig, forward, param_shapes
+import configs
+from dsv41_jax.model import ModelConfig, forward, init_params, param_shapes
 
 T = 40  # > window (8); 20 ratio-2 groups, 40 ratio-1 slots > index_topk (4) and 3 candidate blocks of 2
 
@@ -92,20 +93,24 @@ def test_consumers_reuse_topk(tiny_cfg):
         assert p.index_source < p.layer_id and plans[p.index_source].is_index_source
 
 
-def test_jit_compiles_once_per_shape(tiny_params, tiny_cfg):
+def test_jit_compiles_once_per_shape():
+    """One trace per token shape, none per call (no Python branch on a traced value). On tiny's
+    3-layer cut (`configs.micro`): the property is the forward's, at a third of tiny's compile time."""
+    cfg = configs.micro()
+    params = init_params(cfg, jax.random.key(0))
     traces = []
 
     def f(params, toks):
         traces.append(toks.shape)
-        return forward(params, toks, tiny_cfg)
+        return forward(params, toks, cfg)
 
     jf = jax.jit(f)
     a = jnp.zeros((1, 12), jnp.int32)
-    jf(tiny_params, a).block_until_ready()
-    jf(tiny_params, a + 5).block_until_ready()
-    jf(tiny_params, a + 7).block_until_ready()
+    jf(params, a).block_until_ready()
+    jf(params, a + 5).block_until_ready()
+    jf(params, a + 7).block_until_ready()
     assert len(traces) == 1
-    jf(tiny_params, jnp.zeros((1, 13), jnp.int32)).block_until_ready()
+    jf(params, jnp.zeros((1, 13), jnp.int32)).block_until_ready()
     assert len(traces) == 2
 
 

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
+
 from dsv41_jax.model import quant
 from dsv41_jax.serving.reasoning import parse_chat_output
 from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -87,16 +89,7 @@ def test_fake_quants_are_straight_through():
         np.testing.assert_array_equal(np.asarray(g), np.broadcast_to(np.arange(64.0), x.shape))
 
 
-def _micro():
-    """tiny cut to 3 layers (window-only, ratio-2 source, ratio-1 source + candidate source, Engram at 1)
-    and 1 DSpark stage: every mechanism of the step, at a third of tiny's compile time."""
-    from dsv41_jax.model.config import ModelConfig, _engram_rows
-
-    return ModelConfig.preset("tiny").replace(
-        num_hidden_layers=3, compress_ratios=(0, 2, 1, 0), kv_source_layer_ids=(1, 2),
-        index_source_layer_ids=(1, 2), candidate_source_layer_id=2, engram_layer_ids=(1,),
-        engram_num_embeddings=tuple(_engram_rows((1,), 4, 2, 50)), num_nextn_predict_layers=1,
-        dspark_target_layer_ids=(2,), name="micro")
+_micro = configs.micro
 
 
 def test_master_params_reproduce_the_quantized_forward():
