@@ -11,3 +11,10 @@ def micro() -> ModelConfig:
         index_source_layer_ids=(1, 2), candidate_source_layer_id=2, engram_layer_ids=(1,),
         engram_num_embeddings=tuple(_engram_rows((1,), 4, 2, 50)), num_nextn_predict_layers=1,
         dspark_target_layer_ids=(2,), name="micro")
+
+
+def e64() -> ModelConfig:
+    """`micro` with 64 routed experts, top-6: decode-sized steps route fewer assignments than there are
+    experts, so the grouped MoE gathers only the selected ones and most experts get no token. The
+    layers are micro's (every attention mechanism once): what this config is for is the MoE."""
+    return micro().replace(n_routed_experts=64, num_experts_per_tok=6, name="e64")

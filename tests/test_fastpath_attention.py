@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
 import goldens
 
 from dsv41_jax.model import cache as kvc
@@ -307,12 +308,12 @@ def test_decode_exact_mode_xla_equals_reference(which, tiny_params, tiny_cfg, re
     """Exact mode (fp64-accumulated matmuls and attention / index-score sums) through chunked prefill,
     decode and verify windows over the ragged batch (idle rows with n_new = 0 included): identical top-k,
     candidate blocks and experts, bit-identical logits. tiny: 8 experts (every step routes >= 8
-    assignments: all experts are groups); e64 (64 experts, top-6): <= 60 assignments per step, so only
+    assignments: all experts are groups); e64 (`configs.e64`: micro's 3 layers, 64 experts, top-6): <= 60 assignments per step, so only
     the selected experts are gathered and most experts receive no token."""
     if which == "tiny":
         cfg, params = tiny_cfg, tiny_params
     else:
-        cfg = tiny_cfg.replace(n_routed_experts=64, num_experts_per_tok=6)
+        cfg = configs.e64()  # micro's layers, 64 experts top-6
         params = init_params(cfg, jax.random.key(1))
     cfg = cfg.replace(act_dtype="exact")
     if which == "tiny":

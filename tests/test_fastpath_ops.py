@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
 import goldens
 from dsv41_jax.model import ModelConfig, forward, init_params, linear, mhc, quant
 from dsv41_jax.model import moe as moe_mod
@@ -38,7 +39,7 @@ FWD = jax.jit(forward, static_argnames=("cfg", "return_aux"))
 
 @pytest.fixture(scope="module")
 def cfg64():
-    return ModelConfig.preset("tiny").replace(n_routed_experts=64, num_experts_per_tok=6)
+    return configs.e64()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,11 @@ from dsv41_jax.model import ModelConfig, forward, init_params, param_shapes
 T = 40  # > window (8); 20 ratio-2 groups, 40 ratio-1 slots > index_topk (4) and 3 candidate blocks of 2
 
 
+FWD = jax.jit(forward, static_argnames=("cfg", "return_aux"))  # one jit: the tests share its programs
+
+
 def _fwd_aux(params, tokens, cfg):
-    return jax.jit(forward, static_argnames=("cfg", "return_aux"))(params, tokens, cfg, return_aux=True)
+    return FWD(params, tokens, cfg, return_aux=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,7 @@ def test_causality(tiny_params, tiny_cfg, tokens, mode):
     for k in CAUSAL_KS:
         variants.append(tokens[0].at[k].set((tokens[0, k] + 17) % 300 + 3))
     batch = jnp.stack(variants)
-    logits = np.asarray(jax.jit(forward, static_argnames=("cfg",))(tiny_params, batch, cfg))
+    logits = np.asarray(FWD(tiny_params, batch, cfg))
     assert np.isfinite(logits).all()
     for i, k in enumerate(CAUSAL_KS, start=1):
         d_before = np.abs(logits[i, :k] - logits[0, :k]).max() if k else 0.0
@@ -41,11 +44,11 @@ def test_causality(tiny_params, tiny_cfg, tokens, mode):
 
 
 def test_batch_rows_are_independent(tiny_params, tiny_cfg32, tokens):
-    other = jax.random.randint(jax.random.key(9), (1, T), 3, 300, dtype=jnp.int32)
-    f = jax.jit(forward, static_argnames=("cfg",))
-    both = np.asarray(f(tiny_params, jnp.concatenate([tokens, other]), tiny_cfg32))
-    one = np.asarray(f(tiny_params, tokens, tiny_cfg32))
-    np.testing.assert_allclose(both[0], one[0], atol=1e-5, rtol=0)
+    """A row among 10 others (the [11, T] shape of test_causality[float32]: its program) == alone."""
+    others = jax.random.randint(jax.random.key(9), (len(CAUSAL_KS), T), 3, 300, dtype=jnp.int32)
+    batch = np.asarray(FWD(tiny_params, jnp.concatenate([others[:3], tokens, others[3:]]), tiny_cfg32))
+    one = np.asarray(FWD(tiny_params, tokens, tiny_cfg32))
+    np.testing.assert_allclose(batch[3], one[0], atol=1e-5, rtol=0)
 
 
 def test_selection_really_drops(tiny_params, tiny_cfg, tokens):
@@ -117,7 +120,7 @@ def test_jit_compiles_once_per_shape():
 def test_fp32_mode_close_to_bf16(tiny_params, tiny_cfg, tiny_cfg32, tokens):
     # the programs test_selection_really_drops (bf16, aux) and test_batch_rows_are_independent (fp32) compiled
     a = np.asarray(_fwd_aux(tiny_params, tokens, tiny_cfg)[0])
-    b = np.asarray(jax.jit(forward, static_argnames=("cfg",))(tiny_params, tokens, tiny_cfg32))
+    b = np.asarray(FWD(tiny_params, tokens, tiny_cfg32))
     # Different dtype flows (bf16 roundings vs none) agree loosely on the first positions.
     assert np.corrcoef(a[0, 0], b[0, 0])[0, 1] > 0.95
 
