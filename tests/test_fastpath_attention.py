@@ -308,8 +308,9 @@ def test_decode_exact_mode_xla_equals_reference(which, tiny_params, tiny_cfg, re
     """Exact mode (fp64-accumulated matmuls and attention / index-score sums) through chunked prefill,
     decode and verify windows over the ragged batch (idle rows with n_new = 0 included): identical top-k,
     candidate blocks and experts, bit-identical logits. tiny: 8 experts (every step routes >= 8
-    assignments: all experts are groups); e64 (`configs.e64`: micro's 3 layers, 64 experts, top-6): <= 60 assignments per step, so only
-    the selected experts are gathered and most experts receive no token."""
+    assignments: all experts are groups); e64 (`configs.e64`: micro's 3 layers, 64 experts, top-6):
+    <= 60 assignments per step, so only the selected experts are gathered and most experts receive no
+    token."""
     if which == "tiny":
         cfg, params = tiny_cfg, tiny_params
     else:

@@ -30,7 +30,7 @@ import pytest
 
 import configs
 import goldens
-from dsv41_jax.model import ModelConfig, forward, init_params, linear, mhc, quant
+from dsv41_jax.model import forward, init_params, linear, mhc, quant
 from dsv41_jax.model import moe as moe_mod
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "reference_tiny_golden.npz"

@@ -89,15 +89,12 @@ def test_fake_quants_are_straight_through():
         np.testing.assert_array_equal(np.asarray(g), np.broadcast_to(np.arange(64.0), x.shape))
 
 
-_micro = configs.micro
-
-
 def test_master_params_reproduce_the_quantized_forward():
     """fp32 masters with unit scales give the same logits as the fp8 / MXFP4 checkpoint params."""
     from dsv41_jax.model.params import init_params
     from dsv41_jax.model.transformer import forward
 
-    cfg = trainer.train_config(_micro())
+    cfg = trainer.train_config(configs.micro())
     p = init_params(cfg, jax.random.key(0))
     tokens = jnp.arange(16, dtype=jnp.int32)[None] % 300
     a = jax.jit(forward, static_argnums=2)(p, tokens, cfg)
@@ -108,7 +105,7 @@ def test_master_params_reproduce_the_quantized_forward():
 def test_train_steps_reduce_loss_on_a_fixed_batch(tok):
     from dsv41_jax.model.params import init_params
 
-    cfg = _micro()
+    cfg = configs.micro()
     train, params = trainer.split(trainer.to_master(init_params(cfg, jax.random.key(0))))
     assert not any(k.startswith(("mtp.", "derived.")) or k.endswith(".scale") for k in train)
     src = data.PackedSource(tok, 0, 48, kinds=("add", "sub"))
@@ -153,7 +150,7 @@ def test_export_round_trips_the_master_values():
     masters of an init are on the fp8 / MXFP4 grids, so the export must be lossless for them)."""
     from dsv41_jax.model.params import init_params
 
-    cfg = _micro()
+    cfg = configs.micro()
     p = init_params(cfg, jax.random.key(1))
     master = trainer.to_master(p)
     train, params = trainer.split(master)
