@@ -6,7 +6,7 @@
 
 Export: the run's latest Orbax state -> `trainer.to_release_params` (fp8 32×32 blocks, MXFP4 experts,
 per-row fp8 Engram tables, bf16 / fp32 as declared) -> `checkpoint.save_hf_checkpoint` (config.json,
-index, safetensors shards, the tiny tokenizer). Scoring loads that checkpoint into the serving
+index, safetensors shards, nano's tokenizer). Scoring loads that checkpoint into the serving
 engine (`dsv41_jax.LLM`, the engine the server runs) and asks held-out prompts (--seed, another seed
 than training) through `LLM.chat`, which builds the prompt with the server's chat encoder and splits
 the output with the server's parsers: an answer is right when ``content`` equals the expected answer
@@ -55,7 +55,7 @@ def export_run(run: str, out: str) -> dict:
     import jax
 
     from dsv41_jax.model.checkpoint import save_hf_checkpoint
-    from dsv41_jax.model.config import TINY_DIR, ModelConfig
+    from dsv41_jax.model.config import NANO_DIR, ModelConfig
     from dsv41_jax.model.params import init_params
     from dsv41_jax.training import trainer
 
@@ -73,7 +73,7 @@ def export_run(run: str, out: str) -> dict:
     release = trainer.to_release_params(train, params, template)
     if os.path.isdir(out):
         shutil.rmtree(out)
-    save_hf_checkpoint(release, cfg, out, shards=1, tokenizer_dir=TINY_DIR)
+    save_hf_checkpoint(release, cfg, out, shards=1, tokenizer_dir=NANO_DIR)
     meta = dict(meta, step=step)
     with open(os.path.join(out, "nano_run.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)

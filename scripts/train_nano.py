@@ -39,13 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="run directory: Orbax checkpoints under OUT/ckpt, metrics in "
                     "OUT/metrics.jsonl; a run found there is resumed")
     ap.add_argument("--steps", type=int, default=2000, help="total optimizer steps (default 2000)")
-    ap.add_argument("--batch-size", type=int, default=8, help="rows per step (default 8)")
-    ap.add_argument("--seq-len", type=int, default=160,
-                    help="tokens per row (default 160: every text task fits; the tool kinds need ~1050 with "
-                         "the byte-level tiny tokenizer)")
-    ap.add_argument("--kinds", default=",".join(_text_kinds()),
-                    help="comma-separated task kinds to train on (default: the text kinds, %(default)s); "
-                         "all kinds: " + ",".join(_all_kinds()))
+    ap.add_argument("--batch-size", type=int, default=16, help="text rows per step (default 16)")
+    ap.add_argument("--seq-len", type=int, default=64,
+                    help="tokens per text row (default 64: every text task fits with nano's tokenizer)")
+    ap.add_argument("--tool-batch-size", type=int, default=2,
+                    help="tool-calling rows per step, beside the text rows (default 2)")
+    ap.add_argument("--tool-seq-len", type=int, default=240,
+                    help="tokens per tool-calling row (default 240: its system prompt is long)")
+    ap.add_argument("--kinds", default=",".join(_all_kinds()),
+                    help="comma-separated task kinds to train on (default all: %(default)s); the tool kinds "
+                         "go to the tool rows, the others to the text rows")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW; default 2e-3)")
     ap.add_argument("--warmup", type=int, default=50, help="linear warmup steps (default 50)")
     ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay on matrices (default 0.01)")
@@ -61,12 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop (after a checkpoint) once this much wall time has passed; 0 = no limit")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (metric lines only)")
     return ap
-
-
-def _text_kinds():
-    from dsv41_jax.training.data import TEXT_KINDS
-
-    return TEXT_KINDS
 
 
 def _all_kinds():
@@ -90,7 +87,8 @@ def main(argv=None) -> int:
     errors = []
     if bad or not kinds:
         errors.append(f"--kinds: unknown kind(s) {bad or '(none given)'}; known: {', '.join(KINDS)}")
-    for name in ("steps", "batch_size", "seq_len", "log_every", "ckpt_every", "eval_batches"):
+    for name in ("steps", "batch_size", "seq_len", "tool_batch_size", "tool_seq_len", "log_every", "ckpt_every",
+                 "eval_batches"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.lr <= 0 or args.max_minutes < 0:
@@ -107,13 +105,13 @@ def main(argv=None) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from dsv41_jax.model.config import ModelConfig
+    from dsv41_jax.model.config import NANO_DIR, ModelConfig
     from dsv41_jax.model.params import init_params
     from dsv41_jax.serving.tokenizer import load_tokenizer
     from dsv41_jax.training import data, trainer
 
     cfg = ModelConfig.preset("nano")
-    tok = load_tokenizer("tiny")
+    tok = load_tokenizer(NANO_DIR)
     os.makedirs(args.out, exist_ok=True)
     # A resumed run finds the compiled step here instead of compiling it again (minutes on a busy CPU).
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
@@ -123,7 +121,7 @@ def main(argv=None) -> int:
     log.info("config nano: hidden %d, %d layers + %d DSpark stages, vocab %d; run %s", cfg.hidden_size,
              cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.vocab_size, json.dumps(meta))
 
-    params = trainer.to_master(init_params(cfg, jax.random.key(args.init_seed)))  # engram map: the tiny tokenizer
+    params = trainer.to_master(init_params(cfg, jax.random.key(args.init_seed)))  # engram map: nano's tokenizer
     train, params = trainer.split(params)
     log.info("trainable: %d tensors, %d parameters (fp32 masters)", len(train), sum(v.size for v in train.values()))
     opt = trainer.make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
@@ -147,11 +145,23 @@ def main(argv=None) -> int:
 
     step_fn = trainer.make_train_step(cfg, opt)
     eval_fn = trainer.make_eval_step(cfg)
-    src = data.PackedSource(tok, args.seed, args.seq_len, kinds=kinds)
-    held = data.PackedSource(tok, args.eval_seed, args.seq_len, kinds=kinds)
-    eval_batches = [jax.tree_util.tree_map(jnp.asarray, b)
-                    for b, _ in zip(data.batches(held, args.batch_size), range(args.eval_batches))]
-    it = data.batches(src, args.batch_size, start)
+    # Two row buckets, one step: short text rows and long tool-calling rows (their system prompt
+    # alone is ~170 tokens), so neither pays for the other's padding.
+    buckets = [(tuple(k for k in kinds if k not in data.TOOL_KINDS), args.seq_len, args.batch_size, 0),
+               (tuple(k for k in kinds if k in data.TOOL_KINDS), args.tool_seq_len, args.tool_batch_size,
+                data.TOOL_STREAM)]
+    buckets = [b for b in buckets if b[0]]
+
+    def stream(seed, start_step):
+        its = [data.batches(data.PackedSource(tok, seed, t, kinds=ks, index_offset=off), bs, start_step)
+               for ks, t, bs, off in buckets]
+        while True:
+            yield tuple(next(i) for i in its)
+
+    held = stream(args.eval_seed, 0)
+    eval_batches = [jax.tree_util.tree_map(jnp.asarray, next(held)) for _ in range(args.eval_batches)]
+    it = stream(args.seed, start)
+    log.info("rows per step: %s", ", ".join(f"{bs} x {t} tokens ({','.join(ks)})" for ks, t, bs, _ in buckets))
     mpath = os.path.join(args.out, "metrics.jsonl")
     t0 = time.time()
     bar = tqdm(total=args.steps, initial=start, desc="train nano", unit="step", disable=args.no_progress,

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 TINY_DIR = os.path.join(ASSET_DIR, "tiny")
+NANO_DIR = os.path.join(ASSET_DIR, "nano")  # nano's tokenizer (scripts/make_nano_tokenizer.py) and checkpoint
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v4.1", "deepseek_v41_text")
 
@@ -550,7 +551,7 @@ def _tiny() -> ModelConfig:
     6-9 ratio 1 with KV source 6 = candidate source; index sources 2, 4, 6 own keys, 8 re-scores 6's keys
     inside the candidate blocks; 3, 5, 7, 9 reuse a top-k. Engram at 1 (before the first source) and 4.
     """
-    special = _tiny_special_ids()
+    special = _special_ids(TINY_DIR)
     return ModelConfig(
         vocab_size=320, hidden_size=64, num_hidden_layers=10, num_attention_heads=4, head_dim=64,
         qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, max_position_embeddings=4096,
@@ -562,7 +563,7 @@ def _tiny() -> ModelConfig:
         engram_layer_ids=(1, 4), engram_num_embeddings=tuple(_engram_rows((1, 4), 4, 2, 50)),
         engram_max_ngram_size=4, engram_vocab_size=50, engram_n_heads=2, engram_head_dim=32,
         engram_pad_token_id=special.get("pad", 2),
-        engram_compressed_vocab_size=_tiny_compressed_vocab(),
+        engram_compressed_vocab_size=_compressed_vocab(TINY_DIR),
         num_nextn_predict_layers=3, dspark_block_size=3, dspark_noise_token_id=special.get("system", 313),
         dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=16, dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2, name="tiny",
@@ -570,33 +571,44 @@ def _tiny() -> ModelConfig:
 
 
 def _nano() -> ModelConfig:
-    """The trained toy (scripts/train_nano.py): tiny's layer layout and tokenizer, wider.
+    """The trained toy (scripts/train_nano.py): tiny's layer layout, wider, with its own tokenizer.
 
     Every mechanism is present as in tiny (window-only layers 0-1, ratio-2 sources 2/4, ratio-1
     source 6 = candidate source, index sources 2/4/6/8 with 8 re-scoring, Engram at 1 and 4, MoE,
     mHC, 3 DSpark stages). The retrieval budgets (index_topk, candidate blocks) cover every slot of a
     training sequence (<= 256 tokens): the indexers get no gradient through their discrete top-k, so
     at training lengths they select everything and the attention learns over full context.
+    The tokenizer is nano's word-level one (assets/nano, 771 ids; vocab_size rounds it up to 800, a
+    multiple of the 32-row fp8 blocks), which sets the special ids and Engram's compressed vocabulary.
     """
+    special = _special_ids(NANO_DIR)
     return _tiny().replace(
-        hidden_size=128, num_attention_heads=4, head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=64,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, sliding_window=32,
+        vocab_size=800, hidden_size=128, num_attention_heads=4, head_dim=64, q_lora_rank=64, o_groups=2,
+        o_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, sliding_window=32,
         index_topk=256, candidate_topk_blocks=32, candidate_block_size=8, dspark_block_size=5,
-        dspark_markov_rank=32, name="nano")
+        dspark_markov_rank=32, engram_pad_token_id=special.get("pad", 2),
+        engram_compressed_vocab_size=_compressed_vocab(NANO_DIR),
+        dspark_noise_token_id=special.get("system", 764), name="nano")
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny_special_ids() -> dict:
-    p = os.path.join(TINY_DIR, "special_tokens.json")
+def preset_tokenizer_dir(cfg: "ModelConfig") -> str:
+    """The bundled tokenizer directory a preset's random init uses (nano's for "nano", else tiny's)."""
+    return NANO_DIR if cfg.name == "nano" else TINY_DIR
+
+
+@functools.lru_cache(maxsize=None)
+def _special_ids(directory: str) -> dict:
+    p = os.path.join(directory, "special_tokens.json")
     if not os.path.isfile(p):
         return {}
     with open(p, encoding="utf-8") as f:
         return json.load(f)
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny_compressed_vocab() -> int:
+@functools.lru_cache(maxsize=None)
+def _compressed_vocab(directory: str) -> int:
     from dsv41_jax.model.engram_tables import load_engram_token_map
 
-    _, count = load_engram_token_map(os.path.join(TINY_DIR, "tokenizer.json"))
+    _, count = load_engram_token_map(os.path.join(directory, "tokenizer.json"))
     return int(count)
+

@@ -343,23 +343,24 @@ def engram_token_map_for(cfg: ModelConfig, tokenizer=None) -> np.ndarray:
     """The Engram token map [vocab_size] int32, checked against engram_compressed_vocab_size.
 
     `tokenizer`: an HF `tokenizers.Tokenizer`, a path to a tokenizer.json, or None for the one the
-    package ships (tiny's). Whichever it is, it must fit the config: its compressed-id count must be
+    package ships for the preset (nano's for ``cfg.name == "nano"``, else tiny's). Whichever it is, it must fit the config: its compressed-id count must be
     the config's engram_compressed_vocab_size and its size at most vocab_size (a ConfigError names
     the mismatch), so a config that needs another tokenizer is told so instead of guessed at.
     Ids >= len(tokenizer) map to the pad's compressed id (SPEC §5, uncertain point).
     """
     from dsv41_jax.model import engram_tables
-    from dsv41_jax.model.config import TINY_DIR, ConfigError
+    from dsv41_jax.model.config import ConfigError, preset_tokenizer_dir
     import os
 
     shipped = tokenizer is None
     if shipped:
-        tokenizer = os.path.join(TINY_DIR, "tokenizer.json")
+        tokenizer = os.path.join(preset_tokenizer_dir(cfg), "tokenizer.json")
     if isinstance(tokenizer, str):
         m, count = engram_tables.load_engram_token_map(tokenizer)
     else:
         m, count = engram_tables.build_engram_token_map(tokenizer)
-    hint = " (no tokenizer was given, so the tiny model's was used: pass the model's own)" if shipped else ""
+    hint = (f" (no tokenizer was given, so the bundled {os.path.basename(preset_tokenizer_dir(cfg))} one was "
+            "used: pass the model's own)") if shipped else ""
     if count != cfg.engram_compressed_vocab_size:
         raise ConfigError(f"engram_compressed_vocab_size: config says {cfg.engram_compressed_vocab_size} but the "
                           f"tokenizer's normalization gives {count} compressed ids{hint}")

@@ -94,10 +94,12 @@ def _qa(kind: str, rng) -> tuple[str, str, str]:
         b = int(rng.integers(a + 1))
         return f"What is {a}-{b}?", f"{a}-{b}={a - b}", str(a - b)
     if kind == "count":
+        # Letters spaced apart: one token each with nano's word-level tokenizer (a letter run would
+        # be cut into pieces whose letter counts the model would have to learn first).
         c = LETTERS[int(rng.integers(3))]
-        s = "".join(LETTERS[int(rng.integers(3))] for _ in range(int(rng.integers(2, 7))))
+        s = [LETTERS[int(rng.integers(3))] for _ in range(int(rng.integers(2, 7)))]
         marks = " ".join(ch for ch in s if ch == c)
-        return f"How many {c} in {s}?", f"{marks or 'none'}", str(s.count(c))
+        return f"How many {c} in {' '.join(s)}?", f"{marks or 'none'}", str(s.count(c))
     if kind == "exact":
         s = " ".join(_word(rng) for _ in range(int(rng.integers(1, 4))))
         return f"Reply with exactly: {s}", f"say {s}", s
@@ -213,6 +215,8 @@ def pack(prompt_ids, completion_ids, seq_len: int, pad_id: int) -> Optional[dict
 
 
 TEXT_KINDS = tuple(k for k in KINDS if not k.startswith("tool"))
+TOOL_KINDS = tuple(k for k in KINDS if k.startswith("tool"))
+TOOL_STREAM = 1 << 40  # `PackedSource.index_offset` of the tool rows
 
 
 class PackedSource:
@@ -223,9 +227,12 @@ class PackedSource:
     """
 
     def __init__(self, tokenizer, seed: int, seq_len: int, *, kinds=TEXT_KINDS, size: int = 1 << 30,
-                 max_attempts: int = 64):
+                 max_attempts: int = 64, index_offset: int = 0):
         self.tokenizer, self.seed, self.seq_len, self.kinds = tokenizer, int(seed), int(seq_len), tuple(kinds)
         self.size, self.max_attempts = int(size), int(max_attempts)
+        # A second stream of the same seed (e.g. the long tool rows beside the text rows) reads
+        # examples from index_offset on, so its draws are not the text stream's.
+        self.index_offset = int(index_offset)
         self.pad_id = int(tokenizer.token_to_id("<\uff5c\u2581pad\u2581\uff5c>") or 0)
 
     def __len__(self) -> int:
@@ -233,7 +240,7 @@ class PackedSource:
 
     def __getitem__(self, i: int) -> dict:
         for attempt in range(self.max_attempts):
-            ex = make_example(self.seed, int(i), kinds=self.kinds, attempt=attempt)
+            ex = make_example(self.seed, int(i) + self.index_offset, kinds=self.kinds, attempt=attempt)
             row = pack(*tokenize(ex, self.tokenizer), self.seq_len, self.pad_id)
             if row is not None:
                 return row

@@ -108,24 +108,33 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
                                    mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()}))
 
 
-def loss_and_metrics(train: dict, params: dict, batch: dict, cfg: ModelConfig):
+def loss_and_metrics(train: dict, params: dict, batch, cfg: ModelConfig):
     """Masked next-token cross entropy over the completion tokens.
 
-    batch: tokens / targets int32 [B, T], mask float32 [B, T] (`data.pack`). Returns (loss, metrics):
-    ``acc`` = token accuracy of the argmax on masked positions, ``seq_acc`` = fraction of rows whose
-    every masked token is the argmax (teacher-forced: greedy decoding reproduces such a completion)."""
-    logits = forward(merge(train, params), batch["tokens"], cfg)  # fp32 [B, T, V]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    m = batch["mask"]
-    n = jnp.maximum(m.sum(), 1.0)
-    loss = (nll * m).sum() / n
-    hit = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-    acc = (hit * m).sum() / n
-    row_ok = jnp.all((hit > 0) | (m == 0), axis=-1).astype(jnp.float32)
-    has = (m.sum(-1) > 0).astype(jnp.float32)
-    seq_acc = (row_ok * has).sum() / jnp.maximum(has.sum(), 1.0)
-    return loss, {"loss": loss, "acc": acc, "seq_acc": seq_acc}
+    batch: tokens / targets int32 [B, T], mask float32 [B, T] (`data.pack`), or a tuple of such
+    row batches of different shapes (e.g. short text rows and long tool-calling rows): the loss is the
+    mean over every completion token of all of them. Returns (loss, metrics): ``acc`` = token
+    accuracy of the argmax on masked positions, ``seq_acc`` = fraction of rows whose every masked
+    token is the argmax (teacher-forced: greedy decoding reproduces such a completion)."""
+    parts = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    full = merge(train, params)
+    nll_sum = hit_sum = ok_rows = rows = n_tok = 0.0
+    for b in parts:
+        logits = forward(full, b["tokens"], cfg)  # fp32 [B, T, V]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, b["targets"][..., None], axis=-1)[..., 0]
+        m = b["mask"]
+        hit = (jnp.argmax(logits, axis=-1) == b["targets"]).astype(jnp.float32)
+        has = (m.sum(-1) > 0).astype(jnp.float32)
+        row_ok = jnp.all((hit > 0) | (m == 0), axis=-1).astype(jnp.float32)
+        nll_sum += (nll * m).sum()
+        hit_sum += (hit * m).sum()
+        n_tok += m.sum()
+        ok_rows += (row_ok * has).sum()
+        rows += has.sum()
+    n = jnp.maximum(n_tok, 1.0)
+    loss = nll_sum / n
+    return loss, {"loss": loss, "acc": hit_sum / n, "seq_acc": ok_rows / jnp.maximum(rows, 1.0)}
 
 
 def make_train_step(cfg: ModelConfig, opt: optax.GradientTransformation) -> Callable:
