@@ -72,14 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="python -m dsv41_jax.serve",
-        description="OpenAI-compatible server for DeepSeek-V4.1 Flash (JAX). Without --model it serves the "
-                    "embedded tiny model with random weights, so it runs on any machine.",
+        description="OpenAI-compatible server for DeepSeek-V4.1 Flash (JAX). Without --model it serves nano, "
+                    "the small model of this architecture trained on a synthetic chat corpus and bundled in the "
+                    "package (it reasons, calls tools and speculates for real, on any machine); --model tiny "
+                    "serves the random-weight tiny model the tests use.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Environment: DSV41_DEFAULT_THINKING (true/false, default false) turns thinking on for requests "
                "that do not decide it; DSV41_REASONING_EFFORT (a tier such as high/max, or 1..100) is the default "
                "effort. Both are validated at startup. Endpoints: POST /v1/chat/completions, POST /v1/completions, "
                "GET /v1/models, GET /health, GET /metrics (unless --disable-metrics).")
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, model_default="nano")
     from dsv41_jax.parallel.distributed import add_distributed_args
 
     add_distributed_args(p)
@@ -190,8 +192,9 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    args.model = engine_args.model  # "nano" resolved to its bundled directory
     if args.model != "tiny" and not os.path.exists(args.model):
-        print(f"error: --model {args.model!r}: no such directory (use 'tiny' or a model directory)", file=sys.stderr)
+        print(f"error: --model {args.model!r}: no such directory (use 'nano', 'tiny' or a model directory)", file=sys.stderr)
         return 2
     if not (0 < args.port < 65536):
         print(f"error: --port must be 1..65535, got {args.port}", file=sys.stderr)

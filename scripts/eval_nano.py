@@ -11,8 +11,10 @@ engine (`dsv41_jax.LLM`, the engine the server runs) and asks held-out prompts (
 than training) through `LLM.chat`, which builds the prompt with the server's chat encoder and splits
 the output with the server's parsers: an answer is right when ``content`` equals the expected answer
 exactly (and, with thinking on, the reasoning came back in ``reasoning_content``); a tool call is
-right when it has the right name and arguments and no DSML is left in ``content``. Prints one line
-per kind and mode and writes the numbers as JSON (--json).
+right when it has the right name and arguments and no DSML is left in ``content``. Then
+(--tool-server) held-out tool-calling prompts go through a live server (`python -m dsv41_jax.serve`)
+with the `openai` client and ``tools=[...]``. Prints one line per kind and mode and writes the numbers
+as JSON (--json).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", default="off,on", help="thinking modes to score: off, on or off,on (default)")
     ap.add_argument("--max-tokens", type=int, default=64, help="generation limit per prompt (default 64)")
     ap.add_argument("--batch", type=int, default=16, help="max running requests in the engine (default 16)")
+    ap.add_argument("--tool-server", type=int, default=100,
+                    help="held-out tool-calling prompts sent through a live `python -m dsv41_jax.serve` with the "
+                         "openai client and tools=[get_weather] (default 100, half with thinking on; 0 = skip)")
     ap.add_argument("--json", default=None, help="write the scores here as JSON")
     ap.add_argument("--export-only", action="store_true", help="with --run: export and stop")
     return ap
@@ -71,12 +76,18 @@ def export_run(run: str, out: str) -> dict:
     if meta.get("init_seed", 0) != 0:  # the untrained leaves (DSpark stages, biases) come from the init
         template = init_params(cfg, jax.random.key(meta["init_seed"]))
     release = trainer.to_release_params(train, params, template)
+    # Written beside `out` first, then swapped in: `out` may be the package's assets/nano, whose
+    # tokenizer files are the ones being copied.
+    tmp = os.path.normpath(out) + ".export_tmp"
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    save_hf_checkpoint(release, cfg, tmp, shards=1, tokenizer_dir=NANO_DIR)
+    meta = dict(meta, step=step)
+    with open(os.path.join(tmp, "nano_run.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
     if os.path.isdir(out):
         shutil.rmtree(out)
-    save_hf_checkpoint(release, cfg, out, shards=1, tokenizer_dir=NANO_DIR)
-    meta = dict(meta, step=step)
-    with open(os.path.join(out, "nano_run.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
+    os.replace(tmp, out)
     log.info("exported step %d of %s to %s", step, run, out)
     return meta
 
@@ -123,6 +134,86 @@ def score(model_dir: str, kinds, n: int, seed: int, modes, max_tokens: int, batc
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def score_tool_server(model_dir: str, n: int, seed: int, max_tokens: int, workers: int = 8,
+                      timeout: float = 900.0) -> dict:
+    """`n` held-out tool-calling prompts (the `tool_call` kind, thinking on for odd i) through a live
+    server: `python -m dsv41_jax.serve --model MODEL_DIR` in a subprocess, the `openai` client with
+    ``tools=[get_weather]``; right = finish_reason "tool_calls", one call with the right name and
+    arguments, no DSML left in ``content`` (and with thinking on, the reasoning in reasoning_content)."""
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    from dsv41_jax.training import data
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    logf = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="eval_nano_server_", delete=False)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "dsv41_jax.serve", "--model", model_dir, "--port", str(port)],
+                            stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=root)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"error: the server exited with {proc.returncode}; log: {logf.name}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > timeout:
+                raise SystemExit(f"error: the server did not start in {timeout:.0f} s; log: {logf.name}")
+            time.sleep(0.5)
+        log.info("server healthy after %.1f s (log %s)", time.time() - t0, logf.name)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        name = client.models.list().data[0].id
+        exs = [data.make_example(seed, i, kinds=("tool_call",), thinking=bool(i % 2)) for i in range(n)]
+
+        def ask(ex):
+            r = client.chat.completions.create(
+                model=name, messages=ex.messages, tools=ex.tools, temperature=0.0, max_tokens=max_tokens,
+                extra_body={"chat_template_kwargs": {"thinking": ex.thinking}})
+            ch = r.choices[0]
+            calls = ch.message.tool_calls or []
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+            ok = (ch.finish_reason == "tool_calls" and got == [ex.answer] and "DSML" not in (ch.message.content or "")
+                  and (not ex.thinking or bool(getattr(ch.message, "reasoning_content", None))))
+            return ok, {"want": ex.answer, "finish_reason": ch.finish_reason, "calls": got,
+                        "content": ch.message.content, "thinking": ex.thinking}
+
+        t1 = time.time()
+        with ThreadPoolExecutor(workers) as pool:
+            res = list(pool.map(ask, exs))
+        right = sum(ok for ok, _ in res)
+        by_mode = {m: sum(ok for (ok, _), ex in zip(res, exs) if ex.thinking == (m == "on")) for m in ("off", "on")}
+        out = {"accuracy": right / n, "n": n, "right": right, "right_by_thinking": by_mode,
+               "seconds": time.time() - t1, "wrong_samples": [d for ok, d in res if not ok][:5]}
+        print(f"tool calls through the server (openai client): {right}/{n} = {right / n:.3f} "
+              f"(thinking off {by_mode['off']}, on {by_mode['on']}; {time.time() - t1:.0f} s)")
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        logf.close()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -133,8 +224,8 @@ def main(argv=None) -> int:
     if not modes or any(m not in ("off", "on") for m in modes):
         print(f"error: --modes must be off, on or off,on, got {args.modes!r}", file=sys.stderr)
         return 2
-    if args.n < 1 or args.max_tokens < 1 or args.batch < 1:
-        print("error: --n, --max-tokens and --batch must be >= 1", file=sys.stderr)
+    if args.n < 1 or args.max_tokens < 1 or args.batch < 1 or args.tool_server < 0:
+        print("error: --n, --max-tokens and --batch must be >= 1, --tool-server >= 0", file=sys.stderr)
         return 2
     meta = {}
     model = args.model
@@ -156,6 +247,8 @@ def main(argv=None) -> int:
         return 2
     res = {"model": model, "run": meta, "seed": args.seed, "kinds": list(kinds),
            **score(model, kinds, args.n, args.seed, modes, args.max_tokens, args.batch)}
+    if args.tool_server:
+        res["tool_server"] = score_tool_server(model, args.tool_server, args.seed + 1, max(args.max_tokens, 96))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)

@@ -161,3 +161,74 @@ def test_export_round_trips_the_master_values():
     back = dict(jax.tree_util.tree_flatten_with_path(trainer.to_master(rel))[0])
     for k, v in jax.tree_util.tree_flatten_with_path(master)[0]:
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v), err_msg=jax.tree_util.keystr(k))
+
+
+# ----------------------------------------------------------------------------------- nano's tokenizer
+
+
+@pytest.fixture(scope="module")
+def nano_tok():
+    from dsv41_jax.model.config import NANO_DIR
+
+    return load_tokenizer(NANO_DIR)
+
+
+def test_nano_tokenizer_is_rebuilt_byte_for_byte(tmp_path):
+    """scripts/make_nano_tokenizer.py is deterministic: rebuilding it gives the shipped files."""
+    from dsv41_jax.model.config import NANO_DIR
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_nano_tokenizer.py"), "--out-dir",
+                        str(tmp_path)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens.json"):
+        with open(os.path.join(NANO_DIR, name), "rb") as a, open(tmp_path / name, "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_nano_tokenizer_keeps_the_task_units_whole(nano_tok):
+    """Every word a task draws is one token (with and without a leading space), digits and the counted
+    letters are one token each, so a look-up key or a copied word is a single token to match."""
+    words = list(data.WORDS) + [w.upper() for w in data.WORDS] + list(data.CITIES) + list(data.SKIES)
+    for w in words:
+        for text in (w, " " + w):
+            assert len(nano_tok.encode(text)) == 1, (text, nano_tok.encode(text))
+    assert [len(nano_tok.encode(str(d))) for d in range(10)] == [1] * 10
+    assert len(nano_tok.encode("12")) == 2  # digits single: 12 is "1" "2"
+    assert len(nano_tok.encode("How many a in a b c a?")) == 9  # How many a in a b c a ?
+    ex = data.make_example(0, 1, kinds=("tool_call",), thinking=False)
+    whole = ex.prompt + ex.completion
+    assert nano_tok.decode(nano_tok.encode(whole), skip_special_tokens=False) == whole
+
+
+def test_nano_preset_matches_its_tokenizer(nano_tok):
+    from dsv41_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.preset("nano")
+    assert nano_tok.vocab_size <= cfg.vocab_size and cfg.vocab_size % 32 == 0
+    assert cfg.engram_pad_token_id == nano_tok.pad_token_id == nano_tok.token_to_id("<\uff5c\u2581pad\u2581\uff5c>")
+    assert cfg.dspark_noise_token_id == nano_tok.token_to_id("<\uff5cSystem\uff5c>")
+
+
+@pytest.mark.parametrize("kinds,seq_len", [(data.TEXT_KINDS, 64), (data.TOOL_KINDS, 240)])
+def test_nano_rows_fit_their_bucket_at_the_first_draw(nano_tok, kinds, seq_len):
+    """train_nano.py's default row lengths hold every example as drawn (no redraw skews the mix)."""
+    for i in range(120):
+        ex = data.make_example(3, i, kinds=kinds)
+        assert data.pack(*data.tokenize(ex, nano_tok), seq_len, 2) is not None, (ex.kind, ex.prompt)
+
+
+def test_two_buckets_weigh_every_completion_token_alike(tok):
+    """A step over (short rows, long rows) has the token-weighted mean loss of the two."""
+    from dsv41_jax.model.params import init_params
+
+    cfg = trainer.train_config(configs.micro())
+    train, params = trainer.split(trainer.to_master(init_params(cfg, jax.random.key(0))))
+    a = jax.tree_util.tree_map(jnp.asarray, next(data.batches(data.PackedSource(tok, 0, 48, kinds=("add",)), 2)))
+    b = jax.tree_util.tree_map(jnp.asarray, next(data.batches(data.PackedSource(tok, 0, 96, kinds=("copy",)), 1)))
+    f = jax.jit(trainer.loss_and_metrics, static_argnums=3)
+    la, lb, lab = (f(train, params, x, cfg)[1] for x in (a, b, (a, b)))
+    na, nb = float(a["mask"].sum()), float(b["mask"].sum())
+    np.testing.assert_allclose(float(lab["loss"]), (float(la["loss"]) * na + float(lb["loss"]) * nb) / (na + nb),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(lab["seq_acc"]), (float(la["seq_acc"]) * 2 + float(lb["seq_acc"])) / 3, rtol=1e-6)

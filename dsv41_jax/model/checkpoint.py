@@ -37,7 +37,7 @@ from typing import Any, Optional
 import ml_dtypes
 import numpy as np
 
-from dsv41_jax.model.config import TINY_DIR, ModelConfig
+from dsv41_jax.model.config import TINY_DIR, ModelConfig, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -748,6 +748,7 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
         p = jax.tree_util.tree_map_with_path(
             lambda kp, x: place(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp), np.asarray(x)), p)
         return _host_tables(p) if engram_host_table else p
+    path = resolve_model(path)  # "nano": the bundled checkpoint
     kind = checkpoint_kind(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)

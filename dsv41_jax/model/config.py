@@ -24,6 +24,23 @@ ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 TINY_DIR = os.path.join(ASSET_DIR, "tiny")
 NANO_DIR = os.path.join(ASSET_DIR, "nano")  # nano's tokenizer (scripts/make_nano_tokenizer.py) and checkpoint
 
+BUNDLED_MODELS = ("tiny", "nano")  # model names the CLIs take besides a directory
+
+
+def resolve_model(model: str) -> str:
+    """A model name as the CLIs / `LLM` take it -> what the loaders take: ``"nano"`` is the trained
+    checkpoint bundled in the package (its directory, `NANO_DIR`); ``"tiny"`` (random weights, built
+    in memory) and directories are returned as they are. A directory named like these in the working
+    directory wins, as a path should. Raises ValueError if nano's checkpoint is not installed."""
+    if model != "nano" or os.path.isdir(model):
+        return model
+    if not os.path.isfile(os.path.join(NANO_DIR, "config.json")):
+        raise ValueError(f"--model nano: the trained nano checkpoint is not in this install ({NANO_DIR} has no "
+                         "config.json); rebuild it with scripts/train_nano.py and scripts/eval_nano.py --run ... "
+                         f"--export-dir {NANO_DIR}, or use --model tiny")
+    return NANO_DIR
+
+
 MODEL_TYPES = ("deepseek_v41", "deepseek_v4.1", "deepseek_v41_text")
 
 
@@ -278,10 +295,11 @@ class ModelConfig:
     def from_pretrained(cls, path: str) -> "ModelConfig":
         """Read a model directory (HF ``config.json`` or flat ``inference/config.json``) or a json file.
 
-        ``"tiny"`` / ``"flash"`` name the presets.
+        ``"tiny"`` / ``"flash"`` name the presets, ``"nano"`` the bundled trained checkpoint (`resolve_model`).
         """
         if path in ("tiny", "flash"):
             return cls.preset(path)
+        path = resolve_model(path)
         if os.path.isdir(path):
             for cand in ("config.json", os.path.join("inference", "config.json")):
                 p = os.path.join(path, cand)

@@ -135,6 +135,10 @@ class EngineArgs:
         def bad(name, msg):
             raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
 
+        from dsv41_jax.model.config import resolve_model
+
+        self.model = resolve_model(self.model)  # "nano" -> the bundled checkpoint's directory
+
         if self.shape_buckets not in SHAPE_BUCKETS:
             bad("shape_buckets", f"must be one of {list(SHAPE_BUCKETS)}")
         if self.max_running_requests is None:
@@ -287,8 +291,9 @@ class EngineArgs:
         d = EngineArgs.__dataclass_fields__
         g = parser.add_argument_group("engine")
         g.add_argument("--model", "--model-path", dest="model", default=model_default,
-                       help="'tiny' (random tiny model with its bundled tokenizer) or a model directory "
-                            "(HF release layout or converted Orbax; loaded with checkpoint.load_params)")
+                       help="'nano' (the small trained model bundled in the package), 'tiny' (random tiny "
+                            "model with its bundled tokenizer, for tests) or a model directory (HF release "
+                            "layout or converted Orbax; loaded with checkpoint.load_params)")
         g.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
                        help="tokenizer directory or tokenizer.json (default: the model directory / tiny's)")
         g.add_argument("--dtype", default=d["dtype"].default, choices=sorted(DTYPES),

@@ -108,7 +108,9 @@ class Tokenizer:
 def load_tokenizer(model_dir_or_name: str = "tiny") -> Tokenizer:
     """Load ``tokenizer.json`` from a model directory ("tiny" = the bundled tiny tokenizer), or a
     ``tokenizer.json`` path, with the BOS / EOS / pad ids from the files beside it."""
-    src = TINY_TOKENIZER_DIR if model_dir_or_name == "tiny" else os.fspath(model_dir_or_name)
+    from dsv41_jax.model.config import resolve_model
+
+    src = TINY_TOKENIZER_DIR if model_dir_or_name == "tiny" else resolve_model(os.fspath(model_dir_or_name))
     if os.path.isfile(src):
         tok_path, d = src, os.path.dirname(src)
     else:
