@@ -24,15 +24,13 @@ import glob
 import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
+from servers import start_server, stop_server
 
 from dsv41_jax.serving.chat import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -47,12 +45,6 @@ TOK_TOL, ITEM_TOL, ENGINE_TOL = 1e-5, 1e-4, 1e-5
 START_TIMEOUT = 400
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _script(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -63,34 +55,10 @@ def _script(name):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("eval_server")
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-               JAX_COMPILATION_CACHE_DIR=os.environ.get("DSV41_TEST_JAX_CACHE", str(d / "jax_cache")))
-    logf = open(d / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41_jax.serve", *SERVER_FLAGS, "--port", str(port)],
-                            stdout=logf, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(d / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() - t0 > START_TIMEOUT:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {(d / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+    cache = os.environ.get("DSV41_TEST_JAX_CACHE", str(d / "jax_cache"))
+    proc, base, logf = start_server(SERVER_FLAGS, d / "server.log", cache, timeout=START_TIMEOUT)
     yield {"base": base, "log": d / "server.log"}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    logf.close()
+    stop_server(proc, logf)
 
 
 @pytest.fixture(scope="module")

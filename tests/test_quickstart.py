@@ -13,14 +13,11 @@ import importlib.util
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
+from servers import start_server, stop_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT = 600
@@ -33,49 +30,18 @@ def _demo():
     return mod
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("quickstart")
-    port = _free_port()
     # the defaults, not the shell's (nor the test session's 8 CPU devices)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
     # its own empty cache directory (not the run's shared one): the test below checks that the default
-    # server writes its compiled steps there, and no other test starts a server with the default flags
-    env["JAX_COMPILATION_CACHE_DIR"] = str(d / "jax_cache")
-    env.setdefault("JAX_PLATFORMS", "cpu")
+    # server writes its compiled steps there, and no other test writes there
+    cache = str(d / "jax_cache")
     log_path = d / "server.log"
-    logf = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41_jax.serve", "--model", "tiny", "--port", str(port)],
-                            stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            logf.close()
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > START_TIMEOUT:
-            proc.kill()
-            pytest.fail(f"the server did not start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.5)
-    yield {"base": base, "log": log_path, "cache": env["JAX_COMPILATION_CACHE_DIR"]}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-    logf.close()
+    proc, base, logf = start_server(["--model", "tiny"], log_path, cache, env=env, cwd=ROOT, timeout=START_TIMEOUT)
+    yield {"base": base, "log": log_path, "cache": cache}
+    rc = stop_server(proc, logf)
     assert rc == 0, log_path.read_text()[-3000:]
 
 

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
@@ -22,6 +21,7 @@ import jsonschema
 import pytest
 
 import openai
+from servers import serve_cmd as _serve_cmd, start_server, stop_server
 
 from dsv41_jax.serving.chat import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -33,7 +33,6 @@ ENGINE_FLAGS = ["--model", "tiny", "--dtype", "float32", "--max-running-requests
 SERVER_FLAGS = ENGINE_FLAGS + ["--api-key", KEY, "--reasoning-parser", "deepseek-v41", "--tool-call-parser",
                                "deepseekv41", "--enable-metrics", "--max-body-size", "256K",
                                "--max-queued-requests", "2"]
-START_TIMEOUT = 900  # a hang guard: a cold start takes ~40 s idle, ~5 min on a loaded 2-core VM
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -41,58 +40,6 @@ WEATHER = {"type": "function", "function": {
                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                    "required": ["location"]}}}
 PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_cmd() -> list:
-    # DSV41_TEST_SERVE_CMD points the tests at another launcher of the same CLI
-    return os.environ.get("DSV41_TEST_SERVE_CMD", f"{sys.executable} -m dsv41_jax.serve").split()
-
-
-def start_server(flags, log_path, cache_dir, env_extra=None):
-    port = _free_port()
-    env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
-    env.update(env_extra or {})
-    logf = open(log_path, "w")
-    proc = subprocess.Popen(_serve_cmd() + flags + ["--port", str(port)], stdout=logf, stderr=subprocess.STDOUT,
-                            env=env)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        if proc.poll() is not None:
-            logf.close()
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() - t0 > START_TIMEOUT:
-            proc.kill()
-            raise RuntimeError(f"server did not start:\n{open(log_path).read()[-4000:]}")
-        time.sleep(0.5)
-    return proc, base, logf
-
-
-def stop_server(proc, logf, timeout=60):
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-    else:
-        rc = proc.returncode
-    logf.close()
-    return rc
 
 
 @pytest.fixture(scope="session")
