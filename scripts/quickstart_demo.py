@@ -1,16 +1,18 @@
 """Try every chat feature of a running server: ``python scripts/quickstart_demo.py [--base-url URL]``.
 
-README command 1 runs it against the default server (``python -m dsv41_jax.serve``, the embedded
-tiny model), and ``tests/test_quickstart.py`` runs it against a server started with nothing but
-``--model tiny``, so what README shows is what the defaults do. Four requests:
+README command 1 runs it against the default server (``python -m dsv41_jax.serve``: nano, the small
+trained model bundled in the package), and ``tests/test_quickstart.py`` runs it against a server
+started with nothing but ``--model tiny`` (random weights), so the features hold whatever the model
+says. Four requests:
 
 1. thinking on (``reasoning_effort``): the reasoning arrives in ``reasoning_content``;
 2. ``tool_choice: "required"``: a ``tool_calls`` response whose arguments follow the tool's schema;
 3. ``response_format`` json_schema with thinking on: reasoning first, then an answer that parses;
 4. ``GET /metrics``: Prometheus text.
 
-The tiny model has random weights, so its words are noise: the structure is what constrained
-decoding and the parsers guarantee. ``thinking_budget`` (an extra field, as SGLang's) closes the
+nano answers the kinds of prompts it was trained on (small sums, look-ups, copies, get_weather
+calls; see README "nano"), so request 1 is one of those. The tiny model has random weights, so its
+words are noise: the structure is what constrained decoding and the parsers guarantee. ``thinking_budget`` (an extra field, as SGLang's) closes the
 reasoning after a few tokens, since a random model rarely emits ``</think>`` by itself. Standard
 library only; exits 1 naming the first feature that did not work.
 """
@@ -66,12 +68,23 @@ def wait_healthy(base: str, timeout: float) -> None:
         time.sleep(1.0)
 
 
-def run(base: str, model: str = "tiny", api_key: str | None = None) -> dict:
-    """Send the four requests; returns what each gave. Raises SystemExit naming a failure."""
+def served_model(base: str, api_key: str | None = None) -> str:
+    """The first model id of GET /v1/models."""
+    raw = _request(base, "/v1/models", None, api_key)
+    try:
+        return json.loads(raw)["data"][0]["id"]
+    except (KeyError, IndexError, ValueError) as e:
+        raise SystemExit(f"/v1/models: no model id in the answer ({e}): {raw[:200]!r}") from None
+
+
+def run(base: str, model: str | None = None, api_key: str | None = None) -> dict:
+    """Send the four requests (model: the name to send; None: the server's, from /v1/models); returns
+    what each gave. Raises SystemExit naming a failure."""
+    model = model or served_model(base, api_key)
     chat = lambda **kw: _request(base, "/v1/chat/completions", {"model": model, "seed": 0, **kw}, api_key)  # noqa: E731
     out = {}
 
-    r = chat(messages=[{"role": "user", "content": "What is 2 + 2?"}], reasoning_effort="high",
+    r = chat(messages=[{"role": "user", "content": "What is 2+2?"}], reasoning_effort="high",
              max_tokens=16, thinking_budget=8)
     msg = r["choices"][0]["message"]
     print("1. thinking:    reasoning_content =", json.dumps(msg.get("reasoning_content"), ensure_ascii=False))
@@ -122,7 +135,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (without /v1)")
-    ap.add_argument("--model", default="tiny", help="the model name the server serves")
+    ap.add_argument("--model", default=None, help="the model name to send (default: the first of the server's "
+                    "GET /v1/models)")
     ap.add_argument("--api-key", default=None, help="the server's API key, if it has one")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="seconds to wait for GET /health first (0: the server must already be up)")

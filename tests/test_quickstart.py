@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from servers import start_server, stop_server
+from servers import free_port, start_server, stop_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT = 600
@@ -99,7 +99,7 @@ def test_parser_flags_resolve():
 
 def test_demo_script_fails_loudly_without_a_server():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_demo.py"), "--base-url",
-                        f"http://127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=60)
+                        f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot reach the server" in r.stderr
 
 
