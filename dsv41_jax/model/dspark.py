@@ -145,7 +145,7 @@ def greedy_draw(k, logits):
 
 
 def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional[int] = None,
-            draw: Callable = greedy_draw) -> dict:
+            draw: Callable = greedy_draw, *, detach_confidence: bool = False) -> dict:
     """One DSpark block proposal (SPEC §7).
 
     anchor int32 [B]: the token the target just produced, at position start[b] (= s + 1, the number of
@@ -154,6 +154,10 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
     the draft was trained with, and the first gamma slots are kept.
     draw(k, logits fp32 [B, V]) -> (token int32 [B], q fp32 [B, V]) samples slot k at the request's
     parameters and returns the distribution it sampled from (`greedy_draw` by default).
+
+    detach_confidence (training only, `training.dspark_train`): the confidence head's input
+    [x_k ; m_k] is `stop_gradient`-ed, so a loss on c_k trains the head alone and not the stages or
+    the Markov embedding; the values computed are the same.
 
     Returns {"tokens" int32 [B, γ] (d_k proposes the token at position s + k + 2), "probs" q fp32
     [B, γ, V], "logits" fp32 [B, γ, V] (after the Markov term), "confidence" fp32 [B, γ] (raw)}.
@@ -188,7 +192,10 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
         m = mk["embed"]["weight"][prev].astype(dt)  # [B, R]
         lg = base[:, k] + linear.f32(m, mk["head"]["weight"], cfg)
         tok, q = draw(k, lg)
-        c = linear.f32(jnp.concatenate([x[:, k], m], axis=-1), last["confidence_head"]["proj"]["weight"], cfg)
+        xm = jnp.concatenate([x[:, k], m], axis=-1)
+        if detach_confidence:
+            xm = jax.lax.stop_gradient(xm)
+        c = linear.f32(xm, last["confidence_head"]["proj"]["weight"], cfg)
         toks.append(tok.astype(jnp.int32))
         probs.append(q)
         logits.append(lg)

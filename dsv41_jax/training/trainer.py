@@ -204,14 +204,18 @@ def restore_state(manager, train_like: dict, opt_like, step: int | None = None):
 # ----------------------------------------------------------------------------------- export
 
 
-def to_release_params(train: dict, params: dict, template: dict) -> dict:
+def to_release_params(train: dict, params: dict, template: dict, *, trained_mtp: bool = False) -> dict:
     """Master params -> checkpoint-format params (the release's fp8 32×32 blocks, MXFP4 experts,
     per-row fp8 Engram tables, bf16 / fp32 as declared), on the host with the numpy quantizers.
 
     train / params: as `split` returns them (trained leaves, the rest); template: checkpoint-format
     params of the same config (`init_params`): their dtypes are the targets, and their values are kept
     for every leaf that is not trained (the DSpark stages, the gate biases, derived tables). The
-    ``wo_a`` bf16 copy is rebuilt from the quantized pair."""
+    ``wo_a`` bf16 copy is rebuilt from the quantized pair.
+
+    trained_mtp: the DSpark stages (``mtp``) are exported from train / params like the target's
+    leaves instead of kept from the template (`training.dspark_train`, which trains them on the
+    frozen target); ``derived`` is still the template's."""
     from dsv41_jax.model.checkpoint import dequant_fp8_block_np, requantize_np
 
     full = merge(train, params)
@@ -219,7 +223,7 @@ def to_release_params(train: dict, params: dict, template: dict) -> dict:
     def conv(node, tmpl, name=""):
         if isinstance(node, dict):
             if set(node) >= {"weight", "scale"} and tmpl["weight"].dtype in (quant.FP8, jnp.uint8):
-                if name.split("/")[1] == "mtp":  # DSpark stages: not trained here, kept as they are
+                if name.split("/")[1] == "mtp" and not trained_mtp:  # DSpark stages: not trained here
                     return tmpl
                 w = np.asarray(node["weight"], np.float32)
                 if tmpl["weight"].dtype == jnp.uint8:
@@ -238,7 +242,7 @@ def to_release_params(train: dict, params: dict, template: dict) -> dict:
             return {k: conv(node[k], tmpl[k], f"{name}/{k}") for k in tmpl}
         if isinstance(node, list):
             return [conv(a, b, f"{name}/{i}") for i, (a, b) in enumerate(zip(node, tmpl))]
-        if name.split("/")[1] in ("mtp", "derived"):
+        if name.split("/")[1] == "derived" or (name.split("/")[1] == "mtp" and not trained_mtp):
             return tmpl
         return jnp.asarray(np.asarray(node, np.float32).astype(tmpl.dtype))
 
