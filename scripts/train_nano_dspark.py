@@ -13,9 +13,10 @@ teacher-forced over rows of the same synthetic corpus and row buckets train_nano
 (`training.dspark_train`: every anchor of a row is one batch element of the serving draft's own
 `dspark.propose`, with rings built from the target's features as serving writes them). Every
 --log-every steps a line with the loss, each block slot's top-1 agreement with the target and the
-expected accept length under greedy verification (teacher-forced); every --eval-every steps the same
-on held-out rows (--eval-seed); an Orbax checkpoint every --ckpt-every steps, at the end, and when
---max-minutes runs out or on SIGTERM / Ctrl-C, so an interrupted run resumes where it stopped.
+expected accept length under greedy verification (teacher-forced); at the start, every --eval-every
+steps and when stopping the same on held-out rows (--eval-seed); an Orbax checkpoint every
+--ckpt-every steps, at the end, and when --max-minutes runs out or on SIGTERM / Ctrl-C, so an
+interrupted run resumes where it stopped.
 --export DIR then writes the target with the trained draft in the release format (fp8 32x32 blocks,
 MXFP4 experts; the same files as eval_nano.py's export), e.g. for scripts/bench_nano_dspark.py.
 
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="training-data seed (default 0, the target's training rows)")
     ap.add_argument("--eval-seed", type=int, default=1, help="held-out data seed (default 1; must differ from --seed)")
     ap.add_argument("--log-every", type=int, default=10, help="steps between training metric lines (default 10)")
-    ap.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations (default 50; 0 = off)")
+    ap.add_argument("--eval-every", type=int, default=50,
+                    help="steps between held-out evaluations (default 50; 0 = off)")
     ap.add_argument("--eval-batches", type=int, default=2, help="held-out batches per evaluation (default 2)")
     ap.add_argument("--ckpt-every", type=int, default=50, help="steps between Orbax checkpoints (default 50)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
@@ -114,6 +116,20 @@ def check_args(args) -> list:
     if args.export and os.path.abspath(args.export) == os.path.abspath(args.target):
         errors.append("--export must not be the --target directory")
     return errors
+
+
+def _target_digest(target_dir: str) -> str:
+    """sha256 over the target's config.json and safetensors shards (names and bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for fn in sorted(os.listdir(target_dir)):
+        if fn == "config.json" or fn.endswith(".safetensors"):
+            h.update(fn.encode())
+            with open(os.path.join(target_dir, fn), "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 def export(out_dir: str, target_dir: str, train: dict, params: dict, template: dict, cfg, meta: dict) -> None:
@@ -167,6 +183,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 5.0)
     meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "export")}
     meta["target"] = os.path.abspath(args.target)
+    meta["target_sha256"] = _target_digest(args.target)  # a resumed run must train on the same weights
     meta["kinds"] = list(kinds)
     log.info("target %s: hidden %d, %d layers + %d DSpark stages (block %d), vocab %d; run %s", args.target,
              cfg.hidden_size, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.dspark_block_size,
@@ -183,6 +200,9 @@ def main(argv=None) -> int:
     got = trainer.restore_state(manager, train, opt_state)
     if got is not None:
         start, train, opt_state, old = got
+        # Orbax hands back arrays with an explicit sharding, which lowers to another program than the
+        # fresh run's (a persistent-cache miss: the step would compile again); plain arrays hit it.
+        train, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (train, opt_state))
         changed = {k: (old.get(k), v) for k, v in meta.items() if k != "steps" and old.get(k) != v}
         if changed:
             print(f"error: {args.out} holds a run with other settings {changed}; use another --out", file=sys.stderr)
@@ -259,7 +279,7 @@ def main(argv=None) -> int:
                     mf.write(json.dumps({"step": step, "split": "train", **avg}) + "\n")
                     mf.flush()
                 out_of_time = bool(stop) or (args.max_minutes and (time.time() - t0) > args.max_minutes * 60)
-                if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                if args.eval_every and (step % args.eval_every == 0 or step == args.steps or out_of_time):
                     avg = evaluate()
                     bar.write(f"step {step}: held-out {_fmt(avg)}")
                     mf.write(json.dumps({"step": step, "split": "eval", **avg}) + "\n")

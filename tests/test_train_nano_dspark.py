@@ -9,6 +9,7 @@ input exits 2.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -199,3 +200,46 @@ def test_cli_rejects_bad_input(tmp_path):
     for flag in ("--target", "--out", "--steps", "--batch-size", "--lr", "--max-minutes", "--seed", "--eval-seed",
                  "--export"):
         assert flag in r.stdout
+    bench = os.path.join(ROOT, "scripts", "bench_nano_dspark.py")
+    r = subprocess.run([sys.executable, bench, "--model", str(tmp_path / "none"), "--modes", "maybe", "--n", "0"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "--modes" in r.stderr and "--n" in r.stderr and "--model" in r.stderr, r.stderr
+
+
+def test_script_trains_resumes_and_exports(tmp_path):
+    """The script end to end on a micro2 target (tiny's tokenizer): a run stopped by --max-minutes after
+    its first step, rerun, resumes from the step-1 checkpoint (and finds its compiled step in the run's
+    persistent cache), finishes and exports; the export loads with the draft changed and the target
+    the same; a rerun with other settings is refused (exit 2). ~40 s: three subprocesses, one compile."""
+    from dsv41_jax.model.checkpoint import load_params, save_hf_checkpoint
+    from dsv41_jax.model.config import ModelConfig
+
+    cfg = _cfg()
+    target = tmp_path / "target"
+    save_hf_checkpoint(init_params(cfg, jax.random.key(0)), cfg, str(target), shards=1)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    base = [sys.executable, SCRIPT, "--target", str(target), "--out", str(tmp_path / "run"), "--kinds", "add",
+            "--batch-size", "2", "--tool-batch-size", "0", "--seq-len", "48", "--anchors", "8", "--eval-every", "0",
+            "--log-every", "1", "--warmup", "1", "--steps", "2", "--no-progress"]
+    r = subprocess.run(base + ["--max-minutes", "0.0001"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reached at step 1" in r.stdout + r.stderr
+    r = subprocess.run(base + ["--export", str(tmp_path / "export")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from the step-1 checkpoint" in r.stderr and "step 2: train" in r.stdout + r.stderr
+    assert len(list((tmp_path / "run" / "jax_cache").glob("jit_step*"))) == 1  # the resumed step was not recompiled
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    got = _flat(load_params(str(tmp_path / "export"), ModelConfig.from_pretrained(str(tmp_path / "export"))))
+    ref = _flat(load_params(str(target), cfg))
+
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return np.array_equal(a.view(np.uint8), b.view(np.uint8)) if a.dtype.itemsize == 1 else np.array_equal(a, b)
+
+    changed = {k for k in ref if not same(ref[k], got[k])}
+    assert changed and all(k.startswith("['mtp']") for k in changed)
+    assert json.loads((tmp_path / "export" / "dspark_run.json").read_text())["step"] == 2
+    r = subprocess.run(base + ["--lr", "1e-4"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "other settings" in r.stderr
