@@ -200,9 +200,6 @@ def main(argv=None) -> int:
     got = trainer.restore_state(manager, train, opt_state)
     if got is not None:
         start, train, opt_state, old = got
-        # Orbax hands back arrays with an explicit sharding, which lowers to another program than the
-        # fresh run's (a persistent-cache miss: the step would compile again); plain arrays hit it.
-        train, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (train, opt_state))
         changed = {k: (old.get(k), v) for k, v in meta.items() if k != "steps" and old.get(k) != v}
         if changed:
             print(f"error: {args.out} holds a run with other settings {changed}; use another --out", file=sys.stderr)

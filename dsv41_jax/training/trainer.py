@@ -198,7 +198,10 @@ def restore_state(manager, train_like: dict, opt_like, step: int | None = None):
     target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"train": train_like, "opt": opt_like})
     got = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                         meta=ocp.args.JsonRestore()))
-    return step, got["state"]["train"], got["state"]["opt"], got["meta"]
+    # Orbax hands back arrays with an explicit sharding, which lowers to another program than a fresh
+    # run's (a persistent-cache miss: the step would compile again); plain arrays hit the cache.
+    state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), got["state"])
+    return step, state["train"], state["opt"], got["meta"]
 
 
 # ----------------------------------------------------------------------------------- export
