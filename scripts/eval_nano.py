@@ -55,8 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def export_run(run: str, out: str) -> dict:
     """Export `run`'s latest checkpoint to `out` (release format). Returns the run's meta."""
-    import shutil
-
     import jax
 
     from dsv41_jax.model.checkpoint import save_hf_checkpoint
@@ -76,18 +74,14 @@ def export_run(run: str, out: str) -> dict:
     if meta.get("init_seed", 0) != 0:  # the untrained leaves (DSpark stages, biases) come from the init
         template = init_params(cfg, jax.random.key(meta["init_seed"]))
     release = trainer.to_release_params(train, params, template)
-    # Written beside `out` first, then swapped in: `out` may be the package's assets/nano, whose
-    # tokenizer files are the ones being copied.
-    tmp = os.path.normpath(out) + ".export_tmp"
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    save_hf_checkpoint(release, cfg, tmp, shards=1, tokenizer_dir=NANO_DIR)
     meta = dict(meta, step=step)
-    with open(os.path.join(tmp, "nano_run.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+    def write(d):
+        save_hf_checkpoint(release, cfg, d, shards=1, tokenizer_dir=NANO_DIR)
+        with open(os.path.join(d, "nano_run.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+
+    trainer.write_dir(out, write)  # `out` may be assets/nano, where the tokenizer files come from
     log.info("exported step %d of %s to %s", step, run, out)
     return meta
 

@@ -138,18 +138,20 @@ def export(out_dir: str, target_dir: str, train: dict, params: dict, template: d
 
     from dsv41_jax.model.checkpoint import save_hf_checkpoint
     from dsv41_jax.model.config import NANO_DIR
-    from dsv41_jax.training import dspark_train
+    from dsv41_jax.training import dspark_train, trainer
 
     release = dspark_train.to_release_params(train, params, template)
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
     tok_dir = target_dir if os.path.isfile(os.path.join(target_dir, "tokenizer.json")) else NANO_DIR
-    save_hf_checkpoint(release, cfg, out_dir, shards=1, tokenizer_dir=tok_dir)
-    run_json = os.path.join(target_dir, "nano_run.json")
-    if os.path.isfile(run_json):  # the target's own run record, as eval_nano.py's export writes it
-        shutil.copyfile(run_json, os.path.join(out_dir, "nano_run.json"))
-    with open(os.path.join(out_dir, "dspark_run.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
+
+    def write(d):
+        save_hf_checkpoint(release, cfg, d, shards=1, tokenizer_dir=tok_dir)
+        run_json = os.path.join(target_dir, "nano_run.json")
+        if os.path.isfile(run_json):  # the target's own run record, as eval_nano.py's export writes it
+            shutil.copyfile(run_json, os.path.join(d, "nano_run.json"))
+        with open(os.path.join(d, "dspark_run.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+
+    trainer.write_dir(out_dir, write)  # out_dir may be the target's own directory or assets/nano
 
 
 def main(argv=None) -> int:

@@ -250,3 +250,20 @@ def to_release_params(train: dict, params: dict, template: dict, *, trained_mtp:
         return jnp.asarray(np.asarray(node, np.float32).astype(tmpl.dtype))
 
     return conv(full, template)
+
+
+def write_dir(out_dir: str, write: Callable[[str], None]) -> None:
+    """Run ``write(tmp)`` on a fresh directory beside `out_dir`, then put it in `out_dir`'s place.
+
+    An export may be written over the directory its tokenizer comes from (the package's assets/nano),
+    so nothing of `out_dir` is removed before the new files are all written."""
+    import os
+    import shutil
+
+    tmp = os.path.normpath(out_dir) + ".export_tmp"
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    write(tmp)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
