@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ckpt-every", type=int, default=100, help="steps between Orbax checkpoints (default 100)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="stop (after a checkpoint) once this much wall time has passed; 0 = no limit")
+    ap.add_argument("--stop-step", type=int, default=0,
+                    help="stop (after a checkpoint) at this step, keeping --steps' learning-rate schedule (how "
+                         "the shipped checkpoint was cut: --steps 2200 --stop-step 2160); 0 = run to --steps")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (metric lines only)")
     return ap
 
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.lr <= 0 or args.max_minutes < 0:
         errors.append("--eval-every and --max-minutes must be >= 0 and --lr > 0")
+    if args.stop_step < 0 or args.stop_step > args.steps:
+        errors.append(f"--stop-step must be in 0..--steps ({args.steps}), got {args.stop_step}")
     if args.eval_seed == args.seed:
         errors.append(f"--eval-seed must differ from --seed (both {args.seed}): held-out rows must be unseen")
     if errors:
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
     # A resumed run finds the compiled step here instead of compiling it again (minutes on a busy CPU).
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 5.0)
-    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out")}
+    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "stop_step")}
     meta["kinds"] = list(kinds)
     log.info("config nano: hidden %d, %d layers + %d DSpark stages, vocab %d; run %s", cfg.hidden_size,
              cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.vocab_size, json.dumps(meta))
@@ -139,8 +144,10 @@ def main(argv=None) -> int:
         log.info("resumed from the step-%d checkpoint in %s", start, os.path.join(args.out, "ckpt"))
     else:
         log.info("no checkpoint in %s: starting from scratch", os.path.join(args.out, "ckpt"))
-    if start >= args.steps:
-        log.info("already at step %d >= --steps %d: nothing to do", start, args.steps)
+    last = args.stop_step or args.steps
+    if start >= last:
+        log.info("already at step %d >= %s %d: nothing to do", start, "--stop-step" if args.stop_step else "--steps",
+                 last)
         return 0
 
     step_fn = trainer.make_train_step(cfg, opt)
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
     log.info("rows per step: %s", ", ".join(f"{bs} x {t} tokens ({','.join(ks)})" for ks, t, bs, _ in buckets))
     mpath = os.path.join(args.out, "metrics.jsonl")
     t0 = time.time()
-    bar = tqdm(total=args.steps, initial=start, desc="train nano", unit="step", disable=args.no_progress,
+    bar = tqdm(total=last, initial=start, desc="train nano", unit="step", disable=args.no_progress,
                file=sys.stderr, dynamic_ncols=True)
     acc_m: dict = {}
     step = start
@@ -178,7 +185,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     with open(mpath, "a", encoding="utf-8") as mf:
-        while step < args.steps:
+        while step < last:
             batch = jax.tree_util.tree_map(jnp.asarray, next(it))
             ts = time.time()
             train, opt_state, m = step_fn(train, opt_state, params, batch)
@@ -196,13 +203,13 @@ def main(argv=None) -> int:
                 mf.write(json.dumps({"step": step, "split": "train", **avg}) + "\n")
                 mf.flush()
             out_of_time = bool(stop) or (args.max_minutes and (time.time() - t0) > args.max_minutes * 60)
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            if args.eval_every and (step % args.eval_every == 0 or step == last):
                 ev = [{k: float(v) for k, v in eval_fn(train, params, b).items()} for b in eval_batches]
                 avg = {k: float(np.mean([e[k] for e in ev])) for k in ev[0]}
                 bar.write(f"step {step}: held-out {_fmt(avg)}")
                 mf.write(json.dumps({"step": step, "split": "eval", **avg}) + "\n")
                 mf.flush()
-            if step % args.ckpt_every == 0 or step == args.steps or out_of_time:
+            if step % args.ckpt_every == 0 or step == last or out_of_time:
                 trainer.save_state(manager, step, train, opt_state, meta)
                 bar.write(f"step {step}: checkpoint saved to {os.path.join(args.out, 'ckpt')}")
             if out_of_time:

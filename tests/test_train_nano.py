@@ -139,10 +139,10 @@ def test_orbax_save_and_resume_give_the_same_state(tmp_path):
 
 def test_cli_rejects_bad_input(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_nano.py"), "--out", str(tmp_path),
-                        "--kinds", "add,nope", "--eval-seed", "0"], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+                        "--kinds", "add,nope", "--eval-seed", "0", "--stop-step", "9999"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert r.returncode == 2
-    assert "nope" in r.stderr and "--eval-seed" in r.stderr
+    assert "nope" in r.stderr and "--eval-seed" in r.stderr and "--stop-step" in r.stderr
 
 
 def test_export_round_trips_the_master_values():
