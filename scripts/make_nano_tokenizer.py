@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
-from make_tiny_tokenizer import LEADING_SPECIALS, TRAILING_SPECIALS, bytes_to_unicode  # noqa: E402
+from make_tiny_tokenizer import (LEADING_SPECIALS, TRAILING_SPECIALS, add_token, base_vocab,  # noqa: E402
+                                 bytes_to_unicode, check_specials, special_token_ids)
 
 MIN_CHUNK = 40  # characters: shorter template stretches are tokenized as words
 CORPUS_SEED = 0  # the training corpus's seed (scripts/train_nano.py --seed default)
@@ -141,24 +142,13 @@ def build_tokenizer(n_examples: int = 400, min_count: int = 2) -> tuple[Tokenize
     texts = corpus_texts(n_examples)
     counts = corpus_words(texts, chunks + [s for _, s in LEADING_SPECIALS + TRAILING_SPECIALS])
     merges = build_merges(counts, min_count)
-    vocab: dict[str, int] = {}
-
-    def add(token: str) -> None:
-        if token in vocab:
-            raise ValueError(f"duplicate token {token!r}")
-        vocab[token] = len(vocab)
-
-    for _, s in LEADING_SPECIALS:
-        add(s)
-    byte_map = bytes_to_unicode()
-    for b in range(256):
-        add(byte_map[b])
+    vocab = base_vocab()
     for left, right in merges:
-        add(left + right)
+        add_token(vocab, left + right)
     for c in chunks:  # in the vocab by their text (as the specials), so the added tokens keep these ids
-        add(c)
+        add_token(vocab, c)
     for _, s in TRAILING_SPECIALS:
-        add(s)
+        add_token(vocab, s)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
@@ -170,16 +160,6 @@ def build_tokenizer(n_examples: int = 400, min_count: int = 2) -> tuple[Tokenize
     info = {"merges": len(merges), "words": sum(1 for c in counts.values() if c >= min_count),
             "chunks": chunks, "texts": texts, "counts": counts, "min_count": min_count}
     return tok, info
-
-
-def special_token_ids(tok: Tokenizer) -> dict[str, int]:
-    out = {}
-    for role, s in LEADING_SPECIALS + TRAILING_SPECIALS:
-        tid = tok.token_to_id(s)
-        if tid is None:
-            raise ValueError(f"special token {s!r} missing")
-        out[role] = tid
-    return out
 
 
 def check(tok: Tokenizer, info: dict) -> None:
@@ -200,12 +180,7 @@ def check(tok: Tokenizer, info: dict) -> None:
     for t in info["texts"]:
         if tok.decode(tok.encode(t, add_special_tokens=False).ids, skip_special_tokens=False) != t:
             raise AssertionError(f"round trip fails for {t[:80]!r}")
-    for _, s in LEADING_SPECIALS + TRAILING_SPECIALS:
-        enc = tok.encode("a" + s + "b", add_special_tokens=False).ids
-        if len(enc) != 3 or enc[1] != tok.token_to_id(s):
-            raise AssertionError(f"{s!r} is not one token in context: {enc}")
-        if tok.decode(enc, skip_special_tokens=True) != "ab":
-            raise AssertionError(f"{s!r} survives skip_special_tokens")
+    check_specials(tok)
     size = tok.get_vocab_size(with_added_tokens=True)
     ids = special_token_ids(tok)
     if ids["image"] != size - 1 or ids["bos"] != 0:

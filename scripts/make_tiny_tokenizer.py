@@ -98,20 +98,31 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tokenizer() -> Tokenizer:
-    """Assemble the tokenizer from the fixed tables above."""
+def add_token(vocab: dict, token: str) -> None:
+    """Append `token` at the next id; a duplicate is an error (ids must be what the tables say)."""
+    if token in vocab:
+        raise ValueError(f"duplicate token {token!r}")
+    vocab[token] = len(vocab)
+
+
+def base_vocab() -> dict:
+    """The leading specials (ids 0..2) and the 256 byte-level base tokens (id = 3 + byte)."""
     vocab: dict[str, int] = {}
-
-    def add(token: str) -> None:
-        if token in vocab:
-            raise ValueError(f"duplicate token {token!r}")
-        vocab[token] = len(vocab)
-
     for _, s in LEADING_SPECIALS:
-        add(s)
+        add_token(vocab, s)
     byte_map = bytes_to_unicode()
     for b in range(256):
-        add(byte_map[b])
+        add_token(vocab, byte_map[b])
+    return vocab
+
+
+def build_tokenizer() -> Tokenizer:
+    """Assemble the tokenizer from the fixed tables above."""
+    vocab = base_vocab()
+
+    def add(token: str) -> None:
+        add_token(vocab, token)
+
     for left, right in MERGES:
         if left not in vocab or right not in vocab:
             raise ValueError(f"merge ({left!r}, {right!r}) uses an unknown token")
@@ -164,8 +175,12 @@ def check(tok: Tokenizer) -> None:
     dec = tok.decode(enc, skip_special_tokens=True)
     if dec != ROUND_TRIP_TEXT:
         raise AssertionError(f"round trip {ROUND_TRIP_TEXT!r} -> {enc} -> {dec!r}")
-    # Special markers are single tokens when they appear as literal text, and vanish
-    # on a skip_special_tokens decode.
+    check_specials(tok)
+
+
+def check_specials(tok: Tokenizer) -> None:
+    """Special markers are single tokens when they appear as literal text, vanish on a
+    skip_special_tokens decode and decode to themselves otherwise."""
     for _, s in LEADING_SPECIALS + TRAILING_SPECIALS:
         enc = tok.encode("a" + s + "b", add_special_tokens=False).ids
         if len(enc) != 3 or enc[1] != tok.token_to_id(s):

@@ -25,9 +25,7 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,10 +73,6 @@ def _all_kinds():
     return KINDS
 
 
-def _fmt(m: dict) -> str:
-    return " ".join(f"{k}={float(v):.4f}" for k, v in sorted(m.items()))
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -107,8 +101,6 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from tqdm import tqdm
 
     from dsv41_jax.model.config import NANO_DIR, ModelConfig
     from dsv41_jax.model.params import init_params
@@ -152,72 +144,16 @@ def main(argv=None) -> int:
 
     step_fn = trainer.make_train_step(cfg, opt)
     eval_fn = trainer.make_eval_step(cfg)
-    # Two row buckets, one step: short text rows and long tool-calling rows (their system prompt
-    # alone is ~170 tokens), so neither pays for the other's padding.
-    buckets = [(tuple(k for k in kinds if k not in data.TOOL_KINDS), args.seq_len, args.batch_size, 0),
-               (tuple(k for k in kinds if k in data.TOOL_KINDS), args.tool_seq_len, args.tool_batch_size,
-                data.TOOL_STREAM)]
-    buckets = [b for b in buckets if b[0]]
-
-    def stream(seed, start_step):
-        its = [data.batches(data.PackedSource(tok, seed, t, kinds=ks, index_offset=off), bs, start_step)
-               for ks, t, bs, off in buckets]
-        while True:
-            yield tuple(next(i) for i in its)
-
-    held = stream(args.eval_seed, 0)
+    buckets = data.row_buckets(kinds, args.seq_len, args.batch_size, args.tool_seq_len, args.tool_batch_size)
+    held = data.bucket_stream(tok, args.eval_seed, buckets)
     eval_batches = [jax.tree_util.tree_map(jnp.asarray, next(held)) for _ in range(args.eval_batches)]
-    it = stream(args.seed, start)
     log.info("rows per step: %s", ", ".join(f"{bs} x {t} tokens ({','.join(ks)})" for ks, t, bs, _ in buckets))
-    mpath = os.path.join(args.out, "metrics.jsonl")
-    t0 = time.time()
-    bar = tqdm(total=last, initial=start, desc="train nano", unit="step", disable=args.no_progress,
-               file=sys.stderr, dynamic_ncols=True)
-    acc_m: dict = {}
-    step = start
-    stop = []  # SIGTERM / SIGINT: finish the step, checkpoint, exit (a rerun resumes there)
-
-    def on_signal(signum, _frame):
-        if stop:  # a second signal: give up at once
-            raise KeyboardInterrupt
-        stop.append(signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    with open(mpath, "a", encoding="utf-8") as mf:
-        while step < last:
-            batch = jax.tree_util.tree_map(jnp.asarray, next(it))
-            ts = time.time()
-            train, opt_state, m = step_fn(train, opt_state, params, batch)
-            m = {k: float(v) for k, v in m.items()}
-            step += 1
-            m["step_s"] = time.time() - ts
-            for k, v in m.items():
-                acc_m.setdefault(k, []).append(v)
-            bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}")
-            if step % args.log_every == 0:
-                avg = {k: float(np.mean(v)) for k, v in acc_m.items()}
-                acc_m = {}
-                bar.write(f"step {step}: train {_fmt(avg)}")
-                mf.write(json.dumps({"step": step, "split": "train", **avg}) + "\n")
-                mf.flush()
-            out_of_time = bool(stop) or (args.max_minutes and (time.time() - t0) > args.max_minutes * 60)
-            if args.eval_every and (step % args.eval_every == 0 or step == last):
-                ev = [{k: float(v) for k, v in eval_fn(train, params, b).items()} for b in eval_batches]
-                avg = {k: float(np.mean([e[k] for e in ev])) for k in ev[0]}
-                bar.write(f"step {step}: held-out {_fmt(avg)}")
-                mf.write(json.dumps({"step": step, "split": "eval", **avg}) + "\n")
-                mf.flush()
-            if step % args.ckpt_every == 0 or step == last or out_of_time:
-                trainer.save_state(manager, step, train, opt_state, meta)
-                bar.write(f"step {step}: checkpoint saved to {os.path.join(args.out, 'ckpt')}")
-            if out_of_time:
-                why = f"{stop[0]} received" if stop else f"--max-minutes {args.max_minutes} reached"
-                bar.write(f"{why} at step {step}; rerun the same command to resume")
-                break
-    bar.close()
-    log.info("done at step %d in %.1f min", step, (time.time() - t0) / 60)
+    trainer.run_loop(step_fn, train, opt_state, params, data.bucket_stream(tok, args.seed, buckets, start),
+                     start=start, last=last, manager=manager, meta=meta,
+                     metrics_path=os.path.join(args.out, "metrics.jsonl"),
+                     evaluate=lambda t: trainer.mean_metrics(eval_fn, t, params, eval_batches),
+                     log_every=args.log_every, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
+                     max_minutes=args.max_minutes, desc="train nano", no_progress=args.no_progress)
     return 0
 
 

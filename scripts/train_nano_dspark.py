@@ -29,9 +29,7 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,10 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "with the trained draft to DIR in the release format (replaced if it exists)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (metric lines only)")
     return ap
-
-
-def _fmt(m: dict) -> str:
-    return " ".join(f"{k}={float(v):.4f}" for k, v in sorted(m.items()))
 
 
 def check_args(args) -> list:
@@ -166,8 +160,6 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from tqdm import tqdm
 
     from dsv41_jax.model.checkpoint import load_params
     from dsv41_jax.model.config import ModelConfig
@@ -212,86 +204,25 @@ def main(argv=None) -> int:
 
     step = start
     if start < args.steps:
-        buckets = [(tuple(k for k in kinds if k not in data.TOOL_KINDS), args.seq_len, args.batch_size, 0,
-                    args.anchors),
-                   (tuple(k for k in kinds if k in data.TOOL_KINDS), args.tool_seq_len, args.tool_batch_size,
-                    data.TOOL_STREAM, args.tool_anchors)]
-        buckets = [b for b in buckets if b[0] and b[2] > 0]
+        buckets = data.row_buckets(kinds, args.seq_len, args.batch_size, args.tool_seq_len, args.tool_batch_size)
         if not buckets:
             print("error: no rows: --kinds has only tool kinds and --tool-batch-size is 0", file=sys.stderr)
             return 2
-        n_anchors = tuple(min(b[4], b[1]) for b in buckets)
+        per_kind = {0: args.anchors, data.TOOL_STREAM: args.tool_anchors}
+        n_anchors = tuple(min(per_kind[off], t) for _, t, _, off in buckets)
         step_fn = dspark_train.make_train_step(cfg, opt, n_anchors, args.conf_weight)
         eval_fn = dspark_train.make_eval_step(cfg, n_anchors, args.conf_weight)
-
-        def stream(seed, start_step):
-            its = [data.batches(data.PackedSource(tok, seed, t, kinds=ks, index_offset=off), bs, start_step)
-                   for ks, t, bs, off, _ in buckets]
-            while True:
-                yield tuple(next(i) for i in its)
-
-        held = stream(args.eval_seed, 0)
+        held = data.bucket_stream(tok, args.eval_seed, buckets)
         eval_batches = [jax.tree_util.tree_map(jnp.asarray, next(held)) for _ in range(args.eval_batches)]
-        it = stream(args.seed, start)
         log.info("rows per step: %s", ", ".join(f"{bs} x {t} tokens, {a} anchors ({','.join(ks)})"
-                                                for (ks, t, bs, _, _), a in zip(buckets, n_anchors)))
-        mpath = os.path.join(args.out, "metrics.jsonl")
-        t0 = time.time()
-        bar = tqdm(total=args.steps, initial=start, desc="train nano draft", unit="step",
-                   disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
-        acc_m: dict = {}
-        stop = []  # SIGTERM / SIGINT: finish the step, checkpoint, exit (a rerun resumes there)
-
-        def on_signal(signum, _frame):
-            if stop:
-                raise KeyboardInterrupt
-            stop.append(signal.Signals(signum).name)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
-
-        def evaluate():
-            ev = [{k: float(v) for k, v in eval_fn(train, params, b).items()} for b in eval_batches]
-            return {k: float(np.mean([e[k] for e in ev])) for k in ev[0]}
-
-        with open(mpath, "a", encoding="utf-8") as mf:
-            if start == 0 and args.eval_every:
-                avg = evaluate()
-                bar.write(f"step 0: held-out {_fmt(avg)}")
-                mf.write(json.dumps({"step": 0, "split": "eval", **avg}) + "\n")
-                mf.flush()
-            while step < args.steps:
-                batch = jax.tree_util.tree_map(jnp.asarray, next(it))
-                ts = time.time()
-                train, opt_state, m = step_fn(train, opt_state, params, batch)
-                m = {k: float(v) for k, v in m.items()}
-                step += 1
-                m["step_s"] = time.time() - ts
-                for k, v in m.items():
-                    acc_m.setdefault(k, []).append(v)
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", acc_len=f"{m['accept_len']:.2f}")
-                if step % args.log_every == 0:
-                    avg = {k: float(np.mean(v)) for k, v in acc_m.items()}
-                    acc_m = {}
-                    bar.write(f"step {step}: train {_fmt(avg)}")
-                    mf.write(json.dumps({"step": step, "split": "train", **avg}) + "\n")
-                    mf.flush()
-                out_of_time = bool(stop) or (args.max_minutes and (time.time() - t0) > args.max_minutes * 60)
-                if args.eval_every and (step % args.eval_every == 0 or step == args.steps or out_of_time):
-                    avg = evaluate()
-                    bar.write(f"step {step}: held-out {_fmt(avg)}")
-                    mf.write(json.dumps({"step": step, "split": "eval", **avg}) + "\n")
-                    mf.flush()
-                if step % args.ckpt_every == 0 or step == args.steps or out_of_time:
-                    trainer.save_state(manager, step, train, opt_state, meta)
-                    bar.write(f"step {step}: checkpoint saved to {os.path.join(args.out, 'ckpt')}")
-                if out_of_time:
-                    why = f"{stop[0]} received" if stop else f"--max-minutes {args.max_minutes} reached"
-                    bar.write(f"{why} at step {step}; rerun the same command to resume")
-                    break
-        bar.close()
-        log.info("trained to step %d in %.1f min", step, (time.time() - t0) / 60)
+                                                for (ks, t, bs, _), a in zip(buckets, n_anchors)))
+        step, train, opt_state = trainer.run_loop(
+            step_fn, train, opt_state, params, data.bucket_stream(tok, args.seed, buckets, start), start=start,
+            last=args.steps, manager=manager, meta=meta, metrics_path=os.path.join(args.out, "metrics.jsonl"),
+            evaluate=lambda t: trainer.mean_metrics(eval_fn, t, params, eval_batches), log_every=args.log_every,
+            eval_every=args.eval_every, ckpt_every=args.ckpt_every, max_minutes=args.max_minutes,
+            desc="train nano draft", postfix="accept_len", no_progress=args.no_progress, eval_at_start=True,
+            eval_at_stop=True)
     else:
         log.info("already at step %d >= --steps %d: nothing to train", start, args.steps)
     if args.export:

@@ -174,5 +174,5 @@ def test_serve_cli_names_and_sizes():
     with pytest.raises(argparse.ArgumentTypeError):
         _size("lots")
     a = build_parser().parse_args(["--tp", "2", "--reasoning-parser", "auto", "--port", "1234", "--seed", "3"])
-    assert (a.tp_size, a.reasoning_parser, a.port, a.random_seed, a.model, a.host) == (2, "auto", 1234, 3, "tiny",
+    assert (a.tp_size, a.reasoning_parser, a.port, a.random_seed, a.model, a.host) == (2, "auto", 1234, 3, "nano",
                                                                                        "127.0.0.1")

@@ -257,3 +257,21 @@ def batches(source: PackedSource, batch_size: int, start_step: int = 0, *, prefe
     ds = ds[start_step:]
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
     return iter(it)
+
+
+def row_buckets(kinds, seq_len: int, batch_size: int, tool_seq_len: int, tool_batch_size: int) -> list:
+    """The training step's row buckets: [(kinds, seq_len, batch_size, index_offset)] — the text kinds in
+    short rows, the tool kinds (their system prompt alone is ~170 nano tokens) in long rows of their
+    own stream, so neither pays for the other's padding. Buckets with no kind or no rows are left out."""
+    out = [(tuple(k for k in kinds if k not in TOOL_KINDS), int(seq_len), int(batch_size), 0),
+           (tuple(k for k in kinds if k in TOOL_KINDS), int(tool_seq_len), int(tool_batch_size), TOOL_STREAM)]
+    return [b for b in out if b[0] and b[2] > 0]
+
+
+def bucket_stream(tokenizer, seed: int, buckets, start_step: int = 0):
+    """Batches of every bucket, step by step: an iterator of tuples of `batches` dicts (one per bucket,
+    in `row_buckets` order) from step `start_step` on (random access: a resumed run gets its rows)."""
+    its = [batches(PackedSource(tokenizer, seed, t, kinds=ks, index_offset=off), bs, start_step)
+           for ks, t, bs, off in buckets]
+    while True:
+        yield tuple(next(i) for i in its)

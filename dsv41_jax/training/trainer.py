@@ -204,6 +204,90 @@ def restore_state(manager, train_like: dict, opt_like, step: int | None = None):
     return step, state["train"], state["opt"], got["meta"]
 
 
+# ----------------------------------------------------------------------------------- the loop
+
+
+def run_loop(step_fn: Callable, train: dict, opt_state, params: dict, batches, *, start: int, last: int,
+             manager, meta: dict, metrics_path: str, evaluate: Callable[[dict], dict], log_every: int,
+             eval_every: int, ckpt_every: int, max_minutes: float, desc: str, postfix: str = "acc",
+             no_progress: bool = False, eval_at_start: bool = False, eval_at_stop: bool = False):
+    """The training loop the nano scripts share; returns (step, train, opt_state).
+
+    Runs ``step_fn(train, opt_state, params, batch)`` from step `start` to `last` over `batches` (an
+    iterator of host batches); every `log_every` steps a metric line (mean over the steps since the
+    last) to the progress bar and `metrics_path` (JSON lines); every `eval_every` steps and at `last`
+    (and at step 0 with `eval_at_start`, on stopping early with `eval_at_stop`) ``evaluate(train)``'s
+    held-out metrics; an Orbax checkpoint (`save_state` with `meta`) every `ckpt_every` steps, at `last`
+    and when stopping early: after `max_minutes` of wall time or on SIGTERM / SIGINT (the step in flight
+    finishes first; a second signal gives up at once), so a rerun resumes where it stopped."""
+    import json
+    import signal
+    import sys
+    import time
+
+    from tqdm import tqdm
+
+    def fmt(m):
+        return " ".join(f"{k}={float(v):.4f}" for k, v in sorted(m.items()))
+
+    stop = []
+
+    def on_signal(signum, _frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    t0 = time.time()
+    bar = tqdm(total=last, initial=start, desc=desc, unit="step", disable=no_progress, file=sys.stderr,
+               dynamic_ncols=True)
+    ckpt_dir = getattr(manager, "directory", "")
+    acc_m: dict = {}
+    step = start
+    with open(metrics_path, "a", encoding="utf-8") as mf:
+        def record(split, m):
+            bar.write(f"step {step}: {'train' if split == 'train' else 'held-out'} {fmt(m)}")
+            mf.write(json.dumps({"step": step, "split": split, **m}) + "\n")
+            mf.flush()
+
+        if start == 0 and eval_every and eval_at_start:
+            record("eval", evaluate(train))
+        while step < last:
+            batch = jax.tree_util.tree_map(jnp.asarray, next(batches))
+            ts = time.time()
+            train, opt_state, m = step_fn(train, opt_state, params, batch)
+            m = {k: float(v) for k, v in m.items()}
+            step += 1
+            m["step_s"] = time.time() - ts
+            for k, v in m.items():
+                acc_m.setdefault(k, []).append(v)
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", **{postfix: f"{m[postfix]:.3f}"})
+            if step % log_every == 0:
+                record("train", {k: float(np.mean(v)) for k, v in acc_m.items()})
+                acc_m = {}
+            out_of_time = bool(stop) or bool(max_minutes and (time.time() - t0) > max_minutes * 60)
+            if eval_every and (step % eval_every == 0 or step == last or (out_of_time and eval_at_stop)):
+                record("eval", evaluate(train))
+            if step % ckpt_every == 0 or step == last or out_of_time:
+                save_state(manager, step, train, opt_state, meta)
+                bar.write(f"step {step}: checkpoint saved to {ckpt_dir}")
+            if out_of_time:
+                why = f"{stop[0]} received" if stop else f"--max-minutes {max_minutes} reached"
+                bar.write(f"{why} at step {step}; rerun the same command to resume")
+                break
+    bar.close()
+    log.info("%s: at step %d after %.1f min", desc, step, (time.time() - t0) / 60)
+    return step, train, opt_state
+
+
+def mean_metrics(eval_fn: Callable, train: dict, params: dict, batches: list) -> dict:
+    """The mean over `batches` of ``eval_fn(train, params, batch)``'s metrics (floats)."""
+    ev = [{k: float(v) for k, v in eval_fn(train, params, b).items()} for b in batches]
+    return {k: float(np.mean([e[k] for e in ev])) for k in ev[0]}
+
+
 # ----------------------------------------------------------------------------------- export
 
 
