@@ -189,18 +189,12 @@ def main(argv=None) -> int:
              sum(v.size for v in train.values()))
     opt = trainer.make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
     opt_state = opt.init(train)
-    manager = trainer.checkpoint_manager(os.path.join(args.out, "ckpt"))
-    start = 0
-    got = trainer.restore_state(manager, train, opt_state)
-    if got is not None:
-        start, train, opt_state, old = got
-        changed = {k: (old.get(k), v) for k, v in meta.items() if k != "steps" and old.get(k) != v}
-        if changed:
-            print(f"error: {args.out} holds a run with other settings {changed}; use another --out", file=sys.stderr)
-            return 2
-        log.info("resumed from the step-%d checkpoint in %s", start, os.path.join(args.out, "ckpt"))
-    else:
-        log.info("no checkpoint in %s: starting from the target's draft as it is", os.path.join(args.out, "ckpt"))
+    try:
+        start, train, opt_state, manager = trainer.resume(args.out, train, opt_state, meta,
+                                                          fresh="starting from the target's draft as it is")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     step = start
     if start < args.steps:

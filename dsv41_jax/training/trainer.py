@@ -204,6 +204,26 @@ def restore_state(manager, train_like: dict, opt_like, step: int | None = None):
     return step, state["train"], state["opt"], got["meta"]
 
 
+def resume(run_dir: str, train: dict, opt_state, meta: dict, fresh: str = "starting from scratch"):
+    """(start step, train, opt_state, manager) for the run in `run_dir`: its latest Orbax checkpoint under
+    RUN_DIR/ckpt if there is one (logged), else step 0 and the given state. Raises ValueError naming the
+    settings when the checkpoint's `meta` differs from `meta` in anything but ``steps``."""
+    import os
+
+    ckpt = os.path.join(run_dir, "ckpt")
+    manager = checkpoint_manager(ckpt)
+    got = restore_state(manager, train, opt_state)
+    if got is None:
+        log.info("no checkpoint in %s: %s", ckpt, fresh)
+        return 0, train, opt_state, manager
+    start, train, opt_state, old = got
+    changed = {k: (old.get(k), v) for k, v in meta.items() if k != "steps" and old.get(k) != v}
+    if changed:
+        raise ValueError(f"{run_dir} holds a run with other settings {changed}; use another --out")
+    log.info("resumed from the step-%d checkpoint in %s", start, ckpt)
+    return start, train, opt_state, manager
+
+
 # ----------------------------------------------------------------------------------- the loop
 
 
