@@ -24,9 +24,6 @@ ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 TINY_DIR = os.path.join(ASSET_DIR, "tiny")
 NANO_DIR = os.path.join(ASSET_DIR, "nano")  # nano's tokenizer (scripts/make_nano_tokenizer.py) and checkpoint
 
-BUNDLED_MODELS = ("tiny", "nano")  # model names the CLIs take besides a directory
-
-
 def resolve_model(model: str) -> str:
     """A model name as the CLIs / `LLM` take it -> what the loaders take: ``"nano"`` is the trained
     checkpoint bundled in the package (its directory, `NANO_DIR`); ``"tiny"`` (random weights, built
