@@ -344,9 +344,9 @@ def engram_token_map_for(cfg: ModelConfig, tokenizer=None) -> np.ndarray:
 
     `tokenizer`: an HF `tokenizers.Tokenizer`, a path to a tokenizer.json, or None for the one the
     package ships for the preset (nano's for ``cfg.name == "nano"``, else tiny's). Whichever it is, it
-    must fit the config: its compressed-id count must be
-    the config's engram_compressed_vocab_size and its size at most vocab_size (a ConfigError names
-    the mismatch), so a config that needs another tokenizer is told so instead of guessed at.
+    must fit the config: its compressed-id count must be the config's engram_compressed_vocab_size and
+    its size at most vocab_size (a ConfigError names the mismatch), so a config that needs another
+    tokenizer is told so instead of guessed at.
     Ids >= len(tokenizer) map to the pad's compressed id (SPEC §5, uncertain point).
     """
     from dsv41_jax.model import engram_tables

@@ -16,8 +16,14 @@ tables, and the DSpark stages (trained afterwards on the frozen target).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
+import shutil
+import signal
+import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -168,8 +174,6 @@ def make_eval_step(cfg: ModelConfig) -> Callable:
 
 def checkpoint_manager(directory: str, keep: int = 2):
     """An Orbax `CheckpointManager` over `directory` (absolute path; created), keeping the last `keep`."""
-    import os
-
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -208,8 +212,6 @@ def resume(run_dir: str, train: dict, opt_state, meta: dict, fresh: str = "start
     """(start step, train, opt_state, manager) for the run in `run_dir`: its latest Orbax checkpoint under
     RUN_DIR/ckpt if there is one (logged), else step 0 and the given state. Raises ValueError naming the
     settings when the checkpoint's `meta` differs from `meta` in anything but ``steps``."""
-    import os
-
     ckpt = os.path.join(run_dir, "ckpt")
     manager = checkpoint_manager(ckpt)
     got = restore_state(manager, train, opt_state)
@@ -240,11 +242,6 @@ def run_loop(step_fn: Callable, train: dict, opt_state, params: dict, batches, *
     held-out metrics; an Orbax checkpoint (`save_state` with `meta`) every `ckpt_every` steps, at `last`
     and when stopping early: after `max_minutes` of wall time or on SIGTERM / SIGINT (the step in flight
     finishes first; a second signal gives up at once), so a rerun resumes where it stopped."""
-    import json
-    import signal
-    import sys
-    import time
-
     from tqdm import tqdm
 
     def fmt(m):
@@ -361,9 +358,6 @@ def write_dir(out_dir: str, write: Callable[[str], None]) -> None:
 
     An export may be written over the directory its tokenizer comes from (the package's assets/nano),
     so nothing of `out_dir` is removed before the new files are all written."""
-    import os
-    import shutil
-
     tmp = os.path.normpath(out_dir) + ".export_tmp"
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
