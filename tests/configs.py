@@ -3,6 +3,19 @@
 from dsv41_jax.model.config import ModelConfig, _engram_rows
 
 
+def mini() -> ModelConfig:
+    """tiny cut to 6 layers that keep every mechanism of tiny's layout once, for the relational tests
+    (decode ≡ forward, xla ≡ reference, Pallas ≡ xla, scan ≡ unrolled; the goldens stay on tiny): 0 window
+    only; 1 ratio-2 KV + index source with Engram; 2 reads 1's store and reuses its top-k; 3 ratio-1 KV +
+    index source = candidate source; 4 re-scores 3's keys inside the candidate blocks; 5 reuses 4's
+    top-k; 3 DSpark stages reading layers 3-5. Its forward compiles in ~0.64x tiny's time."""
+    return ModelConfig.preset("tiny").replace(
+        num_hidden_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 3),
+        index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3, engram_layer_ids=(1,),
+        engram_num_embeddings=tuple(_engram_rows((1,), 4, 2, 50)), dspark_target_layer_ids=(3, 4, 5),
+        name="mini")
+
+
 def micro() -> ModelConfig:
     """tiny cut to 3 layers (window-only, ratio-2 source, ratio-1 source + candidate source, Engram at 1)
     and 1 DSpark stage: every mechanism of a step, at a third of tiny's compile time."""

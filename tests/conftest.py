@@ -134,6 +134,24 @@ def tiny_params(tiny_cfg):
 
 
 @pytest.fixture(scope="session")
+def mini_cfg():
+    """`configs.mini`: tiny's mechanisms in 6 layers, for the relational tests (A ≡ B on the same model)."""
+    import configs
+
+    return configs.mini()
+
+
+@pytest.fixture(scope="session")
+def mini_cfg32(mini_cfg):
+    return mini_cfg.replace(act_dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def mini_params(mini_cfg):
+    return init_params(mini_cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
 def pallas_impl():
     """"pallas" on a GPU, "pallas_interpret" elsewhere: every kernel test is written once and runs
     natively where it can (`dsv41_jax.pallas.common.test_impl`)."""

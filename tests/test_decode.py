@@ -1,4 +1,7 @@
-"""Incremental decode ≡ full forward; chunked prefill; ragged batches; jit cache; allocator; fp8 KV (issue 3)."""
+"""Incremental decode ≡ full forward; chunked prefill; ragged batches; jit cache; allocator; fp8 KV (issue 3).
+
+On `configs.mini` (tiny's sizes, every mechanism of its layout in 6 layers): decode ≡ forward is a
+relation between two paths of one model, so it needs every mechanism, not tiny's 10 layers."""
 
 import functools
 
@@ -13,7 +16,7 @@ from dsv41_jax.model import decode as dec
 
 T = 40  # crosses the window (8), ratio-2 groups, candidate blocks (2 slots) and index_topk (4)
 CCFG = kvc.CacheConfig(page_size=8, num_pages=24, max_slots=4, max_pages_per_seq=6)
-# Compile time dominates this file (tiny model, ~10-20 s per (config, B, T) on a small CPU), so the tests
+# Compile time dominates this file (mini model, ~6-13 s per (config, B, T) on a small CPU), so the tests
 # share a few compiled steps: the full forward at [1, T]; a one-token step with aux; a [1, TC] chunk step
 # into which prefill chunks of any size <= TC (and one-token steps) go as ragged rows (n_new <= TC); a
 # [2, TC] step for the ragged batch. Chunk boundaries, not the step's padded width, are what the
@@ -61,25 +64,25 @@ def seq():
 
 
 @pytest.fixture(scope="module")
-def full32(tiny_params, tiny_cfg32, seq):
-    logits, aux = FWD(tiny_params, jnp.asarray(seq)[None], tiny_cfg32, return_aux=True)
+def full32(mini_params, mini_cfg32, seq):
+    logits, aux = FWD(mini_params, jnp.asarray(seq)[None], mini_cfg32, return_aux=True)
     return np.asarray(logits[0]), jax.tree_util.tree_map(np.asarray, aux)
 
 
-def test_incremental_equals_full(tiny_params, tiny_cfg32, seq, full32):
+def test_incremental_equals_full(mini_params, mini_cfg32, seq, full32):
     """prefill(4) + 36 one-token steps: logits ≤ 1e-4 and identical top-k / candidate / expert choices."""
-    cfg = tiny_cfg32
+    cfg = mini_cfg32
     full, faux = full32
-    st, alloc = _fresh(cfg, tiny_params)
+    st, alloc = _fresh(cfg, mini_params)
     P0 = 4
-    lg, st = _feed(tiny_params, st, alloc, cfg, CCFG, seq[:P0], [P0])
+    lg, st = _feed(mini_params, st, alloc, cfg, CCFG, seq[:P0], [P0])
     assert np.abs(lg - full[:P0]).max() <= 1e-4
     step = _step_aux(cfg, CCFG)
     for t in range(P0, T):
         alloc.ensure("r", t + 1)
         b = dec.make_batch([{"tokens": [int(seq[t])], "start": t, "slot": 0, "page_table": alloc.pages("r")}],
                            1, 1, CCFG)
-        lg, st, aux = step(tiny_params, st, b)
+        lg, st, aux = step(mini_params, st, b)
         d = np.abs(np.asarray(lg)[0, 0] - full[t]).max()
         assert d <= 1e-4, f"position {t}: max |Δ| = {d}"
         for lid, sel in aux["topk"].items():
@@ -96,24 +99,24 @@ def test_incremental_equals_full(tiny_params, tiny_cfg32, seq, full32):
 
 
 @pytest.fixture(scope="module")
-def widest_chunks(tiny_params, tiny_cfg32, seq):
+def widest_chunks(mini_params, mini_cfg32, seq):
     """The sequence prefilled in the widest chunks the step takes (16, 16, 8): logits, cache, pages."""
-    st, alloc = _fresh(tiny_cfg32, tiny_params)
-    lg, st = _feed(tiny_params, st, alloc, tiny_cfg32, CCFG, seq, _schedule(TC))
+    st, alloc = _fresh(mini_cfg32, mini_params)
+    lg, st = _feed(mini_params, st, alloc, mini_cfg32, CCFG, seq, _schedule(TC))
     return lg, jax.tree_util.tree_map(np.asarray, st), alloc.pages("r")
 
 
 # chunks of 1, and chunks that split ratio-2 groups (odd sizes) at every alignment; an irregular mix
 @pytest.mark.parametrize("chunks", [_schedule(1), _schedule(3), _schedule(7), [2, 16, 5, 1, 9, 7]],
                          ids=["1", "3", "7", "mixed"])
-def test_chunked_prefill_equals_one_shot(tiny_params, tiny_cfg32, seq, full32, widest_chunks, chunks):
+def test_chunked_prefill_equals_one_shot(mini_params, mini_cfg32, seq, full32, widest_chunks, chunks):
     """Any chunking gives the same logits as the full forward (≤ 1e-4) and the same cache as the widest
     chunks: every store's codes identical (window rings, pools, partial groups, Engram history)."""
-    cfg = tiny_cfg32
+    cfg = mini_cfg32
     lg1, st1, pages1 = widest_chunks
     np.testing.assert_allclose(lg1, full32[0], atol=1e-4, rtol=0)
-    st2, a2 = _fresh(cfg, tiny_params)
-    lg2, st2 = _feed(tiny_params, st2, a2, cfg, CCFG, seq, chunks)
+    st2, a2 = _fresh(cfg, mini_params)
+    lg2, st2 = _feed(mini_params, st2, a2, cfg, CCFG, seq, chunks)
     np.testing.assert_allclose(lg2, lg1, atol=1e-4, rtol=0)
     assert pages1 == a2.pages("r")
     flat1 = jax.tree_util.tree_leaves_with_path(st1)
@@ -127,31 +130,31 @@ def test_chunked_prefill_equals_one_shot(tiny_params, tiny_cfg32, seq, full32, w
                                           x.view(np.uint8) if x.dtype.itemsize == 1 else x, err_msg=str(path))
 
 
-def test_verify_window_equals_single_steps(tiny_params, tiny_cfg32, seq, full32):
+def test_verify_window_equals_single_steps(mini_params, mini_cfg32, seq, full32):
     """A multi-token step (DSpark verify window of k tokens) ≡ k one-token steps (≡ the full forward)."""
-    cfg = tiny_cfg32
-    st, alloc = _fresh(cfg, tiny_params)
-    _, st = _feed(tiny_params, st, alloc, cfg, CCFG, seq[:21], [16, 5])
-    lg, st = _feed(tiny_params, st, alloc, cfg, CCFG, seq[21:27], [6], start=21)
+    cfg = mini_cfg32
+    st, alloc = _fresh(cfg, mini_params)
+    _, st = _feed(mini_params, st, alloc, cfg, CCFG, seq[:21], [16, 5])
+    lg, st = _feed(mini_params, st, alloc, cfg, CCFG, seq[21:27], [6], start=21)
     np.testing.assert_allclose(lg, full32[0][21:27], atol=1e-4, rtol=0)
 
 
-def test_ragged_batch_with_joins_and_leaves(tiny_params, tiny_cfg32):
+def test_ragged_batch_with_joins_and_leaves(mini_params, mini_cfg32):
     """Requests of different lengths in one [2, TC] batch: prefill chunks and one-token decode rows mixed in
     one step; one finishes, its pages are freed and a new one takes its slot and pages (a 7-page pool).
     Every request's logits equal the full forward of its own tokens alone (≤ 1e-4), so its greedy tokens
     are those it generates alone."""
-    cfg = tiny_cfg32
+    cfg = mini_cfg32
     rng = np.random.default_rng(3)
     prompts = {n: rng.integers(3, 300, size=L).tolist() for n, L in (("a", 5), ("b", 17), ("c", 11))}
     steps = {"a": 6, "b": 12, "c": 9}
-    st, _ = _fresh(cfg, tiny_params)
+    st, _ = _fresh(cfg, mini_params)
     # a pool of 7 usable pages (b needs 4, c 3: c gets a's freed pages), ids inside CCFG's pool
     alloc = kvc.PageAllocator(num_pages=8, page_size=CCFG.page_size, max_pages_per_seq=4)
     step = dec.jitted_extend(cfg, CCFG, False)
     live = {"a": 0, "b": 1}
     pos, out, logs, pending = {}, {n: [] for n in prompts}, {n: [] for n in prompts}, ["c"]
-    pad = int(np.asarray(tiny_params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
+    pad = int(np.asarray(mini_params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
     feed = {n: list(prompts[n]) for n in live}
     pos.update({n: 0 for n in live})
     mixed = False
@@ -163,7 +166,7 @@ def test_ragged_batch_with_joins_and_leaves(tiny_params, tiny_cfg32):
             rows.append({"tokens": chunk, "start": pos[n], "slot": s, "page_table": alloc.pages(n)})
             names.append(n)
         mixed |= len({len(r["tokens"]) == 1 for r in rows}) == 2
-        lg, st = step(tiny_params, st, dec.make_batch(rows, TC, 2, CCFG))
+        lg, st = step(mini_params, st, dec.make_batch(rows, TC, 2, CCFG))
         lg = np.asarray(lg)
         for i, n in enumerate(names):
             k = len(rows[i]["tokens"])
@@ -188,14 +191,14 @@ def test_ragged_batch_with_joins_and_leaves(tiny_params, tiny_cfg32):
     for n in prompts:
         toks = prompts[n] + out[n][:-1]
         assert len(toks) <= T
-        full = np.asarray(FWD(tiny_params, jnp.asarray(toks + [3] * (T - len(toks)))[None], cfg,
+        full = np.asarray(FWD(mini_params, jnp.asarray(toks + [3] * (T - len(toks)))[None], cfg,
                               return_aux=True)[0][0])  # causal: the padding changes no earlier position
         want = full[len(prompts[n]) - 1: len(toks)]
         np.testing.assert_allclose(np.stack(logs[n]), want, atol=1e-4, rtol=0, err_msg=n)
         assert out[n] == np.argmax(want, axis=-1).tolist(), n
 
 
-def test_generate_ragged_equals_alone(tiny_params, tiny_cfg):
+def test_generate_ragged_equals_alone(mini_params, mini_cfg):
     """Exact mode (fp64-accumulated matmuls, model/numerics.py): XLA's accumulation order depends on
     the batch shape, and so does the "xla" linear / MoE formulation (K-blockwise GEMM for <= 8 rows,
     selected-expert gather while tokens·k < E), so in the bf16 flow a bf16 rounding — and in the fp32
@@ -204,25 +207,25 @@ def test_generate_ragged_equals_alone(tiny_params, tiny_cfg):
     then an internal decision flips (logits move by 0.54 while the output top-2 margin is 0.063).
     One cache config and one-token prefill chunks for all calls, so the batch size is the only shape that
     differs ([4, 1] vs [1, 1]: two compiles; exact-mode steps are the slowest to compile)."""
-    cfg = tiny_cfg.replace(act_dtype="exact")
+    cfg = mini_cfg.replace(act_dtype="exact")
     prompts = [[5, 6, 7], list(range(10, 31)), [100] * 9]
     ccfg = kvc.CacheConfig(page_size=16, num_pages=9, max_slots=4, max_pages_per_seq=2)
-    together = dec.generate(tiny_params, cfg, prompts, 6, ccfg=ccfg, chunk_size=1)
+    together = dec.generate(mini_params, cfg, prompts, 6, ccfg=ccfg, chunk_size=1)
     for p, t in zip(prompts, together):
-        assert dec.generate(tiny_params, cfg, [p], 6, ccfg=ccfg, chunk_size=1) == [t]
+        assert dec.generate(mini_params, cfg, [p], 6, ccfg=ccfg, chunk_size=1) == [t]
 
 
-def test_jit_cache_does_not_grow(tiny_params, tiny_cfg32):
+def test_jit_cache_does_not_grow(mini_params, mini_cfg32):
     """Steps at every position and chunk size reuse one compiled [1, TC] step."""
-    cfg = tiny_cfg32
-    st, alloc = _fresh(cfg, tiny_params)
+    cfg = mini_cfg32
+    st, alloc = _fresh(cfg, mini_params)
     fn = dec.jitted_extend(cfg, CCFG, True)
-    lg, st = _feed(tiny_params, st, alloc, cfg, CCFG, [3, 4, 5], [3])
+    lg, st = _feed(mini_params, st, alloc, cfg, CCFG, [3, 4, 5], [3])
     size = fn._cache_size()
     assert size >= 1
     tok, pos = int(np.argmax(lg[-1])), 3
     for _ in range(40):
-        lg, st = _feed(tiny_params, st, alloc, cfg, CCFG, [tok], [1], start=pos)
+        lg, st = _feed(mini_params, st, alloc, cfg, CCFG, [tok], [1], start=pos)
         tok, pos = int(np.argmax(lg[-1])), pos + 1
     assert fn._cache_size() == size
 
@@ -261,16 +264,16 @@ def test_memory_plan_flash():
 
 
 @pytest.mark.parametrize("mode", ["bfloat16", "float32"])
-def test_kv_cache_debug_modes_lossless(tiny_params, tiny_cfg32, seq, full32, mode):
+def test_kv_cache_debug_modes_lossless(mini_params, mini_cfg32, seq, full32, mode):
     """bf16 / fp32 storage hold the fake-quantized values themselves: same logits as the packed default."""
-    cfg = tiny_cfg32
+    cfg = mini_cfg32
     ccfg = CCFG.replace(kv_cache_dtype=mode)
-    st, alloc = _fresh(cfg, tiny_params, ccfg)
-    got, _ = _feed(tiny_params, st, alloc, cfg, ccfg, seq, [16, 8, 16])
+    st, alloc = _fresh(cfg, mini_params, ccfg)
+    got, _ = _feed(mini_params, st, alloc, cfg, ccfg, seq, [16, 8, 16])
     assert np.abs(got - full32[0]).max() <= 1e-4
 
 
-def test_fp8_kv_mode_tolerance(tiny_params, tiny_cfg32, seq, full32):
+def test_fp8_kv_mode_tolerance(mini_params, mini_cfg32, seq, full32):
     """fp8 storage of every store. The window is fp8 already (exact); compressed latents and index keys are
     re-quantized from their fp4 values, which costs at most one e4m3 rounding (half an ulp, ≤ 16 × the
     block's pow2 scale). Stated tolerance at the logits, with random tiny weights (where any perturbation
@@ -283,10 +286,10 @@ def test_fp8_kv_mode_tolerance(tiny_params, tiny_cfg32, seq, full32):
         amax = np.abs(ref).reshape(64, 2, 32).max(-1, keepdims=True)
         err = np.abs(got - ref).reshape(64, 2, 32) / np.exp2(np.ceil(np.log2(amax / 448)))
         assert err.max() <= 16, kind  # half an e4m3 ulp in its top binade [256, 448) is 16 (in scale units)
-    cfg = tiny_cfg32
+    cfg = mini_cfg32
     ccfg = CCFG.replace(kv_cache_dtype="fp8_e4m3")
-    st, alloc = _fresh(cfg, tiny_params, ccfg)
-    got, _ = _feed(tiny_params, st, alloc, cfg, ccfg, seq, _schedule(TC))
+    st, alloc = _fresh(cfg, mini_params, ccfg)
+    got, _ = _feed(mini_params, st, alloc, cfg, ccfg, seq, _schedule(TC))
     ref = full32[0]
     assert np.isfinite(got).all()
     assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] >= 0.9

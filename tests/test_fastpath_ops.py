@@ -1,7 +1,7 @@
 """The "xla" fast paths against the reference (issue 10, weights and per-token ops).
 
-Per op (linear fp8 / MXFP4 / fp32-kind, routed MoE, mHC mixing) and through `forward`, on the tiny
-preset and on a 64-expert top-6 variant (decode-sized token counts leave most experts without a
+Per op (linear fp8 / MXFP4 / fp32-kind, routed MoE, mHC mixing) and through `forward`, on `configs.mini`
+(tiny's sizes and mechanisms in 6 layers) and on a 64-expert top-6 variant (decode-sized token counts leave most experts without a
 token; the grouped path then gathers only the selected experts):
 
 * exact mode (fp32 activations, fp64-accumulated matmuls): identical discrete decisions and
@@ -260,13 +260,14 @@ def _compare_forward(params, cfg, tokens):
     return np.asarray(lr), np.asarray(lx), _decisions(ar), _decisions(ax)
 
 
-@pytest.mark.parametrize("which, T", [("tiny", 12), ("e64", 6)])
-def test_forward_exact_mode_identical(which, T, tiny_cfg, tiny_params, cfg64, params64):
+@pytest.mark.parametrize("which, T", [("mini", 12), ("e64", 6)])
+def test_forward_exact_mode_identical(which, T, mini_cfg, mini_params, cfg64, params64):
     """Exact mode: identical experts / index top-k / candidate blocks and bit-identical logits.
 
-    tiny at T=12: bf16-dequant GEMMs (M > 8) and the all-experts ragged path (A = 24 >= 8);
+    mini (`configs.mini`: tiny's sizes and mechanisms in 6 layers) at T=12: bf16-dequant GEMMs (M > 8)
+    and the all-experts ragged path (A = 24 >= 8);
     e64 at T=6: the K-blockwise fp8 GEMMs (M <= 8) and the selected-experts gather (A = 36 < 64)."""
-    cfg, params = (tiny_cfg, tiny_params) if which == "tiny" else (cfg64, params64)
+    cfg, params = (mini_cfg, mini_params) if which == "mini" else (cfg64, params64)
     tokens = jax.random.randint(jax.random.key(21), (1, T), 3, 300, dtype=jnp.int32)
     lr, lx, dr, dx = _compare_forward(params, cfg.replace(act_dtype="exact"), tokens)
     assert dr.keys() == dx.keys() and any(k[0] == "topk" for k in dr)
@@ -275,11 +276,11 @@ def test_forward_exact_mode_identical(which, T, tiny_cfg, tiny_params, cfg64, pa
     np.testing.assert_array_equal(lx, lr)
 
 
-@pytest.mark.parametrize("which, T", [("tiny", 12), ("e64", 6)])
-def test_forward_bf16_decisions_and_logits(which, T, tiny_cfg, tiny_params, cfg64, params64):
+@pytest.mark.parametrize("which, T", [("mini", 12), ("e64", 6)])
+def test_forward_bf16_decisions_and_logits(which, T, mini_cfg, mini_params, cfg64, params64):
     """bf16 flow: decisions agree at >= 99% of positions; logits within tolerance up to the first
     position where any decision flips (after a flip a random tiny model legitimately diverges)."""
-    cfg, params = (tiny_cfg, tiny_params) if which == "tiny" else (cfg64, params64)
+    cfg, params = (mini_cfg, mini_params) if which == "mini" else (cfg64, params64)
     tokens = jax.random.randint(jax.random.key(21), (1, T), 3, 300, dtype=jnp.int32)
     lr, lx, dr, dx = _compare_forward(params, cfg, tokens)
     first_flip = T
