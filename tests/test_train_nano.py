@@ -235,3 +235,27 @@ def test_two_buckets_weigh_every_completion_token_alike(tok):
     np.testing.assert_allclose(float(lab["loss"]), (float(la["loss"]) * na + float(lb["loss"]) * nb) / (na + nb),
                                rtol=1e-5)
     np.testing.assert_allclose(float(lab["seq_acc"]), (float(la["seq_acc"]) + float(lb["seq_acc"])) / 2, rtol=1e-6)
+
+
+def test_lookup_control_script_trains_and_reports(tmp_path):
+    """scripts/lookup_control.py (the plain-transformer control for the look-up gap, README): trains on
+    the corpus's look-up rows, writes one JSON line per evaluation, is deterministic, refuses bad flags."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lookup_control", os.path.join(ROOT, "scripts", "lookup_control.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"c{i}.jsonl"
+        assert mod.main(["--steps", "3", "--eval-every", "2", "--layers", "1", "--width", "32", "--eval-rows", "4",
+                         "--batch-size", "2", "--warmup", "1", "--out", str(out)]) == 0
+        outs.append([json.loads(l) for l in out.read_text().splitlines()])
+    assert [r["step"] for r in outs[0]] == [2, 3]
+    assert all(0.0 <= r["eval_seq_acc"] <= 1.0 and r["eval_loss"] > 0 for r in outs[0])
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
+    assert strip(outs[0]) == strip(outs[1])
+    for bad in (["--kinds", "tool_call"], ["--eval-seed", "0"], ["--width", "30"], ["--steps", "0"], ["--steps", "10", "--warmup", "10"]):
+        with pytest.raises(SystemExit) as e:
+            mod.parse_args(bad)
+        assert e.value.code == 2, bad

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Control for nano's look-up gap (issue 14): a plain transformer on the same look-up rows.
+
+nano does not learn the table look-ups ("eel=6, pig=6, bee=1. Value of pig?" -> "6") in its training
+budget. This script asks whether that is nano's architecture (sparse attention, compressed KV, mHC,
+Engram, fp8 / fp4 fake-quants) or the task at this budget: it trains a textbook pre-LN transformer
+(multi-head attention with RoPE, GELU MLP, RMSNorm, untied head; no quantization, no sparsity) on
+exactly the rows `scripts/train_nano.py --kinds lookup` trains on (`training.data.PackedSource`:
+nano's tokenizer, the V4.1 chat rendering, loss on the completion only), with nano's optimizer
+settings (AdamW, warmup then cosine decay, clip 1.0, weight decay 0.01), and prints held-out sequence
+accuracy (the fraction of completions greedy decoding would reproduce exactly, teacher-forced) every
+--eval-every steps. A random entry of the 2-4 in a table would score ~0.43.
+
+    python scripts/lookup_control.py                       # 3000 steps, 4 layers, 16 rows x 64 tokens
+    python scripts/lookup_control.py --batch-size 64 --steps 1000
+    python scripts/lookup_control.py --kinds copy --steps 600   # the control's control: copying is learned
+
+Deterministic: the data is the corpus with --seed (held-out: --eval-seed), the init --init-seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", default="lookup",
+                    help="comma-separated text task kinds to train and evaluate on (default lookup; 'copy' is the "
+                         "control that the same model does learn an in-context task)")
+    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps (default 3000)")
+    ap.add_argument("--batch-size", type=int, default=16, help="rows per step (default 16, nano's)")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per row (default 64, nano's)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    ap.add_argument("--width", type=int, default=128, help="model width (default 128, nano's hidden size)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (default 4, nano's)")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3, nano's)")
+    ap.add_argument("--warmup", type=int, default=50, help="linear warmup steps (default 50, nano's)")
+    ap.add_argument("--seed", type=int, default=0, help="training-data seed (default 0, nano's)")
+    ap.add_argument("--eval-seed", type=int, default=1, help="held-out data seed (default 1)")
+    ap.add_argument("--eval-rows", type=int, default=256, help="held-out rows per evaluation (default 256)")
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between evaluations (default 100)")
+    ap.add_argument("--init-seed", type=int, default=0, help="parameter initialization seed (default 0)")
+    ap.add_argument("--out", default="", help="also write the evaluation lines as JSON lines to this file")
+    args = ap.parse_args(argv)
+    from dsv41_jax.training import data
+
+    args.kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    bad = [k for k in args.kinds if k not in data.TEXT_KINDS]
+    if bad or not args.kinds:
+        ap.error(f"--kinds: unknown or tool kinds {bad}; choose from {','.join(data.TEXT_KINDS)}")
+    if args.eval_seed == args.seed:
+        ap.error("--eval-seed must differ from --seed")
+    if not 0 <= args.warmup < args.steps:
+        ap.error("--warmup must be >= 0 and below --steps")
+    if args.width % args.heads or (args.width // args.heads) % 2:
+        ap.error("--width must split into --heads heads of an even size")
+    for k in ("steps", "batch_size", "seq_len", "layers", "eval_rows", "eval_every"):
+        if getattr(args, k) <= 0:
+            ap.error(f"--{k.replace('_', '-')} must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from dsv41_jax.model.config import NANO_DIR, ModelConfig
+    from dsv41_jax.serving.tokenizer import load_tokenizer
+    from dsv41_jax.training import data
+
+    tok = load_tokenizer(NANO_DIR)
+    V, D, H, L, T = ModelConfig.preset("nano").vocab_size, args.width, args.heads, args.layers, args.seq_len
+    src = data.PackedSource(tok, args.seed, T, kinds=args.kinds)
+    held = data.PackedSource(tok, args.eval_seed, T, kinds=args.kinds)
+
+    def rows(source, start, n):
+        r = [source[i] for i in range(start, start + n)]
+        return {k: jnp.asarray(np.stack([x[k] for x in r])) for k in r[0]}
+
+    def init(key):
+        ks = iter(jax.random.split(key, 8 * L + 4))
+        n = lambda *s: jax.random.normal(next(ks), s, jnp.float32) * 0.02  # noqa: E731
+        p = {"emb": n(V, D), "head": n(D, V), "norm": jnp.ones(D)}
+        p["layers"] = [{"n1": jnp.ones(D), "n2": jnp.ones(D), "wq": n(D, D), "wk": n(D, D), "wv": n(D, D),
+                        "wo": n(D, D), "w1": n(D, 4 * D), "w2": n(4 * D, D)} for _ in range(L)]
+        return p
+
+    def rms(x, w):
+        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
+
+    def rope(x):  # [B, T, H, d]: rotate pairs by position * 10000^(-2i/d)
+        d = x.shape[-1]
+        ang = jnp.arange(x.shape[1])[:, None] * 10000.0 ** (-jnp.arange(0, d, 2) / d)
+        c, s = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).reshape(x.shape)
+
+    def forward(p, tokens):
+        B, Tn = tokens.shape
+        x = p["emb"][tokens]
+        causal = jnp.tril(jnp.ones((Tn, Tn), bool))
+        for lp in p["layers"]:
+            h = rms(x, lp["n1"])
+            q, k, v = ((h @ lp[w]).reshape(B, Tn, H, D // H) for w in ("wq", "wk", "wv"))
+            s = jnp.einsum("bqhd,bkhd->bhqk", rope(q), rope(k)) / np.sqrt(D // H)
+            a = jax.nn.softmax(jnp.where(causal, s, -1e9), -1)
+            x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, Tn, D) @ lp["wo"]
+            x = x + jax.nn.gelu(rms(x, lp["n2"]) @ lp["w1"]) @ lp["w2"]
+        return rms(x, p["norm"]) @ p["head"]
+
+    def loss_fn(p, b):
+        logits = forward(p, b["tokens"])
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), b["targets"][..., None], -1)[..., 0]
+        m = b["mask"]
+        hit = (logits.argmax(-1) == b["targets"]) | (m == 0)
+        return (nll * m).sum() / m.sum(), hit.all(-1).mean()
+
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    params = init(jax.random.key(args.init_seed))
+    state = opt.init(params)
+
+    @jax.jit
+    def step(p, st, b):
+        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+        upd, st = opt.update(g, st, p)
+        return optax.apply_updates(p, upd), st, loss, acc
+
+    evaluate = jax.jit(loss_fn)
+    held_rows = rows(held, 0, args.eval_rows)
+    print(f"plain transformer: {L} layers, width {D}, {H} heads, vocab {V}; {args.batch_size} rows x {T} tokens "
+          f"per step, kinds {','.join(args.kinds)}; backend {jax.default_backend()}", flush=True)
+    out = open(args.out, "w") if args.out else None
+    t0 = time.time()
+    for s in range(args.steps):
+        params, state, loss, _ = step(params, state, rows(src, s * args.batch_size, args.batch_size))
+        if (s + 1) % args.eval_every == 0 or s + 1 == args.steps:
+            el, ea = evaluate(params, held_rows)
+            rec = {"step": s + 1, "train_loss": round(float(loss), 4), "eval_loss": round(float(el), 4),
+                   "eval_seq_acc": round(float(ea), 4), "seconds": round(time.time() - t0, 1)}
+            print(json.dumps(rec), flush=True)
+            if out:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
