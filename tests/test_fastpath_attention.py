@@ -403,10 +403,12 @@ def test_decode_pallas_equals_xla(mini_params, mini_cfg32, xla_scenario, pallas_
     model's activation / window-KV quantization flipping where a kernel's 1e-7 summation-order
     difference lands on a rounding boundary (the only way a 1e-7 difference becomes 1e-2 within one
     layer) — and the other row, which shares nothing with it, must stay within 1e-5 throughout. A bug
-    in a kernel would part many tokens or both rows. Measured: on the CPUs where this test was written
-    the paths never part; on an AMD EPYC every layer input is bitwise equal except that layer 7's
-    output at row 0, position 7 (step 1) parts by 0.06, and the logits downstream by <= 0.077, back to
-    bitwise from step 8 on (position 22, beyond the window of the flipped token's descendants)."""
+    in a kernel would part many tokens or both rows. Measured on tiny (before this test moved to
+    `configs.mini`): on the CPUs where it was written the paths never part; on an AMD EPYC every layer
+    input is bitwise equal except that layer 7's output at row 0, position 7 (step 1) parts by 0.06,
+    and the logits downstream by <= 0.077, back to bitwise from step 8 on (position 22, beyond the
+    window of the flipped token's descendants). On mini, same AMD EPYC: one event too, layer 3's input
+    at row 1 in step 6 (one token), with the other row within 1e-5 throughout."""
     got = run_scenario(mini_params, _all_kernels(mini_cfg32, pallas_impl), layer_inputs=True)
     want = xla_scenario
     for k in sorted(want):
