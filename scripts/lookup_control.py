@@ -14,6 +14,7 @@ accuracy (the fraction of completions greedy decoding would reproduce exactly, t
     python scripts/lookup_control.py                       # 3000 steps, 4 layers, 16 rows x 64 tokens
     python scripts/lookup_control.py --batch-size 64 --steps 1000
     python scripts/lookup_control.py --kinds copy --steps 600   # the control's control: copying is learned
+    python scripts/lookup_control.py --format curriculum --curriculum-steps 1500
 
 Deterministic: the data is the corpus with --seed (held-out: --eval-seed), the init --init-seed.
 """
@@ -30,11 +31,81 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+FORMATS = ("corpus", "question-first", "glued", "word", "every-key", "mix", "curriculum")
+FORMAT_HELP = """look-up format (default corpus: the rows `train_nano.py --kinds lookup` trains on, any --kinds);
+the others are look-up rows built here, each half with thinking on: question-first "Value of bee? cat=8,
+bee=3." -> "3"; glued "cat8, bee3. Value of bee?" (value one token after its key); word "cat rainy, bee
+sunny. Value of bee?" -> "sunny"; every-key "Values of bee, cat? cat=8, bee=3." -> "bee=3, cat=8"; mix:
+half every-key rows, half corpus look-ups; curriculum: every-key rows for --curriculum-steps, then corpus
+look-ups. Held-out rows: the format's own (corpus look-ups for mix and curriculum)"""
+
+
+def lookup_example(fmt: str, seed: int, index: int, attempt: int = 0):
+    """Look-up example `index` of format `fmt` with `seed` (pure), rendered with the V4.1 chat encoder;
+    attempt > 0: a redraw for the same index (`LookupRows` redraws rows too long for --seq-len)."""
+    import numpy as np
+
+    from dsv41_jax.training import data
+
+    rng = np.random.default_rng([int(seed), int(index), 7, int(attempt)])
+    think = bool(rng.integers(2))
+    W = data.WORDS
+    keys = [W[k] for k in rng.choice(len(W), size=int(rng.integers(2, 5)), replace=False)]
+    vals = [str(int(rng.integers(10))) for _ in keys]
+    q = int(rng.integers(len(keys)))
+    if fmt == "question-first":
+        table = ", ".join(f"{k}={v}" for k, v in zip(keys, vals))
+        qa = (f"Value of {keys[q]}? {table}.", f"{keys[q]}={vals[q]}", vals[q])
+    elif fmt == "glued":
+        table = ", ".join(f"{k}{v}" for k, v in zip(keys, vals))
+        qa = (f"{table}. Value of {keys[q]}?", f"{keys[q]}{vals[q]}", vals[q])
+    elif fmt == "word":
+        vals = [data.SKIES[int(rng.integers(len(data.SKIES)))] for _ in keys]
+        table = ", ".join(f"{k} {v}" for k, v in zip(keys, vals))
+        qa = (f"{table}. Value of {keys[q]}?", f"{keys[q]} {vals[q]}", vals[q])
+    elif fmt == "every-key":
+        order = [int(i) for i in rng.permutation(len(keys))]
+        table = ", ".join(f"{k}={v}" for k, v in zip(keys, vals))
+        ans = ", ".join(f"{keys[i]}={vals[i]}" for i in order)
+        qa = (f"Values of {', '.join(keys[i] for i in order)}? {table}.", ans, ans)
+    else:
+        raise ValueError(f"no generator for format {fmt!r}")
+    target = {"role": "assistant", "content": qa[2]}
+    if think:
+        target["reasoning_content"] = qa[1]
+    ex = data.Example("lookup", [{"role": "user", "content": qa[0]}], None, think, target, qa[2])
+    ex.prompt, ex.completion = data.render(ex)
+    return ex
+
+
+class LookupRows:
+    """Random-access packed rows of one `lookup_example` format (like `data.PackedSource`)."""
+
+    def __init__(self, fmt, tokenizer, seed, seq_len):
+        from dsv41_jax.training import data
+
+        self.fmt, self.tok, self.seed, self.seq_len = fmt, tokenizer, seed, seq_len
+        self.pad_id = data.PackedSource(tokenizer, seed, seq_len).pad_id
+
+    def __getitem__(self, i):
+        from dsv41_jax.training import data
+
+        for attempt in range(64):
+            ex = lookup_example(self.fmt, self.seed, i, attempt)
+            row = data.pack(*data.tokenize(ex, self.tok), self.seq_len, self.pad_id)
+            if row is not None:
+                return row
+        raise ValueError(f"no {self.fmt} look-up fits in --seq-len {self.seq_len} after 64 draws (row {i})")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default="lookup",
                     help="comma-separated text task kinds to train and evaluate on (default lookup; 'copy' is the "
                          "control that the same model does learn an in-context task)")
+    ap.add_argument("--format", default="corpus", choices=FORMATS, help=FORMAT_HELP)
+    ap.add_argument("--curriculum-steps", type=int, default=0,
+                    help="with --format curriculum: steps of every-key rows before the corpus look-ups")
     ap.add_argument("--steps", type=int, default=3000, help="optimizer steps (default 3000)")
     ap.add_argument("--batch-size", type=int, default=16, help="rows per step (default 16, nano's)")
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per row (default 64, nano's)")
@@ -58,6 +129,10 @@ def parse_args(argv=None):
         ap.error(f"--kinds: unknown or tool kinds {bad}; choose from {','.join(data.TEXT_KINDS)}")
     if args.eval_seed == args.seed:
         ap.error("--eval-seed must differ from --seed")
+    if args.format != "corpus" and args.kinds != ("lookup",):
+        ap.error("--format other than corpus builds look-up rows only; drop --kinds")
+    if (args.format == "curriculum") != (args.curriculum_steps > 0) or args.curriculum_steps >= args.steps:
+        ap.error("--curriculum-steps (between 1 and --steps - 1) goes with --format curriculum, and only with it")
     if not 0 <= args.warmup < args.steps:
         ap.error("--warmup must be >= 0 and below --steps")
     if args.width % args.heads or (args.width // args.heads) % 2:
@@ -81,11 +156,23 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer(NANO_DIR)
     V, D, H, L, T = ModelConfig.preset("nano").vocab_size, args.width, args.heads, args.layers, args.seq_len
-    src = data.PackedSource(tok, args.seed, T, kinds=args.kinds)
-    held = data.PackedSource(tok, args.eval_seed, T, kinds=args.kinds)
+    corpus = data.PackedSource(tok, args.seed, T, kinds=args.kinds)
+    single = args.format in ("corpus", "mix", "curriculum")
+    own = None if single else LookupRows(args.format, tok, args.seed, T)
+    every = LookupRows("every-key", tok, args.seed, T) if args.format in ("mix", "curriculum") else None
+    held = (data.PackedSource(tok, args.eval_seed, T, kinds=args.kinds) if single
+            else LookupRows(args.format, tok, args.eval_seed, T))
 
-    def rows(source, start, n):
-        r = [source[i] for i in range(start, start + n)]
+    def train_row(step, i):
+        if own is not None:
+            return own[i]
+        if args.format == "mix" and i % 2:
+            return every[i]
+        if args.format == "curriculum" and step < args.curriculum_steps:
+            return every[i]
+        return corpus[i]
+
+    def stack(r):
         return {k: jnp.asarray(np.stack([x[k] for x in r])) for k in r[0]}
 
     def init(key):
@@ -138,13 +225,14 @@ def main(argv=None) -> int:
         return optax.apply_updates(p, upd), st, loss, acc
 
     evaluate = jax.jit(loss_fn)
-    held_rows = rows(held, 0, args.eval_rows)
+    held_rows = stack([held[i] for i in range(args.eval_rows)])
     print(f"plain transformer: {L} layers, width {D}, {H} heads, vocab {V}; {args.batch_size} rows x {T} tokens "
-          f"per step, kinds {','.join(args.kinds)}; backend {jax.default_backend()}", flush=True)
+          f"per step, kinds {','.join(args.kinds)}, format {args.format}; backend {jax.default_backend()}", flush=True)
     out = open(args.out, "w") if args.out else None
     t0 = time.time()
     for s in range(args.steps):
-        params, state, loss, _ = step(params, state, rows(src, s * args.batch_size, args.batch_size))
+        b = stack([train_row(s, i) for i in range(s * args.batch_size, (s + 1) * args.batch_size)])
+        params, state, loss, _ = step(params, state, b)
         if (s + 1) % args.eval_every == 0 or s + 1 == args.steps:
             el, ea = evaluate(params, held_rows)
             rec = {"step": s + 1, "train_loss": round(float(loss), 4), "eval_loss": round(float(el), 4),

@@ -255,7 +255,16 @@ def test_lookup_control_script_trains_and_reports(tmp_path):
     assert all(0.0 <= r["eval_seq_acc"] <= 1.0 and r["eval_loss"] > 0 for r in outs[0])
     strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
     assert strip(outs[0]) == strip(outs[1])
-    for bad in (["--kinds", "tool_call"], ["--eval-seed", "0"], ["--width", "30"], ["--steps", "0"], ["--steps", "10", "--warmup", "10"]):
+    # A format built by the script: the rows are what its doc says (every key asked, answered in order).
+    ex = mod.lookup_example("every-key", 0, 3)
+    asked = ex.messages[0]["content"].split("?")[0][len("Values of "):].split(", ")
+    table = dict(kv.split("=") for kv in ex.messages[0]["content"].split("? ")[1].rstrip(".").split(", "))
+    assert ex.answer == ", ".join(f"{k}={table[k]}" for k in asked) and sorted(asked) == sorted(table)
+    assert mod.main(["--format", "curriculum", "--curriculum-steps", "1", "--steps", "2", "--eval-every", "2",
+                     "--layers", "1", "--width", "32", "--eval-rows", "4", "--batch-size", "2", "--warmup", "1"]) == 0
+    for bad in (["--kinds", "tool_call"], ["--eval-seed", "0"], ["--width", "30"], ["--steps", "0"],
+                ["--steps", "10", "--warmup", "10"], ["--format", "curriculum"], ["--curriculum-steps", "5"],
+                ["--format", "word", "--kinds", "copy"]):
         with pytest.raises(SystemExit) as e:
             mod.parse_args(bad)
         assert e.value.code == 2, bad
