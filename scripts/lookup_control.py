@@ -15,6 +15,8 @@ accuracy (the fraction of completions greedy decoding would reproduce exactly, t
     python scripts/lookup_control.py --batch-size 64 --steps 1000
     python scripts/lookup_control.py --kinds copy --steps 600   # the control's control: copying is learned
     python scripts/lookup_control.py --format curriculum --curriculum-steps 1500
+    python scripts/lookup_control.py --format multi-question   # ~3 look-ups per row, the corpus's wording
+    python scripts/lookup_control.py --format recall           # bare one-query associative recall
 
 Deterministic: the data is the corpus with --seed (held-out: --eval-seed), the init --init-seed.
 """
@@ -31,13 +33,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-FORMATS = ("corpus", "question-first", "glued", "word", "every-key", "mix", "curriculum")
+FORMATS = ("corpus", "question-first", "glued", "word", "every-key", "mix", "curriculum", "multi-question", "recall")
 FORMAT_HELP = """look-up format (default corpus: the rows `train_nano.py --kinds lookup` trains on, any --kinds);
 the others are look-up rows built here, each half with thinking on: question-first "Value of bee? cat=8,
 bee=3." -> "3"; glued "cat8, bee3. Value of bee?" (value one token after its key); word "cat rainy, bee
 sunny. Value of bee?" -> "sunny"; every-key "Values of bee, cat? cat=8, bee=3." -> "bee=3, cat=8"; mix:
 half every-key rows, half corpus look-ups; curriculum: every-key rows for --curriculum-steps, then corpus
-look-ups. Held-out rows: the format's own (corpus look-ups for mix and curriculum)"""
+look-ups; multi-question: the corpus look-up as the first turn of a chat whose next user turns ask the
+same table's other keys ("Value of cat?"), every answer supervised (several look-ups per row in the
+corpus's own wording). Held-out rows: the format's own (corpus look-ups for mix, curriculum and
+multi-question); recall: bare associative recall, no chat template: " cat 3 bee 8 | bee" -> "8" as nano's
+token ids (a word token, its digit; 2-4 pairs; the query key then its value supervised), the textbook
+one-query recall task (held-out: its own rows)"""
 
 
 def lookup_example(fmt: str, seed: int, index: int, attempt: int = 0):
@@ -78,6 +85,89 @@ def lookup_example(fmt: str, seed: int, index: int, attempt: int = 0):
     return ex
 
 
+def multi_question_row(seed: int, index: int, tokenizer, seq_len: int, pad_id: int):
+    """A multi-question look-up row (pure in seed, index): the corpus's look-up example as the first turn,
+    then user turns "Value of <key>?" about the same table (each key once, shuffled, as many as fit in
+    seq_len + 1 tokens), with the loss on every assistant answer: history answers as the chat encoder
+    renders them ("</think>5<eos>", the answer and its end supervised), the last turn's whole completion.
+    Returns a `data.pack`-style row, or None when not even one follow-up fits."""
+    import re
+
+    import numpy as np
+
+    from dsv41_jax.serving.chat import EOS, THINK_CLOSE, encode_messages
+    from dsv41_jax.training import data
+
+    first = data.make_example(seed, index, kinds=("lookup",))
+    rng = np.random.default_rng([int(seed), int(index), 11])
+    table = first.messages[0]["content"].split(". Value of ")[0]
+    pairs = dict(kv.strip().split("=") for kv in table.split(","))
+    asked = first.messages[0]["content"].rsplit(" ", 1)[1].rstrip("?")
+    order = [k for k in rng.permutation(sorted(pairs)) if k != asked]
+    best = None
+    for n in range(1, len(order) + 1):
+        msgs = list(first.messages)
+        hist = {"role": "assistant", "content": first.answer}
+        turns = [(hist, first.answer)]
+        for k in order[:n - 1]:
+            msgs += [hist, {"role": "user", "content": f"Value of {k}?"}]
+            hist = {"role": "assistant", "content": pairs[k]}
+            turns.append((hist, pairs[k]))
+        k = order[n - 1]
+        msgs += [hist, {"role": "user", "content": f"Value of {k}?"}]
+        prompt = encode_messages(msgs, thinking=first.thinking)
+        completion = ((f"{k}={pairs[k]}" + THINK_CLOSE) if first.thinking else "") + pairs[k] + EOS
+        # Tokenize between the special tokens (they are atomic), so each history answer is its own piece.
+        pieces = [x for x in re.split(r"(<\uff5c[^>]*\uff5c>|</think>|<think>)", prompt) if x]
+        ids, mask = [], []
+        for j, piece in enumerate(pieces):
+            t = tokenizer.encode(piece)
+            # a history answer: the text between "</think>" and the end-of-sentence token
+            sup = j > 0 and pieces[j - 1] == THINK_CLOSE and j + 1 < len(pieces) and pieces[j + 1] == EOS
+            ids += t
+            mask += [sup] * len(t)
+            if piece == EOS and j > 1 and pieces[j - 2] == THINK_CLOSE:
+                mask[-len(t):] = [True] * len(t)
+        assert ids == tokenizer.encode(prompt), "piecewise tokenization differs from the whole prompt's"
+        comp = tokenizer.encode(completion)
+        full_ids = ids + comp
+        if len(full_ids) > seq_len + 1:
+            break
+        m = np.zeros(seq_len, np.float32)
+        for t_, s_ in enumerate(mask):  # target t = ids[t + 1]
+            if s_ and t_ >= 1:
+                m[t_ - 1] = 1.0
+        m[len(ids) - 1:len(full_ids) - 1] = 1.0
+        full = np.full(seq_len + 1, pad_id, np.int32)
+        full[:len(full_ids)] = full_ids
+        best = {"tokens": full[:-1], "targets": full[1:], "mask": m}
+    return best
+
+
+def recall_row(seed: int, index: int, tokenizer, seq_len: int, pad_id: int) -> dict:
+    """A bare associative-recall row (pure in seed, index): pairs (" <word>" token, digit token) for 2-4
+    distinct words, a separator ("|"), the query word, its digit — the loss on that digit only."""
+    import numpy as np
+
+    from dsv41_jax.training import data
+
+    def one(text):
+        ids = tokenizer.encode(text)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    rng = np.random.default_rng([int(seed), int(index), 13])
+    keys = [one(" " + data.WORDS[k]) for k in rng.choice(len(data.WORDS), size=int(rng.integers(2, 5)), replace=False)]
+    vals = [one(str(int(rng.integers(10)))) for _ in keys]
+    q = int(rng.integers(len(keys)))
+    ids = [x for kv in zip(keys, vals) for x in kv] + [one("|"), keys[q], vals[q]]
+    full = np.full(seq_len + 1, pad_id, np.int32)
+    full[:len(ids)] = ids
+    mask = np.zeros(seq_len, np.float32)
+    mask[len(ids) - 2] = 1.0
+    return {"tokens": full[:-1], "targets": full[1:], "mask": mask}
+
+
 class LookupRows:
     """Random-access packed rows of one `lookup_example` format (like `data.PackedSource`)."""
 
@@ -91,6 +181,13 @@ class LookupRows:
         from dsv41_jax.training import data
 
         for attempt in range(64):
+            if self.fmt == "recall":
+                return recall_row(self.seed, i, self.tok, self.seq_len, self.pad_id)
+            if self.fmt == "multi-question":
+                row = multi_question_row(self.seed, i + (attempt << 32), self.tok, self.seq_len, self.pad_id)
+                if row is not None:
+                    return row
+                continue
             ex = lookup_example(self.fmt, self.seed, i, attempt)
             row = data.pack(*data.tokenize(ex, self.tok), self.seq_len, self.pad_id)
             if row is not None:
@@ -157,8 +254,8 @@ def main(argv=None) -> int:
     tok = load_tokenizer(NANO_DIR)
     V, D, H, L, T = ModelConfig.preset("nano").vocab_size, args.width, args.heads, args.layers, args.seq_len
     corpus = data.PackedSource(tok, args.seed, T, kinds=args.kinds)
-    single = args.format in ("corpus", "mix", "curriculum")
-    own = None if single else LookupRows(args.format, tok, args.seed, T)
+    single = args.format in ("corpus", "mix", "curriculum", "multi-question")  # held out: corpus look-ups
+    own = None if args.format in ("corpus", "mix", "curriculum") else LookupRows(args.format, tok, args.seed, T)
     every = LookupRows("every-key", tok, args.seed, T) if args.format in ("mix", "curriculum") else None
     held = (data.PackedSource(tok, args.eval_seed, T, kinds=args.kinds) if single
             else LookupRows(args.format, tok, args.eval_seed, T))

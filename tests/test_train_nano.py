@@ -260,6 +260,28 @@ def test_lookup_control_script_trains_and_reports(tmp_path):
     asked = ex.messages[0]["content"].split("?")[0][len("Values of "):].split(", ")
     table = dict(kv.split("=") for kv in ex.messages[0]["content"].split("? ")[1].rstrip(".").split(", "))
     assert ex.answer == ", ".join(f"{k}={table[k]}" for k in asked) and sorted(asked) == sorted(table)
+    # multi-question: the corpus look-up first, then follow-ups on the same table; every answer is supervised.
+    from dsv41_jax.model.config import NANO_DIR
+    from dsv41_jax.serving.tokenizer import load_tokenizer
+    from dsv41_jax.training import data
+
+    tok = load_tokenizer(NANO_DIR)
+    first = data.make_example(0, 5, kinds=("lookup",))
+    table = dict(kv.strip().split("=") for kv in first.messages[0]["content"].split(". Value")[0].split(","))
+    row = mod.multi_question_row(0, 5, tok, 64, 0)
+    sup = [tok.decode([int(t)]) for t, m in zip(row["targets"], row["mask"]) if m]
+    digits = [s for s in sup if s.isdigit()]
+    assert digits[0] == first.answer and len(digits) >= 2 + first.thinking  # (thinking: the reasoning's digit too)
+    eos = tok.token_to_id(data.EOS)
+    sup_ids = [int(t) for t, m in zip(row["targets"], row["mask"]) if m]
+    assert all(d in table.values() for d in digits) and sup_ids.count(eos) >= 2
+    # recall: bare pairs, the query key, its value as the one supervised target.
+    r = mod.recall_row(0, 7, tok, 64, 0)
+    ids = [int(t) for t in r["tokens"]]
+    at = int(np.flatnonzero(r["mask"])[0])
+    assert r["mask"].sum() == 1 and tok.decode([ids[at - 1]]) == "|"
+    pairs = dict(zip(ids[0:at - 1:2], ids[1:at - 1:2]))
+    assert int(r["targets"][at]) == pairs[ids[at]]
     assert mod.main(["--format", "curriculum", "--curriculum-steps", "1", "--steps", "2", "--eval-every", "2",
                      "--layers", "1", "--width", "32", "--eval-rows", "4", "--batch-size", "2", "--warmup", "1"]) == 0
     for bad in (["--kinds", "tool_call"], ["--eval-seed", "0"], ["--width", "30"], ["--steps", "0"],
