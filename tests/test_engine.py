@@ -3,7 +3,10 @@ page accounting, aborts, zero compilations after warm-up, every sampling paramet
 the asyncio front.
 
 One engine (fp32 equivalence mode, batch bucket 8, token buckets 1 and 16) is built per module and
-reused: compiling a (batch, tokens) shape of tiny costs ~12 s on CPU. With a single batch bucket
+reused, on `configs.micro` (tiny's sizes and every mechanism of a step in 3 layers: what these tests check
+is the engine's scheduling, which does not depend on the layer count; a (batch, tokens) shape of micro
+compiles in about a third of tiny's ~12 s). test_llm, test_prompt_logprobs and test_preemption's engines
+are micro too, the first two with these engine arguments, so they share its compiled steps. With a single batch bucket
 every request runs in the same compiled executables whatever else is in the batch, and those are
 row-independent (checked bit-exact), so "alone" and "batched" give identical tokens.
 """
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
 from dsv41_jax.serving.async_engine import AsyncEngine
 from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, SharedPageAllocator, _bucket
 from dsv41_jax.serving.engine_args import EngineArgs
@@ -31,7 +35,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def eng():
-    e = Engine(EngineArgs(**ENGINE_KW))
+    e = Engine(EngineArgs(**ENGINE_KW), cfg=configs.micro())
     yield e
     assert e.allocator.free_pages == e.allocator.capacity
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import configs
+
 ENGINE_KW = dict(dtype="float32", page_size=16, context_length=128, max_running_requests=8, max_total_tokens=1024,
                  chunked_prefill_size=16, batch_buckets=[8], token_buckets=[16])
 
@@ -23,7 +25,7 @@ def test_import_is_light():
 def llm():
     from dsv41_jax import LLM
 
-    return LLM(model="tiny", **ENGINE_KW)
+    return LLM(model="tiny", cfg=configs.micro(), **ENGINE_KW)
 
 
 def test_generate_inputs_and_outputs(llm):

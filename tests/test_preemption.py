@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+import configs
 from dsv41_jax.serving.engine import Engine, EngineError, PREEMPTION_REASONS
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
@@ -29,7 +30,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def eng():
-    e = Engine(EngineArgs(**ENGINE_KW))
+    e = Engine(EngineArgs(**ENGINE_KW), cfg=configs.micro())
     assert e.context_length == POOL and e.allocator.capacity * 16 == POOL
     yield e
     assert e.allocator.free_pages == e.allocator.capacity

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import configs
 from dsv41_jax.model import forward
 from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
@@ -28,7 +29,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def eng():
-    e = Engine(EngineArgs(**ENGINE_KW))
+    e = Engine(EngineArgs(**ENGINE_KW), cfg=configs.micro())
     yield e
     assert e.allocator.free_pages == e.allocator.capacity
 
