@@ -6,9 +6,9 @@ One engine (fp32 equivalence mode, batch bucket 8, token buckets 1 and 16) is bu
 reused, on `configs.micro` (tiny's sizes and every mechanism of a step in 3 layers: what these tests check
 is the engine's scheduling, which does not depend on the layer count; a (batch, tokens) shape of micro
 compiles in about a third of tiny's ~12 s). test_llm, test_prompt_logprobs and test_preemption's engines
-are micro too, the first two with these engine arguments, so they share its compiled steps. With a single batch bucket
-every request runs in the same compiled executables whatever else is in the batch, and those are
-row-independent (checked bit-exact), so "alone" and "batched" give identical tokens.
+are micro too, the first two with these engine arguments, so they share its compiled steps. With a
+single batch bucket every request runs in the same compiled executables whatever else is in the batch,
+and those are row-independent (checked bit-exact), so "alone" and "batched" give identical tokens.
 """
 
 import asyncio
