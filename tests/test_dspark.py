@@ -1,8 +1,9 @@
 """DSpark speculative decoding (issue 13 parts 1-2): greedy ≡ plain greedy, forced accept / reject leave
 the cache bit for bit as plain decoding, lossless sampling (χ²), the acceptance rule by hand.
 
-The model tests run tiny in exact mode (fp64-accumulated matmuls: results do not depend on the step's
-window shape, so a verify chunk equals one-token steps bit for bit). Three compiled programs are shared
+The model tests run `configs.mini` (tiny's mechanisms in 6 layers, tiny's 3 DSpark stages and block) in
+exact mode (fp64-accumulated matmuls: results do not depend on the step's window shape, so a verify chunk
+equals one-token steps bit for bit). Three compiled programs are shared
 by all of them (module-level fixtures): the plain one-token seeding step (B=4, T=1, prompts included)
 and the speculative step (B=4, γ=3, forced-draft hook). Pages for each row's whole context
 are allocated up front in both runs, so the two caches have the same layout and compare leaf by leaf.
@@ -59,12 +60,12 @@ def _assert_same_cache(a, b, what):
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_cfg):
-    return tiny_cfg.replace(act_dtype="exact")
+def cfg(mini_cfg):
+    return mini_cfg.replace(act_dtype="exact")
 
 
 @pytest.fixture(scope="module")
-def plain(cfg, tiny_params):
+def plain(cfg, mini_params):
     """Plain greedy decoding with one compiled program (B=4, T=1, the seeding step = `decode.extend`
     + ring writes): the prompts token by token (rows whose prompt ended wait, n_new = 0), then one
     token per row per step. Returns the N_GEN tokens of each row, the cache after the prompts and after
@@ -72,7 +73,7 @@ def plain(cfg, tiny_params):
     up front)."""
     alloc = kvc.PageAllocator(CCFG.num_pages, CCFG.page_size, CCFG.max_pages_per_seq)
     st = dspark.with_rings(kvc.init_cache(cfg, CCFG), cfg, CCFG)
-    pad = int(np.asarray(tiny_params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
+    pad = int(np.asarray(mini_params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
     st = kvc.reset_slots(st, np.arange(CCFG.max_slots + 1), pad)
     for i in range(B):
         alloc.ensure(i, CCFG.max_context)
@@ -83,14 +84,14 @@ def plain(cfg, tiny_params):
     for t in range(max(lens)):
         rows = [{"tokens": [PROMPTS[i][t]] if t < lens[i] else [], "start": t, "slot": i, "page_table": pages[i]}
                 for i in range(B)]
-        logits, st = step(tiny_params, st, dec.make_batch(rows, 1, B, CCFG))
+        logits, st = step(mini_params, st, dec.make_batch(rows, 1, B, CCFG))
         for i in range(B):
             if t == lens[i] - 1:
                 outs[i].append(int(np.argmax(np.asarray(logits)[i])))
     snaps = {0: _copy(st)}
     for k in range(N_GEN - 1):
         rows = [{"tokens": [outs[i][-1]], "start": lens[i] + k, "slot": i, "page_table": pages[i]} for i in range(B)]
-        logits, st = step(tiny_params, st, dec.make_batch(rows, 1, B, CCFG))
+        logits, st = step(mini_params, st, dec.make_batch(rows, 1, B, CCFG))
         for i, t in enumerate(np.argmax(np.asarray(logits), axis=-1).tolist()):
             outs[i].append(int(t))
         if k + 1 in (1, cfg.dspark_block_size + 1):
@@ -103,7 +104,7 @@ def _spec_step(cfg):
     return spec.jitted_speculative_step(cfg, CCFG, cfg.dspark_block_size)
 
 
-def test_greedy_speculation_equals_plain(cfg, tiny_params, plain):
+def test_greedy_speculation_equals_plain(cfg, mini_params, plain):
     """DSpark greedy ≡ plain greedy token for token; rows accept different lengths in the same step
     (a forced-draft oracle proposes the plain run's tokens with a wrong one at a per-row, per-step
     position; every third step uses the draft's own proposals); the final cache — target stores,
@@ -141,7 +142,7 @@ def test_greedy_speculation_equals_plain(cfg, tiny_params, plain):
         fb = np.full((B, G), -1, np.int32)
         for b, i in enumerate(order):
             fb[b] = forced[i]
-        toks, n_acc, st = fn(tiny_params, st, batch, None, None, jnp.asarray(fb))
+        toks, n_acc, st = fn(mini_params, st, batch, None, None, jnp.asarray(fb))
         toks, n_acc = np.asarray(toks), np.asarray(n_acc)
         if len({int(n_acc[b]) for b in range(len(order))}) > 1:
             seen_mixed = True
@@ -162,7 +163,7 @@ def test_greedy_speculation_equals_plain(cfg, tiny_params, plain):
 
 
 @pytest.mark.parametrize("accept", ["all", "none"])
-def test_forced_step_cache_equals_plain(cfg, tiny_params, plain, accept):
+def test_forced_step_cache_equals_plain(cfg, mini_params, plain, accept):
     """Forced acceptance (the draft replaced by the target's own greedy tokens) commits γ+1 tokens and
     leaves the cache of γ+1 plain steps; forced rejection (a wrong first proposal) commits the anchor
     only and leaves the cache of one plain step — both bit for bit, every leaf."""
@@ -172,7 +173,7 @@ def test_forced_step_cache_equals_plain(cfg, tiny_params, plain, accept):
     if accept == "none":
         forced[:, 0] = (forced[:, 0] + 1) % cfg.vocab_size
     rows = [{"anchor": ref[i][0], "start": len(PROMPTS[i]), "slot": i, "page_table": pages[i]} for i in range(B)]
-    toks, n_acc, st = _spec_step(cfg)(tiny_params, _copy(snaps[0]), spec.make_spec_batch(rows, B, CCFG), None, None,
+    toks, n_acc, st = _spec_step(cfg)(mini_params, _copy(snaps[0]), spec.make_spec_batch(rows, B, CCFG), None, None,
                                       jnp.asarray(forced))
     n = G if accept == "all" else 0
     assert np.asarray(n_acc).tolist() == [n] * B

@@ -3,8 +3,9 @@ rows accepting different lengths in one step; zero compilations across steps wit
 lengths; pages and slots back after every request; constrained decoding with drafts checked by the
 grammar; the simulated-accept-length knob; start-up errors.
 
-Two module-scoped engines on tiny in the exact numerics mode (fp64-accumulated matmuls: a verify chunk
-equals one-token steps), one without DSpark and one with (γ = 3, the tiny checkpoint's block). Same
+Two module-scoped engines on `configs.mini` (tiny's mechanisms in 6 layers, its 3 DSpark stages) in the
+exact numerics mode (fp64-accumulated matmuls: a verify chunk equals one-token steps), one without
+DSpark and one with (γ = 3, tiny's block). Same
 shapes as tests/test_dspark.py (batch 4, pages of 8, 25 pages, context 48) and one-token prefill
 chunks, so the DSpark engine's plain step is the very program test_dspark compiles; shapes compile on
 first use (no warm-up), and every request here runs on already compiled programs after the first.
@@ -30,18 +31,18 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_cfg):
-    return tiny_cfg.replace(act_dtype="exact")
+def cfg(mini_cfg):
+    return mini_cfg.replace(act_dtype="exact")
 
 
 @pytest.fixture(scope="module")
-def plain_eng(cfg, tiny_params):
-    return Engine(cfg=cfg, params=tiny_params, **KW)
+def plain_eng(cfg, mini_params):
+    return Engine(cfg=cfg, params=mini_params, **KW)
 
 
 @pytest.fixture(scope="module")
-def spec_eng(cfg, tiny_params):
-    e = Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", **KW)
+def spec_eng(cfg, mini_params):
+    e = Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", **KW)
     assert e.spec_gamma == cfg.dspark_block_size == 3
     return e
 
@@ -256,14 +257,14 @@ def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
     assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
 
 
-def test_startup_errors(cfg, tiny_params):
+def test_startup_errors(cfg, mini_params):
     """Unsupported DSpark combinations are refused at start-up, naming the reason."""
-    no_mtp = dict(tiny_params, mtp=[])
+    no_mtp = dict(mini_params, mtp=[])
     with pytest.raises(EngineError, match="no DSpark parameters"):
         Engine(cfg=cfg, params=no_mtp, speculative_algorithm="DSPARK", **KW)
     with pytest.raises(EngineError, match="block-size 4.*dspark_block_size"):
-        Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", speculative_dspark_block_size=4, **KW)
+        Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", speculative_dspark_block_size=4, **KW)
     with pytest.raises(EngineError, match="enable-mixed-chunk"):
-        Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", enable_mixed_chunk=True, **KW)
+        Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", enable_mixed_chunk=True, **KW)
     with pytest.raises(EngineError, match="tp-size"):
-        Engine(cfg=cfg, params=tiny_params, speculative_algorithm="DSPARK", tp_size=2, **KW)
+        Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", tp_size=2, **KW)
