@@ -31,3 +31,15 @@ def e64() -> ModelConfig:
     experts, so the grouped MoE gathers only the selected ones and most experts get no token. The
     layers are micro's (every attention mechanism once): what this config is for is the MoE."""
     return micro().replace(n_routed_experts=64, num_experts_per_tok=6, name="e64")
+
+
+def write_checkpoint(cfg: ModelConfig, path) -> str:
+    """`cfg`'s random parameters (seed 0) saved in the release layout at `path` (tiny's tokenizer files),
+    for tests that serve a small config through `--model DIR`; returns the directory as a string."""
+    import jax
+
+    from dsv41_jax.model.checkpoint import save_hf_checkpoint
+    from dsv41_jax.model.params import init_params
+
+    save_hf_checkpoint(init_params(cfg, jax.random.key(0)), cfg, str(path), shards=1)
+    return str(path)

@@ -2,7 +2,8 @@
 ``/v1/completions`` (``echo`` + ``logprobs``), `scripts/eval_loglik.py` agreeing with the server, and
 EleutherAI's lm-evaluation-harness itself (a test dependency) run offline on local JSONL tasks.
 
-One server per module (``python -m dsv41_jax.serve`` in a subprocess, tiny model, chunk size 32 so the
+One server per module (``python -m dsv41_jax.serve`` in a subprocess serving `configs.micro` saved as a
+release-layout checkpoint under the name "tiny" (tiny's tokenizer), chunk size 32 so the
 70-token prompt spans three prefill chunks) in the exact numerics mode (``--dtype exact``: fp32
 activations, fp64-accumulated matmuls), and the offline reference in the same mode:
 `eval_loglik.score_sequences` (the jitted full forward, batches of 8 padded to 128 tokens: one
@@ -32,13 +33,15 @@ import numpy as np
 import pytest
 from servers import start_server, stop_server
 
+import configs
+
 from dsv41_jax.serving.chat import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 CTX = 512
-SERVER_FLAGS = ["--model", "tiny", "--dtype", "exact", "--max-running-requests", "4", "--batch-buckets", "4",
+ENGINE_FLAGS = ["--dtype", "exact", "--max-running-requests", "4", "--batch-buckets", "4",
                 "--chunked-prefill-size", "32", "--page-size", "32", "--context-length", str(CTX),
                 "--max-total-tokens", "8192"]
 TOK_TOL, ITEM_TOL, ENGINE_TOL = 1e-5, 1e-4, 1e-5
@@ -53,10 +56,18 @@ def _script(name):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def model_dir(tmp_path_factory):
+    """`configs.micro` (tiny's sizes, every mechanism of a step in 3 layers) as a release-layout checkpoint:
+    the server, the engine backend and the offline reference all load this one directory."""
+    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
     d = tmp_path_factory.mktemp("eval_server")
     cache = os.environ.get("DSV41_TEST_JAX_CACHE", str(d / "jax_cache"))
-    proc, base, logf = start_server(SERVER_FLAGS, d / "server.log", cache, timeout=START_TIMEOUT)
+    flags = ["--model", model_dir, "--served-model-name", "tiny"] + ENGINE_FLAGS
+    proc, base, logf = start_server(flags, d / "server.log", cache, timeout=START_TIMEOUT)
     yield {"base": base, "log": d / "server.log"}
     stop_server(proc, logf)
 
@@ -73,18 +84,17 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def offline():
-    """The eval_loglik script module and the tiny model (same seed as the server) in the exact mode."""
-    import jax
+def offline(model_dir):
+    """The eval_loglik script module and the server's checkpoint, loaded here, in the exact mode."""
+    from dsv41_jax.model import ModelConfig
+    from dsv41_jax.model.checkpoint import load_params
 
-    from dsv41_jax.model import ModelConfig, init_params
-
-    cfg = ModelConfig.preset("tiny").replace(act_dtype="exact")
-    return _script("eval_loglik"), init_params(cfg, jax.random.key(0)), cfg
+    cfg = ModelConfig.from_pretrained(model_dir).replace(act_dtype="exact")
+    return _script("eval_loglik"), load_params(model_dir, cfg), cfg, model_dir
 
 
 def _score(offline, seqs):
-    mod, params, cfg = offline
+    mod, params, cfg, _ = offline
     return mod.score_sequences(params, cfg, seqs, batch_size=8, pad_multiple=128, progress=False)
 
 
@@ -199,7 +209,7 @@ def loglik_result(offline, tmp_path_factory):
     mod = offline[0]
     out = tmp_path_factory.mktemp("loglik") / "r.json"
     res = mod.main(["--data", os.path.join(DATA, "mc_sample.jsonl"), "--backend", "engine", "--out", str(out),
-                    *SERVER_FLAGS])
+                    "--model", offline[3], *ENGINE_FLAGS])
     assert json.loads(out.read_text())["items"] == 20
     return res
 
@@ -207,8 +217,8 @@ def loglik_result(offline, tmp_path_factory):
 @pytest.fixture(scope="module")
 def loglik_forward(offline):
     """eval_loglik.py --backend forward (the full forward, batches of 8 padded to 128: one shape)."""
-    return offline[0].main(["--data", os.path.join(DATA, "mc_sample.jsonl"), "--dtype", "exact",
-                            "--batch-size", "8", "--pad-multiple", "128"])
+    return offline[0].main(["--data", os.path.join(DATA, "mc_sample.jsonl"), "--model", offline[3],
+                            "--dtype", "exact", "--batch-size", "8", "--pad-multiple", "128"])
 
 
 def test_eval_loglik_agrees_with_server(http, loglik_result, loglik_forward):
@@ -347,7 +357,7 @@ def test_bench_multiturn_against_the_server(server, tmp_path):
     rep = json.loads(out.read_text())
     s, recs = rep["summary"], rep["records"]
     first = s["first_turn_cached_tokens"]
-    page = int(SERVER_FLAGS[SERVER_FLAGS.index("--page-size") + 1])
+    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
     n_sys = s["first_turn_prompt_tokens"][0]
     assert first[0] == 0 and first[1] == 0  # cold; the second makes the branch point
     assert page <= first[2] < n_sys and first[2] % page == 0
