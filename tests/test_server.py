@@ -1,7 +1,8 @@
 """The OpenAI server, live on loopback: ``python -m dsv41_jax.serve`` in a subprocess (the real CLI,
-the real engine on the tiny model in fp32), driven with the real ``openai`` client and raw HTTP.
+the real engine in fp32 on `configs.micro`, tiny's sizes in 3 layers, saved as a checkpoint and served as
+"tiny"), driven with the real ``openai`` client and raw HTTP.
 
-One server per module (compiling the tiny model's two shapes takes ~30 s on a small CPU; a
+One server per module (compiling the model's two shapes is most of its start-up; a
 persistent JAX compilation cache makes the second server of the SIGTERM test start in ~10 s).
 Tool calls and JSON outputs come from the real model path: constrained decoding forces the tokens,
 and the real detokenizer and parsers turn them into the response.
@@ -22,6 +23,8 @@ import pytest
 
 import openai
 from servers import serve_cmd as _serve_cmd, start_server, stop_server
+
+import configs
 
 from dsv41_jax.serving.chat import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -48,9 +51,23 @@ def jax_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, jax_cache):
+def model_dir(tmp_path_factory):
+    """`configs.micro` (tiny's sizes and tokenizer, every mechanism of a step in 3 layers) saved in the
+    release layout: the servers here load it and serve it as "tiny" (what these tests check is the server,
+    not the layer count; micro's steps compile in about a third of tiny's time)."""
+    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
+
+
+def _on(model_dir, flags):
+    """`flags` with ``--model tiny`` replaced by the micro checkpoint, served under the name "tiny"."""
+    i = flags.index("--model")
+    return flags[:i] + ["--model", model_dir, "--served-model-name", "tiny"] + flags[i + 2:]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, jax_cache, model_dir):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, base, logf = start_server(SERVER_FLAGS, log_path, jax_cache)
+    proc, base, logf = start_server(_on(model_dir, SERVER_FLAGS), log_path, jax_cache)
     yield {"base": base, "proc": proc, "log": log_path}
     rc = stop_server(proc, logf)
     assert rc == 0, open(log_path).read()[-3000:]
@@ -524,9 +541,9 @@ def test_help_and_bad_environment():
         assert r.returncode != 0 and "DSV41_" in r.stderr, (env, r.stderr)
 
 
-def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache):
-    proc, base, logf = start_server(ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"], tmp_path / "s.log",
-                                    jax_cache)
+def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, model_dir):
+    flags = _on(model_dir, ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"])
+    proc, base, logf = start_server(flags, tmp_path / "s.log", jax_cache)
     try:
         lines = []
         with httpx.stream("POST", base + "/v1/chat/completions", timeout=120,
