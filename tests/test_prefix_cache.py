@@ -8,7 +8,8 @@
   interleaves arrivals (prompts extending earlier conversations), aborts, finishes, preemptions and
   evictions and checks reference counts and the pool's free count against the live requests and the
   cache after every step.
-* The engine on tiny in the exact numerics mode (order-independent: a cached prefix and a cold
+* The engine on `configs.mini` (tiny's mechanisms in 6 layers; test_engine_dspark's engine arguments,
+  so the compiled steps are shared) in the exact numerics mode (order-independent: a cached prefix and a cold
   prefill give the same bits): a request whose prefix is cached gives the same tokens and logprobs
   as on a cold engine, for prefixes ending mid-page, mid compressor group, inside and beyond the
   window, through the Engram layers; and the ``cached_tokens`` / hit-rate reporting.
@@ -349,8 +350,8 @@ KW = dict(model="tiny", page_size=8, max_total_tokens=192, context_length=48, ma
 
 
 @pytest.fixture(scope="module")
-def eng(tiny_cfg, tiny_params):
-    e = Engine(cfg=tiny_cfg.replace(act_dtype="exact"), params=tiny_params, **KW)
+def eng(mini_cfg, mini_params):
+    e = Engine(cfg=mini_cfg.replace(act_dtype="exact"), params=mini_params, **KW)
     assert e.runner.snapshot_rows == 16
     yield e
     e.allocator.check_invariants()
@@ -423,9 +424,9 @@ def test_branch_point_equals_cold_exact(eng):
 
 
 @pytest.fixture(scope="module")
-def host_eng(tiny_cfg, tiny_params):
+def host_eng(mini_cfg, mini_params):
     """The same engine with the host tier (the same compiled steps; only the page copies are new)."""
-    e = Engine(cfg=tiny_cfg.replace(act_dtype="exact"), params=tiny_params, enable_hierarchical_cache=True,
+    e = Engine(cfg=mini_cfg.replace(act_dtype="exact"), params=mini_params, enable_hierarchical_cache=True,
                hicache_ratio=1.5, **KW)
     assert e.allocator.host_pages == int(1.5 * e.allocator.capacity)
     yield e
