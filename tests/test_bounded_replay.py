@@ -1,7 +1,8 @@
 """SWA bounded replay (--enable-decoder-swa-bounded-replay; issue 15 part 3): `decode.extend_bounded`
 and its engine / server wiring.
 
-Tiny model in fp32 (window W = 8; last store layer S = 6, so layers 7-9 are the late ones). Compile
+`configs.mini` in fp32 (tiny's mechanisms in 6 layers, window W = 8; last store layer S = 3, so layers
+4-5 are the late ones). Compile
 time dominates, so everything shares three compiled steps: one bounded-replay engine and one plain
 engine with the same arguments (chunk = token bucket = W = 8, one batch bucket of 1, radix cache off)
 hold the same `CacheConfig`, so the model-level tests below reuse the engines' jitted steps
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+import configs
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.llm import LLM
@@ -48,10 +50,10 @@ def engines():
     lg = logging.getLogger("dsv41_jax.engine")
     lg.addHandler(h)
     try:
-        on = Engine(EngineArgs(**ENGINE_KW, enable_decoder_swa_bounded_replay=True))
+        on = Engine(EngineArgs(**ENGINE_KW, enable_decoder_swa_bounded_replay=True), cfg=configs.mini())
     finally:
         lg.removeHandler(h)
-    off = Engine(EngineArgs(**ENGINE_KW))
+    off = Engine(EngineArgs(**ENGINE_KW), cfg=configs.mini())
     assert on.runner.ccfg == off.runner.ccfg  # the model-level tests share both engines' compiled steps
     yield on, h.lines, off
 
@@ -112,8 +114,8 @@ def _rows(st, layer, slot=0):
 def test_split_is_after_the_last_store_layer(engines):
     on, _, _ = engines
     early, late = dec.split_runs(on.cfg)
-    assert dec.last_store_layer(on.cfg) == 6 and [f for f, _ in late] == [7, 8, 9]
-    assert [f for f, _ in early] == list(range(7))
+    assert dec.last_store_layer(on.cfg) == 3 and [f for f, _ in late] == [4, 5]
+    assert [f for f, _ in early] == list(range(4))
 
 
 # ---------------------------------------------------------------------------------------------- (a)
@@ -156,10 +158,10 @@ def test_long_prompt_runs_late_layers_on_the_tail_only(engines):
     assert counts == [0, 4, 4] and sum(counts) == W
     for key in ("comp", "ikeys", "partial", "engram_hist"):
         assert _tree_equal(sa[key], sb[key]), key
-    for layer in range(7):
+    for layer in range(4):
         assert _tree_equal(_rows(sa, layer), _rows(sb, layer)), layer
     fresh = _fresh(on)
-    for layer in (7, 8, 9):
+    for layer in (4, 5):
         ring, empty = _rows(sb, layer), _rows(fresh, layer)
         written = np.stack([np.any(np.asarray(x) != np.asarray(y), axis=tuple(range(1, np.ndim(x))))
                             for x, y in zip(jax.tree_util.tree_leaves(ring), jax.tree_util.tree_leaves(empty))]).any(0)
@@ -175,7 +177,7 @@ def test_long_prompt_runs_late_layers_on_the_tail_only(engines):
     bt["tail_lo"] = np.asarray([12], np.int32)
     lg, s1 = dec.jitted_extend(cfg, ccfg, late_tail=W)(on.params, _fresh(on), bt)
     assert not np.asarray(lg).any()
-    for layer in (7, 8, 9):
+    for layer in (4, 5):
         assert _tree_equal(_rows(s1, layer), _rows(fresh, layer))
 
 
@@ -193,7 +195,7 @@ def test_wide_chunk_traces_late_layers_at_the_tail_width(engines):
     aux = out[2]
     assert out[0].shape == (2, cfg.vocab_size)
     for layer in range(cfg.num_hidden_layers):
-        assert aux["layer_inputs"][layer].shape[1] == (W if layer > 6 else T), layer
+        assert aux["layer_inputs"][layer].shape[1] == (W if layer > dec.last_store_layer(cfg) else T), layer
     cols, count = dec.tail_columns(batch["start"], batch["n_new"], batch["tail_lo"], W)
     assert np.asarray(count).tolist() == [4, 5]
     assert np.asarray(cols)[0, :4].tolist() == [26, 27, 28, 29] and np.asarray(cols)[1, :5].tolist() == list(range(5))
