@@ -28,11 +28,14 @@ def serve_cmd() -> list:
 def start_server(flags, log_path, cache_dir, env_extra=None, *, env=None, cwd=None, timeout=START_TIMEOUT):
     """(proc, base URL, log file) of a server started with `flags` (plus a free --port), once /health
     answers 200. env: the whole environment (default: this process's); cache_dir: its
-    JAX_COMPILATION_CACHE_DIR; env_extra: added on top. Raises RuntimeError with the log's tail if the
+    JAX_COMPILATION_CACHE_DIR ("none": none); env_extra: added on top. Raises RuntimeError with the log's tail if the
     server exits or is not healthy within `timeout` seconds."""
     port = free_port()
     env = dict(os.environ if env is None else env)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    if str(cache_dir).lower() == "none":  # DSV41_TEST_JAX_CACHE=none: no persistent cache (conftest)
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
     env.update(env_extra or {})
     logf = open(log_path, "w")
