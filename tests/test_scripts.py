@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+import configs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "16", "--context-length", "128", "--max-running-requests", "8",
@@ -23,10 +25,18 @@ def _script(name):
     return mod
 
 
-def test_bench_offline(tmp_path):
+@pytest.fixture(scope="module")
+def micro_dir(tmp_path_factory):
+    """`configs.micro` saved in the release layout: the scripts load it with ``--model DIR``, so their
+    engine steps (ENGINE_FLAGS: test_engine's shapes) are the ones test_engine's micro engine compiles."""
+    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
+
+
+def test_bench_offline(tmp_path, micro_dir):
     out = tmp_path / "bench.json"
     rep = _script("bench_offline").main(["--batch-sizes", "1,2,8", "--input-len", "12", "--output-len", "6",
-                                         "--out", str(out), "--log-level", "WARNING"] + ENGINE_FLAGS)
+                                         "--out", str(out), "--log-level", "WARNING", "--model", micro_dir]
+                                        + ENGINE_FLAGS)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(rep))
     assert [r["batch_size"] for r in data["results"]] == [1, 2, 8]
@@ -42,9 +52,9 @@ def ppl_mod():
     return _script("eval_ppl")
 
 
-def test_eval_ppl_text_deterministic(tmp_path, ppl_mod):
+def test_eval_ppl_text_deterministic(tmp_path, ppl_mod, micro_dir):
     argv = ["--data", os.path.join(DATA, "ppl_sample.txt"), "--seq-len", "32", "--batch-size", "4", "--dtype",
-            "float32", "--no-progress"]
+            "float32", "--no-progress", "--model", micro_dir]
     a = ppl_mod.main(argv + ["--out", str(tmp_path / "a.json")])
     b = ppl_mod.main(argv + ["--max-batches", "100"])
     assert a["tokens"] == b["tokens"] > 500 and a["nll_per_token"] == b["nll_per_token"]
@@ -60,18 +70,19 @@ def test_eval_ppl_text_deterministic(tmp_path, ppl_mod):
     assert n_tokens - a["windows"] - len(docs) <= a["tokens"] <= n_tokens - a["windows"]
 
 
-def test_eval_ppl_jsonl_on_a_mesh(ppl_mod, cpu8):
+def test_eval_ppl_jsonl_on_a_mesh(ppl_mod, cpu8, micro_dir):
     argv = ["--data", os.path.join(DATA, "ppl_sample.jsonl"), "--seq-len", "32", "--batch-size", "4", "--dtype",
-            "float32", "--no-progress"]
+            "float32", "--no-progress", "--model", micro_dir]
     a = ppl_mod.main(argv)
     m = ppl_mod.main(argv + ["--mesh", "data=2"])
     assert a["tokens"] == m["tokens"] and abs(a["nll_per_token"] - m["nll_per_token"]) < 1e-4
 
 
-def test_eval_chat(tmp_path):
+def test_eval_chat(tmp_path, micro_dir):
     out = tmp_path / "chat.json"
     res = _script("eval_chat").main(["--data", os.path.join(DATA, "chat_qa.jsonl"), "--thinking", "both",
-                                     "--max-tokens", "8", "--details", "--out", str(out)] + ENGINE_FLAGS)
+                                     "--max-tokens", "8", "--details", "--out", str(out), "--model", micro_dir]
+                                    + ENGINE_FLAGS)
     assert set(res["modes"]) == {"chat", "thinking"}
     for mode in res["modes"].values():
         assert mode["n"] == 8 and mode["accuracy"] == sum(r["correct"] for r in mode["records"]) / 8
