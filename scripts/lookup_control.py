@@ -108,11 +108,9 @@ def multi_question_row(seed: int, index: int, tokenizer, seq_len: int, pad_id: i
     for n in range(1, len(order) + 1):
         msgs = list(first.messages)
         hist = {"role": "assistant", "content": first.answer}
-        turns = [(hist, first.answer)]
         for k in order[:n - 1]:
             msgs += [hist, {"role": "user", "content": f"Value of {k}?"}]
             hist = {"role": "assistant", "content": pairs[k]}
-            turns.append((hist, pairs[k]))
         k = order[n - 1]
         msgs += [hist, {"role": "user", "content": f"Value of {k}?"}]
         prompt = encode_messages(msgs, thinking=first.thinking)

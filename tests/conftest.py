@@ -134,6 +134,15 @@ def tiny_params(tiny_cfg):
 
 
 @pytest.fixture(scope="session")
+def micro_dir(tmp_path_factory):
+    """`configs.micro` (tiny's sizes and tokenizer, every mechanism of a step in 3 layers) saved in the
+    release layout, for the tests that load a small model with ``--model DIR`` (servers, scripts)."""
+    import configs
+
+    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
+
+
+@pytest.fixture(scope="session")
 def mini_cfg():
     """`configs.mini`: tiny's mechanisms in 6 layers, for the relational tests (A ≡ B on the same model)."""
     import configs

@@ -28,8 +28,8 @@ def serve_cmd() -> list:
 def start_server(flags, log_path, cache_dir, env_extra=None, *, env=None, cwd=None, timeout=START_TIMEOUT):
     """(proc, base URL, log file) of a server started with `flags` (plus a free --port), once /health
     answers 200. env: the whole environment (default: this process's); cache_dir: its
-    JAX_COMPILATION_CACHE_DIR ("none": none); env_extra: added on top. Raises RuntimeError with the log's tail if the
-    server exits or is not healthy within `timeout` seconds."""
+    JAX_COMPILATION_CACHE_DIR ("none": none); env_extra: added on top. Raises RuntimeError with the
+    log's tail if the server exits or is not healthy within `timeout` seconds."""
     port = free_port()
     env = dict(os.environ if env is None else env)
     if str(cache_dir).lower() == "none":  # DSV41_TEST_JAX_CACHE=none: no persistent cache (conftest)

@@ -33,8 +33,6 @@ import numpy as np
 import pytest
 from servers import start_server, stop_server
 
-import configs
-
 from dsv41_jax.serving.chat import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
 
@@ -56,17 +54,10 @@ def _script(name):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """`configs.micro` (tiny's sizes, every mechanism of a step in 3 layers) as a release-layout checkpoint:
-    the server, the engine backend and the offline reference all load this one directory."""
-    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
+def server(tmp_path_factory, micro_dir):
     d = tmp_path_factory.mktemp("eval_server")
     cache = os.environ.get("DSV41_TEST_JAX_CACHE", str(d / "jax_cache"))
-    flags = ["--model", model_dir, "--served-model-name", "tiny"] + ENGINE_FLAGS
+    flags = ["--model", micro_dir, "--served-model-name", "tiny"] + ENGINE_FLAGS
     proc, base, logf = start_server(flags, d / "server.log", cache, timeout=START_TIMEOUT)
     yield {"base": base, "log": d / "server.log"}
     stop_server(proc, logf)
@@ -84,13 +75,13 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def offline(model_dir):
+def offline(micro_dir):
     """The eval_loglik script module and the server's checkpoint, loaded here, in the exact mode."""
     from dsv41_jax.model import ModelConfig
     from dsv41_jax.model.checkpoint import load_params
 
-    cfg = ModelConfig.from_pretrained(model_dir).replace(act_dtype="exact")
-    return _script("eval_loglik"), load_params(model_dir, cfg), cfg, model_dir
+    cfg = ModelConfig.from_pretrained(micro_dir).replace(act_dtype="exact")
+    return _script("eval_loglik"), load_params(micro_dir, cfg), cfg, micro_dir
 
 
 def _score(offline, seqs):

@@ -9,8 +9,6 @@ import os
 
 import pytest
 
-import configs
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "16", "--context-length", "128", "--max-running-requests", "8",
@@ -23,13 +21,6 @@ def _script(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-@pytest.fixture(scope="module")
-def micro_dir(tmp_path_factory):
-    """`configs.micro` saved in the release layout: the scripts load it with ``--model DIR``, so their
-    engine steps (ENGINE_FLAGS: test_engine's shapes) are the ones test_engine's micro engine compiles."""
-    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
 
 
 def test_bench_offline(tmp_path, micro_dir):

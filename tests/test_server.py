@@ -24,8 +24,6 @@ import pytest
 import openai
 from servers import serve_cmd as _serve_cmd, start_server, stop_server
 
-import configs
-
 from dsv41_jax.serving.chat import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
 
@@ -50,24 +48,16 @@ def jax_cache(tmp_path_factory):
     return os.environ.get("DSV41_TEST_JAX_CACHE") or tmp_path_factory.mktemp("jax_cache")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """`configs.micro` (tiny's sizes and tokenizer, every mechanism of a step in 3 layers) saved in the
-    release layout: the servers here load it and serve it as "tiny" (what these tests check is the server,
-    not the layer count; micro's steps compile in about a third of tiny's time)."""
-    return configs.write_checkpoint(configs.micro(), tmp_path_factory.mktemp("micro_ckpt"))
-
-
-def _on(model_dir, flags):
+def _on(micro_dir, flags):
     """`flags` with ``--model tiny`` replaced by the micro checkpoint, served under the name "tiny"."""
     i = flags.index("--model")
-    return flags[:i] + ["--model", model_dir, "--served-model-name", "tiny"] + flags[i + 2:]
+    return flags[:i] + ["--model", micro_dir, "--served-model-name", "tiny"] + flags[i + 2:]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, jax_cache, model_dir):
+def server(tmp_path_factory, jax_cache, micro_dir):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, base, logf = start_server(_on(model_dir, SERVER_FLAGS), log_path, jax_cache)
+    proc, base, logf = start_server(_on(micro_dir, SERVER_FLAGS), log_path, jax_cache)
     yield {"base": base, "proc": proc, "log": log_path}
     rc = stop_server(proc, logf)
     assert rc == 0, open(log_path).read()[-3000:]
@@ -541,8 +531,8 @@ def test_help_and_bad_environment():
         assert r.returncode != 0 and "DSV41_" in r.stderr, (env, r.stderr)
 
 
-def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, model_dir):
-    flags = _on(model_dir, ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"])
+def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, micro_dir):
+    flags = _on(micro_dir, ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"])
     proc, base, logf = start_server(flags, tmp_path / "s.log", jax_cache)
     try:
         lines = []
