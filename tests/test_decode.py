@@ -10,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
+
 from dsv41_jax.model import ModelConfig, forward
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
+from dsv41_jax.model.params import init_params
 
 T = 40  # crosses the window (8), ratio-2 groups, candidate blocks (2 slots) and index_topk (4)
 CCFG = kvc.CacheConfig(page_size=8, num_pages=24, max_slots=4, max_pages_per_seq=6)
@@ -198,7 +201,7 @@ def test_ragged_batch_with_joins_and_leaves(mini_params, mini_cfg32):
         assert out[n] == np.argmax(want, axis=-1).tolist(), n
 
 
-def test_generate_ragged_equals_alone(mini_params, mini_cfg):
+def test_generate_ragged_equals_alone():
     """Exact mode (fp64-accumulated matmuls, model/numerics.py): XLA's accumulation order depends on
     the batch shape, and so does the "xla" linear / MoE formulation (K-blockwise GEMM for <= 8 rows,
     selected-expert gather while tokens·k < E), so in the bf16 flow a bf16 rounding — and in the fp32
@@ -206,13 +209,15 @@ def test_generate_ragged_equals_alone(mini_params, mini_cfg):
     impl "xla": prompt [100]*9 alone vs in the batch, logits agree to 9.5e-7 for 4 generated tokens,
     then an internal decision flips (logits move by 0.54 while the output top-2 margin is 0.063).
     One cache config and one-token prefill chunks for all calls, so the batch size is the only shape that
-    differs ([4, 1] vs [1, 1]: two compiles; exact-mode steps are the slowest to compile)."""
-    cfg = mini_cfg.replace(act_dtype="exact")
+    differs ([4, 1] vs [1, 1]: two compiles; exact-mode steps are the slowest to compile, so on
+    `configs.micro`: every attention mechanism once, in 3 layers)."""
+    cfg = configs.micro().replace(act_dtype="exact")
+    params = init_params(cfg, jax.random.key(0))
     prompts = [[5, 6, 7], list(range(10, 31)), [100] * 9]
     ccfg = kvc.CacheConfig(page_size=16, num_pages=9, max_slots=4, max_pages_per_seq=2)
-    together = dec.generate(mini_params, cfg, prompts, 6, ccfg=ccfg, chunk_size=1)
+    together = dec.generate(params, cfg, prompts, 6, ccfg=ccfg, chunk_size=1)
     for p, t in zip(prompts, together):
-        assert dec.generate(mini_params, cfg, [p], 6, ccfg=ccfg, chunk_size=1) == [t]
+        assert dec.generate(params, cfg, [p], 6, ccfg=ccfg, chunk_size=1) == [t]
 
 
 def test_jit_cache_does_not_grow(mini_params, mini_cfg32):

@@ -132,8 +132,11 @@ def test_fp32_mode_close_to_bf16(mini_params, mini_cfg, mini_cfg32, tokens):
 
 
 def test_flash_forward_shapes_abstractly():
+    """The flash forward traces to the right shape. 4 tokens: two ratio-2 groups, a partial window. On
+    CPU the trace time grows with the tokens, because the grouped MoE's scoped row tiles grow with its
+    groups (min(tokens·k, E)): on an AMD EPYC 16 tokens traced in 37 s, 4 tokens in 13 s."""
     cfg = ModelConfig.preset("flash")
     shapes = param_shapes(cfg)
-    toks = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    toks = jax.ShapeDtypeStruct((1, 4), jnp.int32)
     out = jax.eval_shape(lambda p, t: forward(p, t, cfg), shapes, toks)
-    assert out.shape == (1, 16, 129280) and out.dtype == jnp.float32
+    assert out.shape == (1, 4, 129280) and out.dtype == jnp.float32
