@@ -11,10 +11,13 @@
   top-k / candidate decisions on every real token, logits within 1e-5 (measured on tiny: bitwise
   equal; on mini, AMD EPYC: within 1.2e-6 in the scenario, 9.5e-7 in the forward).
 * Bit for bit: impl="reference" keeps its numbers through the cached path: the exact-mode scenario
-  (decisions, experts, logits) equals the golden `tests/data/fastpath_golden_tiny.npz` (`make_golden`,
-  CPU). An exact-mode golden, because fp32 / bf16 numbers depend on the CPU: the fp32 / bf16 goldens
-  made on commit 36c1d29 (the code before the seams) matched bitwise on that session's CPUs, but on
-  an AMD EPYC the same reference parts from them (fp32 scenario: 3.1e-3 after an fp8 code flip;
+  on `configs.micro` (decisions, experts, logits) equals the golden
+  `tests/data/fastpath_golden_micro.npz` (`make_golden`, CPU). It replaced a golden of the same
+  scenario on tiny (recorded from the code before the seams), written after checking on the recording
+  session's AMD EPYC that the reference still reproduced that tiny golden bit for bit: the chain to the
+  pre-seam numbers holds, at a third of tiny's compile time. An exact-mode golden, because fp32 / bf16
+  numbers depend on the CPU: the fp32 / bf16 goldens made on commit 36c1d29 (the code before the
+  seams) matched bitwise on that session's CPUs, but on an AMD EPYC the same reference parts from them (fp32 scenario: 3.1e-3 after an fp8 code flip;
   bf16 forward: from token 13). Exact-mode sums are fp64 over exact products, rounded once: their
   result does not depend on the order the CPU's vector width gives them (on the recording CPU the
   golden matches bit for bit; on another the decisions do and the logits within a few ulp, the
@@ -43,7 +46,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model import attention, forward, indexer, init_params
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "fastpath_golden_tiny.npz")
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "fastpath_golden_micro.npz")
 
 # ------------------------------------------------------------------------------------------ topk seam
 
@@ -255,13 +258,25 @@ def make_golden(params, cfg, path=GOLDEN):
 
 
 @pytest.fixture(scope="module")
-def ref_exact_scenario(tiny_params, tiny_cfg):
-    """The reference's exact-mode scenario with experts (shared by the golden and exact-mode tests)."""
-    return run_scenario(tiny_params, tiny_cfg.replace(act_dtype="exact", impl="reference"), experts=True)
+def micro_cfg():
+    return configs.micro()
+
+
+@pytest.fixture(scope="module")
+def micro_params(micro_cfg):
+    return init_params(micro_cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def ref_exact_scenario(micro_params, micro_cfg):
+    """The reference's exact-mode scenario with experts on micro (shared by the golden and exact-mode
+    tests)."""
+    return run_scenario(micro_params, micro_cfg.replace(act_dtype="exact", impl="reference"), experts=True)
 
 
 # The fp32 relations (xla ≡ reference, Pallas ≡ xla) run on `configs.mini` (tiny's sizes, every
-# mechanism of its layout in 6 layers: ~0.64x tiny's compile time); the exact-mode golden stays on tiny.
+# mechanism of its layout in 6 layers: ~0.64x tiny's compile time); the exact-mode relations on
+# `configs.micro` (every attention mechanism once, 3 layers) and its 64-expert variant.
 @pytest.fixture(scope="module")
 def ref_scenario(mini_params, mini_cfg32):
     return run_scenario(mini_params, mini_cfg32.replace(impl="reference"))
@@ -308,21 +323,21 @@ def test_decode_xla_equals_reference(mini_cfg32, ref_scenario, xla_scenario):
     _assert_same_decisions(got, ref_scenario, 1e-5)
 
 
-@pytest.mark.parametrize("which", ["tiny", "e64"])
-def test_decode_exact_mode_xla_equals_reference(which, tiny_params, tiny_cfg, request):
+@pytest.mark.parametrize("which", ["micro", "e64"])
+def test_decode_exact_mode_xla_equals_reference(which, micro_params, micro_cfg, request):
     """Exact mode (fp64-accumulated matmuls and attention / index-score sums) through chunked prefill,
     decode and verify windows over the ragged batch (idle rows with n_new = 0 included): identical top-k,
-    candidate blocks and experts, bit-identical logits. tiny: 8 experts (every step routes >= 8
+    candidate blocks and experts, bit-identical logits. micro: 8 experts (every step routes >= 8
     assignments: all experts are groups); e64 (`configs.e64`: micro's 3 layers, 64 experts, top-6):
     <= 60 assignments per step, so only the selected experts are gathered and most experts receive no
     token."""
-    if which == "tiny":
-        cfg, params = tiny_cfg, tiny_params
+    if which == "micro":
+        cfg, params = micro_cfg, micro_params
     else:
         cfg = configs.e64()  # micro's layers, 64 experts top-6
         params = init_params(cfg, jax.random.key(1))
     cfg = cfg.replace(act_dtype="exact")
-    if which == "tiny":
+    if which == "micro":
         ref = request.getfixturevalue("ref_exact_scenario")
     else:
         ref = run_scenario(params, cfg.replace(impl="reference"), experts=True)

@@ -1,7 +1,7 @@
 """The "xla" fast paths against the reference (issue 10, weights and per-token ops).
 
-Per op (linear fp8 / MXFP4 / fp32-kind, routed MoE, mHC mixing) and through `forward`, on `configs.mini`
-(tiny's sizes and mechanisms in 6 layers) and on a 64-expert top-6 variant (decode-sized token counts leave most experts without a
+Per op (linear fp8 / MXFP4 / fp32-kind, routed MoE, mHC mixing) and through `forward`, on `configs.micro`
+(tiny's sizes in 3 layers) and on its 64-expert top-6 variant (decode-sized token counts leave most experts without a
 token; the grouped path then gathers only the selected experts):
 
 * exact mode (fp32 activations, fp64-accumulated matmuls): identical discrete decisions and
@@ -45,6 +45,16 @@ def cfg64():
 @pytest.fixture(scope="module")
 def params64(cfg64):
     return init_params(cfg64, jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def micro_cfg():
+    return configs.micro()
+
+
+@pytest.fixture(scope="module")
+def micro_params(micro_cfg):
+    return init_params(micro_cfg, jax.random.key(0))
 
 
 def _bf16_ulp(a):
@@ -260,14 +270,15 @@ def _compare_forward(params, cfg, tokens):
     return np.asarray(lr), np.asarray(lx), _decisions(ar), _decisions(ax)
 
 
-@pytest.mark.parametrize("which, T", [("mini", 12), ("e64", 6)])
-def test_forward_exact_mode_identical(which, T, mini_cfg, mini_params, cfg64, params64):
+@pytest.mark.parametrize("which, T", [("micro", 12), ("e64", 6)])
+def test_forward_exact_mode_identical(which, T, micro_cfg, micro_params, cfg64, params64):
     """Exact mode: identical experts / index top-k / candidate blocks and bit-identical logits.
 
-    mini (`configs.mini`: tiny's sizes and mechanisms in 6 layers) at T=12: bf16-dequant GEMMs (M > 8)
-    and the all-experts ragged path (A = 24 >= 8);
-    e64 at T=6: the K-blockwise fp8 GEMMs (M <= 8) and the selected-experts gather (A = 36 < 64)."""
-    cfg, params = (mini_cfg, mini_params) if which == "mini" else (cfg64, params64)
+    micro (`configs.micro`: tiny's sizes, 8 experts top-2, 3 layers — these paths are the linear and
+    MoE ones, which every layer has) at T=12: bf16-dequant GEMMs (M > 8) and the all-experts ragged
+    path (A = 24 >= 8); e64 (micro with 64 experts, top-6) at T=6: the K-blockwise fp8 GEMMs (M <= 8)
+    and the selected-experts gather (A = 36 < 64)."""
+    cfg, params = (micro_cfg, micro_params) if which == "micro" else (cfg64, params64)
     tokens = jax.random.randint(jax.random.key(21), (1, T), 3, 300, dtype=jnp.int32)
     lr, lx, dr, dx = _compare_forward(params, cfg.replace(act_dtype="exact"), tokens)
     assert dr.keys() == dx.keys() and any(k[0] == "topk" for k in dr)
@@ -276,11 +287,11 @@ def test_forward_exact_mode_identical(which, T, mini_cfg, mini_params, cfg64, pa
     np.testing.assert_array_equal(lx, lr)
 
 
-@pytest.mark.parametrize("which, T", [("mini", 12), ("e64", 6)])
-def test_forward_bf16_decisions_and_logits(which, T, mini_cfg, mini_params, cfg64, params64):
+@pytest.mark.parametrize("which, T", [("micro", 12), ("e64", 6)])
+def test_forward_bf16_decisions_and_logits(which, T, micro_cfg, micro_params, cfg64, params64):
     """bf16 flow: decisions agree at >= 99% of positions; logits within tolerance up to the first
     position where any decision flips (after a flip a random tiny model legitimately diverges)."""
-    cfg, params = (mini_cfg, mini_params) if which == "mini" else (cfg64, params64)
+    cfg, params = (micro_cfg, micro_params) if which == "micro" else (cfg64, params64)
     tokens = jax.random.randint(jax.random.key(21), (1, T), 3, 300, dtype=jnp.int32)
     lr, lx, dr, dx = _compare_forward(params, cfg, tokens)
     first_flip = T
