@@ -6,7 +6,7 @@ summation order that tp all-reduces change) and must give identical discrete dec
 index top-k) and bitwise-equal logits (LOGIT_ATOL = 0 says why). The MoE/gather collectives are also
 checked bitwise in the default bf16 flow.
 
-Compile budget: the default tier compiles the whole model twice — the extend step (prefill chunks
+Compile budget: the default tier compiles the whole model (`configs.micro`) twice — the extend step (prefill chunks
 and decode steps share its [B, T] shape; compiled ahead of time so the same executable's HLO is
 inspected) unsharded and on ONE mesh, tp=2 x ep=4, which exercises both axes. The forward and the
 other meshes of the issue (tp=2, tp=4, ep=2, ep=4) run the same checks under ``-m slow`` (two more
@@ -22,9 +22,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import configs
+
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model import dispatch, moe as moe_mod
+from dsv41_jax.model.params import init_params
 from dsv41_jax.model.engram import gather_rows
 from dsv41_jax.model.transformer import forward
 from dsv41_jax.parallel import collectives, rules
@@ -57,6 +60,18 @@ _CACHE: dict = {}
 @pytest.fixture(scope="module")
 def xcfg(tiny_cfg):
     return tiny_cfg.replace(act_dtype="exact")
+
+
+@pytest.fixture(scope="module")
+def micro_xcfg():
+    """`configs.micro` (tiny's sizes and heads, 8 experts, window-only / ratio-2 / ratio-1 + candidate
+    layers) in the exact mode: the whole-model mesh checks, at a third of tiny's compile time."""
+    return configs.micro().replace(act_dtype="exact")
+
+
+@pytest.fixture(scope="module")
+def micro_params(micro_xcfg):
+    return init_params(micro_xcfg, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +122,7 @@ def _step(cfg, mesh):
 def run_model(cfg, params, tokens, mesh, with_forward: bool):
     """The extend steps' logits, decisions and final cache (and the forward's logits + decisions if
     `with_forward`) for `mesh` (None = unsharded); memoized so each compiles once per session."""
-    key = (None if mesh is None else tuple(mesh.shape.items()), with_forward)
+    key = (cfg, None if mesh is None else tuple(mesh.shape.items()), with_forward)
     if key in _CACHE:
         return _CACHE[key]
     p = params if mesh is None else rules.shard_params(params, cfg, mesh)
@@ -328,9 +343,10 @@ def _collectives(hlo: str):
     return [(t, op) for t, op in ops]
 
 
-def test_sharded_step_equals_unsharded_tp2_ep4(cpu8, xcfg, tiny_params, tokens):
-    """Prefill chunks + decode steps on tp=2 x ep=4 ≡ unsharded; the compiled step's collectives."""
-    got = _check_mesh(xcfg, tiny_params, tokens, 2, 4, with_forward=False)
+def test_sharded_step_equals_unsharded_tp2_ep4(cpu8, micro_xcfg, micro_params, tokens):
+    """Prefill chunks + decode steps on tp=2 x ep=4 ≡ unsharded (micro); the compiled step's collectives."""
+    xcfg = micro_xcfg
+    got = _check_mesh(xcfg, micro_params, tokens, 2, 4, with_forward=False)
     ops = _collectives(got["hlo"])
     reduces = [t for t, op in ops if op == "all-reduce"]
     gathers = [t for t, op in ops if op == "all-gather"]
@@ -344,9 +360,9 @@ def test_sharded_step_equals_unsharded_tp2_ep4(cpu8, xcfg, tiny_params, tokens):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,ep", [(2, 4), (2, 1), (4, 1), (1, 2), (1, 4)])
-def test_sharded_equals_unsharded_all_meshes(cpu8, xcfg, tiny_params, tokens, tp, ep):
-    """Forward + prefill + decode ≡ unsharded on every mesh of the issue."""
-    _check_mesh(xcfg, tiny_params, tokens, tp, ep, with_forward=True)
+def test_sharded_equals_unsharded_all_meshes(cpu8, micro_xcfg, micro_params, tokens, tp, ep):
+    """Forward + prefill + decode ≡ unsharded on every mesh of the issue (micro)."""
+    _check_mesh(micro_xcfg, micro_params, tokens, tp, ep, with_forward=True)
 
 
 # ------------------------------------------------------------------------------------ host Engram table
