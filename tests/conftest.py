@@ -12,6 +12,10 @@ environment the workers inherit, and removed when it exits), so a run never depe
 ``DSV41_TEST_JAX_CACHE=DIR`` uses (and keeps) DIR instead; ``DSV41_TEST_JAX_CACHE=none`` turns the cache off
 in the test processes and in the servers they start (to measure the suite without it).
 
+XLA's CPU backend compiles the test programs at -O0 (`_with_test_opt_level` says why and when not);
+``DSV41_TEST_XLA_OPT=default`` runs the suite on XLA's default instead. The header pytest prints names
+the choice.
+
 ``DSV41_TEST_COMPILE_LOG=PATH`` (for work on the suite's time): each test process appends one JSON line
 per (test, event, function) to ``PATH.<worker>`` with the seconds JAX spent tracing, lowering and
 compiling (a persistent-cache load counts as a compile) in that test, from `jax.monitoring` events.
@@ -24,6 +28,8 @@ import tempfile
 
 N_HOST_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
+OPT_ENV = "DSV41_TEST_XLA_OPT"
+_OPT_FLAG = "--xla_backend_optimization_level"
 
 
 def _with_host_devices(flags: str, n: int) -> str:
@@ -31,10 +37,48 @@ def _with_host_devices(flags: str, n: int) -> str:
     return " ".join(kept + [f"{_FLAG}={n}"])
 
 
-os.environ["XLA_FLAGS"] = _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_HOST_DEVICES)
+def _accelerator_plugin() -> str | None:
+    """The name of an installed GPU/TPU PJRT plugin (jax_plugins.*), without initializing JAX."""
+    import pkgutil
+
+    try:
+        import jax_plugins
+    except ImportError:
+        return None
+    return next((m.name for m in pkgutil.iter_modules(jax_plugins.__path__)), None)
+
+
+def _with_test_opt_level(flags: str) -> tuple[str, str]:
+    """(XLA_FLAGS, what was chosen): XLA's CPU backend (LLVM) at -O0 for the test processes.
+
+    Why: compiling is ~85 % of the suite's time on a 2-core CPU machine, and -O0 compiles a tiny-sized
+    program in ~0.6x the time (measured: the whole suite 18 min 54 s -> 13 min 01 s, seed 51 vs 52),
+    while the tiny programs run 2x slower, which the suite barely sees. The HLO XLA optimizes and
+    fuses is the same; what changes is the machine code: LLVM no longer contracts a*b+c into FMAs, so
+    fp32 results can differ in the last bit from the default build (an exact-mode golden records the
+    level it was made at: `goldens.machine`). Every relation the suite checks holds at both levels.
+    Not applied when XLA_FLAGS already names the level, when ``DSV41_TEST_XLA_OPT=default`` (XLA's
+    default, i.e. what serving on a CPU compiles), or when an accelerator plugin is installed (the GPU
+    machine runs the kernels natively at its default)."""
+    if any(f.startswith(_OPT_FLAG) for f in flags.split()):
+        return flags, "as XLA_FLAGS set it"
+    choice = os.environ.get(OPT_ENV, "0").strip().lower()
+    if choice not in ("0", "default"):
+        raise pytest.UsageError(f"{OPT_ENV}={choice!r}: expected 0 (the default) or 'default'")
+    if choice == "default":
+        return flags, f"XLA's default ({OPT_ENV}=default)"
+    plugin = _accelerator_plugin()
+    if plugin:
+        return flags, f"XLA's default (accelerator plugin {plugin} installed)"
+    return " ".join(flags.split() + [f"{_OPT_FLAG}=0"]), f"-O0 for the CPU backend ({OPT_ENV}=default: XLA's default)"
+
+
+import pytest  # noqa: E402
+
+os.environ["XLA_FLAGS"], XLA_OPT_CHOICE = _with_test_opt_level(
+    _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_HOST_DEVICES))
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 CACHE_ENV = "DSV41_TEST_JAX_CACHE"
 # Compiles shorter than this are not written (the helpers' sub-second compiles cost more to store than to redo).
@@ -70,6 +114,11 @@ def _on_duration(event: str, secs: float, **kw) -> None:
 
 if os.environ.get(COMPILE_LOG_ENV):
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def pytest_report_header(config):
+    return [f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}: XLA backend optimization {XLA_OPT_CHOICE}",
+            f"compile cache: {RUN_COMPILE_CACHE}"]
 
 
 @pytest.hookimpl(hookwrapper=True)

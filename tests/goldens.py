@@ -27,7 +27,11 @@ CROSS_CPU_ATOL = 4e-6
 
 
 def machine() -> str:
-    """This process's CPU model and jaxlib version, e.g. 'Intel(R) Xeon(R) Processor | jaxlib 0.10.2'."""
+    """This process's CPU model and jaxlib version, e.g. 'Intel(R) Xeon(R) Processor | jaxlib 0.10.2', and
+    XLA's backend optimization level when XLA_FLAGS sets one (the test suite runs at -O0, conftest): the
+    level decides whether LLVM contracts fp32 a*b+c into FMAs, which moves the last bit like another CPU."""
+    import os
+
     import jaxlib
 
     model = platform.processor() or platform.machine()
@@ -39,7 +43,10 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return f"{model} | jaxlib {jaxlib.__version__}"
+    who = f"{model} | jaxlib {jaxlib.__version__}"
+    levels = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split()
+              if f.startswith("--xla_backend_optimization_level=")]
+    return f"{who} | xla -O{levels[-1]}" if levels else who
 
 
 def save(path, **arrays) -> None:
