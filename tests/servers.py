@@ -25,6 +25,18 @@ def serve_cmd() -> list:
     return os.environ.get("DSV41_TEST_SERVE_CMD", f"{sys.executable} -m dsv41_jax.serve").split()
 
 
+def user_env() -> dict:
+    """This process's environment as a user's shell would have it: no ``DSV41_*`` test settings and none
+    of the test session's XLA_FLAGS (its 8 host CPU devices) but XLA's backend optimization level, which
+    the suite picks for every process it compiles in (conftest: -O0 on the CPU, which only changes how
+    long a compile takes and the last fp32 bit)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
+    level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+    if level:
+        env["XLA_FLAGS"] = level[-1]
+    return env
+
+
 def start_server(flags, log_path, cache_dir, env_extra=None, *, env=None, cwd=None, timeout=START_TIMEOUT):
     """(proc, base URL, log file) of a server started with `flags` (plus a free --port), once /health
     answers 200. env: the whole environment (default: this process's); cache_dir: its

@@ -15,7 +15,7 @@ import os
 import httpx
 import openai
 import pytest
-from servers import start_server, stop_server
+from servers import start_server, stop_server, user_env
 
 from dsv41_jax.model.config import NANO_DIR, ModelConfig, resolve_model
 from dsv41_jax.training import data
@@ -39,7 +39,7 @@ def test_nano_is_shipped_in_the_release_layout():
 @pytest.fixture(scope="module")
 def nano_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("nano_server")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
+    env = user_env()
     cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
     proc, base, logf = start_server([], d / "server.log", cache, env=env)  # no --model: the default
     yield {"base": base, "log": d / "server.log"}

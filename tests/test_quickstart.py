@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from servers import free_port, start_server, stop_server
+from servers import free_port, start_server, stop_server, user_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT = 600
@@ -33,8 +33,7 @@ def _demo():
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("quickstart")
-    # the defaults, not the shell's (nor the test session's 8 CPU devices)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
+    env = user_env()  # the defaults, not the shell's (nor the test session's 8 CPU devices)
     # its own empty cache directory (not the run's shared one): the test below checks that the default
     # server writes its compiled steps there, and no other test writes there
     cache = str(d / "jax_cache")
