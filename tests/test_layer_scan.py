@@ -1,12 +1,14 @@
 """Runs of plan-identical layers as one lax.scan (issue 10 item 5): scanned ≡ unrolled.
 
 tiny has no run of >= 2 plan-identical layers (every layer is a source, an Engram layer or a consumer
-of a different source), so the equivalence tests use `tiny_runs_cfg`: tiny's sizes over 7 layers
+of a different source), so the equivalence tests use `tiny_runs_cfg`: tiny's sizes over 5 layers
 with a window-only run (layers 0-1) and a run of compressed consumers (3-4, reading source 2's pool
-and top-k), with DSpark reading the scanned layers' inputs (targets 3, 4, 6). In the exact numerics
+and top-k), with DSpark reading the scanned layers' inputs (targets 2, 3, 4). (It had two more
+layers, a ratio-1 candidate source and its consumer, outside any run: they cost compile time and
+were not what the scan changes.) In the exact numerics
 mode (fp32 activations, fp64-accumulated matmuls) the scan computes the same operations as the
 unrolled loop, and the tests require *bitwise* equal logits, layer inputs and cache, and identical
-top-k / candidate / expert decisions. Cost: 4 compiles of the 7-layer model (forward and one [2, T]
+top-k / candidate / expert decisions. Cost: 4 compiles of the 5-layer model (forward and one [2, T]
 cached step, scanned and unrolled).
 """
 
@@ -26,12 +28,12 @@ T = 12  # > window (8), several ratio-2 groups, > index_topk (4)
 
 
 def tiny_runs_cfg(**kw) -> ModelConfig:
-    """Runs (0-1) and (3-4); layers 2 and 5 are KV + index sources with Engram, 5 the candidate source."""
+    """Runs (0-1) and (3-4); layer 2 is the KV + index source, with Engram; one DSpark stage."""
     t = ModelConfig.preset("tiny")
-    return t.replace(num_hidden_layers=7, compress_ratios=(0, 0, 2, 2, 2, 1, 1, 0, 0, 0), kv_source_layer_ids=(2, 5),
-                     index_source_layer_ids=(2, 5), candidate_source_layer_id=5, engram_layer_ids=(2, 5),
-                     engram_num_embeddings=tuple(_engram_rows((2, 5), 4, 2, 50)), dspark_target_layer_ids=(3, 4, 6),
-                     name="tiny_runs", **kw)
+    return t.replace(num_hidden_layers=5, compress_ratios=(0, 0, 2, 2, 2, 0), kv_source_layer_ids=(2,),
+                     index_source_layer_ids=(2,), candidate_source_layer_id=None, engram_layer_ids=(2,),
+                     engram_num_embeddings=tuple(_engram_rows((2,), 4, 2, 50)), num_nextn_predict_layers=1,
+                     dspark_target_layer_ids=(2, 3, 4), name="tiny_runs", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +56,8 @@ def test_runs(cfgs):
                                            (20, 1), (21, 3), (24, 1), (25, 3), (28, 1), (29, 3), (32, 1),
                                            (33, 3), (36, 1), (37, 3))
     on, off = cfgs
-    assert layer_scan.layer_runs(on) == ((0, 2), (2, 1), (3, 2), (5, 1), (6, 1))
-    assert layer_scan.layer_runs(off) == tuple((i, 1) for i in range(7))
+    assert layer_scan.layer_runs(on) == ((0, 2), (2, 1), (3, 2))
+    assert layer_scan.layer_runs(off) == tuple((i, 1) for i in range(5))
     assert layer_scan.has_runs(on) and not layer_scan.has_runs(off)
     with pytest.raises(ValueError, match="layer_scan"):
         ModelConfig.preset("tiny").replace(layer_scan="yes")
