@@ -104,7 +104,8 @@ def test_consumers_reuse_topk(which):
 
 def test_jit_compiles_once_per_shape():
     """One trace per token shape, none per call (no Python branch on a traced value). On tiny's
-    3-layer cut (`configs.micro`): the property is the forward's, at a third of tiny's compile time."""
+    3-layer cut (`configs.micro`): the property is the forward's, at a third of tiny's compile time.
+    The second shape is only lowered: `lower` traces as a call would, without a second compile."""
     cfg = configs.micro()
     params = init_params(cfg, jax.random.key(0))
     traces = []
@@ -119,7 +120,9 @@ def test_jit_compiles_once_per_shape():
     jf(params, a + 5).block_until_ready()
     jf(params, a + 7).block_until_ready()
     assert len(traces) == 1
-    jf(params, jnp.zeros((1, 13), jnp.int32)).block_until_ready()
+    jf.lower(params, jnp.zeros((1, 13), jnp.int32))
+    assert traces == [(1, 12), (1, 13)]
+    jf(params, a + 9).block_until_ready()  # the first shape's program is still the one called
     assert len(traces) == 2
 
 
