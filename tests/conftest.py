@@ -29,7 +29,6 @@ import tempfile
 N_HOST_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 OPT_ENV = "DSV41_TEST_XLA_OPT"
-_OPT_FLAG = "--xla_backend_optimization_level"
 
 
 def _with_host_devices(flags: str, n: int) -> str:
@@ -61,7 +60,7 @@ def _with_test_opt_level(flags: str) -> tuple[str, str]:
     Not applied when XLA_FLAGS already names the level, when ``DSV41_TEST_XLA_OPT=default`` (XLA's
     default, i.e. what serving on a CPU compiles), or when an accelerator plugin is installed (the GPU
     machine runs the kernels natively at its default)."""
-    if any(f.startswith(_OPT_FLAG) for f in flags.split()):
+    if opt_level_flag(flags):
         return flags, "as XLA_FLAGS set it"
     choice = os.environ.get(OPT_ENV, "0").strip().lower()
     if choice not in ("0", "default"):
@@ -71,10 +70,11 @@ def _with_test_opt_level(flags: str) -> tuple[str, str]:
     plugin = _accelerator_plugin()
     if plugin:
         return flags, f"XLA's default (accelerator plugin {plugin} installed)"
-    return " ".join(flags.split() + [f"{_OPT_FLAG}=0"]), f"-O0 for the CPU backend ({OPT_ENV}=default: XLA's default)"
+    return " ".join(flags.split() + [f"{OPT_FLAG}=0"]), f"-O0 for the CPU backend ({OPT_ENV}=default: XLA's default)"
 
 
 import pytest  # noqa: E402
+from xla_flags import OPT_FLAG, opt_level_flag  # noqa: E402
 
 os.environ["XLA_FLAGS"], XLA_OPT_CHOICE = _with_test_opt_level(
     _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_HOST_DEVICES))

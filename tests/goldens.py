@@ -23,6 +23,8 @@ import platform
 
 import numpy as np
 
+from xla_flags import opt_level_flag
+
 CROSS_CPU_ATOL = 4e-6
 
 
@@ -44,9 +46,8 @@ def machine() -> str:
     except OSError:
         pass
     who = f"{model} | jaxlib {jaxlib.__version__}"
-    levels = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split()
-              if f.startswith("--xla_backend_optimization_level=")]
-    return f"{who} | xla -O{levels[-1]}" if levels else who
+    level = opt_level_flag(os.environ.get("XLA_FLAGS", ""))
+    return f"{who} | xla -O{level.split('=', 1)[1]}" if level else who
 
 
 def save(path, **arrays) -> None:

@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from xla_flags import opt_level_flag
+
 START_TIMEOUT = 900  # a hang guard: a cold start takes ~40 s idle, ~5 min on a loaded 2-core VM
 
 
@@ -31,9 +33,9 @@ def user_env() -> dict:
     the suite picks for every process it compiles in (conftest: -O0 on the CPU, which only changes how
     long a compile takes and the last fp32 bit)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
-    level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+    level = opt_level_flag(os.environ.get("XLA_FLAGS", ""))
     if level:
-        env["XLA_FLAGS"] = level[-1]
+        env["XLA_FLAGS"] = level
     return env
 
 

@@ -7,13 +7,14 @@ import pytest
 
 import conftest
 import goldens
+from xla_flags import OPT_FLAG, opt_level_flag
 
 
 def test_this_run_compiles_as_chosen():
     flags = os.environ["XLA_FLAGS"].split()
     assert "--xla_force_host_platform_device_count=8" in flags
-    levels = [f for f in flags if f.startswith("--xla_backend_optimization_level")]
-    assert len(levels) <= 1
+    levels = [f for f in flags if f.split("=", 1)[0] == OPT_FLAG]
+    assert len(levels) <= 1 and opt_level_flag(os.environ["XLA_FLAGS"]) == (levels[0] if levels else None)
     if os.environ.get(conftest.OPT_ENV, "0") == "0" and not conftest._accelerator_plugin():
         assert levels, flags  # the default choice is applied ...
     assert (goldens.machine().endswith("| xla -O" + levels[0].split("=")[1]) if levels
