@@ -12,9 +12,9 @@ environment the workers inherit, and removed when it exits), so a run never depe
 ``DSV41_TEST_JAX_CACHE=DIR`` uses (and keeps) DIR instead; ``DSV41_TEST_JAX_CACHE=none`` turns the cache off
 in the test processes and in the servers they start (to measure the suite without it).
 
-XLA's CPU backend compiles the test programs at -O0 (`_with_test_opt_level` says why and when not);
-``DSV41_TEST_XLA_OPT=default`` runs the suite on XLA's default instead. The header pytest prints names
-the choice.
+XLA's CPU backend compiles the test programs at -O0 with its MLIR fusion emitters off
+(`_with_test_opt_level` says why and when not); ``DSV41_TEST_XLA_OPT=default`` runs the suite on XLA's
+defaults instead. The header pytest prints names the choice.
 
 ``DSV41_TEST_COMPILE_LOG=PATH`` (for work on the suite's time): each test process appends one JSON line
 per (test, event, function) to ``PATH.<worker>`` with the seconds JAX spent tracing, lowering and
@@ -47,18 +47,41 @@ def _accelerator_plugin() -> str | None:
     return next((m.name for m in pkgutil.iter_modules(jax_plugins.__path__)), None)
 
 
-def _with_test_opt_level(flags: str) -> tuple[str, str]:
-    """(XLA_FLAGS, what was chosen): XLA's CPU backend (LLVM) at -O0 for the test processes.
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows ``flag`` (XLA aborts a process whose XLA_FLAGS name an unknown one):
+    a CPU backend brought up in a subprocess with XLA_FLAGS=flag (~2 s; once per run, in the first
+    process: the xdist workers inherit the choice in XLA_FLAGS)."""
+    import subprocess
+    import sys
 
-    Why: compiling is ~85 % of the suite's time on a 2-core CPU machine, and -O0 compiles a tiny-sized
-    program in ~0.6x the time (measured: the whole suite 18 min 54 s -> 13 min 01 s, seed 51 vs 52),
-    while the tiny programs run ~2x slower, which shows only in the execution-heavy files (test_preemption:
-    45 -> 58 s in those runs). The HLO XLA optimizes and
-    fuses is the same; what changes is the machine code: LLVM no longer contracts a*b+c into FMAs, so
-    fp32 results can differ in the last bit from the default build (an exact-mode golden records the
-    level it was made at: `goldens.machine`). Every relation the suite checks holds at both levels.
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    try:
+        r = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env,
+                           capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0
+
+
+def _with_test_opt_level(flags: str) -> tuple[str, str]:
+    """(XLA_FLAGS, what was chosen): XLA's CPU backend at -O0 with its MLIR fusion emitters off, for the
+    test processes.
+
+    Why: compiling is most of the suite's time on a 2-core CPU machine.
+    * -O0 (LLVM unoptimized) compiles a tiny-sized program in ~0.6x the time (measured: the whole suite
+      18 min 54 s -> 13 min 01 s, seed 51 vs 52), while the tiny programs run ~2x slower, which shows
+      only in the execution-heavy files (test_preemption: 45 -> 58 s in those runs).
+    * At -O0, ``--xla_cpu_use_fusion_emitters=false`` (XLA:CPU's elemental IR emitters instead of the
+      MLIR fusion pipeline) cuts XLA's compile time by another third (in-process backend compile 566 ->
+      374 s, test time 1,172 -> 927 s over the two workers; micro's forward 2.7 -> 1.7 s; tiny's extend
+      about level) with run times unchanged. (At XLA's default level the same flag made compiles 2x
+      slower: LLVM then optimizes the larger IR.) It is added only when XLA knows it (`_xla_accepts`).
+    The HLO XLA optimizes is the same up to fusion decisions; what changes is the machine code: LLVM no
+    longer contracts a*b+c into FMAs and a fusion's chain is written out differently, so fp32 results can
+    differ in the last bit from the default build (an exact-mode golden records the settings it was made
+    at: `goldens.machine`). Every relation the suite checks holds both ways.
     Not applied when XLA_FLAGS already names the level, when ``DSV41_TEST_XLA_OPT=default`` (XLA's
-    default, i.e. what serving on a CPU compiles), or when an accelerator plugin is installed (the GPU
+    defaults, i.e. what serving on a CPU compiles), or when an accelerator plugin is installed (the GPU
     machine runs the kernels natively at its default)."""
     if opt_level_flag(flags):
         return flags, "as XLA_FLAGS set it"
@@ -70,11 +93,20 @@ def _with_test_opt_level(flags: str) -> tuple[str, str]:
     plugin = _accelerator_plugin()
     if plugin:
         return flags, f"XLA's default (accelerator plugin {plugin} installed)"
-    return " ".join(flags.split() + [f"{OPT_FLAG}=0"]), f"-O0 for the CPU backend ({OPT_ENV}=default: XLA's default)"
+    add, why = [f"{OPT_FLAG}=0"], "-O0 for the CPU backend"
+    emitters = f"{EMITTERS_FLAG}=false"
+    if last_flag(flags, EMITTERS_FLAG):
+        why += ", fusion emitters as XLA_FLAGS set them"
+    elif _xla_accepts(emitters):
+        add.append(emitters)
+        why += ", its fusion emitters off"
+    else:
+        why += f" (this XLA does not know {EMITTERS_FLAG}: its fusion emitters stay on)"
+    return " ".join(flags.split() + add), f"{why} ({OPT_ENV}=default: XLA's defaults)"
 
 
 import pytest  # noqa: E402
-from xla_flags import OPT_FLAG, opt_level_flag  # noqa: E402
+from xla_flags import EMITTERS_FLAG, OPT_FLAG, last_flag, opt_level_flag  # noqa: E402
 
 os.environ["XLA_FLAGS"], XLA_OPT_CHOICE = _with_test_opt_level(
     _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_HOST_DEVICES))
@@ -121,7 +153,7 @@ if os.environ.get(COMPILE_LOG_ENV):
 
 
 def pytest_report_header(config):
-    return [f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}: XLA backend optimization {XLA_OPT_CHOICE}",
+    return [f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}: compile settings {XLA_OPT_CHOICE}",
             f"compile cache: {RUN_COMPILE_CACHE}"]
 
 

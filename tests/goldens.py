@@ -23,15 +23,17 @@ import platform
 
 import numpy as np
 
-from xla_flags import opt_level_flag
+import xla_flags
 
 CROSS_CPU_ATOL = 4e-6
 
 
 def machine() -> str:
     """This process's CPU model and jaxlib version, e.g. 'Intel(R) Xeon(R) Processor | jaxlib 0.10.2', and
-    XLA's backend optimization level when XLA_FLAGS sets one (the test suite runs at -O0, conftest): the
-    level decides whether LLVM contracts fp32 a*b+c into FMAs, which moves the last bit like another CPU."""
+    the compile-speed settings XLA_FLAGS has (the test suite runs XLA:CPU at -O0 with its fusion emitters
+    off, conftest; `xla_flags.describe`): the level decides whether LLVM contracts fp32 a*b+c into FMAs,
+    and the emitters how a fusion's elementwise chain is written out, either of which moves the last bit
+    like another CPU."""
     import os
 
     import jaxlib
@@ -46,8 +48,7 @@ def machine() -> str:
     except OSError:
         pass
     who = f"{model} | jaxlib {jaxlib.__version__}"
-    level = opt_level_flag(os.environ.get("XLA_FLAGS", ""))
-    return f"{who} | xla -O{level.split('=', 1)[1]}" if level else who
+    return who + xla_flags.describe(os.environ.get("XLA_FLAGS", ""))
 
 
 def save(path, **arrays) -> None:

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from xla_flags import opt_level_flag
+from xla_flags import compile_speed_flags
 
 START_TIMEOUT = 900  # a hang guard: a cold start takes ~40 s idle, ~5 min on a loaded 2-core VM
 
@@ -29,13 +29,13 @@ def serve_cmd() -> list:
 
 def user_env() -> dict:
     """This process's environment as a user's shell would have it: no ``DSV41_*`` test settings and none
-    of the test session's XLA_FLAGS (its 8 host CPU devices) but XLA's backend optimization level, which
-    the suite picks for every process it compiles in (conftest: -O0 on the CPU, which only changes how
-    long a compile takes and the last fp32 bit)."""
+    of the test session's XLA_FLAGS (its 8 host CPU devices) but the compile-speed settings the suite
+    picks for every process it compiles in (conftest: on the CPU, -O0 and the fusion emitters off, which
+    only change how long a compile takes and the last fp32 bit)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
-    level = opt_level_flag(os.environ.get("XLA_FLAGS", ""))
-    if level:
-        env["XLA_FLAGS"] = level
+    keep = compile_speed_flags(os.environ.get("XLA_FLAGS", ""))
+    if keep:
+        env["XLA_FLAGS"] = " ".join(keep)
     return env
 
 

@@ -1,5 +1,6 @@
 """The test processes' XLA settings (tests/conftest.py): 8 host devices whatever XLA_FLAGS the shell had,
-and XLA's CPU backend at -O0 unless asked otherwise (`conftest._with_test_opt_level`)."""
+and XLA's CPU backend at -O0 with its fusion emitters off unless asked otherwise
+(`conftest._with_test_opt_level`)."""
 
 import os
 
@@ -7,6 +8,7 @@ import pytest
 
 import conftest
 import goldens
+import xla_flags
 from xla_flags import OPT_FLAG, opt_level_flag
 
 
@@ -17,15 +19,24 @@ def test_this_run_compiles_as_chosen():
     assert len(levels) <= 1 and opt_level_flag(os.environ["XLA_FLAGS"]) == (levels[0] if levels else None)
     if os.environ.get(conftest.OPT_ENV, "0") == "0" and not conftest._accelerator_plugin():
         assert levels, flags  # the default choice is applied ...
-    assert (goldens.machine().endswith("| xla -O" + levels[0].split("=")[1]) if levels
+    assert (goldens.machine().endswith(xla_flags.describe(os.environ["XLA_FLAGS"])) if levels
             else "xla -O" not in goldens.machine())  # ... and a golden records it
 
 
 def test_opt_level_choice(monkeypatch):
     monkeypatch.setattr(conftest, "_accelerator_plugin", lambda: None)
+    monkeypatch.setattr(conftest, "_xla_accepts", lambda flag: True)
     monkeypatch.delenv(conftest.OPT_ENV, raising=False)
     flags, why = conftest._with_test_opt_level("--a=1")
-    assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0"] and "-O0" in why
+    assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+    assert "-O0" in why and "fusion emitters off" in why
+    # the shell's own emitter choice is kept (and the level still added)
+    flags, why = conftest._with_test_opt_level("--xla_cpu_use_fusion_emitters=true")
+    assert flags.split() == ["--xla_cpu_use_fusion_emitters=true", "--xla_backend_optimization_level=0"]
+    # an XLA that does not know the emitter flag gets -O0 alone, and the header says so
+    monkeypatch.setattr(conftest, "_xla_accepts", lambda flag: False)
+    flags, why = conftest._with_test_opt_level("--a=1")
+    assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0"] and "does not know" in why
     # the shell's own level is kept, whatever DSV41_TEST_XLA_OPT says
     monkeypatch.setenv(conftest.OPT_ENV, "default")
     assert conftest._with_test_opt_level("--xla_backend_optimization_level=2")[0] == "--xla_backend_optimization_level=2"
@@ -45,3 +56,25 @@ def test_golden_identity_names_the_level(monkeypatch):
     assert "xla -O" not in base
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --x=1")
     assert goldens.machine() == base + " | xla -O0"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+    assert goldens.machine() == base + " | xla -O0 | cpu fusion emitters off"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
+    assert goldens.machine() == base + " | cpu fusion emitters on"
+
+
+def test_servers_keep_the_compile_speed_flags(monkeypatch):
+    """A user-like server environment keeps the suite's level and emitter choice, nothing else of XLA_FLAGS."""
+    import servers
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                                    "--xla_cpu_use_fusion_emitters=false")
+    assert servers.user_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in servers.user_env()
+
+
+def test_the_emitter_probe_asks_xla():
+    """`_xla_accepts` brings XLA up in a subprocess: it accepts a flag every XLA knows and refuses a made-up
+    one (on which XLA aborts the process)."""
+    assert conftest._xla_accepts(f"{OPT_FLAG}=0")
+    assert not conftest._xla_accepts("--xla_cpu_no_such_flag_for_the_test=1")
