@@ -26,8 +26,14 @@ def test_bench_kernels_smoke(tmp_path):
     for r in rep["records"]:
         assert r["bytes"] > 0 and r["kernel_s"] > 0 and r["xla_s"] > 0
         assert math.isfinite(r["max_diff"])
-        if r["op"] in ("indexer", "engram"):  # selections and the gathered rows are exact
-            assert r["max_diff"] == 0.0, r
+        if (r["op"], r["part"]) in (("indexer", "call"), ("engram", "gather")):
+            assert r["max_diff"] == 0.0, r  # selections and the gathered rows are exact
+        elif (r["op"], r["part"]) == ("engram", "gate"):
+            # the gate's three length-5120 sums run in 256-wide chunks (the reference: one pass), so the
+            # fp32 gate may differ by ~1e-7 and h + g·v cross one bf16 rounding (the kernel's contract,
+            # checked element by element in test_pallas_mix): one bf16 ulp, <= 2^-4 for |h'| < 16 (h and v
+            # standard normal, g in (0, 1)). Measured: 0 on an AMD EPYC, 2^-12 on an Intel Xeon.
+            assert r["max_diff"] <= 2.0 ** -4, r
         else:  # bf16 outputs at flash shapes: within a few bf16 ulps of values O(1..10)
             assert r["max_diff"] < 0.1, r
 

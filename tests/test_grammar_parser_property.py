@@ -99,14 +99,19 @@ def server_bits(tok):
 
 def walk(c, rng, weights, eos, max_steps=4000):
     """Token ids of one walk through the constraint ``c``, ending with EOS: each step draws among
-    the allowed tokens with probability proportional to ``weights``."""
+    the allowed tokens with probability proportional to ``weights`` (a step with one allowed token
+    takes it without a draw)."""
     ids = []
     for _ in range(max_steps):
         m = c.allowed_mask()
-        assert m is not None and m.shape == (V,) and m.any()
-        cdf = np.cumsum(np.where(m, weights, 0.0))
-        t = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-        assert m[t]
+        assert m is not None and m.shape == (V,)
+        allowed = np.flatnonzero(m)
+        assert allowed.size
+        if allowed.size == 1:  # a forced token (most of the DSML markup): nothing to draw
+            t = int(allowed[0])
+        else:
+            cdf = np.cumsum(weights[allowed])
+            t = int(allowed[np.searchsorted(cdf, rng.random() * cdf[-1], side="right")])
         ids.append(t)
         if t in eos:
             assert c.is_accepting() or c.is_done()

@@ -524,10 +524,11 @@ class GrammarConstraint:
         if self._failed or self._m.is_error():
             return self._eos_only()
         raw = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(raw, bitorder="little").astype(bool)
-        n = min(len(bits), self.vocab_size)
-        out = np.zeros(self.vocab_size, dtype=bool)
-        out[:n] = bits[:n]
+        if raw.size * 8 >= self.vocab_size:  # the usual case: the mask covers the logits' width
+            out = np.unpackbits(raw, count=self.vocab_size, bitorder="little").view(bool)
+        else:  # a tokenizer narrower than the logits: the padding ids are never allowed
+            out = np.zeros(self.vocab_size, dtype=bool)
+            out[: raw.size * 8] = np.unpackbits(raw, bitorder="little").view(bool)
         if not out.any():  # never leave the sampler without a choice
             return self._eos_only()
         return out
