@@ -1,6 +1,6 @@
 """The test processes' XLA settings (tests/conftest.py): 8 host devices whatever XLA_FLAGS the shell had,
-and XLA's CPU backend at -O0 with its fusion emitters off unless asked otherwise
-(`conftest._with_test_opt_level`)."""
+and XLA's CPU backend at -O0 with its fusion emitters off, its HLO verifier skipped and one LLVM module
+per compile unless asked otherwise (`conftest._with_test_opt_level`)."""
 
 import os
 
@@ -27,16 +27,27 @@ def test_opt_level_choice(monkeypatch):
     monkeypatch.setattr(conftest, "_accelerator_plugin", lambda: None)
     monkeypatch.setattr(conftest, "_xla_accepts", lambda flag: True)
     monkeypatch.delenv(conftest.OPT_ENV, raising=False)
+    only = ["--xla_disable_hlo_passes=hlo-verifier", "--xla_cpu_parallel_codegen_split_count=1"]
+    assert list(xla_flags.COMPILE_ONLY_FLAGS) == only
     flags, why = conftest._with_test_opt_level("--a=1")
-    assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
-    assert "-O0" in why and "fusion emitters off" in why
-    # the shell's own emitter choice is kept (and the level still added)
+    assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"] + only
+    assert "-O0" in why and "fusion emitters off" in why and "HLO verifier skipped" in why and "one LLVM module" in why
+    # the shell's own emitter, pass and split choices are kept (and the level still added)
     flags, why = conftest._with_test_opt_level("--xla_cpu_use_fusion_emitters=true")
-    assert flags.split() == ["--xla_cpu_use_fusion_emitters=true", "--xla_backend_optimization_level=0"]
-    # an XLA that does not know the emitter flag gets -O0 alone, and the header says so
+    assert flags.split() == ["--xla_cpu_use_fusion_emitters=true", "--xla_backend_optimization_level=0"] + only
+    flags, why = conftest._with_test_opt_level("--xla_disable_hlo_passes=foo --xla_cpu_parallel_codegen_split_count=4")
+    assert flags.split() == ["--xla_disable_hlo_passes=foo", "--xla_cpu_parallel_codegen_split_count=4",
+                             "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+    assert "verifier" not in why
+    # an XLA that knows none of them gets -O0 alone, and the header says so; one that knows only some
+    # (the joint probe fails, then each is asked alone) gets those
     monkeypatch.setattr(conftest, "_xla_accepts", lambda flag: False)
     flags, why = conftest._with_test_opt_level("--a=1")
     assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0"] and "does not know" in why
+    monkeypatch.setattr(conftest, "_xla_accepts", lambda flag: " " not in flag and "split" not in flag)
+    flags, why = conftest._with_test_opt_level("--a=1")
+    assert flags.split() == ["--a=1", "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                             only[0]] and "one LLVM module" not in why
     # the shell's own level is kept, whatever DSV41_TEST_XLA_OPT says
     monkeypatch.setenv(conftest.OPT_ENV, "default")
     assert conftest._with_test_opt_level("--xla_backend_optimization_level=2")[0] == "--xla_backend_optimization_level=2"
@@ -60,15 +71,19 @@ def test_golden_identity_names_the_level(monkeypatch):
     assert goldens.machine() == base + " | xla -O0 | cpu fusion emitters off"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
     assert goldens.machine() == base + " | cpu fusion emitters on"
+    # the compile-only settings produce the same executables: not part of the identity
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 " + " ".join(xla_flags.COMPILE_ONLY_FLAGS))
+    assert goldens.machine() == base + " | xla -O0"
 
 
 def test_servers_keep_the_compile_speed_flags(monkeypatch):
     """A user-like server environment keeps the suite's level and emitter choice, nothing else of XLA_FLAGS."""
     import servers
 
+    only = " ".join(xla_flags.COMPILE_ONLY_FLAGS)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                    "--xla_cpu_use_fusion_emitters=false")
-    assert servers.user_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                                    f"--xla_cpu_use_fusion_emitters=false {only} --xla_dump_to=/tmp/x")
+    assert servers.user_env()["XLA_FLAGS"] == f"--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false {only}"
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert "XLA_FLAGS" not in servers.user_env()
 
@@ -78,3 +93,4 @@ def test_the_emitter_probe_asks_xla():
     one (on which XLA aborts the process)."""
     assert conftest._xla_accepts(f"{OPT_FLAG}=0")
     assert not conftest._xla_accepts("--xla_cpu_no_such_flag_for_the_test=1")
+    assert not conftest._xla_accepts(f"{OPT_FLAG}=0 --xla_cpu_no_such_flag_for_the_test=1")  # one unknown: refused
