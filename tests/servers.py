@@ -31,7 +31,8 @@ def user_env() -> dict:
     """This process's environment as a user's shell would have it: no ``DSV41_*`` test settings and none
     of the test session's XLA_FLAGS (its 8 host CPU devices) but the compile-speed settings the suite
     picks for every process it compiles in (conftest: on the CPU, -O0 and the fusion emitters off, which
-    only change how long a compile takes and the last fp32 bit)."""
+    only change how long a compile takes and the last fp32 bit, and `xla_flags.COMPILE_ONLY_FLAGS`, which
+    change only how long it takes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") and k != "XLA_FLAGS"}
     keep = compile_speed_flags(os.environ.get("XLA_FLAGS", ""))
     if keep:
