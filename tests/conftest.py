@@ -112,17 +112,15 @@ def _with_test_opt_level(flags: str) -> tuple[str, str]:
         why += ", its fusion emitters off"
     else:
         why += f" (this XLA does not know {EMITTERS_FLAG}: its fusion emitters stay on)"
-    only = [f for f in COMPILE_ONLY_FLAGS if f in known]
+    only = [COMPILE_ONLY[f] for f in COMPILE_ONLY_FLAGS if f in known]
     if only:
-        why += ", " + " and ".join({DISABLE_PASSES_FLAG: "the HLO verifier skipped",
-                                     SPLIT_FLAG: "one LLVM module"}[f.split("=", 1)[0]] for f in only)
+        why += ", " + " and ".join(only)
     add += [f for f in wanted if f in known]
     return " ".join(flags.split() + add), f"{why} ({OPT_ENV}=default: XLA's defaults)"
 
 
 import pytest  # noqa: E402
-from xla_flags import (COMPILE_ONLY_FLAGS, DISABLE_PASSES_FLAG, EMITTERS_FLAG, OPT_FLAG, SPLIT_FLAG,  # noqa: E402
-                       last_flag, opt_level_flag)
+from xla_flags import COMPILE_ONLY, COMPILE_ONLY_FLAGS, EMITTERS_FLAG, OPT_FLAG, last_flag, opt_level_flag  # noqa: E402
 
 os.environ["XLA_FLAGS"], XLA_OPT_CHOICE = _with_test_opt_level(
     _with_host_devices(os.environ.get("XLA_FLAGS", ""), N_HOST_DEVICES))

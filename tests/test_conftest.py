@@ -77,7 +77,8 @@ def test_golden_identity_names_the_level(monkeypatch):
 
 
 def test_servers_keep_the_compile_speed_flags(monkeypatch):
-    """A user-like server environment keeps the suite's level and emitter choice, nothing else of XLA_FLAGS."""
+    """A user-like server environment keeps the suite's level, emitter and compile-only choices, nothing else
+    of XLA_FLAGS."""
     import servers
 
     only = " ".join(xla_flags.COMPILE_ONLY_FLAGS)

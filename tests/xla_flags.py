@@ -14,7 +14,8 @@ SPLIT_FLAG = "--xla_cpu_parallel_codegen_split_count"
 # and the suite's two workers keep both cores busy anyway). The executables are the same: checked bit for
 # bit on 97 output arrays (micro's forward in bf16 / fp32 / exact, mini's cached-path scenario and its
 # forward with every kernel in interpret-mode Pallas), so goldens do not record them (`describe`).
-COMPILE_ONLY_FLAGS = (f"{DISABLE_PASSES_FLAG}=hlo-verifier", f"{SPLIT_FLAG}=1")
+COMPILE_ONLY = {f"{DISABLE_PASSES_FLAG}=hlo-verifier": "the HLO verifier skipped", f"{SPLIT_FLAG}=1": "one LLVM module"}
+COMPILE_ONLY_FLAGS = tuple(COMPILE_ONLY)
 
 
 def last_flag(flags: str, name: str) -> str | None:
