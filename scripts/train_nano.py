@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-step", type=int, default=0,
                     help="stop (after a checkpoint) at this step, keeping --steps' learning-rate schedule (how "
                          "the shipped checkpoint was cut: --steps 2200 --stop-step 2160); 0 = run to --steps")
+    ap.add_argument("--cache-min-compile-secs", type=float, default=5.0,
+                    help="persist a compiled program in OUT/jax_cache only when it took at least this "
+                         "long to compile (default 5.0; 0 = every program), so a resumed run skips "
+                         "the slow compiles")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (metric lines only)")
     return ap
 
@@ -88,8 +92,8 @@ def main(argv=None) -> int:
                  "eval_batches"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.eval_every < 0 or args.lr <= 0 or args.max_minutes < 0:
-        errors.append("--eval-every and --max-minutes must be >= 0 and --lr > 0")
+    if args.eval_every < 0 or args.lr <= 0 or args.max_minutes < 0 or args.cache_min_compile_secs < 0:
+        errors.append("--eval-every, --max-minutes and --cache-min-compile-secs must be >= 0 and --lr > 0")
     if args.stop_step < 0 or args.stop_step > args.steps:
         errors.append(f"--stop-step must be in 0..--steps ({args.steps}), got {args.stop_step}")
     if args.eval_seed == args.seed:
@@ -112,8 +116,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     # A resumed run finds the compiled step here instead of compiling it again (minutes on a busy CPU).
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 5.0)
-    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "stop_step")}
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
+    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "stop_step", "cache_min_compile_secs")}
     meta["kinds"] = list(kinds)
     log.info("config nano: hidden %d, %d layers + %d DSpark stages, vocab %d; run %s", cfg.hidden_size,
              cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.vocab_size, json.dumps(meta))

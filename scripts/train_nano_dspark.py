@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--export", default=None, metavar="DIR",
                     help="after training (or at once when --steps is already reached), write the target "
                          "with the trained draft to DIR in the release format (replaced if it exists)")
+    ap.add_argument("--cache-min-compile-secs", type=float, default=5.0,
+                    help="persist a compiled program in OUT/jax_cache only when it took at least this "
+                         "long to compile (default 5.0; 0 = every program), so a resumed run skips "
+                         "the slow compiles")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (metric lines only)")
     return ap
 
@@ -99,8 +103,8 @@ def check_args(args) -> list:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tool_batch_size < 0:
         errors.append(f"--tool-batch-size must be >= 0, got {args.tool_batch_size}")
-    if args.eval_every < 0 or args.max_minutes < 0 or args.warmup < 0:
-        errors.append("--eval-every, --max-minutes and --warmup must be >= 0")
+    if args.eval_every < 0 or args.max_minutes < 0 or args.warmup < 0 or args.cache_min_compile_secs < 0:
+        errors.append("--eval-every, --max-minutes, --warmup and --cache-min-compile-secs must be >= 0")
     if args.lr <= 0 or args.clip <= 0 or args.conf_weight < 0 or args.weight_decay < 0:
         errors.append("--lr and --clip must be > 0, --conf-weight and --weight-decay >= 0")
     if args.eval_seed == args.seed:
@@ -174,8 +178,8 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.target)
     os.makedirs(args.out, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 5.0)
-    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "export")}
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
+    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "export", "cache_min_compile_secs")}
     meta["target"] = os.path.abspath(args.target)
     meta["target_sha256"] = _target_digest(args.target)  # a resumed run must train on the same weights
     meta["kinds"] = list(kinds)

@@ -139,10 +139,12 @@ def test_orbax_save_and_resume_give_the_same_state(tmp_path):
 
 def test_cli_rejects_bad_input(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_nano.py"), "--out", str(tmp_path),
-                        "--kinds", "add,nope", "--eval-seed", "0", "--stop-step", "9999"], capture_output=True,
+                        "--kinds", "add,nope", "--eval-seed", "0", "--stop-step", "9999",
+                        "--cache-min-compile-secs", "-1"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert r.returncode == 2
-    assert "nope" in r.stderr and "--eval-seed" in r.stderr and "--stop-step" in r.stderr
+    for what in ("nope", "--eval-seed", "--stop-step", "--cache-min-compile-secs"):
+        assert what in r.stderr, (what, r.stderr)
 
 
 def test_export_round_trips_the_master_values():

@@ -187,10 +187,10 @@ def test_export_writes_the_quantized_draft_and_loads(trained, tmp_path):
 def test_cli_rejects_bad_input(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, SCRIPT, "--target", str(tmp_path / "none"), "--out", str(tmp_path / "o"),
-                        "--kinds", "add,nope", "--eval-seed", "0", "--steps", "0"], capture_output=True, text=True,
-                       env=env, timeout=120)
+                        "--kinds", "add,nope", "--eval-seed", "0", "--steps", "0", "--cache-min-compile-secs", "-1"],
+                       capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
-    for what in ("nope", "--eval-seed", "--steps", "--target"):
+    for what in ("nope", "--eval-seed", "--steps", "--target", "--cache-min-compile-secs"):
         assert what in r.stderr, (what, r.stderr)
     r = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "o")], capture_output=True, text=True,
                        env=env, timeout=120)
@@ -198,7 +198,7 @@ def test_cli_rejects_bad_input(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0
     for flag in ("--target", "--out", "--steps", "--batch-size", "--lr", "--max-minutes", "--seed", "--eval-seed",
-                 "--export"):
+                 "--export", "--cache-min-compile-secs"):
         assert flag in r.stdout
     bench = os.path.join(ROOT, "scripts", "bench_nano_dspark.py")
     r = subprocess.run([sys.executable, bench, "--model", str(tmp_path / "none"), "--modes", "maybe", "--n", "0"],
@@ -220,7 +220,8 @@ def test_script_trains_resumes_and_exports(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     base = [sys.executable, SCRIPT, "--target", str(target), "--out", str(tmp_path / "run"), "--kinds", "add",
             "--batch-size", "2", "--tool-batch-size", "0", "--seq-len", "48", "--anchors", "8", "--eval-every", "0",
-            "--log-every", "1", "--warmup", "1", "--steps", "2", "--no-progress"]
+            "--log-every", "1", "--warmup", "1", "--steps", "2", "--no-progress",
+            "--cache-min-compile-secs", "0"]  # the step is cached however fast this machine compiles it
     r = subprocess.run(base + ["--max-minutes", "0.0001"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "reached at step 1" in r.stdout + r.stderr
