@@ -114,10 +114,9 @@ def main(argv=None) -> int:
     cfg = ModelConfig.preset("nano")
     tok = load_tokenizer(NANO_DIR)
     os.makedirs(args.out, exist_ok=True)
-    # A resumed run finds the compiled step here instead of compiling it again (minutes on a busy CPU).
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
-    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "stop_step", "cache_min_compile_secs")}
+    trainer.use_run_cache(args.out, args.cache_min_compile_secs)
+    meta = {k: v for k, v in vars(args).items()
+            if k not in ("max_minutes", "no_progress", "out", "stop_step", "cache_min_compile_secs")}
     meta["kinds"] = list(kinds)
     log.info("config nano: hidden %d, %d layers + %d DSpark stages, vocab %d; run %s", cfg.hidden_size,
              cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.vocab_size, json.dumps(meta))

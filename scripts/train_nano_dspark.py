@@ -177,9 +177,9 @@ def main(argv=None) -> int:
         return 2
     tok = load_tokenizer(args.target)
     os.makedirs(args.out, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(args.out), "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
-    meta = {k: v for k, v in vars(args).items() if k not in ("max_minutes", "no_progress", "out", "export", "cache_min_compile_secs")}
+    trainer.use_run_cache(args.out, args.cache_min_compile_secs)
+    meta = {k: v for k, v in vars(args).items()
+            if k not in ("max_minutes", "no_progress", "out", "export", "cache_min_compile_secs")}
     meta["target"] = os.path.abspath(args.target)
     meta["target_sha256"] = _target_digest(args.target)  # a resumed run must train on the same weights
     meta["kinds"] = list(kinds)

@@ -208,6 +208,14 @@ def restore_state(manager, train_like: dict, opt_like, step: int | None = None):
     return step, state["train"], state["opt"], got["meta"]
 
 
+def use_run_cache(run_dir: str, min_compile_secs: float) -> None:
+    """Point JAX's persistent compilation cache at RUN_DIR/jax_cache, keeping the programs that took at
+    least `min_compile_secs` to compile, so a resumed run loads its compiled step instead of compiling it
+    again (minutes on a busy CPU). Call before the first compile."""
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(run_dir), "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_secs)
+
+
 def resume(run_dir: str, train: dict, opt_state, meta: dict, fresh: str = "starting from scratch"):
     """(start step, train, opt_state, manager) for the run in `run_dir`: its latest Orbax checkpoint under
     RUN_DIR/ckpt if there is one (logged), else step 0 and the given state. Raises ValueError naming the
