@@ -152,12 +152,12 @@ class LLM:
              tool_choice: Any = None, chat_template_kwargs: Optional[dict] = None, use_tqdm: bool = False) -> list:
         """Chat completions for one conversation (a list of OpenAI messages) or a list of them.
 
-        The prompt is built by `dsv41_jax.serving.chat.encode_chat_request` (thinking switch and
+        The prompt is built by `dsv41_jax.chat_format.encoding.encode_chat_request` (thinking switch and
         effort resolved as the server does; ``thinking=True/False`` sets
         ``chat_template_kwargs.thinking``); the output is split by `reasoning.parse_chat_output`
         into ``outputs[i].reasoning_content``, ``.content`` and ``.tool_calls`` (``.text`` stays the
         raw completion, decoded with special tokens kept so the markers are visible)."""
-        from dsv41_jax.serving.chat import encode_chat_request
+        from dsv41_jax.chat_format.encoding import encode_chat_request
         from dsv41_jax.serving.reasoning import parse_chat_output
 
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)

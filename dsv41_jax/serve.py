@@ -182,8 +182,8 @@ def main(argv=None) -> int:
                         format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S")
 
     # ---- validate everything cheap before loading the model
-    from dsv41_jax.serving.chat import load_wording
-    from dsv41_jax.serving.effort import ConfigError, ServerDefaults, parse_tier_table
+    from dsv41_jax.chat_format.encoding import load_wording
+    from dsv41_jax.chat_format.effort import ConfigError, ServerDefaults, parse_tier_table
     from dsv41_jax.serving.engine_args import EngineArgs
 
     try:

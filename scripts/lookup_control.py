@@ -95,7 +95,7 @@ def multi_question_row(seed: int, index: int, tokenizer, seq_len: int, pad_id: i
 
     import numpy as np
 
-    from dsv41_jax.serving.chat import EOS, THINK_CLOSE, encode_messages
+    from dsv41_jax.chat_format.encoding import EOS, THINK_CLOSE, encode_messages
     from dsv41_jax.training import data
 
     first = data.make_example(seed, index, kinds=("lookup",))

@@ -56,11 +56,11 @@ CORPUS_SEED = 0  # the training corpus's seed (scripts/train_nano.py --seed defa
 
 def template_chunks() -> list[str]:
     """The chat encoder's constant prose that nano sees in every tool / thinking prompt."""
-    from dsv41_jax.serving.chat import DEFAULT_WORDING, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN
+    from dsv41_jax.chat_format.encoding import DEFAULT_WORDING, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN
 
     marker = "\x00SCHEMAS\x00"
     tools = DEFAULT_WORDING.tools_template
-    from dsv41_jax.serving import chat
+    from dsv41_jax.chat_format import encoding as chat
 
     filled = tools.format(**chat._FORMAT_FIELDS, tool_schemas=marker)
     before, after = filled.split(marker)

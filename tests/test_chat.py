@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41_jax.serving.chat import (
+from dsv41_jax.chat_format.encoding import (
     ASSISTANT,
     BOS,
     DEFAULT_WORDING,
@@ -22,7 +22,7 @@ from dsv41_jax.serving.chat import (
     load_wording,
     read_constants,
 )
-from dsv41_jax.serving.effort import (
+from dsv41_jax.chat_format.effort import (
     ConfigError,
     ServerDefaults,
     effort_from_fraction,
@@ -684,7 +684,7 @@ def test_tools_attach_to_a_later_first_system_message():
 
 
 def test_encode_chat_request():
-    from dsv41_jax.serving.chat import encode_chat_request
+    from dsv41_jax.chat_format.encoding import encode_chat_request
 
     req = {"messages": [u("Hi")], "tools": [WEATHER], "reasoning_effort": "low"}
     enc = encode_chat_request(req)
@@ -714,3 +714,37 @@ def test_encode_chat_request():
     with pytest.raises(ChatError) as e:
         encode_chat_request({})
     assert e.value.param == "messages"
+
+
+def _imported_modules(path: Path) -> set:
+    """The absolute module names a source file imports (relative imports resolved)."""
+    import ast
+
+    pkg = ".".join(path.relative_to(ASSETS.parents[2]).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+    return out
+
+
+def test_training_and_the_chat_format_never_import_serving():
+    """The chat encoding training and serving share lives in `dsv41_jax.chat_format`, which imports
+    nothing else of the project; training builds on it, never on `serving`."""
+    root = ASSETS.parents[1]
+    fmt = sorted((root / "chat_format").glob("*.py"))
+    assert len(fmt) >= 3
+    for path in fmt:
+        ours = {m for m in _imported_modules(path) if m.startswith("dsv41_jax")}
+        assert all(m.startswith("dsv41_jax.chat_format") for m in ours), (path.name, ours)
+    found = False
+    for path in sorted((root / "training").glob("*.py")):
+        mods = _imported_modules(path)
+        found |= "dsv41_jax.chat_format.encoding" in mods
+        assert not any(m.startswith("dsv41_jax.serving") for m in mods), (path.name, mods)
+    assert found  # the check looks at the right files (data.py renders with the shared encoder)

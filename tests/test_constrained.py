@@ -12,10 +12,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from dsv41_jax.serving.chat import ChatError
+from dsv41_jax.chat_format.encoding import ChatError
 from dsv41_jax.serving.constrained import GrammarCompiler, GrammarConstraint, tool_call_lark
 from dsv41_jax.serving.tokenizer import load_tokenizer
-from dsv41_jax.serving.tools import parse_tool_calls, render_calls_block
+from dsv41_jax.chat_format.dsml import render_calls_block
+from dsv41_jax.serving.tools import parse_tool_calls
 
 V = 320
 

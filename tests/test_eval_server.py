@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 from servers import start_server, stop_server
 
-from dsv41_jax.serving.chat import encode_chat_request
+from dsv41_jax.chat_format.encoding import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -244,8 +244,9 @@ def test_names_are_written_verbatim_and_unwritable_names_refused(gc, tok):
     """DSML attributes have no escaping: a backslash in a name is written as is (the encoder's
     spelling), and a name with a quote, '<', '>' or a line break is a 400 under tool_choice
     required / named instead of a grammar whose output can never be parsed back."""
-    from dsv41_jax.serving.chat import ChatError
-    from dsv41_jax.serving.tools import parse_tool_calls, render_calls_block
+    from dsv41_jax.chat_format.encoding import ChatError
+    from dsv41_jax.chat_format.dsml import render_calls_block
+    from dsv41_jax.serving.tools import parse_tool_calls
 
     tools = [{"type": "function", "function": {"name": "a\\b", "parameters": {
         "type": "object", "properties": {"c\\d": {"enum": [1]}}, "required": ["c\\d"]}}}]

@@ -24,7 +24,7 @@ import pytest
 import openai
 from servers import serve_cmd as _serve_cmd, start_server, stop_server
 
-from dsv41_jax.serving.chat import encode_chat_request
+from dsv41_jax.chat_format.encoding import encode_chat_request
 from dsv41_jax.serving.tokenizer import load_tokenizer
 
 KEY = "test-key-123"

@@ -8,19 +8,17 @@ import re
 
 import pytest
 
-from dsv41_jax.serving.chat import ChatError, encode_messages
-from dsv41_jax.serving.tools import (
-    ToolCallStreamParser,
+from dsv41_jax.chat_format.encoding import ChatError, encode_messages
+from dsv41_jax.chat_format.dsml import (
     new_call_id,
     normalize_tool_choice,
-    parse_tool_calls,
     render_calls_block,
     render_invoke,
     should_parse_tools,
-    strip_dsml,
     validate_arguments,
     validate_tools,
 )
+from dsv41_jax.serving.tools import ToolCallStreamParser, parse_tool_calls, strip_dsml
 
 TOOLS = [
     {"type": "function", "function": {
@@ -290,7 +288,7 @@ def test_validate_arguments():
 def test_argument_and_schema_validation():
     """Arguments and tools' schemas are checked by jsonschema (the dependency; no hand-written
     fallback beside it)."""
-    from dsv41_jax.serving import tools as T
+    from dsv41_jax.chat_format import dsml as T
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}, "s": {"type": "string",
               "enum": ["a", "b"]}, "l": {"type": "array", "items": {"type": "number"}}},
               "required": ["n"], "additionalProperties": False}
@@ -303,7 +301,7 @@ def test_argument_and_schema_validation():
                 {"anyOf": []}, {"items": {"type": 1}}, {"minLength": -1}, {"pattern": "("}, []):
         assert T._check_schema(bad), bad
     assert T.validate_arguments({"a": 1}, {"type": "object", "properties": {"a": False}})
-    _, calls, warnings = T.parse_tool_calls(BLOCK(INV("search", P("query", "x", True), P("limit", "0", False)),
+    _, calls, warnings = parse_tool_calls(BLOCK(INV("search", P("query", "x", True), P("limit", "0", False)),
                                                   W_BEIJING), TOOLS)
     assert as_pairs(calls) == [("get_weather", {"location": "Beijing"})] and len(warnings) == 1
 

@@ -54,7 +54,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .effort import ChatError
+from dsv41_jax.chat_format.effort import ChatError
 
 __all__ = [
     "GrammarCompiler",
@@ -312,7 +312,7 @@ def constraint_spec_for_request(
     """The constraint a request body asks for, or None.
 
     ``tool_choice`` "required" / named (already normalized, see
-    :func:`dsv41_jax.serving.tools.normalize_tool_choice`) wins over ``response_format``; then
+    :func:`dsv41_jax.chat_format.dsml.normalize_tool_choice`) wins over ``response_format``; then
     ``response_format`` json_object / json_schema; then SGLang's ``regex`` field. Shape errors are
     :class:`ChatError` (400) naming the field.
     """

@@ -14,7 +14,7 @@ silently ignoring.
 :class:`CompletionRequest`: the raw body plus the resolved :class:`SamplingParams`, streaming
 options and the output options (logprobs, echo, separate_reasoning). Everything the chat encoder
 owns (messages, tools, tool_choice, reasoning_effort, …) is validated by
-:func:`dsv41_jax.serving.chat.encode_chat_request` in the server.
+:func:`dsv41_jax.chat_format.encoding.encode_chat_request` in the server.
 
 Field rules (OpenAI / vLLM / SGLang semantics):
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from .tools import ToolCallStreamParser, new_call_id, should_parse_tools
+from dsv41_jax.chat_format.dsml import new_call_id, should_parse_tools
+
+from .tools import ToolCallStreamParser
 
 __all__ = [
     "ChatOutputParser",

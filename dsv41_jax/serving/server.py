@@ -44,8 +44,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat import EncodedChat, encode_chat_request
-from .effort import ChatError, ServerDefaults
+from dsv41_jax.chat_format.encoding import EncodedChat, encode_chat_request
+from dsv41_jax.chat_format.effort import ChatError, ServerDefaults
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (
     APIError,

@@ -1,7 +1,7 @@
 """The synthetic chat corpus the `nano` model is trained on (scripts/train_nano.py).
 
 Every example is an OpenAI-style conversation whose last message is the assistant turn to learn,
-rendered with the project's own V4.1 chat encoder (`serving.chat.encode_messages`): the prompt is the
+rendered with the project's own V4.1 chat encoder (`chat_format.encoding.encode_messages`): the prompt is the
 conversation without that turn (exactly what the server would send the model), the completion is
 what the model must generate after it — ``reasoning + "</think>" + answer + EOS`` with thinking on,
 ``answer + EOS`` with thinking off, ``"\\n\\n" + DSML calls block + EOS`` for a tool call. That the
@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from dsv41_jax.serving.chat import EOS, THINK_CLOSE, encode_messages
-from dsv41_jax.serving.tools import render_calls_block
+from dsv41_jax.chat_format.dsml import render_calls_block
+from dsv41_jax.chat_format.encoding import EOS, THINK_CLOSE, encode_messages
 
 WORDS = ("cat", "dog", "owl", "fox", "bee", "ant", "elk", "yak", "cow", "pig", "hen", "ram", "bat", "eel")
 LETTERS = "abcdefghij"

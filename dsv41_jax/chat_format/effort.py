@@ -76,7 +76,7 @@ class ChatError(ValueError):
     """A request the chat layer refuses (the server answers 400 with ``param``).
 
     Defined here (the lowest module of the chat layer) so that effort, tools and chat share it;
-    ``dsv41_jax.serving.chat`` re-exports it.
+    ``dsv41_jax.chat_format.encoding`` re-exports it.
     """
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):

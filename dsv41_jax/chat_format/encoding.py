@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .effort import DEFAULT_EFFORT_TIER, DEFAULT_EFFORT_TIERS, ChatError, tier_budget
-from .tools import (
+from .dsml import (
     CALLS_NAME,
     DSML,
     INVOKE_NAME,
@@ -597,7 +597,7 @@ def encode_messages(
 
     ``effort`` (thinking only): an integer budget 1..100, a tier of the wording's table, or None
     for the wording's default tier (usually the server resolved it with
-    :func:`dsv41_jax.serving.effort.resolve_thinking`). ``tool_choice`` does not change the prompt
+    :func:`dsv41_jax.chat_format.effort.resolve_thinking`). ``tool_choice`` does not change the prompt
     (the tools section is rendered even for "none") but is validated. Bad input raises
     :class:`ChatError` with the offending ``param``.
     """
@@ -670,7 +670,7 @@ def encode_chat_request(
     Reads ``messages``, ``tools``, ``tool_choice``, ``response_format`` (rendered into the prompt
     only with ``render_response_format``), ``reasoning_effort``, ``reasoning`` and
     ``chat_template_kwargs``. ``server_defaults`` is a
-    :class:`dsv41_jax.serving.effort.ServerDefaults` (None: thinking off, effort from ``wording``).
+    :class:`dsv41_jax.chat_format.effort.ServerDefaults` (None: thinking off, effort from ``wording``).
     Raises :class:`ChatError` (400) for anything invalid.
     """
     from .effort import ServerDefaults, resolve_thinking
