@@ -5,7 +5,7 @@
 What it does, in order:
 
 1. Validates everything before writing anything: reads config.json and every shard header, checks
-   every tensor's name, shape and dtype against the config (SPEC §8), checks that no shard is
+   every tensor's name, shape and dtype against the config (docs/design/spec.md §8), checks that no shard is
    truncated, and that the tokenizer agrees with the config (Engram compressed vocabulary). Any
    problem: a message naming each tensor / file and its expected shape and dtype, exit status 2, and
    nothing written.

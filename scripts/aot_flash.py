@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Lower and compile the decode step of the full model for a real mesh, allocating no weights (issue 12).
+"""Lower and compile the decode step of the full model for a real mesh, allocating no weights.
 
     python scripts/aot_flash.py --tp 2 --ep 4 [--engram-host-table] [--batch 64 --context 65536]
 

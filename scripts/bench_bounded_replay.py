@@ -15,7 +15,7 @@ the flag and one without (radix cache off in both: the mode refuses it), and:
   agreement and mean first-divergence position (a sequence that never diverges counts ``--new-tokens``);
   with ``--control`` also for prompts no longer than the window (nothing approximated: the rounding floor).
 
-A progress line per case on stderr; JSON to ``--output-json`` (default docs/bench_bounded_replay_cpu.json).
+A progress line per case on stderr; JSON to ``--output-json`` (default docs/results/bench_bounded_replay_cpu.json).
 The weights are random, so the fidelity numbers say how far bounded replay moves a model's greedy path
 off full prefill on this architecture, not how a trained checkpoint's text quality changes.
 
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--control", action="store_true",
                     help="also run the fidelity set with prompts no longer than the window (no approximation: "
                          "the rounding floor of the comparison)")
-    ap.add_argument("--output-json", default=os.path.join("docs", "bench_bounded_replay_cpu.json"))
+    ap.add_argument("--output-json", default=os.path.join("docs", "results", "bench_bounded_replay_cpu.json"))
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     report = {"what": "SWA bounded replay vs full prefill (scripts/bench_bounded_replay.py)",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Cost of one decode step per implementation (issue 10).
+"""Cost of one decode step per implementation.
 
 Part (b), abstract (``--part b``, the default): the full model (``--model flash``) is never
 allocated. Parameters are `jax.ShapeDtypeStruct`s from `param_shapes`, the cache comes from
@@ -39,7 +39,7 @@ step time against context, one line per (impl, batch, max_context).
     python scripts/bench_decode.py --part a --impls reference,xla --out a.json   # PNG: a.png
 
 A progress line per case goes to stderr; the JSON (``--out``) holds every number, and the summary
-checks the batch-1 targets of issue 10 (matmul FLOPs <= 1.5x ideal, operand bytes <= 2.5x ideal,
+checks the batch-1 targets (matmul FLOPs <= 1.5x ideal, operand bytes <= 2.5x ideal,
 temporaries <= 2 GB) for each impl.
 """
 
@@ -289,7 +289,7 @@ def fmt_case(r: dict) -> str:
 
 
 def check_targets(results: list) -> dict:
-    """Batch-1 targets of issue 10, per impl: {impl: {target: (value, limit, ok)}}."""
+    """Batch-1 targets (see the module doc), per impl: {impl: {target: (value, limit, ok)}}."""
     out = {}
     for r in results:
         if r["batch"] != 1:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """DSpark on a trained nano checkpoint through the serving engine: accept length, same greedy output,
-decode speed-up (issue 14).
+decode speed-up.
 
     python scripts/bench_nano_dspark.py --model runs/nano_dspark/export --n 24 --json bench.json
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Offline throughput of the engine at several batch sizes (issue 5 item 5).
+"""Offline throughput of the engine at several batch sizes.
 
     python scripts/bench_offline.py --model tiny --batch-sizes 1,2,4,8,16,32,64 \\
         --input-len 32 --output-len 32 --out bench.json --plot bench.png [engine flags]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode-step time vs. max_context: is retrieval bounded by the live context? (issue 10, point 3)
+"""Decode-step time vs. max_context: is retrieval bounded by the live context?
 
 For each case: a jitted one-token decode step (`decode.jitted_extend`, cache donated) of the tiny
 model (random weights) at a given live context, with a page table that allows `max_context` tokens and pools of the same size in every case.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Exact-match accuracy of chat answers through the offline API (issue 5 item 6).
+"""Exact-match accuracy of chat answers through the offline API.
 
     python scripts/eval_chat.py --model tiny --data tests/data/chat_qa.jsonl --thinking both \\
         --max-tokens 64 --out chat_eval.json [engine flags]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Multiple-choice accuracy by loglikelihood, offline, with the jitted forward (issue 16 item 3).
+"""Multiple-choice accuracy by loglikelihood, offline, with the jitted forward.
 
     python scripts/eval_loglik.py --model tiny --data tests/data/mc_sample.jsonl --batch-size 8 \\
         [--dtype float32] [--limit N] [--backend forward|engine] [--out result.json] [--items-out items.jsonl]
@@ -31,7 +31,7 @@ server's numbers. ``tests/test_eval_server.py`` checks both on a 20-item file in
 engine backend equals the server's ``/v1/completions`` ``echo`` + ``logprobs`` sums for every item
 (1e-5); the forward backend agrees within 1e-3 for most sequences but not all: the full forward and
 the chunked paged prefill are different executables whose ~1e-7 accumulation differences can flip
-an fp8 activation-quant code (SPEC §6), which moves a random-weight tiny model's 20-token sum by up
+an fp8 activation-quant code (docs/design/spec.md §6), which moves a random-weight tiny model's 20-token sum by up
 to ~0.3 (the forward at batch 8 vs batch 1 differs as much). Result: JSON with acc, acc_norm,
 their stderr, counts and timing; ``--items-out`` writes one line per item with every choice's
 loglikelihood, is_greedy and token count.

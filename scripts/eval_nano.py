@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export a `train_nano.py` run to the release format and score it by greedy generation (issue 14).
+"""Export a `train_nano.py` run to the release format and score it by greedy generation.
 
     python scripts/eval_nano.py --run runs/nano                      # export runs/nano/export, score 200+200 prompts
     python scripts/eval_nano.py --model runs/nano/export --n 50      # score an exported checkpoint

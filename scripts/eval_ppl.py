@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Perplexity of a model over a text or jsonl corpus (issue 5 item 6).
+"""Perplexity of a model over a text or jsonl corpus.
 
     python scripts/eval_ppl.py --model tiny --data tests/data/ppl_sample.txt --seq-len 64 --batch-size 4 \\
         [--max-batches N] [--mesh data=2] [--dtype float32] [--out ppl.json]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the Pallas kernels (issue 11): run the kernel tests natively, then the kernel benchmark.
+# The GPU check of the Pallas kernels: run the kernel tests natively, then the kernel benchmark.
 # Installs nothing and reaches no network; needs only jax (with CUDA), numpy, ml_dtypes and pytest.
 # Writes its logs and the benchmark JSON under $OUT when that is set (else ./gpu_check_out/).
 #

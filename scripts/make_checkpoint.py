@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write a random checkpoint in the DeepSeek-V4.1 Flash release layout (SPEC §8), for tests.
+"""Write a random checkpoint in the DeepSeek-V4.1 Flash release layout (docs/design/spec.md §8), for tests.
 
     python scripts/make_checkpoint.py --preset tiny --out DIR [--seed N] [--shards K]
     python scripts/make_checkpoint.py --config my_config.json --out DIR   # any (small) config

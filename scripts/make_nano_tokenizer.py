@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build nano's word-level byte BPE tokenizer from its synthetic chat corpus (issue 14).
+"""Build nano's word-level byte BPE tokenizer from its synthetic chat corpus.
 
 Deterministic: the corpus is `training.data` with a fixed seed, the merges are derived from it by a
 fixed rule, so running it twice writes byte-identical files (checked: the files load back to the
@@ -9,7 +9,7 @@ Why not tiny's tokenizer: its byte-level pieces make a 3-letter key of a look-up
 tool-calling prompt ~1,000 tokens; a word per token makes a look-up one token match (what an
 induction head does) and the text rows 2-3x shorter, which is most of nano's training cost.
 
-Layout (ids in this order; SPEC §10 for the special strings):
+Layout (ids in this order; docs/design/spec.md §10 for the special strings):
 
     0..2      <｜begin▁of▁sentence｜> (BOS), <｜end▁of▁sentence｜> (EOS), <｜▁pad▁｜> (pad)
     3..258    the 256 byte-level base tokens, id = 3 + byte value (any text still encodes)

@@ -5,7 +5,7 @@ Deterministic: the vocabulary, the merges and the added tokens are all spelled o
 below, so running it twice writes byte-identical files (the script checks the
 round trip and that the files it wrote load back to the same tokenizer).
 
-Layout (320 ids in total, SPEC §10 for the special strings):
+Layout (320 ids in total, docs/design/spec.md §10 for the special strings):
 
     0..2      <｜begin▁of▁sentence｜> (BOS), <｜end▁of▁sentence｜> (EOS), <｜▁pad▁｜> (pad)
     3..258    the 256 byte-level base tokens, id = 3 + byte value
@@ -18,7 +18,7 @@ Layout (320 ids in total, SPEC §10 for the special strings):
 Writes, under dsv41_jax/assets/tiny/ (or --out-dir):
     tokenizer.json         HF `tokenizers` format (ByteLevel pre-tokenizer, add_prefix_space
                            False; ByteLevel decoder; no normalizer, no post-processor)
-    tokenizer_config.json  add_bos_token false (prompts carry BOS as literal text, SPEC §10)
+    tokenizer_config.json  add_bos_token false (prompts carry BOS as literal text, docs/design/spec.md §10)
     special_tokens.json    role name -> id, for the rest of the code base to read
 
 Usage: python scripts/make_tiny_tokenizer.py [--out-dir DIR]
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"), pretty=True)
     config = {
-        # SPEC §10: the checkpoint adds no tokens; BOS is written into the prompt text.
+        # docs/design/spec.md §10: the checkpoint adds no tokens; BOS is written into the prompt text.
         "add_bos_token": False,
         "add_eos_token": False,
         "bos_token": roles["bos"],

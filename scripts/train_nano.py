@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the `nano` preset on the synthetic chat corpus, on CPU (issue 14, part 1).
+"""Train the `nano` preset on the synthetic chat corpus, on CPU.
 
     python scripts/train_nano.py --out runs/nano                # train (resumes if runs/nano has a checkpoint)
     python scripts/train_nano.py --out runs/nano --steps 3000   # continue a finished run to more steps

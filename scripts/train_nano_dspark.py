@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train nano's DSpark draft (its 3 stages) on the frozen, trained target (issue 14).
+"""Train nano's DSpark draft (its 3 stages) on the frozen, trained target.
 
     python scripts/eval_nano.py --run runs/nano --export-only --export-dir runs/nano/export   # the target
     python scripts/train_nano_dspark.py --target runs/nano/export --out runs/nano_dspark \\

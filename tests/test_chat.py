@@ -1,6 +1,6 @@
-"""Chat encoding (SPEC §10) and the reasoning_effort contract, byte for byte.
+"""Chat encoding (docs/design/spec.md §10) and the reasoning_effort contract, byte for byte.
 
-The literal strings below spell SPEC §10's ``BOS`` / ``EOS`` as the real special tokens.
+The literal strings below spell docs/design/spec.md §10's ``BOS`` / ``EOS`` as the real special tokens.
 """
 
 import json
@@ -73,7 +73,7 @@ def tools_section(functions_json, wording=DEFAULT_WORDING):
         thinking_end_token="</think>", tool_schemas=functions_json)
 
 
-# ------------------------------------------------------------------ SPEC §10 examples, verbatim
+# ------------------------------------------------------------------ docs/design/spec.md §10 examples, verbatim
 
 def test_spec_example_chat():
     assert encode_messages([u("Hi")]) == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"

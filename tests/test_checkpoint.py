@@ -1,5 +1,5 @@
 """HF checkpoints in the release layout: the writer (scripts/make_checkpoint.py), its naming against
-SPEC §8 rules written out here from the config alone, and `load_params` from HF and Orbax directories
+docs/design/spec.md §8 rules written out here from the config alone, and `load_params` from HF and Orbax directories
 (round trip to bitwise-equal logits, byte-for-byte fp8/fp4, mesh placement, error reporting)."""
 
 import importlib.util
@@ -86,12 +86,12 @@ def raw_bytes(d, hdr):
 
 
 # ------------------------------------------------------------------------------------------------
-# SPEC §8 naming rules, written out from the config fields (independent of params.py / the writer)
+# docs/design/spec.md §8 naming rules, written out from the config fields (independent of params.py / the writer)
 # ------------------------------------------------------------------------------------------------
 
 
 def spec8_tensors(c: ModelConfig) -> dict:
-    """{name: (safetensors dtype, shape)} that SPEC §8 says the checkpoint of config `c` holds."""
+    """{name: (safetensors dtype, shape)} that docs/design/spec.md §8 says the checkpoint of config `c` holds."""
     V, D, n = c.vocab_size, c.hidden_size, c.hc_mult
     mix = (2 + n) * n
     H, hd, ql, I = c.num_attention_heads, c.head_dim, c.q_lora_rank, c.moe_intermediate_size
@@ -210,12 +210,12 @@ def test_index_matches_spec8_rules(hf_dir, cfg):
 
 
 def test_spec8_rules_agree_with_declarations_for_flash():
-    """The flash layer lists give exactly SPEC §8's names/shapes/dtypes (no files: 95,819 tensors)."""
+    """The flash layer lists give exactly docs/design/spec.md §8's names/shapes/dtypes (no files: 95,819 tensors)."""
     c = ModelConfig.preset("flash")
     want = spec8_tensors(c)
     got = {n: (ck.ST_NAME[s.dtype], list(s.shape)) for n, s in ck.expected_tensors(c).items()}
     assert got == want
-    # SPEC §8: 96,085 tensors in the release, the rest are vision tensors we skip
+    # docs/design/spec.md §8: 96,085 tensors in the release, the rest are vision tensors we skip
     assert len(got) == 95819
     assert want["layers.14.engram.wkv.weight"] == ("F8_E4M3", [25600, 6144])
     assert want["layers.0.ffn.experts.383.w1.scale"] == ("F8_E8M0", [2304, 160])
@@ -343,7 +343,7 @@ def test_orbax_dir_is_a_standard_orbax_checkpoint(hf_dir, orbax_dir, cfg):
 
 
 def test_wo_a_dequantized_once_at_load(hf_dir, orbax_dir, cfg):
-    """SPEC §3: wo_a is fp8 + scale in the file and bf16 in the loaded params (both checkpoint kinds),
+    """docs/design/spec.md §3: wo_a is fp8 + scale in the file and bf16 in the loaded params (both checkpoint kinds),
     the exact dequantization of the pair, which stays loaded for the reference path."""
     for path in (hf_dir, orbax_dir):
         p = ck.load_params(path, cfg)
@@ -547,7 +547,7 @@ def test_generate_accepts_either_directory(micro_dir, tmp_path):
 
 def test_text_only_release_checkpoint_loads_and_runs(hf_dir, cfg, fwd, tmp_path, caplog):
     """Issue 9 item 5: a release without vision tensors (no ``ffn.gate.bias_vl`` in any layer or DSpark
-    stage: SPEC §8 says it is read for image tokens only) loads from HF and from Orbax, with zeros in
+    stage: docs/design/spec.md §8 says it is read for image tokens only) loads from HF and from Orbax, with zeros in
     its place, and gives the same logits and tokens as the full checkpoint."""
     from dsv41_jax import convert
 

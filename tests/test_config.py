@@ -1,6 +1,6 @@
-"""ModelConfig (SPEC §1): presets, HF / legacy / flat config.json loading, validation, layer plans.
+"""ModelConfig (docs/design/spec.md §1): presets, HF / legacy / flat config.json loading, validation, layer plans.
 
-Expected values are written out here from SPEC §1/§3/§4 (flash) or as literals (tiny and the
+Expected values are written out here from docs/design/spec.md §1/§3/§4 (flash) or as literals (tiny and the
 custom configs), never read from config.py's own tables.
 """
 
@@ -26,7 +26,7 @@ def _is_prime(n: int) -> bool:
 
 
 def primes_rule_rows(layer_ids, max_ngram, n_heads, vocab):
-    """SPEC §5 table sizes, written independently: per layer, per order 2..max_ngram, per head the
+    """docs/design/spec.md §5 table sizes, written independently: per layer, per order 2..max_ngram, per head the
     next prime above `current` never used anywhere; `current` restarts at vocab - 1 per (layer, order)."""
     used, rows = set(), []
     for _ in layer_ids:
@@ -73,7 +73,7 @@ def flash():
 
 
 # ------------------------------------------------------------------------------------------------
-# flash preset = SPEC §1
+# flash preset = docs/design/spec.md §1
 # ------------------------------------------------------------------------------------------------
 
 
@@ -148,9 +148,9 @@ def test_flash_layer_plan_matches_spec(flash):
             assert p.compress_ratio == 0 and p.kv_source is None and p.index_source is None
             assert not p.uses_candidates and p.key_owner is None
             continue
-        # SPEC §3: 3-7 read layer 2's store, 9-13 read 8's, 15-19 read 14's, 21-39 read 20's
+        # docs/design/spec.md §3: 3-7 read layer 2's store, 9-13 read 8's, 15-19 read 14's, 21-39 read 20's
         assert p.kv_source == (2 if i < 8 else 8 if i < 14 else 14 if i < 20 else 20)
-        # SPEC §4: latest index source at or before the layer (3-7 use 2's, 21-23 use 20's, 25-27 24's)
+        # docs/design/spec.md §4: latest index source at or before the layer (3-7 use 2's, 21-23 use 20's, 25-27 24's)
         assert p.index_source == max(s for s in (2, 8, 14, 20, 24, 28, 32, 36) if s <= i)
         if p.is_index_source:
             # keys only at KV sources; 24, 28, 32, 36 re-score layer 20's keys inside candidate blocks
@@ -162,7 +162,7 @@ def test_flash_layer_plan_matches_spec(flash):
 
 
 # ------------------------------------------------------------------------------------------------
-# tiny preset: every mechanism of SPEC §1's list
+# tiny preset: every mechanism of docs/design/spec.md §1's list
 # ------------------------------------------------------------------------------------------------
 
 

@@ -81,7 +81,7 @@ def test_json_schema_walks_validate(gc, tok, k):
 
 
 def test_json_style_is_the_checkpoints(gc, tok):
-    """No free whitespace: the separators are ', ' and ': ' (SPEC §10's JSON style)."""
+    """No free whitespace: the separators are ', ' and ': ' (docs/design/spec.md §10's JSON style)."""
     schema = {"type": "object", "properties": {"a": {"enum": [1]}, "b": {"enum": [2]}}, "required": ["a", "b"],
               "additionalProperties": False}
     c = gc.for_request({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})

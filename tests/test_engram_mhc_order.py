@@ -1,4 +1,4 @@
-"""Engram's gate by hand, and mHC's "pre from previous sublayer" ordering inside the forward (SPEC §2, §5)."""
+"""Engram's gate by hand, and mHC's "pre from previous sublayer" ordering inside the forward (docs/design/spec.md §2, §5)."""
 
 import jax
 import jax.numpy as jnp

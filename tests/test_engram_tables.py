@@ -1,4 +1,4 @@
-"""Tests for dsv41_jax.model.engram_tables (SPEC §5) and the tiny tokenizer assets (§10)."""
+"""Tests for dsv41_jax.model.engram_tables (docs/design/spec.md §5) and the tiny tokenizer assets (§10)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dsv41_jax.model import engram_tables as et
 TINY_DIR = Path(__file__).resolve().parent.parent / "dsv41_jax" / "assets" / "tiny"
 TINY_TOKENIZER = TINY_DIR / "tokenizer.json"
 
-# Flash Engram config (SPEC §1).
+# Flash Engram config (docs/design/spec.md §1).
 FLASH_LAYERS = [1, 14]
 FLASH_MAX_NGRAM = 4
 FLASH_HEADS = 8
@@ -90,7 +90,7 @@ def test_normalize_token_text(text, want):
 
 
 def _spec_restatement(s: str) -> str:
-    """SPEC §5 normalization written out with `unicodedata` (valid for old code points)."""
+    """docs/design/spec.md §5 normalization written out with `unicodedata` (valid for old code points)."""
     s = unicodedata.normalize("NFKC", s)
     s = unicodedata.normalize("NFD", s)
     s = "".join(c for c in s if unicodedata.category(c)[0] != "M")
@@ -242,7 +242,7 @@ def test_rows_must_fit_int32():
 # --------------------------------------------------------------------------- hash rows
 
 def _ref_rows(seq, mult, primes, offsets, pad, history=None):
-    """Expected rows for one sequence with plain Python ints (SPEC §5 verbatim)."""
+    """Expected rows for one sequence with plain Python ints (docs/design/spec.md §5 verbatim)."""
     mult = [int(v) for v in mult]
     offsets = [int(v) for v in offsets]
     n_heads = len(primes[0])
@@ -257,7 +257,7 @@ def _ref_rows(seq, mult, primes, offsets, pad, history=None):
         row = []
         for k in range(1, max_ngram):
             rolling ^= tok[k] * mult[k]
-            assert 0 <= rolling < 2 ** 63  # the int64 range argument of SPEC §5
+            assert 0 <= rolling < 2 ** 63  # the int64 range argument of docs/design/spec.md §5
             for h in range(n_heads):
                 row.append(rolling % primes[k - 1][h] + offsets[(k - 1) * n_heads + h])
         out.append(row)

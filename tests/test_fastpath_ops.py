@@ -129,7 +129,7 @@ def test_f32_kind_and_wo_a_xla(tiny_cfg, tiny_params):
     assert np.all(np.abs(got - ref) <= w.shape[1] * 2.0**-23 * terms)
     ex = [np.asarray(f(x, w, tiny_cfg.replace(act_dtype="exact", impl=i))) for i in ("reference", "xla")]
     np.testing.assert_array_equal(ex[0], ex[1])
-    # wo_a: init_params holds the load-time bf16 copy (SPEC §3), exactly the dequantized fp8 pair; the
+    # wo_a: init_params holds the load-time bf16 copy (docs/design/spec.md §3), exactly the dequantized fp8 pair; the
     # xla path multiplies it as it is and never reads the fp8 pair, and gives the reference's numbers.
     pa = tiny_params["layers"][0]["attn"]["wo_a"]
     np.testing.assert_array_equal(np.asarray(pa["bf16"].astype(jnp.float32)),
@@ -337,7 +337,7 @@ def test_bench_decode_part_b_counts_through_loops(tmp_path):
 def test_bench_decode_part_a_plumbing(tmp_path):
     """Part (a) without a compile: contexts that do not fit max_context are skipped (no case, no model
     built), the JSON records the machine load; the plot is drawn from cases of the documented shape.
-    The timings themselves come from running the script (docs/bench_decode_tiny_cpu.json)."""
+    The timings themselves come from running the script (docs/results/bench_decode_tiny_cpu.json)."""
     import importlib.util
     import json
 

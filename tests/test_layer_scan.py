@@ -48,7 +48,7 @@ def params(cfgs):
 
 
 def test_runs(cfgs):
-    """Which layers form runs: flash's 18 bodies for 40 layers (docs/layer_scan.md), none in tiny, and
+    """Which layers form runs: flash's 18 bodies for 40 layers (docs/design/layer_scan.md), none in tiny, and
     the switch turns them off."""
     assert all(n == 1 for _, n in layer_scan.plan_runs(ModelConfig.preset("tiny")))
     flash = ModelConfig.preset("flash")

@@ -1,4 +1,4 @@
-"""Each mechanism of the forward pass against a hand-checkable case (SPEC §3, §4, §6)."""
+"""Each mechanism of the forward pass against a hand-checkable case (docs/design/spec.md §3, §4, §6)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Tests for dsv41_jax.model.mhc (SPEC §2).
+"""Tests for dsv41_jax.model.mhc (docs/design/spec.md §2).
 
 Expected values come from plain-Python (double) re-derivations written in the test.
 """
@@ -26,7 +26,7 @@ def _sig(v):
 
 
 def _py_sinkhorn(logits, iters, eps):
-    """SPEC §2 Sinkhorn on a list-of-lists, in double."""
+    """docs/design/spec.md §2 Sinkhorn on a list-of-lists, in double."""
     n = len(logits)
     c = []
     for row in logits:

@@ -158,7 +158,7 @@ def test_kernel_tuning_candidates(pallas_impl, i):
 
 def test_flash_default_tiling_is_the_measured_fastest():
     """At flash shapes (64 heads, head_dim 512) the defaults are TUNING_CANDIDATES[0], the tiling that
-    measured fastest on the H200 (docs/gpu_check_2026-11-30.md); shapes only, nothing runs."""
+    measured fastest on the H200 (docs/results/gpu_check_h200/README.md); shapes only, nothing runs."""
     shapes = jax.eval_shape(lambda: sa.bench_inputs(64, 4096, 1)[0])
     kn = sa.effective_knobs(*shapes, window=128)
     assert {k: kn[k] for k in sa.TUNING_CANDIDATES[0]} == sa.TUNING_CANDIDATES[0]
@@ -180,7 +180,7 @@ def test_dispatch_registers_the_kernel():
 def test_kernel_lowers_to_triton_ir():
     """The kernel lowers through Pallas' Triton lowering for a CUDA target (sm_90 assumed without a GPU)
     and the Triton IR verifies: catches a primitive without a Triton rule, a non-power-of-two tensor, a
-    bad dot shape — without a GPU. (scripts/triton_offline_check.py goes on to PTX and ptxas.) On a GPU
+    bad dot shape — without a GPU. (research/triton_offline_check.py goes on to PTX and ptxas.) On a GPU
     the native tests above compile the same kernel, which subsumes this check (and the capture hook is a
     private JAX API checked on 0.10.2 only)."""
     if jax.default_backend() == "gpu":

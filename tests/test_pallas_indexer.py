@@ -4,7 +4,7 @@ Run with the `pallas_impl` fixture: natively on a GPU ("pallas"), in interpret m
 comparison is exact equality of int arrays (selections with their −1 layout, candidate block ids):
 tolerance 0. Keys and queries are fp4 values (their q·k dots are exact in fp32, whatever the order);
 the bf16 flow runs on small integers (every step exact) and on random values, against the reference
-run *eagerly* — under `jit` XLA may drop a bf16 rounding inside a fusion (docs/fastpath_attention.md),
+run *eagerly* — under `jit` XLA may drop a bf16 rounding inside a fusion (docs/design/fastpath_attention.md),
 op by op it cannot. The scoring stage is also checked bit for bit against SPEC's step-by-step
 arithmetic in numpy.
 
@@ -150,7 +150,7 @@ def test_seam_batch1_all_ties(pallas_impl):
 
 @pytest.mark.parametrize("mode, T", [("auto", 6), ("fp8_e4m3", 1)])
 def test_scores_round_like_spec(pallas_impl, mode, T):
-    """The scoring stage's bf16 scores equal SPEC §4's step-by-step arithmetic bit for bit, on random
+    """The scoring stage's bf16 scores equal docs/design/spec.md §4's step-by-step arithmetic bit for bit, on random
     (inexact) values: bf16 after the q·k dot, after the weight product, after the head sum.
 
     The oracle is numpy (float64 sums, which are exact here, then the roundings), not the jitted

@@ -3,8 +3,8 @@
 `offline.capture_kernels` lowers the call for platform "cuda" (Pallas' Triton lowering assumes sm_90
 without a GPU) and verifies each kernel's Triton IR; a kernel that uses a primitive with no Triton
 lowering rule, a non-power-of-two block or a bad dot shape fails here, not first on a GPU.
-`scripts/triton_offline_check.py` goes further (Triton's compiler + ptxas: registers, spills;
-docs/triton_offline_sm90.json). The attention kernel has its own lowering test in
+`research/triton_offline_check.py` goes further (Triton's compiler + ptxas: registers, spills;
+docs/results/triton_offline_sm90.json). The attention kernel has its own lowering test in
 test_pallas_attention.py. On a GPU the native kernel tests compile the kernels, which subsumes this.
 """
 

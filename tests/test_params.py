@@ -1,7 +1,7 @@
-"""Parameter declarations (SPEC §6 dtypes, §8 names/shapes): init, abstract shapes, byte total,
+"""Parameter declarations (docs/design/spec.md §6 dtypes, §8 names/shapes): init, abstract shapes, byte total,
 logical axes and mesh shardings.
 
-Shapes, dtypes and the flash byte total are written out here from SPEC §1/§6/§8, not taken from
+Shapes, dtypes and the flash byte total are written out here from docs/design/spec.md §1/§6/§8, not taken from
 params.py's declarations.
 """
 
@@ -313,7 +313,7 @@ def test_flash_param_shapes_abstract_and_spec_shapes(flash):
         chk(b + "hc_ffn_scale", (3,), F32)
         chk(b + "ffn.gate.weight", (384, 5120), BF16)
         chk(b + "ffn.gate.bias", (384,), F32)
-        chk(b + "ffn.experts.w1.weight", (384, 2304, 2560), U8)  # SPEC §6: w1/w3 [2304, 2560] per expert
+        chk(b + "ffn.experts.w1.weight", (384, 2304, 2560), U8)  # docs/design/spec.md §6: w1/w3 [2304, 2560] per expert
         chk(b + "ffn.experts.w1.scale", (384, 2304, 160), E8M0)
         chk(b + "ffn.experts.w3.weight", (384, 2304, 2560), U8)
         chk(b + "ffn.experts.w2.weight", (384, 5120, 1152), U8)
@@ -355,7 +355,7 @@ def test_flash_param_shapes_abstract_and_spec_shapes(flash):
 
 
 def flash_bytes_by_hand():
-    """The checkpoint's bytes from SPEC §1/§6/§8, per dtype: {dtype name: bytes}."""
+    """The checkpoint's bytes from docs/design/spec.md §1/§6/§8, per dtype: {dtype name: bytes}."""
     V, D, H, hd, qr, G, R = 129280, 5120, 64, 512, 1280, 8, 1024
     I, nhc, mix = 2304, 4, 24
     acc = {"float8_e4m3fn": 0, "float8_e8m0fnu": 0, "bfloat16": 0, "float32": 0, "uint8": 0}
@@ -418,7 +418,7 @@ def test_flash_byte_total(flash):
     stats = param_stats(flash)
     assert stats["bytes"] == total, (stats["bytes"], total)
     assert {k: v for k, v in stats["bytes_by_dtype"].items() if v} == hand
-    real = 510_286_023_000  # SPEC §8, includes vision tensors (well under 1%)
+    real = 510_286_023_000  # docs/design/spec.md §8, includes vision tensors (well under 1%)
     assert abs(total - real) / real < 0.01, total / real
     assert total < real
     # parameter count: MXFP4 bytes hold two parameters each, scales are not parameters

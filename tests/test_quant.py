@@ -1,4 +1,4 @@
-"""Tests for dsv41_jax.model.quant (SPEC §6 number formats, §3/§4 fake-quants).
+"""Tests for dsv41_jax.model.quant (docs/design/spec.md §6 number formats, §3/§4 fake-quants).
 
 References here are written independently of the module: numpy float64 arithmetic, ml_dtypes' own
 (round-to-nearest-even) e4m3 cast, np.frexp for exponents, and a hand-written nibble decoder.
@@ -32,7 +32,7 @@ def np_ceil_log2(v):
 
 
 def np_act_quant(x):
-    """SPEC §6 act quant in numpy: returns (xq as float64 e4m3 values, s float64 per block)."""
+    """docs/design/spec.md §6 act quant in numpy: returns (xq as float64 e4m3 values, s float64 per block)."""
     x = np.asarray(x, np.float32)
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
     amax = np.maximum(np.abs(xb).max(-1), np.float32(1e-4)).astype(np.float32)

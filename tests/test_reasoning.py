@@ -1,4 +1,4 @@
-"""The deepseek-v41 reasoning parser (SPEC §10): non-streaming rules, and streaming equal to
+"""The deepseek-v41 reasoning parser (docs/design/spec.md §10): non-streaming rules, and streaming equal to
 non-streaming at every chunk boundary."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Tests for dsv41_jax.model.rope (SPEC §3, RoPE bullet).
+"""Tests for dsv41_jax.model.rope (docs/design/spec.md §3, RoPE bullet).
 
 Expected values are computed independently in the test with Python ``math`` (double), so the
 tolerances are fp32-sized.

@@ -16,8 +16,8 @@ ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "16", "--context-length", "
                 "--token-buckets", "16"]
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+def _script(name, folder="scripts"):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, folder, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -86,9 +86,9 @@ def test_eval_chat(tmp_path, micro_dir):
 
 
 def test_bench_compile_refuses_unknown_cases(capsys):
-    """scripts/bench_compile.py: an unknown program or variant is a usage error (exit 2) naming the
+    """research/bench_compile.py: an unknown program or variant is a usage error (exit 2) naming the
     known ones, before anything compiles (its measurements are the script's to make, not a test's)."""
-    mod = _script("bench_compile")
+    mod = _script("bench_compile", "research")
     for argv, known in ((["--programs", "forward,nope"], "forward, extend"), (["--variants", "fused"], "loop, unrolled")):
         with pytest.raises(SystemExit) as e:
             mod.main(argv)

@@ -258,7 +258,7 @@ def test_reasoning_content_with_thinking(client, tok):
     body = {"messages": MSG, "reasoning_effort": "high"}
     r = client.chat.completions.create(model="tiny", max_tokens=10, temperature=0, **body)
     c = r.choices[0]
-    # a random model never closes </think>: everything is reasoning (SPEC §10), none of it in content
+    # a random model never closes </think>: everything is reasoning (docs/design/spec.md §10), none of it in content
     assert c.message.reasoning_content and not c.message.content
     assert r.usage.prompt_tokens == prompt_len(tok, body)
     u = r.model_dump()["usage"]

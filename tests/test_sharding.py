@@ -451,7 +451,7 @@ def test_collective_bytes_parser():
             "bytes": 256} in src
     assert {"kind": "collective-permute", "type": "f16[4,2]", "op_name": "jit(extend)/cond/branch_1_fun/slice",
             "count": 1, "bytes": 16} in src and len(src) == 5
-    # --keep-layers: the flash cut used in docs/aot_flash_tp2ep4_keep_0_1_2_20_cpu.json
+    # --keep-layers: the flash cut used in docs/results/aot_flash_tp2ep4_keep_0_1_2_20_cpu.json
     from dsv41_jax.model import ModelConfig
 
     c = mod.keep_layers(ModelConfig.preset("flash"), [0, 1, 2, 20])

@@ -1,4 +1,4 @@
-"""The deepseekv41 DSML tool-call parser and renderer (SPEC §10): parse rules, streaming equal to
+"""The deepseekv41 DSML tool-call parser and renderer (docs/design/spec.md §10): parse rules, streaming equal to
 non-streaming at every chunk boundary, schema validation, round trips, request validation."""
 
 import itertools

@@ -240,11 +240,11 @@ def test_two_buckets_weigh_every_completion_token_alike(tok):
 
 
 def test_lookup_control_script_trains_and_reports(tmp_path):
-    """scripts/lookup_control.py (the plain-transformer control for the look-up gap, README): trains on
+    """research/lookup_control.py (the plain-transformer control for the look-up gap, README): trains on
     the corpus's look-up rows, writes one JSON line per evaluation, is deterministic, refuses bad flags."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("lookup_control", os.path.join(ROOT, "scripts", "lookup_control.py"))
+    spec = importlib.util.spec_from_file_location("lookup_control", os.path.join(ROOT, "research", "lookup_control.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     outs = []

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4.1 chat format (SPEC §10), shared by serving and training.
+"""The DeepSeek-V4.1 chat format (docs/design/spec.md §10), shared by serving and training.
 
 * `encoding` — OpenAI messages -> the prompt text (`encode_messages`, `encode_chat_request`), the
   special-token strings, the prose of a checkpoint (`Wording`, `load_wording`);

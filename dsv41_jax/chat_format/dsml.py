@@ -1,4 +1,4 @@
-"""DSML, the tool-call markup of DeepSeek-V4.1 (SPEC §10, "Calls markup"), as the chat encoder writes it.
+"""DSML, the tool-call markup of DeepSeek-V4.1 (docs/design/spec.md §10, "Calls markup"), as the chat encoder writes it.
 
 Shared by serving (the chat encoder, the tool-call parser, constrained decoding) and training (the
 nano corpus renders its tool-call targets with :func:`render_calls_block`):
@@ -257,6 +257,6 @@ def normalize_tool_choice(tool_choice: Any, tools: Sequence[Mapping] | None) -> 
 
 
 def should_parse_tools(tools: Sequence | None, tool_choice: Any) -> bool:
-    """SPEC §10: parse only when tools are given and tool_choice is not "none"."""
+    """docs/design/spec.md §10: parse only when tools are given and tool_choice is not "none"."""
     return bool(tools) and tool_choice != "none"
 

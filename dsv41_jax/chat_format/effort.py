@@ -1,11 +1,11 @@
-"""The thinking switch and the ``reasoning_effort`` contract (SPEC §10, "Thinking switch" and
+"""The thinking switch and the ``reasoning_effort`` contract (docs/design/spec.md §10, "Thinking switch" and
 "Effort values").
 
 Everything here is pure Python and independent of the server: the server calls
 :func:`resolve_thinking` once per chat request and :meth:`ServerDefaults.from_env` once at startup
 (a bad ``DSV41_DEFAULT_THINKING`` / ``DSV41_REASONING_EFFORT`` fails there, not per request).
 
-Contract (SPEC §10):
+Contract (docs/design/spec.md §10):
 
 * Thinking is off by default (env ``DSV41_DEFAULT_THINKING``).
 * Top-level ``reasoning_effort`` (or the OpenAI ``reasoning.effort``), or a truthy
@@ -307,7 +307,7 @@ def _explicit_bool(value: Any, param: str) -> bool | None:
 def resolve_thinking(
     request: Mapping[str, Any], server_defaults: ServerDefaults | None = None
 ) -> tuple[bool, int | None, list[str]]:
-    """Resolve a chat request's thinking switch and effort budget (SPEC §10).
+    """Resolve a chat request's thinking switch and effort budget (docs/design/spec.md §10).
 
     Returns ``(thinking, effort, warnings)``: ``effort`` is the integer budget 1..100 to render in
     the effort line when ``thinking`` is on, else None. Raises :class:`ChatError` (400) for

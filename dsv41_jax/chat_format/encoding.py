@@ -1,9 +1,9 @@
-"""DeepSeek-V4.1 chat encoding (SPEC §10): OpenAI messages -> the prompt text.
+"""DeepSeek-V4.1 chat encoding (docs/design/spec.md §10): OpenAI messages -> the prompt text.
 
 The checkpoint ships no chat template; prompts are text built from literal special tokens and
 tokenized *without* adding any (``tokenizer.encode(text, add_special_tokens=False)``).
 
-Layout (SPEC §10, restated as implemented by :func:`encode_messages`):
+Layout (docs/design/spec.md §10, restated as implemented by :func:`encode_messages`):
 
 * ``<｜begin▁of▁sentence｜>`` opens every fresh prompt (``add_bos=False`` for a continuation).
 * One leading ``<｜System｜>`` opens the prompt when the first message is a system message or
@@ -103,7 +103,7 @@ _IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_file")
 
 # --------------------------------------------------------------------------------- wording
 
-# Our own wording of the tools-section rules (SPEC §10 "Tools section"); a checkpoint's encoder
+# Our own wording of the tools-section rules (docs/design/spec.md §10 "Tools section"); a checkpoint's encoder
 # file replaces it. Format fields: the markup pieces below and {tool_schemas}.
 DEFAULT_TOOLS_TEMPLATE = """## Tools
 
@@ -130,7 +130,7 @@ In thinking mode (the reply opens with {thinking_start_token}), put your complet
 Call tools only by the exact names above, with arguments that follow their parameter schemas.
 """
 
-# The effort line is a protocol fact (SPEC §10), identical in our wording.
+# The effort line is a protocol fact (docs/design/spec.md §10), identical in our wording.
 DEFAULT_EFFORT_TEMPLATE = (
     "Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 )
@@ -593,7 +593,7 @@ def encode_messages(
     add_bos: bool = True,
     response_format: Any = None,
 ) -> str:
-    """The V4.1 prompt text for OpenAI chat ``messages`` (SPEC §10), byte-exact.
+    """The V4.1 prompt text for OpenAI chat ``messages`` (docs/design/spec.md §10), byte-exact.
 
     ``effort`` (thinking only): an integer budget 1..100, a tier of the wording's table, or None
     for the wording's default tier (usually the server resolved it with

@@ -1,4 +1,4 @@
-"""Latent attention: one 512-wide K=V latent per position, window + selected compressed slots (SPEC §3).
+"""Latent attention: one 512-wide K=V latent per position, window + selected compressed slots (docs/design/spec.md §3).
 
 The sublayer is split so the full forward (`transformer.py`) and the cached decode path share every
 piece of arithmetic:
@@ -182,7 +182,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
                   replay's late layers: `decode.extend_bounded`); None = no bound
     Static: ratio, page_size, window, mode (kv_cache_dtype), impl, exact (the exact numerics mode:
     fp64-accumulated sums, `attend`; "reference" and "xla" only).
-    Returns [B, T, H, hd] in q.dtype (SPEC §3: fp32 logits, sink in the denominator only, bf16-rounded
+    Returns [B, T, H, hd] in q.dtype (docs/design/spec.md §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
     A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
     `interpret`.

@@ -1,4 +1,4 @@
-"""KV cache state, its storage formats, the page allocator and memory planning (SPEC §3–§5, §9).
+"""KV cache state, its storage formats, the page allocator and memory planning (docs/design/spec.md §3–§5, §9).
 
 The cache is a pytree of device arrays (donated to the decode step):
 

@@ -1,9 +1,9 @@
-"""Checkpoints: the HF release format (safetensors) and converted Orbax directories (SPEC §8).
+"""Checkpoints: the HF release format (safetensors) and converted Orbax directories (docs/design/spec.md §8).
 
 Two kinds of model directory are accepted everywhere a model path is taken (`checkpoint_kind`):
 
 * **hf** — the release layout: ``config.json`` (HF form), ``model.safetensors.index.json`` and its
-  shards (or a single ``model.safetensors``), ``tokenizer.json``. Tensor names are SPEC §8's, one
+  shards (or a single ``model.safetensors``), ``tokenizer.json``. Tensor names are docs/design/spec.md §8's, one
   tensor per routed expert (``layers.L.ffn.experts.E.w1.weight``). Dense fp8 weights are
   ``F8_E4M3`` with ``F8_E8M0`` (or ``U8``, same bits) 32×32 block ``.scale`` tensors; routed experts
   are packed MXFP4 ``U8`` with ``F8_E8M0``/``U8`` per-32 scales; the rest is ``BF16``/``F32``.
@@ -64,9 +64,9 @@ PARAMS_SUBDIR = "params"
 ORBAX_FORMAT = "dsv41_jax.orbax"
 ORBAX_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens.json")
-# Top-level names of the vision tower (SPEC §8): skipped, we serve text only.
+# Top-level names of the vision tower (docs/design/spec.md §8): skipped, we serve text only.
 VISION_ROOTS = ("vision", "aligner", "image_start", "image_end", "image_newline")
-# Alternative file names for the DSpark Markov head (SPEC §7, uncertain): file suffix -> ours.
+# Alternative file names for the DSpark Markov head (docs/design/spec.md §7, uncertain): file suffix -> ours.
 MARKOV_ALIASES = {"markov_head.markov_w1.weight": "markov_head.embed.weight",
                   "markov_head.markov_w2.weight": "markov_head.head.weight"}
 QUANT_KINDS = ("fp8", "fp8_rows", "mxfp4")  # P.init of a quantized weight (its pair is "<kind>_scale")
@@ -465,7 +465,7 @@ def report_extras(plan: HFPlan) -> None:
 def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: int = 1,
                        tokenizer_dir: Optional[str] = None, scale_format: str = "e8m0",
                        markov_names: str = "embed_head", vision_tensors: bool = True) -> dict:
-    """Write `params` in the release layout (SPEC §8): config.json, index, shards, tokenizer files.
+    """Write `params` in the release layout (docs/design/spec.md §8): config.json, index, shards, tokenizer files.
 
     shards: number of `model-0000i-of-0000K.safetensors` files (tensors split contiguously by bytes).
     scale_format: "e8m0" (F8_E8M0, as the release) or "u8" (same bits as U8).
@@ -805,7 +805,7 @@ def _keeping_host(place, names):
 
 
 def _derive_dequantized(cfg: ModelConfig, params: dict, place, host: dict) -> None:
-    """Fill the load-time dequantized copies (``init == "dequant_fp8"``, e.g. ``wo_a.bf16``, SPEC §3)
+    """Fill the load-time dequantized copies (``init == "dequant_fp8"``, e.g. ``wo_a.bf16``, docs/design/spec.md §3)
     from their loaded fp8 pair (host copies in `host`, by name): exact (e4m3 x 2^k has 4 significant
     bits), on the host, in row blocks."""
     for leaf in param_leaves(cfg, include_derived=True):

@@ -1,4 +1,4 @@
-"""Compressor: the compressed latents written by KV-source layers (SPEC §3).
+"""Compressor: the compressed latents written by KV-source layers (docs/design/spec.md §3).
 
 Ratio 1: one latent per token, ``norm(wkv · x)`` as a plain bf16 matmul.
 Ratio r > 1: tokens ``j·r .. j·r+r−1`` are pooled per channel with a softmax over the group of
@@ -59,7 +59,7 @@ def compressed_kv(latent, slot_pos, freqs, dt):
     """What attention reads from a compressed slot: RoPE at the slot's position, then fp4 fake-quant.
 
     latent: [..., S, hd]; slot_pos: int32 broadcastable to latent.shape[:-1] (= j·ratio).
-    The fp4 variant with e4m3 scales over groups of 16, on **all** head_dim dims (SPEC §3).
+    The fp4 variant with e4m3 scales over groups of 16, on **all** head_dim dims (docs/design/spec.md §3).
     """
     return quant.fake_quant_fp4_e4m3(compressed_rot(latent, slot_pos, freqs, dt), block=16, out_dtype=dt)
 

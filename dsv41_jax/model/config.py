@@ -1,4 +1,4 @@
-"""Model configuration for DeepSeek-V4.1 Flash (SPEC §1).
+"""Model configuration for DeepSeek-V4.1 Flash (docs/design/spec.md §1).
 
 `ModelConfig` holds every field of the HF release's ``config.json`` under its real (HF) name, plus
 four runtime fields that are ours (`act_dtype`, `impl`, `layer_scan`, `name`). It is a frozen, hashable dataclass
@@ -136,7 +136,7 @@ _IGNORED_KEYS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Every field of SPEC §1 under its HF name; see the `flash` preset for the real values."""
+    """Every field of docs/design/spec.md §1 under its HF name; see the `flash` preset for the real values."""
 
     # --- sizes
     vocab_size: int = 129280
@@ -560,7 +560,7 @@ def _layer_plans(cfg: ModelConfig) -> tuple:
 
 
 def _tiny() -> ModelConfig:
-    """Small config that exercises every mechanism (SPEC §1's list).
+    """Small config that exercises every mechanism (docs/design/spec.md §1's list).
 
     10 layers + 3 DSpark stages: 0-1 window only; 2-5 ratio 2 with KV sources 2 and 4 (3 and 5 consume);
     6-9 ratio 1 with KV source 6 = candidate source; index sources 2, 4, 6 own keys, 8 re-scores 6's keys

@@ -1,4 +1,4 @@
-"""One implementation switch for the ops that have a fast path (ARCHITECTURE "Dispatch").
+"""One implementation switch for the ops that have a fast path (docs/design/architecture.md, "Dispatch").
 
 Every op with a seam keeps its plain-``jnp`` reference and may have faster implementations beside it:
 
@@ -80,7 +80,7 @@ def kernel_available(op: str) -> bool:
 
 
 # What "auto" picks on a GPU, per op: the kernel where it measured at least as fast as the XLA path on
-# the H200 (docs/gpu_check_2026-11-30.md, scripts/bench_kernels.py --quick, jax 0.11.2), XLA where it
+# the H200 (docs/results/gpu_check_h200/README.md, scripts/bench_kernels.py --quick, jax 0.11.2), XLA where it
 # measured slower. indexer: 1.2-19x faster (fused scoring + radix select); attention: 0.97-1.09x with
 # the 64-head/16-key tiling that is now its default (0.6-0.8x with the old 32-head default); engram:
 # 0.5-1.0x and mhc enter: 0.3-0.9x (both XLA fusions already read each byte once at these sizes).

@@ -1,4 +1,4 @@
-"""DSpark, V4.1's bundled speculative draft (SPEC §7): target features, draft rings, block proposal.
+"""DSpark, V4.1's bundled speculative draft (docs/design/spec.md §7): target features, draft rings, block proposal.
 
 The draft is `num_nextn_predict_layers` stages ``params["mtp"][s]``, each a full block (mHC, window-only
 attention at rope_theta, its own MoE with dspark_n_routed_experts experts, top
@@ -21,7 +21,7 @@ target's embedding and LM head. Pieces, all pure:
   committed (prompt prefill: "a pass from position 0 only seeds the rings and proposes nothing").
 
 Verification and the commit of the accepted prefix are `dsv41_jax.serving.speculative`'s (it needs the
-sampler); docs/dspark.md describes the whole step.
+sampler); docs/design/dspark.md describes the whole step.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def with_rings(state: dict, cfg, ccfg) -> dict:
 
 
 def target_features(params, layer_inputs: dict, cfg, dt):
-    """main_x [B, T, D] in `dt` from {layer id: state entering it [B, T, n, D]} (SPEC §7).
+    """main_x [B, T, D] in `dt` from {layer id: state entering it [B, T, n, D]} (docs/design/spec.md §7).
 
     The mean over streams is taken in fp32 and rounded once to `dt` (the "bf16 mean" of the bf16
     flow); concatenated in dspark_target_layer_ids order (3·D) → main_proj (fp8 GEMM) → main_norm.
@@ -146,7 +146,7 @@ def greedy_draw(k, logits):
 
 def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional[int] = None,
             draw: Callable = greedy_draw, *, detach_confidence: bool = False) -> dict:
-    """One DSpark block proposal (SPEC §7).
+    """One DSpark block proposal (docs/design/spec.md §7).
 
     anchor int32 [B]: the token the target just produced, at position start[b] (= s + 1, the number of
     tokens in the cache); slot int32 [B]: the request's ring row. gamma (static, 1..dspark_block_size,

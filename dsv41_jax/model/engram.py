@@ -1,4 +1,4 @@
-"""Engram: n-gram hash memory added to the residual streams before a layer's attention (SPEC §5).
+"""Engram: n-gram hash memory added to the residual streams before a layer's attention (docs/design/spec.md §5).
 
 Host-side tables (token normalization map, multipliers, primes, row offsets) live in
 `engram_tables`; this module is the on-device part: hash rows → fp8 table gather → wkv → gate.
@@ -25,7 +25,7 @@ def layer_tables(cfg, layer_id: int):
 
 
 def compressed_ids(cfg, token_map, tokens):
-    """Token ids [B, T] -> Engram compressed ids (ids outside the map hash as the pad, SPEC §5)."""
+    """Token ids [B, T] -> Engram compressed ids (ids outside the map hash as the pad, docs/design/spec.md §5)."""
     V = token_map.shape[0]
     pad_id = token_map[cfg.engram_pad_token_id]
     ok = (tokens >= 0) & (tokens < V)
@@ -59,7 +59,7 @@ def gather_rows(table, tscale, rows, dt):
 
 
 def gate(h, kv, q_weight, k_weight, eps, dt, exact: bool = False):
-    """The reference gate (SPEC §5): h_c + g_c · value per stream, in fp32, rounded once.
+    """The reference gate (docs/design/spec.md §5): h_c + g_c · value per stream, in fp32, rounded once.
 
     h: [..., n, D]; kv: [..., n·D + D] (the wkv output: n keys, then the shared value);
     q_weight, k_weight: bf16 [n, D]; eps: ``rms_norm_eps``. Returns [..., n, D] in `dt`.

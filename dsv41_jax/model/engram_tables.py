@@ -1,4 +1,4 @@
-"""Engram lookup tables and the n-gram row hash (SPEC §5).
+"""Engram lookup tables and the n-gram row hash (docs/design/spec.md §5).
 
 Everything here except `engram_hash_rows` is host-side (numpy and plain Python) and runs
 once at model build time:
@@ -50,7 +50,7 @@ def _reference_normalizer():
     and 3.12. Reusing the same library keeps the map identical to the reference's and
     independent of the Python version. `tokenizers` is needed to load the tokenizer
     anyway. tests/test_engram_tables.py checks the pipeline against a pure-Python
-    restatement of SPEC §5 on long-assigned characters.
+    restatement of docs/design/spec.md §5 on long-assigned characters.
     """
     from tokenizers import Regex, normalizers
 
@@ -68,7 +68,7 @@ def _reference_normalizer():
 
 
 def normalize_token_text(s: str) -> str:
-    """SPEC §5 normalization of one token's decoded text.
+    """docs/design/spec.md §5 normalization of one token's decoded text.
 
     NFKC -> NFD -> drop combining marks -> lowercase -> each run of [ \\t\\r\\n] becomes
     one space -> a text that is exactly " " is protected (kept) -> strip whitespace.
@@ -105,7 +105,7 @@ def _tokenizer_access(tokenizer: Any):
 
 
 def build_engram_token_map(tokenizer: Any) -> tuple[np.ndarray, int]:
-    """Token id -> compressed (normalized-text) id, SPEC §5.
+    """Token id -> compressed (normalized-text) id, docs/design/spec.md §5.
 
     Each id 0..V-1 is decoded alone with special tokens kept. A decode containing U+FFFD
     (a partial UTF-8 sequence) is keyed by the raw token string instead; otherwise the key
@@ -166,7 +166,7 @@ def load_engram_token_map(tokenizer_json_path: str | os.PathLike) -> tuple[np.nd
 # ---------------------------------------------------------------------------------------
 
 def engram_multipliers(layer_id: int, max_ngram: int, compressed_vocab: int) -> np.ndarray:
-    """The odd hash multipliers of one Engram layer, SPEC §5.
+    """The odd hash multipliers of one Engram layer, docs/design/spec.md §5.
 
     bound = max(1, (INT64_MAX // compressed_vocab) // 2) keeps every product
     token_id * multiplier below 2^63 (token_id < compressed_vocab, multiplier < 2*bound),
@@ -240,7 +240,7 @@ def _engram_primes_cached(layer_ids: tuple[int, ...], max_ngram: int, n_heads: i
 
 def engram_primes(layer_ids: Sequence[int], max_ngram: int, n_heads: int,
                   vocab_size: int) -> dict[int, list[list[int]]]:
-    """Per-layer table sizes: distinct primes, SPEC §5 (cached; fast for 16M vocab).
+    """Per-layer table sizes: distinct primes, docs/design/spec.md §5 (cached; fast for 16M vocab).
 
     For each layer in order, each order n = 2..max_ngram, each head: the smallest prime
     strictly above `current` not used anywhere before; `current` restarts at
@@ -341,7 +341,7 @@ def _host_int64(name: str, value: Any) -> np.ndarray:
 def engram_hash_rows(compressed_ids: jax.Array, multipliers: np.ndarray,
                      primes_for_layer: Sequence[Sequence[int]], offsets: np.ndarray,
                      pad_id: int, history: jax.Array | None = None) -> jax.Array:
-    """Table rows of every token's n-gram hashes for one Engram layer, SPEC §5.
+    """Table rows of every token's n-gram hashes for one Engram layer, docs/design/spec.md §5.
 
     tok[k] = compressed id at t - k (k = 0..max_ngram-1); slots before the start of the
     sequence take `pad_id`, or, when `history` is given, the ids before this chunk.

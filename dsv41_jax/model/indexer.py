@@ -1,4 +1,4 @@
-"""Two-level sparse retrieval: index keys, index scores, candidate blocks, top-k (SPEC §4).
+"""Two-level sparse retrieval: index keys, index scores, candidate blocks, top-k (docs/design/spec.md §4).
 
 Shapes: B batch, T queries, S compressed slots, nI = index_n_heads, dI = index_head_dim.
 Scores are bf16 with −inf for slots a query may not pick; ties go to the lower slot (``lax.top_k``).
@@ -197,9 +197,9 @@ def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: 
     cand int32 [B, T, min(topk_blocks, ceil(S / block_size))] candidate block ids (ascending, −1
     padding) if make_candidates, else None).
 
-    Scores are SPEC §4's bf16 (or fp32 in the fp32 mode) with ties to the lower slot; both
+    Scores are docs/design/spec.md §4's bf16 (or fp32 in the fp32 mode) with ties to the lower slot; both
     implementations give identical selections, since every score is the same per-element arithmetic
-    (bf16 caveat: docs/fastpath_attention.md, "excess precision"). A Pallas kernel registered for
+    (bf16 caveat: docs/design/fastpath_attention.md, "excess precision"). A Pallas kernel registered for
     "indexer" is called with these arguments (minus `impl`, `retrieval_block`) plus `interpret`.
     """
     S = page_table.shape[1] * page_size // ratio

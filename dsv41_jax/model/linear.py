@@ -9,7 +9,7 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
 * ``"xla"`` — the same numbers (up to fp32 summation order) with the weight entering the matmul at
   stored width or as exact bf16, never as an fp32 copy:
 
-  - small M (rows <= `BLOCK_M_MAX`, i.e. decode): the SPEC §6 GEMM itself. The activation is fp8
+  - small M (rows <= `BLOCK_M_MAX`, i.e. decode): the docs/design/spec.md §6 GEMM itself. The activation is fp8
     quantized per 32 along K (`quant.act_quant_fp8`), and the e4m3 codes of activation and weight go
     into one batched dot over the K-blocks, P[b, m, n] = sum_{k in block b} xq[m, k]·wq[n, k] (fp32
     accumulation: each product has <= 8 significant bits), then y = sum_b P[b]·s_x[m, b]·s_w[n, b].
@@ -79,7 +79,7 @@ def fp4_codes_to_e4m3(packed):
 
 
 def _block_gemm(xq, sx, wq, sw_rows, dt, exact):
-    """The K-blockwise fp8 GEMM (SPEC §6) on a quantized activation.
+    """The K-blockwise fp8 GEMM (docs/design/spec.md §6) on a quantized activation.
 
     xq e4m3 [M, K] and sx fp32 [M, K/32] (`quant.act_quant_fp8` of the input, flattened to M rows);
     wq e4m3 [N, K]; sw_rows fp32 [N, K/32]. Returns fp32 [M, N]."""
@@ -136,7 +136,7 @@ def _fp8_row_scales(scale, n):
 
 
 def fp8(x, p, cfg, dt, row_axis=None):
-    """GEMM with a 32x32-block fp8 weight and fp8-quantized input (SPEC §6).
+    """GEMM with a 32x32-block fp8 weight and fp8-quantized input (docs/design/spec.md §6).
 
     x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}.
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
@@ -164,7 +164,7 @@ def fp8(x, p, cfg, dt, row_axis=None):
 
 
 def mxfp4(x, p, cfg, dt):
-    """GEMM with an MXFP4 weight and fp8-quantized input (SPEC §6).
+    """GEMM with an MXFP4 weight and fp8-quantized input (docs/design/spec.md §6).
 
     x [..., K] float; p {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]}. Returns [..., N] in `dt`.
     """
@@ -187,7 +187,7 @@ def mxfp4(x, p, cfg, dt):
 
 
 def plain_bf16(x, w, cfg, dt):
-    """A "plain bf16 matmul" (SPEC §1): x [..., K], w bf16 [N, K] -> [..., N] in `dt`.
+    """A "plain bf16 matmul" (docs/design/spec.md §1): x [..., K], w bf16 [N, K] -> [..., N] in `dt`.
 
     The reference formulation is already a bf16 dot with fp32 accumulation (the weight enters at its
     stored width), so "xla" is the same function."""
@@ -219,10 +219,10 @@ def f32(x, w, cfg, row_axis=None):
 
 
 def wo_a(o, p, cfg, dt, row_axis=None):
-    """The grouped wo_a projection (SPEC §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
+    """The grouped wo_a projection (docs/design/spec.md §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
 
     p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale", "bf16": [G·R, I]}: "bf16" is the load-time
-    dequantized copy (SPEC §3; `params.fp8_linear_bf16_decl`, built by `init_params` / `load_params`),
+    dequantized copy (docs/design/spec.md §3; `params.fp8_linear_bf16_decl`, built by `init_params` / `load_params`),
     which "xla" multiplies as it is (without it, e.g. a hand-built dict, "xla" dequantizes per call).
     "reference" is today's code: it dequantizes the fp8 pair on every call. The weight is exactly
     bf16-representable, so every path computes the same products.

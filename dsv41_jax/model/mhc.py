@@ -1,4 +1,4 @@
-"""mHC: manifold-constrained hyper-connections (SPEC §2).
+"""mHC: manifold-constrained hyper-connections (docs/design/spec.md §2).
 
 The residual stream is ``n = hc_mult`` parallel copies h [..., n, D] (bf16 in the reference
 dtype flow).  Around every sublayer:
@@ -37,7 +37,7 @@ __all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post", "subla
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float, unroll: bool = False) -> jnp.ndarray:
-    """Linear-space Sinkhorn normalisation, SPEC §2 (no log domain).
+    """Linear-space Sinkhorn normalisation, docs/design/spec.md §2 (no log domain).
 
     Args:
       logits: [..., n, n] float32 (cast to fp32 if not).
@@ -181,8 +181,8 @@ def sublayer_mixes(h, fn, base, scale, cfg):
     return _mixes(h, fn, base, scale, cfg, dispatch.resolve(cfg, "mhc"))
 
 
-# Backends where the "xla" path keeps Sinkhorn as a loop. Measured on XLA:CPU (scripts/bench_compile.py,
-# docs/bench_compile_cpu.json; tiny fp32 forward, 12 tokens): unrolled, the 19 iterations x 2 sublayers
+# Backends where the "xla" path keeps Sinkhorn as a loop. Measured on XLA:CPU (research/bench_compile.py,
+# docs/results/bench_compile_cpu.json; tiny fp32 forward, 12 tokens): unrolled, the 19 iterations x 2 sublayers
 # x 10 layers fuse into chains that XLA duplicates per consumer — 138K optimized HLO lines, 27.2 CPU-s
 # to compile, 28.4 ms a run; as the fori_loop 50K lines, 18.5 CPU-s, 16.2 ms. A CPU runs the loop's
 # tiny steps without a launch or a sync each, so there the fusion costs more than it saves.

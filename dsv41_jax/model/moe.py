@@ -1,4 +1,4 @@
-"""Mixture of experts: sqrtsoftplus gate, top-k, clamped SwiGLU experts, shared expert (SPEC §6).
+"""Mixture of experts: sqrtsoftplus gate, top-k, clamped SwiGLU experts, shared expert (docs/design/spec.md §6).
 
 Two implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe")`:
 
@@ -13,7 +13,7 @@ Two implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe
   projection multiplies each group of rows by its expert only, with fp32 accumulation (fp64 in the
   exact mode). No token is dropped; experts with no token are groups of size 0.
 
-Combine order (SPEC §6: "the fp32 sum of routed outputs in ascending expert id"): the reference adds
+Combine order (docs/design/spec.md §6: "the fp32 sum of routed outputs in ascending expert id"): the reference adds
 expert outputs in ascending id in fp32 (the unselected ones add exact zeros, which change nothing).
 The xla path puts each token's k expert outputs back in ascending expert id and folds them left to
 right in fp32 — the *same* additions in the same order — so the combine is bitwise the reference's;

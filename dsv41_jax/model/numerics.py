@@ -1,4 +1,4 @@
-"""The dtype policy (SPEC §1 "Numerics"), the numerics modes and the plain-matmul kinds.
+"""The dtype policy (docs/design/spec.md §1 "Numerics"), the numerics modes and the plain-matmul kinds.
 
 Three static modes, chosen by ``ModelConfig.act_dtype`` (a ``cfg.replace(act_dtype=...)`` away):
 
@@ -107,7 +107,7 @@ def _nk(x):
 
 
 def linear_bf16(x, w, dt, exact: bool = False):
-    """A "plain bf16 matmul" of SPEC §1 (wo_a, ratio-1 compressor, indexer wk / weights_proj).
+    """A "plain bf16 matmul" of docs/design/spec.md §1 (wo_a, ratio-1 compressor, indexer wk / weights_proj).
 
     x [..., K], w [N, K] bf16 -> [..., N] in `dt`; fp32 accumulation. In fp32 mode the input is not
     rounded to bf16 first; with `exact` (exact mode, `dt` fp32) the accumulation is fp64.

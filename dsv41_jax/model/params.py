@@ -1,15 +1,15 @@
 """Parameter declarations: every tensor once, with shape, dtype, logical axes and initializer.
 
-The parameter pytree mirrors the checkpoint's names (SPEC §8): ``layers.L.attn.wq_a.weight`` lives at
+The parameter pytree mirrors the checkpoint's names (docs/design/spec.md §8): ``layers.L.attn.wq_a.weight`` lives at
 ``params["layers"][L]["attn"]["wq_a"]["weight"]``. Two differences from the file, both lossless:
 routed experts are stacked along a leading expert axis (``ffn.experts.E.w1.weight`` is
 ``params[...]["ffn"]["experts"]["w1"]["weight"][E]``), and ``params["derived"]`` holds tables derived
 from the tokenizer (the Engram token map), which the checkpoint does not store. One addition, also not
-in the checkpoint: ``attn.wo_a.bf16``, the load-time bf16 dequantization of ``wo_a`` (SPEC §3; built
+in the checkpoint: ``attn.wo_a.bf16``, the load-time bf16 dequantization of ``wo_a`` (docs/design/spec.md §3; built
 by `init_params` and `checkpoint.load_params` beside the fp8 pair, which the reference still reads).
 
 Dtypes follow the checkpoint: fp8 e4m3 + e8m0 32×32 block scales for dense weights, packed MXFP4
-(uint8, low nibble = even element) + e8m0 per-32 scales for routed experts, bf16 / fp32 as SPEC §6.
+(uint8, low nibble = even element) + e8m0 per-32 scales for routed experts, bf16 / fp32 as docs/design/spec.md §6.
 
 Sharding is declared with logical axis names and mapped to a mesh with Flax Linen's logical-axis
 rules (`flax.linen.logical_to_mesh_sharding`); the params themselves are plain dict pytrees so the
@@ -43,7 +43,7 @@ DEFAULT_LOGICAL_RULES = (
     ("o_in", "tp"),          # wo_b input (group-major)
     ("mlp", "tp"),           # shared expert intermediate
     ("experts", "ep"),
-    ("engram_rows", "tp"),   # Engram tables are row-sharded across TP (SPEC §5)
+    ("engram_rows", "tp"),   # Engram tables are row-sharded across TP (docs/design/spec.md §5)
     ("embed", None),
     ("q_lora", None),
     ("kv", None),
@@ -60,7 +60,7 @@ class P:
     shape/dtype: exactly as stored. axes: one logical axis name (or None) per dim.
     init: initializer kind, see `_init_leaf`. std: scale for random kinds.
     in_checkpoint: False for tables derived at load time (not counted in checkpoint bytes).
-    vision_only: read only for image tokens (SPEC §8: ``ffn.gate.bias_vl``); the text model never
+    vision_only: read only for image tokens (docs/design/spec.md §8: ``ffn.gate.bias_vl``); the text model never
     reads it, so a text-only release checkpoint may lack it: loaded when present, zeros otherwise.
     """
 
@@ -90,7 +90,7 @@ def fp8_linear_decl(out_dim, in_dim, out_axis=None, in_axis=None):
 
 
 def fp8_linear_bf16_decl(out_dim, in_dim, out_axis=None, in_axis=None):
-    """An fp8 linear that is dequantized to bf16 once at load (SPEC §3: ``wo_a``): the file's fp8 weight
+    """An fp8 linear that is dequantized to bf16 once at load (docs/design/spec.md §3: ``wo_a``): the file's fp8 weight
     and block scale, plus ``"bf16"`` [out, in], their exact product (not in the checkpoint; built by
     `init_params` and `checkpoint.load_params`). The reference path keeps reading the fp8 pair."""
     d = fp8_linear_decl(out_dim, in_dim, out_axis, in_axis)
@@ -347,7 +347,7 @@ def engram_token_map_for(cfg: ModelConfig, tokenizer=None) -> np.ndarray:
     must fit the config: its compressed-id count must be the config's engram_compressed_vocab_size and
     its size at most vocab_size (a ConfigError names the mismatch), so a config that needs another
     tokenizer is told so instead of guessed at.
-    Ids >= len(tokenizer) map to the pad's compressed id (SPEC §5, uncertain point).
+    Ids >= len(tokenizer) map to the pad's compressed id (docs/design/spec.md §5, uncertain point).
     """
     from dsv41_jax.model import engram_tables
     from dsv41_jax.model.config import ConfigError, preset_tokenizer_dir

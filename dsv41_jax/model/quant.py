@@ -1,4 +1,4 @@
-"""Number formats and quantized matmuls of DeepSeek-V4.1 Flash (SPEC §6, §1 "Numerics", §3, §4).
+"""Number formats and quantized matmuls of DeepSeek-V4.1 Flash (docs/design/spec.md §6, §1 "Numerics", §3, §4).
 
 Everything here is plain ``jax.numpy`` / ``jax.lax``: pure, jittable, shape-static. Pallas kernels may
 replace the GEMMs for speed, but these functions are the numerical reference they must match.
@@ -69,9 +69,9 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # unpack -> pack round-trips every byte.
 _FP4_LUT = np.array(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=np.float32)
 
-# Activation-quant amax floor (SPEC §6: "amax >= 1e-4").
+# Activation-quant amax floor (docs/design/spec.md §6: "amax >= 1e-4").
 _ACT_AMAX_FLOOR = 1e-4
-# Floors for the fp4 fake-quants (SPEC §6): they make the smallest scale 2^-126 (pow2 variant) and
+# Floors for the fp4 fake-quants (docs/design/spec.md §6): they make the smallest scale 2^-126 (pow2 variant) and
 # 2^-9, the smallest positive e4m3 value (e4m3-scale variant).
 _FP4_POW2_AMAX_FLOOR = 6.0 * 2.0**-126
 _FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
@@ -193,7 +193,7 @@ def round_e2m1(x_f32):
     Returns:
       float32 array, same shape, on the grid (sign kept, so small negatives give -0.0).
 
-    Ties go to the value whose 3-bit magnitude code is even, as SPEC §6 lists: 0.25->0, 0.75->1,
+    Ties go to the value whose 3-bit magnitude code is even, as docs/design/spec.md §6 lists: 0.25->0, 0.75->1,
     1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in
     [4, 6]; in each band an even multiple of the spacing is an even code, so RNE of |x|/spacing
     (exact: the spacing is a power of two) times the spacing is exactly the spec rule. At the band
@@ -398,7 +398,7 @@ def _straight_through(fake_quant):
 
 @functools.partial(jax.jit, static_argnames=('block',))
 def act_quant_fp8(x, block=32):
-    """SPEC §6 fp8 activation quant (every fp8/MXFP4 GEMM input, and the window-KV fake-quant).
+    """docs/design/spec.md §6 fp8 activation quant (every fp8/MXFP4 GEMM input, and the window-KV fake-quant).
 
     Args:
       x: float array [..., K] (any float dtype; computed in fp32), K % block == 0.
@@ -441,7 +441,7 @@ def fake_quant_fp8(x, block=32, out_dtype=None):
 
 
 def _fake_quant_fp4_pow2(x, block=32, out_dtype=None):
-    """fp4 (e2m1) fake-quant with power-of-two per-block scales (index q and k, SPEC §4/§6).
+    """fp4 (e2m1) fake-quant with power-of-two per-block scales (index q and k, docs/design/spec.md §4/§6).
 
     Args:
       x: float array [..., K], K % block == 0.
@@ -469,7 +469,7 @@ def fake_quant_fp4_pow2(x, block=32, out_dtype=None):
 
 
 def _fake_quant_fp4_e4m3(x, block=16, out_dtype=None):
-    """fp4 (e2m1) fake-quant with e4m3 per-block scales (compressed KV latents, SPEC §3/§6).
+    """fp4 (e2m1) fake-quant with e4m3 per-block scales (compressed KV latents, docs/design/spec.md §3/§6).
 
     Args:
       x: float array [..., K], K % block == 0.
@@ -523,7 +523,7 @@ def _dequant_act(x, block=32):
 
 @functools.partial(jax.jit, static_argnames=('out_dtype',))
 def fp8_linear(x, w_e4m3, scale, out_dtype=jnp.bfloat16):
-    """GEMM with a 32x32-block fp8 weight and fp8-quantized input (SPEC §6).
+    """GEMM with a 32x32-block fp8 weight and fp8-quantized input (docs/design/spec.md §6).
 
     Args:
       x: float array [..., K] (any float dtype), K % 32 == 0.
@@ -550,7 +550,7 @@ def fp8_linear(x, w_e4m3, scale, out_dtype=jnp.bfloat16):
 
 @functools.partial(jax.jit, static_argnames=('out_dtype',))
 def mxfp4_linear(x, packed, scale, out_dtype=jnp.bfloat16):
-    """GEMM with an MXFP4 weight (routed experts) and fp8-quantized input (SPEC §6).
+    """GEMM with an MXFP4 weight (routed experts) and fp8-quantized input (docs/design/spec.md §6).
 
     Args:
       x: float array [..., K] (any float dtype), K % 32 == 0.

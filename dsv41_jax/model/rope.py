@@ -1,4 +1,4 @@
-"""Rotary position embedding (SPEC §3, RoPE bullet).
+"""Rotary position embedding (docs/design/spec.md §3, RoPE bullet).
 
 Two pieces:
 
@@ -27,7 +27,7 @@ __all__ = ["yarn_correction_range", "rope_freqs", "apply_rope"]
 def yarn_correction_range(
     rope_dim: int, base: float, beta_fast: float, beta_slow: float, original_max_position_embeddings: int
 ) -> Tuple[int, int]:
-    """YaRN ramp end points ``(low, high)`` (Python ints), per SPEC §3.
+    """YaRN ramp end points ``(low, high)`` (Python ints), per docs/design/spec.md §3.
 
     ``corr(r) = rd * ln(orig / (2*pi*r)) / (2 * ln(base))`` is the (fractional) pair index
     whose wavelength completes ``r`` turns over the original context;

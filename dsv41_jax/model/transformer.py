@@ -1,4 +1,4 @@
-"""The reference forward pass: tokens [B, T] from position 0 -> fp32 logits [B, T, vocab] (SPEC §2–§6).
+"""The reference forward pass: tokens [B, T] from position 0 -> fp32 logits [B, T, vocab] (docs/design/spec.md §2–§6).
 
 Plain `jnp`, pure, jittable (``jax.jit(forward, static_argnames=("cfg", "return_aux"))``). Layers are
 heterogeneous (which stores a layer writes and reads depends on the config's layer lists), so the
@@ -6,7 +6,7 @@ loop over layers is a Python loop unrolled at trace time; each layer's role come
 `cfg.layer_plan`. Runs of >= 2 layers with the same plan (`layer_scan`) are one `lax.scan` each
 (`scan_blocks`) unless ``cfg.layer_scan`` is False (the unrolled loop, the reference).
 
-Per layer L (V4.1's "pre from previous sublayer" ordering, SPEC §2):
+Per layer L (V4.1's "pre from previous sublayer" ordering, docs/design/spec.md §2):
   Engram (if L is an Engram layer) on the whole n-stream state;
   (aPre, aPost, aC) = mixes_attn(h); h = hc_post(attn(attn_norm(hc_pre(h, pre_prev))), h, aPost, aC);
   (fPre, fPost, fC) = mixes_ffn(h);  h = hc_post(moe(ffn_norm(hc_pre(h, aPre))), h, fPost, fC);

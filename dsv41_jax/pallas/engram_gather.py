@@ -1,4 +1,4 @@
-"""Pallas kernels for Engram (SPEC §5): the hashed-row gather and the gate.
+"""Pallas kernels for Engram (docs/design/spec.md §5): the hashed-row gather and the gate.
 
 What is fused, per kernel:
 

@@ -1,4 +1,4 @@
-"""Pallas indexer kernel: index scores over the paged index keys, candidate blocks, top-k (SPEC §4).
+"""Pallas indexer kernel: index scores over the paged index keys, candidate blocks, top-k (docs/design/spec.md §4).
 
 Entry `kernel` has the arguments of the seam `dsv41_jax.model.indexer.topk` (minus ``impl`` and
 ``retrieval_block``) plus ``interpret``, and returns exactly what the reference returns: the picked
@@ -47,7 +47,7 @@ kept); the selection is exact integer logic on the scores (ties to the lower slo
 are exact, which fp4 keys and queries make the dot; otherwise their order matters (Triton's MMA and
 tree reductions vs XLA's). Measured on CPU (interpret mode): scores equal SPEC's step-by-step
 arithmetic and the *eagerly* run reference bit for bit; the *jitted* bf16 reference differs from both
-on about half of random scores, because XLA fuses bf16 roundings away (docs/fastpath_attention.md, with
+on about half of random scores, because XLA fuses bf16 roundings away (docs/design/fastpath_attention.md, with
 or without --xla_allow_excess_precision=false) — so in the bf16 flow on inexact values the kernel can
 pick differently from the jitted reference/xla paths, being the one that follows SPEC. Other caveats:
 with ``index_n_heads == 1`` XLA folds the head sum away and a reference score can be −0 where this one
@@ -502,7 +502,7 @@ def kernel(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode
 
 def dense_scores(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: str, dt,
                  interpret: bool = False, slot_block: int = SLOT_BLOCK, target_programs: int = TARGET_PROGRAMS):
-    """The scoring stage alone (tests, inspection): scores [B, T, S] in `dt`, SPEC §4's arithmetic.
+    """The scoring stage alone (tests, inspection): scores [B, T, S] in `dt`, docs/design/spec.md §4's arithmetic.
 
     Entry [b, t, j] is the score for j < visible[b, t]; past it: −inf inside the row's live slot
     blocks, unwritten (undefined) beyond them.
@@ -534,7 +534,7 @@ def bench_inputs(batch: int, context: int, T: int, *, mode: str = "auto", seed: 
     kind: "dense" (a ratio-2 key owner, layers 2/8/14: score every live slot), "source" (layer 20,
     ratio 1: also make the candidate blocks) or "masked" (layers 24–36, ratio 1: score only the
     candidate blocks; random canonical candidate sets that include the newest block).
-    Shapes from SPEC §4 / `ModelConfig.preset("flash")`: nI = 32, dI = 128, top-k 512, 2048 candidate
+    Shapes from docs/design/spec.md §4 / `ModelConfig.preset("flash")`: nI = 32, dI = 128, top-k 512, 2048 candidate
     blocks of 8, page size 256. Codes are random e2m1 values with scales 2^-5..2^2 (as the cache
     stores them; fp4 values re-quantized in the fp8 mode); pages shuffled in the pool.
     """

@@ -1,4 +1,4 @@
-"""Pallas kernels for mHC (SPEC §2): entering a sublayer (hc_pre + the 24 mixes + Sinkhorn) and
+"""Pallas kernels for mHC (docs/design/spec.md §2): entering a sublayer (hc_pre + the 24 mixes + Sinkhorn) and
 leaving it (hc_post).
 
 What is fused:

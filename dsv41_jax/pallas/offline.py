@@ -5,7 +5,7 @@ present: jax/_src/pallas/triton/pallas_call_registration.py) and returns the Tri
 pallas_call, verified. `compile_ttir` runs Triton's own compiler (the `triton` package that
 `jax-triton` installs) through TTGIR, LLVM, PTX and ptxas, and reads registers per thread, stack
 (spill) bytes and shared memory back with cuobjdump. A kernel that fails here fails on the GPU too;
-one that passes still needs the GPU for numerics and speed. Used by scripts/triton_offline_check.py
+one that passes still needs the GPU for numerics and speed. Used by research/triton_offline_check.py
 and the kernels' lowering tests. Private JAX APIs (checked on 0.10.2): the patch point is
 `pallas_call_registration.lowering.lower_jaxpr_to_triton_module`.
 """

@@ -39,7 +39,7 @@ indices are clamped into range (so no load is ever out of bounds).
 
 Grid and registers: grid (head blocks, key splits, T, B), head blocks fastest so the programs that
 share a query's latents run side by side and the second head block's reads hit L2. Measured offline
-(scripts/triton_offline_check.py: Triton 3.9 + ptxas for sm_90, no GPU needed) at flash decode shapes,
+(research/triton_offline_check.py: Triton 3.9 + ptxas for sm_90, no GPU needed) at flash decode shapes,
 "auto" storage:
 * one [block_h, 512] logits dot makes Triton's mma layout (warps along N) hold the whole query operand
   in every warp: block_h 32 / block_k 32 / 8 warps spilled 1104 B per thread. So q and the
@@ -49,7 +49,7 @@ share a query's latents run side by side and the second head block's reads hit L
 * 64 heads in one block (each latent read once for all heads) spills 360 B at 8 warps and 1168 B at
   16 warps; 16 heads at 4 warps 680 B. bf16 / fp32 storage (no dequantization) needs 182 / 175
   registers and no stack.
-Measured natively on an H200 (jax 0.11.2, docs/gpu_check_2026-11-30.md), the register estimate did not
+Measured natively on an H200 (jax 0.11.2, docs/results/gpu_check_h200/README.md), the register estimate did not
 decide it: 64 heads / 16 keys / 8 warps (one read per latent for all heads, despite its spill) was the
 fastest of `TUNING_CANDIDATES` at all three timed shapes (B=64 ctx 4K decode 0.37 ms vs 0.50-0.66 ms;
 B=1 ctx 64K 0.13 vs 0.14-0.17; B=4 T=64 prefill chunk 0.81 vs 0.96-2.13). So for head_dim >= 256 the

@@ -16,7 +16,7 @@ arrays):
   ``response_format.json_schema.schema``;
 * ``regex`` (SGLang's extra request field) — text matching the regular expression;
 * ``tool_choice: "required"`` / ``{"type": "function", "function": {"name": ...}}`` — a spaced-DSML
-  calls block (SPEC §10) exactly as the chat encoder renders history calls: ``\\n\\n`` (optional),
+  calls block (docs/design/spec.md §10) exactly as the chat encoder renders history calls: ``\\n\\n`` (optional),
   ``<｜DSML｜ calls>``, one invoke of the named tool (named) or one or more invokes of any tool
   (required), ``</｜DSML｜ calls>``, then EOS. ``｜DSML｜`` is forced as the special token itself (the
   text-level ``<``, `` calls>``, `` invoke name="…">`` … around it are ordinary text). Each invoke
@@ -26,7 +26,7 @@ arrays):
   other type is ``string="false"`` with JSON following that property's schema. A tool whose
   parameters declare no ``properties`` gets free-form parameters (any name, raw text or any JSON).
 
-JSON style: by default the checkpoint's own (SPEC §10): separators ``", "`` and ``": "`` and no other
+JSON style: by default the checkpoint's own (docs/design/spec.md §10): separators ``", "`` and ``": "`` and no other
 whitespace, which is also what keeps a weak (e.g. random-weight) model from wandering in
 whitespace. ``whitespace_pattern`` (``--constrained-json-whitespace-pattern``) allows free
 whitespace matching that regex between tokens instead.
@@ -481,7 +481,7 @@ class GrammarConstraint:
                  thinking_budget: int | None = None, reasoning_excluded_ids: Sequence[int] = ()):
         self._m = matcher
         # tokens the reasoning may not contain when a grammar follows: the DSML token (a line-initial
-        # calls block inside reasoning ends it implicitly for the reasoning parser, SPEC §10, while
+        # calls block inside reasoning ends it implicitly for the reasoning parser, docs/design/spec.md §10, while
         # the grammar would still wait for </think>; the forced markup belongs after </think>)
         self._reasoning_excluded = [int(t) for t in reasoning_excluded_ids]
         self.vocab_size = int(vocab_size)

@@ -1,6 +1,6 @@
 """Engine arguments: one dataclass shared by the offline `LLM`, the scheduler and the server CLI.
 
-Flags use SGLang's spelling where the meaning is the same (SPEC §11): ``--max-running-requests``,
+Flags use SGLang's spelling where the meaning is the same (docs/design/spec.md §11): ``--max-running-requests``,
 ``--chunked-prefill-size``, ``--max-prefill-tokens``, ``--mem-fraction-static``, ``--page-size``,
 ``--context-length``, ``--kv-cache-dtype``, ``--max-total-tokens``, ``--tp-size``/``--tp``,
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
@@ -50,7 +50,7 @@ KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "b
 
 SHAPE_BUCKETS = ("auto", "compact", "full")
 SPECULATIVE_ALGORITHMS = ("DSPARK",)
-DSPARK_MAX_BLOCK = 5  # SPEC §7: the largest DSpark block (V4.1 Flash ships 5)
+DSPARK_MAX_BLOCK = 5  # docs/design/spec.md §7: the largest DSpark block (V4.1 Flash ships 5)
 SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
 # (max_running_requests, chunked_prefill_size) defaults: (small model, other)
 _DEFAULT_RUNNING = (4, 32)

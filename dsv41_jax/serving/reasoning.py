@@ -1,4 +1,4 @@
-"""The ``deepseek-v41`` reasoning parser (SPEC §10, "Reasoning parser").
+"""The ``deepseek-v41`` reasoning parser (docs/design/spec.md §10, "Reasoning parser").
 
 With thinking on, the output starts inside reasoning (the prompt ends with ``<think>``):
 
@@ -159,7 +159,7 @@ class OutputDelta:
 
 class ChatOutputParser:
     """The chat-completion output pipeline: reasoning parser, then the tool-call parser on the
-    content (SPEC §10).
+    content (docs/design/spec.md §10).
 
     * ``thinking``: the request's resolved thinking switch; ``reasoning_parser=False`` (no
       ``--reasoning-parser``) puts everything into content.

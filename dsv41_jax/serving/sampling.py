@@ -1,4 +1,4 @@
-"""On-device, batched, jittable sampling (issue 5 item 2) and DSpark verification (SPEC §7).
+"""On-device, batched, jittable sampling (issue 5 item 2) and DSpark verification (docs/design/spec.md §7).
 
 Host side
 ---------
@@ -71,7 +71,7 @@ penalties, masking, temperature, top-k / top-p / min-p; greedy rows: after penal
 ``max_logprobs`` (static, default 20 as vLLM's engine limit) fixes K; the scheduler slices each
 request's own ``logprobs`` count on the host.
 
-Speculative decoding (DSpark, SPEC §7)
+Speculative decoding (DSpark, docs/design/spec.md §7)
 --------------------------------------
 `greedy_verify` and `speculative_sample_verify` are the bare rules. `target_verify_logits` applies a
 slot's penalties (counting the draft prefix of each verification row) and min_tokens to the target's
@@ -712,7 +712,7 @@ sample_jit = jax.jit(sample, static_argnames=("max_logprobs", "logprobs_mode"))
 
 
 # ----------------------------------------------------------------------------------------------------
-# Speculative verification (SPEC §7)
+# Speculative verification (docs/design/spec.md §7)
 # ----------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The DSpark speculative step: propose, verify over γ+1 tokens, commit the accepted prefix (SPEC §7).
+"""The DSpark speculative step: propose, verify over γ+1 tokens, commit the accepted prefix (docs/design/spec.md §7).
 
 `speculative_step(params, state, batch, tensors, step_counter) -> (tokens [B, γ+1], n_accept [B], state)`
 is pure and jitted once per (cfg, ccfg, γ, batch size, greedy-or-sampled) — the accept lengths are

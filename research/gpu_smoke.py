@@ -1,7 +1,7 @@
 """Which Pallas Triton-lowering features compile natively here (one short probe per feature).
 
-Run on a GPU machine (`python scripts/gpu_smoke.py`); on CPU it runs everything in interpret mode.
-Prints one line per probe: OK / FAIL with the error's first line. Written for the lead's first GPU call.
+Run on a GPU machine (`python research/gpu_smoke.py`); on CPU it runs everything in interpret mode.
+Prints one line per probe: OK / FAIL with the error's first line. Meant for a first run on a new GPU machine.
 """
 
 import sys

@@ -4,7 +4,7 @@ See dsv41_jax/pallas/offline.py: lowers each kernel call for "cuda", compiles th
 Triton's compiler and ptxas for the target, prints registers, spill (stack) bytes and shared memory
 per kernel launch and configuration as JSON lines (and the whole list with --out).
 
-Usage: python scripts/triton_offline_check.py [--ops attention,indexer,engram,mhc] [--arch 90]
+Usage: python research/triton_offline_check.py [--ops attention,indexer,engram,mhc] [--arch 90]
            [--shapes flash-decode,flash-verify,flash-prefill] [--modes auto] [--sweep] [--knobs JSON]
 """
 

@@ -9,7 +9,7 @@ tokens) and the paged `extend` step (B=2, T=5), impl "xla". Variants: how the "x
 Sinkhorn — `loop` (the fori_loop; the CPU default, `mhc.SINKHORN_LOOP_BACKENDS`) or `unrolled` (the
 default on GPU/TPU).
 
-  python scripts/bench_compile.py --output-json docs/bench_compile_cpu.json
+  python research/bench_compile.py --output-json docs/results/bench_compile_cpu.json
 """
 
 from __future__ import annotations

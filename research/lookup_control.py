@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Control for nano's look-up gap (issue 14): a plain transformer on the same look-up rows.
+"""Control for nano's look-up gap: a plain transformer on the same look-up rows.
 
 nano does not learn the table look-ups ("eel=6, pig=6, bee=1. Value of pig?" -> "6") in its training
 budget. This script asks whether that is nano's architecture (sparse attention, compressed KV, mHC,
@@ -11,12 +11,12 @@ settings (AdamW, warmup then cosine decay, clip 1.0, weight decay 0.01), and pri
 accuracy (the fraction of completions greedy decoding would reproduce exactly, teacher-forced) every
 --eval-every steps. A random entry of the 2-4 in a table would score ~0.43.
 
-    python scripts/lookup_control.py                       # 3000 steps, 4 layers, 16 rows x 64 tokens
-    python scripts/lookup_control.py --batch-size 64 --steps 1000
-    python scripts/lookup_control.py --kinds copy --steps 600   # the control's control: copying is learned
-    python scripts/lookup_control.py --format curriculum --curriculum-steps 1500
-    python scripts/lookup_control.py --format multi-question   # ~3 look-ups per row, the corpus's wording
-    python scripts/lookup_control.py --format recall           # bare one-query associative recall
+    python research/lookup_control.py                       # 3000 steps, 4 layers, 16 rows x 64 tokens
+    python research/lookup_control.py --batch-size 64 --steps 1000
+    python research/lookup_control.py --kinds copy --steps 600   # the control's control: copying is learned
+    python research/lookup_control.py --format curriculum --curriculum-steps 1500
+    python research/lookup_control.py --format multi-question   # ~3 look-ups per row, the corpus's wording
+    python research/lookup_control.py --format recall           # bare one-query associative recall
 
 Deterministic: the data is the corpus with --seed (held-out: --eval-seed), the init --init-seed.
 """
