@@ -178,11 +178,11 @@ def test_dispatch_registers_the_kernel():
 
 
 def test_kernel_lowers_to_triton_ir():
-    """The kernel lowers through Pallas' Triton lowering for a CUDA target (sm_90 assumed without a GPU)
+    """The kernel lowers through Pallas' Triton lowering for a CUDA target (an abstract H200, sm_90)
     and the Triton IR verifies: catches a primitive without a Triton rule, a non-power-of-two tensor, a
     bad dot shape — without a GPU. (research/triton_offline_check.py goes on to PTX and ptxas.) On a GPU
-    the native tests above compile the same kernel, which subsumes this check (and the capture hook is a
-    private JAX API checked on 0.10.2 only)."""
+    the native tests above compile the same kernel, which subsumes this check (the capture hook is a
+    private JAX API, checked on 0.10.2 and 0.12.0.1)."""
     if jax.default_backend() == "gpu":
         pytest.skip("native kernel tests compile the kernel on this GPU")
     from dsv41_jax.pallas.offline import capture_ttir

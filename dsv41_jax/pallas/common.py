@@ -9,8 +9,13 @@ i.e. gathers; Triton lowers integer-array indexers on refs to pointer gathers, w
 them on Hopper (its only gather is Blackwell's TMA gather). Interpret mode (``interpret=True``) runs the
 same kernel body on CPU, so one test checks both. Each kernel module says why the lowering fits it.
 
-In JAX 0.11 the Triton lowering is deprecated and warns on each lowering; `triton_params` silences
-that one warning (the choice is logged once instead), so logs stay readable.
+JAX versions (the pin admits 0.10-0.12; CI tests both ends): 0.10.2 and 0.12.0.1 both keep the Triton
+lowering, so one kernel body serves every admitted JAX. Since 0.11 it is deprecated and warns on each
+lowering; `triton_params` silences that one warning (the choice is logged once instead, with the JAX
+version), so logs stay readable. 0.12 also validates static ref slices against the ref's shape at trace
+time, masked or not: a tile wider than its array (a power-of-two block over 24 rows) indexes with
+clamped index arrays instead (`mhc_mix._rows_in_bounds`); and its Triton lowering no longer assumes
+sm_90 without a GPU (`offline.target_device`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def log_choice(kernel: str, interpret: bool, **detail) -> None:
         return
     _logged.add(key)
     mode = "interpret (CPU/HLO)" if interpret else f"triton on {jax.default_backend()}"
+    mode += f" (jax {jax.__version__})"
     log.info("pallas kernel %s: %s %s", kernel, mode, " ".join(f"{k}={v}" for k, v in detail.items()))
 
 

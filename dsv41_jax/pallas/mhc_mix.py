@@ -89,6 +89,18 @@ def _i(k: int):
     return jnp.int32(k)
 
 
+def _rows_in_bounds(lanes: int, rows: int):
+    """Row indices 0..lanes-1 clamped to the `rows` that exist, for a [lanes, ...] tile over a
+    [rows, ...] ref (lanes = rows rounded up to a power of two; the caller masks lanes >= rows).
+
+    Why not ``pl.ds(0, lanes)``: JAX 0.12 validates static slices against the ref's shape at trace
+    time ("Out of bound slice: start=0, size=32, ... dim=24") even when the load is masked. Clamped
+    indices address only existing rows, so the access is in bounds on every JAX; Triton lowers
+    integer-array indexers to the same pointer tensor a strided load uses. Interpret mode discharges
+    all-slice or all-array indexers only, so a 2-D tile indexes its columns by an array too."""
+    return jnp.minimum(jnp.arange(lanes, dtype=jnp.int32), rows - 1)
+
+
 # ------------------------------------------------------------------------------- the per-token tail
 
 def _lane(z, k: int):
@@ -160,7 +172,7 @@ def _finish(acc, ss, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, t0, tm
     m = acc * r[:, None]
     lane = jnp.arange(L)
     sc = jnp.where(lane < n, scale_ref[0], jnp.where(lane < 2 * n, scale_ref[1], scale_ref[2]))
-    base = pltriton.load(base_ref.at[pl.ds(0, L)], mask=lane < mix, other=0.0)
+    base = pltriton.load(base_ref.at[_rows_in_bounds(L, mix)], mask=lane < mix, other=0.0)
     z = m * sc[None, :] + base[None, :]
     rows = pl.ds(t0, acc.shape[0])
     tm2 = tmask[:, None]
@@ -186,6 +198,8 @@ def _enter_kernel(h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int,
     tmask = t0 + jnp.arange(bt) < m
     tm2 = tmask[:, None]
     fmask = (jnp.arange(lanes) < (2 + n) * n)[:, None]
+    frows = _rows_in_bounds(lanes, (2 + n) * n)[:, None]  # fn tile [lanes, bd]: both axes as index
+    dlane = jnp.arange(bd, dtype=jnp.int32)                 # arrays (interpret mode takes no mix)
     per_split = d // splits
     pp = [pltriton.load(pp_ref.at[pl.ds(t0, bt), _i(c)], mask=tmask, other=0.0) for c in range(n)]
 
@@ -195,7 +209,7 @@ def _enter_kernel(h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int,
         x = None
         for c in range(n):
             hc = pltriton.load(h_ref.at[pl.ds(t0, bt), _i(c), pl.ds(d0, bd)], mask=tm2, other=0).astype(jnp.float32)
-            f = pltriton.load(fn_ref.at[pl.ds(0, lanes), pl.ds(c * d + d0, bd)], mask=fmask, other=0.0)
+            f = pltriton.load(fn_ref.at[frows, (c * d + d0 + dlane)[None, :]], mask=fmask, other=0.0)
             acc = acc + jax.lax.dot_general(hc, f, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                             preferred_element_type=jnp.float32)
             ss = ss + jnp.sum(hc * hc, axis=1)

@@ -2,21 +2,41 @@
 
 `capture_ttir` lowers a function for platform "cuda" (the Triton lowering assumes sm_90 when no GPU is
 present: jax/_src/pallas/triton/pallas_call_registration.py) and returns the Triton IR of each
-pallas_call, verified. `compile_ttir` runs Triton's own compiler (the `triton` package that
-`jax-triton` installs) through TTGIR, LLVM, PTX and ptxas, and reads registers per thread, stack
+pallas_call, verified. JAX 0.12 no longer assumes a GPU: it reads the target from an abstract mesh's
+`AbstractDevice` (jax/_src/pallas/triton/gpu_info.py `get_device_kind`), so `target_device` sets one
+(an H200, sm_90) around the lowering wherever this JAX's `AbstractMesh` takes `abstract_device`.
+`compile_ttir` runs Triton's own compiler (the `triton` package, in the
+`[gpu]` extra) through TTGIR, LLVM, PTX and ptxas, and reads registers per thread, stack
 (spill) bytes and shared memory back with cuobjdump. A kernel that fails here fails on the GPU too;
 one that passes still needs the GPU for numerics and speed. Used by research/triton_offline_check.py
-and the kernels' lowering tests. Private JAX APIs (checked on 0.10.2): the patch point is
+and the kernels' lowering tests. Private JAX APIs (checked on 0.10.2 and 0.12.0.1): the patch point is
 `pallas_call_registration.lowering.lower_jaxpr_to_triton_module`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
 
 import jax
+
+TARGET_DEVICE_KIND = "NVIDIA H200"  # sm_90, the GPU this project measures on
+
+
+def target_device(device_kind: str = TARGET_DEVICE_KIND):
+    """A context in which Pallas' Triton lowering targets `device_kind` without a GPU present.
+
+    JAX 0.10 needs nothing (the lowering assumes sm_90 when no GPU is found); 0.12 raises "No supported
+    GPU devices found" unless an abstract mesh names an abstract GPU device, which this sets (a 1-device
+    mesh: the kernels take no mesh axes)."""
+    try:
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+            device_kind=device_kind, num_cores=None, platform="gpu"))
+    except (TypeError, AttributeError):  # JAX without abstract devices: the lowering assumes sm_90
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def capture_ttir(fn, *args) -> list:
@@ -45,7 +65,8 @@ def capture_kernels(fn, *args) -> list:
 
     reg.lowering.lower_jaxpr_to_triton_module = lower
     try:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        with target_device():
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = orig
     launches = re.findall(r'name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
@@ -57,7 +78,11 @@ def capture_kernels(fn, *args) -> list:
 def compile_ttir(ttir: str, *, num_warps: int, num_stages: int, arch: int = 90) -> dict:
     """Compile Triton IR text to a cubin for sm_`arch`: {"regs", "stack" (spill bytes), "shared"}."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    import triton
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError("compile_ttir needs the `triton` package: pip install -e '.[gpu]' (or pip install "
+                          "triton on a CPU-only machine)") from e
     from triton.backends.compiler import GPUTarget
 
     with tempfile.TemporaryDirectory() as d:

@@ -1,0 +1,29 @@
+"""What CI runs under the newest JAX the pin admits (`.ci/run`'s second venv, Python 3.12): the files
+listed in tests/jax_versions.txt. A test file that runs a Pallas kernel (imports `dsv41_jax.pallas` or
+takes the `pallas_impl` fixture) must be listed, or a kernel could break on that JAX unseen."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIST = ROOT / "tests" / "jax_versions.txt"
+
+
+def _listed() -> set[str]:
+    return {ln.strip() for ln in LIST.read_text().splitlines() if ln.strip()}
+
+
+def test_every_kernel_test_file_runs_under_both_jax_ends():
+    uses_kernels = re.compile(r"dsv41_jax\.pallas|from dsv41_jax import pallas|\bpallas_impl\b")
+    kernel_files = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                    if p.name != "test_ci.py" and uses_kernels.search(p.read_text())}
+    assert kernel_files, "found no kernel test file: the pattern above is out of date"
+    missing = sorted(kernel_files - _listed())
+    assert not missing, f"kernel tests not run under the newest JAX in CI; add them to {LIST.name}: {missing}"
+
+
+def test_listed_files_exist_and_ci_runs_the_list():
+    absent = sorted(f for f in _listed() if not (ROOT / f).is_file())
+    assert not absent, f"{LIST.name} names files that do not exist: {absent}"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "tests/jax_versions.txt" in ci and "find_python.sh 3.12" in ci
