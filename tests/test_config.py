@@ -280,7 +280,7 @@ def test_custom_expected_differs_from_flash_defaults(custom_expected):
     same = [k for k, v in fields_of(custom_expected).items() if v == getattr(ModelConfig.preset("flash"), k)]
     # fields that cannot differ (single allowed value) or are ours
     assert set(same) <= {"num_key_value_heads", "hidden_act", "scoring_func", "topk_method", "n_shared_experts",
-                         "engram_max_ngram_size", "num_nextn_predict_layers", "act_dtype", "impl",
+                         "engram_max_ngram_size", "num_nextn_predict_layers", "act_dtype", "deterministic", "impl",
                          "layer_scan"}, same
 
 

@@ -75,7 +75,7 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     HIGHEST precision — every product of two bf16 values is exact in fp32, so only the summation order
     may differ; in the fp32 mode (q not bf16) it is the reference math.
 
-    `exact` (the exact numerics mode, `numerics.is_exact`): both matmuls and the denominator's sums
+    `exact` (the exact / deterministic modes, `numerics.is_exact`): both matmuls and the denominator's sums
     accumulate in fp64 and round once to fp32, so the output does not depend on how the keys are laid
     out (a ring of W + T keys in decode, the whole sequence in the forward, masked entries anywhere).
     """
@@ -108,7 +108,8 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
 
 
 def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
-    """`attend` in the exact mode (fp32 activations): the same formula, every sum in fp64 (see `attend`)."""
+    """`attend` in the exact / deterministic modes: the same formula, every sum in fp64 (see `attend`); in
+    the bf16 flow (deterministic bf16) the numerator's probabilities are rounded to bf16 as there."""
     hd = q.shape[-1]
     scale = hd ** -0.5
     lw = einsum_exact("bthd,bsd->bths", q, win_kv) * scale
@@ -119,12 +120,14 @@ def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
     m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
     pw = jnp.exp(lw - m)
     pc = jnp.exp(lc - m)
+    num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
     with x64_scope():
         f64 = jnp.float64
         denom = (jnp.sum(pw.astype(f64), axis=-1) + jnp.sum(pc.astype(f64), axis=-1)
                  + jnp.exp(sink[None, None, :] - m[..., 0]).astype(f64))
-        num = (jnp.einsum("bths,bsd->bthd", pw.astype(f64), win_kv.astype(f64), precision=HIGHEST)
-               + jnp.einsum("bthk,btkd->bthd", pc.astype(f64), comp_kv.astype(f64), precision=HIGHEST))
+        pw, pc = pw.astype(num_dt).astype(f64), pc.astype(num_dt).astype(f64)
+        num = (jnp.einsum("bths,bsd->bthd", pw, win_kv.astype(f64), precision=HIGHEST)
+               + jnp.einsum("bthk,btkd->bthd", pc, comp_kv.astype(f64), precision=HIGHEST))
         return (num / denom[..., None]).astype(jnp.float32).astype(dt)
 
 
@@ -188,7 +191,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     `interpret`.
     """
     if impl in ("pallas", "pallas_interpret") and exact:
-        raise dispatch.ImplError(f"attention: the exact numerics mode has no {impl!r} implementation (fp64 "
+        raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} implementation (fp64 "
                                  f"accumulation is for the jnp paths: use impl 'attention=xla' or 'reference')")
     if impl in ("pallas", "pallas_interpret") and key_lo is not None:
         raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "

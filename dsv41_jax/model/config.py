@@ -1,7 +1,7 @@
 """Model configuration for DeepSeek-V4.1 Flash (docs/design/spec.md §1).
 
 `ModelConfig` holds every field of the HF release's ``config.json`` under its real (HF) name, plus
-four runtime fields that are ours (`act_dtype`, `impl`, `layer_scan`, `name`). It is a frozen, hashable dataclass
+five runtime fields that are ours (`act_dtype`, `deterministic`, `impl`, `layer_scan`, `name`). It is a frozen, hashable dataclass
 so it can be a static argument of ``jax.jit``. Layer lists are tuples.
 
 Nothing about the layer layout is hard-coded outside the two presets: everything downstream asks the
@@ -206,6 +206,10 @@ class ModelConfig:
     # "bfloat16" = the reference dtype flow; "float32" = fp32 activations; "exact" = fp32 activations with
     # fp64-accumulated matmuls, for equivalence tests (model/numerics.py)
     act_dtype: str = "bfloat16"
+    # The deterministic numerics mode (model/numerics.py): every order-sensitive sum accumulated so that its
+    # result does not depend on batch, chunking, mesh or tiling, with `act_dtype`'s roundings kept (with
+    # "bfloat16": the reference dtype flow, reproducible; the server's --enable-deterministic-inference).
+    deterministic: bool = False
     # Which implementation each op with a fast path runs (`dispatch.parse_impl`): "auto", one of
     # "reference" | "xla" | "pallas" | "pallas_interpret", or "xla,moe=reference"-style per-op items.
     impl: str = "auto"
@@ -320,7 +324,7 @@ class ModelConfig:
         """The HF ``config.json`` form (top level with ``text_config`` and ``quantization_config``)."""
         text = {}
         for f in dataclasses.fields(self):
-            if f.name in ("act_dtype", "impl", "layer_scan", "name"):
+            if f.name in ("act_dtype", "deterministic", "impl", "layer_scan", "name"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, RopeScaling):
@@ -440,6 +444,8 @@ class ModelConfig:
         if self.act_dtype not in ("bfloat16", "float32", "exact"):
             err("act_dtype", f"= {self.act_dtype!r}; use 'bfloat16' (reference numerics), 'float32' or 'exact' "
                              f"(fp64-accumulated matmuls, for equivalence tests)")
+        if not isinstance(self.deterministic, bool):
+            err("deterministic", f"= {self.deterministic!r} must be a bool")
         if not isinstance(self.layer_scan, bool):
             err("layer_scan", f"= {self.layer_scan!r} must be a bool")
         from dsv41_jax.model.dispatch import ImplError, parse_impl

@@ -6,7 +6,8 @@ Every op with a seam keeps its plain-``jnp`` reference and may have faster imple
 * ``"xla"`` — the fast ``jnp``/``lax`` path (grouped MoE, stored-width matmuls, bounded retrieval);
 * ``"pallas"`` / ``"pallas_interpret"`` — the Pallas kernels in ``dsv41_jax/pallas/`` (natively on
   GPU, or in interpret mode anywhere, for tests);
-* ``"auto"`` — the fastest implementation measured for the backend (`GPU_AUTO` on a GPU, else ``"xla"``).
+* ``"auto"`` — the fastest implementation measured for the backend (`GPU_AUTO` on a GPU, else ``"xla"``);
+  ``"xla"`` in the exact / deterministic numerics modes, whose fp64 accumulation the kernels lack.
 
 The choice is a *string in the config* (``ModelConfig.impl``), so it is static under ``jit``: changing it
 retraces, and a jitted step never mixes implementations by accident. The spec is either one name for
@@ -25,6 +26,8 @@ import importlib
 import logging
 
 import jax
+
+from dsv41_jax.model.numerics import is_exact, mode_name
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +99,16 @@ def _auto(op: str, backend: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(spec: str, op: str, backend: str) -> str:
+def _resolve(spec: str, op: str, backend: str, f64: bool = False) -> str:
     choice = parse_impl(spec)[op]
     name = _auto(op, backend) if choice == "auto" else choice
+    if f64 and choice == "auto" and name in ("pallas", "pallas_interpret"):
+        # The Pallas kernels accumulate in fp32 in their own tile order: the fp64-accumulating modes
+        # (exact / deterministic, `numerics.is_exact`) run the jnp path; an explicit Pallas choice is
+        # kept and refused at its seam.
+        log.info("impl: %s -> xla (spec %r resolves to %s on %s, but the exact / deterministic numerics "
+                 "accumulate in fp64, which the kernels do not)", op, spec, name, backend)
+        return "xla"
     if name in ("pallas", "pallas_interpret") and not kernel_available(op):
         raise ImplError(f"impl {name!r} for op {op!r}: no Pallas kernel for this op yet (choose 'xla' or "
                         f"'reference', or 'auto')")
@@ -106,13 +116,25 @@ def _resolve(spec: str, op: str, backend: str) -> str:
     return name
 
 
-def resolve(cfg_or_spec, op: str) -> str:
+def resolve(cfg_or_spec, op: str, *, f64: bool = False) -> str:
     """The implementation `op` runs with: one of `IMPLS`. `cfg_or_spec` is a `ModelConfig` or a spec
-    string. Resolved at trace time (static); logged once per (spec, op, backend)."""
+    string. Resolved at trace time (static); logged once per (spec, op, backend). With a config in the
+    exact / deterministic numerics (`numerics.is_exact`), or a spec with ``f64=True``, "auto" never
+    resolves to a Pallas kernel."""
     if op not in OPS:
         raise ImplError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
-    spec = cfg_or_spec if isinstance(cfg_or_spec, str) else cfg_or_spec.impl
-    return _resolve(spec, op, jax.default_backend())
+    if isinstance(cfg_or_spec, str):
+        return _resolve(cfg_or_spec, op, jax.default_backend(), bool(f64))
+    return _resolve(cfg_or_spec.impl, op, jax.default_backend(), bool(f64) or is_exact(cfg_or_spec))
+
+
+def refuse_kernel_in_f64_mode(cfg, op: str, impl: str) -> None:
+    """Raise ImplError if `impl` is a Pallas kernel and `cfg` runs the exact / deterministic numerics
+    (`numerics.is_exact`): the kernels accumulate in fp32 in their own tile order, so they cannot give
+    results independent of batch, chunking and tiling. ("auto" never resolves to one there.)"""
+    if impl in ("pallas", "pallas_interpret") and is_exact(cfg):
+        raise ImplError(f"{op}: the {mode_name(cfg)} numerics mode accumulates in fp64, which the {impl!r} kernel "
+                        f"does not (its sums follow its tiles); use impl '{op}=xla' or 'reference' (or 'auto')")
 
 
 def kernel(op: str, name: str, entry: str = KERNEL_ENTRY):

@@ -108,6 +108,7 @@ def engram(p, h, rows, cfg, dt, mesh=None):
         raise dispatch.ImplError("engram: the Pallas gather kernel does not run on a row-split table; use impl "
                                  "'xla' for engram on a mesh")
     if impl in ("pallas", "pallas_interpret"):
+        dispatch.refuse_kernel_in_f64_mode(cfg, "engram", impl)
         return dispatch.kernel("engram", impl)(p, h, rows, cfg, dt, interpret=impl == "pallas_interpret")
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"engram: no {impl!r} implementation")

@@ -217,7 +217,7 @@ def topk(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode: 
                          kb=kb, dt=dt, cand_blocks=cand_blocks, make_candidates=make_candidates,
                          block_size=block_size, retrieval_block=retrieval_block, exact=exact)
     if exact:
-        raise dispatch.ImplError(f"indexer: the exact numerics mode has no {impl!r} implementation (fp64 "
+        raise dispatch.ImplError(f"indexer: the exact / deterministic numerics modes have no {impl!r} implementation (fp64 "
                                  f"accumulation is for the jnp paths: use impl 'indexer=xla' or 'reference')")
     return dispatch.kernel("indexer", impl)(
         q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode, k=k, dt=dt,

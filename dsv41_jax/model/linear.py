@@ -24,8 +24,9 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
     fp32 copy — a bf16 x bf16 dot in the bf16 flow (the activation is bf16-valued there), a mixed
     fp32 x bf16 dot otherwise; widening is exact, so the products are the reference's.
 
-* In the exact mode every path accumulates in fp64 (`numerics.dot_exact`) and rounds once to fp32,
-  so the reference and the xla formulation agree (bit for bit in practice) however they sum.
+* In the exact and deterministic modes (`numerics.is_exact`) every path accumulates in fp64
+  (`numerics.dot_exact`) and rounds once to fp32 (then to `dt`, bf16 in the deterministic bf16 flow), so
+  the reference and the xla formulation agree (bit for bit in practice) however they sum.
 
 Shapes: x [..., K] with K % 32 == 0; weights [N, K] (MXFP4: packed [N, K/2]); outputs [..., N].
 
@@ -124,7 +125,7 @@ def _bf16_gemm(xd, wd, dt, exact):
     """x [..., K], w [N, K], both exactly representable in bf16 -> [..., N] in dt (fp32 accumulation)."""
     dn = (((xd.ndim - 1,), (1,)), ((), ()))
     if exact:
-        return dot_exact(xd.astype(jnp.float32), wd.astype(jnp.float32), dn)
+        return dot_exact(xd.astype(jnp.float32), wd.astype(jnp.float32), dn).astype(dt)
     y = jax.lax.dot_general(xd.astype(jnp.bfloat16), wd.astype(jnp.bfloat16), dn,
                             preferred_element_type=jnp.float32)
     return y.astype(dt)
@@ -147,7 +148,8 @@ def fp8(x, p, cfg, dt, row_axis=None):
         if not exact:
             return quant.fp8_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
-        return dot_exact(xd, quant.dequantize_fp8_block(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+        y = dot_exact(xd, quant.dequantize_fp8_block(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+        return y.astype(dt)
     N, K = w.shape
 
     def small(r0, tn):  # row tiles are whole 32-row scale blocks (align=32) unless untiled
@@ -174,7 +176,8 @@ def mxfp4(x, p, cfg, dt):
         if not exact:
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
-        return dot_exact(xd, quant.dequantize_mxfp4(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+        y = dot_exact(xd, quant.dequantize_mxfp4(w, s, jnp.float32), (((x.ndim - 1,), (1,)), ((), ())))
+        return y.astype(dt)
     N, K = w.shape[0], 2 * w.shape[1]
 
     def small(r0, tn):
@@ -234,7 +237,7 @@ def wo_a(o, p, cfg, dt, row_axis=None):
         with x64_scope():
             y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.float64), w.astype(jnp.float64), precision=HIGHEST,
                            preferred_element_type=jnp.float64)
-            return y.astype(jnp.float32)
+            return y.astype(jnp.float32).astype(dt)
     wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
 
     def groups(o_t, w):  # o_t [B, T, g, I], w [g·R, I] -> [B, T, g, R]

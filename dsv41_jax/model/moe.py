@@ -124,7 +124,7 @@ def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact, layer=None):
     """Grouped MXFP4 GEMM with fp8-quantized input: rows of xs [A, K] (sorted by group) times their
     group's weight. wp uint8 [E, N, K/2] and ws E8M0 [E, N, K/32]: the layer's whole expert stack;
     gexp int32 [G]: the expert of each group (None: the groups are all E experts in order);
-    sizes int32 [G] (sum = A). Returns [A, N] in `dt` (fp32 in the exact mode).
+    sizes int32 [G] (sum = A). Returns [A, N] in `dt` (fp64-accumulated in the exact / deterministic modes).
 
     Only the groups' experts are read (a gather at stored width); on backends that widen dot operands
     outside the GEMM, in scoped row tiles of the experts' output rows (`tiling`). layer: with wp / ws
@@ -154,7 +154,7 @@ def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact, layer=None):
             # ragged_dot is decomposed when lowered, outside any x64 scope, so it cannot accumulate in
             # fp64: the exact mode (tests only) multiplies each row by its group's weight explicitly.
             row_group = jnp.repeat(jnp.arange(G, dtype=jnp.int32), sizes, total_repeat_length=xs.shape[0])
-            return einsum_exact("ak,ank->an", xd, jnp.take(wd, row_group, axis=0))
+            return einsum_exact("ak,ank->an", xd, jnp.take(wd, row_group, axis=0)).astype(dt)
         y = jax.lax.ragged_dot_general(xd, wd, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
         return y.astype(dt)
 

@@ -1,6 +1,7 @@
 """The dtype policy (docs/design/spec.md §1 "Numerics"), the numerics modes and the plain-matmul kinds.
 
-Three static modes, chosen by ``ModelConfig.act_dtype`` (a ``cfg.replace(act_dtype=...)`` away):
+Three static activation modes, chosen by ``ModelConfig.act_dtype`` (a ``cfg.replace(act_dtype=...)`` away),
+and one orthogonal switch, ``ModelConfig.deterministic`` (the deterministic mode, below):
 
 * ``"bfloat16"`` (default) — the reference dtype flow: every activation between ops is rounded to bf16.
 * ``"float32"`` — those roundings are skipped (activations fp32); matmuls accumulate in fp32. Two
@@ -27,6 +28,38 @@ Three static modes, chosen by ``ModelConfig.act_dtype`` (a ``cfg.replace(act_dty
   logits with every fp8 code and top-k choice equal (tests/test_eval_server.py checks 75 sequences
   against the paged engine: 1e-5 per token).
 
+The deterministic mode (``ModelConfig.deterministic``; the server's ``--enable-deterministic-inference``)
+is the exact mode's accumulation with the activation dtype left as it is: with ``act_dtype="bfloat16"``
+every activation is rounded to bf16 exactly where the bf16 mode rounds it (the reference dtype flow the
+checkpoint was trained for: the same fp8 activation codes, expert and index choices as the bf16 mode to
+rounding level), and every sum whose order could depend on the batch, the prefill chunk, the mesh, a
+row tiling or a verify window's shape is made order-independent. ``exact`` is this switch with fp32
+activations (``act_dtype="exact"`` implies it; ``float32`` + deterministic is the exact mode). Per op,
+on every backend (``is_exact`` is the one predicate the ops ask):
+
+* matmuls (`linear_bf16`, `linear_f32`, the fp8 / MXFP4 GEMMs of `model.linear` at every M, wo_a, the
+  grouped MoE GEMMs, attention's q·k and p·v, the indexer's q·k, mHC's mix projection) — fp64
+  accumulation, one rounding to fp32, then to the activation dtype where the bf16 mode rounds. In the
+  bf16 flow the products are of bf16 / e4m3 / e2m1 values (<= 16 significant bits), so the fp64 sum is
+  exact or within 2^-53 relative: the order of the sum (XLA's choice per shape, a tp all-reduce of
+  fp64 partials, a row tile) does not show in the result. The row tiling of `model.tiling` is off.
+* reductions over a model width (RMSNorm's mean, the Engram gate's dot and means, the compressor's
+  pooling softmax and sum, attention's softmax denominator, the indexer's sum over heads) — fp64
+  accumulation (`sum_f32`, `mean_f32`, `softmax_f32`), one rounding.
+* fixed-order reductions: the routed-expert combine (ascending expert id, left-to-right fp32 fold,
+  `moe.combine_slots`; bitwise across ep shards, `parallel.collectives`), hc_pre / hc_post (static
+  left-to-right over the n streams), the top-k weight normalisation over k terms.
+* selections (expert top-k, index top-k, candidate blocks) are order-free: ties go to the lower id.
+* the sampler (`serving.sampling`): each row's log-softmax normaliser over the vocabulary is summed in
+  fp64 (``deterministic=True``, static), so a logprob does not depend on how many rows share the step.
+* Pallas kernels accumulate in fp32 in their own tile order: in this mode "auto" resolves to "xla"
+  (`dispatch.resolve`, logged once) and an explicit Pallas choice is refused (ImplError /
+  NotImplementedError at the seam; the engine refuses it at start-up).
+
+Cost: the fp64 GEMMs run at the backend's fp64 rate (on CPU about half the fp32 rate, on a datacenter
+GPU fp64 tensor cores, on consumer GPUs 1/64), measured by scripts/bench_decode.py and
+scripts/bench_offline.py (docs/benchmarks.md).
+
 Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is applied in every mode.
 """
 
@@ -46,8 +79,22 @@ def act_dtype(cfg):
 
 
 def is_exact(cfg) -> bool:
-    """Whether `cfg` runs the exact mode (fp64-accumulated matmuls, see the module docstring)."""
-    return cfg.act_dtype == "exact"
+    """Whether `cfg` accumulates its order-sensitive sums in fp64 (module docstring): the exact mode, or
+    the deterministic mode with any activation dtype."""
+    return cfg.act_dtype == "exact" or bool(getattr(cfg, "deterministic", False))
+
+
+def is_deterministic(cfg) -> bool:
+    """Whether `cfg`'s results are independent of batch, chunking, mesh and tiling (the exact mode or
+    ``deterministic``); the same predicate as `is_exact`, named for the serving side."""
+    return is_exact(cfg)
+
+
+def mode_name(cfg) -> str:
+    """The numerics mode in words for logs: "bfloat16", "bfloat16+deterministic", "float32", "exact"."""
+    if cfg.act_dtype != "exact" and getattr(cfg, "deterministic", False):
+        return "exact" if cfg.act_dtype == "float32" else f"{cfg.act_dtype}+deterministic"
+    return cfg.act_dtype
 
 
 def x64_scope():
@@ -110,10 +157,12 @@ def linear_bf16(x, w, dt, exact: bool = False):
     """A "plain bf16 matmul" of docs/design/spec.md §1 (wo_a, ratio-1 compressor, indexer wk / weights_proj).
 
     x [..., K], w [N, K] bf16 -> [..., N] in `dt`; fp32 accumulation. In fp32 mode the input is not
-    rounded to bf16 first; with `exact` (exact mode, `dt` fp32) the accumulation is fp64.
+    rounded to bf16 first; with `exact` (exact / deterministic mode) the accumulation is fp64 (the input
+    still rounded to bf16 first when `dt` is bf16, as the bf16 flow does).
     """
     if exact:
-        return dot_exact(x, w, _nk(x))
+        xi = x if dt == jnp.float32 else x.astype(jnp.bfloat16)
+        return dot_exact(xi, w, _nk(x)).astype(dt)
     if dt == jnp.float32:
         return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import mhc as mhc_ref
+from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
 __all__ = ["kernel", "sublayer_enter", "sublayer_exit", "mixes_enter", "bench_inputs", "bytes_moved"]
@@ -342,10 +343,11 @@ def post_mix(y, h, post, comb, *, dt, interpret: bool = False):
 # ------------------------------------------------------------------------------------- seam entries
 
 def _check_mode(cfg):
-    if cfg.act_dtype == "exact":
-        # The exact mode accumulates the mix projection in fp64; these kernels are fp32 throughout.
-        raise NotImplementedError("mhc Pallas kernels: the exact numerics mode needs impl mhc='xla' or "
-                                  "'reference' (the mix projection accumulates in fp64 there)")
+    if is_exact(cfg):
+        # The exact / deterministic modes accumulate the mix projection in fp64; these kernels are fp32
+        # throughout.
+        raise NotImplementedError("mhc Pallas kernels: the exact / deterministic numerics modes need impl "
+                                  "mhc='xla' or 'reference' (the mix projection accumulates in fp64 there)")
 
 
 def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, *, interpret: bool = False):

@@ -5,7 +5,7 @@ Flags use SGLang's spelling where the meaning is the same (docs/design/spec.md Â
 ``--context-length``, ``--kv-cache-dtype``, ``--max-total-tokens``, ``--tp-size``/``--tp``,
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
-``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK). Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
+``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK), ``--enable-deterministic-inference``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
 ``--max-logprobs``, ``--disable-prefix-sharing``, ``--disable-radix-cache``, ``--radix-cache-snapshots``, ``--enable-hierarchical-cache``,
 ``--hicache-ratio``, ``--cpu-memory-budget``, ``--enable-decoder-swa-bounded-replay`` (SGLang's name), ``--impl`` (which
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
@@ -116,6 +116,9 @@ class EngineArgs:
     # SWA bounded replay (SGLang's flag): prefill runs the layers after the last store layer only on each
     # request's last sliding_window prompt tokens (decode.extend_bounded). Approximate: no prompt logprobs.
     enable_decoder_swa_bounded_replay: bool = False
+    # SGLang's flag: the deterministic numerics mode (`ModelConfig.deterministic`, model/numerics.py) and a
+    # batch-invariant sampler: results independent of batch, chunking, mesh, kernels and speculation.
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -217,10 +220,26 @@ class EngineArgs:
         from dsv41_jax.model.dispatch import ImplError, parse_impl
 
         try:
-            parse_impl(self.impl)
+            chosen = parse_impl(self.impl)
         except ImplError as e:
             raise ValueError(str(e)) from None
+        if self.enable_deterministic_inference:
+            flag = "enable_deterministic_inference"
+            kernels = sorted(op for op, name in chosen.items() if name in ("pallas", "pallas_interpret"))
+            if kernels:
+                raise ValueError(f"{flag}: --impl {self.impl!r} asks for Pallas kernels for {', '.join(kernels)}, "
+                                 "which accumulate in fp32 in their own tile order and cannot give batch-invariant "
+                                 "results; use 'xla' or 'auto' for those ops ('auto' runs 'xla' in this mode)")
+            if self.enable_decoder_swa_bounded_replay:
+                bad(flag, "cannot be combined with --enable-decoder-swa-bounded-replay (its late layers see only "
+                          "each prompt's tail, so a request's result depends on how its prompt was scheduled)")
         return self
+
+    @property
+    def fp64_accumulation(self) -> bool:
+        """Whether the numerics accumulate in fp64 (--enable-deterministic-inference or --dtype exact):
+        "auto" then resolves to the jnp paths (`dispatch.resolve`)."""
+        return bool(self.enable_deterministic_inference) or self.act_dtype == "exact"
 
     def resolved_impl(self) -> dict:
         """{op: implementation} that ``impl`` selects on the current backend (`dispatch.resolve`, which
@@ -229,7 +248,7 @@ class EngineArgs:
         from dsv41_jax.model.dispatch import OPS, ImplError, resolve
 
         try:
-            return {op: resolve(self.impl, op) for op in OPS}
+            return {op: resolve(self.impl, op, f64=self.fp64_accumulation) for op in OPS}
         except ImplError as e:
             raise ValueError(str(e)) from None
 
@@ -411,6 +430,12 @@ class EngineArgs:
                             "measured cost): requests asking for prompt logprobs are refused (HTTP 400). Needs "
                             "--disable-radix-cache; refused with DSPARK, --tp-size / --ep-size > 1 and a Pallas "
                             "attention kernel")
+        g.add_argument("--enable-deterministic-inference", dest="enable_deterministic_inference", action="store_true",
+                       help="deterministic inference (SGLang's flag): the reference bf16 dtype flow with every "
+                            "order-sensitive sum accumulated in fp64 and a batch-invariant sampler, so a request's "
+                            "tokens and logprobs do not depend on what else is batched, prefill chunking, the radix "
+                            "cache, preemption, DSpark or --tp/--ep (model/numerics.py); Pallas kernels off ('auto' "
+                            "runs 'xla'; an explicit Pallas --impl is refused). Cost: docs/benchmarks.md")
         return parser
 
     @classmethod

@@ -50,6 +50,7 @@ import numpy as np
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
+from dsv41_jax.model.numerics import mode_name
 from dsv41_jax.serving import sampling as smp
 from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.prefix_cache import LoadOp, RestoreOp, SaveOp, SpillOp, make_radix_allocator
@@ -142,29 +143,33 @@ class SharedPageAllocator(kvc.PageAllocator):
 # ----------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("max_logprobs",), donate_argnums=(1, 2))
-def _sample_rows(logits, slot_tensors, last_token, slots, step_counter, sample_mask, allowed, *, max_logprobs):
+@functools.partial(jax.jit, static_argnames=("max_logprobs", "deterministic"), donate_argnums=(1, 2))
+def _sample_rows(logits, slot_tensors, last_token, slots, step_counter, sample_mask, allowed, *, max_logprobs,
+                 deterministic=False):
     """Sample the rows of a launch from their slots' tensors; scatter tokens into ``last_token`` and
-    the penalty counts. Rows with ``sample_mask`` False change nothing."""
+    the penalty counts. Rows with ``sample_mask`` False change nothing. ``deterministic``: the
+    sampler's fp64 sums (`sampling` module doc)."""
     n_rows = last_token.shape[0]
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & sample_mask)
     x = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
-    tokens, lp, (top_ids, top_vals) = smp.sample(x, t, step_counter, max_logprobs=max_logprobs)
+    tokens, lp, (top_ids, top_vals) = smp.sample(x, t, step_counter, max_logprobs=max_logprobs,
+                                                 deterministic=deterministic)
     rows = jnp.where(sample_mask, slots, n_rows)  # out of range: dropped
     counts = slot_tensors.output_counts.at[rows, tokens].add(1, mode="drop")
     last = last_token.at[rows].set(tokens, mode="drop")
     return tokens, lp, top_ids, top_vals, slot_tensors.replace(output_counts=counts), last
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def _prompt_logprobs(logits, targets, *, k):
+@functools.partial(jax.jit, static_argnames=("k", "deterministic"))
+def _prompt_logprobs(logits, targets, *, k, deterministic=False):
     """Per-position scoring of a prefill launch on the device.
 
     logits: fp32 [B, T, V] (every position of each chunk); targets: int32 [B, T], the prompt token
     that follows each position. Returns (logprob fp32 [B, T] of the target, top-k ids int32
-    [B, T, k], top-k logprobs fp32 [B, T, k]) from log_softmax over V (ties: lower id first)."""
-    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    [B, T, k], top-k logprobs fp32 [B, T, k]) from log_softmax over V (ties: lower id first; its sum
+    in fp64 with ``deterministic``)."""
+    lsm = smp.log_softmax(logits.astype(jnp.float32), deterministic)
     lp = jnp.take_along_axis(lsm, targets[..., None], axis=-1)[..., 0]
     top_vals, top_ids = jax.lax.top_k(lsm, k)
     return lp, top_ids.astype(jnp.int32), top_vals
@@ -334,7 +339,7 @@ def _propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, cc
     slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & active)
-    draw = spec.sampling_draw(t, step_counter)
+    draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
     prop = dspark.propose(params, state["dspark"], jnp.asarray(batch["anchor"]), jnp.asarray(batch["start"]), slots,
                           cfg, ccfg, gamma, draw)
     return prop["tokens"]
@@ -407,11 +412,19 @@ class Runner:
             cfg = cfg.replace(act_dtype=args.act_dtype)
         if cfg.impl != args.impl:
             cfg = cfg.replace(impl=args.impl)
+        if args.enable_deterministic_inference and not cfg.deterministic:
+            cfg = cfg.replace(deterministic=True)
         try:
             chosen = args.resolved_impl()
         except ValueError as e:
             raise EngineError(f"--impl {args.impl!r}: {e}") from None
         log.info("impl %r: %s", args.impl, ", ".join(f"{op}={name}" for op, name in chosen.items()))
+        self.deterministic = bool(cfg.deterministic)  # the sampler's fp64 sums (static in its jits)
+        if cfg.deterministic:
+            log.warning("deterministic inference ON (--enable-deterministic-inference): numerics %s — activations "
+                        "rounded as in the %s flow, every order-sensitive sum accumulated in fp64, Pallas kernels "
+                        "off, the sampler's sums in fp64: a request's tokens and logprobs do not depend on the batch, "
+                        "chunking, cache hits, preemption, speculation or the mesh", mode_name(cfg), cfg.act_dtype)
         self.cfg = cfg
         # --tp / --ep: the mesh is built (and an impossible combination refused, MeshError) before any
         # weight is loaded; tp = ep = 1 runs unsharded on the default device.
@@ -869,7 +882,7 @@ class Runner:
                     self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True, self.mesh,
                                                          self.engram_host_table)
             all_logits, self.state = self._extend_all(self.params, self.state, batch)
-            L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs)
+            L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
         self.launches += 1
         if not (force_sample or sample_mask.any()):
@@ -891,7 +904,7 @@ class Runner:
             if allowed is None:
                 allowed = self._allow_all[B] = jax.device_put(np.ones((B, V), bool))
         out = _sample_rows(logits, self.slot_tensors, self.last_token, slot, step, sample_mask, allowed,
-                           max_logprobs=self.max_logprobs)
+                           max_logprobs=self.max_logprobs, deterministic=self.deterministic)
         tokens_d, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
         if L is not None:
             L.tokens, L.lp, L.top_ids, L.top_vals = tokens_d, lp, top_ids, top_vals

@@ -43,7 +43,10 @@ Order of operations in `sample` (as vLLM V1):
 6. one categorical draw (Gumbel-max) per row with the row's own key. An all-greedy batch skips 5-6.
 
 Every row's result depends on that row's logits, parameters and step only (up to the floating-point
-reduction order of the backend), never on the other rows.
+reduction order of the backend), never on the other rows. With ``deterministic=True`` (static; the
+engine's --enable-deterministic-inference) the sums over the vocabulary or the candidates (the
+log-softmax / softmax normalisers, top-p's masses) accumulate in fp64 and round once, so not even the
+last bit depends on how many rows share the step (XLA:CPU orders an fp32 row sum by the row count).
 
 The ``[B, V]`` count arrays make `SamplingTensors` worth keeping on the device across steps: call
 `update_counts` after each step and `SamplingTensors.update_slots` when requests join or leave,
@@ -96,6 +99,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.model.numerics import sum_f32, x64_scope
+
 __all__ = [
     "SAMPLING_EPS",
     "SamplingParams",
@@ -103,6 +108,7 @@ __all__ = [
     "SamplingTensors",
     "apply_penalties",
     "greedy_verify",
+    "log_softmax",
     "processed_probs",
     "sample",
     "sample_jit",
@@ -578,20 +584,56 @@ def _top_k_mask(x, k):
     return above | (tie & (tie_rank < k[:, None] - n_above))
 
 
-def _top_p_mask(x, top_p):
+def _logsumexp(x, det: bool):
+    """logsumexp over the last axis, keepdims; with `det` its sum accumulates in fp64 (module doc)."""
+    if not det:
+        return jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    return m + jnp.log(sum_f32(jnp.exp(x - m), -1, True, keepdims=True))
+
+
+def log_softmax(x, det: bool = False):
+    """``jax.nn.log_softmax`` over the last axis; with `det` (the deterministic mode) the normaliser's
+    sum accumulates in fp64, so a row's logprobs do not depend on the other rows of the batch."""
+    if not det:
+        return jax.nn.log_softmax(x, axis=-1)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    shifted = x - jnp.where(jnp.isfinite(m), m, 0.0)
+    return shifted - jnp.log(sum_f32(jnp.exp(shifted), -1, True, keepdims=True))
+
+
+def _softmax(x, det: bool):
+    """``jax.nn.softmax`` over the last axis; with `det` the denominator's sum is fp64."""
+    if not det:
+        return jax.nn.softmax(x, axis=-1)
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    return e / sum_f32(e, -1, True, keepdims=True)
+
+
+def _cumsum(x, det: bool):
+    """Inclusive cumsum over the last axis; with `det` in fp64, rounded once per entry."""
+    if not det:
+        return jnp.cumsum(x, axis=-1)
+    with x64_scope():
+        return jnp.cumsum(x.astype(jnp.float64), axis=-1).astype(jnp.float32)
+
+
+def _top_p_mask(x, top_p, det: bool = False):
     """Keep token i iff the probability mass of the tokens strictly more likely than i is < top_p
     (the sorted-cumsum rule; tokens tied at the boundary are all kept). The best token always stays."""
-    probs = jax.nn.softmax(x, axis=-1)
+    probs = _softmax(x, det)
     key = _ordered_bits(x)
     lo, hi = jnp.min(key, axis=-1), jnp.max(key, axis=-1)
-    mass_above = lambda t: jnp.sum(jnp.where(key > t[:, None], probs, 0.0), axis=-1)  # noqa: E731
+    mass_above = lambda t: sum_f32(jnp.where(key > t[:, None], probs, 0.0), -1, det)  # noqa: E731
     # smallest t with mass_above(t) < top_p; keep key >= t
     t = _bisect(lambda t: mass_above(t) < top_p, lo, hi, largest=False)[:, None]
     return key >= t
 
 
-def _filter(x, top_k, top_p, min_p):
+def _filter(x, top_k, top_p, min_p, det: bool = False):
     """top_k → top_p (on the renormalised top-k distribution) → min_p; removed tokens get -inf.
+    `det`: the masses' sums in fp64 (module doc).
 
     x: temperature-scaled logits [N, V]; top_k i32 [N] (<= 0 off); top_p f32 [N]; min_p f32 [N].
 
@@ -621,8 +663,8 @@ def _filter(x, top_k, top_p, min_p):
                           lambda: jnp.where(_top_k_mask(x, k) | ~big[:, None], xk, _NEG_INF), lambda: xk)
         cv = jnp.where(keep_c, cv, _NEG_INF)  # candidates after top-k (big-k rows keep all C)
         # top-p on the renormalised top-k distribution
-        pc = jnp.exp(cv - jax.nn.logsumexp(xk, axis=-1, keepdims=True))
-        excl = jnp.cumsum(pc, axis=-1) - pc
+        pc = jnp.exp(cv - _logsumexp(xk, det))
+        excl = _cumsum(pc, det) - pc
         first = jnp.concatenate([jnp.ones((N, 1), bool), cv[:, 1:] != cv[:, :-1]], axis=-1)
         first_idx = jax.lax.cummax(jnp.where(first, rank, 0), axis=1)
         mass_above = jnp.take_along_axis(excl, first_idx, axis=-1)
@@ -632,7 +674,7 @@ def _filter(x, top_k, top_p, min_p):
         xp = jnp.where((xk >= thr) | ~use_p[:, None], xk, _NEG_INF)
         slow = use_p & ~fits
         return jax.lax.cond(jnp.any(slow),
-                            lambda: jnp.where(slow[:, None], jnp.where(_top_p_mask(xk, top_p), xk, _NEG_INF), xp),
+                            lambda: jnp.where(slow[:, None], jnp.where(_top_p_mask(xk, top_p, det), xk, _NEG_INF), xp),
                             lambda: xp)
 
     x = jax.lax.cond(jnp.any(use_k | use_p), k_and_p, lambda x: x, x)
@@ -643,23 +685,23 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(keep, x, _NEG_INF)
 
 
-def _scale_and_filter(x, temperature, top_k, top_p, min_p):
+def _scale_and_filter(x, temperature, top_k, top_p, min_p, det: bool = False):
     """For non-greedy rows: x / T then filters. Greedy rows are left as x (only their argmax is used)."""
     greedy = temperature < SAMPLING_EPS
     t = jnp.where(greedy, 1.0, temperature)[:, None]
-    return _filter(x / t, top_k, top_p, min_p), greedy
+    return _filter(x / t, top_k, top_p, min_p, det), greedy
 
 
-def processed_probs(logits, tensors: SamplingTensors, step_counter) -> jax.Array:
+def processed_probs(logits, tensors: SamplingTensors, step_counter, *, deterministic: bool = False) -> jax.Array:
     """The distribution `sample` draws from, fp32 [B, V] (greedy rows: one-hot at the argmax).
 
     Use it for the DSpark draft's q (when the draft samples with the request's parameters) or to
     inspect the filtered distribution. Penalties and min_tokens are applied."""
     x = apply_penalties(logits.astype(jnp.float32), tensors)
     x = _mask_min_tokens(x, tensors.stop_mask, jnp.asarray(step_counter, jnp.int32), tensors.min_tokens)
-    filt, greedy = _scale_and_filter(x, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
+    filt, greedy = _scale_and_filter(x, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p, deterministic)
     onehot = jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
-    return jnp.where(greedy[:, None], onehot, jax.nn.softmax(filt, axis=-1))
+    return jnp.where(greedy[:, None], onehot, _softmax(filt, deterministic))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -668,13 +710,14 @@ def processed_probs(logits, tensors: SamplingTensors, step_counter) -> jax.Array
 
 
 def sample(logits, tensors: SamplingTensors, step_counter, *, max_logprobs: int = 20,
-           logprobs_mode: str = "raw"):
+           logprobs_mode: str = "raw", deterministic: bool = False):
     """Sample one token per slot.
 
     logits: fp32 [B, V]; step_counter: int32 [B] (index of the token being generated per request).
     Returns ``(tokens int32 [B], logprobs fp32 [B], (top_ids int32 [B, K], top_vals fp32 [B, K]))``
     with ``K = min(max_logprobs, V)``, top entries sorted by decreasing logprob (ties: lower id first).
-    ``max_logprobs`` and ``logprobs_mode`` ("raw" | "processed") are static."""
+    ``max_logprobs``, ``logprobs_mode`` ("raw" | "processed") and ``deterministic`` (fp64 sums over the
+    vocabulary, see the module doc) are static."""
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode: must be 'raw' or 'processed', got {logprobs_mode!r}")
     logits = logits.astype(jnp.float32)
@@ -687,7 +730,7 @@ def sample(logits, tensors: SamplingTensors, step_counter, *, max_logprobs: int 
     greedy = tensors.temperature < SAMPLING_EPS
 
     def draw(x):
-        filt, _ = _scale_and_filter(x, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
+        filt, _ = _scale_and_filter(x, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p, deterministic)
         keys = step_keys(tensors, step_counter)
         return jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32), filt
 
@@ -696,9 +739,9 @@ def sample(logits, tensors: SamplingTensors, step_counter, *, max_logprobs: int 
     tokens = jnp.where(greedy, greedy_tok, drawn)
 
     if logprobs_mode == "raw":
-        lp = jax.nn.log_softmax(logits, axis=-1)
+        lp = log_softmax(logits, deterministic)
     else:
-        lp = jax.nn.log_softmax(jnp.where(greedy[:, None], x, filt), axis=-1)
+        lp = log_softmax(jnp.where(greedy[:, None], x, filt), deterministic)
     tok_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     K = min(int(max_logprobs), V)
     if K > 0:
@@ -708,7 +751,7 @@ def sample(logits, tensors: SamplingTensors, step_counter, *, max_logprobs: int 
     return tokens, tok_lp, (top_ids.astype(jnp.int32), top_vals)
 
 
-sample_jit = jax.jit(sample, static_argnames=("max_logprobs", "logprobs_mode"))
+sample_jit = jax.jit(sample, static_argnames=("max_logprobs", "logprobs_mode", "deterministic"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -803,19 +846,21 @@ def target_verify_logits(target_logits, draft, tensors: SamplingTensors, step_co
     return jnp.where(block, _NEG_INF, pen)
 
 
-def spec_verify(draft, draft_probs, target_logits, tensors: SamplingTensors, step_counter):
+def spec_verify(draft, draft_probs, target_logits, tensors: SamplingTensors, step_counter, *,
+                deterministic: bool = False):
     """Verify a DSpark block for a mixed batch: greedy rows (temperature 0) by `greedy_verify`, the
     others by `speculative_sample_verify` against the processed target distribution (penalties with
     the draft prefix, min_tokens, temperature, top-k / top-p / min-p) with keys
     ``step_keys(tensors, step_counter)``. ``draft_probs`` q [B, γ, V] must be the distribution the
-    draft actually sampled from (ignored for greedy rows). Returns ``(n_accepted, tokens)``."""
+    draft actually sampled from (ignored for greedy rows). ``deterministic``: fp64 sums (module doc).
+    Returns ``(n_accepted, tokens)``."""
     x = target_verify_logits(target_logits, draft, tensors, step_counter)
     B, G1, V = x.shape
     n_g, tok_g = greedy_verify(draft, x)
     rep = lambda a: jnp.repeat(a, G1, axis=0)  # noqa: E731
     filt, _ = _scale_and_filter(x.reshape(B * G1, V), rep(tensors.temperature), rep(tensors.top_k),
-                                rep(tensors.top_p), rep(tensors.min_p))
-    p = jax.nn.softmax(filt, axis=-1).reshape(B, G1, V)
+                                rep(tensors.top_p), rep(tensors.min_p), deterministic)
+    p = _softmax(filt, deterministic).reshape(B, G1, V)
     n_s, tok_s = speculative_sample_verify(draft, draft_probs, p, step_keys(tensors, step_counter))
     greedy = tensors.temperature < SAMPLING_EPS
     return jnp.where(greedy, n_g, n_s), jnp.where(greedy[:, None], tok_g, tok_s)

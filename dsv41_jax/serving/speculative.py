@@ -67,8 +67,9 @@ def make_spec_batch(rows: Sequence[dict], B: Optional[int], ccfg) -> dict:
             "page_table": jnp.asarray(pt), "active": jnp.asarray(active)}
 
 
-def sampling_draw(tensors, step_counter):
-    """A `dspark.propose` draw for the request's sampling parameters.
+def sampling_draw(tensors, step_counter, deterministic: bool = False):
+    """A `dspark.propose` draw for the request's sampling parameters (``deterministic``: the sampler's
+    fp64 sums, `sampling` module doc).
 
     Slot k is the request's token step_counter + k: q_k = `processed_probs` with the penalty counts
     including d_0..d_{k−1} (as `target_verify_logits` counts them for p), greedy rows take its argmax,
@@ -79,7 +80,7 @@ def sampling_draw(tensors, step_counter):
 
     def draw(k, logits):
         cur = t["cur"]
-        q = sampling.processed_probs(logits, cur, step_counter + k)
+        q = sampling.processed_probs(logits, cur, step_counter + k, deterministic=deterministic)
         keys = sampling.step_keys(cur, step_counter + k, salt=DRAFT_SALT)
         drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
         greedy = cur.temperature < sampling.SAMPLING_EPS
@@ -114,7 +115,8 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     """
     gamma = cfg.dspark_block_size if gamma is None else int(gamma)
     anchor, start, slot, active = batch["anchor"], batch["start"], batch["slot"], batch["active"]
-    draw = dspark.greedy_draw if tensors is None else sampling_draw(tensors, step_counter)
+    det = bool(cfg.deterministic)  # the sampler's fp64 sums (--enable-deterministic-inference)
+    draw = dspark.greedy_draw if tensors is None else sampling_draw(tensors, step_counter, det)
     prop = dspark.propose(params, state["dspark"], anchor, start, slot, cfg, ccfg, gamma, draw)
     d, q = prop["tokens"], prop["probs"]
     if forced_draft is not None:
@@ -131,7 +133,7 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     if tensors is None:
         n_acc, toks = sampling.greedy_verify(d, logits)
     else:
-        n_acc, toks = sampling.spec_verify(d, q, logits, tensors, step_counter)
+        n_acc, toks = sampling.spec_verify(d, q, logits, tensors, step_counter, deterministic=det)
     if accept_override is not None:
         ov = jnp.asarray(accept_override, jnp.int32)
         n_f = jnp.clip(ov, 0, gamma)
