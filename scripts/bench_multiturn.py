@@ -14,7 +14,8 @@ control, in the same run and server state. Reported:
   rate = cached / prompt tokens over the cached turns, plus the server's ``dsv41:cache_hit_rate``
   gauge when ``/metrics`` is on;
 * the first turns' cached tokens: conversations after the first share only the system prompt with
-  what came before (the second makes a branch point there, the later ones resume from it);
+  what came before (the second resumes from the first's last prefill chunk end inside it and makes a
+  branch point at its last page boundary; the later ones resume from that);
 * generated tokens per second over the whole run.
 
 Run it against a server with the cache on (the default) and, for the "off" numbers, one started with

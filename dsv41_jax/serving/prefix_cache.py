@@ -151,6 +151,12 @@ class CacheEntry:
     last_use: int = 0
     node: "Optional[_Node]" = None
     tier: str = "device"
+    probation: bool = False  # a chunk-end point no request has hit yet: evicted before the others
+
+    @property
+    def evict_order(self) -> tuple:
+        """Sort key of eviction (smallest first): unhit chunk-end points, then least recently used."""
+        return (not self.probation, self.last_use)
 
     @property
     def k(self) -> int:
@@ -367,7 +373,7 @@ class RadixPageAllocator:
         """Evict unpinned entries, least recently used first, until ``free_target`` pages are on the
         free list (or none is left); returns how many entries went."""
         n = 0
-        for e in sorted(self.entries.values(), key=lambda e: e.last_use):
+        for e in sorted(self.entries.values(), key=lambda e: e.evict_order):
             if len(self._free) >= free_target:
                 break
             if e.key in self.pinned:
@@ -387,14 +393,16 @@ class RadixPageAllocator:
         return len(es) + len(hs)
 
     # -- insert / match -------------------------------------------------------------------------
-    def cache_insert(self, rid, slot: int, tokens: list, in_order: bool = False) -> Optional[CacheEntry]:
+    def cache_insert(self, rid, slot: int, tokens: list, in_order: bool = False,
+                     probation: bool = False) -> Optional[CacheEntry]:
         """Keep ``rid``'s state at position k = len(tokens): a reference to each of its first
         ceil(k / page_size) pages and a snapshot of slot ``slot`` (a `SaveOp`, queued in
         ``pending_saves``). For a released request, call before its pages are freed; ``in_order``: a
         running request at the end of its prompt (the entry is pinned until the plan is dispatched:
         its save is placed after the plan's launch, so its row must not change hands before).
         Returns the entry (an existing one for the same tokens is only refreshed), or None (no row
-        could be freed)."""
+        could be freed). ``probation``: a chunk-end point kept on speculation (evicted before any
+        point that was hit or made for a known reason, `CacheEntry.evict_order`)."""
         k = len(tokens)
         n_pages = -(-k // self.page_size)
         if k < 1 or len(self._tables.get(rid, [])) < n_pages:
@@ -406,16 +414,17 @@ class RadixPageAllocator:
             old = None
         if old is not None:
             old.last_use = next(self._tick)
+            old.probation = old.probation and probation
             return old
         if not self.free_rows:
-            for e in sorted(self.entries.values(), key=lambda e: e.last_use):
+            for e in sorted(self.entries.values(), key=lambda e: e.evict_order):
                 if e.key not in self.pinned:
                     self._drop(e)
                     break
             if not self.free_rows:
                 return None
         key = (CACHE_OWNER, next(self._ids))
-        e = CacheEntry(tokens, key, self.free_rows.pop(), next(self._tick))
+        e = CacheEntry(tokens, key, self.free_rows.pop(), next(self._tick), probation=probation)
         self.share(rid, key, n_pages)
         self.entries[key] = e
         self.tree.insert(tokens, e)
@@ -434,6 +443,7 @@ class RadixPageAllocator:
         if e is None:
             return 0, None
         k, ps = e.k, self.page_size
+        e.probation = False
         self.pinned.add(e.key)
         self._touch()
         if e.tier == "host":  # HiCache hit: fresh pages, filled from the host copy (a LoadOp)

@@ -259,9 +259,12 @@ class Scheduler:
                 fork_ops += self._fork(r.seq)
                 if self.cache is not None:  # prompt-end snapshot, saved right after this plan's prefill launch
                     self.cache.cache_insert(r.seq.key, r.seq.slot, r.seq.tokens(0, r.seq.num_cached), in_order=True)
-            elif r.seq.branch_at and r.seq.num_cached == r.seq.branch_at:  # a branch point (`_cache_hit`)
-                self.cache.cache_insert(r.seq.key, r.seq.slot, r.seq.tokens(0, r.seq.num_cached), in_order=True)
-                r.seq.branch_at = 0
+            elif self.cache is not None and self._chunk_point(r.seq):  # a chunk-end or branch point
+                branch = r.seq.num_cached == r.seq.branch_at
+                self.cache.cache_insert(r.seq.key, r.seq.slot, r.seq.tokens(0, r.seq.num_cached), in_order=True,
+                                        probation=not branch)
+                if branch:
+                    r.seq.branch_at = 0
         # (prompt-end saves go where fork copies go: right after the launch holding the prefill rows)
         cache_saves = self.cache.take_saves(in_order=True) if self.cache is not None else []
         dec_rows = self._decode_rows(dec_seqs, pre_rows, fork_ops)
@@ -536,6 +539,15 @@ class Scheduler:
         b = min(self.cache.tree.shared_len(query), n_pre) // self.page_size * self.page_size
         if s.num_cached < b < n_pre:
             s.branch_at = b
+
+    def _chunk_point(self, s: Seq) -> bool:
+        """Whether s's prefill chunk just planned ends at a point the prefix cache keeps: its branch
+        point (`_cache_hit`) or any page boundary (chunks end at multiples of the chunk size, so with
+        the default sizes every chunk end is one). Points at chunk ends make a shared prefix hit from
+        its first repeat: the second request with a system prompt resumes from the last chunk end
+        inside it (and saves its own branch point at the prompt's last page boundary for the rest)."""
+        k = s.num_cached
+        return k > 0 and (k == s.branch_at or k % self.page_size == 0)
 
     def _cache_insert(self, s: Seq) -> None:
         """Keep s's state at num_cached in the prefix cache (before its pages are freed), when it is
