@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model import dispatch, engram, mhc, quant
+from dsv41_jax.model import codec, dispatch, engram, mhc
 from dsv41_jax.pallas import engram_gather as eg
 from dsv41_jax.pallas import mhc_mix as mm
 
@@ -57,9 +57,10 @@ def _close(got, want, dt, what=""):
 def _table(rng, n_rows, de):
     codes = rng.integers(0, 256, (n_rows, de)).astype(np.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x38  # no e4m3 NaN codes (0x7F / 0xFF); keeps ±0 and subnormals
-    table = jax.lax.bitcast_convert_type(jnp.asarray(codes), quant.FP8)
+    table = jnp.asarray(codes.view(codec.FP8))
     sbytes = rng.integers(112, 143, (n_rows, de // 32)).astype(np.uint8)  # 2^-15 .. 2^15
-    return table, jax.lax.bitcast_convert_type(jnp.asarray(sbytes), quant.E8M0)
+    sbytes[5, 1] = 255  # the e8m0 NaN byte: kernel and reference share codec's NaN rule
+    return table, jnp.asarray(sbytes.view(codec.E8M0))
 
 
 @pytest.mark.parametrize("shape, dts", [((2, 5), (BF16, F32)), ((1, 1), (BF16,))], ids=["ragged10", "batch1"])
@@ -71,12 +72,14 @@ def test_engram_gather_bitwise(pallas_impl, shape, dts):
     rows[0, 0, :3] = 7  # several slots of one token on the same table row
     rows[-1, -1, -1] = 7  # and another token's slot too
     rows[0, 0, 3] = n_rows - 1  # the last row of the table
+    rows[0, 0, 4] = 5  # the row with a NaN scale
     rows = jnp.asarray(rows)
     for dt in dts:
         got = eg.gather(table, tscale, rows, dt=dt, interpret=pallas_impl == "pallas_interpret")
         want = engram.gather_rows(table, tscale, rows, dt)
         assert got.shape == want.shape == (*shape, R * de) and got.dtype == dt
-        np.testing.assert_array_equal(_f32(got), _f32(want), err_msg=str(dt))
+        np.testing.assert_array_equal(_f32(got), _f32(want), err_msg=str(dt))  # NaN == NaN here
+        assert np.isnan(_f32(got)[0, 0, 4 * de + 32:5 * de]).all() and not np.isnan(_f32(got)[0, 0, :4 * de]).any()
 
 
 @pytest.mark.parametrize("dt", [BF16, F32], ids=["bf16", "f32"])

@@ -37,6 +37,7 @@ from typing import Any, Optional
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax.model import codec
 from dsv41_jax.model.config import TINY_DIR, ModelConfig, resolve_model
 
 log = logging.getLogger(__name__)
@@ -535,31 +536,24 @@ def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: 
 
 # ================================================================================== numpy dequant
 
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                 np.float32)
-
-
 def dequant_fp8_block_np(q: np.ndarray, s: np.ndarray, r0: int = 0, block: int = 32) -> np.ndarray:
     """e4m3 rows [r0, r0+len(q)) of a [out, in] weight × its e8m0 [ceil(out/32), ceil(in/32)] scale -> fp32."""
     rows = np.arange(r0, r0 + q.shape[0]) // block
     cols = np.arange(q.shape[1]) // block
-    sf = s.astype(np.float32)
-    return q.astype(np.float32) * sf[rows][:, cols]
+    return codec.e4m3_to_f32_np(q) * codec.e8m0_to_f32_np(s)[rows][:, cols]
 
 
 def dequant_fp8_rows_np(q: np.ndarray, s: np.ndarray, block: int = 32) -> np.ndarray:
     """e4m3 [r, d] rows × e8m0 [r, d/32] per-32 scales -> fp32."""
-    return (q.astype(np.float32).reshape(q.shape[0], -1, block) * s.astype(np.float32)[..., None]).reshape(q.shape)
+    v = codec.e4m3_to_f32_np(q).reshape(q.shape[0], -1, block)
+    return (v * codec.e8m0_to_f32_np(s)[..., None]).reshape(q.shape)
 
 
 def dequant_mxfp4_np(packed: np.ndarray, s: np.ndarray, block: int = 32) -> np.ndarray:
     """Packed MXFP4 [..., out, in/2] (low nibble = even element) × e8m0 [..., out, in/32] -> fp32 [..., out, in]."""
-    packed = np.asarray(packed, np.uint8)
-    v = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.float32)
-    v[..., 0::2] = _E2M1[packed & 15]
-    v[..., 1::2] = _E2M1[packed >> 4]
+    v = codec.unpack_fp4_np(np.asarray(packed, np.uint8))
     sh = v.shape
-    return (v.reshape(sh[:-1] + (sh[-1] // block, block)) * s.astype(np.float32)[..., None]).reshape(sh)
+    return (v.reshape(sh[:-1] + (sh[-1] // block, block)) * codec.e8m0_to_f32_np(s)[..., None]).reshape(sh)
 
 
 def requantize_np(kind: str, w: np.ndarray):

@@ -41,7 +41,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from dsv41_jax.model import dispatch, quant, tiling
+from dsv41_jax.model import codec, dispatch, quant, tiling
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
 # Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
@@ -64,19 +64,11 @@ def _rows(x):
 def fp4_codes_to_e4m3(packed):
     """MXFP4 bytes uint8 [..., K/2] (low nibble = even element) -> float8_e4m3fn [..., K] (exact).
 
-    Bit arithmetic, not a table lookup, so it fuses with whatever consumes it (a gather from a LUT
-    does not fuse on every backend and would materialize an fp32/int32 copy of the weight). e2m1 code
-    s|ee|m: ee = 0 is 0 or 0.5 (m = 0 / 1); otherwise 2^(ee-1)·(1 + m/2). In e4m3 (bias 7): 0.5 is
-    exponent field 6, mantissa 0; a normal e2m1 value is exponent field ee + 6, mantissa m << 2.
+    Bit arithmetic (`codec.e2m1_to_e4m3`), not a table lookup, so it fuses with whatever consumes it
+    (a gather from a LUT does not fuse on every backend and would materialize an fp32/int32 copy of
+    the weight).
     """
-    lo = packed & 0x0F
-    hi = packed >> 4
-    c = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    sign = (c & 0x8) << 4
-    ee = (c >> 1) & 0x3
-    m = c & 0x1
-    mag = jnp.where(ee == 0, m * jnp.uint8(0x30), ((ee + 6) << 3) | (m << 2)).astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(sign | mag, jnp.float8_e4m3fn)
+    return codec.bitcast(codec.e2m1_to_e4m3(codec.unpack_nibbles(packed, jnp), jnp), quant.FP8, jnp)
 
 
 def _block_gemm(xq, sx, wq, sw_rows, dt, exact):

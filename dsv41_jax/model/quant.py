@@ -6,14 +6,10 @@ The public functions are wrapped in ``jax.jit`` (block sizes and dtypes static):
 they simply inline, and called eagerly they compile once per shape instead of dispatching ~40 tiny
 ops one by one (seconds of per-op compilation on CPU).
 
-Formats
--------
-* ``FP8``  = float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; finite range ±448, smallest
-  subnormal 2^-9, no infinities (0x7f / 0xff are NaN).
-* ``E8M0`` = float8_e8m0fnu: a bare biased exponent byte e, value 2^(e-127); e = 255 is NaN. All block
-  scales in the checkpoint are stored this way (``scale_fmt ue8m0``).
-* e2m1 (MXFP4 element, fake-quant grid): ±{0, .5, 1, 1.5, 2, 3, 4, 6}; magnitude codes 0..7 in that
-  order, sign in bit 3. Two values per byte, LOW nibble = EVEN element.
+Formats: the byte codes (e4m3 = ``FP8``, e8m0 = ``E8M0``, e2m1), their one NaN rule and the
+checkpoint weight quantizers are defined in `codec` over an array namespace; this module holds their
+jitted jnp forms and applies them (activation quant, fake-quants, GEMMs, cache codes). `quant_np`
+runs the same definitions on the host.
 
 Rounding is done by explicit fp32 arithmetic rather than by XLA's narrowing ``convert``:
 
@@ -33,6 +29,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dsv41_jax.model import codec
+from dsv41_jax.model.codec import E2M1_GRID, E2M1_MAX, E4M3_MAX  # noqa: F401  (re-exported)
+
+FP8 = jnp.float8_e4m3fn
+E8M0 = jnp.float8_e8m0fnu
 
 __all__ = [
     "E4M3_MAX",
@@ -58,66 +60,32 @@ __all__ = [
     "mxfp4_linear",
 ]
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-FP8 = jnp.float8_e4m3fn
-E8M0 = jnp.float8_e8m0fnu
-
-# e2m1 magnitudes indexed by their 3-bit code (standard OCP MX encoding).
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Decode table for a full 4-bit code: bit 3 is the sign. Code 8 decodes to -0.0 so that
-# unpack -> pack round-trips every byte.
-_FP4_LUT = np.array(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=np.float32)
-
 # Activation-quant amax floor (docs/design/spec.md §6: "amax >= 1e-4").
 _ACT_AMAX_FLOOR = 1e-4
 # Floors for the fp4 fake-quants (docs/design/spec.md §6): they make the smallest scale 2^-126 (pow2 variant) and
 # 2^-9, the smallest positive e4m3 value (e4m3-scale variant).
 _FP4_POW2_AMAX_FLOOR = 6.0 * 2.0**-126
 _FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
-# Floors for checkpoint-building quantizers (not in the reference, which never sees all-zero
-# blocks): chosen so amax/qmax is the smallest normal fp32 (2^-126), which keeps the bit-level
-# ceil-log2 exact and the scale a valid E8M0 value.
-_W_FP8_AMAX_FLOOR = E4M3_MAX * 2.0**-126
-_W_FP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-# ---------------------------------------------------------------------------------------------
-# Scalar-format helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def _f32_exponent(a):
-    """Unbiased exponent field of fp32 ``a`` (int32, same shape): floor(log2|a|) for normal ``a``;
-    -127 for zero and subnormals."""
-    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
-    return ((bits >> 23) & 0xFF) - 127
-
-
 def _ceil_log2(v):
-    """Exact ceil(log2(v)) (int32) for positive *normal* fp32 ``v``, from the bit pattern:
-    the exponent field, plus one unless the mantissa is zero (v an exact power of two)."""
-    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-    exp = ((bits >> 23) & 0xFF) - 127
-    return exp + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return codec.ceil_log2(v, jnp)
 
 
 def _exp2_int(e):
-    """2^e as fp32 for int32 ``e`` in [-126, 127], exact (built from the exponent field)."""
-    e = e.astype(jnp.int32)
-    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+    return codec.exp2_int(e, jnp)
 
 
-def _e8m0_from_exponent(e):
-    """E8M0 array holding 2^e for int32 ``e`` in [-127, 127]."""
-    return jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
+# ---------------------------------------------------------------------------------------------
+# Scalar formats (jnp forms of `codec`)
+# ---------------------------------------------------------------------------------------------
 
 
 @jax.jit
 def e8m0_to_f32(s):
-    """Decode E8M0 scales to fp32.
+    """Decode E8M0 scales to fp32 (`codec.e8m0_decode`).
 
     Args:
       s: float8_e8m0fnu array, or uint8 array of raw exponent bytes e (any shape).
@@ -127,88 +95,29 @@ def e8m0_to_f32(s):
     Done on the bit pattern so it does not depend on how a backend lowers an e8m0 -> f32 convert.
     """
     s = jnp.asarray(s)
-    if s.dtype == jnp.uint8:
-        byte = s
-    elif s.dtype == E8M0:
-        byte = jax.lax.bitcast_convert_type(s, jnp.uint8)
-    else:
+    if s.dtype == E8M0:
+        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    elif s.dtype != jnp.uint8:
         raise TypeError(f"e8m0_to_f32 expects float8_e8m0fnu or uint8 exponent bytes, got {s.dtype}")
-    e = byte.astype(jnp.int32)
-    bits = jnp.where(
-        e == 0,
-        jnp.int32(0x00400000),  # 2^-127: exponent field 0, mantissa MSB set (subnormal)
-        jnp.where(e == 255, jnp.int32(0x7FC00000), e << 23),  # NaN / 2^(e-127)
-    )
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return codec.e8m0_decode(s, jnp)
 
 
 @jax.jit
 def pow2_scale_to_e8m0(s_f32):
-    """Encode positive power-of-two fp32 scales as E8M0 (exact for 2^-127 .. 2^127).
-
-    Args:
-      s_f32: float array (any shape) of powers of two.
-    Returns:
-      float8_e8m0fnu array, same shape.
-
-    A non-power-of-two input is truncated to the power of two at or below it (the exponent field is
-    kept, the mantissa dropped). Note XLA's own f32 -> e8m0 ``astype`` rounds differently from
-    ml_dtypes (e.g. 3.0 -> 2 in XLA, 4 in ml_dtypes), which is why this is done on the bits.
-    """
-    s = jnp.asarray(s_f32).astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
-    field = (bits >> 23) & 0xFF
-    # 2^-127 is the fp32 subnormal 0x00400000: exponent field 0 maps to byte 0 as well.
-    return jax.lax.bitcast_convert_type(field.astype(jnp.uint8), E8M0)
+    """Encode positive power-of-two fp32 scales (any shape) as float8_e8m0fnu (`codec.e8m0_encode_pow2`)."""
+    return codec.bitcast(codec.e8m0_encode_pow2(jnp.asarray(s_f32), jnp), E8M0, jnp)
 
 
 @jax.jit
 def round_e4m3(y):
-    """Round fp32 ``y`` to the float8_e4m3fn grid, round-to-nearest-even, result kept in fp32.
-
-    Args:
-      y: float32 array, any shape, already clamped to [-448, 448] (values beyond round like an
-        unbounded e4m3 and are not saturated here).
-    Returns:
-      float32 array, same shape, every value exactly representable in e4m3fn.
-
-    The quantum of e4m3 at |y| is 2^(floor(log2|y|) - 3) for normal values and 2^-9 below 2^-6
-    (subnormals share the min-normal quantum), so RNE is ``round_half_even(|y|/q) * q``, which is
-    exact in fp32 because q is a power of two.
-    """
-    y = y.astype(jnp.float32)
-    a = jnp.abs(y)
-    e = jnp.maximum(_f32_exponent(a), -6)
-    q = _exp2_int(e - 3)
-    r = jax.lax.round(a / q, jax.lax.RoundingMethod.TO_NEAREST_EVEN) * q
-    return jnp.copysign(r, y)
+    """`codec.round_e4m3`: fp32 [any] (clamped to ±448) -> fp32 on the e4m3 grid, round-to-nearest-even."""
+    return codec.round_e4m3(y, jnp)
 
 
 @jax.jit
 def round_e2m1(x_f32):
-    """Round to the e2m1 grid ±{0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code.
-
-    Args:
-      x_f32: float32 array, any shape, already clamped to [-6, 6].
-    Returns:
-      float32 array, same shape, on the grid (sign kept, so small negatives give -0.0).
-
-    Ties go to the value whose 3-bit magnitude code is even, as docs/design/spec.md §6 lists: 0.25->0, 0.75->1,
-    1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in
-    [4, 6]; in each band an even multiple of the spacing is an even code, so RNE of |x|/spacing
-    (exact: the spacing is a power of two) times the spacing is exactly the spec rule. At the band
-    edges (2, 4) both candidate spacings agree because the edges are even codes.
-    """
-    x = x_f32.astype(jnp.float32)
-    a = jnp.abs(x)
-    q = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
-    r = jax.lax.round(a / q, jax.lax.RoundingMethod.TO_NEAREST_EVEN) * q
-    return jnp.copysign(r, x)
-
-
-# ---------------------------------------------------------------------------------------------
-# FP4 packing
-# ---------------------------------------------------------------------------------------------
+    """`codec.round_e2m1`: fp32 [any] (clamped to ±6) -> fp32 on the e2m1 grid, ties to the even code."""
+    return codec.round_e2m1(x_f32, jnp)
 
 
 @jax.jit
@@ -222,21 +131,12 @@ def pack_fp4(v_f32):
       uint8 [..., K/2]: byte i = code(v[2i]) | code(v[2i+1]) << 4 (LOW nibble = EVEN element, as the
       checkpoint stores it). code = sign bit 3 | magnitude code 0..7. -0.0 keeps its sign bit.
     """
-    v = jnp.asarray(v_f32).astype(jnp.float32)
-    if v.shape[-1] % 2:
-        raise ValueError(f"pack_fp4 needs an even last dimension, got {v.shape}")
-    a = jnp.abs(v)
-    mag = jnp.zeros(v.shape, jnp.uint8)
-    for g in E2M1_GRID[1:]:  # code = number of nonzero grid values <= |v|
-        mag = mag + (a >= g).astype(jnp.uint8)
-    code = mag | (jnp.signbit(v).astype(jnp.uint8) << 3)
-    code = code.reshape(*v.shape[:-1], v.shape[-1] // 2, 2)
-    return code[..., 0] | (code[..., 1] << 4)
+    return codec.pack_fp4(jnp.asarray(v_f32), jnp)
 
 
 @jax.jit
 def unpack_fp4(packed):
-    """Unpack MXFP4 bytes to float32 grid values.
+    """Unpack MXFP4 bytes to float32 grid values (bit arithmetic, `codec.e2m1_decode`).
 
     Args:
       packed: uint8 [..., K/2] (low nibble = even element).
@@ -246,10 +146,7 @@ def unpack_fp4(packed):
     packed = jnp.asarray(packed)
     if packed.dtype != jnp.uint8:
         raise TypeError(f"unpack_fp4 expects uint8, got {packed.dtype}")
-    lo = packed & 0x0F
-    hi = packed >> 4
-    codes = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return jnp.asarray(_FP4_LUT)[codes.astype(jnp.int32)]
+    return codec.e2m1_decode(codec.unpack_nibbles(packed, jnp), jnp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,35 +160,10 @@ def _cdiv(a, b):
 
 @functools.partial(jax.jit, static_argnames=('block',))
 def quantize_fp8_block(w, block=32):
-    """Quantize a float weight to fp8 e4m3 with one power-of-two scale per block x block tile.
-
-    Used to build checkpoints / test weights from float weights (the reference ships them already
-    quantized), so it follows the same rule as the activation quant.
-
-    Args:
-      w: float array [out, in] (any float dtype; math in fp32). out/in need not be multiples of block.
-      block: tile edge (32 in the checkpoint).
-    Returns:
-      (w_e4m3 float8_e4m3fn [out, in], scale float8_e8m0fnu [ceil(out/block), ceil(in/block)]) with
-      w ~= w_e4m3 * scale (broadcast per tile). Per tile s = 2^ceil(log2(amax/448)) (amax over the real,
-      unpadded elements, floored at 448*2^-126 so all-zero tiles get a valid scale), then
-      e4m3 RNE of clamp(w/s, +-448).
-    """
-    w = jnp.asarray(w).astype(jnp.float32)
-    if w.ndim != 2:
-        raise ValueError(f"quantize_fp8_block expects [out, in], got {w.shape}")
-    out_f, in_f = w.shape
-    ob, ib = _cdiv(out_f, block), _cdiv(in_f, block)
-    # Zero padding never raises a tile's amax, so padded tiles quantize like the real ones.
-    wp = jnp.pad(w, ((0, ob * block - out_f), (0, ib * block - in_f)))
-    t = wp.reshape(ob, block, ib, block)
-    amax = jnp.max(jnp.abs(t), axis=(1, 3))
-    amax = jnp.maximum(amax, _W_FP8_AMAX_FLOOR)
-    e = jnp.clip(_ceil_log2(amax / E4M3_MAX), -126, 127)
-    s = _exp2_int(e)
-    y = jnp.clip(t / s[:, None, :, None], -E4M3_MAX, E4M3_MAX)
-    q = round_e4m3(y).reshape(ob * block, ib * block)[:out_f, :in_f]
-    return q.astype(FP8), _e8m0_from_exponent(e)
+    """Quantize a float weight [out, in] to fp8 e4m3 with one power-of-two scale per block x block
+    tile (`codec.fp8_block_codes`). Used to build checkpoints / test weights from float weights (the
+    reference ships them already quantized), so it follows the same rule as the activation quant."""
+    return codec.fp8_block_codes(w, jnp, block)
 
 
 def _expand_block_scale(s, rows, cols, block):
@@ -322,25 +194,12 @@ def dequantize_fp8_block(w_e4m3, scale, out_dtype=jnp.float32, block=32):
 
 @functools.partial(jax.jit, static_argnames=('block',))
 def quantize_mxfp4(w, block=32):
-    """Quantize a float weight to MXFP4 (e2m1 values, one power-of-two scale per 32 along ``in``).
-
-    Args:
-      w: float array [out, in], in % block == 0 (math in fp32).
-    Returns:
-      (packed uint8 [out, in/2], scale float8_e8m0fnu [out, in/block]). Per group
-      s = 2^ceil(log2(amax/6)) (amax floored at 6*2^-126 so all-zero groups work), values
-      round_e2m1(clamp(w/s, +-6)).
-    """
-    w = jnp.asarray(w).astype(jnp.float32)
-    if w.ndim != 2 or w.shape[1] % block:
-        raise ValueError(f"quantize_mxfp4 expects [out, in] with in % {block} == 0, got {w.shape}")
-    out_f, in_f = w.shape
-    g = w.reshape(out_f, in_f // block, block)
-    amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), _W_FP4_AMAX_FLOOR)
-    e = jnp.clip(_ceil_log2(amax / E2M1_MAX), -126, 127)
-    s = _exp2_int(e)
-    v = round_e2m1(jnp.clip(g / s[..., None], -E2M1_MAX, E2M1_MAX)).reshape(out_f, in_f)
-    return pack_fp4(v), _e8m0_from_exponent(e)
+    """Quantize a float weight [out, in] to MXFP4 (e2m1 values, one power-of-two scale per 32 along
+    ``in``; `codec.mxfp4_codes`): (packed uint8 [out, in/2], scale float8_e8m0fnu [out, in/block])."""
+    w = jnp.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_mxfp4 expects [out, in], got {w.shape}")
+    return codec.mxfp4_codes(w, jnp, block)
 
 
 @functools.partial(jax.jit, static_argnames=('out_dtype', 'block'))

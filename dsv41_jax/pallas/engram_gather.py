@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import linear, quant
+from dsv41_jax.model.codec import e8m0_decode
 from dsv41_jax.model.engram import gate as gate_reference
 from dsv41_jax.model.engram import gather_rows as gather_reference
 from dsv41_jax.pallas import common
@@ -68,14 +69,6 @@ def _pow2_chunk(d: int, cap: int) -> int:
     return c
 
 
-def _e8m0_bytes_to_f32(b):
-    """uint8 exponent bytes -> fp32 2^(e−127) by bit arithmetic, as `quant.e8m0_to_f32` (0 -> 2^-127,
-    255 -> NaN)."""
-    e = b.astype(jnp.int32)
-    bits = jnp.where(e == 0, jnp.int32(0x00400000), jnp.where(e == 255, jnp.int32(0x7FC00000), e << 23))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
 # ------------------------------------------------------------------------------------------ gather
 
 def _gather_kernel(rows_ref, codes_ref, sc_ref, out_ref, *, m: int, bt: int):
@@ -86,7 +79,7 @@ def _gather_kernel(rows_ref, codes_ref, sc_ref, out_ref, *, m: int, bt: int):
     idx = pltriton.load(rows_ref.at[pl.ds(t0, bt), r], mask=tmask, other=0)  # [bt]
     codes = codes_ref[idx].astype(jnp.float32)  # [bt, G, 32]: one pointer gather of whole rows
     sc = pltriton.load(sc_ref.at[pl.ds(t0, bt), r, :], mask=tmask[:, None], other=127)  # [bt, G]
-    val = codes * _e8m0_bytes_to_f32(sc)[:, :, None]  # exact (power-of-two scale)
+    val = codes * e8m0_decode(sc, jnp)[:, :, None]  # exact (power-of-two scale)
     pltriton.store(out_ref.at[pl.ds(t0, bt), r, :, :], val.astype(out_ref.dtype), mask=tmask[:, None, None])
 
 

@@ -62,6 +62,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dsv41_jax.model.codec import e2m1_decode, e4m3_decode, e8m0_decode
 from dsv41_jax.pallas.common import log_choice, next_pow2, triton_params
 
 # Slots scored per step of a scoring program (the dot's N; a multiple of the candidate block size).
@@ -77,40 +78,9 @@ _BIG = 1 << 30  # "count" of thresholds at or below the −inf key: always enoug
 # ----------------------------------------------------------------------------------------- in-kernel helpers
 
 
-def _from_bits(i):
-    return lax.bitcast_convert_type(i, jnp.float32)
-
-
 def _cdiv(a, b: int):
     """ceil(a / b) for non-negative int32 scalars (lax.div truncates, = floor here)."""
     return lax.div(a + (b - 1), b)
-
-
-def _e8m0(byte):
-    """E8M0 exponent bytes (int32 0..255) -> fp32 2^(byte − 127), as `quant.e8m0_to_f32`."""
-    bits = jnp.where(byte == 0, 0x00400000, jnp.where(byte == 255, 0x7FC00000, byte << 23))
-    return _from_bits(bits)
-
-
-def _e2m1(nib):
-    """fp4 e2m1 codes (int32 0..15, bit 3 = sign) -> fp32 grid values (code 8 -> −0, as the LUT)."""
-    mag = nib & 7
-    e = mag >> 1
-    m = mag & 1
-    v = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, _from_bits(((e + 126) << 23) | (m << 22)))
-    return jnp.where(nib >= 8, -v, v)
-
-
-def _e4m3(byte):
-    """float8_e4m3fn bytes (int32 0..255) -> fp32 (subnormals, ±0, NaN for 0x7F/0xFF)."""
-    sign = byte >> 7
-    e = (byte >> 3) & 15
-    m = byte & 7
-    normal = _from_bits((sign << 31) | ((e + 120) << 23) | (m << 20))
-    sub = m.astype(jnp.float32) * (2.0 ** -9)
-    sub = jnp.where(sign == 1, -sub, sub)
-    v = jnp.where(e == 0, sub, normal)
-    return jnp.where((e == 15) & (m == 7), jnp.float32(jnp.nan), v)
 
 
 def _order_key(s, nbits: int):
@@ -158,12 +128,12 @@ class _Geo:
             (v_ref,) = code_refs
             return v_ref[r2, c2].astype(jnp.float32).astype(self.dt)
         q_ref, s_ref = code_refs
-        scale = _e8m0(s_ref[r2, c2 >> 5].astype(jnp.int32))
+        scale = e8m0_decode(s_ref[r2, c2 >> 5].astype(jnp.int32), jnp)
         if self.codec == "fp4":  # two codes per byte, low nibble = even element
             byte = q_ref[r2, c2 >> 1].astype(jnp.int32)
-            v = _e2m1((byte >> ((c2 & 1) << 2)) & 15)
+            v = e2m1_decode((byte >> ((c2 & 1) << 2)) & 15, jnp)
         else:
-            v = _e4m3(q_ref[r2, c2].astype(jnp.int32))
+            v = e4m3_decode(q_ref[r2, c2].astype(jnp.int32), jnp)
         return (v * scale).astype(self.dt)
 
     def scores(self, qt, wt, keys):

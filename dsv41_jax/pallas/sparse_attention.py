@@ -31,10 +31,10 @@ turns an integer-array ref index (`ref[rows, :]`, one indexer per load) into a p
 Mosaic GPU has no array-indexed gather on Hopper. Page table, selection, positions and lengths come in
 as ordinary int32 inputs (no scalar prefetch on GPU). Storage dtypes the Triton lowering might not
 convert everywhere (float8_e4m3fn, float8_e8m0fnu) enter as raw uint8 bits (`lax.bitcast_convert_type`
-outside the kernel) and are decoded with integer ops + a bitcast (`_fp8_e4m3_bits`, `_e8m0_bits`,
-`_e2m1_codes`), so nothing depends on the backend's fp8 conversions. All in-kernel tensors have
-power-of-two sizes (head_dim must be a power of two ≥ 32): heads are zero-padded to ≥ 16 (the minimum
-`tt.dot` tile) and every segment is padded to a multiple of `block_k` with masked entries whose row
+outside the kernel) and are decoded with integer ops + a bitcast by the shared `model.codec`
+(`e4m3_decode`, `e8m0_decode`, `e2m1_decode`), so nothing depends on the backend's fp8 conversions.
+All in-kernel tensors have power-of-two sizes (head_dim must be a power of two ≥ 32): heads are
+zero-padded to ≥ 16 (the minimum `tt.dot` tile) and every segment is padded to a multiple of `block_k` with masked entries whose row
 indices are clamped into range (so no load is ever out of bounds).
 
 Grid and registers: grid (head blocks, key splits, T, B), head blocks fastest so the programs that
@@ -76,6 +76,7 @@ from jax.experimental import pallas as pl
 from dsv41_jax.model import attention
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import quant
+from dsv41_jax.model.codec import e2m1_decode, e4m3_decode, e8m0_decode
 from dsv41_jax.pallas.common import log_choice, next_pow2, triton_params
 
 NAME = "sparse_attention"
@@ -129,31 +130,6 @@ def _raw_codes(st: dict, codec: str) -> list:
     raise NotImplementedError(f"sparse_attention kernel: storage codec {codec!r}")
 
 
-def _fp8_e4m3_bits(byte):
-    """float8_e4m3fn bit patterns (int32 0..255) -> fp32 values, exact (0x7f/0xff, NaN in e4m3fn,
-    never stored: the quantizers clamp to ±448)."""
-    e = (byte >> 3) & 15
-    m = byte & 7
-    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)  # 2^(e-7)·(1 + m/8)
-    mag = jnp.where(e == 0, m.astype(jnp.float32) * (2.0 ** -9), normal)  # subnormal: m·2^-9
-    return jnp.where(byte >= 128, -mag, mag)
-
-
-def _e8m0_bits(byte):
-    """float8_e8m0fnu bytes (int32) -> fp32 2^(byte−127), as `quant.e8m0_to_f32` (0: 2^-127, 255: NaN)."""
-    bits = jnp.where(byte == 0, jnp.int32(0x00400000), jnp.where(byte == 255, jnp.int32(0x7FC00000), byte << 23))
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _e2m1_codes(code):
-    """4-bit e2m1 codes (int32 0..15, bit 3 = sign) -> fp32 ±{0, .5, 1, 1.5, 2, 3, 4, 6} (`quant.unpack_fp4`)."""
-    e = (code >> 1) & 3
-    m = code & 1
-    normal = lax.bitcast_convert_type(((e + 126) << 23) | (m << 22), jnp.float32)  # 2^(e-1)·(1 + m/2)
-    mag = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(code >= 8, -mag, mag)
-
-
 def _expand(s, block: int):
     """Per-block scales [n, G] -> per-element [n, G·block] (broadcast + reshape: no gather)."""
     n, g = s.shape
@@ -165,12 +141,13 @@ def _load_rows(codec: str, refs, rows, col: int, dc: int, dt):
     [BK, dc] in `dt`, exactly `cache.decode`'s values (`col`, `dc` multiples of the scale block)."""
     bk = rows.shape[0]
     if codec == "fp8":
-        v = _fp8_e4m3_bits(refs[0][rows, pl.ds(col, dc)].astype(jnp.int32))
-        v = v * _expand(_e8m0_bits(refs[1][rows, pl.ds(col // 32, dc // 32)].astype(jnp.int32)), 32)
+        v = e4m3_decode(refs[0][rows, pl.ds(col, dc)].astype(jnp.int32), jnp)
+        v = v * _expand(e8m0_decode(refs[1][rows, pl.ds(col // 32, dc // 32)].astype(jnp.int32), jnp), 32)
     elif codec == "fp4_e4m3":
         packed = refs[0][rows, pl.ds(col // 2, dc // 2)].astype(jnp.int32)  # low nibble = even element
         codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(bk, dc)
-        v = _e2m1_codes(codes) * _expand(_fp8_e4m3_bits(refs[1][rows, pl.ds(col // 16, dc // 16)].astype(jnp.int32)), 16)
+        scale = e4m3_decode(refs[1][rows, pl.ds(col // 16, dc // 16)].astype(jnp.int32), jnp)
+        v = e2m1_decode(codes, jnp) * _expand(scale, 16)
     else:
         v = refs[0][rows, pl.ds(col, dc)].astype(jnp.float32)
     return v.astype(dt)
