@@ -114,12 +114,18 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(params)} for {len(items)} prompts")
         if constraints is not None and len(constraints) != len(items):
             raise ValueError(f"constraints: {len(constraints)} for {len(items)} prompts")
+        return self._run(items, params, constraints, use_tqdm=use_tqdm)
+
+    def _run(self, items: list, params: list, constraints: Optional[Sequence[Any]], *, use_tqdm: bool,
+             drop_token_ids: Optional[Sequence[Sequence[int]]] = None) -> list:
+        """`generate` on normalized prompts; drop_token_ids: per prompt, ids left out of its text."""
         eng = self.engine
         rids = []
         for i, ((text, ids), p) in enumerate(zip(items, params)):
             rid = f"llm-{next(self._ids)}"
             eng.add_request(rid, text, p, prompt_token_ids=ids,
-                            constraint=None if constraints is None else constraints[i])
+                            constraint=None if constraints is None else constraints[i],
+                            drop_token_ids=() if drop_token_ids is None else drop_token_ids[i])
             rids.append(rid)
         results: dict = {}
         bar = _progress(len(rids), use_tqdm)
@@ -156,9 +162,11 @@ class LLM:
         effort resolved as the server does; ``thinking=True/False`` sets
         ``chat_template_kwargs.thinking``); the output is split by `reasoning.parse_chat_output`
         into ``outputs[i].reasoning_content``, ``.content`` and ``.tool_calls`` (``.text`` stays the
-        raw completion, decoded with special tokens kept so the markers are visible)."""
+        raw completion the parsers read, as the server's: the markers they need kept, ``｜DSML｜``
+        with tools and ``<think>`` / ``</think>`` while thinking, other special tokens left out;
+        `reasoning.chat_text_specials`)."""
         from dsv41_jax.chat_format.encoding import encode_chat_request
-        from dsv41_jax.serving.reasoning import parse_chat_output
+        from dsv41_jax.serving.reasoning import chat_text_specials, parse_chat_output
 
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         ctk = dict(chat_template_kwargs or {})
@@ -177,9 +185,12 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         plist = [sampling_params] * len(convs) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        plist = [p.replace(skip_special_tokens=False) for p in plist]
-        prompts = [{"prompt": e.prompt, "prompt_token_ids": self.tokenizer.encode(e.prompt)} for e in encoded]
-        outs = self.generate(prompts, plist, use_tqdm=use_tqdm)
+        if len(plist) != len(convs):
+            raise ValueError(f"sampling_params: {len(plist)} for {len(convs)} conversations")
+        specials = [chat_text_specials(self.tokenizer, thinking=e.thinking, tools=bool(e.tools)) for e in encoded]
+        plist = [p.replace(skip_special_tokens=skip) for p, (skip, _) in zip(plist, specials)]
+        items = [(e.prompt, self.tokenizer.encode(e.prompt)) for e in encoded]
+        outs = self._run(items, plist, None, use_tqdm=use_tqdm, drop_token_ids=[sorted(d) for _, d in specials])
         for o, e in zip(outs, encoded):
             for c in o.outputs:
                 r, content, calls, _ = parse_chat_output(c.text, e.thinking, e.tools or None, e.tool_choice)

@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import time
 
 __all__ = ["build_parser", "main"]
@@ -67,6 +68,25 @@ def _size(text: str) -> int:
     return v
 
 
+def endpoint_lines(endpoints=None) -> str:
+    """The server's endpoints, one per line (``--help`` and the start-up log)."""
+    from dsv41_jax.serving.protocol import ENDPOINTS
+
+    return "\n".join(f"  {m:4} {p:22} {what}" for m, p, what in (endpoints or ENDPOINTS))
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Wraps each line of the description and the epilog on its own, so the endpoint list keeps one
+    endpoint per line (an indented line continues under its text column)."""
+
+    def _fill_text(self, text, width, indent):
+        out = []
+        for line in text.splitlines():
+            hang = " " * (len(line) - len(line.lstrip()) + (28 if line.startswith("  ") else 0))
+            out.append(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent + hang) or indent)
+        return "\n".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dsv41_jax.serving.engine_args import EngineArgs
 
@@ -76,11 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "the small model of this architecture trained on a synthetic chat corpus and bundled in the "
                     "package (it reasons, calls tools and speculates for real, on any machine); --model tiny "
                     "serves the random-weight tiny model the tests use.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog="Environment: DSV41_DEFAULT_THINKING (true/false, default false) turns thinking on for requests "
                "that do not decide it; DSV41_REASONING_EFFORT (a tier such as high/max, or 1..100) is the default "
-               "effort. Both are validated at startup. Endpoints: POST /v1/chat/completions, POST /v1/completions, "
-               "GET /v1/models, GET /health, GET /metrics (unless --disable-metrics).")
+               "effort. Both are validated at startup.\n\nEndpoints:\n" + endpoint_lines())
     EngineArgs.add_cli_args(p, model_default="nano")
     from dsv41_jax.parallel.distributed import add_distributed_args
 
@@ -270,7 +289,7 @@ def main(argv=None) -> int:
     import llguidance
 
     from dsv41_jax.serving.constrained import GrammarCompiler
-    from dsv41_jax.serving.server import ServerConfig, build_app
+    from dsv41_jax.serving.server import ServerConfig, build_app, endpoints
 
     inner = engine.engine
     tokenizer = inner.tokenizer
@@ -296,6 +315,7 @@ def main(argv=None) -> int:
              "%d bytes", name, aliases, args.host, args.port, cfg.context_length,
              "required" if cfg.api_key else "off", "on /metrics" if cfg.enable_metrics else "off",
              cfg.max_body_bytes)
+    log.info("endpoints:\n%s", endpoint_lines(endpoints(engine)))
     return run_uvicorn(app, args)
 
 

@@ -5,10 +5,10 @@ No model is needed: a "random model" walks each grammar through llguidance's tok
 among the allowed tokens with a seeded ``numpy`` Generator (seeds are explicit, never ``hash()``).
 To keep walks short, tokens that close something (``<``, ``"``, ``}``, ``]``, a newline, ``</think>``,
 EOS) get a per-walk weight drawn from a fixed list, so some walks wander and most finish in tens of
-tokens. Each walk's ids then go through exactly what the server runs on a chat completion's output
-(``server._Choice``: the incremental detokenizer with special tokens kept and the non-structural
-specials dropped, then the chat output parser — reasoning parser, then the DSML tool-call parser —
-fed in random chunks) and the result must be what the request forced:
+tokens. Each walk's ids then go through exactly what a chat completion's output goes through (the engine's
+detokenizer with special tokens as `reasoning.chat_text_specials` says, then the server's
+``ChatChoice``: the chat output parser — reasoning parser, then the DSML tool-call parser — fed in
+random chunks) and the result must be what the request forced:
 
 * ``tool_choice`` "required": no content, no warnings, >= 1 call, each naming a tool and with
   arguments valid under its schema; named: exactly one call of that tool;
@@ -26,10 +26,11 @@ import numpy as np
 import pytest
 
 from dsv41_jax.serving.constrained import GrammarCompiler
-from dsv41_jax.serving.reasoning import ChatOutputParser
+from dsv41_jax.serving.reasoning import ChatOutputParser, chat_text_specials
+from dsv41_jax.serving.request import CompletionOutput
 from dsv41_jax.serving.sampling import SamplingParams
-from dsv41_jax.serving.server import _STRUCTURAL_SPECIALS, ChoiceUpdate, _Choice, _parse_step
-from dsv41_jax.serving.tokenizer import load_tokenizer
+from dsv41_jax.serving.server.chat import ChatChoice
+from dsv41_jax.serving.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 V = 320  # the tiny model's logits width
 WALKS = 1000
@@ -86,14 +87,12 @@ def gc(tok):
 
 @pytest.fixture(scope="module")
 def server_bits(tok):
-    """What ``server.build_app`` derives from the tokenizer for every choice."""
-    special = frozenset(tok.special_token_ids)
-    structural = {tok.token_to_id(s) for s in _STRUCTURAL_SPECIALS} - {None}
+    """The closing tokens' weights and the ``</think>`` id."""
     closers = [i for i in range(V) if i < tok.vocab_size and tok.decode([i], skip_special_tokens=False)
                in ("<", '"', "}", "]", "\n")]
     closers += [tok.token_to_id("</think>")] + list(tok.eos_token_ids)
     is_closer = np.isin(np.arange(V), closers)
-    return {"drop": frozenset(special - structural), "think_close": tok.token_to_id("</think>"),
+    return {"think_close": tok.token_to_id("</think>"),
             "weights": [np.where(is_closer, b, 1.0) for b in BOOSTS]}
 
 
@@ -121,21 +120,23 @@ def walk(c, rng, weights, eos, max_steps=4000):
 
 
 def server_parse(tok, bits, ids, rng, *, thinking, tools, tool_choice):
-    """The server's chat-completion output path on ``ids`` (EOS last), fed in random chunks."""
-    sp = SamplingParams(max_tokens=None, skip_special_tokens=False)
-    parser = ChatOutputParser(thinking, tools, tool_choice)
-    ch = _Choice(0, tok, tok.encode("prompt"), sp, keep_special=True, drop_ids=bits["drop"], parser=parser,
-                 think_close_id=bits["think_close"], thinking=thinking)
+    """A chat completion's output path on ``ids`` (EOS last), in random chunks: the engine's
+    detokenizer (the stop token is not text) and the server's chat choice."""
+    skip, drop = chat_text_specials(tok, thinking=thinking, tools=bool(tools))
+    detok = IncrementalDetokenizer.for_params(tok, tok.encode("prompt"),
+                                              SamplingParams(max_tokens=None, skip_special_tokens=skip), drop)
+    ch = ChatChoice(0, ChatOutputParser(thinking, tools, tool_choice), bits["think_close"], thinking)
     i = 0
     while i < len(ids):
         k = int(rng.integers(1, 6))
         chunk = ids[i:i + k]
         i += k
         last = i >= len(ids)
-        upd = ChoiceUpdate(0, chunk, finish_reason="stop" if last else None, stop_reason=ids[-1] if last else None)
-        _parse_step(ch, ch.add(upd))
+        text = detok.add(chunk[:-1]) + detok.finish() if last else detok.add(chunk)
+        ch.add(CompletionOutput(0, text, chunk, finish_reason="stop" if last else None,
+                                stop_reason=ids[-1] if last else None))
     assert ch.done
-    return ch
+    return ch, drop
 
 
 def request_for(mode, k):
@@ -171,7 +172,7 @@ def test_every_walk_parses_into_the_forced_result(gc, tok, server_bits, mode, th
                                             thinking_budget=budget)
         c = templates[key].fork()
         ids = walk(c, rng, server_bits["weights"][int(rng.integers(len(BOOSTS)))], eos)
-        ch = server_parse(tok, server_bits, ids, rng, thinking=thinking, tools=tools, tool_choice=tool_choice)
+        ch, drop = server_parse(tok, server_bits, ids, rng, thinking=thinking, tools=tools, tool_choice=tool_choice)
         p = ch.parser
         where = f"walk {k} (seed {seed}): {tok.decode(ids, skip_special_tokens=False)!r}"
         if thinking:
@@ -179,15 +180,14 @@ def test_every_walk_parses_into_the_forced_result(gc, tok, server_bits, mode, th
             close = ids.index(server_bits["think_close"])
             n_reasoning += close > 0
             assert ch.reasoning_tokens == close and (budget is None or close <= budget), where
-            want_reasoning = tok.decode([t for t in ids[:close] if t not in server_bits["drop"]],
-                                        skip_special_tokens=False)
+            want_reasoning = tok.decode([t for t in ids[:close] if t not in drop], skip_special_tokens=False)
             if want_reasoning.startswith("<think>"):  # a repeated opening tag is dropped
                 want_reasoning = want_reasoning[len("<think>"):]
-            assert ch.reasoning_acc == want_reasoning, where
+            assert ch.reasoning == want_reasoning, where
         else:
-            assert ch.reasoning_acc == "" and ch.reasoning_tokens == 0, where
+            assert ch.reasoning == "" and ch.reasoning_tokens == 0, where
         if mode in ("required", "named"):
-            assert ch.content_acc == "" and not p.warnings and p.tool_calls, (where, ch.content_acc, p.warnings)
+            assert ch.content == "" and not p.warnings and p.tool_calls, (where, ch.content, p.warnings)
             assert p.finish_reason("stop") == "tool_calls"
             names = [x["function"]["name"] for x in p.tool_calls]
             if want is not None:
@@ -197,7 +197,7 @@ def test_every_walk_parses_into_the_forced_result(gc, tok, server_bits, mode, th
                 assert not errs, (where, errs[0].message)
         else:
             assert not p.tool_calls
-            jsonschema.validate(json.loads(ch.content_acc), want)
+            jsonschema.validate(json.loads(ch.content), want)
     if thinking:
         assert n_reasoning > WALKS // 2  # the walks did reason before answering
 
@@ -218,8 +218,8 @@ def test_long_names_fit_the_parsers_tags(gc, tok, server_bits):
         for _ in range(3):
             c = gc.for_request({}, tools=tools, tool_choice=choice)
             ids = walk(c, rng, server_bits["weights"][-1], eos, max_steps=50000)
-            ch = server_parse(tok, server_bits, ids, rng, thinking=False, tools=tools, tool_choice=choice)
-            assert not ch.parser.warnings and ch.content_acc == ""
+            ch, _ = server_parse(tok, server_bits, ids, rng, thinking=False, tools=tools, tool_choice=choice)
+            assert not ch.parser.warnings and ch.content == ""
             assert ch.parser.tool_calls and ch.finish_reason == "stop"
             for x in ch.parser.tool_calls:  # required may call it several times
                 assert x["function"]["name"] == long_tool

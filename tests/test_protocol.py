@@ -104,32 +104,15 @@ def test_context_checks():
     assert check_context(10, SamplingParams(max_tokens=16), 20, explicit=False).max_tokens == 10  # default clipped
     e = bad(lambda b: check_context(10, SamplingParams(max_tokens=95), 100, explicit=True), {}, "max_tokens")
     assert e.code == "context_length_exceeded" and "100" in e.message
-    e = bad(lambda b: check_context(100, sp, 100, explicit=False, param="prompt"), {}, "prompt")
+    e = bad(lambda b: check_context(100, sp, 100, explicit=False, prompt_param="prompt"), {}, "prompt")
     assert e.code == "context_length_exceeded"
+    e = bad(lambda b: check_context(100, sp, 100, explicit=False), {}, "messages")  # chat's default
 
 
 def test_usage_dict():
     u = usage_dict(3, 4, 2)
     assert u["total_tokens"] == 7 and u["completion_tokens_details"] == {"reasoning_tokens": 2}
     assert "completion_tokens_details" not in usage_dict(1, 1)
-
-
-def test_normalize_engine_outputs():
-    from dsv41_jax.serving.server import normalize_output
-
-    class C:
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
-
-    out = normalize_output(C(outputs=[C(index=1, text="ab", token_ids=[5, 6], finish_reason=None, stop_reason=None,
-                                        logprobs=[-0.5, -1.0], top_logprobs=[[(5, -0.5), (7, -0.9)], [(6, -1.0)]])],
-                             finished=False))
-    (u,) = out.choices
-    assert u.index == 1 and u.token_ids == [5, 6] and u.logprobs == [-0.5, -1.0]
-    assert u.top_logprobs == [[(5, -0.5), (7, -0.9)], [(6, -1.0)]]
-    out = normalize_output({"outputs": [{"index": 0, "token_ids": [1], "finish_reason": "stop", "stop_reason": 1}],
-                            "finished": True})
-    assert out.finished and out.choices[0].finish_reason == "stop" and out.choices[0].logprobs is None
 
 
 def test_metrics_render():

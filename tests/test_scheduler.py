@@ -17,72 +17,10 @@ from dsv41_jax.serving.async_engine import AsyncEngine
 from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import QueueFullError
-from dsv41_jax.serving.runner import SharedPageAllocator
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
 from dsv41_jax.serving.tokenizer import load_tokenizer
-
-V = 320
-
-
-def token_at(seq, pos: int) -> int:
-    """The mock model's token at position pos of a sample (never an EOS / special id: 10..209)."""
-    return 10 + (pos * 7 + seq.group.order * 13 + seq.index * 5) % 200
-
-
-class MockRunner:
-    """The runner's interface, no model. Records every op it was given (``self.log``).
-
-    accept(seq, start) -> n: how many drafts a DSpark row accepts (its tokens are `token_at`, so the
-    outputs equal those without speculation)."""
-
-    def __init__(self, *, num_pages=33, page_size=8, max_pages_per_seq=8, max_slots=4, spec_gamma=0, accept=None):
-        self.allocator = SharedPageAllocator(num_pages, page_size, max_pages_per_seq)
-        self.max_slots, self.scratch = max_slots, max_slots
-        self.context_length = page_size * max_pages_per_seq
-        self.vocab_size, self.max_logprobs = V, 5
-        self.spec_gamma = spec_gamma
-        self.accept = accept or (lambda seq, start: 0)
-        self.launches = 0
-        self.log: list = []
-        self.slot_owner: dict = {}
-
-    def warmup(self, batch_buckets, token_buckets) -> int:
-        return 0
-
-    def num_compilations(self) -> int:
-        return 0
-
-    def dispatch(self, ops, resets, admitted, eos_token_ids) -> None:
-        for s in admitted:
-            self.slot_owner[s.slot] = s.key
-        self.log.append(ops)
-        for op in ops:
-            if isinstance(op, ForkOp):
-                continue
-            self.launches += 1
-            # every row's pages are its own or shared read-only, and cover what the row writes
-            for r in op.rows:
-                assert len(r.pages) * self.allocator.page_size >= r.start + r.n
-            assert len({r.seq.slot for r in op.rows}) == len(op.rows)  # one row per slot
-            if isinstance(op, SpecLaunch):
-                g = op.gamma
-                toks = np.full((op.B, g + 1), -1, np.int32)
-                n_acc = np.zeros((op.B,), np.int32)
-                for b, r in enumerate(op.rows):
-                    n = min(self.accept(r.seq, r.start), g)
-                    n_acc[b] = n
-                    toks[b, :n + 1] = [token_at(r.seq, r.start + 1 + j) for j in range(n + 1)]
-                op.tokens, op.n_accept = toks, n_acc
-                continue
-            toks = np.zeros((op.B,), np.int32)
-            for b, r in enumerate(op.rows):
-                if r.sample:
-                    toks[b] = token_at(r.seq, r.start + r.n)
-            op.tokens, op.lp = toks, np.zeros((op.B,), np.float32)
-            op.top_ids = np.zeros((op.B, self.max_logprobs), np.int32)
-            op.top_vals = np.zeros((op.B, self.max_logprobs), np.float32)
-
+from mock_runner import MockRunner, token_at
 
 @pytest.fixture(scope="module")
 def tok():

@@ -49,8 +49,6 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Thread-backed asyncio wrapper of `Engine`."""
 
-    detokenizes = True  # outputs carry text deltas from the engine's `output.TextStream` (the server uses them)
-
     def __init__(self, engine_or_args=None, *, max_queued_requests: Optional[int] = None, start: bool = True,
                  **engine_kw):
         if isinstance(engine_or_args, Engine):

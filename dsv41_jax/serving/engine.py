@@ -7,8 +7,9 @@ three parts, each in its own module:
   sharing, which rows speculate); host-only, model-free (its unit tests use a mock runner);
 - `runner.Runner` owns the device state (params, cache pytree, page allocator, sampling tensors) and
   launches the jitted steps: plain [B, T] extend + sampling, and DSpark [B, γ+1] verify steps;
-- `output.OutputProcessor` turns launch results into tokens, text (`output.TextStream`, the one
-  detokenizer, shared with the server), stops, constraints, logprobs, `RequestOutput`s and metrics.
+- `output.OutputProcessor` turns launch results into tokens, text (`tokenizer.IncrementalDetokenizer`,
+  the one detokenizer; the server uses its text), stops, constraints, logprobs, `RequestOutput`s
+  and metrics.
 
 The data they share (requests, samples, outputs, errors) is in `request`. One *scheduler iteration*
 per `Engine.step()`:
@@ -112,12 +113,13 @@ from typing import Optional, Sequence, Union
 
 from dsv41_jax.model.decode import _bucket  # noqa: F401 (re-exported: tests bucket shapes as the engine does)
 from dsv41_jax.serving.engine_args import EngineArgs
-from dsv41_jax.serving.output import OutputProcessor, TextStream
+from dsv41_jax.serving.output import OutputProcessor
 from dsv41_jax.serving.request import (FINISHED, PREEMPTION_REASONS, RUNNING, WAITING, CompletionOutput,  # noqa: F401
                                        EngineError, EngineInternalError, Group, QueueFullError, RequestOutput, Seq)
 from dsv41_jax.serving.runner import Runner, SharedPageAllocator
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import Scheduler
+from dsv41_jax.serving.tokenizer import IncrementalDetokenizer
 
 # The one wording of the refusal (engine, LLM and the server's 400 all carry it).
 BOUNDED_REPLAY_PLP_REFUSAL = ("prompt_logprobs: refused with --enable-decoder-swa-bounded-replay: its prefill runs "
@@ -143,8 +145,6 @@ class Engine:
     `Runner(args, cfg=cfg, params=params)`; it must have ``allocator``, ``max_slots``, ``scratch``,
     ``context_length``, ``vocab_size``, ``max_logprobs``, ``spec_gamma``, ``dispatch``, ``warmup``,
     ``num_compilations``."""
-
-    detokenizes = True  # outputs carry the request's text (the server uses it, `output.TextStream`)
 
     def __init__(self, args: Optional[EngineArgs] = None, *, cfg=None, params=None, tokenizer=None, runner=None,
                  **kw):
@@ -292,7 +292,7 @@ class Engine:
         """Queue a request. `prompt` is text (tokenized without special tokens) or token ids.
         output_kind "final": one output when the request finishes (cumulative); "delta": an output
         after every step that produced something (new text / tokens only). drop_token_ids: token ids
-        left out of the text (the server's choice while it keeps special tokens; see `TextStream`)."""
+        left out of the text (the server's choice while it keeps special tokens; see `IncrementalDetokenizer`)."""
         if request_id in self.output.groups:
             raise EngineError(f"request_id {request_id!r} is already in use")
         if output_kind not in ("final", "delta"):
@@ -328,7 +328,7 @@ class Engine:
         for j, cp in enumerate(children):
             if cp.seed is None:
                 cp = cp.replace(seed=self._rng.getrandbits(63))
-            det = TextStream.for_params(self.tokenizer, ids, cp, drop_token_ids)
+            det = IncrementalDetokenizer.for_params(self.tokenizer, ids, cp, drop_token_ids)
             con = constraint if j == 0 or constraint is None else constraint.clone()
             g.seqs.append(Seq(g, j, cp, det, con))
         self.output.groups[request_id] = g

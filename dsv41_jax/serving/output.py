@@ -4,11 +4,11 @@ For each processed launch it appends the sampled tokens to their samples — a p
 token, a DSpark row gives n_accept + 1 (accepted drafts then the bonus), appended one at a time so
 stop tokens, stop strings, max_tokens, the context length and constraints end the sample at the
 right token and the tokens after it are dropped (they were committed to the cache, which is freed
-with the sample). It detokenizes incrementally (`TextStream`: the one detokenizer of a choice, which
-the server uses too), keeps logprobs, finishes samples (releasing their pages and slot through the
-scheduler), builds `RequestOutput`s ("final" or "delta"), and keeps the metrics: latencies,
-throughput, DSpark accept lengths (per step, per request, histogram), the decode log line and
-`stats()` for ``/metrics``.
+with the sample). It detokenizes incrementally (`tokenizer.IncrementalDetokenizer`, one per
+sample: the one detokenizer, whose text and text offsets the server uses), keeps logprobs,
+finishes samples (releasing their pages and slot through the scheduler), builds `RequestOutput`s
+("final" or "delta"), and keeps the metrics: latencies, throughput, DSpark accept lengths (per
+step, per request, histogram), the decode log line and `stats()` for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -16,62 +16,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Iterable
-
 import numpy as np
 
 from dsv41_jax.serving.request import FINISHED, RUNNING, CompletionOutput, Group, RequestOutput, Seq
-from dsv41_jax.serving.tokenizer import IncrementalDetokenizer
 
-__all__ = ["OutputProcessor", "TextStream"]
+__all__ = ["OutputProcessor"]
 
 log = logging.getLogger("dsv41_jax.engine")
-
-
-class TextStream:
-    """One choice's text, token by token: the engine's output processor and the server's choices use
-    this one class, so a request is detokenized once, the same way everywhere.
-
-    Wraps `IncrementalDetokenizer` (stop strings, ``include_stop_str_in_output``, min_tokens,
-    ``skip_special_tokens``) and drops the ids in ``drop_ids`` from the text (the server keeps special
-    tokens while tools or thinking are on, except those it drops). The stop *token* that ends a choice
-    is never text: callers do not `add` it.
-    """
-
-    def __init__(self, tokenizer, prompt_ids, *, skip_special_tokens: bool = True, stop=None,
-                 include_stop_str_in_output: bool = False, min_tokens: int = 0, drop_ids: Iterable[int] = ()):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens, stop=stop,
-                                            include_stop_str_in_output=include_stop_str_in_output,
-                                            min_tokens=min_tokens)
-        self.drop_ids = frozenset(drop_ids)
-
-    @classmethod
-    def for_params(cls, tokenizer, prompt_ids, p, drop_ids: Iterable[int] = ()) -> "TextStream":
-        return cls(tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-                   include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens,
-                   drop_ids=drop_ids)
-
-    def add(self, ids) -> str:
-        """New text for token id(s) (an int or a list); "" once a stop string matched."""
-        if isinstance(ids, (int, np.integer)):
-            ids = [int(ids)]
-        feed = [t for t in ids if t not in self.drop_ids]
-        return self.detok.add(feed) if feed else ""
-
-    def finish(self) -> str:
-        return self.detok.finish()
-
-    @property
-    def stopped(self) -> bool:
-        return self.detok.stopped
-
-    @property
-    def stop_str(self):
-        return self.detok.stop_str
-
-    @property
-    def text(self) -> str:
-        return self.detok.text
 
 
 class OutputProcessor:
@@ -248,10 +199,13 @@ class OutputProcessor:
             s.delta_text = ""
         ids = s.output_ids[a:]
         s.sent_tokens = len(s.output_ids)
+        # the stop token that ended the sample was never detokenized: it starts where the text ends
+        offs = s.detok.offsets[a:len(s.output_ids)]
+        offs += [len(s.detok.text)] * (len(ids) - len(offs))
         return CompletionOutput(
             index=s.index, text=text, token_ids=list(ids), finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             logprobs=list(s.lps[a:]) if want_lp else None, top_logprobs=list(s.tops[a:]) if want_lp else None,
-            cumulative_logprob=s.cum_lp if want_lp else None)
+            cumulative_logprob=s.cum_lp if want_lp else None, text_offsets=offs)
 
     def emit(self) -> list:
         out = []

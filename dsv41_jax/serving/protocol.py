@@ -47,6 +47,7 @@ from .sampling import SamplingParams, SamplingParamsError
 
 __all__ = [
     "APIError",
+    "ENDPOINTS",
     "ChatRequest",
     "CompletionRequest",
     "MAX_LOGPROBS",
@@ -58,6 +59,23 @@ __all__ = [
     "parse_json_body",
     "usage_dict",
 ]
+
+# Every route of the server: (method, path, what it does). `server.build_app` registers exactly
+# these (the last two only for an engine that can pause); ``python -m dsv41_jax.serve --help`` and
+# its start-up log list them.
+ENDPOINTS = (
+    ("POST", "/v1/chat/completions", "chat completions (thinking, tools, response_format, logprobs)"),
+    ("POST", "/v1/completions", "completions (echo + logprobs scores the prompt)"),
+    ("POST", "/tokenize", "a prompt or a chat -> token ids"),
+    ("POST", "/detokenize", "token ids -> text"),
+    ("GET", "/tokenizer_info", "the tokenizer's special tokens and limits"),
+    ("GET", "/v1/models", "the served model"),
+    ("GET", "/v1/models/{model_id}", "one model, by id or alias"),
+    ("GET", "/health", "200 while serving (no API key needed)"),
+    ("GET", "/metrics", "Prometheus metrics (404 with --disable-metrics)"),
+    ("POST", "/pause_generation", "hold the engine between steps"),
+    ("POST", "/continue_generation", "run again, or N steps"),
+)
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
@@ -439,12 +457,13 @@ def parse_completion_request(body: dict, *, vocab_size: Optional[int] = None, ma
 
 
 def check_context(prompt_len: int, sp: SamplingParams, context_length: int, *, explicit: bool,
-                  param: str = "max_tokens") -> SamplingParams:
-    """Check the prompt and ``max_tokens`` against the context; fill ``max_tokens`` when null."""
+                  param: str = "max_tokens", prompt_param: str = "messages") -> SamplingParams:
+    """Check the prompt and ``max_tokens`` against the context; fill ``max_tokens`` when null.
+    param / prompt_param: the fields a refusal names (``prompt`` for completions, ``messages`` for chat)."""
     if prompt_len >= context_length:
         raise APIError(400, f"This model's maximum context length is {context_length} tokens. However, your "
                             f"prompt has {prompt_len} tokens, which leaves no room for output.",
-                       param="messages" if param != "prompt" else "prompt", code="context_length_exceeded")
+                       param=prompt_param, code="context_length_exceeded")
     room = context_length - prompt_len
     if sp.max_tokens is None:
         return sp.replace(max_tokens=room)

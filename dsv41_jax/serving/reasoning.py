@@ -24,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from dsv41_jax.chat_format.dsml import new_call_id, should_parse_tools
+from dsv41_jax.chat_format.dsml import DSML, new_call_id, should_parse_tools
 
 from .tools import ToolCallStreamParser
 
 __all__ = [
     "ChatOutputParser",
+    "chat_text_specials",
     "OutputDelta",
     "ReasoningParser",
     "parse_chat_output",
@@ -240,3 +241,21 @@ def parse_chat_output(
     p = ChatOutputParser(thinking, tools, tool_choice, **kw)
     a, b = p.feed(text), p.finish()
     return a.reasoning + b.reasoning, a.content + b.content, p.tool_calls, p.warnings
+
+
+def chat_text_specials(tokenizer: Any, *, thinking: bool, tools: bool) -> tuple[bool, frozenset]:
+    """How a chat completion's text treats special tokens: ``(skip_special_tokens, drop_token_ids)``
+    for its detokenizer (the server and `LLM.chat` alike).
+
+    The parsers need some special tokens as text (SPEC §10): ``｜DSML｜`` while tools are given (else
+    the calls markup vanishes and can neither be parsed nor stripped), ``<think>`` / ``</think>``
+    while thinking (``</think>`` splits reasoning from content). With either, special tokens are kept
+    except all the others, which are dropped; with neither, all are skipped. With thinking off,
+    ``<think>`` / ``</think>`` are never text: the prompt already closed the reasoning (its assistant
+    header ends with ``</think>``), so one the model writes is not content.
+    """
+    keep = ([DSML] if tools else []) + ([THINK_OPEN, THINK_CLOSE] if thinking else [])
+    if not keep:
+        return True, frozenset()
+    kept = {tokenizer.token_to_id(s) for s in keep} - {None}
+    return False, frozenset(getattr(tokenizer, "special_token_ids", ()) or ()) - kept

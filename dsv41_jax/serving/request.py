@@ -65,6 +65,9 @@ class CompletionOutput:
     logprobs: Optional[list] = None
     top_logprobs: Optional[list] = None
     cumulative_logprob: Optional[float] = None
+    # per token of token_ids: where its text starts in the sample's text (0 = the start of the
+    # generated text; a token that adds no text, e.g. a dropped special, starts where the next one does)
+    text_offsets: Optional[list] = None
     # filled by LLM.chat
     reasoning_content: Optional[str] = None
     content: Optional[str] = None

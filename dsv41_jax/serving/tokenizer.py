@@ -8,11 +8,14 @@ ids from, in order of precedence, ``special_tokens.json`` (tiny's ``{"bos": 0, "
 ``{"content": ...}``) and ``generation_config.json`` (``eos_token_id``, an int or a list; all of them
 join `Tokenizer.eos_token_ids`).
 
-`IncrementalDetokenizer` turns a request's generated ids into text deltas for streaming. It decodes a
-short window of ids (from the last emitted character boundary) and emits only text that does not end in
-U+FFFD, so a multi-byte character split over byte-level tokens is held back until it is complete:
-the stream never carries a broken UTF-8 sequence, and the concatenated deltas equal the full decode
-(`finish` flushes what is still held at the end, e.g. a truly invalid byte sequence).
+`IncrementalDetokenizer` is the one detokenizer: the engine's output processor runs one per sample
+and the server uses its text (the server never decodes generated ids itself). It turns a request's
+generated ids into text deltas for streaming. It decodes a short window of ids (from the last emitted
+character boundary) and emits only text that does not end in U+FFFD, so a multi-byte character split
+over byte-level tokens is held back until it is complete: the stream never carries a broken UTF-8
+sequence, and the concatenated deltas equal the full decode (`finish` flushes what is still held at
+the end, e.g. a truly invalid byte sequence). It also records each token's offset in the text
+(``text_offset`` of completions logprobs) and leaves ``drop_ids`` out of the text.
 
 `StopChecker` matches stop strings on the detokenized text, even when a stop string spans tokens. It
 holds back the longest tail of the stream that is a proper prefix of some stop string until the next
@@ -70,6 +73,8 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos + [int(t) for t in eos_token_ids]))
         added = hf.get_added_tokens_decoder() if hasattr(hf, "get_added_tokens_decoder") else {}
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if getattr(t, "special", False))
+        self._bytes_cache: dict[int, bytes] = {}
+        self._bmap: Optional[dict] = None
 
     # -- sizes and lookups -------------------------------------------------------------------------
     @property
@@ -89,6 +94,41 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[Optional[str]]:
         return [self.hf.id_to_token(int(i)) for i in ids]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (logprobs' ``bytes``): a ByteLevel BPE piece mapped back to
+        its bytes (a piece of a multi-byte character is not valid UTF-8 alone), otherwise the token
+        decoded alone with special tokens kept. Unknown ids give ``b""``."""
+        tid = int(token_id)
+        b = self._bytes_cache.get(tid)
+        if b is None:
+            piece = self.hf.id_to_token(tid)
+            bmap = self._byte_map()
+            if piece is None:
+                b = b""
+            elif bmap and tid not in self.special_token_ids and all(ch in bmap for ch in piece):
+                b = bytes(bmap[ch] for ch in piece)
+            else:
+                b = self.hf.decode([tid], skip_special_tokens=False).encode("utf-8")
+            self._bytes_cache[tid] = b
+        return b
+
+    def token_str(self, token_id: int) -> str:
+        """One token as display text (logprobs' ``token``; broken UTF-8 shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _byte_map(self) -> dict:
+        """GPT-2's unicode -> byte table when the decoder is ByteLevel, else {} (read once)."""
+        if self._bmap is None:
+            self._bmap = {}
+            try:
+                dec = json.loads(self.hf.to_str()).get("decoder") or {}
+            except (ValueError, AttributeError):
+                dec = {}
+            kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders") or []]
+            if "ByteLevel" in kinds:
+                self._bmap = _byte_decoder()
+        return self._bmap
+
     # -- encode / decode ---------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no special tokens are added (special-token text is still parsed)."""
@@ -103,6 +143,19 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={self.eos_token_ids}, pad={self.pad_token_id})")
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's ByteLevel table reversed: the unicode character of a token piece -> its byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def load_tokenizer(model_dir_or_name: str = "tiny") -> Tokenizer:
@@ -210,31 +263,51 @@ class StopChecker:
 
 
 class IncrementalDetokenizer:
-    """Per-request streaming detokenizer.
+    """Per-sample streaming detokenizer (the one the engine and the server share).
 
     ``add(token_ids) -> str`` takes one id or a list (several committed at once, e.g. by DSpark) and
     returns the new text safe to stream: complete characters only, and with ``stop`` nothing from a
     stop string on. ``finish() -> str`` returns what is still held back (call at the end of a request;
     it is empty after a stop-string match). ``.text`` is everything emitted, ``.token_ids`` every id
     added, ``.stopped`` / ``.stop_str`` report a stop-string match. Stop strings are only searched
-    once ``min_tokens`` ids have been added (vLLM's rule)."""
+    once ``min_tokens`` ids have been added (vLLM's rule).
+
+    ``drop_ids``: ids left out of the text (the server keeps special tokens for its parsers while
+    tools or thinking are on, but not all of them; `reasoning.chat_text_specials`). ``.offsets``: per
+    added id, the offset in ``.text`` where its text starts (a dropped or skipped special token adds
+    nothing, the pieces of one multi-byte character share its offset; a token cut off with a matched
+    stop string gets the length of the text) -- completions' ``logprobs.text_offset``. The stop
+    *token* that ends a sample is never text: callers do not `add` it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Sequence[int]] = None, *,
                  skip_special_tokens: bool = True, stop: Union[str, Sequence[str], None] = None,
-                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0, drop_ids: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         ctx = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
-        self._ids: list[int] = [int(t) for t in ctx]  # window context + generated ids
+        self._ids: list[int] = [int(t) for t in ctx]  # window context + generated ids (drop_ids left out)
         self._prefix = 0  # start of the decode window
         self._read = len(self._ids)  # ids before this are already emitted
         self._n_ctx = len(ctx)
         self.stop_checker = StopChecker(stop, include_stop_str_in_output)
         self.min_tokens = int(min_tokens)
+        self.drop_ids = frozenset(int(t) for t in drop_ids)
         self.text = ""
+        self.offsets: list[int] = []
+        self._n_added = 0
+        self._decoded = 0  # characters decoded so far (before stop strings cut or hold any)
+
+    @classmethod
+    def for_params(cls, tokenizer: Tokenizer, prompt_ids: Optional[Sequence[int]], p,
+                   drop_ids: Iterable[int] = ()) -> "IncrementalDetokenizer":
+        """The detokenizer of one sample with `SamplingParams` `p` (stop strings, special tokens)."""
+        return cls(tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                   include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens,
+                   drop_ids=drop_ids)
 
     @property
     def token_ids(self) -> list[int]:
+        """The ids decoded (``drop_ids`` left out)."""
         return self._ids[self._n_ctx:]
 
     @property
@@ -266,11 +339,15 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str) -> str:
         if not delta:
             return ""
-        if len(self.token_ids) < self.min_tokens:
-            out = delta
+        self._decoded += len(delta)
+        if self._n_added < self.min_tokens:
+            out, stopped = delta, False
         else:
-            out, _ = self.stop_checker.process(delta)
+            out, stopped = self.stop_checker.process(delta)
         self.text += out
+        if stopped:  # tokens of the cut stop string start where the text ends
+            n = len(self.text)
+            self.offsets = [min(o, n) for o in self.offsets]
         return out
 
     def add(self, token_ids: Union[int, Sequence[int]]) -> str:
@@ -281,7 +358,12 @@ class IncrementalDetokenizer:
         for t in ids:
             if self.stopped:
                 break
-            self._ids.append(int(t))
+            t = int(t)
+            self.offsets.append(self._decoded)
+            self._n_added += 1
+            if t in self.drop_ids:
+                continue
+            self._ids.append(t)
             out.append(self._emit(self._step()))
         return "".join(out)
 
