@@ -546,8 +546,7 @@ def convert(plan: Plan, out: str, *, resume: bool = False, overwrite: bool = Fal
         bar.close()
         for fd in fds.values():
             os.close(fd)
-    if verify:
-        _verify(plan, params_dir, done, ctx)
+    verified = _verify(plan, params_dir, done, ctx) if verify else None
     # Metadata, side files, publish.
     _write_json(os.path.join(params_dir, "_METADATA"), _orbax_metadata(plan))
     meta = _our_metadata(plan)
@@ -577,14 +576,16 @@ def convert(plan: Plan, out: str, *, resume: bool = False, overwrite: bool = Fal
             "resumed": len(skip), "written": written, "arrays": len(plan.arrays), "source_bytes": plan.total_bytes,
             "source_bytes_by_dtype": meta["source"]["bytes_by_dtype"], "bytes_by_dtype": meta["bytes_by_dtype"],
             "skipped_vision": len(plan.hf.vision), "skipped_unknown": len(plan.hf.unknown), "files": copied,
-            "seconds": dt}
+            "verified": verified, "seconds": dt}
 
 
-def _verify(plan: Plan, params_dir: str, done: dict, ctx) -> None:
-    """Read every written region back and compare its CRC-32 with the manifest's."""
+def _verify(plan: Plan, params_dir: str, done: dict, ctx) -> dict:
+    """Read every written region back and compare its CRC-32 with the manifest's; raises on the first
+    mismatch. Returns what was checked: {"items": n, "bytes": bytes read back}."""
     import tensorstore as ts
 
     cur_name, cur = None, None
+    nbytes = 0
     for it in plan.items:
         ap = plan.arrays[it.dest]
         if cur_name != it.dest:
@@ -596,9 +597,11 @@ def _verify(plan: Plan, params_dir: str, done: dict, ctx) -> None:
         for r0, r1 in ck.row_blocks(shape, ap.dtype.itemsize, BLOCK_BYTES):
             b = np.asarray((dst[r0:r1] if shape else dst).read().result())
             crc = zlib.crc32(b.reshape(-1).view(np.uint8), crc)
+            nbytes += b.nbytes
         if crc != done[it.key]["dest_crc32"]:
             raise RuntimeError(f"verify: {it.dest}{'' if it.expert is None else f'[{it.expert}]'} (from {it.key}) "
                                f"reads back with CRC-32 {crc:#010x}, expected {done[it.key]['dest_crc32']:#010x}")
+    return {"items": len(plan.items), "bytes": nbytes}
 
 
 # ================================================================================== CLI
@@ -703,6 +706,9 @@ def main(argv=None) -> int:
              "  bytes per dtype (source): " + ", ".join(f"{k} {v:,}" for k, v in
                                                         sorted(s["source_bytes_by_dtype"].items())),
              f"  copied: {', '.join(s['files'])}"]
+    if s["verified"] is not None:
+        lines.append(f"  verified: {s['verified']['items']} items ({_human(s['verified']['bytes'])}) read back; every "
+                     "CRC-32 matches the manifest")
     print("\n".join(lines))
     return 0
 

@@ -75,9 +75,15 @@ def endpoint_lines(endpoints=None) -> str:
     return "\n".join(f"  {m:4} {p:22} {what}" for m, p, what in (endpoints or ENDPOINTS))
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.HelpFormatter):
     """Wraps each line of the description and the epilog on its own, so the endpoint list keeps one
-    endpoint per line (an indented line continues under its text column)."""
+    endpoint per line (an indented line continues under its text column); each flag's default is
+    stated once (`engine_args.help_text`)."""
+
+    def _get_help_string(self, action):
+        from dsv41_jax.serving.engine_args import help_text
+
+        return help_text(action)
 
     def _fill_text(self, text, width, indent):
         out = []
@@ -147,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "skip the warm-up's XLA compilations (entries are keyed by the program, the flags and the "
                         "jax / jaxlib versions, so a stale entry is never reused); 'none' disables it. Default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/dsv41_jax/jax, else "
-                        "~/.cache/dsv41_jax/jax")
+                        "~/.cache/dsv41_jax/jax; here: %(default)s")
     g.add_argument("--log-level", default=os.environ.get("DSV41_LOG_LEVEL", "info"),
                    choices=("debug", "info", "warning", "error"), help="log level of the server and the engine")
     g.add_argument("--log-level-http", default="warning", choices=("debug", "info", "warning", "error"),

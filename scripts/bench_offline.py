@@ -40,6 +40,18 @@ def _ints(s: str) -> list:
     return [int(x) for x in s.replace(",", " ").split()]
 
 
+def pool_tokens(batch: int, input_len: int, output_len: int, page_size: int) -> int:
+    """KV pool (``--max-total-tokens``) that admits `batch` requests at once, so the largest batch runs
+    as one cohort (decode steps = output_len - 1). A pool of exactly ``batch`` x the pages of one request
+    admitted one request fewer after the previous batch size's run (a page stayed held) and ran the last
+    one as a second cohort, doubling the measured steps. So: each request's pages, one page of slack per
+    request, and the headroom the scheduler may keep free while admitting (a share, at most all, of what
+    the running requests may still generate)."""
+    per_request = -(-(input_len + output_len) // page_size)
+    headroom = -(-(batch * output_len) // page_size)
+    return (batch * (per_request + 1) + headroom) * page_size
+
+
 def bench_one(llm, b: int, input_len: int, output_len: int, seed: int) -> dict:
     import numpy as np
 
@@ -146,8 +158,7 @@ def main(argv=None) -> dict:
     if ns.context_length is None:
         ns.context_length = ns.input_len + ns.output_len
     if ns.max_total_tokens is None and ns.mem_fraction_static is None:
-        ps = ns.page_size
-        ns.max_total_tokens = bmax * (-(-(ns.input_len + ns.output_len) // ps)) * ps
+        ns.max_total_tokens = pool_tokens(bmax, ns.input_len, ns.output_len, ns.page_size)
     args = EngineArgs.from_cli_args(ns)
     if bmax > args.max_running_requests:
         ap.error(f"--batch-sizes up to {bmax} need --max-running-requests >= {bmax}")

@@ -4,6 +4,7 @@ bounded by the largest tensor, not the checkpoint."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,6 +189,7 @@ def test_killed_conversion_resumes_to_the_same_checkpoint(hf_dir, tmp_path, caps
     ref, killed = str(tmp_path / "ref"), str(tmp_path / "killed")
     p_kill = cli("--hf-dir", hf_dir, "--out", killed, "--quiet", env={convert.ABORT_ENV: "400"}, wait=False)
     assert convert.main(["--hf-dir", hf_dir, "--out", ref, "--quiet"]) == 0  # uninterrupted, meanwhile
+    assert "verified:" not in capsys.readouterr().out  # no read-back without --verify
     rc, _, err = finish(p_kill)
     assert rc == -9, (rc, err)  # SIGKILLed after 400 tensors
     tmp = convert.temp_dir_for(killed)
@@ -223,13 +225,17 @@ def test_killed_conversion_resumes_to_the_same_checkpoint(hf_dir, tmp_path, caps
 # ------------------------------------------------------------------------------------------------
 
 
-def test_bf16_conversion_and_mesh_layout(hf_dir, cfg, tmp_path):
+def test_bf16_conversion_and_mesh_layout(hf_dir, cfg, tmp_path, capsys):
     """bf16 storage is lossless for these formats (e4m3·2^k and e2m1·2^k are bf16 values), so the stated
     tolerance is zero: the re-quantized weights dequantize to exactly the packed ones, and the logits
     are bitwise equal to those of the packed checkpoint."""
     out = str(tmp_path / "bf16")
     assert convert.main(["--hf-dir", hf_dir, "--out", out, "--dtype", "bf16", "--tp", "2", "--ep", "4",
                          "--quiet", "--verify"]) == 0
+    # --verify says what it checked: every item written, read back
+    printed = capsys.readouterr().out
+    written = re.search(r"written now: (\d+) items", printed)
+    assert written and f"verified: {written.group(1)} items (" in printed and "every CRC-32 matches" in printed
     with open(os.path.join(out, ck.META_FILE)) as f:
         meta = json.load(f)
     assert meta["storage"] == "bf16" and (meta["mesh"]["tp"], meta["mesh"]["ep"]) == (2, 4)

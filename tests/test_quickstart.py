@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,10 @@ def test_default_server_shows_every_feature(default_server):
     log = default_server["log"].read_text()
     assert "parsers: reasoning=deepseek-v41, tool calls=deepseekv41" in log
     assert "warm-up done: 2 shapes" in log  # the tiny model's compact buckets
+    # an empty cache: every program of the warm-up compiled, none loaded (engine.CacheLoads counts loads)
+    done = re.search(r"warm-up done: 2 shapes, (\d+) programs \((\d+) compiled, 0 loaded from the compilation cache\)",
+                     log)
+    assert done and done.group(1) == done.group(2) != "0", log[-3000:]
     assert os.listdir(default_server["cache"])  # the persistent cache is on by default
 
 

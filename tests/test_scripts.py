@@ -38,6 +38,22 @@ def test_bench_offline(tmp_path, micro_dir):
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
+def test_bench_offline_runs_its_largest_batch_as_one_cohort(tmp_path, micro_dir):
+    """Without --max-total-tokens the script sizes the KV pool so every request of the largest batch is
+    admitted at once (after the smaller batch's run): its decode steps are output_len - 1, not two
+    cohorts' worth. 8 requests of 81 + 15 tokens fill 6 pages of 16 each; the pool comes out at the
+    1,024 tokens of ENGINE_FLAGS, so the compiled steps are test_engine's."""
+    mod = _script("bench_offline")
+    flags = [f for f in ENGINE_FLAGS]
+    i = flags.index("--max-total-tokens")
+    del flags[i:i + 2]
+    assert mod.pool_tokens(8, 81, 15, 16) == 1024
+    rep = mod.main(["--batch-sizes", "1,8", "--input-len", "81", "--output-len", "15", "--out", str(tmp_path / "b.json"),
+                    "--log-level", "WARNING", "--model", micro_dir] + flags)
+    assert rep["engine_args"]["max_total_tokens"] == 1024
+    assert [(r["batch_size"], r["decode_steps"]) for r in rep["results"]] == [(1, 14), (8, 14)]
+
+
 @pytest.fixture(scope="module")
 def ppl_mod():
     return _script("eval_ppl")

@@ -107,9 +107,11 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from typing import Optional, Sequence, Union
 
+from jax import monitoring
 
 from dsv41_jax.model.decode import _bucket  # noqa: F401 (re-exported: tests bucket shapes as the engine does)
 from dsv41_jax.serving.engine_args import EngineArgs
@@ -132,6 +134,30 @@ __all__ = ["BOUNDED_REPLAY_PLP_REFUSAL", "CompletionOutput", "Engine", "EngineEr
            "SharedPageAllocator", "PREEMPTION_REASONS"]
 
 log = logging.getLogger("dsv41_jax.engine")
+
+
+class CacheLoads:
+    """Counts, while active, the executables JAX loads from the persistent compilation cache instead of
+    compiling them (its ``/jax/compilation_cache/cache_hits`` monitoring event; thread-safe, since the
+    warm-up compiles in threads). A context manager: the listener is removed on exit."""
+
+    EVENT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **kwargs) -> None:
+        if event == self.EVENT:
+            with self._lock:
+                self.count += 1
+
+    def __enter__(self) -> "CacheLoads":
+        monitoring.register_event_listener(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        monitoring.unregister_event_listener(self)
 
 # (old private names, kept for code that imported them)
 _Group, _Seq = Group, Seq
@@ -193,6 +219,7 @@ class Engine:
         self._iter = 0
         self.warmup_time = 0.0
         self.warmup_shapes = 0
+        self.warmup_cache_loads = 0
         self.last_step: dict = {}
         if self.spec_gamma:
             log.info("DSpark speculative decoding: γ = %d proposals per step (of the checkpoint's %s)%s",
@@ -276,13 +303,19 @@ class Engine:
         return self.runner.num_compilations()
 
     def warmup(self) -> None:
-        """Compile every (batch, tokens) bucket (and the DSpark step per batch bucket) and the helpers."""
+        """Compile every (batch, tokens) bucket (and the DSpark step per batch bucket) and the helpers.
+        The log line says how many of those programs XLA compiled and how many were loaded from the
+        persistent compilation cache (a warm restart compiles nothing)."""
         t0 = time.perf_counter()
         n0 = self.num_compilations()
-        self.warmup_shapes = self.runner.warmup(self.batch_buckets, self.token_buckets)
+        with CacheLoads() as loads:
+            self.warmup_shapes = self.runner.warmup(self.batch_buckets, self.token_buckets)
         self.warmup_time = time.perf_counter() - t0
-        log.info("warm-up done: %d shapes, %d compilations in %.1fs", self.warmup_shapes,
-                 self.num_compilations() - n0, self.warmup_time)
+        programs = self.num_compilations() - n0
+        self.warmup_cache_loads = min(loads.count, programs)
+        log.info("warm-up done: %d shapes, %d programs (%d compiled, %d loaded from the compilation cache) in %.1fs",
+                 self.warmup_shapes, programs, programs - self.warmup_cache_loads, self.warmup_cache_loads,
+                 self.warmup_time)
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int], None] = None,

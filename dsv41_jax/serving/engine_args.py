@@ -11,6 +11,8 @@ Flags use SGLang's spelling where the meaning is the same (docs/design/spec.md Â
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
 ``--speculative-dspark-block-size`` (DSpark proposals per step, 1..5, at most the checkpoint's block),
 ``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``).
+vLLM's spellings are aliases: ``--max-model-len`` (``--context-length``), ``--tensor-parallel-size``
+(``--tp-size``), ``--max-num-seqs`` (``--max-running-requests``).
 
 Small models (under ``SMALL_MODEL_BYTES`` of weights, e.g. the embedded tiny model) get smaller
 defaults: 4 running requests, 64-token prefill chunks and "compact" shape buckets (one batch size x
@@ -73,6 +75,17 @@ def model_is_small(model: str) -> bool:
 
 def _int_list(text: str) -> list:
     return [int(x) for x in str(text).replace(",", " ").split()]
+
+
+def help_text(action: argparse.Action) -> str:
+    """A flag's ``--help`` text with its default stated once: argparse's "(default: X)" is appended only
+    where the text does not already say what the default is, and never for an unset (None) default or
+    an on/off switch, whose text says what happens without it."""
+    text = action.help or ""
+    if (not action.option_strings or action.default is None or action.default is argparse.SUPPRESS
+            or isinstance(action.default, bool) or "default" in text.lower()):
+        return text
+    return text + " (default: %(default)s)"
 
 
 @dataclass
@@ -325,11 +338,11 @@ class EngineArgs:
                             "fp8_e4m3 (all fp8, lossy), bfloat16 / float32 (debugging)")
         g.add_argument("--page-size", type=int, default=d["page_size"].default,
                        help="tokens per KV page (a multiple of every compress ratio); default %(default)s")
-        g.add_argument("--context-length", type=int, default=None,
+        g.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                        help="maximum tokens per request (prompt + output); default: the model's "
                             "max_position_embeddings, capped by the pool size. The indexer's cost per step "
                             "grows with it")
-        g.add_argument("--max-running-requests", type=int, default=None,
+        g.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int, default=None,
                        help="requests decoding at once (slots for per-request state); the largest batch "
                             f"bucket; default {_DEFAULT_RUNNING[1]}, {_DEFAULT_RUNNING[0]} for a small model "
                             f"(weights under {SMALL_MODEL_BYTES >> 30} GiB, e.g. tiny)")
@@ -389,7 +402,7 @@ class EngineArgs:
                        help="log a decode line every this many decode steps; default %(default)s")
         g.add_argument("--skip-server-warmup", action="store_true",
                        help="do not compile every (batch, tokens) bucket at start (they compile on first use)")
-        g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
+        g.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                        help="tensor parallel size: attention heads, the shared expert, embedding/head and the "
                             "Engram tables are split over tp devices (mesh of tp x ep devices; an impossible "
                             "combination is refused at start-up)")
