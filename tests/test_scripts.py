@@ -40,18 +40,16 @@ def test_bench_offline(tmp_path, micro_dir):
 
 def test_bench_offline_runs_its_largest_batch_as_one_cohort(tmp_path, micro_dir):
     """Without --max-total-tokens the script sizes the KV pool so every request of the largest batch is
-    admitted at once (after the smaller batch's run): its decode steps are output_len - 1, not two
-    cohorts' worth. 8 requests of 81 + 15 tokens fill 6 pages of 16 each; the pool comes out at the
-    1,024 tokens of ENGINE_FLAGS, so the compiled steps are test_engine's."""
+    admitted at once, after the smaller batch's run: its decode steps are output_len - 1. (A pool of
+    exactly 4 x one page, as the script sized it before, ran 3 requests, then the 4th: 10 steps.) Its
+    own small shapes (batch 4, chunks of 16): one page of 16 tokens per request."""
     mod = _script("bench_offline")
-    flags = [f for f in ENGINE_FLAGS]
-    i = flags.index("--max-total-tokens")
-    del flags[i:i + 2]
-    assert mod.pool_tokens(8, 81, 15, 16) == 1024
-    rep = mod.main(["--batch-sizes", "1,8", "--input-len", "81", "--output-len", "15", "--out", str(tmp_path / "b.json"),
+    flags = ["--dtype", "float32", "--page-size", "16", "--context-length", "128", "--max-running-requests", "4",
+             "--chunked-prefill-size", "16", "--batch-buckets", "4", "--token-buckets", "16"]
+    rep = mod.main(["--batch-sizes", "1,4", "--input-len", "10", "--output-len", "6", "--out", str(tmp_path / "b.json"),
                     "--log-level", "WARNING", "--model", micro_dir] + flags)
-    assert rep["engine_args"]["max_total_tokens"] == 1024
-    assert [(r["batch_size"], r["decode_steps"]) for r in rep["results"]] == [(1, 14), (8, 14)]
+    assert rep["engine_args"]["max_total_tokens"] == mod.pool_tokens(4, 10, 6, 16) > 4 * 16
+    assert [(r["batch_size"], r["decode_steps"]) for r in rep["results"]] == [(1, 5), (4, 5)]
 
 
 @pytest.fixture(scope="module")
