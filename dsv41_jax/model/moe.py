@@ -1,6 +1,6 @@
 """Mixture of experts: sqrtsoftplus gate, top-k, clamped SwiGLU experts, shared expert (docs/design/spec.md §6).
 
-Two implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe")`:
+The implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe")`:
 
 * ``"reference"`` — every routed expert runs on every token, multiplied by a routing weight that is
   exactly 0 for unselected experts (so they add exact zeros and the sum keeps ascending-expert-id
@@ -12,6 +12,10 @@ Two implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe
   to bf16 (exact: e2m1 x 2^k has 2 significant bits) and one `jax.lax.ragged_dot_general` per
   projection multiplies each group of rows by its expert only, with fp32 accumulation (fp64 in the
   exact mode). No token is dropped; experts with no token are groups of size 0.
+* ``"pallas"`` / ``"pallas_interpret"`` — `dsv41_jax.pallas.moe_mxfp4`: the same sorted groups, each
+  selected expert's packed e2m1 codes and E8M0 scales decoded inside the kernel (read once at decode
+  sizes), gate/up → clamped SwiGLU → fp8 quant → down; the same combine. Not in the exact mode, not
+  expert-parallel (both refused).
 
 Combine order (docs/design/spec.md §6: "the fp32 sum of routed outputs in ascending expert id"): the reference adds
 expert outputs in ascending id in fp32 (the unselected ones add exact zeros, which change nothing).
@@ -161,6 +165,47 @@ def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact, layer=None):
     return tiling.over_rows(xd, N, 0 if exact else tiling.n_tiles(N, G * K), tile)
 
 
+def sort_assignments(idx, E: int, first_expert=0):
+    """The N·k (token, expert) assignments of idx int32 [N, k] grouped by expert, for the experts
+    ``first_expert .. first_expert + E − 1`` held (`routed_slots`).
+
+    Returns (order, held, gexp, sizes): order int32 [A] (A = N·k) the flat assignment ids sorted by
+    expert id, stable (assignment a is token a // k, slot a % k); held bool [A] whether the sorted
+    assignment's expert is held (non-held ones sort last and belong to no group); gexp int32 [G] the
+    expert (local id) of each group, or None when the groups are all E experts in id order; sizes
+    int32 [G] the rows of each group (Σ = held assignments; the sorted rows of group g start at
+    Σ sizes[:g]). G = min(A, E) (static): at most A distinct experts can be selected; with G < E the
+    groups are the distinct selected experts ascending and unused trailing groups are empty (size 0,
+    expert 0).
+    """
+    N, k = idx.shape
+    A = N * k
+    local = idx.reshape(A) - first_expert
+    mine = (local >= 0) & (local < E)
+    flat_e = jnp.where(mine, local, E)  # non-held assignments: key E, after every group
+    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)  # assignments sorted by expert id
+    se = flat_e[order]
+    held = se < E
+    G = min(A, E)
+    if G < E:
+        new = jnp.concatenate([jnp.ones((1,), bool), se[1:] != se[:-1]]) & held
+        gid = jnp.cumsum(new.astype(jnp.int32)) - 1
+        gid = jnp.where(held, gid, G)  # non-held assignments: out of range, dropped
+        gexp = jnp.zeros((G,), jnp.int32).at[gid].set(se, mode="drop")
+        sizes = jnp.zeros((G,), jnp.int32).at[gid].add(1, mode="drop")
+    else:
+        gexp = None  # every expert is a group, in id order
+        sizes = jnp.zeros((E,), jnp.int32).at[se].add(1, mode="drop")
+    return order, held, gexp, sizes
+
+
+def unsort_slots(y_sorted, order, held, N: int, k: int):
+    """Sorted per-assignment outputs y_sorted [A, D] back to slots [N, k, D]; the non-held
+    assignments' rows (never computed) become exact zeros."""
+    y_sorted = jnp.where(held[:, None], y_sorted, jnp.zeros((), y_sorted.dtype))
+    return jnp.zeros(y_sorted.shape, y_sorted.dtype).at[order].set(y_sorted).reshape(N, k, -1)
+
+
 def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     """Per-assignment outputs of the grouped routed experts: [N, k, D] in `dt` (fp32 in exact mode).
 
@@ -174,37 +219,16 @@ def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     N, D = xf.shape
     k = idx.shape[1]
     E = ex["w1"]["weight"].shape[-3]
-    A = N * k
-    local = idx.reshape(A) - first_expert
-    mine = (local >= 0) & (local < E)
-    # Non-held assignments sort last (key E) and belong to no group: they are never multiplied.
-    flat_e = jnp.where(mine, local, E)
-    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)  # assignments sorted by expert id
-    se = flat_e[order]
-    held = se < E
-    G = min(A, E)  # static: at most A distinct experts can be selected
-    if G < E:
-        # Groups = the distinct selected experts in ascending id; unused trailing groups are empty
-        # (size 0, they point at expert 0 and are never multiplied).
-        new = jnp.concatenate([jnp.ones((1,), bool), se[1:] != se[:-1]]) & held
-        gid = jnp.cumsum(new.astype(jnp.int32)) - 1
-        gid = jnp.where(held, gid, G)  # non-held assignments: out of range, dropped
-        gexp = jnp.zeros((G,), jnp.int32).at[gid].set(se, mode="drop")
-        sizes = jnp.zeros((G,), jnp.int32).at[gid].add(1, mode="drop")
-    else:
-        gexp = None  # every expert is a group, in id order
-        sizes = jnp.zeros((E,), jnp.int32).at[se].add(1, mode="drop")
+    order, held, gexp, sizes = sort_assignments(idx, E, first_expert)
     xs = jnp.take(xf, order // k, axis=0)  # [A, D] token rows, sorted by expert
-    ws = jnp.take(w.reshape(A), order)
+    ws = jnp.take(w.reshape(N * k), order)
     exact = is_exact(cfg)
 
     def proj(a, name):
         return _grouped_mxfp4(a, ex[name]["weight"], ex[name]["scale"], gexp, sizes, dt, exact, layer)
 
     act = _swiglu_act(proj(xs, "w1"), proj(xs, "w3"), ws, cfg.swiglu_limit, dt)
-    y_sorted = proj(act, "w2")  # [A, D] in dt
-    y_sorted = jnp.where(held[:, None], y_sorted, jnp.zeros((), y_sorted.dtype))
-    return jnp.zeros((A, D), y_sorted.dtype).at[order].set(y_sorted).reshape(N, k, D)
+    return unsort_slots(proj(act, "w2"), order, held, N, k)  # [A, D] in dt -> [N, k, D]
 
 
 def combine_slots(y, idx):
@@ -230,14 +254,19 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
 def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
     """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
 
-    The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla", module doc); the
+    The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla" | "pallas" |
+    "pallas_interpret", module doc); the
     gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
     mesh: a `jax.sharding.Mesh` with an "ep" axis > 1 runs the routed experts expert-parallel
     (`parallel.collectives.routed_experts`: the grouped path per expert shard, bitwise the same result).
     """
     impl = dispatch.resolve(cfg, "moe")
-    if impl not in ("reference", "xla"):
+    kernel = impl in ("pallas", "pallas_interpret")
+    if impl not in ("reference", "xla") and not kernel:
         raise dispatch.ImplError(f"moe: no {impl!r} implementation")
+    if kernel and is_exact(cfg):
+        raise dispatch.ImplError(f"moe: the exact numerics mode has no {impl!r} implementation (the MXFP4 kernel "
+                                 f"accumulates in fp32, not fp64): use impl 'moe=xla' or 'moe=reference'")
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     idx, w, _ = route(p["gate"], xf, top_k, cfg)
@@ -248,9 +277,15 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
+        if kernel:
+            raise dispatch.ImplError(f"moe: the {impl!r} kernel runs on one device's experts only, not "
+                                     f"expert-parallel; use impl 'moe=xla' (or 'auto') on an ep mesh")
         from dsv41_jax.parallel import collectives
 
         routed = collectives.routed_experts(p["experts"], xf, idx, w, cfg, dt, mesh)
+    elif kernel:
+        slots = dispatch.kernel("moe", impl)(p["experts"], xf, idx, w, cfg, dt, interpret=impl == "pallas_interpret")
+        routed = combine_slots(slots, idx)
     else:
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]

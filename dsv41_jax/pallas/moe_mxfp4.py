@@ -1,0 +1,333 @@
+"""Pallas kernel of the MoE seam: the grouped routed experts on their stored MXFP4 codes (SPEC §6).
+
+`kernel` takes the arguments of `moe.routed_slots` (plus ``interpret`` and tuning knobs) and returns
+what it returns: the per-assignment outputs [N, k, D] (`ref_routed_slots` is that oracle, the "xla"
+path). The (token, expert) assignments are sorted by expert exactly as the xla path sorts them
+(`moe.sort_assignments`: groups = the distinct selected experts, at most min(N·k, E)), then two
+``pallas_call``s run over (output tile, group):
+
+1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens' fp8
+   fake-quantized activations, gathered by token id inside the kernel — g = x·w1ᵀ and u = x·w3ᵀ over
+   K = D in chunks of block_k, each chunk of w1 / w3 read as packed e2m1 bytes + E8M0 scale bytes and
+   decoded in registers (exact in bf16); then SPEC's expert activation: g, u rounded to `dt` and
+   widened, u clamped to ±swiglu_limit, g ≤ swiglu_limit, a = silu(g)·u·routing weight → `dt`, and
+   the fp8 activation quant of w2's input (per 32 along I) applied in the epilogue, so the
+   intermediate written to HBM is already w2's operand (bf16: every fp8-quantized value is exact).
+2. **down** (`_down_kernel`, grid (D / block_n2, G)): y = a·w2ᵀ over K = I, w2 decoded the same way,
+   rounded to `dt`.
+
+Each program holds one output tile of one expert and loops over the group's rows in blocks of
+``block_m`` (a loop with a data-dependent trip count): at decode sizes (≤ block_m rows per expert) the
+selected experts' weights and scales are read exactly once; at prefill once per block_m rows of the
+group (the later reads mostly from L2). A group with no rows (an expert no token selected, or an
+unused trailing group) skips its body (`pl.when`): it reads no weight and writes nothing, so
+experts without tokens cost nothing but an empty program. The combine stays the xla path's
+(`moe.unsort_slots`, `moe.combine_slots`: ascending expert id, left to right in fp32), so the kernel
+and the xla path differ only inside each GEMM: fp32 summation order of exact products (bf16 operands,
+fp32 accumulation — the products e4m3·2^k × e2m1·2^k are exact), below each GEMM's rounding to `dt`
+(tests/test_pallas_moe.py states the tolerances). The exact numerics mode (fp64 accumulation) has no
+kernel: the seam refuses it (`moe.moe`).
+
+Bytes moved (`bytes_moved`, declared to XLA as the ``pl.CostEstimate`` of each call with every group
+non-empty): per non-empty group the expert's three packed weights + scales at stored width (w1, w3:
+I·D/2 + I·D/32 bytes each; w2: D·I/2 + D·I/32), plus the activations (the N token rows in, the
+bf16 intermediate out and in, the `dt` output), plus metadata. How many groups are non-empty depends on
+the routing; `scripts/bench_decode.py --part b` evaluates the contract at the expected number of
+distinct experts (the same expectation its ideal uses) and records the all-groups bound beside it.
+
+Lowering: Pallas **Triton** (`common.triton_params`), like the other kernels here: the token rows are a
+gather (``x_ref[toks, cols]``, one int-array indexer per load), which Triton lowers to a pointer
+gather and Mosaic GPU cannot express on Hopper. No fp8 dtype reaches the kernel (E8M0 scales enter as
+their uint8 bits); every in-kernel tensor has power-of-two sides (block sizes divide D and I:
+``gcd`` with a power of two); rounding is integer arithmetic (the Triton lowering has no ``round``).
+Interpret mode (``interpret=True``) runs the same bodies on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.model import moe, quant
+from dsv41_jax.pallas import common
+from dsv41_jax.pallas import sparse_attention as sa
+
+NAME = "moe_mxfp4"
+PARTS = ("gate_up", "down")
+_MIN_DOT = 16  # the smallest tt.dot tile edge
+
+
+# ------------------------------------------------------------------------------------- reference
+
+
+def ref_routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
+    """The oracle: the seam's "xla" grouped path (`moe.routed_slots`), [N, k, D]."""
+    return moe.routed_slots(ex, xf, idx, w, cfg, dt, first_expert)
+
+
+# ------------------------------------------------------------------------------- in-kernel numerics
+
+
+def _decode_mxfp4(packed, scale):
+    """MXFP4 codes -> values, exact: packed uint8 [n, c/2] (low nibble = even element), E8M0 bytes
+    uint8 [n, c/32] -> fp32 [n, c] (as `quant.dequantize_mxfp4`). The kernel's only decode."""
+    p = packed.astype(jnp.int32)
+    n, h = p.shape
+    codes = jnp.stack([p & 15, p >> 4], axis=-1).reshape(n, 2 * h)
+    return sa._e2m1_codes(codes) * sa._expand(sa._e8m0_bits(scale.astype(jnp.int32)), 32)
+
+
+def _pow2(e):
+    """2^e as fp32 for int32 e in [-126, 127] (from the exponent field)."""
+    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def _rne_small(v):
+    """Round-half-even of fp32 v in [0, 2^23) to an integer, as fp32 (truncate, then compare the exact
+    remainder: the Triton lowering has no round primitive)."""
+    t = v.astype(jnp.int32)
+    frac = v - t.astype(jnp.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))
+    return (t + up.astype(jnp.int32)).astype(jnp.float32)
+
+
+def _round_e4m3(y):
+    """`quant.round_e4m3` for fp32 y with |y| <= 448: the e4m3 quantum 2^(max(⌊log2|y|⌋, −6) − 3), RNE,
+    sign kept (−0 stays −0)."""
+    ybits = lax.bitcast_convert_type(y, jnp.int32)
+    a = jnp.abs(y)
+    e = jnp.maximum(((lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF) - 127, -6)
+    r = _rne_small(a * _pow2(3 - e)) * _pow2(e - 3)  # both products exact (powers of two)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(r, jnp.int32) | (ybits & jnp.int32(-(1 << 31))),
+                                    jnp.float32)
+
+
+def _fake_quant_fp8(a):
+    """SPEC §6 activation quant of fp32 a [m, n] (n % 32 == 0), per 32 along n, multiplied back:
+    fp32 [m, n], bitwise `quant.fake_quant_fp8` (amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉ with amax/448
+    rounded in fp32 first, e4m3 RNE of clamp(a/s, ±448), times s)."""
+    m, n = a.shape
+    amax = jnp.maximum(jnp.max(jnp.abs(a).reshape(m, n // 32, 32), axis=2), 1e-4)
+    vb = lax.bitcast_convert_type(amax / quant.E4M3_MAX, jnp.int32)
+    e = ((vb >> 23) & 0xFF) - 127 + ((vb & 0x7FFFFF) != 0).astype(jnp.int32)  # exact ⌈log2⌉ (normal)
+    y = jnp.clip(a * sa._expand(_pow2(-e), 32), -quant.E4M3_MAX, quant.E4M3_MAX)  # a / s, exact
+    return _round_e4m3(y) * sa._expand(_pow2(e), 32)
+
+
+def _dot_nt(x, w):
+    """x [m, k] · w [n, k]ᵀ -> fp32 [m, n] (bf16 operands: exact products, fp32 accumulation)."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _group_rows(gstart_ref, gsize_ref, g, bm, body):
+    """Run body(r0, live) over the row blocks of group g (skipped when it has no rows): r0 the first
+    sorted row of the block, live bool [bm] the rows that belong to the group."""
+    n = gsize_ref[g]
+
+    @pl.when(n > 0)
+    def _():
+        s0 = gstart_ref[g]
+
+        def block(rb, carry):
+            r0 = s0 + rb * bm
+            body(r0, r0 + lax.iota(jnp.int32, bm) < s0 + n)
+            return carry
+
+        lax.fori_loop(0, lax.div(n + bm - 1, bm), block, 0)
+
+
+def _gate_up_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, tok_ref, wts_ref, x_ref, w1_ref, s1_ref, w3_ref,
+                    s3_ref, act_ref, *, c):
+    """Program (tile j of I, group g): act[rows, j-tile] = fq8(dt(silu(min(g, L))·clamp(u, ±L)·w))."""
+    j, g = pl.program_id(0), pl.program_id(1)
+    bm, bn, bk, dt, lim = c["bm"], c["bn"], c["bk"], c["dt"], c["limit"]
+    row0 = (layer_ref[0] * c["E"] + gexp_ref[g]) * c["I"] + j * bn  # the tile's first weight row
+
+    def weight(w_ref, s_ref, kc):
+        return _decode_mxfp4(w_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 2), bk // 2)],
+                             s_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 32), bk // 32)]).astype(jnp.bfloat16)
+
+    def rows(r0, live):
+        toks = tok_ref[pl.ds(r0, bm)]
+
+        def kstep(kc, acc):
+            xb = x_ref[toks, pl.ds(kc * bk, bk)]  # [bm, bk]: the rows' tokens, gathered
+            return acc[0] + _dot_nt(xb, weight(w1_ref, s1_ref, kc)), acc[1] + _dot_nt(xb, weight(w3_ref, s3_ref, kc))
+
+        z = jnp.zeros((bm, bn), jnp.float32)
+        gg, uu = lax.fori_loop(0, c["D"] // bk, kstep, (z, z))
+        gg = jnp.minimum(gg.astype(dt).astype(jnp.float32), lim)  # GEMM outputs rounded to dt, widened
+        uu = jnp.clip(uu.astype(dt).astype(jnp.float32), -lim, lim)
+        a = (jax.nn.silu(gg) * uu * wts_ref[pl.ds(r0, bm)][:, None]).astype(dt).astype(jnp.float32)
+        pltriton.store(act_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], _fake_quant_fp8(a).astype(act_ref.dtype),
+                       mask=live[:, None])
+
+    _group_rows(gstart_ref, gsize_ref, g, bm, rows)
+
+
+def _down_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, act_ref, w2_ref, s2_ref, y_ref, *, c):
+    """Program (tile j of D, group g): y[rows, j-tile] = dt(act[rows] · w2[e, j-tile]ᵀ)."""
+    j, g = pl.program_id(0), pl.program_id(1)
+    bm, bn, bk = c["bm"], c["bn"], c["bk"]
+    row0 = (layer_ref[0] * c["E"] + gexp_ref[g]) * c["D"] + j * bn
+
+    def rows(r0, live):
+        def kstep(kc, acc):
+            w = _decode_mxfp4(w2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 2), bk // 2)],
+                              s2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 32), bk // 32)]).astype(jnp.bfloat16)
+            return acc + _dot_nt(act_ref[pl.ds(r0, bm), pl.ds(kc * bk, bk)], w)
+
+        acc = lax.fori_loop(0, c["I"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
+        pltriton.store(y_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(y_ref.dtype), mask=live[:, None])
+
+    _group_rows(gstart_ref, gsize_ref, g, bm, rows)
+
+
+# ---------------------------------------------------------------------------------------- contract
+
+
+def bytes_moved(part: str, *, A: int, N: int, D: int, I: int, G: int, out_itemsize: int,
+                n_active: float | None = None) -> float:
+    """Minimal HBM bytes of one call of `part` ("gate_up" | "down"), the kernel's bytes-moved contract.
+
+    A assignments (sorted rows), N tokens, hidden D, intermediate I, G groups of which `n_active`
+    (default: all G, the bound) have rows; out_itemsize: the down output's dtype size. Weights at
+    stored width (packed e2m1 + E8M0 scales) once per non-empty group; activations once (the gate/up
+    call gathers N distinct token rows; repeated reads of a row by the group's tiles hit L2); metadata
+    (group expert / start / size, the layer, the rows' token ids and routing weights)."""
+    n_active = G if n_active is None else n_active
+    meta = 4 * (3 * G + 1)
+    if part == "gate_up":
+        return n_active * 2 * (I * D // 2 + I * D // 32) + 2 * N * D + 2 * A * I + meta + 8 * A
+    if part == "down":
+        return n_active * (D * I // 2 + D * I // 32) + 2 * A * I + out_itemsize * A * D + meta
+    raise ValueError(f"moe_mxfp4.bytes_moved: part must be one of {PARTS}, got {part!r}")
+
+
+def call_geometry(name: str, in_avals, out_avals) -> dict | None:
+    """The `bytes_moved` keywords of one of this module's pallas_calls from its name and operand
+    shapes (what a jaxpr holds: scripts/bench_decode.py counts the calls this way), or None if `name`
+    is not one of them. Returns {"part", "A", "N", "D", "I", "G", "out_itemsize"}."""
+    import numpy as np
+
+    part = next((p for p in PARTS if name.startswith(f"{NAME}_{p}")), None)
+    if part is None:
+        return None
+    G = in_avals[0].shape[0]
+    if part == "gate_up":
+        N, D = in_avals[6].shape
+        A_pad, I = out_avals[0].shape
+        a_pad = A_pad - _pad_rows(name)
+        return dict(part=part, A=a_pad, N=N, D=D, I=I, G=G, out_itemsize=0)
+    A_pad, I = in_avals[4].shape
+    D = out_avals[0].shape[1]
+    return dict(part=part, A=A_pad - _pad_rows(name), N=0, D=D, I=I, G=G,
+                out_itemsize=np.dtype(out_avals[0].dtype).itemsize)
+
+
+def _pad_rows(name: str) -> int:
+    """The row padding (block_m) a call's name records (``..._m{block_m}_...``)."""
+    return int(re.search(r"_m(\d+)_n", name).group(1))
+
+
+# ------------------------------------------------------------------------------------------- entry
+
+
+def _plan(A: int, G: int, D: int, I: int, block_m, block_n, block_n2, block_k, block_k2) -> dict:
+    """Static block sizes. Defaults: block_m from the mean rows per group (16 at decode, up to 64);
+    64-wide output tiles, 128-deep K chunks, each cut to the largest power of two dividing its dim."""
+    if block_m is None:
+        block_m = min(64, max(_MIN_DOT, common.next_pow2(-(-A // max(G, 1)))))
+    p = dict(bm=block_m, bn=block_n or math.gcd(I, 64), bn2=block_n2 or math.gcd(D, 64),
+             bk=block_k or math.gcd(D, 128), bk2=block_k2 or math.gcd(I, 128))
+    for k, v, dim in (("block_m", p["bm"], None), ("block_n", p["bn"], I), ("block_n2", p["bn2"], D),
+                      ("block_k", p["bk"], D), ("block_k2", p["bk2"], I)):
+        lo = _MIN_DOT if k in ("block_m", "block_n2") else 32  # I tiles and K chunks hold whole 32-blocks
+        if v < lo or v & (v - 1) or (dim is not None and dim % v):
+            raise ValueError(f"moe_mxfp4: {k}={v} must be a power of two >= {lo}"
+                             + (f" dividing {dim}" if dim is not None else ""))
+    return p
+
+
+def _flat(a, layer):
+    """A weight / scale stack [E, R, C] (or a run's [n, E, R, C]) as [rows, C] uint8 bits."""
+    if a.dtype != jnp.uint8:
+        a = lax.bitcast_convert_type(a, jnp.uint8)
+    return a.reshape(-1, a.shape[-1])
+
+
+def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, block_m: int | None = None,
+           block_n: int | None = None, block_n2: int | None = None, block_k: int | None = None,
+           block_k2: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """The grouped routed experts (arguments and result of `moe.routed_slots`): [N, k, D] in `dt`.
+
+    ex: the layer's stacked experts {w1, w3, w2: {weight uint8 [E, out, in/2], scale E8M0 [E, out, in/32]}}
+    (or a layer run's stacks [n, E, ...] with ``"layer"``, `moe.layer_slice`); xf [N, D] (bf16 | fp32);
+    idx int32 [N, k] global expert ids; w fp32 [N, k] routing weights; first_expert: the global id of
+    ex's expert 0. Knobs (static): block_m rows per block, block_n / block_n2 output tile of gate/up (I)
+    / down (D), block_k / block_k2 K chunk of gate/up (D) / down (I), num_warps / num_stages (Triton).
+    """
+    if cfg.act_dtype == "exact":
+        raise NotImplementedError("moe_mxfp4 kernel: the exact numerics mode accumulates in fp64, which this "
+                                  "kernel does not; run the moe op with impl 'xla' or 'reference'")
+    dt = jnp.dtype(dt)
+    ex, layer = moe.layer_slice(ex)
+    N, D = xf.shape
+    k = idx.shape[1]
+    A = N * k
+    E, I = ex["w1"]["weight"].shape[-3], ex["w1"]["weight"].shape[-2]
+    if A == 0:
+        return jnp.zeros((N, k, D), dt)
+    order, held, gexp, sizes = moe.sort_assignments(idx, E, first_expert)
+    G = sizes.shape[0]
+    if gexp is None:
+        gexp = jnp.arange(G, dtype=jnp.int32)
+    gstart = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    p = _plan(A, G, D, I, block_m, block_n, block_n2, block_k, block_k2)
+    bm = p["bm"]
+    a_pad = A + bm  # every row block of every group lies inside the padded rows
+    tok = jnp.pad(order // k, (0, bm))
+    wts = jnp.pad(jnp.take(w.reshape(A).astype(jnp.float32), order), (0, bm))
+    xd = quant.fake_quant_fp8(xf, out_dtype=jnp.bfloat16)  # per token (the xla path: per sorted row, same values)
+    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    meta = [gexp, gstart, sizes.astype(jnp.int32), lay]
+    wt = {n: (_flat(ex[n]["weight"], layer), _flat(ex[n]["scale"], layer)) for n in ("w1", "w3", "w2")}
+    c = dict(E=E, D=D, I=I, dt=dt, limit=float(cfg.swiglu_limit))
+    params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
+    common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],
+                      block_k2=p["bk2"], num_warps=num_warps)
+    tag = f"m{bm}_n{p['bn']}_k{p['bk']}"
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda j, g, nd=a.ndim: (0,) * nd)
+
+    def cost(part, out_itemsize, flops):
+        return pl.CostEstimate(flops=int(flops), transcendentals=A * I if part == "gate_up" else 0,
+                               bytes_accessed=int(bytes_moved(part, A=A, N=N, D=D, I=I, G=G,
+                                                              out_itemsize=out_itemsize)))
+
+    ins = meta + [tok, wts, xd, *wt["w1"], *wt["w3"]]
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, c=dict(c, bm=bm, bn=p["bn"], bk=p["bk"])),
+        grid=(I // p["bn"], G), in_specs=[whole(a) for a in ins], out_specs=whole(jax.ShapeDtypeStruct((a_pad, I), dt)),
+        out_shape=jax.ShapeDtypeStruct((a_pad, I), jnp.bfloat16), interpret=interpret, compiler_params=params,
+        cost_estimate=cost("gate_up", 0, 4 * A * D * I), name=f"{NAME}_gate_up_{tag}")(*ins)
+    ins = meta + [act, *wt["w2"]]
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, c=dict(c, bm=bm, bn=p["bn2"], bk=p["bk2"])),
+        grid=(D // p["bn2"], G), in_specs=[whole(a) for a in ins],
+        out_specs=whole(jax.ShapeDtypeStruct((a_pad, D), dt)), out_shape=jax.ShapeDtypeStruct((a_pad, D), dt),
+        interpret=interpret, compiler_params=params, cost_estimate=cost("down", dt.itemsize, 2 * A * D * I),
+        name=f"{NAME}_down_m{bm}_n{p['bn2']}_k{p['bk2']}")(*ins)
+    return moe.unsort_slots(y[:A], order, held, N, k)

@@ -1,0 +1,232 @@
+"""The grouped MXFP4 MoE kernel (dsv41_jax/pallas/moe_mxfp4.py) against the seam's "xla" grouped path
+(`moe.routed_slots`), natively on a GPU and in interpret mode elsewhere (`pallas_impl`).
+
+Both compute the same per-element arithmetic — the same fp8 quantization of each GEMM input, the same
+exact products (bf16-exact operands), the same roundings of each GEMM output and of the activation —
+and differ only in the fp32 summation order inside each expert GEMM. So:
+
+* **bitwise** on "order-free" experts: every output row of w1 / w3 / w2 has at most two nonzero e2m1
+  codes (at random columns, under random per-32 scales), so each GEMM sum has at most two nonzero
+  terms and every summation order gives the same fp32 sum. Everything else (which rows, which expert,
+  which tile and K chunk, the scale decode, the clamps, silu, the fp8 quant of w2's input, the
+  routing weight, the combine) is exercised and must match bit for bit, in the bf16 and fp32 flows;
+* **within a stated tolerance** on dense random experts: fp32 flow within 1e-5·max|y| (summation order
+  only; an fp8 code flip of w2's input would show as ~1e-3·max), bf16 flow within 4 bf16 ulps of
+  max|y| (a 1-ulp difference of a GEMM output can move the output a few ulps) — the bounds of the xla
+  path against the reference (tests/test_fastpath_ops.py).
+
+The exact numerics mode has no kernel: the seam refuses it (fp64 accumulation).
+
+Shapes (interpret mode is slow, so the default run keeps grids tiny): hidden 320 and intermediate 288
+(5·64 and 9·32: the odd factors of flash's 5120 and 2304, so several output tiles and K chunks that are
+not a power of two in number), 8 experts; B = 1 (two of eight experts get no token) and 64 (top-6:
+groups of many rows, more than one row block); every token on one expert (top-1, the last expert;
+and top-6 all on the same six); top-6 of 384 routed over a stack holding 8 of them (`first_expert`:
+most assignments belong to no held expert); experts stacked by the layer scan. At flash's widths
+(5120 / 2304, 8 experts, top-6) the `slow` cases run B = 1 and 64.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import ModelConfig, dispatch, moe, quant
+from dsv41_jax.pallas import moe_mxfp4 as mk
+
+BF16 = jnp.dtype(jnp.bfloat16)
+NARROW = (320, 288)  # hidden, intermediate
+FLASH = (5120, 2304)
+
+
+def _experts(rng, E, D, I, order_free):
+    """Stacked routed experts in the stored format: packed e2m1 uint8 [E, out, in/2] and E8M0 scales
+    [E, out, in/32] (2^-5 .. 2^0). order_free: at most two nonzero codes per output row."""
+    def mx(o, i):
+        if order_free:
+            codes = np.zeros((E, o, i), np.uint8)
+            cols = np.argsort(rng.random((E, o, i)), axis=-1)[..., :2]
+            np.put_along_axis(codes, cols, rng.integers(1, 16, (E, o, 2)).astype(np.uint8), axis=-1)
+            codes[codes == 8] = 9  # -0 is not a nonzero
+            packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        else:
+            packed = rng.integers(0, 256, (E, o, i // 2)).astype(np.uint8)
+        sb = rng.integers(122, 128, (E, o, i // 32)).astype(np.uint8)
+        return {"weight": jnp.asarray(packed), "scale": jax.lax.bitcast_convert_type(jnp.asarray(sb), quant.E8M0)}
+
+    return {"w1": mx(I, D), "w3": mx(I, D), "w2": mx(D, I)}
+
+
+def _routing(rng, N, k, E_total, case):
+    if case == "one_expert_top1":
+        return np.full((N, 1), E_total - 1, np.int32)
+    if case == "same_six":
+        return np.tile(rng.permutation(E_total)[:k], (N, 1)).astype(np.int32)
+    return np.stack([rng.permutation(E_total)[:k] for _ in range(N)]).astype(np.int32)
+
+
+_CFG = {m: ModelConfig.preset("tiny").replace(act_dtype=m) for m in ("bfloat16", "float32", "exact")}
+_xla = jax.jit(lambda ex, x, idx, w, first, mode, dt: moe.routed_slots(ex, x, idx, w, _CFG[mode], dt, first),
+               static_argnums=(5, 6))
+
+
+def _kern(impl):
+    return jax.jit(lambda ex, x, idx, w, first, mode, dt: mk.kernel(
+        ex, x, idx, w, _CFG[mode], dt, first, interpret=impl == "pallas_interpret"), static_argnums=(5, 6))
+
+
+def _case(seed, widths, E, N, k, route, order_free, E_total=None):
+    rng = np.random.default_rng(seed)
+    D, I = widths
+    ex = _experts(rng, E, D, I, order_free)
+    x = rng.standard_normal((N, D)).astype(np.float32) * 2.0
+    idx = _routing(rng, N, k, E_total or E, route)
+    w = rng.random(idx.shape).astype(np.float32) + 0.1
+    return ex, jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w)
+
+
+def _run(impl, ex, x, idx, w, mode, first=0):
+    dt = BF16 if mode == "bfloat16" else jnp.dtype(jnp.float32)
+    xin = x.astype(dt)
+    got = _kern(impl)(ex, xin, idx, w, first, mode, dt)
+    want = _xla(ex, xin, idx, w, first, mode, dt)
+    assert got.dtype == want.dtype == dt and got.shape == want.shape == (x.shape[0], idx.shape[1], x.shape[1])
+    return np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+
+
+# (seed, widths, experts, tokens, top-k, routing, first_expert, experts routed over)
+CASES = {
+    "b1_empty_experts": (1, NARROW, 8, 1, 6, "random", 0, None),
+    "b64_top6": (2, NARROW, 8, 64, 6, "random", 0, None),
+    "one_expert_top1": (3, NARROW, 8, 64, 1, "one_expert_top1", 0, None),
+    "same_six": (4, NARROW, 8, 5, 6, "same_six", 0, None),
+    "top6_of_384_hold_8": (5, NARROW, 8, 64, 6, "random", 16, 384),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_bitwise_on_order_free_experts(pallas_impl, name):
+    seed, widths, E, N, k, route, first, e_total = CASES[name]
+    ex, x, idx, w = _case(seed, widths, E, N, k, route, True, e_total)
+    local = np.asarray(idx) - first
+    held = (local >= 0) & (local < E)
+    counts = np.bincount(local[held], minlength=E)
+    if name == "b1_empty_experts":
+        assert (counts == 0).sum() == 2
+    if name == "top6_of_384_hold_8":
+        assert 0 < held.sum() < held.size // 4  # most assignments go to experts not held here
+    for mode in ("bfloat16", "float32"):
+        got, want = _run(pallas_impl, ex, x, idx, w, mode, first)
+        assert np.abs(want).max() > 0
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} {mode}")
+        assert (got[~held] == 0).all()  # slots of experts not held are exact zeros
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_kernel_dense_experts_within_tolerance(pallas_impl, mode):
+    ex, x, idx, w = _case(7, NARROW, 8, 64, 6, "random", False)
+    got, want = _run(pallas_impl, ex, x, idx, w, mode)
+    m = np.abs(want).max()
+    if mode == "float32":
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * m)
+    else:
+        ulp = 2.0 ** (np.floor(np.log2(m)) - 7)
+        assert np.abs(got - want).max() <= 4 * ulp
+
+
+def test_kernel_reads_a_layer_of_a_scanned_stack(pallas_impl):
+    """Inside a layer scan the experts arrive as the run's stacks [n, E, ...] (scales as uint8 bits)
+    plus the layer index: the kernel reads that layer's experts in place."""
+    ex0, x, idx, w = _case(8, NARROW, 8, 3, 6, "random", True)
+    ex1 = _case(9, NARROW, 8, 3, 6, "random", True)[0]
+    run = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), ex0, ex1)
+    run = {n: {"weight": v["weight"], "scale": jax.lax.bitcast_convert_type(v["scale"], jnp.uint8)}
+           for n, v in run.items()}
+    for layer, ex in ((0, ex0), (1, ex1)):
+        stacked = dict(run, layer=jnp.int32(layer))
+        got, _ = _run(pallas_impl, stacked, x, idx, w, "bfloat16")
+        _, want = _run(pallas_impl, ex, x, idx, w, "bfloat16")
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_tok", [1, 64])
+def test_kernel_at_flash_widths(pallas_impl, n_tok):
+    """Flash's hidden / intermediate widths, 8 experts, top-6 (B = 1 leaves two experts empty)."""
+    ex, x, idx, w = _case(10 + n_tok, FLASH, 8, n_tok, 6, "random", True)
+    got, want = _run(pallas_impl, ex, x, idx, w, "bfloat16")
+    np.testing.assert_array_equal(got, want)
+    ex, x, idx, w = _case(20 + n_tok, FLASH, 8, n_tok, 6, "random", False)
+    got, want = _run(pallas_impl, ex, x, idx, w, "bfloat16")
+    assert np.abs(got - want).max() <= 4 * 2.0 ** (np.floor(np.log2(np.abs(want).max())) - 7)
+
+
+# ------------------------------------------------------------------------------------------- seam
+
+def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, tiny_params, cpu8):
+    """moe.moe with moe=<kernel> equals moe=xla on tiny's first layer (fp32 flow, summation order only),
+    same routing; the exact mode and an explicit kernel on an ep mesh are refused with a clear error."""
+    p = tiny_params["layers"][0]["ffn"]
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((2, 5, tiny_cfg.hidden_size)), jnp.float32)
+    k = tiny_cfg.num_experts_per_tok
+    f = jax.jit(lambda p, x, cfg: moe.moe(p, x, k, cfg, jnp.float32, return_routing=True), static_argnums=2)
+    cfg32 = tiny_cfg.replace(act_dtype="float32")
+    got, (gi, _) = f(p, x, cfg32.replace(impl=f"xla,moe={pallas_impl}"))
+    want, (wi, _) = f(p, x, cfg32.replace(impl="xla"))
+    np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    assert dispatch.kernel("moe", pallas_impl) is mk.kernel
+    with pytest.raises(dispatch.ImplError, match="exact numerics mode"):
+        f(p, x, tiny_cfg.replace(act_dtype="exact", impl=f"xla,moe={pallas_impl}"))
+    mesh = jax.sharding.Mesh(np.array(cpu8[:2]).reshape(1, 2), ("tp", "ep"))
+    with pytest.raises(dispatch.ImplError, match="not expert-parallel"):
+        moe.moe(p, x, k, cfg32.replace(impl=f"xla,moe={pallas_impl}"), jnp.float32, mesh=mesh)
+
+
+def test_auto_keeps_xla_until_measured():
+    assert dispatch.GPU_AUTO["moe"] == "xla" and dispatch._resolve("auto", "moe", "gpu") == "xla"
+    assert dispatch._resolve("pallas", "moe", "gpu") == "pallas"
+
+
+# --------------------------------------------------------------------------------------- contract
+
+def test_cost_estimate_is_the_bytes_moved_contract():
+    """Each pallas_call declares `bytes_moved` (every group non-empty) as its cost estimate, and
+    `call_geometry` recovers the contract's arguments from the call's name and operand shapes — what
+    scripts/bench_decode.py reads. Flash widths, 384 experts, B = 64: each selected expert's weights
+    at stored width (packed + scales, 17.7 MiB for the three) once per non-empty group."""
+    D, I, E, N, k = *FLASH, 384, 64, 6
+    sds = jax.ShapeDtypeStruct
+    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
+          for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
+    jaxpr = jax.make_jaxpr(lambda ex, x, idx, w: mk.kernel(ex, x, idx, w, _CFG["bfloat16"], BF16))(
+        ex, sds((N, D), BF16), sds((N, k), jnp.int32), sds((N, k), jnp.float32)).jaxpr
+    calls = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert [c.params["name"].rsplit("_m", 1)[0] for c in calls] == ["moe_mxfp4_gate_up", "moe_mxfp4_down"]
+    per_expert = 0
+    for c in calls:
+        geo = mk.call_geometry(c.params["name"], [v.aval for v in c.invars], c.params["out_avals"])
+        assert (geo["A"], geo["D"], geo["I"], geo["G"]) == (N * k, D, I, min(N * k, E))
+        part = geo.pop("part")
+        assert c.params["cost_estimate"].bytes_accessed == int(mk.bytes_moved(part, **geo))
+        per_expert += mk.bytes_moved(part, **geo, n_active=1) - mk.bytes_moved(part, **geo, n_active=0)
+    assert per_expert == 3 * (I * D // 2 + I * D // 32)  # = 17.7 MiB: stored width, read once
+    assert mk.call_geometry("sparse_attention_h64", [], []) is None
+
+
+def test_lowers_to_triton_for_cuda_without_a_gpu():
+    """Both calls lower to verified Triton IR for sm_90 at flash shapes, decode (B = 1) and prefill
+    (4096 tokens: 64-row blocks)."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the native tests compile the kernel on this GPU")
+    from dsv41_jax.pallas.offline import capture_kernels
+
+    D, I, E, k = *FLASH, 384, 6
+    sds = jax.ShapeDtypeStruct
+    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
+          for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
+    for n_tok, bm in ((1, 16), (4096, 64)):
+        ks = capture_kernels(lambda ex, x, idx, w: mk.kernel(ex, x, idx, w, _CFG["bfloat16"], BF16), ex,
+                             sds((n_tok, D), BF16), sds((n_tok, k), jnp.int32), sds((n_tok, k), jnp.float32))
+        assert [kk["name"] for kk in ks] == [f"moe_mxfp4_gate_up_m{bm}_n64_k128", f"moe_mxfp4_down_m{bm}_n64_k128"]
+        assert all("tt.dot" in kk["ttir"] and "tt.load" in kk["ttir"] for kk in ks)
