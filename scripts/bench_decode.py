@@ -12,6 +12,12 @@ traced and compiled, per (impl, batch):
   ``ragged_dot_general`` counts 2·(output elements)·(contracted size) FLOPs (for a ragged dot each
   output row against its own group only) and the bytes of both operands at the dtype they enter
   the matmul. ``while`` loops with data-dependent trip counts are counted once and reported.
+  A Pallas kernel counts by its bytes-moved contract, not by its body's block-sized dots: the MoE
+  kernel (``--impls "xla,moe=pallas" --no-compile``; `pallas.moe_mxfp4.bytes_moved`: the selected
+  experts' stored bytes once per non-empty group, plus activations) at the expected number of
+  distinct experts the batch selects — the same expectation as the ideal's — with the bound for
+  every group non-empty beside it (``bytes_x_ideal_all_groups``); another kernel by its declared
+  ``pl.CostEstimate``.
 * the ideal next to it: 2 x active parameters per token (routed experts at top-k / E of their size;
   embedding and Engram table rows are gathers, DSpark stages are not part of the target step), and the
   active weights' bytes at stored width (the distinct experts a batch of B can touch, in expectation).
@@ -124,14 +130,52 @@ def _count_eqns(jaxpr) -> int:
     return n
 
 
-def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None) -> dict:
+def expected_distinct(E: int, k: int, n_tok: float) -> float:
+    """Expected distinct experts that n_tok tokens select, top-k of E each, routing uniform."""
+    return E * (1.0 - (1.0 - k / E) ** n_tok)
+
+
+def _kernel_cost(eqn, routing) -> dict | None:
+    """A Pallas kernel counted by its bytes-moved contract instead of its body's block-sized dots:
+    the MoE kernel (`pallas.moe_mxfp4.call_geometry` / `bytes_moved`) at the expected number of
+    non-empty groups, ``routing = (E, k)`` (the ideal's expectation), with the all-groups bound (its
+    declared `pl.CostEstimate`) beside it; another kernel with a cost estimate by that estimate.
+    None: no contract (its body is counted as before)."""
+    from dsv41_jax.pallas import moe_mxfp4
+
+    ce = eqn.params.get("cost_estimate")
+    geo = moe_mxfp4.call_geometry(str(eqn.params.get("name", "")), [v.aval for v in eqn.invars],
+                                  eqn.params["out_avals"])
+    if geo is not None:
+        part = geo.pop("part")
+        E, k = routing
+        active = min(geo["G"], expected_distinct(E, k, geo["A"] / k))
+        return {"flops": ce.flops, "bytes": moe_mxfp4.bytes_moved(part, **geo, n_active=active),
+                "bytes_upper": moe_mxfp4.bytes_moved(part, **geo)}
+    if ce is not None and ce.bytes_accessed:
+        return {"flops": ce.flops, "bytes": ce.bytes_accessed, "bytes_upper": ce.bytes_accessed}
+    return None
+
+
+def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None, routing: tuple = (1, 1)) -> dict:
     """Matmul FLOPs / operand bytes of `jaxpr` (a `jax.core.Jaxpr`), through loops (module doc).
-    `outer`: the site of the enclosing `cond`, if any (see `_site`)."""
+    `outer`: the site of the enclosing `cond`, if any (see `_site`); `routing`: (experts, top-k) of
+    the MoE, for a kernel's contract (`_kernel_cost`)."""
     if acc is None:
-        acc = {"flops": 0, "bytes": 0, "n_matmuls": 0, "while_loops_counted_once": 0, "by_site": {}}
+        acc = {"flops": 0, "bytes": 0, "n_matmuls": 0, "while_loops_counted_once": 0, "by_site": {},
+               "kernel_calls": 0, "kernel_bytes_upper_extra": 0}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in ("dot_general", "ragged_dot_general"):
+        kc = _kernel_cost(eqn, routing) if name == "pallas_call" else None
+        if kc is not None:
+            acc["flops"] += kc["flops"] * mult
+            acc["bytes"] += kc["bytes"] * mult
+            acc["kernel_calls"] += mult
+            acc["kernel_bytes_upper_extra"] += (kc["bytes_upper"] - kc["bytes"]) * mult
+            s = acc["by_site"].setdefault(f"pallas:{eqn.params['name']}", {"flops": 0, "bytes": 0})
+            s["flops"] += kc["flops"] * mult
+            s["bytes"] += kc["bytes"] * mult
+        elif name in ("dot_general", "ragged_dot_general"):
             lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
             out = eqn.outvars[0].aval
             dn = eqn.params["dimension_numbers"] if name == "dot_general" else \
@@ -147,14 +191,14 @@ def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None) -> 
             s["flops"] += flops
             s["bytes"] += nbytes
         elif name == "scan":
-            count_matmuls(eqn.params["jaxpr"].jaxpr, mult * int(eqn.params["length"]), acc, outer)
+            count_matmuls(eqn.params["jaxpr"].jaxpr, mult * int(eqn.params["length"]), acc, outer, routing)
         elif name == "while":
             acc["while_loops_counted_once"] += mult
-            count_matmuls(eqn.params["body_jaxpr"].jaxpr, mult, acc, outer)
+            count_matmuls(eqn.params["body_jaxpr"].jaxpr, mult, acc, outer, routing)
         elif name == "cond":
             best = None
             for br in eqn.params["branches"]:
-                sub = count_matmuls(br.jaxpr, mult, outer=_site(eqn, outer))
+                sub = count_matmuls(br.jaxpr, mult, outer=_site(eqn, outer), routing=routing)
                 if best is None or sub["flops"] > best["flops"]:
                     best = sub
             if best is not None:
@@ -167,7 +211,7 @@ def count_matmuls(jaxpr, mult: int = 1, acc: dict = None, outer: str = None) -> 
                     s["bytes"] += v["bytes"]
         else:
             for sub in _sub_jaxprs(eqn):
-                count_matmuls(sub, mult, acc, outer)
+                count_matmuls(sub, mult, acc, outer, routing)
     return acc
 
 
@@ -187,7 +231,7 @@ def ideal_costs(cfg, B: int) -> dict:
 
     names = flatten_names(declare_params(cfg))
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    distinct = E * (1.0 - (1.0 - k / E) ** B)
+    distinct = expected_distinct(E, k, B)
     params_tok = 0.0
     bytes_step = 0.0
     routed_bytes_tok1 = 0.0
@@ -244,7 +288,7 @@ def run_case(cfg, impl: str, B: int, args) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     closed = jax.make_jaxpr(step)(*avals)
     t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
-    mm = count_matmuls(closed.jaxpr)
+    mm = count_matmuls(closed.jaxpr, routing=(c.n_routed_experts, c.num_experts_per_tok))
     ideal = ideal_costs(c, B)
     from dsv41_jax.model import layer_scan
 
@@ -254,6 +298,8 @@ def run_case(cfg, impl: str, B: int, args) -> dict:
            "matmul_flops_per_token": mm["flops"] / B, "matmul_bytes_per_token": mm["bytes"] / B,
            "matmul_flops_step": mm["flops"], "matmul_bytes_step": mm["bytes"], "n_matmuls": mm["n_matmuls"],
            "while_loops_counted_once": mm["while_loops_counted_once"],
+           "kernel_calls": mm["kernel_calls"],
+           "bytes_x_ideal_all_groups": (mm["bytes"] + mm["kernel_bytes_upper_extra"]) / ideal["weight_bytes_per_step"],
            "ideal": ideal,
            "flops_x_ideal": mm["flops"] / B / ideal["flops_per_token"],
            "bytes_x_ideal": mm["bytes"] / ideal["weight_bytes_per_step"],
@@ -281,6 +327,8 @@ def fmt_case(r: dict) -> str:
     s = (f"[b] impl={r['impl']:<9} B={r['batch']:<3} matmul GFLOP/tok {r['matmul_flops_per_token'] / 1e9:8.2f} "
          f"({r['flops_x_ideal']:.2f}x ideal)  operand GB/step {r['matmul_bytes_step'] / g:8.2f} "
          f"({r['bytes_x_ideal']:.2f}x ideal {r['ideal']['weight_bytes_per_step'] / g:.2f})")
+    if r.get("kernel_calls"):
+        s += f"  [{r['kernel_calls']} kernel calls; every MoE group non-empty: {r['bytes_x_ideal_all_groups']:.2f}x]"
     if "memory" in r:
         s += f"  temp {r['memory'].get('temp_size_in_bytes', 0) / g:.2f} GB"
     if "compile_s" in r:
