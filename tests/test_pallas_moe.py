@@ -15,7 +15,7 @@ and differ only in the fp32 summation order inside each expert GEMM. So:
   max|y| (a 1-ulp difference of a GEMM output can move the output a few ulps) — the bounds of the xla
   path against the reference (tests/test_fastpath_ops.py).
 
-The exact numerics mode has no kernel: the seam refuses it (fp64 accumulation).
+The exact and deterministic numerics modes have no kernel: the seam refuses them (fp64 accumulation).
 
 Shapes (interpret mode is slow, so the default run keeps grids tiny): hidden 320 and intermediate 288
 (5·64 and 9·32: the odd factors of flash's 5120 and 2304, so several output tiles and K chunks that are
@@ -165,7 +165,8 @@ def test_kernel_at_flash_widths(pallas_impl, n_tok):
 
 def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, tiny_params, cpu8):
     """moe.moe with moe=<kernel> equals moe=xla on tiny's first layer (fp32 flow, summation order only),
-    same routing; the exact mode and an explicit kernel on an ep mesh are refused with a clear error."""
+    same routing; the exact / deterministic modes and an explicit kernel on an ep mesh are refused with a
+    clear error."""
     p = tiny_params["layers"][0]["ffn"]
     x = jnp.asarray(np.random.default_rng(11).standard_normal((2, 5, tiny_cfg.hidden_size)), jnp.float32)
     k = tiny_cfg.num_experts_per_tok
@@ -176,8 +177,9 @@ def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, 
     np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     assert dispatch.kernel("moe", pallas_impl) is mk.kernel
-    with pytest.raises(dispatch.ImplError, match="exact numerics mode"):
-        f(p, x, tiny_cfg.replace(act_dtype="exact", impl=f"xla,moe={pallas_impl}"))
+    for mode in (dict(act_dtype="exact"), dict(deterministic=True)):
+        with pytest.raises(dispatch.ImplError, match="accumulates in fp64"):
+            f(p, x, tiny_cfg.replace(impl=f"xla,moe={pallas_impl}", **mode))
     mesh = jax.sharding.Mesh(np.array(cpu8[:2]).reshape(1, 2), ("tp", "ep"))
     with pytest.raises(dispatch.ImplError, match="not expert-parallel"):
         moe.moe(p, x, k, cfg32.replace(impl=f"xla,moe={pallas_impl}"), jnp.float32, mesh=mesh)

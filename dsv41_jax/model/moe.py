@@ -14,8 +14,8 @@ The implementations of the routed experts, chosen by `dispatch.resolve(cfg, "moe
   exact mode). No token is dropped; experts with no token are groups of size 0.
 * ``"pallas"`` / ``"pallas_interpret"`` — `dsv41_jax.pallas.moe_mxfp4`: the same sorted groups, each
   selected expert's packed e2m1 codes and E8M0 scales decoded inside the kernel (read once at decode
-  sizes), gate/up → clamped SwiGLU → fp8 quant → down; the same combine. Not in the exact mode, not
-  expert-parallel (both refused).
+  sizes), gate/up → clamped SwiGLU → fp8 quant → down; the same combine. Not in the exact /
+  deterministic modes (fp64 sums), not expert-parallel (both refused).
 
 Combine order (docs/design/spec.md §6: "the fp32 sum of routed outputs in ascending expert id"): the reference adds
 expert outputs in ascending id in fp32 (the unselected ones add exact zeros, which change nothing).
@@ -264,9 +264,7 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
     kernel = impl in ("pallas", "pallas_interpret")
     if impl not in ("reference", "xla") and not kernel:
         raise dispatch.ImplError(f"moe: no {impl!r} implementation")
-    if kernel and is_exact(cfg):
-        raise dispatch.ImplError(f"moe: the exact numerics mode has no {impl!r} implementation (the MXFP4 kernel "
-                                 f"accumulates in fp32, not fp64): use impl 'moe=xla' or 'moe=reference'")
+    dispatch.refuse_kernel_in_f64_mode(cfg, "moe", impl)
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     idx, w, _ = route(p["gate"], xf, top_k, cfg)

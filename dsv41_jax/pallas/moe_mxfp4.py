@@ -25,8 +25,8 @@ experts without tokens cost nothing but an empty program. The combine stays the 
 (`moe.unsort_slots`, `moe.combine_slots`: ascending expert id, left to right in fp32), so the kernel
 and the xla path differ only inside each GEMM: fp32 summation order of exact products (bf16 operands,
 fp32 accumulation — the products e4m3·2^k × e2m1·2^k are exact), below each GEMM's rounding to `dt`
-(tests/test_pallas_moe.py states the tolerances). The exact numerics mode (fp64 accumulation) has no
-kernel: the seam refuses it (`moe.moe`).
+(tests/test_pallas_moe.py states the tolerances). The exact / deterministic numerics modes (fp64
+accumulation) have no kernel: the seam refuses them (`dispatch.refuse_kernel_in_f64_mode`).
 
 Bytes moved (`bytes_moved`, declared to XLA as the ``pl.CostEstimate`` of each call with every group
 non-empty): per non-empty group the expert's three packed weights + scales at stored width (w1, w3:
@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import moe, quant
+from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 from dsv41_jax.pallas import sparse_attention as sa
 
@@ -278,9 +279,9 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     ex's expert 0. Knobs (static): block_m rows per block, block_n / block_n2 output tile of gate/up (I)
     / down (D), block_k / block_k2 K chunk of gate/up (D) / down (I), num_warps / num_stages (Triton).
     """
-    if cfg.act_dtype == "exact":
-        raise NotImplementedError("moe_mxfp4 kernel: the exact numerics mode accumulates in fp64, which this "
-                                  "kernel does not; run the moe op with impl 'xla' or 'reference'")
+    if is_exact(cfg):
+        raise NotImplementedError("moe_mxfp4 kernel: the exact / deterministic numerics modes accumulate in fp64, "
+                                  "which this kernel does not; run the moe op with impl 'xla' or 'reference'")
     dt = jnp.dtype(dt)
     ex, layer = moe.layer_slice(ex)
     N, D = xf.shape
