@@ -18,7 +18,13 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
 * collective bytes per device per step, summed from the compiled HLO's all-reduce / all-gather /
   all-to-all / reduce-scatter / collective-permute results, by kind, and the largest groups by source
   (kind, result type, JAX op name: `collective_sources`);
-* whether it fits an H200 (``--hbm-gib``, 141 GB by default, minus ``--reserve-gib``).
+* whether it fits an H200 (``--hbm-gib``, 141 GB by default, minus ``--reserve-gib``);
+* kernel launches per step, counted from the compiled HLO (`kernel_launches`).
+
+``--gpu-target scripts/gpu_specs/h200.txtpb`` compiles for compile-only CUDA devices instead of fake
+CPU ones (`gpu_target_devices`: XLA's GPU compiler on a machine without a GPU; needs the CUDA PJRT
+plugin of the installed jax, not a project dependency; run with ``JAX_PLATFORMS=cpu``); the memory
+analysis and the kernel count are then the GPU executable's.
 """
 
 from __future__ import annotations
@@ -55,6 +61,80 @@ def collective_bytes(hlo: str) -> dict:
                 n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
         out[m.group(2)] = out.get(m.group(2), 0) + n
     return out
+
+
+# Instructions that launch no kernel of their own: data plumbing, control flow (counted through its
+# computations), async done-halves.
+_NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+              "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id", "domain", "copy-done",
+              "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "send-done",
+              "recv-done", "get-dimension-size"}
+
+
+def _computations(hlo: str) -> tuple:
+    """{name: [instruction lines]} of an HLO module's text, and the entry computation's name."""
+    comps, entry, cur = {}, None, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if m:
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None and "=" in line:
+            comps[cur].append(line)
+    return comps, entry
+
+
+def kernel_launches(hlo: str) -> dict:
+    """Kernels one execution of a compiled HLO module launches, counted statically from its text: every
+    instruction that is not plumbing (`_NO_LAUNCH`: fusions, custom calls — Triton / cuBLAS / Pallas —,
+    copies, collectives, sorts, ...) counts once; a ``while`` counts its body and condition per trip
+    (XLA's ``known_trip_count``; a loop without one counts once and is reported), a ``conditional`` its
+    costliest branch, a ``call`` its callee. Returns {"launches", "whiles_without_trip_count",
+    "by_opcode"} (launches by opcode, through loops)."""
+    comps, entry = _computations(hlo)
+    unknown = [0]
+
+    def opcode(line):
+        m = re.search(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
+        return m.group(1) if m else None
+
+    def count(name, depth=0):
+        by: dict = {}
+        for line in comps.get(name, []):
+            op = opcode(line)
+            if op is None:
+                continue
+            if op == "while":
+                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                if n is None:
+                    unknown[0] += 1
+                trips = int(n.group(1)) if n else 1
+                for key, k in (("body", trips), ("condition", trips + 1)):
+                    callee = re.search(rf"{key}=%?([\w.\-]+)", line)
+                    for o, c in (count(callee.group(1), depth + 1).items() if callee else ()):
+                        by[o] = by.get(o, 0) + k * c
+            elif op == "conditional":
+                names = re.findall(r"%([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", line) or
+                                                     re.search(r"(true_computation=\S+ false_computation=\S+)",
+                                                               line.replace(",", ""))).group(1))
+                best = max((count(b, depth + 1) for b in names), key=lambda d: sum(d.values()), default={})
+                for o, c in best.items():
+                    by[o] = by.get(o, 0) + c
+            elif op == "call":
+                callee = re.search(r"to_apply=%?([\w.\-]+)", line)
+                for o, c in (count(callee.group(1), depth + 1).items() if callee else ()):
+                    by[o] = by.get(o, 0) + c
+            elif op not in _NO_LAUNCH:
+                by[op] = by.get(op, 0) + 1
+        return by
+
+    by = count(entry) if entry else {}
+    return {"launches": sum(by.values()), "whiles_without_trip_count": unknown[0],
+            "by_opcode": dict(sorted(by.items(), key=lambda kv: -kv[1]))}
 
 
 def collective_sources(hlo: str, top: int = 12) -> list:
@@ -127,6 +207,45 @@ def placed_bytes(cfg, params) -> tuple:
     return placed, derived
 
 
+def gpu_target_devices(spec_path: str, n: int) -> list:
+    """n compile-only CUDA devices described by a GpuTargetConfigProto text file (e.g.
+    scripts/gpu_specs/h200.txtpb), on a machine without a GPU: XLA's GPU compiler then builds the
+    same executable as on that GPU (no autotuning: default GEMM configs). Needs the CUDA PJRT plugin
+    of the installed jax (``pip install jax-cuda12-plugin==<jax version>``, not a project
+    dependency); run with JAX_PLATFORMS=cpu so that no GPU client is started."""
+    from jax.experimental import topologies
+
+    with open(spec_path) as f:
+        spec = f.read()
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=spec, topology=f"1x1x{n}")
+    except Exception as e:  # no plugin, or a plugin without compile-only topologies
+        raise ValueError(f"--gpu-target: no compile-only CUDA topology ({type(e).__name__}: {e}); it needs the "
+                         f"CUDA PJRT plugin of this jax (pip install jax-cuda12-plugin==<jax version>)") from e
+    return list(topo.devices)
+
+
+class _traced_as:
+    """Trace as a process whose default backend is `backend` (None: unchanged). The model reads
+    `jax.default_backend()` at trace time — dispatch "auto" (the Pallas kernels on a GPU), the CPU-only
+    weight tiling, mHC's Sinkhorn loop — so a compile for a GPU target must see "gpu" there."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __enter__(self):
+        import jax
+
+        self.orig = jax.default_backend
+        if self.backend:
+            jax.default_backend = lambda: self.backend
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.default_backend = self.orig
+
+
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -143,9 +262,12 @@ def run(args) -> dict:
     cfg = ModelConfig.preset(args.config) if preset else ModelConfig.from_pretrained(args.config)
     if args.dtype:
         cfg = cfg.replace(act_dtype=args.dtype)
+    if args.impl:
+        cfg = cfg.replace(impl=args.impl)
     if args.keep_layers:
         cfg = keep_layers(cfg, [int(i) for i in args.keep_layers.split(",")])
-    mesh = make_mesh(args.tp, args.ep, cfg=cfg, devices=jax.devices("cpu"))
+    devices = gpu_target_devices(args.gpu_target, args.tp * args.ep) if args.gpu_target else jax.devices("cpu")
+    mesh = make_mesh(args.tp, args.ep, cfg=cfg, devices=devices)
     params = rules.param_shapes(cfg, mesh)
     host_bytes = 0
     if args.engram_host_table:
@@ -180,7 +302,8 @@ def run(args) -> dict:
     placed, derived = placed_bytes(cfg, params)
     t0 = time.perf_counter()
     step = dec.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
-    lowered = step.lower(params, cache, batch)
+    with _traced_as("gpu" if args.gpu_target else None):
+        lowered = step.lower(params, cache, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -199,6 +322,8 @@ def run(args) -> dict:
         "memory_analysis": mem, "cost_analysis": _cost(compiled),
         "collective_bytes": collective_bytes(hlo),
         "collective_sources": collective_sources(hlo),
+        "target": "cuda " + devices[0].device_kind if args.gpu_target else "cpu", "impl": cfg.impl,
+        "kernel_launches": kernel_launches(hlo),
         "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
     }
     need = rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"] + mem.get("temp_size_in_bytes", 0)
@@ -230,6 +355,10 @@ def _table(rep: dict) -> str:
     f = rep["fits"]
     rows.append(("fits H200", f"{'yes' if f['fits'] else 'NO'}: needs {rep['device_bytes_needed'] / g:.1f} of "
                               f"{f['budget_bytes'] / g:.1f} GiB"))
+    kl = rep["kernel_launches"]
+    rows.append(("kernel launches / step", f"{kl['launches']} ({', '.join(f'{k} {v}' for k, v in list(kl['by_opcode'].items())[:6])})"
+                 + (f"; {kl['whiles_without_trip_count']} loop(s) counted once" if kl["whiles_without_trip_count"] else "")))
+    rows.append(("target / impl", f"{rep['target']} / {rep['impl']}"))
     rows.append(("lower / compile", f"{rep['lower_s']} s / {rep['compile_s']} s"))
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
@@ -246,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of target layer ids to keep (renumbered; DSpark dropped), e.g. 0,1,2,20 for "
                          "flash: window, window + Engram, ratio-2 source, ratio-1 source")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "exact"), help="act_dtype override")
+    ap.add_argument("--impl", default=None, help='ModelConfig.impl spec (default the config\'s: "auto")')
+    ap.add_argument("--gpu-target", default=None, metavar="TXTPB",
+                    help="compile for compile-only CUDA devices described by this GpuTargetConfigProto "
+                         "(scripts/gpu_specs/h200.txtpb) instead of fake CPU devices; needs the CUDA PJRT plugin")
     ap.add_argument("--batch", type=int, default=64, help="decode rows (and cache slots)")
     ap.add_argument("--tokens", type=int, default=1, help="tokens per row of the step")
     ap.add_argument("--context", type=int, default=65536, help="context tokens per request (cache size)")

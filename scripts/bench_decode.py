@@ -39,7 +39,14 @@ cached values, so each row is given ``context`` tokens' worth of pages and ``sta
 over a zeroed cache (a prefill of 64 x 4K tokens would cost far more than the measurement). Cases
 whose context does not fit ``max_context`` are skipped. The JSON records the machine's load average
 before and after (timings on a shared machine are only comparable within one run), and a PNG plots
-step time against context, one line per (impl, batch, max_context).
+step time against context, one line per (impl, batch, max_context). Per case also: the active weights'
+bytes per step at stored width and the GB/s they give, as a fraction of a device copy's bandwidth
+measured in the same run, and the kernel launches per step counted from the compiled HLO. A cut of a
+big model (``--model flash --keep-layers 0,1,2,20``) gets random weights in the stored formats made on
+the device (``--weights random``, `random_stored_params`):
+
+    python scripts/bench_decode.py --part a --model flash --keep-layers 0,1,2,20 --impls auto \
+        --batches 1,8,64 --contexts 4096,65536 --max-contexts 65536 --out gpu.json
 
     python scripts/bench_decode.py --model flash --impls reference,xla --batches 1,64 --out b.json
     python scripts/bench_decode.py --part a --impls reference,xla --out a.json   # PNG: a.png
@@ -52,6 +59,7 @@ temporaries <= 2 GB) for each impl.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -352,8 +360,15 @@ def check_targets(results: list) -> dict:
 
 # ----------------------------------------------------------------------------- part (a): real timings
 
-def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_size: int, iters: int):
-    """Yield one timing dict per context for the decode step of `cfg` with impl, batch B, max_context."""
+def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_size: int, iters: int,
+               weights: str = "init", copy_bps: float | None = None):
+    """Yield one timing dict per context for the decode step of `cfg` with impl, batch B, max_context.
+
+    The step is compiled once ahead of time (`jitted_extend(...).lower(...).compile()`, state donated)
+    and the executable is timed; its HLO gives the kernel launches per step (`aot_flash.kernel_launches`).
+    Bytes per step: the active weights at stored width (`ideal_costs`: the experts B tokens select in
+    expectation), so GB/s = those bytes / step time — against `copy_bps`, a device copy measured in the
+    same run, when given. (KV-cache reads are not in it: a lower bound on what the step moves.)"""
     import jax
     import numpy as np
 
@@ -367,11 +382,13 @@ def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_si
         return
     need = max(-(-L // page_size) for L in live)  # pages a row holds at the largest context
     ccfg = kvc.CacheConfig(page_size=page_size, num_pages=B * need + 1, max_slots=B, max_pages_per_seq=pages)
-    params = _part_a_params(c)
+    params = _part_a_params(c, weights)
     state = kvc.init_cache(c, ccfg)
     if "engram_hist" in state:
         pad = int(np.asarray(params["derived"]["engram_token_map"])[c.engram_pad_token_id])
         state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
+    weight_bytes = ideal_costs(c, B)["weight_bytes_per_step"]
+    step = launches = None
     t0 = time.perf_counter()
     for L in live:
         n = -(-L // page_size)
@@ -379,35 +396,128 @@ def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_si
         rows = [{"tokens": [3 + b % 100], "start": L - 1, "slot": b,
                  "page_table": list(range(1 + b * need, 1 + b * need + n))} for b in range(B)]
         batch = decode.make_batch(rows, 1, B, ccfg)
-        logits, state = decode.decode_step(params, state, batch, c, ccfg)  # compile (first L) + warm-up
+        if step is None:
+            step = decode.jitted_extend(c, ccfg, False, None).lower(params, state, batch).compile()
+            launches = _aot().kernel_launches(step.as_text())
+        logits, state = step(params, state, batch)  # warm-up
         jax.block_until_ready(logits)
         compile_s = time.perf_counter() - t0 if L == live[0] else None
         times = []
         for _ in range(iters):
             t1 = time.perf_counter()
-            logits, state = decode.decode_step(params, state, batch, c, ccfg)
+            logits, state = step(params, state, batch)
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - t1)
         ms = 1e3 * float(np.median(times))
         r = {"impl": impl, "batch": B, "context": L, "max_context": ccfg.max_context, "step_ms": ms,
-             "step_ms_min": 1e3 * min(times), "tokens_per_s": B / (ms / 1e3), "iters": iters}
+             "step_ms_min": 1e3 * min(times), "tokens_per_s": B / (ms / 1e3), "iters": iters,
+             "weight_bytes_per_step": weight_bytes, "weight_GBps": weight_bytes / (ms / 1e3) / 1e9,
+             "kernel_launches": launches["launches"], "launches_by_opcode": launches["by_opcode"],
+             "whiles_without_trip_count": launches["whiles_without_trip_count"]}
+        if copy_bps:
+            r["frac_copy_bandwidth"] = weight_bytes / (ms / 1e3) / copy_bps
         if compile_s is not None:
             r["compile_and_first_step_s"] = compile_s
         yield r
 
 
+def _aot():
+    """scripts/aot_flash.py as a module (its HLO counters and `keep_layers`)."""
+    import importlib.util
+
+    if "aot_flash" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "aot_flash", os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_flash.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["aot_flash"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["aot_flash"]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Device copy bandwidth in bytes/s (read + write), a jitted elementwise pass over `nbytes`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0 + 0.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / float(np.median(ts))
+
+
 _PARAMS = {}
 
 
-def _part_a_params(cfg):
-    """The model's random parameters, built once per config (impl does not change them)."""
+def random_stored_params(cfg, seed: int = 0) -> dict:
+    """Random parameters in the checkpoint's stored formats, made on the device leaf by leaf (no host
+    copy, no quantization: a flash-sized cut would need the float weights on the host otherwise).
+    MXFP4 weights: random bytes (every byte is two valid e2m1 codes); fp8 e4m3: random bits below 2 in
+    magnitude (no NaN code); E8M0 scales: 2^-9 .. 2^-4; bf16 / fp32 tensors: N(0, std²) (+1 where the
+    initializer says so); ones / zeros as declared; the Engram token map: random ids in range; the
+    load-time bf16 copy of ``wo_a`` dequantized from its pair. The values are meaningless; the step's
+    work (and so its time) does not depend on them — except routing, which random gates spread
+    roughly uniformly over the experts."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.model import quant
+    from dsv41_jax.model.params import P, declare_params
+
+    key = jax.random.key(seed, impl="rbg")
+    counter = [0]
+
+    def nxt():
+        counter[0] += 1
+        return jax.random.fold_in(key, counter[0])
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+    def make(k, shape, dtype, init, std):
+        if init == "mxfp4":
+            return jax.random.bits(k, shape, jnp.uint8)
+        if init in ("fp8", "fp8_rows"):
+            b = jax.random.bits(k, shape, jnp.uint8) & 0xBF  # exponent field <= 7: |v| < 2, no NaN code
+            return jax.lax.bitcast_convert_type(b, quant.FP8)
+        if init.endswith("scale") and jnp.dtype(dtype) == jnp.dtype(quant.E8M0):
+            return jax.lax.bitcast_convert_type(jax.random.randint(k, shape, 118, 124).astype(jnp.uint8), quant.E8M0)
+        if init == "token_map":
+            return jax.random.randint(k, shape, 0, cfg.engram_compressed_vocab_size, jnp.int32)
+        if init in ("ones", "zeros"):
+            return jnp.full(shape, 1 if init == "ones" else 0, dtype)
+        z = jax.random.normal(k, shape, jnp.float32) * std
+        return (z + 1.0 if init in ("normal_one", "hc_scale") else z).astype(dtype)
+
+    def walk(node):
+        if isinstance(node, P):
+            return make(nxt(), tuple(node.shape), jnp.dtype(node.dtype).name, node.init, float(node.std or 0.0))
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items() if k != "bf16"}
+            if "bf16" in node:  # `fp8_linear_bf16_decl`: the exact dequantized copy of the pair
+                out["bf16"] = quant.dequantize_fp8_block(out["weight"], out["scale"], out_dtype=jnp.bfloat16)
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(declare_params(cfg))
+
+
+def _part_a_params(cfg, weights: str = "init"):
+    """The model's random parameters, built once per config (impl does not change them): `init_params`
+    ("init": quantized from host normals, small models) or `random_stored_params` ("random")."""
     import jax
 
     from dsv41_jax.model.params import init_params
 
-    key = cfg.replace(impl="auto")
+    key = (cfg.replace(impl="auto"), weights)
     if key not in _PARAMS:
-        _PARAMS[key] = init_params(cfg, jax.random.key(0))
+        _PARAMS.clear()  # one model at a time (a flash cut fills much of a device)
+        _PARAMS[key] = random_stored_params(cfg) if weights == "random" else init_params(cfg, jax.random.key(0))
     return _PARAMS[key]
 
 
@@ -447,24 +557,44 @@ def run_part_a(args) -> dict:
 
     from dsv41_jax.model import ModelConfig
 
-    cfg = ModelConfig.preset(args.model)
-    if args.act_dtype:
-        cfg = cfg.replace(act_dtype=args.act_dtype)
+    cfg = _config(args)
     load0 = os.getloadavg()
+    gpu = jax.default_backend() == "gpu"
+    copy_bps = copy_bandwidth(1 << 31 if gpu else 1 << 26)
+    log(f"[a] device copy bandwidth {copy_bps / 1e9:.1f} GB/s ({jax.devices()[0].device_kind})")
     cases = []
     for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
         for mc in _ints(args.max_contexts):
             for B in _ints(args.batches):
-                for r in real_cases(cfg, impl, B, mc, _ints(args.contexts), args.page_size, args.iters):
+                for r in real_cases(cfg, impl, B, mc, _ints(args.contexts), args.page_size, args.iters,
+                                    args.weights, copy_bps):
                     cases.append(r)
                     log(f"[a] impl={impl:<9} B={B:<3} max_context={mc:<6} context={r['context']:<5} "
-                        f"step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s"
+                        f"step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  weights "
+                        f"{r['weight_GBps']:7.1f} GB/s ({100 * r['frac_copy_bandwidth']:.0f}% of copy)  "
+                        f"{r['kernel_launches']} launches"
                         + (f"  (compile+first {r['compile_and_first_step_s']:.1f}s)"
                            if "compile_and_first_step_s" in r else ""))
-    return {"part": "a", "model": args.model, "act_dtype": cfg.act_dtype, "jax": jax.__version__,
-            "backend": jax.default_backend(), "host": platform.node(), "cpu_count": os.cpu_count(),
+    return {"part": "a", "model": args.model, "keep_layers": args.keep_layers, "weights": args.weights,
+            "act_dtype": cfg.act_dtype, "jax": jax.__version__, "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "copy_bandwidth_GBps": copy_bps / 1e9,
+            "host": platform.node(), "cpu_count": os.cpu_count(),
             "loadavg_before": load0, "loadavg_after": os.getloadavg(), "page_size": args.page_size,
             "cases": cases}
+
+
+def _config(args):
+    """The preset, with --act-dtype, --no-layer-scan and --keep-layers (`aot_flash.keep_layers`) applied."""
+    from dsv41_jax.model import ModelConfig
+
+    cfg = ModelConfig.preset(args.model)
+    if args.act_dtype:
+        cfg = cfg.replace(act_dtype=args.act_dtype)
+    if args.no_layer_scan:
+        cfg = cfg.replace(layer_scan=False)
+    if args.keep_layers:
+        cfg = _aot().keep_layers(cfg, _ints(args.keep_layers))
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -486,12 +616,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-layer-scan", action="store_true",
                     help="(b) ModelConfig.layer_scan=False: the unrolled layer loop (default: scan runs of layers)")
     ap.add_argument("--no-compile", action="store_true", help="jaxpr counts only (no XLA compile/memory)")
+    ap.add_argument("--keep-layers", default=None,
+                    help="a cut of the model: these target layer ids only (scripts/aot_flash.py keep_layers; "
+                         "flash 0,1,2,20 = window, window + Engram, ratio-2 source, ratio-1 source)")
+    ap.add_argument("--weights", choices=("init", "random"), default=None,
+                    help="(a) init_params (host-quantized; default for tiny) or random_stored_params (random "
+                         "bits in the stored formats, made on the device; default for other models)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     a = args.part == "a"
     args.model = args.model or ("tiny" if a else "flash")
     args.batches = args.batches or ("1,16,64" if a else "1,64")
     args.page_size = args.page_size or (64 if a else 256)
+    args.weights = args.weights or ("init" if args.model == "tiny" else "random")
     if a:
         doc = run_part_a(args)
         if args.out:
@@ -506,13 +643,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from dsv41_jax.model import ModelConfig
-
-    cfg = ModelConfig.preset(args.model)
-    if args.act_dtype:
-        cfg = cfg.replace(act_dtype=args.act_dtype)
-    if args.no_layer_scan:
-        cfg = cfg.replace(layer_scan=False)
+    cfg = _config(args)
     results = []
     for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
         for B in _ints(args.batches):
