@@ -161,6 +161,23 @@ def test_kernel_at_flash_widths(pallas_impl, n_tok):
     assert np.abs(got - want).max() <= 4 * 2.0 ** (np.floor(np.log2(np.abs(want).max())) - 7)
 
 
+def test_in_kernel_fp8_quant_is_quants_bitwise():
+    """The gate/up epilogue's fp8 activation quant (integer rounding: no round primitive in Triton)
+    equals `quant.fake_quant_fp8` bit for bit, on values built to hit its edges: exact e4m3 ties
+    (odd and even codes), ±0, the subnormal range, block maxima at powers of two and at the 1e-4
+    floor, and random normals over many binades."""
+    rng = np.random.default_rng(12)
+    ties = (np.arange(8, 16) + 0.5) * 2.0 ** rng.integers(-9, 5, 8)  # between two e4m3 codes
+    rows = [np.concatenate([ties, -ties, [0.0, -0.0], 2.0 ** -np.arange(6, 18), [448.0, 2.0 ** -8]]),
+            rng.standard_normal(32) * 2.0 ** rng.integers(-20, 10, 32),
+            np.full(32, 3e-5) * rng.choice([-1, 1], 32),
+            np.full(32, 2.0 ** 7)]
+    a = np.stack([np.resize(r, 64) for r in rows * 4]).astype(np.float32)  # [16, 64]
+    got = jax.jit(mk._fake_quant_fp8)(jnp.asarray(a))
+    want = quant.fake_quant_fp8(jnp.asarray(a), out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
 # ------------------------------------------------------------------------------------------- seam
 
 def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, tiny_params, cpu8):

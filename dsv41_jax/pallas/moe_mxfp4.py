@@ -9,7 +9,7 @@ path). The (token, expert) assignments are sorted by expert exactly as the xla p
 1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens' fp8
    fake-quantized activations, gathered by token id inside the kernel — g = x·w1ᵀ and u = x·w3ᵀ over
    K = D in chunks of block_k, each chunk of w1 / w3 read as packed e2m1 bytes + E8M0 scale bytes and
-   decoded in registers (exact in bf16); then SPEC's expert activation: g, u rounded to `dt` and
+   decoded in registers (exact in bf16; the shared `model.codec` definitions); then SPEC's expert activation: g, u rounded to `dt` and
    widened, u clamped to ±swiglu_limit, g ≤ swiglu_limit, a = silu(g)·u·routing weight → `dt`, and
    the fp8 activation quant of w2's input (per 32 along I) applied in the epilogue, so the
    intermediate written to HBM is already w2's operand (bf16: every fp8-quantized value is exact).
@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import moe, quant
+from dsv41_jax.model import codec, moe, quant
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 from dsv41_jax.pallas import sparse_attention as sa
@@ -78,21 +78,14 @@ def ref_routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
 
 def _decode_mxfp4(packed, scale):
     """MXFP4 codes -> values, exact: packed uint8 [n, c/2] (low nibble = even element), E8M0 bytes
-    uint8 [n, c/32] -> fp32 [n, c] (as `quant.dequantize_mxfp4`). The kernel's only decode."""
-    p = packed.astype(jnp.int32)
-    n, h = p.shape
-    codes = jnp.stack([p & 15, p >> 4], axis=-1).reshape(n, 2 * h)
-    return sa._e2m1_codes(codes) * sa._expand(sa._e8m0_bits(scale.astype(jnp.int32)), 32)
-
-
-def _pow2(e):
-    """2^e as fp32 for int32 e in [-126, 127] (from the exponent field)."""
-    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+    uint8 [n, c/32] -> fp32 [n, c] (the shared `model.codec` definitions, in-kernel form)."""
+    codes = codec.unpack_nibbles(packed.astype(jnp.int32), jnp)
+    return codec.e2m1_decode(codes, jnp) * sa._expand(codec.e8m0_decode(scale, jnp), 32)
 
 
 def _rne_small(v):
     """Round-half-even of fp32 v in [0, 2^23) to an integer, as fp32 (truncate, then compare the exact
-    remainder: the Triton lowering has no round primitive)."""
+    remainder: the Triton lowering has no round primitive, so `codec.round_e4m3` cannot run in-kernel)."""
     t = v.astype(jnp.int32)
     frac = v - t.astype(jnp.float32)
     up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))
@@ -100,14 +93,13 @@ def _rne_small(v):
 
 
 def _round_e4m3(y):
-    """`quant.round_e4m3` for fp32 y with |y| <= 448: the e4m3 quantum 2^(max(⌊log2|y|⌋, −6) − 3), RNE,
-    sign kept (−0 stays −0)."""
-    ybits = lax.bitcast_convert_type(y, jnp.int32)
+    """`codec.round_e4m3` for fp32 y with |y| <= 448, with integer rounding and the sign copied by bits
+    (no round / copysign in the Triton lowering): quantum 2^(max(⌊log2|y|⌋, −6) − 3), RNE; −0 stays −0."""
     a = jnp.abs(y)
-    e = jnp.maximum(((lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF) - 127, -6)
-    r = _rne_small(a * _pow2(3 - e)) * _pow2(e - 3)  # both products exact (powers of two)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(r, jnp.int32) | (ybits & jnp.int32(-(1 << 31))),
-                                    jnp.float32)
+    e = jnp.maximum(codec.f32_exponent(a, jnp), -6)
+    r = _rne_small(a * codec.exp2_int(3 - e, jnp)) * codec.exp2_int(e - 3, jnp)  # exact (powers of two)
+    sign = codec.bits_from_f32(y, jnp) & jnp.int32(-(1 << 31))
+    return codec.f32_from_bits(codec.bits_from_f32(r, jnp) | sign, jnp)
 
 
 def _fake_quant_fp8(a):
@@ -116,10 +108,9 @@ def _fake_quant_fp8(a):
     rounded in fp32 first, e4m3 RNE of clamp(a/s, ±448), times s)."""
     m, n = a.shape
     amax = jnp.maximum(jnp.max(jnp.abs(a).reshape(m, n // 32, 32), axis=2), 1e-4)
-    vb = lax.bitcast_convert_type(amax / quant.E4M3_MAX, jnp.int32)
-    e = ((vb >> 23) & 0xFF) - 127 + ((vb & 0x7FFFFF) != 0).astype(jnp.int32)  # exact ⌈log2⌉ (normal)
-    y = jnp.clip(a * sa._expand(_pow2(-e), 32), -quant.E4M3_MAX, quant.E4M3_MAX)  # a / s, exact
-    return _round_e4m3(y) * sa._expand(_pow2(e), 32)
+    e = codec.ceil_log2(amax / codec.E4M3_MAX, jnp)  # amax/448 >= 2.2e-7: a normal fp32
+    y = jnp.clip(a * sa._expand(codec.exp2_int(-e, jnp), 32), -codec.E4M3_MAX, codec.E4M3_MAX)  # a / s, exact
+    return _round_e4m3(y) * sa._expand(codec.exp2_int(e, jnp), 32)
 
 
 def _dot_nt(x, w):
