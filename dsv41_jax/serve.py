@@ -31,6 +31,8 @@ import sys
 import textwrap
 import time
 
+from dsv41_jax.serving.engine_args import HelpFormatter  # stdlib-only module: --help stays light
+
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("dsv41_jax.serve")
@@ -75,15 +77,10 @@ def endpoint_lines(endpoints=None) -> str:
     return "\n".join(f"  {m:4} {p:22} {what}" for m, p, what in (endpoints or ENDPOINTS))
 
 
-class _HelpFormatter(argparse.HelpFormatter):
+class _HelpFormatter(HelpFormatter):
     """Wraps each line of the description and the epilog on its own, so the endpoint list keeps one
     endpoint per line (an indented line continues under its text column); each flag's default is
-    stated once (`engine_args.help_text`)."""
-
-    def _get_help_string(self, action):
-        from dsv41_jax.serving.engine_args import help_text
-
-        return help_text(action)
+    stated once (`engine_args.HelpFormatter`)."""
 
     def _fill_text(self, text, width, indent):
         out = []

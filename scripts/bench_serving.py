@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dsv41_jax.serving.engine_args import HelpFormatter
+
 import httpx
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be or had not "
@@ -389,7 +391,7 @@ def plot(report: dict, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Benchmark an OpenAI-compatible serving endpoint.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server URL (without /v1)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions or /v1/chat/completions")

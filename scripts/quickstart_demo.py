@@ -132,14 +132,14 @@ def run(base: str, model: str | None = None, api_key: str | None = None) -> dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (without /v1)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:30000",
+                    help="the server, without /v1 (default: %(default)s)")
     ap.add_argument("--model", default=None, help="the model name to send (default: the first of the server's "
                     "GET /v1/models)")
     ap.add_argument("--api-key", default=None, help="the server's API key, if it has one")
     ap.add_argument("--wait", type=float, default=0.0,
-                    help="seconds to wait for GET /health first (0: the server must already be up)")
+                    help="seconds to wait for GET /health first (default 0: the server must already be up)")
     args = ap.parse_args(argv)
     if args.wait < 0:
         ap.error("--wait must be >= 0")

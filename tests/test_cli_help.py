@@ -4,7 +4,12 @@ flag names as aliases of ours."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import re
+import sys
+
+import pytest
 
 from dsv41_jax.serve import build_parser
 
@@ -40,3 +45,27 @@ def test_vllm_spellings_parse_to_our_flags():
     vllm = p.parse_args(["--max-model-len", "2048", "--tensor-parallel-size", "2", "--max-num-seqs", "8"])
     assert vars(vllm) == vars(ours)
     assert (ours.context_length, ours.tp_size, ours.max_running_requests) == (2048, 2, 8)
+
+
+SCRIPTS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_help_describes_the_script(name, capsys, monkeypatch):
+    """Every user script's --help: a description of what it does, each default said once, no internal
+    references (issue numbers)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"help_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n", 1)[1].split("options:", 1)[0].strip()
+    assert len(description.split()) >= 5, text[:500]
+    assert "(default: None)" not in text
+    assert not re.search(r"\bissues? \d+", text, re.IGNORECASE)
+    for block in re.split(r"\n  (?=-)", text)[1:-1]:  # the last option's block may run into an epilog
+        assert len(re.findall(r"\(default", " ".join(block.split()))) <= 1, block

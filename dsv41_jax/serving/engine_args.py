@@ -88,6 +88,13 @@ def help_text(action: argparse.Action) -> str:
     return text + " (default: %(default)s)"
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """An argparse formatter that states each flag's default once (`help_text`); for the CLIs' parsers."""
+
+    def _get_help_string(self, action):
+        return help_text(action)
+
+
 @dataclass
 class EngineArgs:
     """Every engine knob (see `add_cli_args` for the help texts, which are the documentation)."""
