@@ -1,4 +1,4 @@
-"""Offline inference API (issue 5 item 4)::
+"""Offline inference API::
 
     from dsv41_jax import LLM, SamplingParams
 

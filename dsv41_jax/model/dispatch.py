@@ -39,7 +39,7 @@ OPS = ("attention", "indexer", "engram", "mhc", "moe", "linear")
 IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 CHOICES = IMPLS + ("auto",)
 
-# op -> module (under dsv41_jax.pallas) holding its kernel (issues 11, 35); linear has none yet.
+# op -> module (under dsv41_jax.pallas) holding its kernel; linear has none yet.
 KERNEL_MODULES: dict = {
     "attention": "sparse_attention",
     "indexer": "indexer_topk",

@@ -1,4 +1,4 @@
-"""Runs of layers that share a plan, traced once as a `lax.scan` (issue 10 item 5; docs/design/layer_scan.md).
+"""Runs of layers that share a plan, traced once as a `lax.scan` (docs/design/layer_scan.md).
 
 `forward` and `decode.extend_uncommitted` loop over layers in Python, so XLA sees one copy of the
 layer's computation per layer: compile time grows with the layer count (flash: 40 layers). Layers

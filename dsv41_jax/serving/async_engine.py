@@ -1,4 +1,4 @@
-"""asyncio front of the engine, for the server (issue 5).
+"""asyncio front of the engine, for the server.
 
 `AsyncEngine` runs `Engine.step()` in a background thread. Requests and aborts reach that thread
 through a command queue; outputs go back to each request's `asyncio.Queue` with

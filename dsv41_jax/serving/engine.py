@@ -1,4 +1,4 @@
-"""The serving engine: continuous batching over the paged cache (issue 5 item 1; split in issue 13).
+"""The serving engine: continuous batching over the paged cache.
 
 `Engine` is the public front (`add_request`, `abort_request`, `step`, `run_until_done`, `stats`) over
 three parts, each in its own module:

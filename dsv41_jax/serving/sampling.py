@@ -1,4 +1,4 @@
-"""On-device, batched, jittable sampling (issue 5 item 2) and DSpark verification (docs/design/spec.md §7).
+"""On-device, batched, jittable sampling and DSpark verification (docs/design/spec.md §7).
 
 Host side
 ---------

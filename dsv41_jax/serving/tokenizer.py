@@ -1,4 +1,4 @@
-"""Tokenizer loading, incremental detokenization and stop strings (issue 5 item 3).
+"""Tokenizer loading, incremental detokenization and stop strings.
 
 `load_tokenizer("tiny" | MODEL_DIR | path/to/tokenizer.json)` returns a `Tokenizer`: a thin wrapper
 around an HF ``tokenizers.Tokenizer`` that encodes **without** adding special tokens (the chat
