@@ -43,3 +43,9 @@ def write_checkpoint(cfg: ModelConfig, path) -> str:
 
     save_hf_checkpoint(init_params(cfg, jax.random.key(0)), cfg, str(path), shards=1)
     return str(path)
+
+
+def mesh_micro() -> ModelConfig:
+    """`micro` with 8 draft experts (tiny's draft has 4), so that every mesh of the 8 fake CPU devices the
+    engine accepts (ep up to 8) also splits the DSpark draft's experts: the serving-on-a-mesh tests."""
+    return micro().replace(dspark_n_routed_experts=8, name="mesh_micro")

@@ -1,7 +1,10 @@
 """The engine with DSpark (issue 13 parts 3-4): greedy with DSpark ≡ greedy without, token for token, with
 rows accepting different lengths in one step; zero compilations across steps with different accept
 lengths; pages and slots back after every request; constrained decoding with drafts checked by the
-grammar; the simulated-accept-length knob; start-up errors.
+grammar; the simulated-accept-length knob (slow: its own step variant); no test-only input in the
+production step; start-up errors. Forced drafts come from a test drafter (`OracleDrafter`, a
+`speculator.DSparkSpeculator` whose `fixed_drafts` an oracle answers): the production step, fed
+through its drafts input (the one constrained rows use).
 
 Two module-scoped engines on `configs.mini` (tiny's mechanisms in 6 layers, its 3 DSpark stages) in the
 exact numerics mode (fp64-accumulated matmuls: a verify chunk equals one-token steps), one without
@@ -13,11 +16,14 @@ Cost: ~120 CPU-s for the module with a cold compile cache, mostly compiling the 
 the draft-only step (constrained rows), each of which holds the draft's three stages.
 """
 
+import contextlib
+import inspect
 import itertools
 
 import numpy as np
 import pytest
 
+from dsv41_jax.serving import speculator as spr
 from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -45,6 +51,28 @@ def spec_eng(cfg, mini_params):
     e = Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", **KW)
     assert e.spec_gamma == cfg.dspark_block_size == 3
     return e
+
+
+class OracleDrafter(spr.DSparkSpeculator):
+    """Test-only drafter: the engine's DSpark speculator (same compiled steps) whose drafts an oracle
+    fixes: ``oracle(SpecLaunch) -> int32 [len(rows), γ]`` (−1: the draft's own proposal)."""
+
+    def __init__(self, base: spr.DSparkSpeculator, oracle):
+        self.__dict__.update(base.__dict__)
+        self.oracle = oracle
+
+    def fixed_drafts(self, L):
+        return self.oracle(L)
+
+
+@contextlib.contextmanager
+def oracle_drafts(eng, oracle):
+    base = eng.runner.speculator
+    eng.runner.speculator = OracleDrafter(base, oracle)
+    try:
+        yield
+    finally:
+        eng.runner.speculator = base
 
 
 def _greedy(n=N_NEW):
@@ -81,8 +109,8 @@ def ref(plain_eng):
 
 def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
     """Greedy through the DSpark engine gives the plain engine's tokens exactly. First with the draft's
-    own proposals (random weights: it accepts little), then with an oracle draft (the test-only
-    ``runner.draft_hook``) proposing the reference tokens with a wrong one at a per-row, per-step
+    own proposals (random weights: it accepts little), then with an oracle draft (the test drafter
+    `OracleDrafter`) proposing the reference tokens with a wrong one at a per-row, per-step
     position, so rows of one launch accept 0..γ drafts; no compilation across those steps."""
     g = spec_eng.spec_gamma
     outs, _ = run(spec_eng, PROMPTS, [_greedy()] * len(PROMPTS))
@@ -106,11 +134,10 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
                 out[b, k] = (want[k] + 1) % spec_eng.vocab_size
         return out
 
-    spec_eng.runner.draft_hook = oracle
     # the wrong-draft schedule below counts launches from a cold prefill: no prefix-cache hits on the
     # prompts just run (such hits keep the tokens, as checked above, but shift the schedule)
     spec_eng.allocator.clear_cache()
-    try:
+    with oracle_drafts(spec_eng, oracle):
         rids = [f"o{next(_ids)}" for _ in PROMPTS]
         by_rid.update({r: i for i, r in enumerate(rids)})
         for rid, p in zip(rids, PROMPTS):
@@ -121,8 +148,6 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
                 if o.finished:
                     done[o.request_id] = o
             spec_eng.allocator.check_invariants()
-    finally:
-        spec_eng.runner.draft_hook = None
     assert [done[r].outputs[0].token_ids for r in rids] == ref
     accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
     assert any(len(set(a)) > 1 for a in accepts), accepts  # rows accepting different lengths in one step
@@ -133,11 +158,11 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
     assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
 
 
-def test_dspark_stops_max_tokens_sampling_and_simulated_accept(spec_eng, ref):
+def test_dspark_stops_max_tokens_and_sampling(spec_eng, ref):
     """Multi-token steps end at the right token: with an oracle draft accepting whole blocks, max_tokens
     below γ + 1 and a stop token inside an accepted block cut there (the tokens after it, committed to
     the cache, are dropped with it); a sampled row (temperature, top-p, penalties) runs through the same
-    compiled verify step; the simulated accept length commits exactly γ + 1 tokens per row-step."""
+    compiled verify step."""
     g = spec_eng.spec_gamma
     stop = ref[1][5]
     cut = ref[1].index(stop) + 1
@@ -155,28 +180,45 @@ def test_dspark_stops_max_tokens_sampling_and_simulated_accept(spec_eng, ref):
         return out
 
     n_comp = spec_eng.num_compilations()
-    spec_eng.runner.draft_hook = oracle
-    try:
+    with oracle_drafts(spec_eng, oracle):
         rids += [f"s{next(_ids)}" for _ in range(3)]
         for rid, p, sp in zip(rids, PROMPTS[:3], sps):
             spec_eng.add_request(rid, p, sp)
         outs = {o.request_id: o for o in spec_eng.run_until_done()}
-    finally:
-        spec_eng.runner.draft_hook = None
     o0, o1, o2 = (outs[r].outputs[0] for r in rids)
     assert o0.token_ids == ref[0][:2] and o0.finish_reason == "length"
     assert o1.token_ids == ref[1][:cut] and o1.finish_reason == "stop" and o1.stop_reason == stop
     assert outs[rids[1]].metrics["spec_accept_length"] > 1.5
     assert len(o2.token_ids) == 9 and o2.finish_reason == "length"
-
-    spec_eng.runner.simulate_accept_length = float(g + 1)  # performance knob: drafts committed unverified
-    try:
-        (o,), _ = run(spec_eng, [PROMPTS[3]], [_greedy(12)])
-    finally:
-        spec_eng.runner.simulate_accept_length = None
-    assert len(o.outputs[0].token_ids) == 12 and o.metrics["spec_accept_length"] == g + 1
     assert spec_eng.num_compilations() == n_comp
     assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
+
+
+def test_no_test_only_input_in_the_production_step(spec_eng):
+    """The production DSpark launch is `speculator._spec_launch`: its inputs are the launch's own (the
+    host-fixed drafts are the grammar walk's) — no accept override, no hook; the simulated accept
+    length compiles its own variant (`_spec_launch_simulated`), and the runner holds no hook."""
+    sp = spec_eng.runner.speculator
+    assert type(sp) is spr.DSparkSpeculator and sp.simulate_accept_length is None
+    assert sp._step.__wrapped__.func is spr._spec_launch  # jax.jit keeps the partial it wraps
+    params = list(inspect.signature(spr._spec_launch).parameters)
+    assert params[:8] == ["params", "state", "slot_tensors", "last_token", "batch", "step_counter", "drafts",
+                          "allowed"]
+    assert not {"accept_override", "forced_draft", "draft_hook", "hook", "oracle"} & set(params)
+    assert "accept_override" in inspect.signature(spr._spec_launch_simulated).parameters
+    assert not hasattr(spec_eng.runner, "draft_hook")
+    assert spr.DSparkSpeculator.fixed_drafts(sp, None) is None
+
+
+@pytest.mark.slow  # compiles the simulated variant of the verify step (~1 CPU-min)
+def test_simulated_accept_length(cfg, mini_params):
+    """--speculative-simulate-accept-length γ+1 (performance runs only): every row-step commits γ + 1
+    tokens, the drafts unverified."""
+    g = cfg.dspark_block_size
+    eng = Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK",
+                 speculative_simulate_accept_length=float(g + 1), **KW)
+    (o,), _ = run(eng, [PROMPTS[3]], [_greedy(12)])
+    assert len(o.outputs[0].token_ids) == 12 and o.metrics["spec_accept_length"] == g + 1
 
 
 class NotMod3:
@@ -235,8 +277,7 @@ def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
         return out
 
     n_comp = None
-    spec_eng.runner.draft_hook = oracle
-    try:
+    with oracle_drafts(spec_eng, oracle):
         rids = [f"c{next(_ids)}" for _ in prompts]
         by_rid.update({r: i for i, r in enumerate(rids)})
         for rid, p in zip(rids, prompts):
@@ -248,8 +289,6 @@ def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
                     done[o.request_id] = o
             if launches and n_comp is None:
                 n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
-    finally:
-        spec_eng.runner.draft_hook = None
     assert [done[r].outputs[0].token_ids for r in rids] == ref_c
     accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
     assert any(len(set(a)) > 1 for a in accepts) and injected["rejected_by_grammar"] > 0
@@ -266,5 +305,3 @@ def test_startup_errors(cfg, mini_params):
         Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", speculative_dspark_block_size=4, **KW)
     with pytest.raises(EngineError, match="enable-mixed-chunk"):
         Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", enable_mixed_chunk=True, **KW)
-    with pytest.raises(EngineError, match="tp-size"):
-        Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", tp_size=2, **KW)

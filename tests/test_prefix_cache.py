@@ -18,6 +18,7 @@
 import collections
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -428,6 +429,25 @@ def test_shared_system_prompt_hits_from_the_first_repeat_exact(eng):
         assert [o.num_cached_tokens for o in cold] == [0, 0]
         _assert_same_outputs(w, cold)
     eng.allocator.clear_cache()
+
+
+def test_export_import_slot_round_trip(eng):
+    """The state-transfer seam (`Runner.export_slot` / `import_slot`, the unit the prefix cache snapshots):
+    a slot's rows and pages exported to host arrays, imported into another slot and other pages, export
+    again the same bits; a page count mismatch is refused."""
+    eng.allocator.clear_cache()
+    _run_eng(eng, [(list(range(30, 50)), 2)])  # slots and pages now hold a request's state
+    eng.allocator.clear_cache()
+    r = eng.runner
+    a = r.export_slot(0, [1, 2, 3])
+    assert any(np.any(x != 0) for x in jax.tree_util.tree_leaves(a["rows"])) and len(a["pages"]) == 3
+    r.import_slot(a, 1, [4, 5, 6])
+    b = r.export_slot(1, [4, 5, 6])
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    with pytest.raises(ValueError, match="pages"):
+        r.import_slot(a, 1, [4, 5])
+    r.reset_slots([1])
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from dsv41_jax.serving.async_engine import AsyncEngine
 from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import QueueFullError
+from dsv41_jax.serving.runner import Runner
+from dsv41_jax.serving.runner_api import RUNNER_MEMBERS, RunnerProtocol
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
 from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -73,6 +75,23 @@ def finished_hold_nothing(eng):
             if s.status == "finished":
                 assert not eng.allocator.has(s.key) and s.slot is None
     eng.allocator.check_invariants()
+
+
+def test_runners_implement_the_protocol(tok):
+    """The scheduler's tests drive it through `RunnerProtocol` alone: this module's mock and the prefix
+    cache's checking mock implement it, as the device runner's class does; the engine refuses a runner
+    that lacks a member (naming it). RUNNER_MEMBERS lists the protocol's members exactly."""
+    from test_prefix_cache import CheckingRunner
+
+    declared = set(RunnerProtocol.__annotations__) | {n for n in vars(RunnerProtocol) if n in
+                                                      ("dispatch", "warmup", "num_compilations")}
+    assert declared == set(RUNNER_MEMBERS)
+    assert isinstance(MockRunner(), RunnerProtocol) and isinstance(CheckingRunner(), RunnerProtocol)
+    assert all(callable(getattr(Runner, n)) for n in ("dispatch", "warmup", "num_compilations"))
+    bad = MockRunner()
+    del bad.launches
+    with pytest.raises(TypeError, match="launches"):
+        make(tok, runner=bad)
 
 
 def test_admission_by_slots_and_chunked_prefill_budget(tok):

@@ -279,7 +279,39 @@ def cache_axes(state) -> dict:
                        for k, s in state["partial"].items()}}
     if "engram_hist" in state:
         out["engram_hist"] = ("cache_slots", "cache_ngram")
+    if "dspark" in state:  # the DSpark draft's rings: one window store per stage, laid out as "window"
+        out["dspark"] = [store(s, ("cache_slots", "cache_ring")) for s in state["dspark"]]
     return out
+
+
+def state_shardings(state, mesh, rules=None):
+    """`NamedSharding` per leaf of a cache pytree as it is (`cache_axes`: the cache, the DSpark
+    rings when present), or of a tree of its per-slot rows with the same keys (the prefix cache's
+    snapshot pool: a row axis where the cache has its slot axis, split by the same rule)."""
+    axes = cache_axes_of_rows(state)
+    return jax.tree_util.tree_map(lambda a, ax: named(mesh, ax, a.shape, rules), state, axes,
+                                  is_leaf=lambda x: hasattr(x, "shape"))
+
+
+def cache_axes_of_rows(state) -> dict:
+    """`cache_axes` for a full cache pytree or for a subset of its keys (e.g. only its per-slot rows)."""
+    full = {"window": [], "comp": {}, "ikeys": {}, "partial": {}}
+    full.update(state)
+    axes = cache_axes(full)
+    return {k: axes[k] for k in state}
+
+
+def constrain_state(state, mesh, rules=None):
+    """``state`` (a cache pytree, DSpark rings included) held to its shardings inside a jitted step, so a
+    step that has no out_shardings of its own returns the cache laid out as `init_cache` made it."""
+    if mesh is None:
+        return state
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, state, state_shardings(state, mesh, rules))
+
+
+def place_state(state, mesh, rules=None):
+    """``state`` (or its per-slot rows) moved onto its shardings (`state_shardings`)."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
 def cache_shardings(cfg, ccfg, mesh, rules=None) -> dict:

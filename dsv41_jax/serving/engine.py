@@ -115,10 +115,12 @@ from jax import monitoring
 
 from dsv41_jax.model.decode import _bucket  # noqa: F401 (re-exported: tests bucket shapes as the engine does)
 from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.engine_metrics import EngineMetrics
 from dsv41_jax.serving.output import OutputProcessor
 from dsv41_jax.serving.request import (FINISHED, PREEMPTION_REASONS, RUNNING, WAITING, CompletionOutput,  # noqa: F401
                                        EngineError, EngineInternalError, Group, QueueFullError, RequestOutput, Seq)
 from dsv41_jax.serving.runner import Runner, SharedPageAllocator
+from dsv41_jax.serving.runner_api import RUNNER_MEMBERS, RunnerProtocol
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import Scheduler
 from dsv41_jax.serving.tokenizer import IncrementalDetokenizer
@@ -168,9 +170,7 @@ class Engine:
     `abort_request` and `step` from one thread (`AsyncEngine` runs it in a background thread).
 
     ``runner``: a ready runner (e.g. a model-free mock in the scheduler's tests) instead of building
-    `Runner(args, cfg=cfg, params=params)`; it must have ``allocator``, ``max_slots``, ``scratch``,
-    ``context_length``, ``vocab_size``, ``max_logprobs``, ``spec_gamma``, ``dispatch``, ``warmup``,
-    ``num_compilations``."""
+    `Runner(args, cfg=cfg, params=params)`; it must implement `runner_api.RunnerProtocol` (checked)."""
 
     def __init__(self, args: Optional[EngineArgs] = None, *, cfg=None, params=None, tokenizer=None, runner=None,
                  **kw):
@@ -182,6 +182,9 @@ class Engine:
         t0 = time.perf_counter()
         self.runner = runner if runner is not None else Runner(args, cfg=cfg, params=params)
         r = self.runner
+        if not isinstance(r, RunnerProtocol):
+            missing = [n for n in RUNNER_MEMBERS if not hasattr(r, n)]
+            raise TypeError(f"Engine: the runner lacks {', '.join(missing)} (runner_api.RunnerProtocol)")
         if tokenizer is None:
             from dsv41_jax.serving.tokenizer import load_tokenizer
 
@@ -199,21 +202,15 @@ class Engine:
         self.overlap = not args.disable_overlap_schedule
         self.spec_gamma = r.spec_gamma
 
-        self.preemptions = {p: 0 for p in PREEMPTION_REASONS}  # per reason (the /metrics counter)
-        self.metrics = {"num_preemptions": 0, "replayed_tokens": 0, "requests_failed": 0, "prompt_tokens": 0,
-                        "generation_tokens": 0, "requests_finished": 0,
-                        "requests_aborted": 0, "shared_prompt_tokens": 0, "computed_prompt_tokens": 0,
-                        "num_forks": 0, "steps": 0, "launches": 0, "spec_verify_steps": 0,
-                        "spec_accepted_tokens": 0, "spec_draft_tokens": 0, "cached_prompt_tokens": 0}
+        self.metrics = EngineMetrics()  # the one owner of the counters (scheduler, output and engine count into it)
+        self._pending: list = []  # launches dispatched whose results are not read yet (the overlap schedule)
         self.scheduler = Scheduler(args, r, context_length=self.context_length, batch_buckets=self.batch_buckets,
-                                   token_buckets=self.token_buckets, metrics=self.metrics,
-                                   preemptions=self.preemptions, sync=self._sync, spec_gamma=self.spec_gamma)
-        self.scheduler.has_inflight = lambda: bool(self._pending)
+                                   token_buckets=self.token_buckets, metrics=self.metrics, sync=self._sync,
+                                   spec_gamma=self.spec_gamma, has_inflight=lambda: bool(self._pending))
         self.output = OutputProcessor(self.scheduler, r.allocator, page_size=r.allocator.page_size,
                                       context_length=self.context_length, eos_token_ids=self.eos_token_ids,
-                                      metrics=self.metrics, preemptions=self.preemptions,
-                                      decode_log_interval=args.decode_log_interval, spec_gamma=self.spec_gamma)
-        self._pending: list = []
+                                      metrics=self.metrics, decode_log_interval=args.decode_log_interval,
+                                      spec_gamma=self.spec_gamma)
         self._group_counter = 0
         self._rng = random.Random(args.random_seed)
         self._iter = 0
@@ -229,6 +226,11 @@ class Engine:
             self.warmup()
 
     # ------------------------------------------------------------------------------------ parts
+    @property
+    def preemptions(self) -> dict:
+        """Preemptions per reason (the /metrics counter), from `EngineMetrics`."""
+        return self.metrics.preemptions
+
     @property
     def allocator(self):
         return self.runner.allocator
@@ -370,7 +372,7 @@ class Engine:
                 self.output.finish(s, "length")
         else:
             self.scheduler.add(g.seqs)
-        self.metrics["prompt_tokens"] += len(ids)
+        self.metrics.add("prompt_tokens", len(ids))
 
     def _check_fits(self, ids: list, p: SamplingParams) -> None:
         """Refuse, at admission, a request that could never run to its end: every sample must fit
@@ -397,7 +399,7 @@ class Engine:
                 self.scheduler.remove_waiting(s)
             if s.status != FINISHED:
                 self.output.finish(s, "abort")
-        self.metrics["requests_aborted"] += 1
+        self.metrics.add("requests_aborted")
         return True
 
     def has_unfinished(self) -> bool:
@@ -422,7 +424,7 @@ class Engine:
             resets, admitted = self.scheduler.take_device_work()
             launches_before = self.runner.launches
             self.runner.dispatch(ops, resets, admitted, self.eos_token_ids)
-            self.metrics["launches"] += self.runner.launches - launches_before
+            self.metrics.add("launches", self.runner.launches - launches_before)
         self.last_step = {"launches": [(L.B, L.T) for L in launches],
                           "prefill_tokens": sum(r.n for L in launches if not L.spec for r in L.rows
                                                 if not (r.sample or r.replay)),
@@ -437,7 +439,7 @@ class Engine:
         if (not launches and not self._pending and self.output.n_processed == n_processed
                 and (self.scheduler.running or self.scheduler.waiting)):
             self._unstick()  # nothing ran, nothing was read: the plan saw the current state and had no move
-        self.metrics["steps"] += 1
+        self.metrics.add("steps")
         return self.output.emit()
 
     def run_until_done(self) -> list:
@@ -471,7 +473,7 @@ class Engine:
         if s.status == WAITING:
             self.scheduler.remove_waiting(s)
         s.error = message
-        self.metrics["requests_failed"] += 1
+        self.metrics.add("requests_failed")
         self.output.finish(s, "error")
 
     # ------------------------------------------------------------------------------------ metrics
@@ -486,7 +488,7 @@ class Engine:
         """Metrics for the server: requests, token usage, throughput, latencies, cache hit rate, DSpark
         accept length / rate / histogram (``spec_*``, with DSpark on)."""
         a = self.allocator
-        m = dict(self.metrics)
+        m = self.metrics.snapshot()
         reused = m["shared_prompt_tokens"] + m["cached_prompt_tokens"]  # forked n > 1 prompts + prefix-cache hits
         computed = m["computed_prompt_tokens"] + reused
         ps = a.page_size

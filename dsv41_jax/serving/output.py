@@ -30,14 +30,14 @@ class OutputProcessor:
 
     scheduler: releases a finished sample's pages and slot (`Scheduler.release`) and takes DSpark
     results (`Scheduler.spec_done`); allocator: for the usage figures; metrics: the engine's counters
-    (updated in place); spec_gamma: DSpark proposals per step (0: off)."""
+    (`EngineMetrics`, counted into); spec_gamma: DSpark proposals per step (0: off)."""
 
     def __init__(self, scheduler, allocator, *, page_size: int, context_length: int, eos_token_ids: tuple,
-                 metrics: dict, preemptions: dict, decode_log_interval: int, spec_gamma: int = 0):
+                 metrics, decode_log_interval: int, spec_gamma: int = 0):
         self.scheduler, self.allocator = scheduler, allocator
         self.page_size, self.context_length = page_size, context_length
         self.eos_token_ids = eos_token_ids
-        self.metrics, self.preemptions = metrics, preemptions
+        self.metrics = metrics
         self.decode_log_interval = decode_log_interval
         self.spec_gamma = spec_gamma
         self.groups: dict = {}
@@ -88,7 +88,7 @@ class OutputProcessor:
                 n_tok += 1
         if n_tok:
             self._gen_times.append((now, n_tok))
-            self.metrics["generation_tokens"] += n_tok
+            self.metrics.add("generation_tokens", n_tok)
         if decode:
             self.decode_iters += 1
             self.scheduler.decode_iteration_done()
@@ -107,9 +107,9 @@ class OutputProcessor:
             self.scheduler.spec_done(s, r.start, n + 1)
             self.last_accepts.append(n)
             self.spec_hist[n] += 1
-            self.metrics["spec_verify_steps"] += 1
-            self.metrics["spec_accepted_tokens"] += n
-            self.metrics["spec_draft_tokens"] += L.gamma
+            self.metrics.add("spec_verify_steps", 1)
+            self.metrics.add("spec_accepted_tokens", n)
+            self.metrics.add("spec_draft_tokens", L.gamma)
             s.spec_steps += 1
             s.spec_accepted += n
             for t in toks[b, : n + 1]:
@@ -185,7 +185,7 @@ class OutputProcessor:
             g.finished_time = time.perf_counter()
             self.e2e.append(g.finished_time - g.arrival_perf)
             if reason not in ("abort", "error"):
-                self.metrics["requests_finished"] += 1
+                self.metrics.add("requests_finished", 1)
 
     # ------------------------------------------------------------------------------------ outputs
     def _completion(self, s: Seq, delta: bool) -> CompletionOutput:
@@ -289,4 +289,4 @@ class OutputProcessor:
         log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                  "#queue-req: %d, #preempted: %d (%s)%s", len(sched.running), a.used_pages * self.page_size,
                  a.used_pages / a.capacity, tput, sched.num_waiting, m["num_preemptions"],
-                 ", ".join(f"{r} {n}" for r, n in self.preemptions.items()), spec)
+                 ", ".join(f"{r} {n}" for r, n in self.metrics.preemptions.items()), spec)

@@ -14,21 +14,25 @@ reads them):
   ``--enable-decoder-swa-bounded-replay`` a launch of more than one token per row runs
   `decode.extend_bounded` instead (layers after the last store layer only on each row's tokens at or
   after ``tail_lo`` = prompt length − sliding_window; one-token launches, i.e. decode, are unchanged).
-- `SpecLaunch` [B, γ+1]: one `speculative.speculative_step` (draft γ tokens, verify them in one
-  target forward, commit the accepted prefix + bonus) with the rows' sampling tensors gathered from
-  the slots, the committed tokens added to the penalty counts and the bonus put in ``last_token``:
-  one compiled program per batch bucket (`_jitted_spec_launch`): accept lengths are values. A launch
-  with constrained rows first runs the draft alone (`_propose_launch`) and walks each row's grammar
-  through the drafts on the host (`_grammar_masks`); the verify rows' logits are masked up to the first
-  draft the grammar rejects.
-- fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples.
+- `SpecLaunch` [B, γ+1]: handed to the speculator (`speculator.DSparkSpeculator.launch`: one jitted
+  verify-then-commit step per batch bucket; accept lengths are values). Speculation is behind the
+  `speculator.Speculator` seam (`NoSpeculation` without DSpark): it also gives the step plain
+  launches run and the per-slot state it keeps in the cache.
+- fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples, and the
+  prefix cache's snapshot saves / restores and HiCache spills / loads — one method per op type
+  (`_run_op`).
+
+Set-up runs in steps with one job each (`__init__`: configure, load, place, plan memory, build the
+cache, build the features).
 
 Every (batch, tokens) bucket, and with DSpark the verify step per batch bucket, is compiled in
 `warmup`; steady-state serving never compiles (tests count `num_compilations`).
 
 DSpark (``--speculative-algorithm DSPARK``) is refused at start-up (EngineError, naming the reason)
-with a checkpoint without DSpark stages, a block size above the checkpoint's, a mesh (--tp-size /
---ep-size > 1: the speculative step is not sharded), --engram-host-table and --enable-mixed-chunk.
+with a checkpoint without DSpark stages, a block size above the checkpoint's and --enable-mixed-chunk.
+On a mesh (--tp-size / --ep-size > 1) every feature runs: the DSpark rings and the prefix cache's
+snapshot pool are placed by the cache's rules (`parallel.rules.state_shardings`), the DSpark steps
+run the target's forward on the mesh as the plain step does and hold the cache to its shardings.
 ``--speculative-simulate-accept-length L`` (env ``DSV41_SIMULATE_ACC_LEN``; performance runs only)
 forces each DSpark row to commit L tokens per step (floor/ceil by a seeded stream around a
 fractional L) whatever the verifier says: the *drafts* are committed as if accepted, so the text is
@@ -52,7 +56,6 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.prefix_cache import LoadOp, RestoreOp, SaveOp, SpillOp, make_radix_allocator
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import RUNNING, EngineError
@@ -201,10 +204,16 @@ def _slot_rows(state) -> dict:
     return {k: state[k] for k in _SLOT_ROW_KEYS if k in state}
 
 
-def empty_snapshots(state, num_rows: int) -> dict:
+def empty_snapshots(state, num_rows: int, mesh=None) -> dict:
     """The prefix cache's snapshot pool: the per-slot rows of ``state`` with ``num_rows`` rows
-    (each leaf [num_rows, ...] where the cache's is [max_slots + 1, ...])."""
-    return jax.tree.map(lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype), _slot_rows(state))
+    (each leaf [num_rows, ...] where the cache's is [max_slots + 1, ...]); on a mesh placed by the
+    cache's own rules (`rules.state_shardings`: the row axis split as the slot axis is)."""
+    snaps = jax.tree.map(lambda a: np.zeros((num_rows,) + a.shape[1:], a.dtype), _slot_rows(state))
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, snaps)
+    from dsv41_jax.parallel import rules
+
+    return rules.place_state(snaps, mesh)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -282,6 +291,12 @@ def _set_slot_rows(state: dict, rows: dict, slot) -> dict:
     return out
 
 
+@jax.jit
+def _get_slot_rows(state, slot):
+    """Slot ``slot``'s per-request rows of the cache (a copy; `_slot_rows` keys)."""
+    return jax.tree.map(lambda a: a[slot], _slot_rows(state))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _put_snapshot(state, rows, slot):
     """HiCache load: slot ``slot``'s rows ← a snapshot row brought back from the host."""
@@ -301,60 +316,6 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
     if "dspark" in state:  # the DSpark rings hold the prompt's draft KV, per slot
         out["dspark"] = [jax.tree.map(row, r) for r in state["dspark"]]
     return out
-
-
-def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, forced_draft, accept_override,
-                 allowed, *, cfg, ccfg, gamma):
-    """One DSpark step for the rows of a `SpecLaunch`: sampling tensors gathered from the rows' slots,
-    `speculative.speculative_step`, then the committed tokens added to the slots' penalty counts and
-    each row's bonus token (the next anchor) put in ``last_token[slot]``.
-
-    batch: `speculative.make_spec_batch`-style {anchor, start, slot, page_table, active} (numpy is
-    fine); step_counter int32 [B]: tokens each row has generated (the anchor included); forced_draft
-    int32 [B, γ]: −1 (the draft's own proposal) or a token replacing it (the test-only oracle hook);
-    accept_override int32 [B]: −1, or a forced accept count (the simulated-accept-length knob);
-    allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True for unconstrained rows).
-    Returns (tokens int32 [B, γ+1] −1 padded, n_accept int32 [B], slot_tensors, last_token, state)."""
-    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
-    n_rows = last_token.shape[0]
-    t = jax.tree.map(lambda a: a[slots], slot_tensors)
-    t = t.replace(valid=t.valid & active)
-    toks, n_acc, state = spec.speculative_step(params, state, batch, t, step_counter, forced_draft, cfg=cfg, ccfg=ccfg,
-                                               gamma=gamma, accept_override=accept_override, allowed=allowed)
-    rows = jnp.where(active, slots, n_rows)  # out of range: dropped
-    V = slot_tensors.output_counts.shape[1]
-    cols = jnp.where(toks >= 0, toks, V)  # −1 padding: out of range, dropped
-    counts = slot_tensors.output_counts.at[rows[:, None], cols].add(1, mode="drop")
-    bonus = jnp.take_along_axis(toks, n_acc[:, None], axis=1)[:, 0]
-    last = last_token.at[rows].set(bonus, mode="drop")
-    return toks, n_acc, slot_tensors.replace(output_counts=counts), last, state
-
-
-def _propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma):
-    """The draft alone for the rows of a `SpecLaunch` (the same draws as `_spec_launch`'s own draft):
-    int32 [B, γ]. Used when a row has a constraint: the host checks the drafts against the grammar
-    before the verify step (which then gets them as forced drafts, and the grammar's masks)."""
-    from dsv41_jax.model import dspark
-
-    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
-    t = jax.tree.map(lambda a: a[slots], slot_tensors)
-    t = t.replace(valid=t.valid & active)
-    draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
-    prop = dspark.propose(params, state["dspark"], jnp.asarray(batch["anchor"]), jnp.asarray(batch["start"]), slots,
-                          cfg, ccfg, gamma, draw)
-    return prop["tokens"]
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_propose_launch(cfg, ccfg, gamma: int):
-    return jax.jit(functools.partial(_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_spec_launch(cfg, ccfg, gamma: int):
-    """`_spec_launch` jitted per (cfg, ccfg, γ), cache / tensors / last_token donated; compiles once per
-    batch bucket."""
-    return jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma), donate_argnums=(1, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -380,8 +341,22 @@ def _device_memory_bytes(args: EngineArgs) -> tuple:
     return int(total), "physical RAM", _CPU_MEM_FRACTION if dev.platform == "cpu" else _ACCEL_MEM_FRACTION
 
 
-def _tree_bytes(tree) -> int:
-    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
+def _bytes_by_device(tree) -> dict:
+    """{device: bytes of the shards of ``tree``'s device arrays it holds} (host arrays are not counted)."""
+    per: dict = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        sh = getattr(x, "sharding", None)
+        if sh is None:
+            continue
+        n = int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
+        for d in sh.device_set:
+            per[d] = per.get(d, 0) + n
+    return per
+
+
+def _bytes_per_device(tree) -> int:
+    """The most bytes of ``tree``'s leaves any one device holds (their shards; a leaf on one device: all)."""
+    return max(_bytes_by_device(tree).values(), default=0)
 
 
 
@@ -402,8 +377,57 @@ class Runner:
     """Device state and launches (see the module docstring). Built by `Engine`; single-threaded."""
 
     def __init__(self, args: EngineArgs, *, cfg=None, params=None):
+        """Set-up in steps, one job each: `_configure` (the config, the mesh, what is refused before any
+        weight is read), `_load_params`, `_place` (onto the mesh / the host table, layer runs
+        stacked), `_plan_memory` (the KV pool, the snapshot pool), `_build_cache` (the cache pytree and
+        the per-slot tensors), `_build_features` (the speculator and the steps, the prefix cache with its
+        host tier)."""
         self.args = args
         t0 = time.perf_counter()
+        self.cfg = self._configure(cfg)
+        self.params = self._place(self._load_params(params))
+        self.vocab_size = self.cfg.vocab_size
+        self.pad_compressed_id = (int(np.asarray(self.params["derived"]["engram_token_map"])
+                                      [self.cfg.engram_pad_token_id]) if self.cfg.engram_layer_ids else 0)
+        self.load_time = time.perf_counter() - t0
+        self.ccfg, self.memory_plan = self._plan_memory()
+        self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
+        self.max_slots = self.ccfg.max_slots
+        self.scratch = self.ccfg.max_slots
+        self.max_logprobs = min(args.max_logprobs, self.vocab_size)
+        self.speculator = self._make_speculator()
+        self._build_cache()
+        self._build_features()
+        self.precompiled_shapes: list = []  # the (B, T) extend shapes the warm-up compiled concurrently
+        self.launches = 0
+        self.memory_by_device = self.memory_per_device()
+        for d, m in self.memory_by_device.items():
+            log.info("memory on %s: parameters %.1f MiB (DSpark draft %.1f), KV pool + window rings %.1f MiB, "
+                     "DSpark rings %.1f MiB, prefix-cache snapshot pool %.1f MiB; host tier %.1f MiB of host memory",
+                     d, m["params"] / 2**20, m["draft_params"] / 2**20, m["kv"] / 2**20, m["draft_rings"] / 2**20,
+                     m["snapshots"] / 2**20, m["host_tier"] / 2**20)
+
+    def memory_per_device(self) -> dict:
+        """{device: {"params", "draft_params" (the DSpark stages, part of params), "kv" (the cache pytree
+        without the DSpark rings), "draft_rings", "snapshots" (the prefix cache's snapshot pool),
+        "host_tier" (HiCache: host bytes of its page pool when full, one copy)}} in bytes."""
+        params = _bytes_by_device(self.params)
+        draft = _bytes_by_device(self.params.get("mtp") or []) if self.spec_gamma else {}
+        kv = _bytes_by_device({k: v for k, v in self.state.items() if k != "dspark"})
+        rings = _bytes_by_device(self.state.get("dspark") or [])
+        snaps = _bytes_by_device(self.snaps) if self.snaps is not None else {}
+        # (one host copy: the cache is replicated, so every device's shards are the same bytes; each host
+        # entry also keeps its snapshot row, one row's bytes per entry, not counted here)
+        host = int(self.host_pages * self.ccfg.page_size * self.memory_plan["bytes_per_token"])
+        return {d: {"params": params.get(d, 0), "draft_params": draft.get(d, 0), "kv": kv.get(d, 0),
+                    "draft_rings": rings.get(d, 0), "snapshots": snaps.get(d, 0), "host_tier": host}
+                for d in sorted(set(params) | set(kv), key=str)}
+
+    # ------------------------------------------------------------------------------------ setup
+    def _configure(self, cfg):
+        """The model config as the flags ask (dtype, impl, deterministic), the mesh (an impossible one
+        refused, MeshError), the Engram host table and DSpark's γ — all before any weight is read."""
+        args = self.args
         from dsv41_jax.model.config import ModelConfig
 
         if cfg is None:
@@ -425,110 +449,16 @@ class Runner:
                         "rounded as in the %s flow, every order-sensitive sum accumulated in fp64, Pallas kernels "
                         "off, the sampler's sums in fp64: a request's tokens and logprobs do not depend on the batch, "
                         "chunking, cache hits, preemption, speculation or the mesh", mode_name(cfg), cfg.act_dtype)
-        self.cfg = cfg
-        # --tp / --ep: the mesh is built (and an impossible combination refused, MeshError) before any
-        # weight is loaded; tp = ep = 1 runs unsharded on the default device.
+        # --tp / --ep: tp = ep = 1 runs unsharded on the default device
         self.mesh = None
         if args.tp_size != 1 or args.ep_size != 1:
             from dsv41_jax.parallel.mesh import make_mesh
 
             self.mesh = make_mesh(args.tp_size, args.ep_size, cfg=cfg)
-        from dsv41_jax.parallel.host_table import host_table_requested, offload_engram
+        from dsv41_jax.parallel.host_table import host_table_requested
 
         self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
-        self.spec_gamma = self._check_speculative(cfg)  # before any weight is loaded
-        if params is None:
-            if args.model == "tiny" and not os.path.isdir(args.model):
-                from dsv41_jax.model.params import init_params
-
-                params = init_params(cfg, jax.random.key(args.random_seed))
-            else:
-                from dsv41_jax.model.checkpoint import load_params
-
-                # straight onto the mesh's shardings (no whole-tensor copy on one device first)
-                params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
-        if self.spec_gamma and len(params.get("mtp") or []) < cfg.num_nextn_predict_layers:
-            raise EngineError("--speculative-algorithm DSPARK: the checkpoint has no DSpark parameters (mtp.*: "
-                              f"{len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} stages loaded)")
-        if self.mesh is not None:
-            from dsv41_jax.parallel import rules
-
-            params = rules.shard_params(params, cfg, self.mesh, engram_host_table=self.engram_host_table)
-        elif self.engram_host_table:
-            params = offload_engram(params)
-        from dsv41_jax.model import layer_scan
-
-        # runs of plan-identical layers stacked once here, so the step's scans read them in place
-        # (stacking inside the step would copy their weights on every call)
-        params = layer_scan.prepare(params, cfg)
-        self.params = params
-        self.vocab_size = cfg.vocab_size
-        self.pad_compressed_id = (int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
-                                  if cfg.engram_layer_ids else 0)
-        self.load_time = time.perf_counter() - t0
-
-        # -- memory plan
-        self.ccfg, self.memory_plan = self._plan_memory()
-        ccfg = self.ccfg
-        self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
-        self.max_slots = ccfg.max_slots
-        self.scratch = ccfg.max_slots
-        self.max_logprobs = min(args.max_logprobs, self.vocab_size)
-
-        # -- device state
-        if self.mesh is None:
-            self.state = kvc.init_cache(cfg, ccfg)
-        else:
-            from dsv41_jax.parallel import rules
-
-            self.state = rules.init_cache(cfg, ccfg, self.mesh)
-        if self.spec_gamma:
-            from dsv41_jax.model import dspark
-
-            self.state = dspark.with_rings(self.state, cfg, ccfg)
-        self.reset_slots(list(range(self.max_slots + 1)))
-        self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
-        self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
-        self._allow_all: dict = {}
-        self._allow_all_spec: dict = {}
-        if self.spec_gamma:  # every plain step also writes the draft rings of the tokens it commits
-            self._extend = spec.jitted_extend_seeding(cfg, ccfg)
-            self._spec = _jitted_spec_launch(cfg, ccfg, self.spec_gamma)
-            self._propose = _jitted_propose_launch(cfg, ccfg, self.spec_gamma)
-        else:
-            self._extend = dec.jitted_extend(cfg, ccfg, False, self.mesh, self.engram_host_table)
-            self._spec = self._propose = None
-        self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
-        self._extend_bounded = self._bounded_replay(cfg, ccfg)  # None unless --enable-decoder-swa-bounded-replay
-        self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
-        # the radix prefix cache (prefix_cache.py): one snapshot row per entry
-        self.snapshot_rows = getattr(self, "_planned_snapshot_rows", None)
-        if self.snapshot_rows is None:
-            self.snapshot_rows = self._snapshot_rows()
-        self.host_pages = 0
-        if self.snapshot_rows and args.enable_hierarchical_cache:  # HiCache L2: R x the device pool, on the host
-            self.host_pages = int(args.resolved_hicache_ratio() * (ccfg.num_pages - 1))
-            log.info("hierarchical cache: host pool of %d pages (%.1f x the device pool)", self.host_pages,
-                     args.resolved_hicache_ratio())
-        self._host_unsettled: list = []  # host-store keys whose device-to-host copies are in flight
-        if self.snapshot_rows:
-            self.allocator = make_radix_allocator(SharedPageAllocator, ccfg.num_pages, ccfg.page_size,
-                                                  ccfg.max_pages_per_seq, self.snapshot_rows, self.host_pages)
-            self.snaps = empty_snapshots(self.state, self.snapshot_rows)
-            log.info("radix prefix cache: %d snapshot rows (%.1f MiB)", self.snapshot_rows,
-                     _tree_bytes(self.snaps) / 2**20)
-            # compile the two copies now (tiny programs), even with --skip-server-warmup, so that serving
-            # never compiles on a first save / hit (row 0 and the scratch slot hold nothing yet)
-            self.snaps = _save_snapshot(self.snaps, self.state, np.int32(self.scratch), np.int32(0))
-            self.state = _restore_snapshot(self.state, self.snaps, np.int32(0), np.int32(self.scratch), np.int32(0),
-                                           np.int32(0), page_size=ccfg.page_size, ratios=self._ratios)
-            if self.host_pages:  # and the host tier's copies (page 0 is the null page: never read)
-                blk = _gather_page(self.state, np.int32(0), page_size=ccfg.page_size, ratios=self._ratios)
-                self.state = _scatter_page(self.state, blk, np.int32(0), page_size=ccfg.page_size, ratios=self._ratios)
-                self.state = _put_snapshot(self.state, _get_snapshot(self.snaps, np.int32(0)), np.int32(self.scratch))
-        else:
-            self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
-            self.snaps = None
+        self.spec_gamma = self._check_speculative(cfg)
         self.simulate_accept_length = resolve_simulated_accept_length(args) if self.spec_gamma else None
         if self.simulate_accept_length is not None:
             L = self.simulate_accept_length
@@ -539,24 +469,108 @@ class Runner:
         elif args.speculative_simulate_accept_length is None and os.environ.get(SIMULATE_ACC_LEN_ENV) \
                 and not self.spec_gamma:
             raise EngineError(f"{SIMULATE_ACC_LEN_ENV} is set but --speculative-algorithm is not DSPARK")
-        self._sim_rng = np.random.default_rng(args.random_seed)
-        self.precompiled_shapes: list = []  # the (B, T) extend shapes the warm-up compiled concurrently
-        self.launches = 0
-        # test-only: fn(SpecLaunch) -> int32 [len(rows), γ] drafts replacing the draft's own where >= 0
-        # (an oracle proposing known tokens, to make rows accept chosen lengths); None: the draft's own
-        self.draft_hook = None
+        return cfg
 
-    # ------------------------------------------------------------------------------------ setup
+    def _load_params(self, params):
+        """The parameters: given, random for ``--model tiny``, or read from the checkpoint (straight onto
+        the mesh's shardings: no whole-tensor copy on one device first)."""
+        args, cfg = self.args, self.cfg
+        if params is None:
+            if args.model == "tiny" and not os.path.isdir(args.model):
+                from dsv41_jax.model.params import init_params
+
+                params = init_params(cfg, jax.random.key(args.random_seed))
+            else:
+                from dsv41_jax.model.checkpoint import load_params
+
+                params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
+        if self.spec_gamma and len(params.get("mtp") or []) < cfg.num_nextn_predict_layers:
+            raise EngineError("--speculative-algorithm DSPARK: the checkpoint has no DSpark parameters (mtp.*: "
+                              f"{len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} stages loaded)")
+        return params
+
+    def _place(self, params):
+        """Parameters onto the mesh by the rules (the DSpark stages too) or the Engram tables to the host;
+        runs of plan-identical layers stacked once here, so the step's scans read them in place
+        (stacking inside the step would copy their weights on every call)."""
+        from dsv41_jax.model import layer_scan
+        from dsv41_jax.parallel.host_table import offload_engram
+
+        if self.mesh is not None:
+            from dsv41_jax.parallel import rules
+
+            params = rules.shard_params(params, self.cfg, self.mesh, engram_host_table=self.engram_host_table)
+        elif self.engram_host_table:
+            params = offload_engram(params)
+        return layer_scan.prepare(params, self.cfg)
+
+    def _make_speculator(self):
+        """`speculator.DSparkSpeculator` with DSpark on, else `speculator.NoSpeculation`."""
+        from dsv41_jax.serving.speculator import DSparkSpeculator, NoSpeculation
+
+        if not self.spec_gamma:
+            return NoSpeculation(self.cfg, self.ccfg, self.mesh, self.engram_host_table)
+        return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.mesh, self.simulate_accept_length,
+                                self.args.random_seed)
+
+    def _build_cache(self) -> None:
+        """The cache pytree (on the mesh by the rules; with the speculator's per-slot state), every slot
+        reset, the per-slot sampling tensors and ``last_token``."""
+        cfg, ccfg = self.cfg, self.ccfg
+        if self.mesh is None:
+            state = kvc.init_cache(cfg, ccfg)
+        else:
+            from dsv41_jax.parallel import rules
+
+            state = rules.init_cache(cfg, ccfg, self.mesh)
+        self.state = self.speculator.seed_state(state)
+        self.reset_slots(list(range(self.max_slots + 1)))
+        self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
+        self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
+        self._allow_all: dict = {}
+        self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
+
+    def _build_features(self) -> None:
+        """The steps plain launches run (the speculator's; SWA bounded replay when on) and the page
+        allocator: with the radix prefix cache its snapshot pool (placed as the cache is) and host tier."""
+        args, ccfg = self.args, self.ccfg
+        self._extend = self.speculator.extend_step(False)  # with DSpark: also writes the draft rings
+        self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
+        self._extend_bounded = self._bounded_replay(self.cfg, ccfg)  # None unless --enable-decoder-swa-bounded-replay
+        # the radix prefix cache (prefix_cache.py): one snapshot row per entry
+        self.snapshot_rows = getattr(self, "_planned_snapshot_rows", None)
+        if self.snapshot_rows is None:
+            self.snapshot_rows = self._snapshot_rows()
+        self.host_pages = 0
+        if self.snapshot_rows and args.enable_hierarchical_cache:  # HiCache L2: R x the device pool, on the host
+            self.host_pages = int(args.resolved_hicache_ratio() * (ccfg.num_pages - 1))
+            log.info("hierarchical cache: host pool of %d pages (%.1f x the device pool)", self.host_pages,
+                     args.resolved_hicache_ratio())
+        self._host_unsettled: list = []  # host-store keys whose device-to-host copies are in flight
+        if not self.snapshot_rows:
+            self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+            self.snaps = None
+            return
+        self.allocator = make_radix_allocator(SharedPageAllocator, ccfg.num_pages, ccfg.page_size,
+                                              ccfg.max_pages_per_seq, self.snapshot_rows, self.host_pages)
+        self.snaps = empty_snapshots(self.state, self.snapshot_rows, self.mesh)
+        log.info("radix prefix cache: %d snapshot rows (%.1f MiB per device)", self.snapshot_rows,
+                 _bytes_per_device(self.snaps) / 2**20)
+        # compile the two copies now (tiny programs), even with --skip-server-warmup, so that serving
+        # never compiles on a first save / hit (row 0 and the scratch slot hold nothing yet)
+        kw = dict(page_size=ccfg.page_size, ratios=self._ratios)
+        self.snaps = _save_snapshot(self.snaps, self.state, np.int32(self.scratch), np.int32(0))
+        self.state = _restore_snapshot(self.state, self.snaps, np.int32(0), np.int32(self.scratch), np.int32(0),
+                                       np.int32(0), **kw)
+        if self.host_pages:  # and the host tier's copies (page 0 is the null page: never read)
+            blk = _gather_page(self.state, np.int32(0), **kw)
+            self.state = _scatter_page(self.state, blk, np.int32(0), **kw)
+            self.state = _put_snapshot(self.state, _get_snapshot(self.snaps, np.int32(0)), np.int32(self.scratch))
+
     def _snapshot_rows(self) -> int:
         """Rows of the prefix cache's snapshot pool (--radix-cache-snapshots, default 4 per slot); 0 (off) with
-        --disable-radix-cache or a mesh (the snapshot pool is not sharded: logged)."""
+        --disable-radix-cache."""
         if self.args.disable_radix_cache:
-            return 0
-        if self.mesh is not None:
-            if self.args.enable_hierarchical_cache:
-                raise EngineError("--enable-hierarchical-cache with --tp-size / --ep-size > 1: not supported (the "
-                                  "prefix cache is off on a mesh: its snapshot pool is not sharded)")
-            log.info("radix prefix cache: off with --tp-size / --ep-size > 1 (its snapshot pool is not sharded)")
             return 0
         return self.args.radix_cache_snapshots or 4 * self.args.max_running_requests
 
@@ -610,12 +624,6 @@ class Runner:
         if not 1 <= gamma <= G:
             raise EngineError(f"--speculative-dspark-block-size {gamma}: the checkpoint's DSpark block is "
                               f"{G} (dspark_block_size); choose 1..{G}")
-        if self.mesh is not None:
-            raise EngineError(f"{name} with --tp-size {args.tp_size} / --ep-size {args.ep_size}: not supported "
-                              "(the speculative step is not sharded); run DSpark unsharded")
-        if self.engram_host_table:
-            raise EngineError(f"{name} with --engram-host-table: not supported (the verify step reads the "
-                              "Engram tables on the device)")
         if args.enable_mixed_chunk:
             raise EngineError(f"{name} with --enable-mixed-chunk: not supported (DSpark rows run as their own "
                               "[B, γ+1] launch)")
@@ -636,7 +644,7 @@ class Runner:
         else:
             total, source, default_frac = _device_memory_bytes(args)
             frac = args.mem_fraction_static if args.mem_fraction_static is not None else default_frac
-            weights = _tree_bytes(self.params)
+            weights = _bytes_per_device(self.params)  # per device: a mesh splits them
             budget = int(total * frac) - weights
             # the prefix cache's snapshot rows hold per-slot rows (windows, and with DSpark its rings): taken
             # from the budget; by default at most a quarter of it (fewer rows, or none: cache off, logged)
@@ -670,9 +678,9 @@ class Runner:
 
     def _jitted(self) -> list:
         fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows,
-               _save_snapshot, _restore_snapshot, _gather_page, _scatter_page, _get_snapshot, _put_snapshot]
-        if self._spec is not None:
-            fns += [self._spec, self._propose]
+               _save_snapshot, _restore_snapshot, _gather_page, _scatter_page, _get_snapshot, _put_snapshot,
+               _get_slot_rows]
+        fns += self.speculator.jitted()
         if self._extend_all is not None:
             fns += [self._extend_all, _prompt_logprobs, _last_logits]
         if self._extend_bounded is not None:
@@ -695,7 +703,7 @@ class Runner:
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:
-                self._spec_dispatch(SpecLaunch([], B, self.spec_gamma), warm_propose=True)
+                self.speculator.launch(self, SpecLaunch([], B, self.spec_gamma), warm=True)
                 what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
             else:
                 z = np.zeros((B,), np.int32)
@@ -769,63 +777,85 @@ class Runner:
 
     # ------------------------------------------------------------------------------------ dispatch
     def dispatch(self, ops: list, resets: list, admitted: list, eos_token_ids) -> None:
-        """Enqueue one plan: slot resets and sampling rows of admitted samples first (device order:
-        after everything already dispatched), then the launches and fork copies in plan order. Prefix-cache
-        snapshot saves go before the resets (a released slot may be reset for its next owner)."""
+        """Enqueue one plan: HiCache spills first (their pages and rows may be reused by this dispatch),
+        then the snapshot saves of released samples (before the resets: a released slot may be reset
+        for its next owner), slot resets and sampling rows of admitted samples (device order: after
+        everything already dispatched), then every op in plan order (`_run_op`: one method per op type)."""
         self._settle_host()
-        for op in ops:  # HiCache spills first: their pages and rows may be reused by this dispatch
+        for op in ops:
             if isinstance(op, SpillOp):
                 self._spill(op)
         for op in ops:
             if isinstance(op, SaveOp) and not op.in_order:
-                self.snaps = _save_snapshot(self.snaps, self.state, np.int32(op.slot), np.int32(op.row))
+                self._save(op)
         if resets:
             self.reset_slots(resets)
         if admitted:
             self.admit_sampling(admitted, eos_token_ids)
         for op in ops:
-            if isinstance(op, ForkOp):
-                self.state = _fork_slot(self.state, np.int32(op.src_slot), np.int32(op.dst_slot),
-                                        np.int32(op.src_page), np.int32(op.dst_page),
-                                        page_size=self.ccfg.page_size, ratios=self._ratios)
-                continue
-            if isinstance(op, SaveOp):
-                if op.in_order:  # a prompt-end snapshot, after the launch that wrote the prompt
-                    self.snaps = _save_snapshot(self.snaps, self.state, np.int32(op.slot), np.int32(op.row))
-                continue
-            if isinstance(op, SpillOp):
-                continue
-            if isinstance(op, LoadOp):
-                self._load(op)
-                continue
-            if isinstance(op, RestoreOp):
-                self.state = _restore_snapshot(self.state, self.snaps, np.int32(op.row), np.int32(op.slot),
-                                               np.int32(op.src_page), np.int32(op.dst_page),
-                                               page_size=self.ccfg.page_size, ratios=self._ratios)
-                continue
-            if isinstance(op, SpecLaunch):
-                self._spec_dispatch(op)
-                continue
-            L = op
-            B, T = L.B, L.T
-            hb = dec.pack_rows([{"tokens": r.tokens or (), "n_new": r.n, "start": r.start, "slot": r.seq.slot,
-                                 "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
-            from_prev = np.zeros((B,), bool)
-            sample_mask = np.zeros((B,), bool)
-            step = np.zeros((B,), np.int32)
+            self._run_op(op)
+
+    @functools.singledispatchmethod
+    def _run_op(self, op) -> None:
+        raise TypeError(f"Runner.dispatch: unknown op {type(op).__name__}")
+
+    @_run_op.register
+    def _(self, op: SpillOp) -> None:
+        pass  # ran first of all (`dispatch`)
+
+    @_run_op.register
+    def _(self, op: SaveOp) -> None:
+        if op.in_order:  # a prompt-end / chunk-end snapshot, after the launch that wrote its tokens
+            self._save(op)
+
+    @_run_op.register
+    def _(self, op: ForkOp) -> None:
+        self.state = _fork_slot(self.state, np.int32(op.src_slot), np.int32(op.dst_slot), np.int32(op.src_page),
+                                np.int32(op.dst_page), page_size=self.ccfg.page_size, ratios=self._ratios)
+
+    @_run_op.register
+    def _(self, op: LoadOp) -> None:
+        self._load(op)
+
+    @_run_op.register
+    def _(self, op: RestoreOp) -> None:
+        self.state = _restore_snapshot(self.state, self.snaps, np.int32(op.row), np.int32(op.slot),
+                                       np.int32(op.src_page), np.int32(op.dst_page),
+                                       page_size=self.ccfg.page_size, ratios=self._ratios)
+
+    @_run_op.register
+    def _(self, op: SpecLaunch) -> None:
+        self.speculator.launch(self, op)
+        self.launches += 1
+
+    @_run_op.register
+    def _(self, op: Launch) -> None:
+        self._launch(op)
+
+    def _save(self, op: SaveOp) -> None:
+        self.snaps = _save_snapshot(self.snaps, self.state, np.int32(op.slot), np.int32(op.row))
+
+    def _launch(self, L: Launch) -> None:
+        """One [B, T] launch of the plan: rows packed, prompt-logprob targets, `_device_launch`."""
+        B, T = L.B, L.T
+        hb = dec.pack_rows([{"tokens": r.tokens or (), "n_new": r.n, "start": r.start, "slot": r.seq.slot,
+                             "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
+        from_prev = np.zeros((B,), bool)
+        sample_mask = np.zeros((B,), bool)
+        step = np.zeros((B,), np.int32)
+        for b, r in enumerate(L.rows):
+            from_prev[b] = r.from_prev
+            sample_mask[b] = r.sample
+            step[b] = r.step
+        L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
+        targets = None
+        if any(r.seq.want_plp and not (r.sample or r.replay) for r in L.rows):
+            targets = np.zeros((B, T), np.int32)
             for b, r in enumerate(L.rows):
-                from_prev[b] = r.from_prev
-                sample_mask[b] = r.sample
-                step[b] = r.step
-            L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
-            targets = None
-            if any(r.seq.want_plp and not (r.sample or r.replay) for r in L.rows):
-                targets = np.zeros((B, T), np.int32)
-                for b, r in enumerate(L.rows):
-                    if r.seq.want_plp and not (r.sample or r.replay):
-                        targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
-            self._device_launch(L, hb["tokens"], hb["start"], hb["n_new"], hb["slot"], hb["page_table"], from_prev,
-                                sample_mask, step, targets=targets, tail_lo=self._tail_lo(L.rows, B))
+                if r.seq.want_plp and not (r.sample or r.replay):
+                    targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
+        self._device_launch(L, hb["tokens"], hb["start"], hb["n_new"], hb["slot"], hb["page_table"], from_prev,
+                            sample_mask, step, targets=targets, tail_lo=self._tail_lo(L.rows, B))
 
     # ------------------------------------------------------------------------------------ HiCache
     def _spill(self, op: SpillOp) -> None:
@@ -841,6 +871,28 @@ class Runner:
             x.copy_to_host_async()
         alloc.host_store[op.key] = (blocks, row)
         self._host_unsettled.append(op.key)
+
+    # ------------------------------------------------------------------------------------ state transfer
+    def export_slot(self, slot: int, pages: list) -> dict:
+        """A request's cache state as host arrays, the unit the prefix cache snapshots: {"rows": slot
+        ``slot``'s per-request rows (window rings, partial groups, Engram history, DSpark rings; each leaf
+        the cache's without its slot axis), "pages": per page of ``pages`` its compressed-latent and
+        index-key entries}. Read after everything dispatched before (device order); numpy, one copy
+        (the cache is replicated over a mesh). For moving a request between engines (`import_slot`)."""
+        kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
+        out = {"rows": _get_slot_rows(self.state, np.int32(slot)),
+               "pages": [_gather_page(self.state, np.int32(p), **kw) for p in pages]}
+        return jax.tree.map(np.asarray, out)
+
+    def import_slot(self, data: dict, slot: int, pages: list) -> None:
+        """`export_slot`'s ``data`` written into slot ``slot`` and pool pages ``pages`` (as many as it
+        holds; the caller allocated them). Dispatched in device order, like a HiCache load."""
+        if len(pages) != len(data["pages"]):
+            raise ValueError(f"import_slot: {len(data['pages'])} pages of data for {len(pages)} pool pages")
+        kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
+        for p, blk in zip(pages, data["pages"]):
+            self.state = _scatter_page(self.state, blk, np.int32(p), **kw)
+        self.state = _put_snapshot(self.state, data["rows"], np.int32(slot))
 
     def _settle_host(self) -> None:
         """Spilled copies into host memory (numpy), releasing their device buffers."""
@@ -876,11 +928,7 @@ class Runner:
         else:  # prompt logprobs: every position's logits, reduced on the device
             if self._extend_all is None:
                 log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
-                if self.spec_gamma:
-                    self._extend_all = spec.jitted_extend_seeding(self.cfg, self.ccfg, True)
-                else:
-                    self._extend_all = dec.jitted_extend(self.cfg, self.ccfg, True, self.mesh,
-                                                         self.engram_host_table)
+                self._extend_all = self.speculator.extend_step(True)
             all_logits, self.state = self._extend_all(self.params, self.state, batch)
             L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
@@ -908,77 +956,3 @@ class Runner:
         tokens_d, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
         if L is not None:
             L.tokens, L.lp, L.top_ids, L.top_vals = tokens_d, lp, top_ids, top_vals
-
-    def _accept_override(self, n_rows: int, B: int) -> np.ndarray:
-        """int32 [B]: −1 (verify), or with a simulated accept length L the forced accept count of each
-        row (L − 1 drafts: floor or ceil of a fractional L, drawn so the mean is L − 1)."""
-        out = np.full((B,), -1, np.int32)
-        L = self.simulate_accept_length
-        if L is not None and n_rows:
-            base, frac = int(np.floor(L - 1)), (L - 1) - np.floor(L - 1)
-            up = self._sim_rng.random(n_rows) < frac
-            out[:n_rows] = np.minimum(base + up.astype(np.int32), self.spec_gamma)
-        return out
-
-    def _grammar_masks(self, L: SpecLaunch, batch: dict, step, forced: np.ndarray):
-        """Constrained rows of L: draft on the device, read the drafts, walk a clone of each row's grammar
-        through them. Sets the row's forced drafts to those drafts (the verify step then checks exactly
-        what the grammar saw) and returns the masks bool [B, γ+1, V] of the verify rows: row j = what the
-        grammar allows after d_0..d_{j−1}, up to the first draft it rejects (later rows: all True; the
-        rejected draft has probability 0 under the masked target, so it and everything after it is
-        rejected). None when no row has a constraint."""
-        rows = [(b, r) for b, r in enumerate(L.rows) if r.seq.constraint is not None]
-        if not rows:
-            return None
-        g, V = self.spec_gamma, self.vocab_size
-        d = np.asarray(self._propose(self.params, self.state, self.slot_tensors, batch, step))
-        m = np.ones((L.B, g + 1, V), bool)
-        for b, r in rows:
-            c = r.seq.constraint.clone()
-            for j in range(g + 1):
-                a = c.allowed_mask()
-                if a is not None:
-                    a = np.asarray(a, bool).reshape(-1)
-                    m[b, j, :] = False
-                    m[b, j, : min(V, a.shape[0])] = a[:V]
-                if j == g:
-                    break
-                tok = int(forced[b, j]) if forced[b, j] >= 0 else int(d[b, j])
-                forced[b, j] = tok
-                if not m[b, j, tok]:
-                    break  # the grammar rejects d_j: verification stops there
-                c.accept(tok)
-                if c.is_done():
-                    break  # the request ends with d_j
-        return m
-
-    def _spec_dispatch(self, L: SpecLaunch, warm_propose: bool = False) -> None:
-        """Enqueue one DSpark step for the rows of L (row b: anchor ``tokens[0]`` at ``start``, slot, pages
-        covering start + γ + 1 tokens). Rows with a constraint get their drafts checked by the grammar
-        first (`_grammar_masks`: a draft-only launch and a host round trip)."""
-        B, P = L.B, self.ccfg.max_pages_per_seq
-        anchor = np.zeros((B,), np.int32)
-        start = np.zeros((B,), np.int32)
-        slot = np.full((B,), self.scratch, np.int32)
-        pt = np.zeros((B, P), np.int32)
-        active = np.zeros((B,), bool)
-        step = np.zeros((B,), np.int32)
-        for b, r in enumerate(L.rows):
-            anchor[b], start[b], slot[b], active[b], step[b] = r.tokens[0], r.start, r.seq.slot, True, r.step
-            pt[b, :len(r.pages)] = r.pages
-        batch = {"anchor": anchor, "start": start, "slot": slot, "page_table": pt, "active": active}
-        forced = np.full((B, self.spec_gamma), -1, np.int32)  # always passed: one compiled variant
-        if self.draft_hook is not None and L.rows:
-            forced[:len(L.rows)] = np.asarray(self.draft_hook(L), np.int32)
-        if warm_propose:
-            jax.block_until_ready(self._propose(self.params, self.state, self.slot_tensors, batch, step))
-        allowed = self._grammar_masks(L, batch, step, forced)
-        if allowed is None:
-            allowed = self._allow_all_spec.get(B)
-            if allowed is None:
-                allowed = self._allow_all_spec[B] = jax.device_put(np.ones((B, self.spec_gamma + 1,
-                                                                            self.vocab_size), bool))
-        out = self._spec(self.params, self.state, self.slot_tensors, self.last_token, batch, step, forced,
-                         self._accept_override(len(L.rows), B), allowed)
-        L.tokens, L.n_accept, self.slot_tensors, self.last_token, self.state = out
-        self.launches += 1

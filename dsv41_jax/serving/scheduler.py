@@ -1,7 +1,8 @@
 """The scheduler: decides what runs each iteration (admission, chunked-prefill budget, preemption,
 prompt sharing, DSpark rows). Host-only and model-free: it sees the runner only through
-``runner.allocator`` (a `SharedPageAllocator`), ``runner.max_slots`` and ``runner.scratch``, so its
-unit tests drive it with a mock runner (tests/test_scheduler.py), as JetStream's mock engine does.
+`runner_api.RunnerProtocol` (``allocator``, ``max_slots``, ``scratch``), so its unit tests drive it
+with model-free runners implementing that protocol (tests/test_scheduler.py, tests/test_prefix_cache.py),
+as JetStream's mock engine does.
 
 One iteration's plan (`Scheduler.schedule`) is a list of ops for the runner: `Launch` (rows of one
 [B, T] step, B and T rounded up to the compiled buckets), `SpecLaunch` (DSpark rows: one [B, γ+1]
@@ -36,8 +37,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from dsv41_jax.model.decode import _bucket
+from dsv41_jax.serving.engine_metrics import EngineMetrics
 from dsv41_jax.serving.prefix_cache import RadixPageAllocator
 from dsv41_jax.serving.request import PREEMPTION_REASONS, RUNNING, WAITING, Seq
+from dsv41_jax.serving.runner_api import RunnerProtocol
 
 __all__ = ["ForkOp", "Launch", "Row", "Scheduler", "SpecLaunch"]
 
@@ -115,13 +118,15 @@ class Scheduler:
 
     args: `EngineArgs` (max_prefill_tokens, chunked prefill, mixed chunk, prefix sharing); runner: has
     ``allocator``, ``max_slots``, ``scratch``; context_length: per-request token limit; batch_buckets /
-    token_buckets: the compiled shapes; spec_gamma: DSpark proposals per step (0: off); metrics /
-    preemptions: the engine's counters (dicts, updated in place); sync: reads the in-flight tokens
-    (called before a preemption and before planning rows whose inputs are still on the device).
+    token_buckets: the compiled shapes; spec_gamma: DSpark proposals per step (0: off); metrics: the
+    engine's `EngineMetrics` (counted into); sync: reads the in-flight tokens
+    (called before a preemption and before planning rows whose inputs are still on the device);
+    has_inflight: whether launches are dispatched whose results are not read yet.
     """
 
-    def __init__(self, args, runner, *, context_length: int, batch_buckets: list, token_buckets: list,
-                 metrics: dict, preemptions: dict, sync: Callable[[], None], spec_gamma: int = 0,
+    def __init__(self, args, runner: RunnerProtocol, *, context_length: int, batch_buckets: list, token_buckets: list,
+                 metrics: EngineMetrics, sync: Callable[[], None], spec_gamma: int = 0,
+                 has_inflight: Callable[[], bool] = lambda: False,
                  on_release: Optional[Callable[[Seq], None]] = None):
         self.args, self.runner = args, runner
         self.allocator = runner.allocator
@@ -130,7 +135,7 @@ class Scheduler:
         self.max_context = runner.allocator.max_pages_per_seq * runner.allocator.page_size
         self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
         self.chunk_cap = token_buckets[-1]
-        self.metrics, self.preemptions = metrics, preemptions
+        self.metrics = metrics
         self.sync = sync
         self.spec_gamma = int(spec_gamma)
         self.spec_batch_buckets = [b for b in batch_buckets]
@@ -142,7 +147,7 @@ class Scheduler:
         self.pending_sampling: list = []  # admitted samples whose sampling rows the runner must write
         self.reserve_ratio = _RESERVE_INIT
         self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
-        self.has_inflight: Callable[[], bool] = lambda: False  # set by the engine: launches not yet read
+        self.has_inflight = has_inflight  # the engine's: launches dispatched whose results are not read yet
         # the radix prefix cache (prefix_cache.py), when the runner's allocator has one
         self.cache = self.allocator if isinstance(self.allocator, RadixPageAllocator) else None
         self.pending_restores: list = []  # this plan's RestoreOps (dispatched before its launches)
@@ -277,7 +282,7 @@ class Scheduler:
             if r.sample:
                 r.seq.n_inflight += 1
             else:
-                self.metrics["replayed_tokens"] += 1
+                self.metrics.add("replayed_tokens")
         if not pre_rows and not dec_rows and not spec_rows:
             return self._unblock_prefills()
         ops = self._assemble(pre_rows, cache_saves + fork_ops, dec_rows)
@@ -471,7 +476,7 @@ class Scheduler:
         row = Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
                   alloc.pages(s.key))
         s.num_cached += n
-        self.metrics["computed_prompt_tokens"] += n
+        self.metrics.add("computed_prompt_tokens", n)
         return row
 
     def _fork_group(self, s: Seq) -> Optional[list]:
@@ -534,7 +539,7 @@ class Scheduler:
                 s.num_cached = k
                 s.cached_tokens = min(k, len(s.prompt_ids))
                 self.pending_restores.append(op)
-                self.metrics["cached_prompt_tokens"] = self.metrics.get("cached_prompt_tokens", 0) + s.cached_tokens
+                self.metrics.add("cached_prompt_tokens", s.cached_tokens)
         n_pre = len(s.prompt_ids) - 1
         b = min(self.cache.tree.shared_len(query), n_pre) // self.page_size * self.page_size
         if s.num_cached < b < n_pre:
@@ -576,8 +581,7 @@ class Scheduler:
         assert s.n_inflight == 0 and not s.spec_inflight and reason in PREEMPTION_REASONS
         log.info("preempting %s#%d (%s: %d tokens cached, %d generated; %d/%d pages used)", s.group.rid, s.index,
                  reason, s.num_cached, len(s.output_ids), self.allocator.used_pages, self.allocator.capacity)
-        self.metrics["num_preemptions"] += 1
-        self.preemptions[reason] += 1
+        self.metrics.preempted(reason)
         self.reserve_ratio = min(1.0, self.reserve_ratio + _RESERVE_BUMP)
         s.num_preemptions += 1
         self.release(s)
@@ -653,6 +657,6 @@ class Scheduler:
                 src_page, dst_page = src_pages[n_full], alloc.pages(q.key)[n_full]
             ops.append(ForkOp(src.slot, q.slot, src_page, dst_page, [q]))
             q.num_cached = k
-            self.metrics["shared_prompt_tokens"] += k
-            self.metrics["num_forks"] += 1
+            self.metrics.add("shared_prompt_tokens", k)
+            self.metrics.add("num_forks")
         return ops

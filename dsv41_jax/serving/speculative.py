@@ -92,7 +92,7 @@ def sampling_draw(tensors, step_counter, deterministic: bool = False):
 
 
 def speculative_step(params, state, batch, tensors=None, step_counter=None, forced_draft=None, *, cfg, ccfg,
-                     gamma: Optional[int] = None, accept_override=None, allowed=None):
+                     gamma: Optional[int] = None, accept_override=None, allowed=None, mesh=None):
     """One DSpark step for B rows (see the module docstring).
 
     state: the cache pytree with ``"dspark"`` rings (`dspark.with_rings`); batch: `make_spec_batch`.
@@ -110,6 +110,9 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     drafts; rows after the first draft it rejects are all True and never reached: that draft has
     probability 0 under the masked target, so verification rejects it and the bonus is drawn from the
     masked distribution — lossless for greedy and sampled rows).
+    mesh: the verify forward runs as `decode.extend` on the mesh (MoE, row-split tables); the draft's
+    small stages run on their parameters' shardings as the compiler splits them; the new state is
+    held to the cache's shardings (`rules.constrain_state`).
     Returns (tokens int32 [B, γ+1]: the n_accept + 1 committed tokens then −1; n_accept int32 [B];
     the new state). Inactive rows: tokens −1, n_accept 0, nothing written.
     """
@@ -127,7 +130,8 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     vb = {"tokens": jnp.concatenate([anchor[:, None].astype(jnp.int32), d], axis=1), "start": start,
           "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
           "page_table": batch["page_table"]}
-    logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True)
+    logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True,
+                                                      mesh=mesh)
     if allowed is not None:
         logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
     if tensors is None:
@@ -150,6 +154,10 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     new_state = decode.commit(st, pend, vb, n_commit, cfg)
     new_state["dspark"] = dspark.write_rings(params, state["dspark"], aux["layer_inputs"], slot, pend["positions"],
                                              n_commit, cfg, ccfg)
+    if mesh is not None:
+        from dsv41_jax.parallel import rules
+
+        new_state = rules.constrain_state(new_state, mesh)
     return toks, n_acc, new_state
 
 
@@ -161,11 +169,24 @@ def jitted_speculative_step(cfg, ccfg, gamma: Optional[int] = None):
     return jax.jit(functools.partial(speculative_step, cfg=cfg, ccfg=ccfg, gamma=gamma), donate_argnums=(1,))
 
 
+def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):
+    """`dspark.extend_seeding` jitted (cache donated): prefill chunks and plain steps with DSpark on.
+    On a mesh the new state is held to the cache's shardings (`rules.constrain_state`)."""
+    return _jitted_extend_seeding(cfg, ccfg, bool(all_logits), mesh)
+
+
 @functools.lru_cache(maxsize=None)
-def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False):
-    """`dspark.extend_seeding` jitted (cache donated): prefill chunks and plain steps with DSpark on."""
-    return jax.jit(functools.partial(dspark.extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits),
-                   donate_argnums=(1,))
+def _jitted_extend_seeding(cfg, ccfg, all_logits, mesh):
+    fn = functools.partial(dspark.extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, mesh=mesh)
+    if mesh is not None:
+        from dsv41_jax.parallel import rules
+
+        inner = fn
+
+        def fn(params, state, batch):
+            logits, st = inner(params, state, batch)
+            return logits, rules.constrain_state(st, mesh)
+    return jax.jit(fn, donate_argnums=(1,))
 
 
 def _pow2(n: int) -> int:

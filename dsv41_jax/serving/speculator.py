@@ -1,0 +1,261 @@
+"""The drafter/verifier seam of the runner: `Speculator`, with two implementations.
+
+- `NoSpeculation` (γ = 0): plain launches run `decode.extend`; there are no DSpark launches.
+- `DSparkSpeculator` (``--speculative-algorithm DSPARK``): the cache carries the draft's rings
+  (`dspark.with_rings`, placed by the cache's rules on a mesh), plain launches run
+  `dspark.extend_seeding` (they also write the rings of every committed token), and a `SpecLaunch`
+  runs one jitted verify-then-commit step (`_spec_launch`: draft γ tokens, verify them in one target
+  forward on the mesh as the plain step, commit the accepted prefix + bonus, penalty counts and the
+  bonus into ``last_token``), compiled once per batch bucket. A launch with constrained rows first
+  runs the draft alone (`_propose_launch`) and walks each row's grammar through the drafts on the
+  host (`grammar_masks`): those drafts are the step's ``drafts`` input and the masks its ``allowed``.
+
+The production step's inputs are the launch's own: the host-fixed drafts (−1: the draft's own
+proposal) are a production input (the grammar walk). Nothing test-only is compiled in: a test drafter
+subclasses `DSparkSpeculator` and overrides `fixed_drafts` (an oracle proposing known tokens), which
+feeds the same ``drafts`` input. The simulated accept length (``--speculative-simulate-accept-length``,
+performance runs only) compiles its own step variant (`_spec_launch_simulated`, with the forced accept
+counts as an input) in place of the production one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.model import decode as dec
+from dsv41_jax.serving import speculative as spec
+from dsv41_jax.serving.scheduler import SpecLaunch
+
+__all__ = ["DSparkSpeculator", "NoSpeculation", "Speculator"]
+
+log = logging.getLogger("dsv41_jax.engine")
+
+
+class Speculator(Protocol):
+    """What the runner asks of speculative decoding (see the module docstring)."""
+
+    gamma: int  # proposals per speculative step (0: none)
+
+    def seed_state(self, state: dict) -> dict:
+        """The cache pytree with whatever per-slot state speculation keeps (DSpark: the rings)."""
+
+    def extend_step(self, all_logits: bool):
+        """The jitted step plain launches run: ``fn(params, state, batch) -> (logits, state)``."""
+
+    def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
+        """Enqueue one speculative launch on the runner's device state; fills ``L.tokens`` / ``L.n_accept``."""
+
+    def jitted(self) -> list:
+        """The jitted functions it owns (for `Runner.num_compilations`)."""
+
+
+class NoSpeculation:
+    """γ = 0: plain decoding."""
+
+    gamma = 0
+
+    def __init__(self, cfg, ccfg, mesh=None, engram_host_table: bool = False):
+        self.cfg, self.ccfg, self.mesh, self.engram_host_table = cfg, ccfg, mesh, engram_host_table
+
+    def seed_state(self, state: dict) -> dict:
+        return state
+
+    def extend_step(self, all_logits: bool):
+        return dec.jitted_extend(self.cfg, self.ccfg, all_logits, self.mesh, self.engram_host_table)
+
+    def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
+        raise RuntimeError("a DSpark launch without --speculative-algorithm DSPARK")
+
+    def jitted(self) -> list:
+        return []
+
+
+# ----------------------------------------------------------------------------------------------------
+# the jitted DSpark launches (module level: shared by every engine, compiled once per shape)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _spec_launch_impl(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed,
+                      accept_override, *, cfg, ccfg, gamma, mesh):
+    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
+    n_rows = last_token.shape[0]
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & active)
+    toks, n_acc, state = spec.speculative_step(params, state, batch, t, step_counter, drafts, cfg=cfg, ccfg=ccfg,
+                                               gamma=gamma, accept_override=accept_override, allowed=allowed,
+                                               mesh=mesh)
+    rows = jnp.where(active, slots, n_rows)  # out of range: dropped
+    V = slot_tensors.output_counts.shape[1]
+    cols = jnp.where(toks >= 0, toks, V)  # −1 padding: out of range, dropped
+    counts = slot_tensors.output_counts.at[rows[:, None], cols].add(1, mode="drop")
+    bonus = jnp.take_along_axis(toks, n_acc[:, None], axis=1)[:, 0]
+    last = last_token.at[rows].set(bonus, mode="drop")
+    return toks, n_acc, slot_tensors.replace(output_counts=counts), last, state
+
+
+def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed, *, cfg, ccfg,
+                 gamma, mesh=None):
+    """One DSpark step for the rows of a `SpecLaunch` (the production step): sampling tensors gathered
+    from the rows' slots, `speculative.speculative_step`, then the committed tokens added to the slots'
+    penalty counts and each row's bonus token (the next anchor) put in ``last_token[slot]``.
+
+    batch: `speculative.make_spec_batch`-style {anchor, start, slot, page_table, active} (numpy is
+    fine); step_counter int32 [B]: tokens each row has generated (the anchor included); drafts int32
+    [B, γ]: −1 (the draft's own proposal) or a draft the host fixed (a constrained row's grammar-walked
+    drafts); allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True elsewhere).
+    Returns (tokens int32 [B, γ+1] −1 padded, n_accept int32 [B], slot_tensors, last_token, state)."""
+    return _spec_launch_impl(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed, None,
+                             cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh)
+
+
+def _spec_launch_simulated(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed,
+                           accept_override, *, cfg, ccfg, gamma, mesh=None):
+    """`_spec_launch` with the simulated accept length (performance runs only): accept_override int32 [B]
+    is each row's forced accept count (−1: verify)."""
+    return _spec_launch_impl(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed,
+                             accept_override, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh)
+
+
+def _propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma):
+    """The draft alone for the rows of a `SpecLaunch` (the same draws as `_spec_launch`'s own draft):
+    int32 [B, γ]. Used when a row has a constraint: the host checks the drafts against the grammar
+    before the verify step (which then gets them as its drafts, and the grammar's masks)."""
+    from dsv41_jax.model import dspark
+
+    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & active)
+    draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
+    prop = dspark.propose(params, state["dspark"], jnp.asarray(batch["anchor"]), jnp.asarray(batch["start"]), slots,
+                          cfg, ccfg, gamma, draw)
+    return prop["tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_propose_launch(cfg, ccfg, gamma: int):
+    return jax.jit(functools.partial(_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_spec_launch(cfg, ccfg, gamma: int, mesh=None, simulated: bool = False):
+    """`_spec_launch` (or with ``simulated`` `_spec_launch_simulated`) jitted per (cfg, ccfg, γ, mesh), cache /
+    tensors / last_token donated; compiles once per batch bucket."""
+    fn = _spec_launch_simulated if simulated else _spec_launch
+    return jax.jit(functools.partial(fn, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh), donate_argnums=(1, 2, 3))
+
+
+class DSparkSpeculator:
+    """DSpark (see the module docstring). cfg, ccfg, mesh: the runner's; gamma: proposals per step;
+    simulate_accept_length: None, or L in 1..γ+1 (performance runs only); seed: its stream of floor /
+    ceil draws around a fractional L."""
+
+    def __init__(self, cfg, ccfg, gamma: int, mesh=None, simulate_accept_length: Optional[float] = None,
+                 seed: int = 0):
+        self.cfg, self.ccfg, self.gamma, self.mesh = cfg, ccfg, int(gamma), mesh
+        self.simulate_accept_length = simulate_accept_length
+        self._sim_rng = np.random.default_rng(seed)
+        self._step = jitted_spec_launch(cfg, ccfg, self.gamma, mesh, simulate_accept_length is not None)
+        self._propose = _jitted_propose_launch(cfg, ccfg, self.gamma)
+        self._allow_all: dict = {}
+
+    def seed_state(self, state: dict) -> dict:
+        from dsv41_jax.model import dspark
+
+        state = dspark.with_rings(state, self.cfg, self.ccfg)
+        if self.mesh is not None:  # the draft's rings by the cache's rules
+            from dsv41_jax.parallel import rules
+
+            state = dict(state, dspark=rules.place_state({"dspark": state["dspark"]}, self.mesh)["dspark"])
+        return state
+
+    def extend_step(self, all_logits: bool):
+        return spec.jitted_extend_seeding(self.cfg, self.ccfg, all_logits, self.mesh)
+
+    def jitted(self) -> list:
+        return [self._step, self._propose]
+
+    def fixed_drafts(self, L: SpecLaunch) -> Optional[np.ndarray]:
+        """Drafts the host fixes for the rows of L (int32 [len(rows), γ], −1: the draft's own), or None.
+        Production: None (a test drafter overrides this)."""
+        return None
+
+    def accept_override(self, n_rows: int, B: int) -> np.ndarray:
+        """int32 [B]: with a simulated accept length L the forced accept count of each row (L − 1
+        drafts: floor or ceil of a fractional L, drawn so the mean is L − 1)."""
+        out = np.full((B,), -1, np.int32)
+        L = self.simulate_accept_length
+        if L is not None and n_rows:
+            base, frac = int(np.floor(L - 1)), (L - 1) - np.floor(L - 1)
+            up = self._sim_rng.random(n_rows) < frac
+            out[:n_rows] = np.minimum(base + up.astype(np.int32), self.gamma)
+        return out
+
+    def grammar_masks(self, runner, L: SpecLaunch, batch: dict, step, drafts: np.ndarray):
+        """Constrained rows of L: draft on the device, read the drafts, walk a clone of each row's grammar
+        through them. Sets the row's drafts to those drafts (the verify step then checks exactly what the
+        grammar saw) and returns the masks bool [B, γ+1, V] of the verify rows: row j = what the grammar
+        allows after d_0..d_{j−1}, up to the first draft it rejects (later rows: all True; the rejected
+        draft has probability 0 under the masked target, so it and everything after it is rejected).
+        None when no row has a constraint."""
+        rows = [(b, r) for b, r in enumerate(L.rows) if r.seq.constraint is not None]
+        if not rows:
+            return None
+        g, V = self.gamma, runner.vocab_size
+        d = np.asarray(self._propose(runner.params, runner.state, runner.slot_tensors, batch, step))
+        m = np.ones((L.B, g + 1, V), bool)
+        for b, r in rows:
+            c = r.seq.constraint.clone()
+            for j in range(g + 1):
+                a = c.allowed_mask()
+                if a is not None:
+                    a = np.asarray(a, bool).reshape(-1)
+                    m[b, j, :] = False
+                    m[b, j, : min(V, a.shape[0])] = a[:V]
+                if j == g:
+                    break
+                tok = int(drafts[b, j]) if drafts[b, j] >= 0 else int(d[b, j])
+                drafts[b, j] = tok
+                if not m[b, j, tok]:
+                    break  # the grammar rejects d_j: verification stops there
+                c.accept(tok)
+                if c.is_done():
+                    break  # the request ends with d_j
+        return m
+
+    def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
+        """Enqueue one DSpark step for the rows of L (row b: anchor ``tokens[0]`` at ``start``, slot, pages
+        covering start + γ + 1 tokens) on the runner's device state. Rows with a constraint get their
+        drafts checked by the grammar first (`grammar_masks`: a draft-only launch and a host round trip).
+        ``warm``: the warm-up's launch (also compiles the draft-only step)."""
+        B, P = L.B, runner.ccfg.max_pages_per_seq
+        anchor = np.zeros((B,), np.int32)
+        start = np.zeros((B,), np.int32)
+        slot = np.full((B,), runner.scratch, np.int32)
+        pt = np.zeros((B, P), np.int32)
+        active = np.zeros((B,), bool)
+        step = np.zeros((B,), np.int32)
+        for b, r in enumerate(L.rows):
+            anchor[b], start[b], slot[b], active[b], step[b] = r.tokens[0], r.start, r.seq.slot, True, r.step
+            pt[b, :len(r.pages)] = r.pages
+        batch = {"anchor": anchor, "start": start, "slot": slot, "page_table": pt, "active": active}
+        drafts = np.full((B, self.gamma), -1, np.int32)  # always passed: one compiled variant
+        fixed = self.fixed_drafts(L) if L.rows else None
+        if fixed is not None:
+            drafts[:len(L.rows)] = np.asarray(fixed, np.int32)
+        if warm:
+            jax.block_until_ready(self._propose(runner.params, runner.state, runner.slot_tensors, batch, step))
+        allowed = self.grammar_masks(runner, L, batch, step, drafts)
+        if allowed is None:
+            allowed = self._allow_all.get(B)
+            if allowed is None:
+                allowed = self._allow_all[B] = jax.device_put(np.ones((B, self.gamma + 1, runner.vocab_size), bool))
+        args = (runner.params, runner.state, runner.slot_tensors, runner.last_token, batch, step, drafts, allowed)
+        if self.simulate_accept_length is not None:
+            args += (self.accept_override(len(L.rows), B),)
+        L.tokens, L.n_accept, runner.slot_tensors, runner.last_token, runner.state = self._step(*args)
