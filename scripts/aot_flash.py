@@ -13,6 +13,10 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
   (with Engram row padding) and of the load-time derived copies (``wo_a.bf16``), per device (max / min
   over devices, everything placed), and the host-table bytes with ``--engram-host-table``;
 * cache bytes per device (replicated, see `parallel.rules`) for the batch and context;
+* the prefix cache's snapshot pool per device (``--radix-cache-snapshots`` rows, default 4 x batch, as the
+  server's default; placed by the cache's rules) and what one point costs, and the DSpark draft per device:
+  its parameters (the ``mtp`` stages, part of the parameter totals) and its rings for the batch's slots;
+  ``--memory-only`` stops there (no lowering or compiling: seconds instead of minutes);
 * XLA's memory analysis of the compiled step (arguments, outputs, temporaries, generated code) and its
   cost analysis (FLOPs, bytes accessed — per device: the SPMD program is the per-device program);
 * collective bytes per device per step, summed from the compiled HLO's all-reduce / all-gather /
@@ -299,7 +303,28 @@ def run(args) -> dict:
     stats = param_stats(cfg)
     per_dev = rules.param_bytes_per_device(params)
     cache_dev = rules.param_bytes_per_device(cache)
+    extra = _snapshot_and_draft(cfg, ccfg, mesh, params, args)
     placed, derived = placed_bytes(cfg, params)
+    rep = {
+        "config": cfg.name, "keep_layers": args.keep_layers, "act_dtype": cfg.act_dtype, "tp": args.tp, "ep": args.ep,
+        "devices": args.tp * args.ep, "engram_host_table": bool(args.engram_host_table), "batch": args.batch,
+        "tokens": args.tokens, "context": args.context, "page_size": ps,
+        "param_bytes_checkpoint": stats["bytes"],
+        "param_bytes_placed_global": placed - derived + host_bytes,  # checkpoint tensors as placed (+ row padding)
+        "param_bytes_derived": derived,  # load-time copies (wo_a.bf16, the Engram token map), global
+        "param_bytes_per_device_max": max(per_dev.values()), "param_bytes_per_device_min": min(per_dev.values()),
+        "engram_host_bytes": host_bytes,
+        "cache_bytes_per_device": max(cache_dev.values()),
+        **extra,
+    }
+    budget = (args.hbm_gib - args.reserve_gib) * 2**30
+    if args.memory_only:
+        need = (rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"]
+                + rep["snapshot_pool_bytes_per_device"] + rep["dspark_rings_bytes_per_device"])
+        rep["device_bytes_needed"] = need
+        rep["fits"] = {"hbm_bytes": int(args.hbm_gib * 2**30), "budget_bytes": int(budget), "fits": need <= budget,
+                       "without": "XLA temporaries (compile to see them)"}
+        return rep
     t0 = time.perf_counter()
     step = dec.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
     with _traced_as("gpu" if args.gpu_target else None):
@@ -309,28 +334,54 @@ def run(args) -> dict:
     t2 = time.perf_counter()
     mem = _memory(compiled)
     hlo = compiled.as_text()
-    rep = {
-        "config": cfg.name, "keep_layers": args.keep_layers, "act_dtype": cfg.act_dtype, "tp": args.tp, "ep": args.ep, "devices": args.tp * args.ep,
-        "engram_host_table": bool(args.engram_host_table), "batch": B, "tokens": T, "context": args.context,
-        "page_size": ps,
-        "param_bytes_checkpoint": stats["bytes"],
-        "param_bytes_placed_global": placed - derived + host_bytes,  # checkpoint tensors as placed (+ row padding)
-        "param_bytes_derived": derived,  # load-time copies (wo_a.bf16, the Engram token map), global
-        "param_bytes_per_device_max": max(per_dev.values()), "param_bytes_per_device_min": min(per_dev.values()),
-        "engram_host_bytes": host_bytes,
-        "cache_bytes_per_device": max(cache_dev.values()),
+    rep.update({
         "memory_analysis": mem, "cost_analysis": _cost(compiled),
         "collective_bytes": collective_bytes(hlo),
         "collective_sources": collective_sources(hlo),
         "target": "cuda " + devices[0].device_kind if args.gpu_target else "cpu", "impl": cfg.impl,
         "kernel_launches": kernel_launches(hlo),
         "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
-    }
-    need = rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"] + mem.get("temp_size_in_bytes", 0)
-    budget = (args.hbm_gib - args.reserve_gib) * 2**30
+    })
+    need = (rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"] + mem.get("temp_size_in_bytes", 0)
+            + rep["snapshot_pool_bytes_per_device"] + rep["dspark_rings_bytes_per_device"])
     rep["device_bytes_needed"] = need
     rep["fits"] = {"hbm_bytes": int(args.hbm_gib * 2**30), "budget_bytes": int(budget), "fits": need <= budget}
     return rep
+
+
+def _snapshot_and_draft(cfg, ccfg, mesh, params, args) -> dict:
+    """Per device: the prefix cache's snapshot pool (its rows: the cache's per-slot rows, placed by the
+    cache's rules as the engine places them) and one point; the DSpark draft's parameters and rings."""
+    import jax
+
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.parallel import rules
+
+    slot_keys = ("window", "partial", "engram_hist", "dspark")
+    state = jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg))
+    draft = bool(cfg.num_nextn_predict_layers) and args.dspark
+    if draft:
+        from dsv41_jax.model import dspark
+
+        state = jax.eval_shape(lambda: dspark.with_rings(kvc.init_cache(cfg, ccfg), cfg, ccfg))
+    rows = {k: state[k] for k in slot_keys if k in state}
+    n = args.radix_cache_snapshots if args.radix_cache_snapshots is not None else 4 * args.batch
+
+    def sharded(tree, lead):
+        shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((lead,) + a.shape[1:], a.dtype), tree)
+        sh = rules.state_shardings(shapes, mesh)
+        return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sh)
+
+    def per_device(tree) -> int:
+        d = rules.param_bytes_per_device(tree)
+        return max(d.values()) if d else 0
+
+    point = per_device(sharded(rows, 1))
+    rings = per_device(sharded({"dspark": state["dspark"]}, ccfg.max_slots + 1)) if draft else 0
+    return {"snapshot_rows": n, "snapshot_point_bytes_per_device": point,
+            "snapshot_pool_bytes_per_device": n * point, "dspark": draft,
+            "dspark_param_bytes_per_device": per_device(params.get("mtp") or []) if draft else 0,
+            "dspark_rings_bytes_per_device": rings}
 
 
 def _table(rep: dict) -> str:
@@ -342,12 +393,18 @@ def _table(rep: dict) -> str:
             ("params: placed (global)", f"{rep['param_bytes_placed_global'] / g:10.2f} GiB"),
             ("params: per device max", f"{rep['param_bytes_per_device_max'] / g:10.2f} GiB"),
             ("Engram on host", f"{rep['engram_host_bytes'] / g:10.2f} GiB"),
-            ("cache per device", f"{rep['cache_bytes_per_device'] / g:10.2f} GiB")]
-    for k, v in rep["memory_analysis"].items():
+            ("cache per device", f"{rep['cache_bytes_per_device'] / g:10.2f} GiB"),
+            (f"snapshot pool per device ({rep['snapshot_rows']} rows)",
+             f"{rep['snapshot_pool_bytes_per_device'] / g:10.2f} GiB ({rep['snapshot_point_bytes_per_device'] / 2**20:.2f} "
+             "MiB a point)")]
+    if rep["dspark"]:
+        rows += [("DSpark draft params per device", f"{rep['dspark_param_bytes_per_device'] / g:10.2f} GiB (in params)"),
+                 ("DSpark rings per device", f"{rep['dspark_rings_bytes_per_device'] / g:10.2f} GiB")]
+    for k, v in rep.get("memory_analysis", {}).items():
         rows.append((f"XLA {k.replace('_size_in_bytes', '')}", f"{v / g:10.3f} GiB"))
-    for k, v in rep["cost_analysis"].items():
+    for k, v in rep.get("cost_analysis", {}).items():
         rows.append((f"cost: {k}", f"{v:.4g}"))
-    for k, v in sorted(rep["collective_bytes"].items()):
+    for k, v in sorted(rep.get("collective_bytes", {}).items()):
         rows.append((f"collective {k}", f"{v / 2**20:10.3f} MiB/step"))
     for src in rep.get("collective_sources", [])[:6]:
         rows.append((f"  {src['kind']} x{src['count']}",
@@ -355,11 +412,14 @@ def _table(rep: dict) -> str:
     f = rep["fits"]
     rows.append(("fits H200", f"{'yes' if f['fits'] else 'NO'}: needs {rep['device_bytes_needed'] / g:.1f} of "
                               f"{f['budget_bytes'] / g:.1f} GiB"))
-    kl = rep["kernel_launches"]
-    rows.append(("kernel launches / step", f"{kl['launches']} ({', '.join(f'{k} {v}' for k, v in list(kl['by_opcode'].items())[:6])})"
-                 + (f"; {kl['whiles_without_trip_count']} loop(s) counted once" if kl["whiles_without_trip_count"] else "")))
-    rows.append(("target / impl", f"{rep['target']} / {rep['impl']}"))
-    rows.append(("lower / compile", f"{rep['lower_s']} s / {rep['compile_s']} s"))
+    if "lower_s" in rep:
+        kl = rep["kernel_launches"]
+        rows.append(("kernel launches / step", f"{kl['launches']} ({', '.join(f'{k} {v}' for k, v in list(kl['by_opcode'].items())[:6])})"
+                     + (f"; {kl['whiles_without_trip_count']} loop(s) counted once" if kl["whiles_without_trip_count"] else "")))
+        rows.append(("target / impl", f"{rep['target']} / {rep['impl']}"))
+        rows.append(("lower / compile", f"{rep['lower_s']} s / {rep['compile_s']} s"))
+    else:
+        rows.append(("(--memory-only)", "not lowered or compiled: no XLA temporaries in 'fits'"))
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
@@ -387,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="kept free (runtime, NCCL, fragmentation)")
     ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (default tp x ep)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--radix-cache-snapshots", type=int, default=None,
+                    help="prefix-cache snapshot rows (default 4 x --batch, the server's default)")
+    ap.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
+                    help="count the DSpark draft's rings (and list its parameters); default on")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="the per-device memory table only: no lowering or compiling")
     from dsv41_jax.parallel.distributed import add_distributed_args
 
     add_distributed_args(ap)

@@ -39,6 +39,7 @@ class MockRunner:
     def __init__(self, *, num_pages=33, page_size=8, max_pages_per_seq=8, max_slots=4, spec_gamma=0, accept=None,
                  tokens=None):
         self.allocator = SharedPageAllocator(num_pages, page_size, max_pages_per_seq)
+        self.prefix_cache = None  # (the prefix cache's paths: tests/test_prefix_cache.py's CheckingRunner)
         self.max_slots, self.scratch = max_slots, max_slots
         self.context_length = page_size * max_pages_per_seq
         self.vocab_size, self.max_logprobs = V, 5

@@ -458,7 +458,7 @@ def test_stop_string_spanning_two_tokens(eng):
 def test_n3_seeded_samples_differ_and_match_single(eng):
     sp = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
     prompt = P0[1]
-    eng.allocator.clear_cache()  # the group prefills once and forks (with the prompt cached it would restore it)
+    eng.prefix_cache.clear_cache()  # the group prefills once and forks (with the prompt cached it would restore it)
     shared0 = eng.metrics["shared_prompt_tokens"]
     out = run(eng, [prompt], sp)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]

@@ -136,7 +136,7 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
 
     # the wrong-draft schedule below counts launches from a cold prefill: no prefix-cache hits on the
     # prompts just run (such hits keep the tokens, as checked above, but shift the schedule)
-    spec_eng.allocator.clear_cache()
+    spec_eng.prefix_cache.clear_cache()
     with oracle_drafts(spec_eng, oracle):
         rids = [f"o{next(_ids)}" for _ in PROMPTS]
         by_rid.update({r: i for i, r in enumerate(rids)})

@@ -47,7 +47,7 @@ def _run(eng, evict_to_host: bool = False):
     for i, p in enumerate(PROMPTS):
         if evict_to_host and i == 2:
             eng.step()  # dispatches the last snapshot saves (an entry spills only once its save ran)
-            eng.allocator.evict(eng.allocator.capacity)
+            eng.prefix_cache.evict(eng.allocator.capacity)
         eng.add_request(f"m{i}", p, SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
         (o,) = [o for o in eng.run_until_done() if o.finished]
         out.append((list(o.outputs[0].token_ids), o.num_cached_tokens))
@@ -76,7 +76,7 @@ def test_mesh_matrix_equals_single_device(cpu8, cfg, params, ref, mesh, dspark):
         assert [t for t, _ in got] == ref
         if radix:
             assert [c for _, c in got] == [0, 8, 8]
-            assert eng.allocator.host_hits == 1 and eng.allocator.spills > 0
+            assert eng.prefix_cache.host_hits == 1 and eng.prefix_cache.spills > 0
             # the snapshot pool is placed by the cache's rules (replicated over the mesh, as the cache)
             assert all(len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(eng.runner.snaps))
         else:

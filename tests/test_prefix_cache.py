@@ -24,8 +24,8 @@ import pytest
 
 from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
-from dsv41_jax.serving.prefix_cache import (CACHE_OWNER, CacheEntry, LoadOp, RadixTree, RestoreOp, SaveOp, SpillOp,
-                                            make_radix_allocator)
+from dsv41_jax.serving.prefix_cache import (CACHE_OWNER, CacheEntry, LoadOp, PrefixCache, RadixTree, RestoreOp,
+                                            SaveOp, SpillOp)
 from dsv41_jax.serving.runner import SharedPageAllocator
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.scheduler import ForkOp, SpecLaunch
@@ -79,8 +79,8 @@ class CheckingRunner:
 
     def __init__(self, *, num_pages=25, page_size=4, max_pages_per_seq=12, max_slots=4, rows=6, host_pages=0):
         rows = max(rows, 2 * max_slots)
-        self.allocator = make_radix_allocator(SharedPageAllocator, num_pages, page_size, max_pages_per_seq, rows,
-                                              host_pages)
+        self.allocator = SharedPageAllocator(num_pages, page_size, max_pages_per_seq)
+        self.prefix_cache = PrefixCache(self.allocator, rows, host_pages)
         self.n_loads = 0
         self.snapshot_rows = rows
         self.max_slots, self.scratch = max_slots, max_slots
@@ -101,9 +101,9 @@ class CheckingRunner:
     def dispatch(self, ops, resets, admitted, eos_token_ids) -> None:
         ps = self.allocator.page_size
         for op in ops:  # (spills first: their pages and rows may be reused by this dispatch)
-            if isinstance(op, SpillOp) and op.key in self.allocator.host_entries:  # (as the runner: not
+            if isinstance(op, SpillOp) and op.key in self.prefix_cache.host_entries:  # (as the runner: not
                 # when the entry left the host tier before its spill ran)
-                self.allocator.host_store[op.key] = ([dict(self.page_hist[p]) for p in op.pages],
+                self.prefix_cache.host_store[op.key] = ([dict(self.page_hist[p]) for p in op.pages],
                                                      dict(self.snap_hist[op.row]))
         for op in ops:
             if isinstance(op, SaveOp) and not op.in_order:
@@ -118,7 +118,7 @@ class CheckingRunner:
             if isinstance(op, SpillOp):
                 continue
             if isinstance(op, LoadOp):
-                pages, row = self.allocator.host_store[op.key]
+                pages, row = self.prefix_cache.host_store[op.key]
                 for p, h in zip(op.dst_pages, pages):
                     self.page_hist[p] = dict(h)
                 self.slot_hist[op.slot] = dict(row)
@@ -171,19 +171,19 @@ def _mock_engine(tok, num_pages=25, host_pages=0, **kw):
 
 def _check_refs(eng) -> None:
     """Reference counts and the free count against the live requests and the cache entries."""
-    a = eng.allocator
+    a, c = eng.allocator, eng.prefix_cache
     a.check_invariants()
     holders = collections.Counter()
     live = set()
     for s in eng.scheduler.running:
         holders.update(a.pages(s.key))
         live.update(a.pages(s.key))
-    for key in a.entries:
+    for key in c.entries:
         holders.update(a.pages(key))
     assert dict(holders) == a._refs
     assert not live & set(a._free), "a page a running request holds is free"
     only_cache = {p for p in holders if p not in live}
-    pinned_only = {p for p in only_cache if any(p in a.pages(k) for k in a.pinned if k in a.entries)}
+    pinned_only = {p for p in only_cache if any(p in a.pages(k) for k in c.pinned if k in c.entries)}
     assert a.free_pages == a.capacity - len(live) - len(pinned_only)
     for g in list(eng._groups.values()):
         for s in g.seqs:
@@ -197,7 +197,7 @@ def test_cache_hit_resumes_with_exact_history(tok):
     o = _run(eng, [("a", p1, 5)])["a"]
     conv = p1 + list(o.outputs[0].token_ids)  # 16 tokens; 15 written (the last sampled is not)
     # chunk ends at page boundaries (4, 8), prompt end, request end
-    assert sorted(e.k for e in eng.allocator.entries.values()) == [4, 8, 10, 15]
+    assert sorted(e.k for e in eng.prefix_cache.entries.values()) == [4, 8, 10, 15]
     outs = _run(eng, [("b", conv + [7, 8, 9], 3)])
     assert outs["b"].num_cached_tokens == 15 and eng.runner.n_restores == 1
     # a shorter request that diverges inside the cached prefix: the deepest point on its path (a
@@ -251,16 +251,16 @@ def test_shared_system_prompt_gets_a_branch_point(tok):
     eng = _mock_engine(tok, chunked_prefill_size=8, max_prefill_tokens=16, token_buckets=[8])
     S = list(range(20, 33))
     outs = _run(eng, [("a", S + [100, 101, 102], 2)])
-    assert sorted(e.k for e in eng.allocator.entries.values()) == [8, 15, 17]
+    assert sorted(e.k for e in eng.prefix_cache.entries.values()) == [8, 15, 17]
     outs = _run(eng, [("b", S + [110, 111, 112, 113], 2)])
     assert outs["b"].num_cached_tokens == 8
-    assert 12 in [e.k for e in eng.allocator.entries.values()]
+    assert 12 in [e.k for e in eng.prefix_cache.entries.values()]
     outs = _run(eng, [("c", S + [120, 121], 3), ("d", S[:12] + [5, 5, 5], 1)])
     assert outs["c"].num_cached_tokens == 12 and outs["d"].num_cached_tokens == 12
     assert eng.runner.n_restores == 3
     # a prompt sharing less than a page with the tree makes no point (only its own ends: 8, 9)
     _run(eng, [("e", S[:3] + [7, 7, 7, 7, 7, 7], 1)])
-    assert min(e.k for e in eng.allocator.entries.values()) == 8
+    assert min(e.k for e in eng.prefix_cache.entries.values()) == 8
     _check_refs(eng)
     assert eng.allocator.free_pages == eng.allocator.capacity
 
@@ -309,7 +309,7 @@ def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
     running requests (and of pinned entries); and the checking runner saw every row's exact history."""
     rng = np.random.default_rng(seed)
     eng = _mock_engine(tok, num_pages=16, host_pages=host, enable_mixed_chunk=mixed)
-    a = eng.allocator
+    a, c = eng.allocator, eng.prefix_cache
     history: list = [list(rng.integers(20, 300, size=int(rng.integers(2, 10))).tolist())]
     rid_n = itertools.count()
     n_rng = np.random.default_rng(100 + seed)
@@ -329,7 +329,7 @@ def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
         if live and rng.random() < 0.06:
             eng.abort_request(sorted(live)[int(rng.integers(len(live)))])
         if rng.random() < 0.03:
-            a.evict(a.capacity)  # forced eviction: everything unpinned goes
+            c.evict(a.capacity)  # forced eviction: everything unpinned goes
         for o in eng.step():
             if o.finished:
                 prompt = live.pop(o.request_id)
@@ -340,11 +340,11 @@ def test_randomized_arrivals_aborts_finishes_evictions(tok, seed, host, mixed):
         _check_refs(eng)
     assert eng.runner.n_restores >= 2 and eng.metrics["num_preemptions"] > 0 and eng.metrics["num_forks"] > 0
     if host:  # evicted entries went to the host tier and came back on hits
-        assert a.spills > 0 and eng.runner.n_loads > 0 and a.host_used > 0
+        assert c.spills > 0 and eng.runner.n_loads > 0 and c.host_used > 0
     assert a.free_pages == a.capacity
-    a.clear_cache()
-    assert len(a._free) == a.capacity and not a.entries and len(a.free_rows) == a.num_rows
-    assert not a.host_entries and a.host_used == 0 and not a.host_store
+    c.clear_cache()
+    assert len(a._free) == a.capacity and not c.entries and len(c.free_rows) == c.num_rows
+    assert not c.host_entries and c.host_used == 0 and not c.host_store
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -388,9 +388,9 @@ def test_cached_prefix_equals_cold_exact(eng):
     and top-3) of the same request on a cold cache, bit for bit."""
     rng = np.random.default_rng(7)
     firsts = [(rng.integers(3, 319, size=a).tolist(), m) for a, m in ((3, 3), (8, 3), (10, 4), (12, 5))]
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
     outs = _run_eng(eng, firsts)
-    ks = sorted(e.k for e in eng.allocator.entries.values())
+    ks = sorted(e.k for e in eng.prefix_cache.entries.values())
     # prompt ends (len − 1), request ends (len + m − 1) and the chunk ends at page boundaries (8: two prompts)
     assert ks == [2, 5, 7, 8, 8, 9, 10, 11, 13, 16]
     seconds = [(p + list(o.outputs[0].token_ids) + rng.integers(3, 319, size=2).tolist(), 3)
@@ -405,7 +405,7 @@ def test_prompt_end_snapshot_equals_cold_exact(eng):
     equals a cold run."""
     rng = np.random.default_rng(8)
     firsts = [(rng.integers(3, 319, size=a).tolist(), m) for a, m in ((3, 3), (8, 3), (10, 4), (12, 5))]
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
     _run_eng(eng, firsts)
     thirds = [(p[:-1] + rng.integers(3, 319, size=2).tolist(), 3) for p, _ in firsts]
     _warm_equals_cold(eng, thirds, [2, 7, 9, 11])
@@ -420,24 +420,24 @@ def test_shared_system_prompt_hits_from_the_first_repeat_exact(eng):
     rng = np.random.default_rng(9)
     systems = [rng.integers(3, 319, size=n).tolist() for n in (13, 21)]
     turns = [[(S + rng.integers(3, 319, size=3).tolist(), 3) for S in systems] for _ in range(4)]
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
     warm = [_run_eng(eng, t) for t in turns]
     assert [[o.num_cached_tokens for o in w] for w in warm] == [[0, 0], [8, 16], [8, 16], [8, 16]]
     for t, w in zip(turns, warm):
-        eng.allocator.clear_cache()
+        eng.prefix_cache.clear_cache()
         cold = _run_eng(eng, t)
         assert [o.num_cached_tokens for o in cold] == [0, 0]
         _assert_same_outputs(w, cold)
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
 
 
 def test_export_import_slot_round_trip(eng):
     """The state-transfer seam (`Runner.export_slot` / `import_slot`, the unit the prefix cache snapshots):
     a slot's rows and pages exported to host arrays, imported into another slot and other pages, export
     again the same bits; a page count mismatch is refused."""
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
     _run_eng(eng, [(list(range(30, 50)), 2)])  # slots and pages now hold a request's state
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
     r = eng.runner
     a = r.export_slot(0, [1, 2, 3])
     assert any(np.any(x != 0) for x in jax.tree_util.tree_leaves(a["rows"])) and len(a["pages"]) == 3
@@ -455,7 +455,7 @@ def host_eng(mini_cfg, mini_params):
     """The same engine with the host tier (the same compiled steps; only the page copies are new)."""
     e = Engine(cfg=mini_cfg.replace(act_dtype="exact"), params=mini_params, enable_hierarchical_cache=True,
                hicache_ratio=1.5, **KW)
-    assert e.allocator.host_pages == int(1.5 * e.allocator.capacity)
+    assert e.prefix_cache.host_pages == int(1.5 * e.allocator.capacity)
     yield e
     e.allocator.check_invariants()
 
@@ -464,28 +464,28 @@ def test_host_tier_round_trip_equals_cold_exact(host_eng):
     """Every cached state is evicted from the device pool to the host tier (pages and snapshot row
     copied out, device pages freed); the next turns load them back (fresh pages) and equal a cold
     run bit for bit, as in `test_cached_prefix_equals_cold_exact`."""
-    eng, a = host_eng, host_eng.allocator
+    eng, a, c = host_eng, host_eng.allocator, host_eng.prefix_cache
     rng = np.random.default_rng(7)
     firsts = [(rng.integers(3, 319, size=n).tolist(), m) for n, m in ((3, 3), (8, 3), (10, 4), (12, 5))]
     outs = _run_eng(eng, firsts)
     eng.step()  # dispatches the last snapshot saves (an entry is spilled only once its save ran)
-    a.evict(a.capacity)
-    assert not a.entries and len(a._free) == a.capacity and a.spills == 10  # (2 of them chunk-end points)
+    c.evict(a.capacity)
+    assert not c.entries and len(a._free) == a.capacity and c.spills == 10  # (2 of them chunk-end points)
     a.check_invariants()
     seconds = [(p + list(o.outputs[0].token_ids) + rng.integers(3, 319, size=2).tolist(), 3)
                for (p, _), o in zip(firsts, outs)]
     _warm_equals_cold(eng, seconds, [5, 10, 13, 16])
-    assert a.host_hits == 4 and eng.stats()["prefix_cache_host_hits"] == 4
+    assert c.host_hits == 4 and eng.stats()["prefix_cache_host_hits"] == 4
 
 
 def _warm_equals_cold(eng, reqs, want_cached):
     warm = _run_eng(eng, reqs)
     assert [o.num_cached_tokens for o in warm] == want_cached
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
     cold = _run_eng(eng, reqs)
     assert [o.num_cached_tokens for o in cold] == [0] * len(reqs)
     _assert_same_outputs(warm, cold)
-    eng.allocator.clear_cache()
+    eng.prefix_cache.clear_cache()
 
 
 def _assert_same_outputs(warm, cold):
@@ -514,7 +514,7 @@ def test_snapshot_rows_come_out_of_the_memory_budget(tiny_cfg, tiny_params):
               skip_server_warmup=True)
     e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), radix_cache_snapshots=3, **kw),
                cfg=tiny_cfg, params=tiny_params)
-    assert e.ccfg.num_pages == 10 and e.runner.snapshot_rows == 3 and e.allocator.num_rows == 3
+    assert e.ccfg.num_pages == 10 and e.runner.snapshot_rows == 3 and e.prefix_cache.num_rows == 3
     e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), cfg=tiny_cfg, params=tiny_params)
     assert e.runner.snapshot_rows == int(budget * 0.25 // w) < 4 * S
     with pytest.raises(ValueError, match="radix_cache_snapshots"):

@@ -236,6 +236,11 @@ class Engine:
         return self.runner.allocator
 
     @property
+    def prefix_cache(self):
+        """The radix prefix cache's controller (`prefix_cache.PrefixCache`), or None when it is off."""
+        return self.runner.prefix_cache
+
+    @property
     def ccfg(self):
         return self.runner.ccfg
 
@@ -510,7 +515,8 @@ class Engine:
         }
         if self.spec_gamma:
             out.update(self.output.spec_summary(), spec_gamma=self.spec_gamma)
-        if hasattr(a, "host_entries"):  # the radix prefix cache (and its host tier)
-            out.update(prefix_cache_entries=len(a.entries), prefix_cache_host_entries=len(a.host_entries),
-                       prefix_cache_hits=a.hits, prefix_cache_host_hits=a.host_hits, prefix_cache_spills=a.spills)
+        c = self.prefix_cache
+        if c is not None:  # the radix prefix cache (and its host tier)
+            out.update(prefix_cache_entries=len(c.entries), prefix_cache_host_entries=len(c.host_entries),
+                       prefix_cache_hits=c.hits, prefix_cache_host_hits=c.host_hits, prefix_cache_spills=c.spills)
         return out

@@ -55,7 +55,7 @@ has ``num_rows`` of them (`Runner`: ``--radix-cache-snapshots``, default 4 × ma
 used when a snapshot row or pool pages are needed; an entry matched (or saved in order) in the plan
 being made is *pinned* (its restore / save is not in the runner's hands yet) and is not evicted
 until the plan is complete. Pages the cache
-alone holds count as free (`RadixPageAllocator.free_pages`): an ``ensure`` that needs them evicts
+alone holds count as free (`SharedPageAllocator.free_pages`, the cache its reclaimer): an ``ensure`` that needs them evicts
 entries first, so the scheduler's page accounting is unchanged.
 
 The scheduler admits, within the first few waiting samples, one whose cached prefix is a page
@@ -89,9 +89,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dsv41_jax.model.cache import CacheFullError, PageAllocator
+from dsv41_jax.model.cache import CacheFullError
 
-__all__ = ["CacheEntry", "LoadOp", "RadixTree", "RadixPageAllocator", "RestoreOp", "SaveOp", "SpillOp"]
+__all__ = ["CacheEntry", "LoadOp", "PrefixCache", "RadixTree", "RestoreOp", "SaveOp", "SpillOp"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
@@ -265,12 +265,21 @@ class RadixTree:
         return out
 
 
-class RadixPageAllocator:
-    """Mixin over `SharedPageAllocator` (see `make_radix_allocator`): the prefix cache's entries hold
-    page references like requests (allocator key ``(CACHE_OWNER, id)``), and pages held by unpinned
-    entries alone count as free: `ensure` evicts least-recently-used entries to get them."""
+class PrefixCache:
+    """The prefix cache's one controller: the radix tree of points, the device snapshot-row pool and the
+    HiCache host tier. The scheduler talks to it (`cache_match`, `cache_insert`, `take_saves`,
+    `take_spills`, `unpin_all`, ``tree``); the runner runs the ops it hands out (saves, restores,
+    spills, loads) and keeps the host copies in ``host_store``.
 
-    def _radix_init(self, num_rows: int, host_pages: int = 0) -> None:
+    Its entries hold page references in the page allocator like requests (allocator key
+    ``(CACHE_OWNER, id)``). It is the allocator's *reclaimer* (`runner.SharedPageAllocator`): pages
+    held by unpinned entries alone count as free there, and an ``ensure`` that needs them calls
+    `reclaim`, which evicts entries least recently used (unhit chunk-end points first), so the
+    scheduler's page accounting is unchanged."""
+
+    def __init__(self, allocator, num_rows: int, host_pages: int = 0):
+        self.alloc = allocator
+        self.page_size = allocator.page_size
         self.tree = RadixTree()
         self.entries: dict = {}  # key -> CacheEntry (device tier)
         # HiCache: entries whose pages went to host memory (key -> CacheEntry), their pages in total,
@@ -292,56 +301,41 @@ class RadixPageAllocator:
         self._version = 0
         self.hits = 0
         self.hit_tokens = 0
+        allocator.reclaimer = self
 
-    # -- accounting -----------------------------------------------------------------------------
-    def _touch(self) -> None:
+    # -- accounting (the allocator's reclaimer) ---------------------------------------------------
+    def touch(self) -> None:
+        """Page references changed: the reclaimable count is recomputed on the next ask."""
         self._version += 1
+
+    _touch = touch
 
     def reclaimable(self) -> int:
         """Pages held by unpinned cache entries alone (freed if every such entry were evicted)."""
         if self._reclaim_cache is not None and self._reclaim_cache[0] == self._version:
             return self._reclaim_cache[1]
         held: collections.Counter = collections.Counter()
+        tables, refs = self.alloc._tables, self.alloc._refs
         for key, e in self.entries.items():
             if key not in self.pinned:
-                held.update(self._tables[key])
-        n = sum(1 for p, c in held.items() if self._refs[p] == c)
+                held.update(tables[key])
+        n = sum(1 for p, c in held.items() if refs[p] == c)
         self._reclaim_cache = (self._version, n)
         return n
 
-    @property
-    def free_pages(self) -> int:
-        return len(self._free) + self.reclaimable()
-
-    @property
-    def used_pages(self) -> int:
-        """Pages requests (or pinned entries) need; what the cache alone holds counts as free."""
-        return self.capacity - self.free_pages
+    def reclaim(self, free_target: int) -> None:
+        """The allocator needs ``free_target`` pages on its free list: evict entries for them."""
+        self.evict(free_target)
 
     @property
     def cached_pages(self) -> int:
-        return len({p for key in self.entries for p in self._tables[key]})
-
-    def ensure(self, rid, num_tokens: int) -> list:
-        need = max(0, -(-num_tokens // self.page_size) - len(self._tables.get(rid, [])))
-        if need > len(self._free) and -(-num_tokens // self.page_size) <= self.max_pages_per_seq:
-            self.evict(need)
-        # (new pages come off the free list: no entry holds them, reclaimable() is unchanged)
-        return super().ensure(rid, num_tokens)
-
-    def share(self, src, dst, n_pages: int) -> None:
-        self._touch()
-        super().share(src, dst, n_pages)
-
-    def _release(self, pages) -> int:
-        self._touch()
-        return super()._release(pages)
+        return len({p for key in self.entries for p in self.alloc._tables[key]})
 
     # -- eviction -------------------------------------------------------------------------------
     def _drop(self, e: CacheEntry, demote: bool = True) -> None:
         """Evict device entry e: to the host tier when there is one (its pages and row are copied
         out by a `SpillOp` before anything reuses them), else out of the tree."""
-        n = len(self._tables[e.key])
+        n = len(self.alloc._tables[e.key])
         if demote and self.host_pages and e.key not in self.unsaved:
             while self.host_used + n > self.host_pages:  # the host pool's own LRU
                 victims = [h for h in self.host_entries.values() if h.key not in self.pinned]
@@ -350,7 +344,7 @@ class RadixPageAllocator:
                 self._drop_host(min(victims, key=lambda h: h.last_use))
         # (an entry whose snapshot save is not dispatched yet is dropped: its spill would run first)
         if demote and self.host_used + n <= self.host_pages and e.key not in self.unsaved:
-            self.pending_spills.append(SpillOp(e.key, list(self._tables[e.key]), e.row))
+            self.pending_spills.append(SpillOp(e.key, list(self.alloc._tables[e.key]), e.row))
             e.tier = "host"
             self.host_entries[e.key] = e
             self.host_used += n
@@ -358,7 +352,7 @@ class RadixPageAllocator:
         else:
             self.tree.remove(e)
         del self.entries[e.key]
-        self.free(e.key)
+        self.alloc.free(e.key)
         self.free_rows.append(e.row)
         e.row = -1
         self._touch()
@@ -374,7 +368,7 @@ class RadixPageAllocator:
         free list (or none is left); returns how many entries went."""
         n = 0
         for e in sorted(self.entries.values(), key=lambda e: e.evict_order):
-            if len(self._free) >= free_target:
+            if len(self.alloc._free) >= free_target:
                 break
             if e.key in self.pinned:
                 continue
@@ -405,7 +399,7 @@ class RadixPageAllocator:
         point that was hit or made for a known reason, `CacheEntry.evict_order`)."""
         k = len(tokens)
         n_pages = -(-k // self.page_size)
-        if k < 1 or len(self._tables.get(rid, [])) < n_pages:
+        if k < 1 or len(self.alloc._tables.get(rid, [])) < n_pages:
             return None
         tokens = tuple(tokens)
         old = self.tree.find(tokens)
@@ -425,7 +419,7 @@ class RadixPageAllocator:
                 return None
         key = (CACHE_OWNER, next(self._ids))
         e = CacheEntry(tokens, key, self.free_rows.pop(), next(self._tick), probation=probation)
-        self.share(rid, key, n_pages)
+        self.alloc.share(rid, key, n_pages)
         self.entries[key] = e
         self.tree.insert(tokens, e)
         self.pending_saves.append(SaveOp(slot, e.row, in_order))
@@ -448,23 +442,23 @@ class RadixPageAllocator:
         self._touch()
         if e.tier == "host":  # HiCache hit: fresh pages, filled from the host copy (a LoadOp)
             try:
-                self.ensure(rid, k)
+                self.alloc.ensure(rid, k)
             except CacheFullError:
                 return self._miss(rid, e)
             e.last_use = next(self._tick)
             self.hits += 1
             self.host_hits += 1
             self.hit_tokens += k
-            return k, LoadOp(e.key, list(self._tables[rid]), slot)
+            return k, LoadOp(e.key, list(self.alloc._tables[rid]), slot)
         n_full = k // ps
-        self.share(e.key, rid, n_full)
+        self.alloc.share(e.key, rid, n_full)
         src = dst = 0
         if k % ps:
             try:
-                self.ensure(rid, k)
+                self.alloc.ensure(rid, k)
             except CacheFullError:
                 return self._miss(rid, e)
-            src, dst = self._tables[e.key][n_full], self._tables[rid][n_full]
+            src, dst = self.alloc._tables[e.key][n_full], self.alloc._tables[rid][n_full]
         e.last_use = next(self._tick)
         self.hits += 1
         self.hit_tokens += k
@@ -473,7 +467,7 @@ class RadixPageAllocator:
     def _miss(self, rid, e: CacheEntry) -> tuple:
         """No page for the copy: a miss after all. The entry is unpinned at once, so that the sample's
         own prefill may evict it in this very plan (the pool may be exactly full of its pages)."""
-        self.free(rid)
+        self.alloc.free(rid)
         self.pinned.discard(e.key)
         self._touch()
         return 0, None
@@ -496,7 +490,8 @@ class RadixPageAllocator:
         return out
 
     def check_invariants(self) -> None:
-        super().check_invariants()
+        """The tree, the tiers, the snapshot rows and the entries' pages agree (the allocator's own
+        invariants are `SharedPageAllocator.check_invariants`, which calls this)."""
         es = self.tree.entries()
         if {e.key for e in es} != set(self.entries) | set(self.host_entries):
             raise AssertionError("radix tree and entry tables disagree")
@@ -505,7 +500,7 @@ class RadixPageAllocator:
         hs = [e for e in es if e.tier == "host"]
         if sum(-(-e.k // self.page_size) for e in hs) != self.host_used or self.host_used > self.host_pages:
             raise AssertionError("host pool accounting")
-        if any(e.key in self._tables for e in hs):
+        if any(e.key in self.alloc._tables for e in hs):
             raise AssertionError("a host entry holds device pages")
         es = [e for e in es if e.tier == "device"]
         rows = [e.row for e in es]
@@ -514,20 +509,8 @@ class RadixPageAllocator:
         if len(rows) + len(self.free_rows) != self.num_rows:
             raise AssertionError("snapshot rows lost")
         for e in es:
-            if len(self._tables.get(e.key, [])) != -(-e.k // self.page_size):
-                raise AssertionError(f"cache entry {e.key} holds {len(self._tables.get(e.key, []))} pages for "
+            if len(self.alloc._tables.get(e.key, [])) != -(-e.k // self.page_size):
+                raise AssertionError(f"cache entry {e.key} holds {len(self.alloc._tables.get(e.key, []))} pages for "
                                      f"{e.k} tokens")
             if self.tree.find(e.tokens) is not e:
                 raise AssertionError("cache entry not found by its tokens")
-
-
-def make_radix_allocator(base: type, num_pages: int, page_size: int, max_pages_per_seq: int, num_rows: int,
-                         host_pages: int = 0):
-    """An allocator of class ``base`` (a `SharedPageAllocator`) with the prefix cache mixed in
-    (``host_pages`` > 0: with a host tier of that many pages)."""
-    if not issubclass(base, PageAllocator):
-        raise TypeError("make_radix_allocator: base must be a PageAllocator")
-    cls = type("Radix" + base.__name__, (RadixPageAllocator, base), {})
-    a = cls(num_pages, page_size, max_pages_per_seq)
-    a._radix_init(num_rows, host_pages)
-    return a

@@ -56,7 +56,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving.prefix_cache import LoadOp, RestoreOp, SaveOp, SpillOp, make_radix_allocator
+from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveOp, SpillOp
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import RUNNING, EngineError
 from dsv41_jax.serving.sampling import SamplingTensors
@@ -81,14 +81,25 @@ class SharedPageAllocator(kvc.PageAllocator):
     """`PageAllocator` whose pages may be shared by several requests (reference counted).
 
     `share(src, dst, n)` gives ``dst`` the first ``n`` pages of ``src`` (they must be full and never
-    written again); a page returns to the free list when its last holder frees it."""
+    written again); a page returns to the free list when its last holder frees it.
+
+    ``reclaimer`` (None, or the prefix cache's controller `prefix_cache.PrefixCache`, which sets itself):
+    pages it could give back count as free (`free_pages`), an `ensure` short of free-list pages asks
+    it to ``reclaim`` them first, and every change of the page references is reported to it
+    (``touch``)."""
 
     def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
         super().__init__(num_pages, page_size, max_pages_per_seq)
         self._refs: dict = {}
+        self.reclaimer = None
 
     def ensure(self, rid, num_tokens: int) -> list:
         before = len(self._tables.get(rid, []))
+        need = max(0, -(-num_tokens // self.page_size) - before)
+        if (self.reclaimer is not None and need > len(self._free)
+                and -(-num_tokens // self.page_size) <= self.max_pages_per_seq):
+            self.reclaimer.reclaim(need)
+        # (new pages come off the free list: no cache entry holds them, the reclaimable count is unchanged)
         table = super().ensure(rid, num_tokens)
         for p in table[before:]:
             self._refs[p] = 1
@@ -106,6 +117,8 @@ class SharedPageAllocator(kvc.PageAllocator):
         self._tables[dst] = pages
         for p in pages:
             self._refs[p] += 1
+        if self.reclaimer is not None:
+            self.reclaimer.touch()
 
     def _release(self, pages) -> int:
         """Drop one reference to each page; those no one holds any more go back to the free list."""
@@ -116,11 +129,19 @@ class SharedPageAllocator(kvc.PageAllocator):
                 del self._refs[p]
                 released.append(p)
         self._free.extend(reversed(released))
+        if self.reclaimer is not None:
+            self.reclaimer.touch()
         return len(released)
 
     @property
+    def free_pages(self) -> int:
+        """Pages on the free list, plus those the reclaimer (the prefix cache) alone holds."""
+        return len(self._free) + (self.reclaimer.reclaimable() if self.reclaimer is not None else 0)
+
+    @property
     def used_pages(self) -> int:
-        return self.capacity - len(self._free)
+        """Pages requests (or pinned cache entries) need; what the cache alone holds counts as free."""
+        return self.capacity - self.free_pages
 
     def check_invariants(self) -> None:
         counts: dict = collections.Counter()
@@ -139,6 +160,8 @@ class SharedPageAllocator(kvc.PageAllocator):
             raise AssertionError(f"pages both live and free: {sorted(set(counts) & free)}")
         if len(counts) + len(free) != self.capacity:
             raise AssertionError(f"{self.capacity - len(counts) - len(free)} pages lost")
+        if self.reclaimer is not None:
+            self.reclaimer.check_invariants()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -547,12 +570,11 @@ class Runner:
             log.info("hierarchical cache: host pool of %d pages (%.1f x the device pool)", self.host_pages,
                      args.resolved_hicache_ratio())
         self._host_unsettled: list = []  # host-store keys whose device-to-host copies are in flight
+        self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
         if not self.snapshot_rows:
-            self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
-            self.snaps = None
+            self.prefix_cache = self.snaps = None
             return
-        self.allocator = make_radix_allocator(SharedPageAllocator, ccfg.num_pages, ccfg.page_size,
-                                              ccfg.max_pages_per_seq, self.snapshot_rows, self.host_pages)
+        self.prefix_cache = PrefixCache(self.allocator, self.snapshot_rows, self.host_pages)
         self.snaps = empty_snapshots(self.state, self.snapshot_rows, self.mesh)
         log.info("radix prefix cache: %d snapshot rows (%.1f MiB per device)", self.snapshot_rows,
                  _bytes_per_device(self.snaps) / 2**20)
@@ -861,15 +883,15 @@ class Runner:
     def _spill(self, op: SpillOp) -> None:
         """Copy an evicted entry's pages and snapshot row out of the device pools (async: the copies
         are device arrays whose host transfer starts now; `_settle_host` makes them numpy)."""
-        alloc = self.allocator
-        if op.key not in alloc.host_entries:
+        cache = self.prefix_cache
+        if op.key not in cache.host_entries:
             return  # dropped from the host tier before its spill ran
         kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
         blocks = [_gather_page(self.state, np.int32(p), **kw) for p in op.pages]
         row = _get_snapshot(self.snaps, np.int32(op.row))
         for x in jax.tree_util.tree_leaves((blocks, row)):
             x.copy_to_host_async()
-        alloc.host_store[op.key] = (blocks, row)
+        cache.host_store[op.key] = (blocks, row)
         self._host_unsettled.append(op.key)
 
     # ------------------------------------------------------------------------------------ state transfer
@@ -896,7 +918,7 @@ class Runner:
 
     def _settle_host(self) -> None:
         """Spilled copies into host memory (numpy), releasing their device buffers."""
-        store = getattr(self.allocator, "host_store", None)
+        store = self.prefix_cache.host_store if self.prefix_cache is not None else None
         for key in self._host_unsettled:
             if store is not None and key in store:
                 store[key] = jax.tree.map(np.asarray, store[key])
@@ -904,7 +926,7 @@ class Runner:
 
     def _load(self, op: LoadOp) -> None:
         """A host-tier hit: the entry's pages into the request's fresh pages, its snapshot into the slot."""
-        blocks, row = self.allocator.host_store[op.key]
+        blocks, row = self.prefix_cache.host_store[op.key]
         kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
         for p, blk in zip(op.dst_pages, blocks):
             self.state = _scatter_page(self.state, blk, np.int32(p), **kw)

@@ -3,8 +3,8 @@
 The scheduler and the engine see the runner only through this protocol, so a model-free runner
 (the mocks of tests/test_scheduler.py and tests/test_prefix_cache.py) drives them exactly as the
 device runner (`runner.Runner`) does. What the scheduler may use: the page allocator (a
-`SharedPageAllocator`, with the prefix cache a `prefix_cache.RadixPageAllocator`), the number of
-slots and the scratch slot. What the engine adds: the limits it validates requests against, and
+`SharedPageAllocator`), the prefix cache's controller (`prefix_cache.PrefixCache`, or None when the
+cache is off), the number of slots and the scratch slot. What the engine adds: the limits it validates requests against, and
 the three calls (`dispatch` a plan, `warmup`, `num_compilations`).
 
 `dispatch` gets a plan in the scheduler's order (`Op`: launches, DSpark launches, fork copies and
@@ -15,10 +15,10 @@ at once (the overlap schedule reads them later).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
 
 if TYPE_CHECKING:
-    from dsv41_jax.serving.prefix_cache import LoadOp, RestoreOp, SaveOp, SpillOp
+    from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveOp, SpillOp
     from dsv41_jax.serving.request import Seq
     from dsv41_jax.serving.runner import SharedPageAllocator
     from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
@@ -33,6 +33,7 @@ class RunnerProtocol(Protocol):
     """What the scheduler and the engine may use of a runner (see the module docstring)."""
 
     allocator: "SharedPageAllocator"  # pages: the scheduler asks it for room; launches read its tables
+    prefix_cache: "Optional[PrefixCache]"  # the radix prefix cache (tree, snapshot rows, host tier), or None
     max_slots: int  # request slots (rows of the per-slot cache state)
     scratch: int  # the extra slot padding rows point at (== max_slots)
     context_length: int  # tokens per request (prompt + output), from the memory plan
@@ -52,5 +53,5 @@ class RunnerProtocol(Protocol):
         """Compiled variants held (the tests check that serving adds none)."""
 
 
-RUNNER_MEMBERS = ("allocator", "max_slots", "scratch", "context_length", "vocab_size", "max_logprobs", "spec_gamma",
+RUNNER_MEMBERS = ("allocator", "prefix_cache", "max_slots", "scratch", "context_length", "vocab_size", "max_logprobs", "spec_gamma",
                   "launches", "dispatch", "warmup", "num_compilations")

@@ -1,6 +1,6 @@
 """The scheduler: decides what runs each iteration (admission, chunked-prefill budget, preemption,
 prompt sharing, DSpark rows). Host-only and model-free: it sees the runner only through
-`runner_api.RunnerProtocol` (``allocator``, ``max_slots``, ``scratch``), so its unit tests drive it
+`runner_api.RunnerProtocol` (``allocator``, ``prefix_cache``, ``max_slots``, ``scratch``), so its unit tests drive it
 with model-free runners implementing that protocol (tests/test_scheduler.py, tests/test_prefix_cache.py),
 as JetStream's mock engine does.
 
@@ -38,7 +38,6 @@ from typing import Any, Callable, Optional
 
 from dsv41_jax.model.decode import _bucket
 from dsv41_jax.serving.engine_metrics import EngineMetrics
-from dsv41_jax.serving.prefix_cache import RadixPageAllocator
 from dsv41_jax.serving.request import PREEMPTION_REASONS, RUNNING, WAITING, Seq
 from dsv41_jax.serving.runner_api import RunnerProtocol
 
@@ -148,8 +147,7 @@ class Scheduler:
         self.reserve_ratio = _RESERVE_INIT
         self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
         self.has_inflight = has_inflight  # the engine's: launches dispatched whose results are not read yet
-        # the radix prefix cache (prefix_cache.py), when the runner's allocator has one
-        self.cache = self.allocator if isinstance(self.allocator, RadixPageAllocator) else None
+        self.cache = runner.prefix_cache  # the radix prefix cache's controller (prefix_cache.py), or None
         self.pending_restores: list = []  # this plan's RestoreOps (dispatched before its launches)
 
     # ------------------------------------------------------------------------------------ queue
