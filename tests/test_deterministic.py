@@ -135,7 +135,7 @@ def det_eng():
 def mixed_ref(det_eng):
     """The mixed set run together on a cold cache (preempting), then each sample alone (cache hits)."""
     prompts, sps = _mixed()
-    det_eng.allocator.clear_cache()
+    det_eng.prefix_cache.clear_cache()
     p0 = det_eng.metrics["num_preemptions"]
     together = _run(det_eng, prompts, sps)
     preempted = det_eng.metrics["num_preemptions"] - p0
