@@ -431,6 +431,45 @@ def test_aot_flash_script_tiny(cpu8, tmp_path):
     assert mod.main(["--config", "tiny", "--tp", "3"]) == 2  # refused: heads not divisible
 
 
+def test_aot_flash_memory_only_counts_snapshot_pool_and_draft(cpu8, tmp_path):
+    """`aot_flash.py --memory-only` (shapes only, no compile): the prefix cache's snapshot pool per device
+    is its rows (default 4 x batch) times a point = the cache's per-slot rows of one slot (window rings,
+    partial groups, Engram history, DSpark rings; replicated, as the cache), and the DSpark draft's
+    parameters and rings are listed (``--no-dspark``: no rings)."""
+    import importlib.util
+    import json
+    import os
+
+    import jax
+    import numpy as np
+
+    from dsv41_jax.model import ModelConfig, dspark
+    from dsv41_jax.model import cache as kvc
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "aot_flash.py")
+    spec = importlib.util.spec_from_file_location("aot_flash", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "mem.json"
+    argv = ["--config", "tiny", "--tp", "2", "--ep", "2", "--batch", "3", "--context", "32", "--page-size", "16",
+            "--memory-only", "--out", str(out)]
+    assert mod.main(argv) == 0
+    rep = json.loads(out.read_text())
+    cfg = ModelConfig.preset("tiny")
+    ccfg = kvc.CacheConfig(page_size=16, num_pages=7, max_slots=3, max_pages_per_seq=2)
+    st = jax.eval_shape(lambda: dspark.with_rings(kvc.init_cache(cfg, ccfg), cfg, ccfg))
+    row = sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize for k in ("window", "partial", "engram_hist", "dspark")
+              for x in jax.tree_util.tree_leaves(st[k]))
+    assert rep["snapshot_rows"] == 12 and rep["snapshot_point_bytes_per_device"] == row
+    assert rep["snapshot_pool_bytes_per_device"] == 12 * row
+    assert rep["dspark"] and rep["dspark_param_bytes_per_device"] > 0 and rep["dspark_rings_bytes_per_device"] > 0
+    assert "memory_analysis" not in rep and rep["device_bytes_needed"] > rep["param_bytes_per_device_max"]
+    assert mod.main(argv + ["--no-dspark", "--radix-cache-snapshots", "2"]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["dspark_rings_bytes_per_device"] == 0 and rep["snapshot_rows"] == 2
+    assert rep["snapshot_point_bytes_per_device"] < row
+
+
 def test_collective_bytes_parser():
     import importlib.util
     import os
