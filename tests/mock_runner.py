@@ -50,7 +50,7 @@ class MockRunner:
         self.log: list = []
         self.slot_owner: dict = {}
 
-    def warmup(self, batch_buckets, token_buckets) -> int:
+    def warmup(self, batch_buckets, token_buckets, prompt_logprobs=False) -> int:
         return 0
 
     def num_compilations(self) -> int:

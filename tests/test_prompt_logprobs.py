@@ -3,8 +3,9 @@ log-softmax at every prompt position, for prompts longer than one prefill chunk 
 prompts of different lengths; ``max_tokens=0`` scores the prompt alone.
 
 One engine per module in the fp32 mode (token bucket 16 = the chunk size, one batch bucket of 8: the
-engine arguments of tests/test_engine.py, so its compiled steps come from the run's compilation cache),
-so a 40-token prompt is prefilled in 3 chunks through the lazily compiled all-logits variant. The
+engine arguments of tests/test_engine.py, so its compiled steps come from the run's compilation cache)
+with ``warmup_prompt_logprobs`` (the all-logits variant compiled in the warm-up), so a 40-token prompt
+is prefilled in 3 chunks through the all-logits variant and the first such request compiles nothing. The
 reference is `forward` (jitted, fp32) on the prompts right-padded to one length (causal: padding
 after a position changes nothing before it). Tolerance: 2e-4 absolute on logprobs (fp32; the paged
 decode step and the full forward differ in accumulation order only)."""
@@ -29,9 +30,35 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def eng():
-    e = Engine(EngineArgs(**ENGINE_KW), cfg=configs.micro())
+    e = Engine(EngineArgs(**ENGINE_KW, warmup_prompt_logprobs=True), cfg=configs.micro())
     yield e
     assert e.allocator.free_pages == e.allocator.capacity
+
+
+def test_first_prompt_logprobs_request_compiles_nothing(eng):
+    """Issue 37: the first echo + logprobs request compiled the all-logits variant on first use (55 s
+    for nano on a CPU). With ``warmup_prompt_logprobs`` the warm-up compiled it for every bucket, so
+    the first such request -- prefill chunks with and without a sampling row -- adds no compilation
+    to the engine's counter (which counts the all-logits programs once they exist). Runs first."""
+    n0 = eng.num_compilations()
+    assert eng.runner._extend_all is not None and eng.runner._extend_all._cache_size() >= 1
+    (r,) = _run(eng, [list(range(5, 45))], SamplingParams(max_tokens=2, prompt_logprobs=2, logprobs=2))
+    assert len(r["plp"]) == 40 and r["out"].finished
+    assert eng.num_compilations() == n0
+
+
+def test_warmup_prompt_logprobs_flag():
+    """--warmup-prompt-logprobs parses, is documented, and is refused where it cannot act."""
+    import argparse
+
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert p.parse_args(["--warmup-prompt-logprobs"]).warmup_prompt_logprobs is True
+    assert "--warmup-prompt-logprobs" in p.format_help()
+    with pytest.raises(ValueError, match="warmup_prompt_logprobs"):
+        EngineArgs(model="tiny", warmup_prompt_logprobs=True, skip_server_warmup=True)
+    with pytest.raises(ValueError, match="warmup_prompt_logprobs"):
+        EngineArgs(model="tiny", warmup_prompt_logprobs=True, enable_decoder_swa_bounded_replay=True,
+                   disable_radix_cache=True)
 
 
 def _reference(eng, prompts):

@@ -75,8 +75,8 @@ before the next is prepared.
 
 Prompt logprobs (``SamplingParams.prompt_logprobs``, for ``echo`` + ``logprobs`` scoring): a launch
 holding a prefill chunk of such a sample runs the **all-logits** variant of the extend step
-(``decode.jitted_extend(cfg, ccfg, True)``, compiled lazily, per (B, T) bucket, on the first launch that
-needs it; never in the warm-up), and reduces its fp32 ``[B, T, V]`` logits on the device
+(``decode.jitted_extend(cfg, ccfg, True)``, compiled per (B, T) bucket in the warm-up with
+``--warmup-prompt-logprobs``, else lazily on the first launch that needs it), and reduces its fp32 ``[B, T, V]`` logits on the device
 (`_prompt_logprobs`) to the log-softmax of each next prompt token ``[B, T]`` and the top
 ``max_logprobs`` ``[B, T, K]``; only those come back to the host. Prefill chunks cover positions
 ``0 .. len(prompt) - 2``, i.e. exactly the predictions of prompt tokens ``1 .. len(prompt) - 1``; the
@@ -315,8 +315,9 @@ class Engine:
         persistent compilation cache (a warm restart compiles nothing)."""
         t0 = time.perf_counter()
         n0 = self.num_compilations()
+        kw = {"prompt_logprobs": True} if self.args.warmup_prompt_logprobs else {}
         with CacheLoads() as loads:
-            self.warmup_shapes = self.runner.warmup(self.batch_buckets, self.token_buckets)
+            self.warmup_shapes = self.runner.warmup(self.batch_buckets, self.token_buckets, **kw)
         self.warmup_time = time.perf_counter() - t0
         programs = self.num_compilations() - n0
         self.warmup_cache_loads = min(loads.count, programs)

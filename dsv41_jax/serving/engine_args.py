@@ -10,7 +10,8 @@ Flags use SGLang's spelling where the meaning is the same (docs/design/spec.md Â
 ``--hicache-ratio``, ``--cpu-memory-budget``, ``--enable-decoder-swa-bounded-replay`` (SGLang's name), ``--impl`` (which
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
 ``--speculative-dspark-block-size`` (DSpark proposals per step, 1..5, at most the checkpoint's block),
-``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``).
+``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``),
+``--warmup-prompt-logprobs`` (the warm-up compiles the prompt-logprobs variant too).
 vLLM's spellings are aliases: ``--max-model-len`` (``--context-length``), ``--tensor-parallel-size``
 (``--tp-size``), ``--max-num-seqs`` (``--max-running-requests``).
 
@@ -125,6 +126,9 @@ class EngineArgs:
     max_queued_requests: Optional[int] = None
     decode_log_interval: int = 40
     skip_server_warmup: bool = False
+    # compile the all-logits (prompt logprobs: echo + logprobs) extend variant in the warm-up too;
+    # without it the first such request compiles it (one program per shape bucket it uses)
+    warmup_prompt_logprobs: bool = False
     tp_size: int = 1
     ep_size: int = 1
     engram_host_table: Optional[bool] = None  # None: env DSV41_ENGRAM_HOST_TABLE (default off)
@@ -226,6 +230,11 @@ class EngineArgs:
                 bad("speculative_simulate_accept_length", f"must be a number in 1..{DSPARK_MAX_BLOCK + 1}")
             if self.speculative_algorithm is None:
                 bad("speculative_simulate_accept_length", "needs --speculative-algorithm DSPARK")
+        if self.warmup_prompt_logprobs and self.skip_server_warmup:
+            bad("warmup_prompt_logprobs", "has nothing to add to with --skip-server-warmup (no warm-up runs)")
+        if self.warmup_prompt_logprobs and self.enable_decoder_swa_bounded_replay:
+            bad("warmup_prompt_logprobs", "cannot be combined with --enable-decoder-swa-bounded-replay, which "
+                                          "serves no prompt logprobs")
         if self.enable_decoder_swa_bounded_replay:
             # combinations it does not implement are refused here, before anything is loaded
             flag = "enable_decoder_swa_bounded_replay"
@@ -409,6 +418,10 @@ class EngineArgs:
                        help="log a decode line every this many decode steps; default %(default)s")
         g.add_argument("--skip-server-warmup", action="store_true",
                        help="do not compile every (batch, tokens) bucket at start (they compile on first use)")
+        g.add_argument("--warmup-prompt-logprobs", action="store_true",
+                       help="also compile the prompt-logprobs variant of every bucket at start (a longer "
+                            "warm-up); without it the first /v1/completions request with echo + logprobs "
+                            "(e.g. lm-eval's loglikelihood) compiles it and waits for that")
         g.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                        help="tensor parallel size: attention heads, the shared expert, embedding/head and the "
                             "Engram tables are split over tp devices (mesh of tp x ep devices; an impossible "

@@ -714,9 +714,10 @@ class Runner:
         sampling, helpers)."""
         return int(sum(f._cache_size() for f in self._jitted()))
 
-    def warmup(self, batch_buckets: list, token_buckets: list) -> int:
+    def warmup(self, batch_buckets: list, token_buckets: list, prompt_logprobs: bool = False) -> int:
         """Compile every (batch, tokens) bucket, the DSpark step per batch bucket and the helpers, with a
-        progress line per shape. Returns the number of shapes."""
+        progress line per shape; with prompt_logprobs also the all-logits variant of every (batch,
+        tokens) bucket (--warmup-prompt-logprobs). Returns the number of shapes."""
         shapes = [(B, T) for T in token_buckets for B in batch_buckets]
         if self.spec_gamma:
             shapes += [(B, -1) for B in batch_buckets]  # T = −1: the DSpark verify step
@@ -733,6 +734,11 @@ class Runner:
                                     np.zeros((B, P), np.int32), np.zeros((B,), bool), np.zeros((B,), bool), z,
                                     force_sample=(T == token_buckets[0]))
                 what = f"tokens={T}"
+                if prompt_logprobs:  # a prompt-logprobs launch whose rows also sample (every program it runs)
+                    self._device_launch(None, np.zeros((B, T), np.int32), z, z, np.full((B,), self.scratch, np.int32),
+                                        np.zeros((B, P), np.int32), np.zeros((B,), bool), np.ones((B,), bool), z,
+                                        targets=np.zeros((B, T), np.int32))
+                    what += " (+ prompt logprobs)"
             jax.block_until_ready(self.state)
             log.info("warm-up [%d/%d] batch=%d %s: %.1fs", i + 1, len(shapes), B, what, time.perf_counter() - ts)
         self.reset_slots([self.scratch])
@@ -949,10 +955,13 @@ class Runner:
             logits, self.state = extend(self.params, self.state, batch)
         else:  # prompt logprobs: every position's logits, reduced on the device
             if self._extend_all is None:
-                log.info("compiling the all-logits extend variant (prompt logprobs) on first use")
+                log.info("the all-logits extend variant (prompt logprobs) compiles on first use "
+                         "(--warmup-prompt-logprobs compiles it in the warm-up)")
                 self._extend_all = self.speculator.extend_step(True)
             all_logits, self.state = self._extend_all(self.params, self.state, batch)
-            L.plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
+            plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
+            if L is not None:
+                L.plp = plp
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
         self.launches += 1
         if not (force_sample or sample_mask.any()):
