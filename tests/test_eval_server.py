@@ -57,7 +57,7 @@ def _script(name):
 def server(tmp_path_factory, micro_dir):
     d = tmp_path_factory.mktemp("eval_server")
     cache = os.environ.get("DSV41_TEST_JAX_CACHE", str(d / "jax_cache"))
-    flags = ["--model", micro_dir, "--served-model-name", "tiny"] + ENGINE_FLAGS
+    flags = ["--model", micro_dir, "--served-model-name", "tiny", "--warmup-prompt-logprobs"] + ENGINE_FLAGS
     proc, base, logf = start_server(flags, d / "server.log", cache, timeout=START_TIMEOUT)
     yield {"base": base, "log": d / "server.log"}
     stop_server(proc, logf)
@@ -130,7 +130,11 @@ def test_tokenizer_endpoints(http, tok):
 # ------------------------------------------------------------------------------ prompt logprobs
 
 
-def test_echo_prompt_logprobs_match_forward(http, tok, offline):
+def test_echo_prompt_logprobs_match_forward(server, http, tok, offline):
+    """The server's first echo + logprobs request (several chunks, a one-token chunk too): prompt
+    logprobs equal to the offline scorer's, and served without compiling on first use
+    (--warmup-prompt-logprobs compiled the variant in the warm-up; issue 37: 55 s for nano)."""
+    assert "(+ prompt logprobs)" in server["log"].read_text()
     rng = np.random.default_rng(16)
     prompts = [rng.integers(3, 300, size=n).tolist() for n in (70, 5, 33, 2)]  # 70: three chunks of 32
     k = 2
@@ -155,6 +159,7 @@ def test_echo_prompt_logprobs_match_forward(http, tok, offline):
         assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:]))
         assert c["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert "compiles on first use" not in server["log"].read_text()
 
 
 def test_echo_string_prompt_and_max_tokens_zero(http, tok, offline):

@@ -1,4 +1,5 @@
-"""DSML, the tool-call markup of DeepSeek-V4.1 (docs/design/spec.md §10, "Calls markup"), as the chat encoder writes it.
+"""DSML, the tool-call markup of DeepSeek-V4.1 (docs/design/spec.md §10, "Calls markup"), as the
+chat encoder writes it.
 
 Shared by serving (the chat encoder, the tool-call parser, constrained decoding) and training (the
 nano corpus renders its tool-call targets with :func:`render_calls_block`):

@@ -76,9 +76,9 @@ before the next is prepared.
 Prompt logprobs (``SamplingParams.prompt_logprobs``, for ``echo`` + ``logprobs`` scoring): a launch
 holding a prefill chunk of such a sample runs the **all-logits** variant of the extend step
 (``decode.jitted_extend(cfg, ccfg, True)``, compiled per (B, T) bucket in the warm-up with
-``--warmup-prompt-logprobs``, else lazily on the first launch that needs it), and reduces its fp32 ``[B, T, V]`` logits on the device
-(`_prompt_logprobs`) to the log-softmax of each next prompt token ``[B, T]`` and the top
-``max_logprobs`` ``[B, T, K]``; only those come back to the host. Prefill chunks cover positions
+``--warmup-prompt-logprobs``, else lazily on the first launch that needs it), and reduces its fp32
+``[B, T, V]`` logits on the device (`_prompt_logprobs`) to the log-softmax of each next prompt
+token ``[B, T]`` and the top ``max_logprobs`` ``[B, T, K]``; only those come back to the host. Prefill chunks cover positions
 ``0 .. len(prompt) - 2``, i.e. exactly the predictions of prompt tokens ``1 .. len(prompt) - 1``; the
 last prompt token's row samples as usual. Such a sample never shares its prompt by forking (it
 prefills itself), and ``max_tokens=0`` ends it ("length") once its prompt logprobs are read. With

@@ -247,10 +247,10 @@ def chat_text_specials(tokenizer: Any, *, thinking: bool, tools: bool) -> tuple[
     """How a chat completion's text treats special tokens: ``(skip_special_tokens, drop_token_ids)``
     for its detokenizer (the server and `LLM.chat` alike).
 
-    The parsers need some special tokens as text (docs/design/spec.md §10): ``｜DSML｜`` while tools are given (else
-    the calls markup vanishes and can neither be parsed nor stripped), ``<think>`` / ``</think>``
-    while thinking (``</think>`` splits reasoning from content). With either, special tokens are kept
-    except all the others, which are dropped; with neither, all are skipped. With thinking off,
+    The parsers need some special tokens as text (docs/design/spec.md §10): ``｜DSML｜`` while tools
+    are given (else the calls markup vanishes and can neither be parsed nor stripped), ``<think>`` /
+    ``</think>`` while thinking (``</think>`` splits reasoning from content). With either, special
+    tokens are kept except all the others, which are dropped; with neither, all are skipped. With thinking off,
     ``<think>`` / ``</think>`` are never text: the prompt already closed the reasoning (its assistant
     header ends with ``</think>``), so one the model writes is not content.
     """

@@ -723,6 +723,8 @@ class Runner:
             shapes += [(B, -1) for B in batch_buckets]  # T = −1: the DSpark verify step
         P = self.ccfg.max_pages_per_seq
         self._precompile_extend([(B, T) for B, T in shapes if T >= 0])
+        if prompt_logprobs and self._extend_all is None:
+            self._extend_all = self.speculator.extend_step(True)
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:

@@ -147,7 +147,7 @@ class Tokenizer:
 
 def _byte_decoder() -> dict:
     """GPT-2's ByteLevel table reversed: the unicode character of a token piece -> its byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -1,4 +1,5 @@
-"""The ``deepseekv41`` tool-call parser (docs/design/spec.md §10, "Tool-call parser"): model output -> OpenAI tool calls.
+"""The ``deepseekv41`` tool-call parser (docs/design/spec.md §10, "Tool-call parser"): model
+output -> OpenAI tool calls.
 
 :func:`parse_tool_calls` (non-streaming) and :class:`ToolCallStreamParser` (streaming): text before
 the block is content, each valid invoke becomes an OpenAI tool call (``id`` "call_" + 24 hex,

@@ -25,7 +25,7 @@ from dsv41_jax.serving.protocol import APIError, ChatRequest, check_context, par
 from dsv41_jax.serving.reasoning import ChatOutputParser, OutputDelta, chat_text_specials
 
 from .context import ServerContext
-from .responses import Choice, GenerationRun, json_response, logprob, sse, sse_response
+from .responses import Choice, Envelope, GenerationRun, json_response, logprob, sse, sse_response
 
 __all__ = ["ChatChoice", "register"]
 
@@ -101,6 +101,47 @@ def chat_logprobs(tokenizer: Any, ch: Choice, start: int, end: int, top: int) ->
     return out
 
 
+def choice_body(tokenizer: Any, c: ChatChoice, req: ChatRequest, separated: bool) -> dict:
+    """A finished choice of a non-streaming response: the message (content, reasoning_content,
+    tool_calls), logprobs, finish_reason, matched_stop."""
+    calls = c.parser.tool_calls
+    msg: dict[str, Any] = {"role": "assistant", "content": c.content if (c.content or not calls) else None,
+                           "reasoning_content": (c.reasoning or None) if separated else None}
+    if calls:
+        msg["tool_calls"] = [{"id": tc["id"], "type": "function", "function": tc["function"]} for tc in calls]
+    lp = ({"content": chat_logprobs(tokenizer, c, 0, len(c.token_ids), req.top_logprobs), "refusal": None}
+          if req.logprobs else None)
+    out = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason_out()}
+    if c.stop_reason is not None:
+        out["matched_stop"] = c.stop_reason
+    return out
+
+
+def delta_items(tokenizer: Any, ch: ChatChoice, start: int, end: int, req: ChatRequest) -> list:
+    """The stream items of one update of a choice (tokens ``start:end``): its parsed delta with the
+    tokens' logprobs, then the finish item when the choice is done."""
+    items = []
+    lp = ({"content": chat_logprobs(tokenizer, ch, start, end, req.top_logprobs), "refusal": None}
+          if req.logprobs and end > start else None)
+    delta = ch.delta
+    if delta or lp is not None:
+        d: dict[str, Any] = {}
+        if delta.reasoning:
+            d["reasoning_content"] = delta.reasoning
+        if delta.content:
+            d["content"] = delta.content
+        if delta.tool_calls:
+            d["tool_calls"] = delta.tool_calls
+        items.append({"index": ch.index, "delta": d, "logprobs": lp, "finish_reason": None})
+    if ch.done:
+        fin: dict[str, Any] = {"index": ch.index, "delta": {}, "logprobs": None,
+                               "finish_reason": ch.finish_reason_out()}
+        if ch.stop_reason is not None:
+            fin["matched_stop"] = ch.stop_reason
+        items.append(fin)
+    return items
+
+
 def _wants_constraint(body: Mapping, enc: EncodedChat) -> bool:
     rf = body.get("response_format")
     if isinstance(rf, Mapping) and rf.get("type") in ("json_object", "json_schema"):
@@ -156,8 +197,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         except APIError as e:
             return ctx.err(e)
         rid = ctx.new_id("chatcmpl")
-        created = int(time.time())
-        model_name = req.model or cfg.model_name
+        env = Envelope(rid, req.model or cfg.model_name, "chat.completion.chunk", req.stream_options.include_usage)
         separated = bool(enc.thinking and cfg.reasoning_parser and req.separate_reasoning)
 
         def make_choice(i: int) -> ChatChoice:
@@ -178,69 +218,23 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         def report() -> None:
             run.finished([c.finish_reason_out() for c in choices], sum(c.reasoning_tokens for c in choices))
 
-        def chunk(items: list, usage: Any = None) -> dict:
-            d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                 "choices": items}
-            if req.stream_options.include_usage:
-                d["usage"] = usage
-            return d
-
         if not req.stream:
             def build() -> dict:
                 report()
-                out = []
-                for c in choices:
-                    calls = c.parser.tool_calls
-                    msg: dict[str, Any] = {"role": "assistant", "content": c.content if (c.content or not calls)
-                                           else None,
-                                           "reasoning_content": (c.reasoning or None) if separated else None}
-                    if calls:
-                        msg["tool_calls"] = [{"id": tc["id"], "type": "function", "function": tc["function"]}
-                                             for tc in calls]
-                    item: dict[str, Any] = {
-                        "index": c.index, "message": msg,
-                        "logprobs": ({"content": chat_logprobs(ctx.tokenizer, c, 0, len(c.token_ids),
-                                                               req.top_logprobs), "refusal": None}
-                                     if req.logprobs else None),
-                        "finish_reason": c.finish_reason_out()}
-                    if c.stop_reason is not None:
-                        item["matched_stop"] = c.stop_reason
-                    out.append(item)
-                return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                        "choices": out, "usage": usage()}
+                out = [choice_body(ctx.tokenizer, c, req, separated) for c in choices]
+                return env.body("chat.completion", out, usage=usage())
 
             return await json_response(ctx, request, run, build)
 
         async def events() -> AsyncIterator[bytes]:
             for c in choices:
-                yield sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}]))
+                yield sse(env.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]))
             async for ch, _, start, end in run.updates():
-                delta = ch.delta
-                items = []
-                lp = ({"content": chat_logprobs(ctx.tokenizer, ch, start, end, req.top_logprobs), "refusal": None}
-                      if req.logprobs and end > start else None)
-                if delta:
-                    d: dict[str, Any] = {}
-                    if delta.reasoning:
-                        d["reasoning_content"] = delta.reasoning
-                    if delta.content:
-                        d["content"] = delta.content
-                    if delta.tool_calls:
-                        d["tool_calls"] = delta.tool_calls
-                    items.append({"index": ch.index, "delta": d, "logprobs": lp, "finish_reason": None})
-                elif lp is not None:
-                    items.append({"index": ch.index, "delta": {}, "logprobs": lp, "finish_reason": None})
-                if ch.done:
-                    fin: dict[str, Any] = {"index": ch.index, "delta": {}, "logprobs": None,
-                                           "finish_reason": ch.finish_reason_out()}
-                    if ch.stop_reason is not None:
-                        fin["matched_stop"] = ch.stop_reason
-                    items.append(fin)
-                for it in items:
-                    yield sse(chunk([it], usage() if req.stream_options.continuous_usage_stats else None))
+                for it in delta_items(ctx.tokenizer, ch, start, end, req):
+                    yield sse(env.chunk([it], usage() if req.stream_options.continuous_usage_stats else None))
             report()
             if req.stream_options.include_usage:
-                yield sse(chunk([], usage()))
+                yield sse(env.chunk([], usage()))
 
         return sse_response(ctx, run, events())

@@ -20,7 +20,7 @@ from dsv41_jax.serving.protocol import APIError, check_context, parse_completion
 from dsv41_jax.serving.tokenizer import IncrementalDetokenizer
 
 from .context import ServerContext
-from .responses import Choice, GenerationRun, json_response, logprob, sse, sse_response
+from .responses import Choice, Envelope, GenerationRun, json_response, logprob, sse, sse_response
 
 __all__ = ["register"]
 
@@ -80,6 +80,23 @@ def echo_logprobs(tokenizer: Any, ch: Choice, prompt_ids: list, top: int, echo_l
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
+def choice_body(tokenizer: Any, c: Choice, req: Any, prompt_ids: list, echo_text: str) -> dict:
+    """A finished choice of a non-streaming response: text (after the echoed prompt), logprobs (with
+    echo: the prompt's too), finish_reason, matched_stop."""
+    if req.logprobs is None:
+        lp = None
+    elif req.echo:
+        if c.prompt_logprobs is None and c.finish_reason not in ("abort", "error"):
+            raise APIError(500, "the engine returned no prompt logprobs", code="internal_error")
+        lp = echo_logprobs(tokenizer, c, prompt_ids, req.logprobs, len(echo_text))
+    else:
+        lp = completion_logprobs(tokenizer, c, 0, len(c.token_ids), req.logprobs, 0)
+    out = {"index": c.index, "text": echo_text + c.text, "logprobs": lp, "finish_reason": c.finish_reason or "abort"}
+    if c.stop_reason is not None:
+        out["matched_stop"] = c.stop_reason
+    return out
+
+
 def prepare_completion(ctx: ServerContext, body: dict):
     """Validate a completions request: (request, prompts' ids, sampling params and constraint per
     prompt). CPU work (tokenization, grammar compilation): run off the event loop."""
@@ -120,9 +137,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         except APIError as e:
             return ctx.err(e)
         rid = ctx.new_id("cmpl")
-        created = int(time.time())
+        env = Envelope(rid, req.model or cfg.model_name, "text_completion", req.stream_options.include_usage)
         n = req.sampling.n
-        model_name = req.model or cfg.model_name
         run = GenerationRun(ctx, rid, prompts_ids, sps, constraints, n, arrival=arrival)
         choices = run.choices
         echo_text = [(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)) if req.echo else ""
@@ -131,33 +147,11 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         def report() -> None:
             run.finished([c.finish_reason for c in choices])
 
-        def chunk(items: list, usage: Any = None) -> dict:
-            d = {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": items}
-            if req.stream_options.include_usage:
-                d["usage"] = usage
-            return d
-
         if not req.stream:
             def build() -> dict:
                 report()
-                out = []
-                for c in choices:
-                    k = c.index // n
-                    if req.logprobs is None:
-                        lp = None
-                    elif req.echo:
-                        if c.prompt_logprobs is None and c.finish_reason not in ("abort", "error"):
-                            raise APIError(500, "the engine returned no prompt logprobs", code="internal_error")
-                        lp = echo_logprobs(tok, c, prompts_ids[k], req.logprobs, len(echo_text[k]))
-                    else:
-                        lp = completion_logprobs(tok, c, 0, len(c.token_ids), req.logprobs, 0)
-                    item = {"index": c.index, "text": echo_text[k] + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason or "abort"}
-                    if c.stop_reason is not None:
-                        item["matched_stop"] = c.stop_reason
-                    out.append(item)
-                return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": out, "usage": run.usage()}
+                out = [choice_body(tok, c, req, prompts_ids[c.index // n], echo_text[c.index // n]) for c in choices]
+                return env.body("text_completion", out, usage=run.usage())
 
             return await json_response(ctx, request, run, build)
 
@@ -165,19 +159,20 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             for c in choices:
                 k = c.index // n
                 if echo_text[k]:
-                    yield sse(chunk([{"index": c.index, "text": echo_text[k], "logprobs": None, "finish_reason": None}]))
+                    yield sse(env.chunk([{"index": c.index, "text": echo_text[k], "logprobs": None,
+                                          "finish_reason": None}]))
             async for ch, text, start, end in run.updates():
                 lp = (completion_logprobs(tok, ch, start, end, req.logprobs or 0, len(echo_text[ch.index // n]))
                       if req.logprobs is not None and end > start else None)
                 if text or lp is not None:
-                    yield sse(chunk([{"index": ch.index, "text": text, "logprobs": lp, "finish_reason": None}]))
+                    yield sse(env.chunk([{"index": ch.index, "text": text, "logprobs": lp, "finish_reason": None}]))
                 if ch.done:
                     fin = {"index": ch.index, "text": "", "logprobs": None, "finish_reason": ch.finish_reason}
                     if ch.stop_reason is not None:
                         fin["matched_stop"] = ch.stop_reason
-                    yield sse(chunk([fin]))
+                    yield sse(env.chunk([fin]))
             report()
             if req.stream_options.include_usage:
-                yield sse(chunk([], run.usage()))
+                yield sse(env.chunk([], run.usage()))
 
         return sse_response(ctx, run, events())

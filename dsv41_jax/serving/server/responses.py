@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
@@ -26,7 +27,7 @@ from dsv41_jax.serving.protocol import APIError, error_body, usage_dict
 
 from .context import ServerContext, merged
 
-__all__ = ["Choice", "DONE", "GenerationRun", "json_response", "logprob", "sse", "sse_response"]
+__all__ = ["Choice", "DONE", "Envelope", "GenerationRun", "json_response", "logprob", "sse", "sse_response"]
 
 log = logging.getLogger("dsv41_jax.serve")
 
@@ -45,6 +46,22 @@ def logprob(x: float) -> float:
     if x != x:
         return -9999.0
     return max(x, -9999.0)
+
+
+class Envelope:
+    """The fields around the choices of one request's response and of each of its stream chunks."""
+
+    def __init__(self, rid: str, model: str, chunk_object: str, include_usage: bool):
+        self.rid, self.model, self.chunk_object, self.include_usage = rid, model, chunk_object, include_usage
+        self.created = int(time.time())
+
+    def body(self, obj: str, items: list, **extra: Any) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": items,
+                **extra}
+
+    def chunk(self, items: list, usage: Any = None) -> dict:
+        """A stream chunk; it carries ``usage`` (null but in the last) with ``include_usage``."""
+        return self.body(self.chunk_object, items, **({"usage": usage} if self.include_usage else {}))
 
 
 class Choice:
