@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pallas kernels vs their XLA paths at the flash config's shapes: time, achieved bandwidth, ratio.
 
-    python scripts/bench_kernels.py [--quick] [--ops attention,indexer,engram,mhc] [--out bench.json]
+    python scripts/bench_kernels.py [--quick] [--ops attention,indexer,engram,mhc,moe] [--out bench.json]
     python scripts/bench_kernels.py --smoke     # interpret mode, tiny grid: checks the script runs (CPU)
 
 For each kernel and case (decode and prefill shapes; batch 1–256, contexts 1K–1M for attention and the
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-OPS = ("attention", "indexer", "engram", "mhc")
+OPS = ("attention", "indexer", "engram", "mhc", "moe")
 
 
 def _time(fn, args, reps: int, warmup: int = 2) -> float:
@@ -121,9 +121,29 @@ def _seam_cases(op: str, quick: bool, smoke: bool, interpret: bool):
 TUNE_AT = {(1, 65536, 1), (64, 4096, 1), (16, 8192, 1), (4, 4096, 64)}
 
 
+def _moe_cases(quick: bool, smoke: bool, interpret: bool):
+    """The grouped MXFP4 MoE kernel vs the xla grouped path (`moe.routed_slots`) on the same routed
+    experts: flash's 384 x (5120, 2304), top-6 (smoke: 8 experts of 256 / 128); decode and prefill
+    token counts. Bytes: the kernel's contract at the routing's distinct experts."""
+    from dsv41_jax.model import ModelConfig, moe
+    from dsv41_jax.pallas import moe_mxfp4 as mk
+
+    cfg = ModelConfig.preset("flash")
+    bf = jnp.bfloat16
+    dims = (8, 256, 128, 6) if smoke else None
+    toks = (4,) if smoke else ((1, 8, 64, 512) if quick else (1, 8, 16, 64, 256, 1024, 4096))
+    kern = jax.jit(lambda *a: mk.kernel(*a, cfg, bf, interpret=interpret))
+    xla = jax.jit(lambda *a: moe.routed_slots(*a, cfg, bf))
+    for t in toks:
+        args = mk.bench_inputs(t, seed=0, dims=dims)
+        yield {"tokens": t}, {"call": (kern, xla, args)}, (lambda part, a=args: mk.routed_bytes(*a))
+
+
 def cases(op: str, quick: bool, smoke: bool, interpret: bool):
     if op in ("attention", "indexer"):
         return _seam_cases(op, quick, smoke, interpret)
+    if op == "moe":
+        return _moe_cases(quick, smoke, interpret)
     return _mix_cases({"engram": "engram_gather", "mhc": "mhc_mix"}[op], quick, smoke, interpret)
 
 

@@ -1,33 +1,68 @@
 #!/usr/bin/env bash
-# The GPU check of the Pallas kernels: run the kernel tests natively, then the kernel benchmark.
-# Installs nothing and reaches no network; needs only jax (with CUDA), numpy, ml_dtypes and pytest.
-# Writes its logs and the benchmark JSON under $OUT when that is set (else ./gpu_check_out/).
+# The GPU check: one script for a GPU session of <= 8 minutes on one H200. Installs nothing and
+# reaches no network (needs only jax with CUDA, numpy, ml_dtypes, pytest and this tree). Results —
+# logs, JSON, a summary — go under $OUT when that is set (else ./gpu_check_out/). Steps, each under its
+# own timeout (seconds, overridable) so one slow step cannot eat the others' time:
 #
-#   bash scripts/gpu_check.sh            # tests + full benchmark
-#   QUICK=1 bash scripts/gpu_check.sh    # tests + a reduced benchmark grid (for a short lease)
+#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel)   T_KERNELS=150
+#   2. the model-level equivalence tests natively: forward and decode with every kernel vs
+#      "xla", DSpark vs plain decoding, prefix-cache hit vs cold                             T_MODEL=120
+#   3. the MoE kernel vs the xla grouped path at flash's expert shapes (time, GB/s, diff)    T_MOE=60
+#   4. the decode step of a flash-dimension cut (layers 0,2,3,20: window, ratio-2 source, ratio-2
+#      reader, ratio-1 source + candidates: 30 GiB; layer 1's Engram table alone is 101 GiB,
+#      a row gather per step) with random weights in the stored formats, at B = 1, 8, 64 and
+#      contexts 4K and 64K: ms per step, weight bytes per step, GB/s against a device copy
+#      measured in the same run, kernel launches per step                                    T_DECODE=150
+#
+#   bash scripts/gpu_check.sh            # on a GPU (ALL_KERNELS=1: also every kernel's micro-benchmark)
+#   DRY_RUN=1 bash scripts/gpu_check.sh  # on CPU: every step's command at tiny sizes (tests collected, not
+#                                        # run; benchmarks in interpret mode), to check the script itself
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+DRY="${DRY_RUN:-}"
 {
-  echo "# gpu_check $(date -u +%FT%TZ)"
+  echo "# gpu_check $(date -u +%FT%TZ)${DRY:+ (dry run)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
   "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'backend', jax.default_backend(), jax.devices())"
 } | tee "$OUT/env.txt"
-if [ "$("$PY" -c 'import jax; print(jax.default_backend())')" != "gpu" ]; then
-  echo "gpu_check: no GPU backend here; the kernel tests would run in interpret mode (use pytest for that)" >&2
+if [ -z "$DRY" ] && [ "$("$PY" -c 'import jax; print(jax.default_backend())')" != "gpu" ]; then
+  echo "gpu_check: no GPU backend here (DRY_RUN=1 checks the script on CPU; the tests run in interpret mode under pytest)" >&2
   exit 2
 fi
-# The kernel tests, natively (the pallas_impl fixture picks "pallas" on a GPU). -p no:cacheprovider: the
-# tree may be read-only; conftest forces host CPU devices only, which leaves the GPU the default backend.
-timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_pallas_attention.py tests/test_pallas_indexer.py tests/test_pallas_mix.py 2>&1 | tee "$OUT/tests.log"
-rc_tests=${PIPESTATUS[0]}
-echo "kernel tests: rc=$rc_tests" | tee -a "$OUT/env.txt"
-timeout "${BENCH_TIMEOUT:-300}" "$PY" scripts/bench_kernels.py ${QUICK:+--quick} --out "$OUT/bench_kernels.json" 2>&1 \
-  | tee "$OUT/bench.log"
-rc_bench=${PIPESTATUS[0]}
-echo "benchmark: rc=$rc_bench" | tee -a "$OUT/env.txt"
-[ "$rc_tests" = 0 ] && [ "$rc_bench" = 0 ]
+status=0
+step() {  # step NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.log, record rc and seconds
+  local name=$1 limit=$2
+  shift 2
+  [ -z "$DRY" ] || limit=900  # a dry run checks wiring on a CPU, whose speed says nothing
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  tail -n 3 "$OUT/$name.log"
+  [ "$rc" = 0 ] || status=1
+}
+# pytest: -p no:cacheprovider (the tree may be read-only); conftest forces host CPU devices only, which leaves
+# the GPU the default backend, and the pallas_impl fixture picks the native kernels there.
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" ${DRY:+--collect-only})
+step kernel_tests "${T_KERNELS:-150}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
+  tests/test_pallas_mix.py tests/test_pallas_moe.py
+step model_tests "${T_MODEL:-120}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
+  tests/test_prefix_cache.py -k "pallas_equals_xla or greedy_speculation_equals_plain or cached_prefix_equals_cold_exact"
+if [ -n "$DRY" ]; then GRID=--smoke; else GRID=--quick; fi
+step moe_kernel "${T_MOE:-60}" "$PY" scripts/bench_kernels.py --ops moe "$GRID" --reps 10 --out "$OUT/bench_moe.json"
+if [ -n "$DRY" ]; then
+  DECODE=(--model tiny --keep-layers 0 --batches 1 --contexts 64 --max-contexts 1024 --iters 1 --weights random)
+else
+  DECODE=(--model flash --keep-layers 0,2,3,20 --batches 1,8,64 --contexts 4096,65536 --max-contexts 65536 --iters 5)
+fi
+step decode_flash_cut "${T_DECODE:-150}" "$PY" scripts/bench_decode.py --part a --impls auto "${DECODE[@]}" \
+  --out "$OUT/bench_decode.json"
+if [ -n "${ALL_KERNELS:-}" ]; then  # optional: every kernel's micro-benchmark (scripts/bench_kernels.py --quick)
+  step bench_kernels "${T_ALL:-300}" "$PY" scripts/bench_kernels.py "$GRID" --out "$OUT/bench_kernels.json"
+fi
+echo "gpu_check: done, status $status (results in $OUT)" | tee -a "$OUT/summary.txt"
+exit $status

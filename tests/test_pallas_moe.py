@@ -231,6 +231,23 @@ def test_cost_estimate_is_the_bytes_moved_contract():
         per_expert += mk.bytes_moved(part, **geo, n_active=1) - mk.bytes_moved(part, **geo, n_active=0)
     assert per_expert == 3 * (I * D // 2 + I * D // 32)  # = 17.7 MiB: stored width, read once
     assert mk.call_geometry("sparse_attention_h64", [], []) is None
+    # scripts/bench_decode.py counts the two calls by this contract at the expected number of distinct
+    # experts 64 tokens select (top-6 of 384: 243.8), the same expectation as its ideal
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("bench_decode", pathlib.Path(__file__).parents[1] / "scripts" /
+                                                  "bench_decode.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    acc = bd.count_matmuls(jaxpr, routing=(E, k))
+    active = bd.expected_distinct(E, k, N)
+    assert 243 < active < 244 and acc["kernel_calls"] == 2 and acc["n_matmuls"] == 0
+    want = 0
+    for c in calls:
+        geo = mk.call_geometry(c.params["name"], [v.aval for v in c.invars], c.params["out_avals"])
+        want += mk.bytes_moved(geo.pop("part"), **geo, n_active=active)
+    assert acc["bytes"] == want and acc["flops"] == 2 * N * k * 3 * D * I
 
 
 def test_lowers_to_triton_for_cuda_without_a_gpu():

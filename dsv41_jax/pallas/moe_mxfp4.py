@@ -323,3 +323,48 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         interpret=interpret, compiler_params=params, cost_estimate=cost("down", dt.itemsize, 2 * A * D * I),
         name=f"{NAME}_down_m{bm}_n{p['bn2']}_k{p['bk2']}")(*ins)
     return moe.unsort_slots(y[:A], order, held, N, k)
+
+
+# ------------------------------------------------------------------------------------------- bench
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _random_inputs(key, tokens: int, E: int, D: int, I: int, k: int):
+    """Stored-format experts (random bytes; E8M0 scales 2^-9 .. 2^-4), bf16 tokens, a random top-k of
+    E per token (distinct experts) and routing weights — made on the device, one compile."""
+    ks = jax.random.split(key, 9)
+
+    def mx(kw, ksc, o, i):
+        return {"weight": jax.random.bits(kw, (E, o, i // 2), jnp.uint8),
+                "scale": lax.bitcast_convert_type(jax.random.randint(ksc, (E, o, i // 32), 118, 124).astype(jnp.uint8),
+                                                  quant.E8M0)}
+
+    ex = {"w1": mx(ks[0], ks[1], I, D), "w3": mx(ks[2], ks[3], I, D), "w2": mx(ks[4], ks[5], D, I)}
+    x = jax.random.normal(ks[6], (tokens, D), jnp.float32).astype(jnp.bfloat16)
+    _, idx = lax.top_k(jax.random.uniform(ks[7], (tokens, E)), k)
+    w = jax.random.uniform(ks[8], (tokens, k), jnp.float32) + 0.1
+    return ex, x, idx.astype(jnp.int32), w
+
+
+def bench_inputs(tokens: int, *, seed: int = 0, dims: tuple | None = None):
+    """(ex, x, idx, w) for `kernel` / `ref_routed_slots` at `tokens` tokens; dims (E, D, I, k), default
+    flash's routed experts (384, 5120, 2304, 6: 7.2 GB of stored weights)."""
+    from dsv41_jax.model.config import ModelConfig
+
+    if dims is None:
+        c = ModelConfig.preset("flash")
+        dims = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok)
+    E, D, I, k = dims
+    return _random_inputs(jax.random.key(seed, impl="rbg"), tokens, E, D, I, k)
+
+
+def routed_bytes(ex, x, idx, w, dt=jnp.bfloat16) -> int:
+    """`bytes_moved` of both calls for this routing (the distinct experts it selects, host-side)."""
+    import numpy as np
+
+    E, I, D = ex["w1"]["weight"].shape[0], ex["w1"]["weight"].shape[1], x.shape[1]
+    N, k = idx.shape
+    A, G = N * k, min(N * k, E)
+    active = len(np.unique(np.asarray(idx)))
+    return int(sum(bytes_moved(p, A=A, N=N, D=D, I=I, G=G, out_itemsize=jnp.dtype(dt).itemsize, n_active=active)
+                   for p in PARTS))

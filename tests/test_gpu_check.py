@@ -1,0 +1,91 @@
+"""scripts/gpu_check.sh's pieces run on CPU, so a GPU session does not lose its minutes to the script:
+the tests it selects exist, the decode benchmark's new parts (a flash-dimension cut's random weights in
+the stored formats, kernel launches counted from compiled HLO) work, and (slow) the whole script's dry
+run (``DRY_RUN=1``: tests collected, benchmarks at tiny sizes in interpret mode) exits 0.
+No timings are asserted."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_selected_model_tests_exist():
+    """The model-level step's -k selection names tests that exist (a rename would silently run none)."""
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    sel = text.split('-k "', 1)[1].split('"', 1)[0]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-o",
+                        "addopts=", "tests/test_fastpath_attention.py", "tests/test_dspark.py",
+                        "tests/test_prefix_cache.py", "-k", sel], cwd=ROOT, capture_output=True, text=True)
+    got = {ln.split("::")[1].split("[")[0] for ln in r.stdout.splitlines() if "::" in ln}
+    assert got == {"test_decode_pallas_equals_xla", "test_forward_pallas_equals_xla",
+                   "test_greedy_speculation_equals_plain", "test_cached_prefix_equals_cold_exact"}, r.stdout[-2000:]
+
+
+def test_kernel_launches_follow_loops_and_branches():
+    """`aot_flash.kernel_launches`: a while with a known trip count counts its body per trip, a
+    conditional its costliest branch; the per-opcode counts add up."""
+    kl = _script("aot_flash").kernel_launches
+
+    def f(x, w):
+        y, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+        return jax.lax.cond(y.sum() > 0, lambda: jnp.exp(y) * 2, lambda: y + 1)
+
+    def count(n):
+        return kl(jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((n, 16, 16))).compile().as_text())
+
+    a, b = count(3), count(7)
+    assert a["whiles_without_trip_count"] == b["whiles_without_trip_count"] == 0
+    per_trip = (b["launches"] - a["launches"]) / 4
+    assert per_trip >= 2 and per_trip == int(per_trip)  # the body's dot and tanh (at least) per trip
+    assert a["launches"] - 3 * per_trip >= 2  # outside the loop: at least the predicate and one branch
+    assert sum(a["by_opcode"].values()) == a["launches"]
+
+
+def test_random_stored_params_match_the_declared_tree(tiny_cfg):
+    """`bench_decode.random_stored_params` (the flash cut's weights, made on the device) gives every
+    declared leaf its shape and dtype, valid codes (no e4m3 / e8m0 NaN byte), token-map ids in range."""
+    from dsv41_jax.model.params import param_shapes
+
+    bd = _script("bench_decode")
+    cfg = _script("aot_flash").keep_layers(tiny_cfg, [0, 1])
+    got = bd.random_stored_params(cfg)
+    want = param_shapes(cfg)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if g.dtype in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu):
+            b = np.asarray(jax.lax.bitcast_convert_type(g, jnp.uint8))
+            assert not ((b & 0x7F) == 0x7F).any() if g.dtype == jnp.float8_e4m3fn else (b < 255).all()
+    tm = np.asarray(got["derived"]["engram_token_map"])
+    assert tm.min() >= 0 and tm.max() < cfg.engram_compressed_vocab_size
+
+
+@pytest.mark.slow
+def test_dry_run(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env, capture_output=True,
+                       text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench_decode.json").read_text())
+    case = doc["cases"][0]
+    assert case["kernel_launches"] > 0 and case["weight_bytes_per_step"] > 0 and case["frac_copy_bandwidth"] > 0
+    moe = json.loads((tmp_path / "bench_moe.json").read_text())
+    assert [r["op"] for r in moe["records"]] == ["moe"] and moe["records"][0]["max_diff"] == 0.0
