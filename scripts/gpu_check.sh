@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one script for a GPU session of <= 8 minutes on one H200. Installs nothing and
+# The GPU check: one script for a GPU run of at most 8 minutes on one H200. Installs nothing and
 # reaches no network (needs only jax with CUDA, numpy, ml_dtypes, pytest and this tree). Results —
 # logs, JSON, a summary — go under $OUT when that is set (else ./gpu_check_out/). Steps, each under its
 # own timeout (seconds, overridable) so one slow step cannot eat the others' time:

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh's pieces run on CPU, so a GPU session does not lose its minutes to the script:
+"""scripts/gpu_check.sh's pieces run on CPU, so a GPU run does not lose its minutes to the script:
 the tests it selects exist, the decode benchmark's new parts (a flash-dimension cut's random weights in
 the stored formats, kernel launches counted from compiled HLO) work, and (slow) the whole script's dry
 run (``DRY_RUN=1``: tests collected, benchmarks at tiny sizes in interpret mode) exits 0.
