@@ -78,7 +78,7 @@ def _run(llm, prompts: list, b: int, max_tokens: int) -> dict:
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     eng = llm.engine
-    m0 = dict(eng.metrics)
+    m0 = eng.metrics.snapshot()
     hist0 = list(getattr(eng.output, "spec_hist", []) or [])
     outs = []
     t0 = time.perf_counter()
