@@ -302,6 +302,14 @@ class PrefixCache:
         self.hits = 0
         self.hit_tokens = 0
         allocator.reclaimer = self
+        # optional observer of the tree's contents, called on the engine thread as
+        # ``on_tree_event("stored" | "removed", tokens)`` when a cached prefix enters / leaves the tree
+        # (both tiers: a host entry still gives hits); Dynamo's KV-aware routing publishes from it
+        self.on_tree_event = None
+
+    def _tree_event(self, kind: str, e: "CacheEntry") -> None:
+        if self.on_tree_event is not None:
+            self.on_tree_event(kind, e.tokens)
 
     # -- accounting (the allocator's reclaimer) ---------------------------------------------------
     def touch(self) -> None:
@@ -351,6 +359,7 @@ class PrefixCache:
             self.spills += 1
         else:
             self.tree.remove(e)
+            self._tree_event("removed", e)
         del self.entries[e.key]
         self.alloc.free(e.key)
         self.free_rows.append(e.row)
@@ -359,6 +368,7 @@ class PrefixCache:
 
     def _drop_host(self, e: CacheEntry) -> None:
         self.tree.remove(e)
+        self._tree_event("removed", e)
         del self.host_entries[e.key]
         self.host_used -= -(-e.k // self.page_size)
         self.host_store.pop(e.key, None)
@@ -422,6 +432,7 @@ class PrefixCache:
         self.alloc.share(rid, key, n_pages)
         self.entries[key] = e
         self.tree.insert(tokens, e)
+        self._tree_event("stored", e)
         self.pending_saves.append(SaveOp(slot, e.row, in_order))
         self.unsaved.add(key)
         if in_order:

@@ -1,0 +1,309 @@
+"""Our engine as a Dynamo worker (``python -m dsv41_jax.dynamo``): tokens in, tokens out.
+
+`engine_class()` is a ``dynamo.common.backend.LLMEngine``: Dynamo's Rust ``Worker`` registers the model
+(``ModelInput.Tokens``: the frontend tokenizes, the worker generates token ids), serves the endpoint
+``namespace.component.endpoint``, watches for cancellation and drains on SIGTERM; this class wraps
+`serving.async_engine.AsyncEngine`:
+
+* ``start`` builds the engine (load, compile, warm up) off the event loop and returns the
+  registration: the model directory (tokenizer.json, config.json: the frontend reads its tokenizer
+  there), the served name, ``context_length``, ``kv_cache_block_size`` = our page size, the pool's
+  pages, ``max_num_seqs`` = max_running_requests;
+* ``generate`` reads the request: the sampling parameters our own frontend sends whole
+  (``extra_args.dsv41.sampling``, `dsv41_jax.dynamo.frontend`), else Dynamo's ``sampling_options`` /
+  ``stop_conditions`` / ``output_options`` (a stock ``dynamo.frontend``); it yields each step's new
+  token ids, and with the last chunk the finish reason, the stop reason (the EOS id or stop string)
+  and ``completion_usage`` with ``prompt_tokens_details.cached_tokens`` (prefix-cache hit). A request
+  the engine refuses raises ``InvalidArgument`` (HTTP 400), a full queue ``Unknown`` with the reason,
+  an engine-ended request (finish reason "error") ``Unknown`` — never a short success;
+* ``abort`` (client gone, request cancelled) aborts the request in the engine: its pages go back;
+* ``kv_event_sources``: with the radix cache on, the cache's stored / removed prefixes are published
+  at page granularity (`kv_events.KvBlockEvents`) through Dynamo's ``KvEventPublisher``, so the
+  frontend's ``--router-mode kv`` sends a conversation's next turn to the worker holding its prefix;
+* ``engine_control("stats")`` (``POST /engine/control/stats`` on the worker's system port,
+  ``DYN_SYSTEM_PORT``) returns the engine's own counters (requests, cached prompt tokens, prefix
+  cache hits, published KV blocks).
+
+Disaggregated roles (``--disaggregation-mode prefill|decode``) are refused at start-up: moving a
+request's state between workers is not implemented (`docs/design/dynamo.md`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("dsv41_jax.dynamo")
+
+__all__ = ["build_parser", "engine_class", "main", "sampling_from_request"]
+
+DISAGGREGATION_MODES = ("aggregated", "prefill", "decode")
+_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dsv41_jax.serve import default_cache_dir
+    from dsv41_jax.serving.engine_args import EngineArgs
+
+    p = argparse.ArgumentParser(
+        prog="python -m dsv41_jax.dynamo",
+        description="DeepSeek-V4.1 (JAX) as an NVIDIA Dynamo worker: registers the model with the Dynamo "
+                    "frontend and serves token requests. Run the frontend with `python -m dsv41_jax.dynamo.frontend` "
+                    "(our chat encoding and parsers) or `python -m dynamo.frontend`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    EngineArgs.add_cli_args(p, model_default="nano")
+    g = p.add_argument_group("dynamo")
+    g.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"), help="Dynamo namespace")
+    g.add_argument("--component", default="dsv41", help="Dynamo component name of this worker")
+    g.add_argument("--endpoint", default="generate", help="Dynamo endpoint name")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model directory's name)")
+    g.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+                   choices=("etcd", "file", "kubernetes", "mem"),
+                   help="Dynamo discovery: etcd, or file (a directory shared with the frontend, $DYN_FILE_KV)")
+    g.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"), choices=("tcp", "nats"),
+                   help="Dynamo request plane")
+    g.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE") or None, choices=("nats", "zmq"),
+                   help="Dynamo event plane for KV events (default: Dynamo's choice)")
+    g.add_argument("--disaggregation-mode", default="aggregated", choices=DISAGGREGATION_MODES,
+                   help="worker role; only 'aggregated' is implemented (prefill / decode are refused at start-up)")
+    g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not publish the prefix cache's blocks (the frontend's KV router then sees nothing)")
+    g.add_argument("--compilation-cache-dir", default=default_cache_dir(),
+                   help="JAX persistent compilation cache ('none' disables it)")
+    g.add_argument("--log-level", default=os.environ.get("DSV41_LOG_LEVEL", "info"),
+                   choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def sampling_from_request(request: dict):
+    """Our `SamplingParams` for a Dynamo token request: the frontend's own copy when our frontend sent
+    it (``extra_args.dsv41.sampling``), else built from Dynamo's fields. Bad values raise
+    `SamplingParamsError` (a ValueError)."""
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    ours = ((request.get("extra_args") or {}).get("dsv41") or {}).get("sampling")
+    if ours is not None:
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{k: v for k, v in ours.items() if k in names})
+    so = request.get("sampling_options") or {}
+    sc = request.get("stop_conditions") or {}
+    oo = request.get("output_options") or {}
+    kw: dict = {}
+    for name in ("temperature", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if so.get(name) is not None:
+            kw[name] = so[name]
+    if so.get("top_k") not in (None, 0):
+        kw["top_k"] = so["top_k"]
+    if so.get("n") not in (None, 1):
+        kw["n"] = so["n"]
+    kw["max_tokens"] = sc.get("max_tokens")
+    if sc.get("min_tokens"):
+        kw["min_tokens"] = sc["min_tokens"]
+    if sc.get("ignore_eos"):
+        kw["ignore_eos"] = True
+    if sc.get("stop"):
+        kw["stop"] = list(sc["stop"])
+    stop_ids = list(sc.get("stop_token_ids_hidden") or []) + list(sc.get("stop_token_ids") or [])
+    if stop_ids:
+        kw["stop_token_ids"] = stop_ids
+    if oo.get("logprobs") is not None:
+        kw["logprobs"] = oo["logprobs"]
+    if oo.get("skip_special_tokens") is not None:
+        kw["skip_special_tokens"] = bool(oo["skip_special_tokens"])
+    return SamplingParams(**kw)
+
+
+def engine_class():
+    """The ``LLMEngine`` subclass (built on first call: it needs Dynamo's base class)."""
+    from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
+    from dynamo.common.backend.publisher import PushSource
+    from dynamo.common.constants import DisaggregationMode
+    from dynamo.llm.exceptions import InvalidArgument, Unknown
+
+    class _DsvEngine(LLMEngine):
+        def __init__(self, args: argparse.Namespace, engine_args):
+            self.args = args
+            self.engine_args = engine_args
+            self.engine = None  # AsyncEngine, built in start()
+            self.blocks = None  # KvBlockEvents
+            self.loop: Optional[asyncio.AbstractEventLoop] = None
+            self.requests = 0
+
+        @classmethod
+        async def from_args(cls, argv=None):
+            args, engine_args = parse_args(argv)
+            name = args.served_model_name or _served_name(engine_args.model)
+            wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
+                              model_name=engine_args.model, served_model_name=name,
+                              discovery_backend=args.discovery_backend, request_plane=args.request_plane,
+                              event_plane=args.event_plane, enable_kv_routing=args.kv_events,
+                              disaggregation_mode=DisaggregationMode.AGGREGATED)
+            args.served_model_name = name
+            return cls(args, engine_args), wc
+
+        async def start(self, worker_id: int):
+            from dsv41_jax.serving.async_engine import AsyncEngine
+
+            self.loop = asyncio.get_running_loop()
+            t0 = time.perf_counter()
+            self.engine = await asyncio.to_thread(AsyncEngine, self.engine_args)
+            inner = self.engine.engine
+            a = inner.allocator
+            log.info("engine ready in %.1fs: %s, page size %d, %d pages, context_length %d, worker %s",
+                     time.perf_counter() - t0, self.engine_args.model, a.page_size, a.capacity,
+                     inner.context_length, worker_id)
+            return EngineConfig(
+                model=self.engine_args.model, served_model_name=self.args.served_model_name,
+                llm=LlmRegistration(context_length=inner.context_length, kv_cache_block_size=a.page_size,
+                                    total_kv_blocks=a.capacity, max_num_seqs=self.engine_args.max_running_requests,
+                                    max_num_batched_tokens=self.engine_args.max_prefill_tokens))
+
+        # -------------------------------------------------------------------------- KV events
+        async def kv_event_sources(self):
+            a = self.engine.engine.allocator if self.engine is not None else None
+            if not self.args.kv_events or not hasattr(a, "on_tree_event"):
+                log.info("KV events: off (%s)", "--no-kv-events" if not self.args.kv_events else "no radix cache")
+                return []
+            return [PushSource(on_ready=self._kv_ready, dp_rank=0)]
+
+        def _kv_ready(self, publisher) -> None:
+            from dsv41_jax.dynamo.kv_events import KvBlockEvents
+
+            loop = self.loop
+
+            def send(ev):  # engine thread -> the event loop (publisher calls stay on one thread)
+                if ev[0] == "stored":
+                    _, toks, nbt, hs, parent = ev
+                    loop.call_soon_threadsafe(lambda: publisher.publish_stored(toks, nbt, hs, parent))
+                else:
+                    loop.call_soon_threadsafe(lambda: publisher.publish_removed(ev[1]))
+
+            a = self.engine.engine.allocator
+            self.blocks = KvBlockEvents(a.page_size, send)
+            a.on_tree_event = self.blocks.on_tree_event
+            log.info("KV events: the prefix cache publishes its blocks (%d tokens each)", a.page_size)
+
+        # -------------------------------------------------------------------------- requests
+        @staticmethod
+        def _rid(context) -> str:
+            return f"dyn-{context.id()}"
+
+        async def generate(self, request, context):
+            from dsv41_jax.serving.engine import EngineError, EngineInternalError, QueueFullError
+
+            ids = [int(t) for t in request.get("token_ids") or []]
+            try:
+                sp = sampling_from_request(request)
+            except (ValueError, TypeError) as e:
+                raise InvalidArgument(str(e)) from None
+            rid = self._rid(context)
+            self.requests += 1
+            generated = {}
+            try:
+                async for out in self.engine.generate(ids, sp, rid):
+                    for c in out.outputs:
+                        generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
+                        chunk: dict = {"token_ids": [int(t) for t in c.token_ids], "index": c.index}
+                        if c.finish_reason is not None:
+                            chunk["finish_reason"] = _FINISH.get(c.finish_reason, c.finish_reason)
+                            if c.stop_reason is not None:
+                                chunk["stop_reason"] = c.stop_reason
+                        if out.finished and c.finish_reason is not None:
+                            total = sum(generated.values())
+                            chunk["completion_usage"] = {
+                                "prompt_tokens": len(ids), "completion_tokens": total,
+                                "total_tokens": len(ids) + total,
+                                "prompt_tokens_details": {"cached_tokens": int(out.num_cached_tokens or 0)}}
+                        yield chunk
+            except (EngineError, ValueError) as e:
+                raise InvalidArgument(str(e)) from None
+            except QueueFullError as e:
+                raise Unknown(f"queue full: {e}") from None
+            except EngineInternalError as e:
+                raise Unknown(f"the engine ended the request: {e}") from None
+
+        async def abort(self, context):
+            if self.engine is not None:
+                self.engine.abort(self._rid(context))
+
+        async def cleanup(self):
+            if self.engine is not None:
+                a = self.engine.engine.allocator
+                if hasattr(a, "on_tree_event"):
+                    a.on_tree_event = None
+                await asyncio.to_thread(self.engine.shutdown)
+                self.engine = None
+
+        # -------------------------------------------------------------------------- stats
+        def supported_controls(self):
+            return {"stats"}
+
+        async def engine_control(self, control, body):
+            if control != "stats" or self.engine is None:
+                return {"status": "error", "message": f"unsupported engine control: {control}"}
+            s = await asyncio.to_thread(self.engine.stats)
+            keep = ("requests_finished", "prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens",
+                    "generation_tokens", "prefix_cache_hits", "prefix_cache_entries", "requests_aborted",
+                    "num_running_reqs", "num_used_tokens", "max_total_num_tokens")
+            out = {k: s[k] for k in keep if k in s}
+            out["requests"] = self.requests
+            out["kv_blocks_published"] = self.blocks.num_blocks if self.blocks is not None else None
+            return {"status": "ok", "stats": out}
+
+    return _DsvEngine
+
+
+def _served_name(model: str) -> str:
+    if model == "tiny":
+        return "tiny"
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def parse_args(argv=None):
+    """(namespace, EngineArgs); exits with status 2 and a message for a bad value."""
+    from dsv41_jax.serving.engine_args import EngineArgs
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.disaggregation_mode != "aggregated":
+        p.error(f"--disaggregation-mode {args.disaggregation_mode}: not implemented (moving a request's pages and "
+                "per-slot state between workers is not built yet); run aggregated workers")
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.resolved_impl()
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    if not os.path.isdir(engine_args.model):
+        p.error(f"--model {engine_args.model!r}: a model directory is needed (the frontend reads its tokenizer "
+                "there): 'nano' or a model directory")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    cache_dir = args.compilation_cache_dir
+    if cache_dir and cache_dir.lower() != "none":
+        import jax
+
+        cache_dir = os.path.expanduser(cache_dir)
+        os.makedirs(cache_dir, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return args, engine_args
+
+
+def main(argv=None) -> int:
+    try:
+        from dynamo.common.backend.run import run
+    except ImportError as e:
+        print(f"error: NVIDIA Dynamo is not installed ({e}); install it with scripts/install_dynamo.sh",
+              file=sys.stderr)
+        return 2
+    cls = engine_class()
+    run(cls, argv)
+    return 0

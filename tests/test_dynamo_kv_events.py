@@ -1,0 +1,109 @@
+"""The prefix cache's blocks as KV events for Dynamo's router (`dsv41_jax.dynamo.kv_events`), without Dynamo.
+
+* `KvBlockEvents` alone: shared leading blocks are stored once and removed with their last entry,
+  new blocks name their parent, removals go deepest first.
+* Against the radix cache on the model-checking mock engine of tests/test_prefix_cache.py: growing
+  conversations, aborts, forced evictions, with and without the host tier. After every step the
+  blocks the events advertise (replayed as a router would: a stored block's parent must be known, a
+  removed block must be there) are exactly the full pages of the prefixes the cache can resume.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+from test_prefix_cache import _check_refs, _mock_engine, tok  # noqa: F401 (tok: the fixture)
+
+from dsv41_jax.dynamo.kv_events import KvBlockEvents, block_hashes
+from dsv41_jax.serving.sampling import SamplingParams
+
+
+class Router:
+    """Replays events as Dynamo's indexer keeps them: block id -> parent id."""
+
+    def __init__(self):
+        self.blocks: dict = {}
+        self.events: list = []
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev[0] == "stored":
+            _, toks, nbt, hs, parent = ev
+            assert sum(nbt) == len(toks) and len(nbt) == len(hs)
+            assert parent is None or parent in self.blocks, "stored under an unknown parent"
+            for h in hs:
+                assert h not in self.blocks, "block stored twice"
+                self.blocks[h] = parent
+                parent = h
+        else:
+            for h in ev[1]:
+                assert h in self.blocks, "unknown block removed"
+                assert h not in self.blocks.values(), "a block removed before its children"
+                del self.blocks[h]
+
+
+def test_block_events_refcount_shared_prefixes():
+    r = Router()
+    ev = KvBlockEvents(4, r)
+    a = tuple(range(10, 21))  # 11 tokens: 2 full blocks
+    b = a[:8] + (99, 98, 97, 96, 95)  # shares 2 blocks, adds a third
+    ev.on_tree_event("stored", a)
+    ha = block_hashes(a, 4)
+    assert r.events == [("stored", list(a[:8]), [4, 4], ha, None)]
+    ev.on_tree_event("stored", b)
+    hb = block_hashes(b, 4)
+    assert hb[:2] == ha and r.events[-1] == ("stored", list(b[8:12]), [4], hb[2:], ha[1])
+    ev.on_tree_event("stored", (1, 2, 3))  # no full block: nothing
+    assert len(r.events) == 2
+    ev.on_tree_event("removed", a)  # the shared blocks stay (b covers them)
+    assert len(r.events) == 2 and ev.num_blocks == 3
+    ev.on_tree_event("removed", b)
+    assert r.events[-1] == ("removed", hb[::-1]) and ev.num_blocks == 0 and not r.blocks
+    assert all(-(1 << 63) <= h < (1 << 63) for h in hb)  # signed 64-bit ids (the publisher's type)
+    with pytest.raises(AssertionError):
+        ev.on_tree_event("removed", b)
+
+
+@pytest.mark.parametrize("seed,host", [(0, 0), (1, 30)])
+def test_events_track_the_radix_cache(tok, seed, host):  # noqa: F811 (tok: the fixture)
+    rng = np.random.default_rng(seed)
+    eng = _mock_engine(tok, num_pages=16, host_pages=host)
+    a = eng.allocator
+    ps = a.page_size
+    router = Router()
+    ev = KvBlockEvents(ps, router)
+    a.on_tree_event = ev.on_tree_event
+    history = [rng.integers(20, 300, size=6).tolist()]
+    rid_n = itertools.count()
+    live: dict = {}
+
+    def cached_blocks():
+        out = set()
+        for e in a.tree.entries():
+            out.update(block_hashes(e.tokens, ps))
+        return out
+
+    for step in range(160):
+        if rng.random() < 0.35 and len(live) < 6:
+            base = history[int(rng.integers(len(history)))][:26]
+            prompt = (base + rng.integers(20, 300, size=int(rng.integers(1, 5))).tolist())[:30]
+            rid = f"r{next(rid_n)}"
+            eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 10)),
+                                                        ignore_eos=True))
+            live[rid] = prompt
+        if live and rng.random() < 0.05:
+            eng.abort_request(sorted(live)[int(rng.integers(len(live)))])
+        if rng.random() < 0.03:
+            a.evict(a.capacity)
+        for o in eng.step():
+            if o.finished:
+                history.append(live.pop(o.request_id) + list(o.outputs[0].token_ids))
+        _check_refs(eng)
+        assert set(router.blocks) == cached_blocks() == set(ev.refs)
+    while eng.has_unfinished():
+        eng.step()
+    assert ev.stored_events > 5 and ev.removed_events > 0
+    if host:
+        assert a.spills > 0  # entries moved to the host tier stay advertised (a hit loads them back)
+    a.clear_cache()
+    assert not router.blocks and not ev.refs
