@@ -25,11 +25,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -43,105 +38,30 @@ ENGINE_FLAGS = ["--dtype", "exact", "--max-running-requests", "4", "--batch-buck
                 "--chunked-prefill-size", "128", "--context-length", "1024", "--max-total-tokens", "8192"]
 PAGE = 16
 START_TIMEOUT = 900
-LOCAL = {"DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-         "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1"}
-
-
-def _system_ports(n: int) -> list:
-    """n distinct free ports below 32768 (Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit value)."""
-    out = []
-    for port in range(20000 + os.getpid() % 10000, 32768):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        out.append(port)
-        if len(out) == n:
-            return out
-    raise RuntimeError("no free ports below 32768")
-
-
-def _wait(pred, what, procs, timeout=START_TIMEOUT):
-    t0 = time.time()
-    while True:
-        for name, p, log in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode} while waiting for {what}:\n"
-                                   f"{open(log).read()[-4000:]}")
-        try:
-            v = pred()
-            if v:
-                return v
-        except httpx.HTTPError:
-            pass
-        if time.time() - t0 > timeout:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-
-
-def _stats(port) -> dict:
-    r = httpx.post(f"http://127.0.0.1:{port}/engine/control/stats", json={}, timeout=60)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body.get("status") == "ok", body
-    return body["stats"]
+WORKERS = ("worker0", "worker1")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     import dynamo.frontend  # noqa: F401 (fails, with the import error, when Dynamo is not installed)
 
+    from dsv41_jax.dynamo.local import LocalDeployment
+
     d = tmp_path_factory.mktemp("dynamo")
     env = user_env()
     cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
-    env.update(LOCAL, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, DYN_FILE_KV=str(d / "kv"),
-               DYN_DISCOVERY_BACKEND="file", DYN_EVENT_PLANE="zmq", DYN_REQUEST_PLANE="tcp")
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache)
     # our server first: it fills the compilation cache the workers (same engine flags) then read
     server, base, slog = start_server(ENGINE_FLAGS, d / "server.log", cache, env=env)
-    procs, logs = [], []
-
-    def spawn(name, cmd, extra=None):
-        log = d / f"{name}.log"
-        f = open(log, "w")
-        logs.append(f)
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **(extra or {})})
-        procs.append((name, p, log))
-        return p
-
-    fe_port = free_port()
-    sys_ports = _system_ports(2)
+    dep = LocalDeployment(env=env, log_dir=str(d))
     try:
-        for i, sp in enumerate(sys_ports):
-            spawn(f"worker{i}", [sys.executable, "-m", "dsv41_jax.dynamo", *ENGINE_FLAGS],
-                  {"DYN_SYSTEM_PORT": str(sp)})
-        spawn("frontend", [sys.executable, "-m", "dsv41_jax.dynamo.frontend", "--http-host", "127.0.0.1",
-                           "--http-port", str(fe_port), "--router-mode", "kv"])
-        fe = f"http://127.0.0.1:{fe_port}"
-        for sp in sys_ports:
-            _wait(lambda: httpx.get(f"http://127.0.0.1:{sp}/health", timeout=2).json().get("status") == "ready",
-                  "a worker", procs)
-
-        def both_registered():
-            h = httpx.get(fe + "/health", timeout=2).json()
-            ids = {i["instance_id"] for i in h.get("instances", []) if i.get("endpoint") == "generate"}
-            models = httpx.get(fe + "/v1/models", timeout=2).json()["data"]
-            return len(ids) == 2 and [m["id"] for m in models] == ["nano"]
-
-        _wait(both_registered, "the frontend to see both workers", procs)
-        yield {"frontend": fe, "server": base, "ports": sys_ports, "dir": d}
+        for name in WORKERS:
+            dep.start_worker(name, ENGINE_FLAGS)
+        dep.start_frontend(free_port(), "kv")
+        dep.wait_ready("nano", timeout=START_TIMEOUT)
+        yield {"frontend": dep.frontend_url, "server": base, "dep": dep}
     finally:
-        for name, p, log in procs[::-1]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p, log in procs[::-1]:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        dep.stop_all()
         stop_server(server, slog)
 
 
@@ -248,12 +168,12 @@ def _post(base, messages):
 
 
 def test_kv_routing_sends_follow_ups_to_the_worker_with_the_prefix(cluster):
-    fe, ports = cluster["frontend"], cluster["ports"]
-    before = [_stats(p) for p in ports]
+    fe, dep = cluster["frontend"], cluster["dep"]
+    before = [dep.stats(w) for w in WORKERS]
     convs = [_turn1(i) for i in range(4)]
     with cf.ThreadPoolExecutor(4) as pool:
         first = list(pool.map(lambda m: _post(fe, m), convs))
-    mid = [_stats(p) for p in ports]
+    mid = [dep.stats(w) for w in WORKERS]
     served = [m["requests"] - b["requests"] for m, b in zip(mid, before)]
     assert sum(served) == 4 and min(served) >= 1, served  # concurrent first turns spread over both workers
     assert all(m["kv_blocks_published"] > 0 for m in mid), mid
@@ -261,7 +181,7 @@ def test_kv_routing_sends_follow_ups_to_the_worker_with_the_prefix(cluster):
                    {"role": "user", "content": "And then?"}] for c, r in zip(convs, first)]
     with cf.ThreadPoolExecutor(4) as pool:
         second = list(pool.map(lambda m: _post(fe, m), follow))
-    after = [_stats(p) for p in ports]
+    after = [dep.stats(w) for w in WORKERS]
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in second]
     p1 = [r["usage"]["prompt_tokens"] for r in first]
     assert all(p >= 4 * PAGE for p in p1), p1
@@ -274,8 +194,8 @@ def test_kv_routing_sends_follow_ups_to_the_worker_with_the_prefix(cluster):
 
 
 def test_client_disconnect_aborts_on_the_worker(cluster):
-    fe, ports = cluster["frontend"], cluster["ports"]
-    before = [_stats(p) for p in ports]
+    fe, dep = cluster["frontend"], cluster["dep"]
+    before = [dep.stats(w) for w in WORKERS]
     body = {"model": "nano", "messages": [{"role": "user", "content": "Count slowly."}], "temperature": 0,
             "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", fe + "/v1/chat/completions", json=body, timeout=300) as r:
@@ -286,10 +206,10 @@ def test_client_disconnect_aborts_on_the_worker(cluster):
                 break  # the client goes away mid-answer
 
     def settled():
-        s = [_stats(p) for p in ports]
+        s = [dep.stats(w) for w in WORKERS]
         aborted = sum(a["requests_aborted"] - b["requests_aborted"] for a, b in zip(s, before))
         idle = all(x["num_running_reqs"] == 0 and x["num_used_tokens"] == y["num_used_tokens"]
                    for x, y in zip(s, before))
         return aborted == 1 and idle
 
-    _wait(settled, "the worker to abort the request and free its pages", [], timeout=120)
+    dep.wait(settled, "the worker to abort the request and free its pages", timeout=120)

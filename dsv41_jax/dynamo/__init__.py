@@ -8,3 +8,11 @@
 Dynamo itself is optional (``scripts/install_dynamo.sh``); only `kv_events` is importable without it.
 See docs/design/dynamo.md.
 """
+
+import sys
+
+
+def dynamo_missing(err: ImportError) -> int:
+    """The CLIs' answer when Dynamo is not installed: a message saying how to install it, status 2."""
+    print(f"error: NVIDIA Dynamo is not installed ({err}); install it with scripts/install_dynamo.sh", file=sys.stderr)
+    return 2

@@ -7,7 +7,8 @@ its ``--dyn-chat-processor sglang|vllm`` use): for each model a worker registers
 the model card and a *routed engine* (Dynamo's router in front of the workers) and returns the
 engine that answers ``/v1/chat/completions``. Ours is our own server app (`serving.server.build_app`)
 over `RoutedEngine`, an engine adapter whose ``generate(prompt_ids, sampling_params, ...)`` sends
-the token ids through Dynamo's router and yields the token ids the worker streams back. So the chat
+the token ids through Dynamo's router and yields what the worker streams back: token ids and the
+text our engine's detokenizer made of them (the server never decodes generated ids). So the chat
 encoding (SPEC §10, the checkpoint's wording), ``reasoning_content``, the DSML ``tool_calls``, stop
 strings, usage and the 400s are computed by the very code of ``python -m dsv41_jax.serve``, and the
 KV router sees the prompt's token ids (it needs them to match a worker's cached blocks).
@@ -22,8 +23,9 @@ Per request (`ChatProcessor.generator`): the OpenAI body is handed to the app as
 chunk for Dynamo, which streams them to the client or folds them into one response. A 4xx / 5xx
 from the app is raised as Dynamo's ``InvalidArgument`` / ``Unknown`` (the client gets that status
 and the message); an error event mid-stream is passed on as an error event. A client that goes away
-cancels the generator: the app's request is disconnected, the app aborts it, `RoutedEngine.abort`
-stops the routed stream and Dynamo cancels the request on the worker, which frees its pages.
+stops the request's Dynamo context; the processor watches it and disconnects the app's request, the
+app aborts it, `RoutedEngine.abort` stops the routed stream and Dynamo cancels the request on the
+worker, which aborts it in the engine and frees its pages.
 
 Not carried over Dynamo (refused with a 400 saying so): constrained decoding (``response_format``,
 ``tool_choice`` required / named: the grammar runs beside the engine), ``logprobs``,
@@ -50,11 +52,10 @@ _FINISH_BACK = {"cancelled": "abort", "eos": "stop"}
 
 
 class RoutedEngine:
-    """The engine interface `serving.server.build_app` needs, over Dynamo's routed engine: token
-    ids go to a worker chosen by Dynamo's router, token ids come back (the app detokenizes: the same
-    `output.TextStream` as with our engine)."""
-
-    detokenizes = False
+    """The engine interface `serving.server.build_app` needs, over Dynamo's routed engine: token ids go
+    to a worker chosen by Dynamo's router; the worker's engine detokenizes (its one detokenizer, told
+    the ids to leave out of the text) and streams token ids with their text back, as
+    `request.RequestOutput` deltas here."""
 
     def __init__(self, routed, model_name: str, eos_token_ids=()):
         self.routed = routed
@@ -62,7 +63,8 @@ class RoutedEngine:
         self.eos_token_ids = list(eos_token_ids)
         self._contexts: dict = {}
 
-    def _refuse(self, sp, constraint) -> Optional[str]:
+    @staticmethod
+    def _refuse(sp, constraint) -> Optional[str]:
         if constraint is not None:
             return ("constrained decoding (response_format json_object / json_schema / regex, tool_choice required "
                     "or named) is not available through the Dynamo frontend; use python -m dsv41_jax.serve")
@@ -72,9 +74,10 @@ class RoutedEngine:
             return "logprobs are not available through the Dynamo frontend"
         return None
 
-    def request(self, prompt_ids, sp) -> dict:
-        """The Dynamo token request: Dynamo's fields (for its router, metrics, a stock worker) and our
-        whole `SamplingParams` in ``extra_args.dsv41.sampling`` (what our worker uses)."""
+    def request(self, prompt_ids, sp, drop_token_ids=()) -> dict:
+        """The Dynamo token request: Dynamo's fields (for its router, metrics, a stock worker), and in
+        ``extra_args.dsv41`` our whole `SamplingParams` and the ids to leave out of the text (what our
+        worker uses; it then sends the text along)."""
         return {
             "model": self.model_name,
             "token_ids": [int(t) for t in prompt_ids],
@@ -87,42 +90,50 @@ class RoutedEngine:
             "output_options": {"skip_special_tokens": sp.skip_special_tokens},
             "eos_token_ids": self.eos_token_ids,
             "annotations": [],
-            "extra_args": {"dsv41": {"sampling": dataclasses.asdict(sp)}},
+            "extra_args": {"dsv41": {"sampling": dataclasses.asdict(sp),
+                                     "drop_token_ids": [int(t) for t in drop_token_ids]}},
         }
 
-    async def generate(self, prompt_ids, sp, request_id: str, constraint=None, drop_token_ids=()) -> AsyncIterator[dict]:
+    async def generate(self, prompt_ids, sp, request_id: str, constraint=None, drop_token_ids=()):
         from dynamo._core import Context
 
-        from dsv41_jax.serving.engine import EngineError, EngineInternalError
+        from dsv41_jax.serving.request import CompletionOutput, EngineError, EngineInternalError, RequestOutput
 
         why = self._refuse(sp, constraint)
         if why:
             raise EngineError(why)
         ctx = Context(id=request_id)
         self._contexts[request_id] = ctx
+        done = False
         try:
-            stream = await self.routed.generate(self.request(prompt_ids, sp), context=ctx)
+            stream = await self.routed.generate(self.request(prompt_ids, sp, drop_token_ids), context=ctx)
             async for resp in stream:
                 if resp.is_error():
                     raise EngineInternalError("; ".join(resp.comments() or []) or "the worker failed")
                 data = resp.data()
                 if data is None:
                     continue
-                if not isinstance(data, dict) or "token_ids" not in data:
-                    raise EngineInternalError(f"unexpected worker response: {str(data)[:200]}")
+                if not isinstance(data, dict) or "token_ids" not in data or data.get("text") is None:
+                    raise EngineInternalError(f"unexpected worker response (not a dsv41_jax worker?): "
+                                              f"{str(data)[:200]}")
                 fin = data.get("finish_reason")
                 if fin == "error":
                     raise EngineInternalError("the worker ended the request with an error")
-                out = {"index": data.get("index") or 0, "token_ids": data["token_ids"],
-                       "finish_reason": _FINISH_BACK.get(fin, fin), "stop_reason": data.get("stop_reason")}
+                fin = _FINISH_BACK.get(fin, fin)
                 usage = data.get("completion_usage") or {}
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                yield {"outputs": [out], "finished": fin is not None, "num_cached_tokens": cached,
-                       "num_prompt_tokens": usage.get("prompt_tokens")}
+                c = CompletionOutput(data.get("index") or 0, data["text"], list(data["token_ids"]), fin,
+                                     data.get("stop_reason"))
+                out = RequestOutput(request_id, None, list(prompt_ids), [c], fin is not None)
+                out.num_cached_tokens = cached
+                yield out
                 if fin is not None:
+                    done = True
                     return
         finally:
             self._contexts.pop(request_id, None)
+            if not done:  # abandoned (client gone, app aborted) or failed: stop it on the worker too
+                ctx.stop_generating()
 
     def abort(self, request_id: str) -> None:
         ctx = self._contexts.get(request_id)
@@ -204,6 +215,7 @@ class ChatProcessor:
         if context is not None:  # the client went away (or Dynamo stopped the request): the app sees a disconnect
             async def _watch():
                 await context.async_killed_or_stopped()
+                log.info("request %s: stopped by Dynamo (client gone?): disconnecting it", context.id())
                 disconnected.set()
 
             watch = asyncio.ensure_future(_watch())
@@ -256,8 +268,8 @@ class ChatEngineFactory:
         from dynamo.llm import PythonAsyncEngine
 
         from dsv41_jax.serve import resolve_parser
-        from dsv41_jax.serving.chat import load_wording
-        from dsv41_jax.serving.effort import ServerDefaults, parse_tier_table
+        from dsv41_jax.chat_format.encoding import load_wording
+        from dsv41_jax.chat_format.effort import ServerDefaults, parse_tier_table
         from dsv41_jax.serving.engine import EngineError
         from dsv41_jax.serving.server import ServerConfig, build_app
         from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -344,9 +356,9 @@ def main(argv=None) -> int:
         import uvloop
         from dynamo.frontend.frontend_args import FrontendArgGroup  # noqa: F401
     except ImportError as e:
-        print(f"error: NVIDIA Dynamo is not installed ({e}); install it with scripts/install_dynamo.sh",
-              file=sys.stderr)
-        return 2
+        from dsv41_jax.dynamo import dynamo_missing
+
+        return dynamo_missing(e)
     os.environ.pop("DYN_SYSTEM_PORT", None)  # a worker's setting (the frontend would take its port)
     args = build_parser().parse_args(argv)
     uvloop.run(_amain(args))

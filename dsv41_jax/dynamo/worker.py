@@ -12,7 +12,8 @@
 * ``generate`` reads the request: the sampling parameters our own frontend sends whole
   (``extra_args.dsv41.sampling``, `dsv41_jax.dynamo.frontend`), else Dynamo's ``sampling_options`` /
   ``stop_conditions`` / ``output_options`` (a stock ``dynamo.frontend``); it yields each step's new
-  token ids, and with the last chunk the finish reason, the stop reason (the EOS id or stop string)
+  token ids (for our frontend with their text, from the engine's detokenizer with the ids the
+  frontend asks to leave out, ``extra_args.dsv41.drop_token_ids``), and with the last chunk the finish reason, the stop reason (the EOS id or stop string)
   and ``completion_usage`` with ``prompt_tokens_details.cached_tokens`` (prefix-cache hit). A request
   the engine refuses raises ``InvalidArgument`` (HTTP 400), a full queue ``Unknown`` with the reason,
   an engine-ended request (finish reason "error") ``Unknown`` — never a short success;
@@ -35,7 +36,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import sys
 import time
 from typing import Any, Optional
 
@@ -206,12 +206,16 @@ def engine_class():
                 raise InvalidArgument(str(e)) from None
             rid = self._rid(context)
             self.requests += 1
+            ours = (request.get("extra_args") or {}).get("dsv41")
+            drop = tuple(int(t) for t in (ours or {}).get("drop_token_ids") or ())
             generated = {}
             try:
-                async for out in self.engine.generate(ids, sp, rid):
+                async for out in self.engine.generate(ids, sp, rid, drop_token_ids=drop):
                     for c in out.outputs:
                         generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                         chunk: dict = {"token_ids": [int(t) for t in c.token_ids], "index": c.index}
+                        if ours is not None:  # our frontend: the engine's text (its one detokenizer)
+                            chunk["text"] = c.text
                         if c.finish_reason is not None:
                             chunk["finish_reason"] = _FINISH.get(c.finish_reason, c.finish_reason)
                             if c.stop_reason is not None:
@@ -301,9 +305,9 @@ def main(argv=None) -> int:
     try:
         from dynamo.common.backend.run import run
     except ImportError as e:
-        print(f"error: NVIDIA Dynamo is not installed ({e}); install it with scripts/install_dynamo.sh",
-              file=sys.stderr)
-        return 2
+        from dsv41_jax.dynamo import dynamo_missing
+
+        return dynamo_missing(e)
     cls = engine_class()
     run(cls, argv)
     return 0

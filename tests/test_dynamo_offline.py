@@ -1,4 +1,9 @@
-"""The prefix cache's blocks as KV events for Dynamo's router (`dsv41_jax.dynamo.kv_events`), without Dynamo.
+"""The Dynamo integration's parts that need no Dynamo (the live tests are tests/test_dynamo.py, ``-m dynamo``).
+
+* `worker.sampling_from_request`: our frontend's own `SamplingParams` travel whole; a stock Dynamo
+  frontend's fields map to ours; bad values are refused.
+
+The prefix cache's blocks as KV events for Dynamo's router (`dsv41_jax.dynamo.kv_events`):
 
 * `KvBlockEvents` alone: shared leading blocks are stored once and removed with their last entry,
   new blocks name their parent, removals go deepest first.
@@ -14,8 +19,31 @@ import numpy as np
 import pytest
 from test_prefix_cache import _check_refs, _mock_engine, tok  # noqa: F401 (tok: the fixture)
 
+import dataclasses
+
 from dsv41_jax.dynamo.kv_events import KvBlockEvents, block_hashes
-from dsv41_jax.serving.sampling import SamplingParams
+from dsv41_jax.dynamo.worker import sampling_from_request
+from dsv41_jax.serving.sampling import SamplingParams, SamplingParamsError
+
+
+def test_sampling_from_request():
+    sp = SamplingParams(temperature=0.5, top_k=7, max_tokens=33, stop=["x"], seed=5, skip_special_tokens=False,
+                        min_tokens=2)
+    ours = {"token_ids": [1], "sampling_options": {"temperature": 1.0},
+            "extra_args": {"dsv41": {"sampling": dataclasses.asdict(sp)}}}
+    assert sampling_from_request(ours) == sp  # our frontend: exactly its SamplingParams
+    stock = {"token_ids": [1, 2],
+             "sampling_options": {"temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": 3, "n": 1,
+                                  "repetition_penalty": 1.1},
+             "stop_conditions": {"max_tokens": 20, "stop": ["\n\n"], "stop_token_ids_hidden": [1], "ignore_eos": True,
+                                 "min_tokens": 0},
+             "output_options": {"logprobs": None, "skip_special_tokens": True}}
+    got = sampling_from_request(stock)
+    assert (got.temperature, got.top_p, got.top_k, got.seed, got.max_tokens, got.stop, got.stop_token_ids,
+            got.ignore_eos, got.repetition_penalty) == (0.0, 0.9, -1, 3, 20, ["\n\n"], [1], True, 1.1)
+    assert sampling_from_request({"token_ids": [1]}).max_tokens is None  # no limit: up to the context length
+    with pytest.raises(SamplingParamsError):
+        sampling_from_request({"token_ids": [1], "sampling_options": {"temperature": -1}})
 
 
 class Router:
