@@ -96,18 +96,18 @@ def test_block_events_refcount_shared_prefixes():
 def test_events_track_the_radix_cache(tok, seed, host):  # noqa: F811 (tok: the fixture)
     rng = np.random.default_rng(seed)
     eng = _mock_engine(tok, num_pages=16, host_pages=host)
-    a = eng.allocator
+    a, c = eng.allocator, eng.prefix_cache
     ps = a.page_size
     router = Router()
     ev = KvBlockEvents(ps, router)
-    a.on_tree_event = ev.on_tree_event
+    c.on_tree_event = ev.on_tree_event
     history = [rng.integers(20, 300, size=6).tolist()]
     rid_n = itertools.count()
     live: dict = {}
 
     def cached_blocks():
         out = set()
-        for e in a.tree.entries():
+        for e in c.tree.entries():
             out.update(block_hashes(e.tokens, ps))
         return out
 
@@ -122,7 +122,7 @@ def test_events_track_the_radix_cache(tok, seed, host):  # noqa: F811 (tok: the 
         if live and rng.random() < 0.05:
             eng.abort_request(sorted(live)[int(rng.integers(len(live)))])
         if rng.random() < 0.03:
-            a.evict(a.capacity)
+            c.evict(a.capacity)
         for o in eng.step():
             if o.finished:
                 history.append(live.pop(o.request_id) + list(o.outputs[0].token_ids))
@@ -132,6 +132,6 @@ def test_events_track_the_radix_cache(tok, seed, host):  # noqa: F811 (tok: the 
         eng.step()
     assert ev.stored_events > 5 and ev.removed_events > 0
     if host:
-        assert a.spills > 0  # entries moved to the host tier stay advertised (a hit loads them back)
-    a.clear_cache()
+        assert c.spills > 0  # entries moved to the host tier stay advertised (a hit loads them back)
+    c.clear_cache()
     assert not router.blocks and not ev.refs

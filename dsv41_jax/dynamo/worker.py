@@ -168,8 +168,8 @@ def engine_class():
 
         # -------------------------------------------------------------------------- KV events
         async def kv_event_sources(self):
-            a = self.engine.engine.allocator if self.engine is not None else None
-            if not self.args.kv_events or not hasattr(a, "on_tree_event"):
+            cache = self.engine.engine.prefix_cache if self.engine is not None else None
+            if not self.args.kv_events or cache is None:
                 log.info("KV events: off (%s)", "--no-kv-events" if not self.args.kv_events else "no radix cache")
                 return []
             return [PushSource(on_ready=self._kv_ready, dp_rank=0)]
@@ -186,10 +186,10 @@ def engine_class():
                 else:
                     loop.call_soon_threadsafe(lambda: publisher.publish_removed(ev[1]))
 
-            a = self.engine.engine.allocator
-            self.blocks = KvBlockEvents(a.page_size, send)
-            a.on_tree_event = self.blocks.on_tree_event
-            log.info("KV events: the prefix cache publishes its blocks (%d tokens each)", a.page_size)
+            ps = self.engine.engine.allocator.page_size
+            self.blocks = KvBlockEvents(ps, send)
+            self.engine.engine.prefix_cache.on_tree_event = self.blocks.on_tree_event
+            log.info("KV events: the prefix cache publishes its blocks (%d tokens each)", ps)
 
         # -------------------------------------------------------------------------- requests
         @staticmethod
@@ -240,9 +240,8 @@ def engine_class():
 
         async def cleanup(self):
             if self.engine is not None:
-                a = self.engine.engine.allocator
-                if hasattr(a, "on_tree_event"):
-                    a.on_tree_event = None
+                if self.engine.engine.prefix_cache is not None:
+                    self.engine.engine.prefix_cache.on_tree_event = None
                 await asyncio.to_thread(self.engine.shutdown)
                 self.engine = None
 
