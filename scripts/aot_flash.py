@@ -255,9 +255,9 @@ def run(args) -> dict:
     import jax.numpy as jnp
 
     from dsv41_jax.model import cache as kvc
-    from dsv41_jax.model import decode as dec
     from dsv41_jax.model.config import ModelConfig
     from dsv41_jax.model.params import param_stats
+    from dsv41_jax.parallel import plan as mesh_plan
     from dsv41_jax.parallel import rules
     from dsv41_jax.parallel.host_table import HostTable
     from dsv41_jax.parallel.mesh import make_mesh
@@ -326,7 +326,7 @@ def run(args) -> dict:
                        "without": "XLA temporaries (compile to see them)"}
         return rep
     t0 = time.perf_counter()
-    step = dec.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
+    step = mesh_plan.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
     with _traced_as("gpu" if args.gpu_target else None):
         lowered = step.lower(params, cache, batch)
     t1 = time.perf_counter()

@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
 
             params = jax.device_put(params, mesh_shardings(cfg, mesh))
     else:
-        from dsv41_jax.model.checkpoint import load_params
+        from dsv41_jax.parallel.plan import load_params
 
         params = load_params(ns.model, cfg, mesh)
     load_s = time.perf_counter() - t0

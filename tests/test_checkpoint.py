@@ -357,10 +357,10 @@ def test_wo_a_dequantized_once_at_load(hf_dir, orbax_dir, cfg):
 
 @pytest.mark.parametrize("kind", ["hf", "orbax"])
 def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8, monkeypatch):
-    """load_params(..., mesh) puts every leaf straight onto its `parallel.rules` sharding: each device
+    """`parallel.plan.load_params(..., mesh)` puts every leaf straight onto its `parallel.rules` sharding: each device
     gets only its own block, cut on the host (`jax.make_array_from_callback`); no leaf goes whole onto a
     device first (jax.device_put is never called), and the values are the unsharded load's."""
-    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel import plan, rules
     from dsv41_jax.parallel.mesh import make_mesh
 
     mesh = make_mesh(tp=2, ep=4, cfg=cfg)
@@ -383,7 +383,7 @@ def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8, monkeypatch):
 
     monkeypatch.setattr(jax, "make_array_from_callback", spy)
     monkeypatch.setattr(jax, "device_put", no_device_put)
-    p = ck.load_params(hf_dir if kind == "hf" else orbax_dir, cfg, mesh)
+    p = plan.load_params(hf_dir if kind == "hf" else orbax_dir, cfg, mesh)
     monkeypatch.undo()
     want = flatten_names(rules.param_shardings(cfg, mesh))
     got = flatten_names(p)
@@ -403,7 +403,7 @@ def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8, monkeypatch):
     # the host Engram table: the tables stay numpy `HostTable`s, never placed; the rest as above
     from dsv41_jax.parallel.host_table import HostTable
 
-    h = ck.load_params(hf_dir, cfg, mesh, engram_host_table=True)
+    h = plan.load_params(hf_dir, cfg, mesh, engram_host_table=True)
     t = h["layers"][1]["engram"]["embed"]
     assert isinstance(t, HostTable)
     np.testing.assert_array_equal(t.weight.view(np.uint8),

@@ -144,9 +144,11 @@ def _run_extend(p, cfg, params, mesh=None):
         f = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, CCFG, all_logits=True, return_aux=True))
     else:
         from dsv41_jax.parallel import rules
+        from dsv41_jax.parallel.plan import MeshPlan
 
         (ps, cs, bs), (lg, cs_out) = rules.step_shardings(cfg, CCFG, mesh, all_logits=True)
-        f = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, CCFG, all_logits=True, return_aux=True, mesh=mesh),
+        par = MeshPlan.of(mesh)
+        f = jax.jit(lambda p, s, b: dec.extend(p, s, b, cfg, CCFG, all_logits=True, return_aux=True, par=par),
                     in_shardings=(ps, cs, bs), out_shardings=(lg, cs_out, None))
     st = _fresh(cfg, params, mesh)
     outs = []

@@ -33,6 +33,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, dispatch, moe, quant
 from dsv41_jax.pallas import moe_mxfp4 as mk
+from dsv41_jax.parallel.plan import MeshPlan
 
 BF16 = jnp.dtype(jnp.bfloat16)
 NARROW = (320, 288)  # hidden, intermediate
@@ -199,7 +200,7 @@ def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, 
             f(p, x, tiny_cfg.replace(impl=f"xla,moe={pallas_impl}", **mode))
     mesh = jax.sharding.Mesh(np.array(cpu8[:2]).reshape(1, 2), ("tp", "ep"))
     with pytest.raises(dispatch.ImplError, match="not expert-parallel"):
-        moe.moe(p, x, k, cfg32.replace(impl=f"xla,moe={pallas_impl}"), jnp.float32, mesh=mesh)
+        moe.moe(p, x, k, cfg32.replace(impl=f"xla,moe={pallas_impl}"), jnp.float32, par=MeshPlan(mesh))
 
 
 def test_auto_keeps_xla_until_measured():

@@ -32,6 +32,7 @@ from dsv41_jax.model.engram import gather_rows
 from dsv41_jax.model.transformer import forward
 from dsv41_jax.parallel import collectives, rules
 from dsv41_jax.parallel.mesh import MeshError, make_mesh
+from dsv41_jax.parallel.plan import MeshPlan
 
 # Exact mode: logits bitwise equal (atol 0) on every mesh. Why that holds: the only sums whose order a
 # mesh changes are the tp-split contractions (wo_b and the shared expert's w2 over their split inputs,
@@ -53,7 +54,7 @@ PROMPT_LENS = (7, 5)
 DECODE_STEPS = 2
 CCFG = kvc.CacheConfig(page_size=8, num_pages=6, max_slots=2, max_pages_per_seq=2, retrieval_block=4)
 
-_FWD = jax.jit(forward, static_argnames=("cfg", "return_aux", "mesh"))
+_FWD = jax.jit(forward, static_argnames=("cfg", "return_aux", "par"))
 _CACHE: dict = {}
 
 
@@ -112,7 +113,7 @@ def _fresh_cache(cfg, mesh, params):
 def _step(cfg, mesh):
     """The extend step (all logits) with its aux (discrete decisions), jitted with the production step's
     shardings (`rules.step_shardings`, as `decode.jitted_extend` uses them) and the cache donated."""
-    fn = functools.partial(dec.extend, cfg=cfg, ccfg=CCFG, all_logits=True, return_aux=True, mesh=mesh)
+    fn = functools.partial(dec.extend, cfg=cfg, ccfg=CCFG, all_logits=True, return_aux=True, par=MeshPlan.of(mesh))
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1,))
     (ps, cs, bs), (lg, cs_out) = rules.step_shardings(cfg, CCFG, mesh, all_logits=True)
@@ -128,7 +129,7 @@ def run_model(cfg, params, tokens, mesh, with_forward: bool):
     p = params if mesh is None else rules.shard_params(params, cfg, mesh)
     res = {"params": p}
     if with_forward:
-        logits, aux = _FWD(p, tokens, cfg=cfg, return_aux=True, mesh=mesh)
+        logits, aux = _FWD(p, tokens, cfg=cfg, return_aux=True, par=MeshPlan.of(mesh))
         res.update(logits=np.asarray(logits), experts=jax.device_get(aux["experts"]),
                    topk=jax.device_get(aux["topk"]))
     batches = _batches()
@@ -282,7 +283,7 @@ def test_moe_reference_refused_on_ep_mesh(cpu8, tiny_cfg, tiny_params):
     mesh = make_mesh(1, 2, cfg=cfg)
     x = jnp.zeros((1, 2, cfg.hidden_size), jnp.bfloat16)
     with pytest.raises(dispatch.ImplError, match="cannot run expert-parallel"):
-        moe_mod.moe(tiny_params["layers"][0]["ffn"], x, 2, cfg, jnp.bfloat16, mesh=mesh)
+        moe_mod.moe(tiny_params["layers"][0]["ffn"], x, 2, cfg, jnp.bfloat16, par=MeshPlan(mesh))
 
 
 def test_row_gather_bitwise(cpu8, tiny_cfg, tiny_params):
@@ -389,10 +390,10 @@ def test_host_table_engram_bitwise(cpu8, tiny_cfg, tiny_params, monkeypatch):
     N = tiny_params["layers"][1]["engram"]["embed"]["weight"].shape[0]
     rows = jnp.asarray(rng.integers(0, N, (2, 3, 6)), jnp.int32)
     h = jnp.asarray(rng.standard_normal((2, 3, cfg.hc_mult, cfg.hidden_size)), jnp.bfloat16)
-    f = jax.jit(lambda p, h, r, mesh: engram(p, h, r, cfg, jnp.bfloat16, mesh=mesh), static_argnums=3)
+    f = jax.jit(lambda p, h, r, par: engram(p, h, r, cfg, jnp.bfloat16, par=par), static_argnums=3)
     ref = np.asarray(f(tiny_params["layers"][1]["engram"], h, rows, None))
     for p in (sp, hp):
-        np.testing.assert_array_equal(np.asarray(f(p["layers"][1]["engram"], h, rows, mesh)), ref)
+        np.testing.assert_array_equal(np.asarray(f(p["layers"][1]["engram"], h, rows, MeshPlan.of(mesh))), ref)
     monkeypatch.setenv("DSV41_ENGRAM_HOST_TABLE", "1")
     assert host_table_requested() and not host_table_requested(False)
     monkeypatch.setenv("DSV41_ENGRAM_HOST_TABLE", "maybe")
@@ -515,14 +516,15 @@ from dsv41_jax.model import ModelConfig, init_params
 from dsv41_jax.model.transformer import forward
 from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import make_mesh
+from dsv41_jax.parallel.plan import MeshPlan
 assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 cfg = ModelConfig.preset("tiny").replace(act_dtype="exact")
 mesh = make_mesh(2, 4, cfg=cfg)
 params = rules.shard_params(init_params(cfg, jax.random.key(0)), cfg, mesh)
 toks = np.load(sys.argv[1])
 tok = jax.make_array_from_callback(toks.shape, rules.replicated(mesh), lambda idx: toks[idx])
-fwd = jax.jit(forward, static_argnames=("cfg", "return_aux", "mesh"), out_shardings=rules.replicated(mesh))
-out = fwd(params, tok, cfg=cfg, mesh=mesh)  # logits gathered (the head splits the vocabulary over tp)
+fwd = jax.jit(forward, static_argnames=("cfg", "return_aux", "par"), out_shardings=rules.replicated(mesh))
+out = fwd(params, tok, cfg=cfg, par=MeshPlan(mesh))  # logits gathered (the head splits the vocabulary over tp)
 np.save(sys.argv[2] + f".{jax.process_index()}.npy", np.asarray(out.addressable_data(0)))
 """
 
@@ -598,8 +600,8 @@ def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
     xh = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), dt)
     o = jnp.asarray(rng.standard_normal((2, 1, G, H * hd // G)), dt)
 
-    def fn(p, xs, xh, o, mesh):
-        with tiling.on_mesh(mesh):
+    def fn(p, xs, xh, o, par):
+        with tiling.on_mesh(par):
             a = p["layers"][2]
             return (linear.fp8(xs, a["attn"]["wq_b"], cfg, dt, row_axis="heads"),  # 2 tiles per shard
                     linear.f32(xh, p["head"]["weight"], cfg, row_axis="vocab"),  # 5 tiles per shard
@@ -608,12 +610,12 @@ def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
     try:
         nt_all, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
         assert split is None and nt_all >= 4  # no mesh: tiles of the whole weight
-        with tiling.on_mesh(mesh):
+        with tiling.on_mesh(MeshPlan(mesh)):
             nt, split = tiling.plan(H * hd, cfg.q_lora_rank, 32, "heads")
         assert split is not None and split.k == 2 and nt >= 2  # tiled within each device's rows
         ref = jax.jit(fn, static_argnums=4)(tiny_params, x_small, xh, o, None)
         o_sh = jax.device_put(o, jax.sharding.NamedSharding(mesh, P(None, None, "tp", None)))  # head-split
-        f = jax.jit(fn, static_argnums=4).lower(sp, x_small, xh, o_sh, mesh).compile()
+        f = jax.jit(fn, static_argnums=4).lower(sp, x_small, xh, o_sh, MeshPlan(mesh)).compile()
         got = f(sp, x_small, xh, o_sh)
     finally:
         tiling._itemsize.cache_clear()

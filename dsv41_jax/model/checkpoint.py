@@ -18,8 +18,8 @@ Two kinds of model directory are accepted everywhere a model path is taken (`che
   dequantized weights, hence the logits, are unchanged).
 
 `load_params` reads either kind one tensor at a time (host memory bounded by the largest tensor,
-read in row blocks where it can) and, when a mesh is given, places each leaf straight onto its
-sharding from `parallel.rules` (each device receives only its own block). The HF reader parses
+read in row blocks where it can) and, when a mesh plan is given (`parallel.plan.load_params`), places
+each leaf straight onto its sharding (each device receives only its own block). The HF reader parses
 safetensors headers itself (the `safetensors` numpy backend cannot return fp8 arrays) and reads each tensor with positioned reads into one preallocated buffer.
 """
 
@@ -639,35 +639,24 @@ def _tokenizer_for(path: str, tokenizer):
     raise CheckpointError(f"{path}: no tokenizer.json (needed for the Engram token map); pass tokenizer=...")
 
 
-def _placer(cfg: ModelConfig, mesh, shardings, host_names=frozenset()):
+def _placer(cfg: ModelConfig, par, host_names=frozenset()):
     """name -> function(np array) -> the leaf as loaded.
 
-    With a mesh (and no explicit `shardings`): each leaf goes straight onto its sharding from the rules
-    table, `parallel.rules.param_shapes` (padded Engram rows included), by `rules.place_host`: every
-    device receives only its own block, cut from the host array — no whole-tensor device copy first.
-    With explicit `shardings` the same, on the given shardings (unpadded shapes). Otherwise the
-    default device. Names in `host_names` stay numpy (the host Engram table)."""
+    With a mesh plan `par`: each leaf goes straight onto its sharding, `par.param_placement` (padded
+    Engram rows included), by `par.place_host`: every device receives only its own block, cut from the
+    host array — no whole-tensor device copy first. Otherwise the default device. Names in
+    `host_names` stay numpy (the host Engram table)."""
     import jax
 
-    from dsv41_jax.model.params import flatten_names
-
-    flat: dict = {}
-    if shardings is not None:
-        flat = {n: (None, s) for n, s in flatten_names(shardings).items()}
-    elif mesh is not None:
-        from dsv41_jax.parallel import rules
-
-        flat = {n: (a.shape, a.sharding) for n, a in flatten_names(rules.param_shapes(cfg, mesh)).items()}
+    flat = {} if par is None else par.param_placement(cfg)
 
     def place(name: str, a: np.ndarray):
         if name in host_names:
             return np.asarray(a)
         if name not in flat:
             return jax.device_put(a)
-        from dsv41_jax.parallel import rules
-
         shape, sh = flat[name]
-        return rules.place_host(a, a.shape if shape is None else shape, sh)
+        return par.place_host(a, shape, sh)
 
     return place
 
@@ -710,20 +699,19 @@ def _read_hf_leaf(plan: HFPlan, leaf: ParamLeaf, specs_by_param: dict) -> np.nda
     return out
 
 
-def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shardings=None, tokenizer=None,
-                engram_token_map=None, engram_host_table: bool = False) -> dict:
+def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, tokenizer=None,
+                engram_token_map=None, host_engram: bool = False) -> dict:
     """Load parameters from an HF directory or a converted Orbax directory (`checkpoint_kind`).
 
     Args:
       path: the model directory, or "tiny" for the tiny preset's random parameters (seed 0).
       cfg: the model config; default: the directory's config.json (`ModelConfig.from_pretrained`).
-      mesh: a `jax.sharding.Mesh`: each leaf is read on the host and placed straight onto its sharding
-        from `parallel.rules` (`rules.param_shapes`: Engram rows padded to the device count), each
-        device receiving only its block — the tree `rules.shard_params` would build, without a
-        whole-tensor copy on one device first (default device without a mesh). shardings: an explicit
-        tree of shardings instead (same structure as the params, unpadded shapes).
-      engram_host_table: keep the Engram tables on the host (`parallel.host_table.HostTable` leaves,
-        never copied to a device; run the step with ``engram_host_table=True``).
+      par: a mesh plan (`parallel.plan.MeshPlan`; callers with a mesh use `parallel.plan.load_params`):
+        each leaf is read on the host and placed straight onto its sharding (`par.param_placement`:
+        Engram rows padded to the device count), each device receiving only its block, without a
+        whole-tensor copy on one device first (default device without one).
+      host_engram: leave the Engram tables on the host as numpy arrays (never copied to a device;
+        `parallel.plan.load_params` wraps them as host tables).
       tokenizer: tokenizer.json path or `tokenizers.Tokenizer` for the Engram token map (default: the
         directory's tokenizer.json). engram_token_map: the map itself, if already built.
     Returns the parameter pytree of `params.declare_params(cfg)` (``derived`` included).
@@ -737,16 +725,16 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
         from dsv41_jax.model.params import init_params
 
         cfg = cfg or ModelConfig.preset("tiny")
-        place = _placer(cfg, mesh, shardings, _engram_table_names(cfg) if engram_host_table else frozenset())
+        place = _placer(cfg, par, _engram_table_names(cfg) if host_engram else frozenset())
         p = init_params(cfg, jax.random.key(0), tokenizer=tokenizer, engram_token_map=engram_token_map)
         p = jax.tree_util.tree_map_with_path(
             lambda kp, x: place(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp), np.asarray(x)), p)
-        return _host_tables(p) if engram_host_table else p
+        return p
     path = resolve_model(path)  # "nano": the bundled checkpoint
     kind = checkpoint_kind(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
-    place, host = _keeping_host(_placer(cfg, mesh, shardings, _engram_table_names(cfg) if engram_host_table
+    place, host = _keeping_host(_placer(cfg, par, _engram_table_names(cfg) if host_engram
                                         else frozenset()), _dequant_sources(cfg))
     params = _skeleton(cfg)
     if kind == "hf":
@@ -769,14 +757,7 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, mesh=None, *, shar
         if tm.shape != (cfg.vocab_size,):
             raise CheckpointError(f"engram token map has shape {tm.shape}, expected ({cfg.vocab_size},)")
         params["derived"]["engram_token_map"] = place("derived.engram_token_map", tm)
-    return _host_tables(params) if engram_host_table else params
-
-
-def _host_tables(params: dict) -> dict:
-    """The Engram tables (numpy, never placed) wrapped as `HostTable`s."""
-    from dsv41_jax.parallel.host_table import offload_engram
-
-    return offload_engram(params)
+    return params
 
 
 def _dequant_sources(cfg: ModelConfig) -> frozenset:
@@ -883,7 +864,7 @@ def _requantize_stored(arr, kind: str, lf: ParamLeaf):
     return q, s
 
 
-def load_model(path: str, mesh=None, **kw) -> tuple:
+def load_model(path: str, **kw) -> tuple:
     """(cfg, params) of a model directory of either kind (see `load_params`)."""
     cfg = ModelConfig.from_pretrained(path)
-    return cfg, load_params(path, cfg, mesh, **kw)
+    return cfg, load_params(path, cfg, **kw)

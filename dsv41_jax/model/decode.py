@@ -166,7 +166,7 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
 
 
 def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend,
-                     mesh):
+                     par):
     """Layers first..first+n-1 (a `layer_scan` run: consumers or window-only layers, which write no
     store) as one scan. Each layer's window ring is read only at this batch's rows, so those rows
     ([n, B, W, ...], a few KiB per row and layer) are gathered before the scan and scanned over with
@@ -187,14 +187,14 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
         return y
 
     h, pre, outs = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
-                               cfg.num_experts_per_tok, attn_run, xs=rings, mesh=mesh)
+                               cfg.num_experts_per_tok, attn_run, xs=rings, par=par)
     for k in range(n):
         pend["window"][first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
     return h, pre
 
 
 def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
-                mesh, cols=None):
+                par, cols=None):
     """The layers of `runs` ((first, n) from `layer_scan.layer_runs`, in order) on h [B, T', n, D] /
     pre fp32 [B, T', n]: returns (h, pre). Updates st / ctx / aux / pend in place.
 
@@ -207,7 +207,7 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
         plan = cfg.layer_plan(i)
         if n > 1:
             h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
-                                      aux, pend, mesh)
+                                      aux, pend, par)
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None
@@ -219,7 +219,7 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
         def attn_fn(x, lp=lp, plan=plan):
             return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
 
-        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
+        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, par=par)
     return h, pre
 
 
@@ -242,7 +242,7 @@ def _step_setup(state, batch, cfg, restore: bool):
 
 
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
-                       mesh=None):
+                       par=None):
     """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
 
     Returns (logits, st, pending, aux):
@@ -256,19 +256,19 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
               `restore`, else None), "engram_ids" int32 [B, T] (Engram configs)};
       aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
               [B, T, n, D] per layer) and "hidden" (final normed x).
-    mesh: optional `jax.sharding.Mesh` (`parallel.make_mesh`): MoE and the row-split tables run their
+    par: optional mesh plan (`parallel.plan.MeshPlan`): MoE and the row-split tables run its
     `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
     """
-    with tiling.on_mesh(mesh):  # CPU row tiles follow the weights' splits (model.tiling)
+    with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
         B, T = tokens.shape
         start, n_new = batch["start"], batch["n_new"]
-        h = embed_streams(params, tokens, cfg, dt, mesh)
+        h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
         aux = new_aux()
         h, pre = _run_layers(params, layer_scan.layer_runs(cfg), h, pre, st, ctx, batch, positions, valid, tokens,
-                             hist, cfg, ccfg, dt, aux, pend, mesh)
+                             hist, cfg, ccfg, dt, aux, pend, par)
         if not all_logits:
             last = jnp.maximum(n_new - 1, 0)
             h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
@@ -319,14 +319,14 @@ def commit(st, pending, batch, n_commit, cfg):
     return out
 
 
-def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, mesh=None):
+def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, par=None):
     """Pure step: (params, cache, batch) -> (logits, cache), every real token committed.
 
     Logits: fp32 [B, T, V] if `all_logits`, else [B, V] at each row's last real token. State keys this
-    step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. mesh: see
+    step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. par: see
     `extend_uncommitted`.
     """
-    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, mesh=mesh)
+    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par)
     new_state = commit(st, pend, batch, batch["n_new"], cfg)
     if return_aux:
         return logits, new_state, aux
@@ -382,7 +382,7 @@ def _gather_cols(x, cols):
     return jnp.take_along_axis(x, idx, axis=1)
 
 
-def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, mesh=None, return_aux: bool = False):
+def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, return_aux: bool = False):
     """SWA bounded replay's step: layers 0..S (`last_store_layer`) run the whole chunk as `extend` does;
     layers S+1.. run only each row's tail — its tokens at positions >= ``batch["tail_lo"][b]``, at most
     the last ``min(T, late_tail)`` of them — as a static [B, min(T, late_tail)] sub-batch.
@@ -405,17 +405,17 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, mesh=None, r
     last token the late layers skipped —, new cache). Window rings of the late layers are written for
     the tail tokens only; everything else is written as `extend` writes it.
     """
-    with tiling.on_mesh(mesh):
+    with tiling.on_mesh(par):
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, False)
         B, T = tokens.shape
         start, n_new = batch["start"], batch["n_new"]
-        h = embed_streams(params, tokens, cfg, dt, mesh)
+        h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
         aux = new_aux()
         early, late = split_runs(cfg)
         h, pre = _run_layers(params, early, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt,
-                             aux, pend, mesh)
+                             aux, pend, par)
         # the late sub-batch: each row's tail tokens, gathered to [B, tail]
         tail = min(T, late_tail)
         cols, count = tail_columns(start, n_new, batch["tail_lo"], tail)
@@ -430,7 +430,7 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, mesh=None, r
         sub_batch = dict(batch, n_new=count, key_lo=batch["tail_lo"])
         late_pend = {"window": [None] * cfg.num_hidden_layers, "partial": {}, "restore": None}
         h, pre = _run_layers(params, late, h, pre, st, ctx, sub_batch, sub_pos, sub_valid, tokens, hist, cfg, ccfg,
-                             dt, aux, late_pend, mesh, cols=colc)
+                             dt, aux, late_pend, par, cols=colc)
         last = jnp.maximum(count - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
         pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
@@ -451,26 +451,27 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, mesh=None, r
         return logits, new_state
 
 
-def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False,
+def jitted_extend(cfg, ccfg, all_logits: bool = False, par=None, engram_host_table: bool = False,
                   late_tail: Optional[int] = None):
-    """`extend` jitted for (cfg, ccfg, all_logits[, mesh]), with the cache donated. Compiles once per (B, T).
+    """`extend` jitted for (cfg, ccfg, all_logits[, par]), with the cache donated. Compiles once per (B, T).
 
-    With a mesh, the step's in/out shardings come from `parallel.rules.step_shardings` (params as
-    `rules.shard_params` places them, the cache as `rules.init_cache` does, batch and logits replicated).
+    With a mesh plan `par` (callers holding a mesh: `parallel.plan.jitted_extend`), the step's in/out
+    shardings come from `par.step_shardings` (params as `parallel.rules.shard_params` places them, the
+    cache as `rules.init_cache` does, batch and logits replicated).
     engram_host_table: the params hold host Engram tables (`parallel.host_table`).
     One jitted function per distinct setting, however the arguments are spelled (an lru_cache on this
     signature would key ``(cfg, ccfg, True)`` and ``(cfg, ccfg, True, None)`` apart: two compiles).
     late_tail: None = `extend` (the reference path); an int = SWA bounded replay (`extend_bounded`: the
-    batch carries ``tail_lo``; last-token logits only, no mesh).
+    batch carries ``tail_lo``; last-token logits only, no mesh plan).
     """
     if late_tail is not None:
-        if all_logits or mesh is not None:
+        if all_logits or par is not None:
             raise NotImplementedError("SWA bounded replay (late_tail): last-token logits only, unsharded (its "
                                       "late layers skip tokens, so there are no logits for them)")
         if late_tail < 1:
             raise ValueError(f"late_tail = {late_tail}: must be >= 1")
         return _jitted_bounded(cfg, ccfg, int(late_tail))
-    return _jitted_extend(cfg, ccfg, bool(all_logits), mesh, bool(engram_host_table))
+    return _jitted_extend(cfg, ccfg, bool(all_logits), par, bool(engram_host_table))
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,19 +480,17 @@ def _jitted_bounded(cfg, ccfg, late_tail):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_extend(cfg, ccfg, all_logits, mesh, engram_host_table):
-    fn = functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits, mesh=mesh)
-    if mesh is None:
+def _jitted_extend(cfg, ccfg, all_logits, par, engram_host_table):
+    fn = functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=par)
+    if par is None:
         return jax.jit(fn, donate_argnums=(1,))
-    from dsv41_jax.parallel import rules
-
-    ins, outs = rules.step_shardings(cfg, ccfg, mesh, all_logits, engram_host_table=engram_host_table)
+    ins, outs = par.step_shardings(cfg, ccfg, all_logits, engram_host_table)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=(1,))
 
 
-def decode_step(params, state, batch, cfg, ccfg, all_logits: bool = False, mesh=None):
+def decode_step(params, state, batch, cfg, ccfg, all_logits: bool = False, par=None):
     """`(params, state, batch) -> (logits, state)`: the jitted pure step (state donated)."""
-    return jitted_extend(cfg, ccfg, all_logits, mesh)(params, state, batch)
+    return jitted_extend(cfg, ccfg, all_logits, par)(params, state, batch)
 
 
 def pack_rows(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
@@ -538,7 +537,7 @@ def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
 
 
 def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequence[int], start: int = 0,
-            chunk_size: int = 64, all_logits: bool = False, mesh=None):
+            chunk_size: int = 64, all_logits: bool = False, par=None):
     """Write `tokens` (positions start..) for request `rid` into the cache in chunks of `chunk_size`.
 
     Returns (logits, state): logits of the last token [V] (or of every token [n, V] with all_logits).
@@ -551,7 +550,7 @@ def prefill(params, state, cfg, ccfg, allocator, rid, slot: int, tokens: Sequenc
         allocator.ensure(rid, pos + len(chunk))
         batch = make_batch([{"tokens": chunk, "start": pos, "slot": slot, "page_table": allocator.pages(rid)}],
                            chunk_size, 1, ccfg)
-        logits, state = decode_step(params, state, batch, cfg, ccfg, all_logits, mesh)
+        logits, state = decode_step(params, state, batch, cfg, ccfg, all_logits, par)
         outs.append(logits[0, : len(chunk)] if all_logits else logits[0])
         pos += len(chunk)
     if all_logits:

@@ -102,12 +102,12 @@ def write_rings(params, rings: list, layer_inputs: dict, slot, positions, n_comm
             for r, c in zip(rings, codes)]
 
 
-def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False, mesh=None):
+def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False, par=None):
     """`decode.extend` for a cache with DSpark rings: the same logits and target cache, and every
     committed token's draft KV written (prefill chunks, and plain steps while DSpark is on).
-    mesh: as `decode.extend` (the target's MoE and row-split tables on the mesh).
+    par: as `decode.extend` (the target's MoE and row-split tables on the mesh plan).
     Returns (logits, state)."""
-    logits, st, pend, aux = decode.extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, mesh=mesh)
+    logits, st, pend, aux = decode.extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par)
     new_state = decode.commit(st, pend, batch, batch["n_new"], cfg)
     new_state["dspark"] = write_rings(params, state["dspark"], aux["layer_inputs"], batch["slot"],
                                       pend["positions"], batch["n_new"], cfg, ccfg)

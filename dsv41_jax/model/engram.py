@@ -80,7 +80,7 @@ def gate(h, kv, q_weight, k_weight, eps, dt, exact: bool = False):
     return (hf + g[..., None] * value[..., None, :]).astype(dt)
 
 
-def engram(p, h, rows, cfg, dt, mesh=None):
+def engram(p, h, rows, cfg, dt, par=None):
     """Apply Engram to the n-stream state.
 
     p: the layer's ``engram`` params; h [B, T, n, D]; rows int32 [B, T, 24]. Returns h' [B, T, n, D] in `dt`:
@@ -95,15 +95,15 @@ def engram(p, h, rows, cfg, dt, mesh=None):
     `dsv41_jax.pallas.engram_gather.kernel` (gather + dequantize + concatenate in one kernel, the wkv
     still through the "linear" seam, then one gate kernel).
 
-    mesh: a `jax.sharding.Mesh` (the table rows split over its devices, `parallel.rules`): the gather
-    runs as a local gather + one all-reduce (`parallel.collectives.row_gather`, bitwise `gather_rows`).
+    par: a mesh plan (`parallel.plan.MeshPlan`; the table rows split over its devices): the gather runs
+    as `par.engram_gather` (a local gather + one all-reduce, bitwise `gather_rows`).
     A `parallel.host_table.HostTable` in place of ``p["embed"]`` gathers on the host instead (bitwise).
     """
     if hasattr(p["embed"], "host_gather"):  # `parallel.host_table.HostTable`: rows gathered on the host
         kv = linear.fp8(p["embed"].gather(rows, dt), p["wkv"], cfg, dt)
         return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     impl = dispatch.resolve(cfg, "engram")
-    sharded = mesh is not None and mesh.size > 1
+    sharded = par is not None and par.size > 1
     if sharded and impl in ("pallas", "pallas_interpret"):
         raise dispatch.ImplError("engram: the Pallas gather kernel does not run on a row-split table; use impl "
                                  "'xla' for engram on a mesh")
@@ -113,9 +113,7 @@ def engram(p, h, rows, cfg, dt, mesh=None):
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"engram: no {impl!r} implementation")
     if sharded:
-        from dsv41_jax.parallel import collectives
-
-        emb = collectives.row_gather(p["embed"]["weight"], p["embed"]["scale"], rows, dt, mesh)
+        emb = par.engram_gather(p["embed"]["weight"], p["embed"]["scale"], rows, dt)
     else:
         emb = gather_rows(p["embed"]["weight"], p["embed"]["scale"], rows, dt)
     kv = linear.fp8(emb, p["wkv"], cfg, dt)

@@ -251,14 +251,14 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
     return combine_slots(routed_slots(ex, xf, idx, w, cfg, dt), idx)
 
 
-def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
+def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
 
     The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla" | "pallas" |
     "pallas_interpret", module doc); the
     gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
-    mesh: a `jax.sharding.Mesh` with an "ep" axis > 1 runs the routed experts expert-parallel
-    (`parallel.collectives.routed_experts`: the grouped path per expert shard, bitwise the same result).
+    par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the routed experts
+    expert-parallel (`par.routed_experts`: the grouped path per expert shard, bitwise the same result).
     """
     impl = dispatch.resolve(cfg, "moe")
     kernel = impl in ("pallas", "pallas_interpret")
@@ -270,7 +270,7 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
     idx, w, _ = route(p["gate"], xf, top_k, cfg)
     N = xf.shape[0]
     lim = cfg.swiglu_limit
-    from_mesh = mesh is not None and dict(mesh.shape).get("ep", 1) > 1
+    from_mesh = par is not None and par.axis_size("ep") > 1
     if from_mesh:
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
@@ -278,9 +278,7 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, mesh=None):
         if kernel:
             raise dispatch.ImplError(f"moe: the {impl!r} kernel runs on one device's experts only, not "
                                      f"expert-parallel; use impl 'moe=xla' (or 'auto') on an ep mesh")
-        from dsv41_jax.parallel import collectives
-
-        routed = collectives.routed_experts(p["experts"], xf, idx, w, cfg, dt, mesh)
+        routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt)
     elif kernel:
         slots = dispatch.kernel("moe", impl)(p["experts"], xf, idx, w, cfg, dt, interpret=impl == "pallas_interpret")
         routed = combine_slots(slots, idx)

@@ -34,7 +34,7 @@ that follow branches (scripts/bench_decode.py) see every tile once.
 
 On a mesh (`on_mesh`, entered by the model's entry points when they get one) a weight whose rows are
 split over devices (its logical row axis names a mesh axis: q heads, o groups, the shared expert's
-intermediate, the vocabulary — `parallel.rules`) is tiled *within each device's rows*: tile i is rows
+intermediate, the vocabulary — the plan's rules) is tiled *within each device's rows*: tile i is rows
 r0 .. r0 + tn − 1 of every shard at once (`rows` takes that strided slice: a reshape to [k, N/k, ...]
 and a slice of the inner axis, local on every device), each tile's output is pinned split over the
 mesh axis, and the tiles are reassembled shard-major, so the result is laid out (and split) as the
@@ -118,9 +118,10 @@ _ACTIVE = contextvars.ContextVar("dsv41_tiling_split", default=None)  # the Spli
 
 
 @contextlib.contextmanager
-def on_mesh(mesh):
-    """Trace the enclosed model code for `mesh` (None: no-op): row tiles follow the weights' row splits."""
-    tok = _MESH.set(mesh)
+def on_mesh(par):
+    """Trace the enclosed model code for mesh plan `par` (None: no-op): row tiles follow the weights'
+    row splits (`par.row_split`, from `parallel.plan.MeshPlan`)."""
+    tok = _MESH.set(par)
     try:
         yield
     finally:
@@ -128,18 +129,14 @@ def on_mesh(mesh):
 
 
 def row_split(logical: Optional[str], n_rows: int, align: int = 1) -> Optional[Split]:
-    """The `Split` of a weight with `n_rows` rows of logical axis `logical` on the current mesh (`on_mesh`),
-    or None: no mesh, rows not split by the rules, or rows that do not split into whole `align` blocks."""
-    mesh = _MESH.get()
-    if mesh is None or logical is None:
+    """The `Split` of a weight with `n_rows` rows of logical axis `logical` on the current mesh plan
+    (`on_mesh`), or None: no plan, rows not split by its rules, or rows that do not split into whole
+    `align` blocks."""
+    par = _MESH.get()
+    if par is None or logical is None:
         return None
-    from dsv41_jax.parallel import rules
-
-    ax = rules.mesh_axis(logical, mesh)
-    k = rules.mesh_axes_size(ax, mesh)
-    if k == 1 or n_rows % (k * align):
-        return None
-    return Split(k, mesh, ax)
+    split = par.row_split(logical, n_rows, align)
+    return None if split is None else Split(split[0], par.mesh, split[1])
 
 
 def plan(n_rows: int, row_elems: int, align: int = 1, logical: Optional[str] = None, backend: str = None):

@@ -35,14 +35,12 @@ def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
                           layer_p[f"hc_{sub}_scale"], cfg, dt)
 
 
-def embed_streams(params, tokens, cfg, dt, mesh=None):
+def embed_streams(params, tokens, cfg, dt, par=None):
     """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt`.
 
-    mesh: rows split over "tp" are gathered locally + one all-reduce (`parallel.collectives`)."""
-    if mesh is not None and mesh.size > 1:
-        from dsv41_jax.parallel import collectives
-
-        e = collectives.embed_gather(params["embed"]["weight"], tokens, dt, mesh)
+    par: a mesh plan: rows split over "tp" are gathered locally + one all-reduce (`par.embed_gather`)."""
+    if par is not None and par.size > 1:
+        e = par.embed_gather(params["embed"]["weight"], tokens, dt)
     else:
         e = params["embed"]["weight"][tokens].astype(dt)
     return jnp.broadcast_to(e[..., None, :], e.shape[:-1] + (cfg.hc_mult, e.shape[-1]))
@@ -105,42 +103,38 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 
-def replicated(x, mesh):
-    """On a mesh, pin activation `x` replicated (`parallel.rules`: per-token activations are not split).
+def replicated(x, par):
+    """On mesh plan `par`, pin activation `x` replicated (`par.replicated`: activations are not split).
 
     Without it XLA may keep a tp-split output projection's result split along D (a reduce-scatter
     instead of the all-reduce), and the norms' / mHC's fp32 sums over D would then be summed in a
-    different order than unsharded. No-op without a mesh."""
-    if mesh is None:
-        return x
-    from dsv41_jax.parallel import rules
-
-    return rules.constrain(x, ("batch", "seq") + (None,) * (x.ndim - 3) + ("act_embed",), mesh)
+    different order than unsharded. No-op without a plan."""
+    return x if par is None else par.replicated(x)
 
 
-def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None, mesh=None):
+def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None, par=None):
     """One layer (any attention implementation): returns (h, pre for the next sublayer).
 
     lp: the layer's params; h [B, T, n, D]; pre_prev fp32 [B, T, n]; attn_fn(x) -> y maps the normed
     attention input [B, T, D] to the sublayer output; engram_rows int32 [B, T, R] for Engram layers;
-    mesh: optional `jax.sharding.Mesh` (Engram and the routed experts run their sharded forms).
+    par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts run its sharded forms).
     """
     if plan.is_engram:
-        h = replicated(engram(lp["engram"], h, engram_rows, cfg, dt, mesh=mesh), mesh)
+        h = replicated(engram(lp["engram"], h, engram_rows, cfg, dt, par=par), par)
     aux["layer_inputs"][plan.layer_id] = h
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
     x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
     x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
-    h = replicated(sublayer_exit(replicated(attn_fn(x), mesh), h, a_post, a_comb, cfg, dt), mesh)
+    h = replicated(sublayer_exit(replicated(attn_fn(x), par), h, a_post, a_comb, cfg, dt), par)
     x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
     x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
-    y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, mesh=mesh)
+    y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par)
     aux["experts"][plan.layer_id] = eidx
-    h = replicated(sublayer_exit(replicated(y, mesh), h, f_post, f_comb, cfg, dt), mesh)
+    h = replicated(sublayer_exit(replicated(y, par), h, f_post, f_comb, cfg, dt), par)
     return h, f_pre
 
 
-def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, mesh=None):
+def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None):
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
     stacked: the run's layer params with a leading axis n, in storage dtypes (`layer_scan.run_params`); h [B, T, n_hc, D]
@@ -166,7 +160,7 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
         local, out = new_aux(), {}
         h, pre = block(lp, h, pre, plan, cfg, dt, local, top_k, lambda x: attn_fn(lp["attn"], x, row, out),
-                       None, mesh=mesh)
+                       None, par=par)
         lid = plan.layer_id
         return (h, pre), (local["layer_inputs"][lid], local["experts"][lid], out)
 
@@ -187,7 +181,7 @@ def new_aux():
     return {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
 
 
-def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
+def forward(params, tokens, cfg, return_aux: bool = False, par=None):
     """Reference forward of the target model.
 
     params: the parameter pytree (`init_params` / `load_params`), canonical or stacked layout
@@ -198,16 +192,16 @@ def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
     {layer: [B, T, n, D] state entering the layer after its Engram}, ``hidden`` [B, T, D] (final
     normed hidden state).
 
-    mesh: optional `jax.sharding.Mesh` (`parallel.make_mesh`); params placed on it by
-    `parallel.rules.shard_params`. Call under ``jax.jit`` (static cfg, mesh): MoE and the row-split
-    tables run their `shard_map` forms, the rest is partitioned by XLA from the parameter shardings.
+    par: optional mesh plan (`parallel.plan.MeshPlan.of(mesh)`; params placed on the mesh by
+    `parallel.rules.shard_params`). Call under ``jax.jit`` (static cfg, par): MoE and the row-split
+    tables run the plan's `shard_map` forms, the rest is partitioned by XLA from the parameter shardings.
     """
-    with tiling.on_mesh(mesh):  # CPU row tiles follow the weights' splits (model.tiling)
+    with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt = act_dtype(cfg)
         tokens = jnp.asarray(tokens, jnp.int32)
         B, T = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        h = embed_streams(params, tokens, cfg, dt, mesh)
+        h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)
         ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
         aux = new_aux()
@@ -218,7 +212,7 @@ def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
                     return attention_full(p, x, positions, plan, ctx, cfg, dt, new_aux())
 
                 h, pre, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux, i,
-                                        cfg.num_experts_per_tok, attn_run, mesh=mesh)
+                                        cfg.num_experts_per_tok, attn_run, par=par)
                 continue
             lp = layer_scan.layer_params(params, i, cfg)
             rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
@@ -226,7 +220,7 @@ def forward(params, tokens, cfg, return_aux: bool = False, mesh=None):
             def attn_fn(x, lp=lp, plan=plan):
                 return attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
 
-            h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, mesh=mesh)
+            h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, par=par)
         logits, x = final_logits(params, h, pre, cfg, dt)
         if return_aux:
             aux["hidden"] = x

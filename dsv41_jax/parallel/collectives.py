@@ -17,7 +17,8 @@
   (zeros for the others) and one psum over those axes assembles them. Exact: one non-zero
   contributor per value (the dequantized Engram rows are e4m3·2^k values, exact in bf16 too).
 
-Every function takes the mesh explicitly and runs inside the caller's `jit`.
+Every function takes the mesh explicitly and runs inside the caller's `jit`; the model reaches them
+through `plan.MeshPlan`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dsv41_jax.model import moe
+from dsv41_jax.model.engram import gather_rows
+from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import axis_size
 
 
@@ -35,8 +39,6 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
     ex: stacked routed experts (leading expert axis split over `axis`); idx int32 [N, k] global expert
     ids; w fp32 [N, k] routing weights (both replicated). Equals `moe._routed_grouped` bitwise.
     """
-    from dsv41_jax.model import moe
-
     N, D = xf.shape
     if N * idx.shape[1] == 0:
         return jnp.zeros((N, D), jnp.float32)
@@ -65,8 +67,6 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
 
 def row_axes(table_shape, logical: str, mesh):
     """The mesh axes (a name or tuple, `rules.spec`) that split dim 0 of a table, or None."""
-    from dsv41_jax.parallel import rules
-
     return rules.spec((logical,) + (None,) * (len(table_shape) - 1), table_shape, mesh)[0]
 
 
@@ -77,8 +77,6 @@ def row_gather(table, tscale, rows, dt, mesh, axis=None):
     or tuple of names (default: the rules' split of "engram_rows" for this shape; a table that is not
     split is gathered directly). Returns [..., R·de] in `dt`, bitwise `gather_rows`.
     """
-    from dsv41_jax.model.engram import gather_rows
-
     if axis is None:
         axis = row_axes(table.shape, "engram_rows", mesh)
     if axis is None:

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax.model import codec
+
 ENV = "DSV41_ENGRAM_HOST_TABLE"
 
 
@@ -63,9 +65,8 @@ class HostTable:
         """`engram.gather_rows` in numpy: rows int [..., R] -> [..., R·de] in `dt`."""
         rows = np.asarray(rows)
         de = self.weight.shape[-1]
-        emb = self.weight[rows].astype(np.float32)
-        sc = self.scale[rows].view(np.uint8).astype(np.int32)
-        sc = np.ldexp(np.float32(1.0), sc - 127).astype(np.float32)  # 2^(e-127), exact (e < 255)
+        emb = codec.e4m3_to_f32_np(self.weight[rows])
+        sc = codec.e8m0_to_f32_np(self.scale[rows])  # 2^(e-127), exact; byte 255 NaN (codec's rule)
         emb = emb.reshape(rows.shape + (de // 32, 32)) * sc[..., None]
         emb = emb.reshape(rows.shape[:-1] + (rows.shape[-1] * de,))
         return emb.astype(jnp.dtype(dt))

@@ -504,7 +504,7 @@ class Runner:
 
                 params = init_params(cfg, jax.random.key(args.random_seed))
             else:
-                from dsv41_jax.model.checkpoint import load_params
+                from dsv41_jax.parallel.plan import load_params
 
                 params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
         if self.spec_gamma and len(params.get("mtp") or []) < cfg.num_nextn_predict_layers:

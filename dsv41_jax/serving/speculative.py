@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.model import decode, dspark
+from dsv41_jax.parallel.plan import MeshPlan
 from dsv41_jax.serving import sampling
 
 DRAFT_SALT = 0x44535041  # "DSPA": the draft's random stream, apart from the verifier's
@@ -131,7 +132,7 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
           "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
           "page_table": batch["page_table"]}
     logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True,
-                                                      mesh=mesh)
+                                                      par=MeshPlan.of(mesh))
     if allowed is not None:
         logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
     if tensors is None:
@@ -177,7 +178,7 @@ def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):
 
 @functools.lru_cache(maxsize=None)
 def _jitted_extend_seeding(cfg, ccfg, all_logits, mesh):
-    fn = functools.partial(dspark.extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, mesh=mesh)
+    fn = functools.partial(dspark.extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=MeshPlan.of(mesh))
     if mesh is not None:
         from dsv41_jax.parallel import rules
 

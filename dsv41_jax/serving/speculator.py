@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.model import decode as dec
+from dsv41_jax.parallel import plan as mesh_plan
 from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.scheduler import SpecLaunch
 
@@ -67,7 +67,7 @@ class NoSpeculation:
         return state
 
     def extend_step(self, all_logits: bool):
-        return dec.jitted_extend(self.cfg, self.ccfg, all_logits, self.mesh, self.engram_host_table)
+        return mesh_plan.jitted_extend(self.cfg, self.ccfg, all_logits, self.mesh, self.engram_host_table)
 
     def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
         raise RuntimeError("a DSpark launch without --speculative-algorithm DSPARK")

@@ -1,0 +1,102 @@
+"""The model on a mesh: `MeshPlan`, what `parallel/` hands to the model, and the mesh entry points.
+
+Direction: ``parallel/`` sits above ``model/`` (docs/design/architecture.md): it imports the model,
+never the other way. The model's mesh-aware code takes a ``par`` argument — a `MeshPlan`, or None on
+one device — and calls only its methods (row splits for tiling, replicated activations, the
+`shard_map`'d gathers and the expert-parallel MoE, the step's shardings, parameter placement). So the
+model runs on a mesh without knowing the rules table or the collectives, and a different parallel
+scheme plugs in as another object with the same methods.
+
+Entry points for callers holding a `jax.sharding.Mesh`: `MeshPlan.of(mesh)` (None stays None),
+`jitted_extend` (the jitted decode step with its shardings) and `load_params` (a checkpoint straight
+onto the mesh, Engram tables optionally on the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+
+from dsv41_jax.model import checkpoint
+from dsv41_jax.model import decode as dec
+from dsv41_jax.model.params import flatten_names
+from dsv41_jax.parallel import collectives, rules
+from dsv41_jax.parallel.host_table import offload_engram
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """A mesh with the rules and collectives the model needs on it (hashable: a static jit argument)."""
+
+    mesh: jax.sharding.Mesh
+
+    @classmethod
+    def of(cls, mesh) -> Optional["MeshPlan"]:
+        """`mesh` as a plan; None (one device) stays None, a plan is returned as is."""
+        if mesh is None or isinstance(mesh, MeshPlan):
+            return mesh
+        return cls(mesh)
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
+    def axis_size(self, name: str) -> int:
+        """Devices along mesh axis `name` (1 when the mesh has no such axis)."""
+        return dict(self.mesh.shape).get(name, 1)
+
+    def row_split(self, logical: Optional[str], n_rows: int, align: int = 1):
+        """(k, mesh axes) when a weight's `n_rows` rows of logical axis `logical` split over k > 1
+        devices in whole `align` blocks, else None (`model.tiling.row_split`)."""
+        if logical is None:
+            return None
+        ax = rules.mesh_axis(logical, self.mesh)
+        k = rules.mesh_axes_size(ax, self.mesh)
+        if k == 1 or n_rows % (k * align):
+            return None
+        return k, ax
+
+    def replicated(self, x):
+        """Pin per-token activation `x` [B, T, ..., D] replicated (`rules`: activations are not split)."""
+        return rules.constrain(x, ("batch", "seq") + (None,) * (x.ndim - 3) + ("act_embed",), self.mesh)
+
+    def embed_gather(self, table, ids, dt):
+        """table[ids] in `dt` with the rows split over "vocab" (`collectives.embed_gather`)."""
+        return collectives.embed_gather(table, ids, dt, self.mesh)
+
+    def engram_gather(self, table, tscale, rows, dt):
+        """`engram.gather_rows` on a row-split table (`collectives.row_gather`)."""
+        return collectives.row_gather(table, tscale, rows, dt, self.mesh)
+
+    def routed_experts(self, ex, xf, idx, w, cfg, dt):
+        """The routed experts expert-parallel over "ep" (`collectives.routed_experts`)."""
+        return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh)
+
+    def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):
+        """((params, state, batch), (logits, state)) shardings of the decode step (`rules.step_shardings`)."""
+        return rules.step_shardings(cfg, ccfg, self.mesh, all_logits, engram_host_table=engram_host_table)
+
+    def param_placement(self, cfg) -> dict:
+        """{checkpoint name: (padded shape, sharding)} of every parameter (`rules.param_shapes`)."""
+        return {n: (a.shape, a.sharding) for n, a in flatten_names(rules.param_shapes(cfg, self.mesh)).items()}
+
+    @staticmethod
+    def place_host(a, shape, sharding):
+        """A host array onto `sharding` as a global array of `shape` (`rules.place_host`)."""
+        return rules.place_host(a, shape, sharding)
+
+
+def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False,
+                  late_tail: Optional[int] = None):
+    """`model.decode.jitted_extend` for a `jax.sharding.Mesh` (or None): the step with its shardings."""
+    return dec.jitted_extend(cfg, ccfg, all_logits, MeshPlan.of(mesh), engram_host_table, late_tail=late_tail)
+
+
+def load_params(path: str, cfg=None, mesh=None, *, engram_host_table: bool = False, **kw) -> dict:
+    """`model.checkpoint.load_params` with every leaf placed straight onto its sharding on `mesh`
+    (`MeshPlan.param_placement`; None: the default device). engram_host_table: the Engram tables stay
+    on the host as `host_table.HostTable`s (never copied to a device)."""
+    params = checkpoint.load_params(path, cfg, MeshPlan.of(mesh), host_engram=engram_host_table, **kw)
+    return offload_engram(params) if engram_host_table else params
