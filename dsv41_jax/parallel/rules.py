@@ -246,7 +246,7 @@ def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False)
 
     def place(a, s):
         if isinstance(a, jax.Array) and a.shape == s.shape and a.sharding == s.sharding:
-            return a  # already on its sharding (e.g. `checkpoint.load_params(..., mesh)`)
+            return a  # already on its sharding (e.g. `plan.load_params(..., mesh)`)
         return place_host(np.asarray(a), s.shape, s.sharding)
 
     return jax.tree_util.tree_map(place, params, abstract)
