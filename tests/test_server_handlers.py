@@ -290,14 +290,23 @@ def test_completions_stop_string_and_n(client, rig, tok):
 
 
 def test_completions_stream_framing(client, rig, tok):
-    script(rig[0], tok, "abc def")
-    ev = events(client().post("/v1/completions", json={"prompt": "Q", "max_tokens": 30, "stream": True,
-                                                       "echo": True, "stream_options": {"include_usage": True}}))
+    """Streamed completions: the echo first, text deltas, one finish chunk, the usage chunk; streamed
+    logprobs (tokens, text offsets) equal the non-streamed ones."""
+    user = tok.token_to_id("<｜User｜>")
+    script(rig[0], tok, ["abc", user, " d好f"])
+    c = client()
+    ev = events(c.post("/v1/completions", json={"prompt": "Q", "max_tokens": 30, "stream": True,
+                                                "echo": True, "stream_options": {"include_usage": True}}))
     assert all(e["object"] == "text_completion" for e in ev)
     assert ev[0]["choices"][0]["text"] == "Q"  # the echo comes first
-    assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == "Qabc def"
+    assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == "Qabc d好f"
     assert ev[-2]["choices"][0]["finish_reason"] == "stop" and ev[-1]["choices"] == []
-    assert ev[-1]["usage"]["completion_tokens"] == len(tok.encode("abc def")) + 1
+    assert ev[-1]["usage"]["completion_tokens"] == len(tok.encode("abc d好f")) + 2
+    body = {"prompt": "Q", "max_tokens": 30, "logprobs": 1}
+    whole = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    parts = [e["choices"][0]["logprobs"] for e in events(c.post("/v1/completions", json={**body, "stream": True}))]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for p in parts if p for x in p[key]] == whole[key], key
 
 
 # ------------------------------------------------------------------------------------ errors
