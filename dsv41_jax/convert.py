@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 import zlib
@@ -51,7 +50,6 @@ BLOCK_BYTES = 16 << 20
 STATE_FILE = ".convert_state.json"
 MANIFEST_TMP = ".manifest.jsonl"
 MANIFEST = "conversion_manifest.jsonl"
-ABORT_ENV = "DSV41_CONVERT_TEST_ABORT_AFTER"  # test hook: SIGKILL self after N tensors written
 ORBAX_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".md")
 
@@ -512,7 +510,6 @@ def convert(plan: Plan, out: str, *, resume: bool = False, overwrite: bool = Fal
     skipped_bytes = sum(it.nbytes for it in keep)
     if skip:
         log(f"resuming: {len(skip)} of {len(plan.items)} tensors ({_human(skipped_bytes)}) already converted")
-    abort_after = int(os.environ.get(ABORT_ENV, "0") or 0)
     ctx = _ts_context()
     bar = Progress(plan.total_bytes, skipped_bytes, progress)
     fds: dict = {}
@@ -539,8 +536,6 @@ def convert(plan: Plan, out: str, *, resume: bool = False, overwrite: bool = Fal
                 done[it.key] = rec
                 written += 1
                 bar.update(it.nbytes)
-                if abort_after and written >= abort_after:
-                    os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like a killed process
             dur.maybe_sync(force=True)
     finally:
         bar.close()

@@ -185,9 +185,28 @@ def _tree_files(d):
     return out
 
 
+# The killed run: `convert.main` in a child process whose per-tensor durability hook (called once per
+# tensor, right after its manifest line is flushed) SIGKILLs the process after N tensors.
+_KILLED_AFTER = """
+import os, signal, sys
+from dsv41_jax import convert
+n, real, count = int(sys.argv[1]), convert._Durability.maybe_sync, [0]
+def maybe_sync(self, force=False):
+    real(self, force)
+    if not force:
+        count[0] += 1
+        if count[0] >= n:
+            os.kill(os.getpid(), signal.SIGKILL)
+convert._Durability.maybe_sync = maybe_sync
+sys.exit(convert.main(sys.argv[2:]))
+"""
+
+
 def test_killed_conversion_resumes_to_the_same_checkpoint(hf_dir, tmp_path, capsys):
     ref, killed = str(tmp_path / "ref"), str(tmp_path / "killed")
-    p_kill = cli("--hf-dir", hf_dir, "--out", killed, "--quiet", env={convert.ABORT_ENV: "400"}, wait=False)
+    p_kill = subprocess.Popen([sys.executable, "-c", _KILLED_AFTER, "400", "--hf-dir", hf_dir, "--out", killed,
+                               "--quiet"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     assert convert.main(["--hf-dir", hf_dir, "--out", ref, "--quiet"]) == 0  # uninterrupted, meanwhile
     assert "verified:" not in capsys.readouterr().out  # no read-back without --verify
     rc, _, err = finish(p_kill)

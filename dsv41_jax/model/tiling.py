@@ -79,11 +79,6 @@ def _itemsize(backend: str):
     return size
 
 
-def scoped_backend(backend: str = None) -> bool:
-    """Whether matmuls on this backend (default: the current one) are scoped and tiled."""
-    return bool(_itemsize(backend or jax.default_backend()))
-
-
 def n_tiles(n_rows: int, row_elems: int, align: int = 1, backend: str = None) -> int:
     """Row tiles for a weight of `n_rows` output rows x `row_elems` elements per row (0 = not scoped).
 

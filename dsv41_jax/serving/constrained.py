@@ -104,10 +104,6 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
-def _lark_regex_class_escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("/", "\\/")
-
-
 def _types_of(schema: Any) -> set[str]:
     """JSON types a (sub)schema admits, roughly ('any' when unknown)."""
     if not isinstance(schema, Mapping):

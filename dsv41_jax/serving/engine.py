@@ -161,10 +161,6 @@ class CacheLoads:
     def __exit__(self, *exc) -> None:
         monitoring.unregister_event_listener(self)
 
-# (old private names, kept for code that imported them)
-_Group, _Seq = Group, Seq
-
-
 class Engine:
     """The engine front (see the module docstring). Single-threaded: call `add_request`,
     `abort_request` and `step` from one thread (`AsyncEngine` runs it in a background thread).
