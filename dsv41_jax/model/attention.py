@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import HIGHEST, einsum_exact, is_exact, x64_scope
+from dsv41_jax.model.numerics import DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, x64_scope
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 
 
@@ -80,7 +80,7 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     out (a ring of W + T keys in decode, the whole sequence in the forward, masked entries anywhere).
     """
     if exact:
-        return _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt)
+        return _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, exact)
     hd = q.shape[-1]
     scale = hd ** -0.5
     low = fast and q.dtype == jnp.bfloat16 and win_kv.dtype == jnp.bfloat16 and comp_kv.dtype == jnp.bfloat16
@@ -107,20 +107,35 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
     return (num / denom[..., None]).astype(dt)
 
 
-def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt):
+def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, level=EXACT_SUMS):
     """`attend` in the exact / deterministic modes: the same formula, every sum in fp64 (see `attend`); in
-    the bf16 flow (deterministic bf16) the numerator's probabilities are rounded to bf16 as there."""
+    the bf16 flow (deterministic bf16) the numerator's probabilities are rounded to bf16 as there; at the
+    `numerics.DETERMINISTIC` level everything after the logits is fp64, rounded once."""
     hd = q.shape[-1]
     scale = hd ** -0.5
     lw = einsum_exact("bthd,bsd->bths", q, win_kv) * scale
     lw = jnp.where(win_mask[:, :, None, :], lw, -jnp.inf)
     lc = einsum_exact("bthd,btkd->bthk", q, comp_kv) * scale
     lc = jnp.where(comp_mask[:, :, None, :], lc, -jnp.inf)
+    num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
+    if level >= DETERMINISTIC:
+        # everything after the logits in fp64, rounded where the bf16 flow rounds (numerics module doc)
+        with x64_scope():
+            f64 = jnp.float64
+            lw, lc = lw.astype(f64), lc.astype(f64)
+            m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
+            m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+            pw, pc = jnp.exp(lw - m), jnp.exp(lc - m)
+            denom = jnp.sum(pw, axis=-1) + jnp.sum(pc, axis=-1) + jnp.exp(sink[None, None, :].astype(f64) - m[..., 0])
+            pw = pw.astype(jnp.float32).astype(num_dt).astype(f64)
+            pc = pc.astype(jnp.float32).astype(num_dt).astype(f64)
+            num = (jnp.einsum("bths,bsd->bthd", pw, win_kv.astype(f64), precision=HIGHEST)
+                   + jnp.einsum("bthk,btkd->bthd", pc, comp_kv.astype(f64), precision=HIGHEST))
+            return (num / denom[..., None]).astype(jnp.float32).astype(dt)
     m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
     pw = jnp.exp(lw - m)
     pc = jnp.exp(lc - m)
-    num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
     with x64_scope():
         f64 = jnp.float64
         denom = (jnp.sum(pw.astype(f64), axis=-1) + jnp.sum(pc.astype(f64), axis=-1)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import linear_bf16, linear_f32, softmax_f32, sum_f32
+from dsv41_jax.model.numerics import DETERMINISTIC, linear_bf16, linear_f32, softmax_f32, sum_f32, x64_scope
 from dsv41_jax.model.rope import apply_rope
 
 
@@ -32,10 +32,18 @@ def pool_groups(kv, score, p, eps, dt, exact: bool = False):
 
     kv, score: fp32 [..., r, hd] (score −inf where a slot of the group is absent). Returns the normed
     latent [..., hd] in `dt`. `exact`: the softmax's and the pooling's sums (and the norm's mean)
-    accumulate in fp64.
+    accumulate in fp64; at the deterministic level the softmax and the pooling are fp64 throughout.
     """
-    w = softmax_f32(score, -2, exact)
-    latent = sum_f32(w * kv, -2, exact).astype(dt)
+    if exact and exact >= DETERMINISTIC:
+        # softmax and pooled sum in fp64, rounded once (numerics module doc: no fusion-dependent fp32 step)
+        with x64_scope():
+            sc = score.astype(jnp.float64)
+            e = jnp.exp(sc - jnp.max(sc, axis=-2, keepdims=True))
+            w = e / jnp.sum(e, axis=-2, keepdims=True)
+            latent = jnp.sum(w * kv.astype(jnp.float64), axis=-2).astype(jnp.float32).astype(dt)
+    else:
+        w = softmax_f32(score, -2, exact)
+        latent = sum_f32(w * kv, -2, exact).astype(dt)
     return rmsnorm(latent, p["norm"]["weight"], eps, dt, exact)
 
 

@@ -46,6 +46,10 @@ on every backend (``is_exact`` is the one predicate the ops ask):
 * reductions over a model width (RMSNorm's mean, the Engram gate's dot and means, the compressor's
   pooling softmax and sum, attention's softmax denominator, the indexer's sum over heads) — fp64
   accumulation (`sum_f32`, `mean_f32`, `softmax_f32`), one rounding.
+* the exps of the softmaxes (attention's probabilities and sink, the compressor's pooling weights, the
+  sampler's normalisers) — fp64, rounded once (`exp_f32`: XLA:CPU computes an fp32 exp fused after a
+  subtraction by a shape-dependent code path, 1 ulp apart, which the next bf16 rounding amplifies).
+  The exact mode keeps its fp32 exps (and its recorded goldens); `is_exact` returns the level.
 * fixed-order reductions: the routed-expert combine (ascending expert id, left-to-right fp32 fold,
   `moe.combine_slots`; bitwise across ep shards, `parallel.collectives`), hc_pre / hc_post (static
   left-to-right over the n streams), the top-k weight normalisation over k terms.
@@ -78,16 +82,24 @@ def act_dtype(cfg):
     return jnp.bfloat16 if cfg.act_dtype == "bfloat16" else jnp.float32
 
 
-def is_exact(cfg) -> bool:
-    """Whether `cfg` accumulates its order-sensitive sums in fp64 (module docstring): the exact mode, or
-    the deterministic mode with any activation dtype."""
-    return cfg.act_dtype == "exact" or bool(getattr(cfg, "deterministic", False))
+# The levels `is_exact` returns (falsy = the fp32 sums of the bfloat16 / float32 modes).
+EXACT_SUMS = 1  # the exact mode: fp64-accumulated sums
+DETERMINISTIC = 2  # the deterministic mode: fp64 sums and fp64 exps (`exp_f32`)
+
+
+def is_exact(cfg) -> int:
+    """How `cfg` accumulates its order-sensitive sums (module docstring): 0 (fp32, the bfloat16 and float32
+    modes), `EXACT_SUMS` (fp64, the exact mode) or `DETERMINISTIC` (fp64 sums and exps, ``cfg.deterministic``
+    with any activation dtype). Truthy = fp64 sums; the ops take it as their ``exact`` argument."""
+    if getattr(cfg, "deterministic", False):
+        return DETERMINISTIC
+    return EXACT_SUMS if cfg.act_dtype == "exact" else 0
 
 
 def is_deterministic(cfg) -> bool:
-    """Whether `cfg`'s results are independent of batch, chunking, mesh and tiling (the exact mode or
-    ``deterministic``); the same predicate as `is_exact`, named for the serving side."""
-    return is_exact(cfg)
+    """Whether `cfg` runs the deterministic mode (``cfg.deterministic``): results independent of batch,
+    chunking, mesh and tiling bit for bit (the exact mode alone is so only to the last fp32 ulp)."""
+    return is_exact(cfg) == DETERMINISTIC
 
 
 def mode_name(cfg) -> str:
@@ -125,11 +137,26 @@ def mean_f32(x, axis, exact: bool = False, keepdims: bool = False):
         return (s / x.shape[axis]).astype(jnp.float32)
 
 
-def softmax_f32(x, axis, exact: bool = False):
-    """``jax.nn.softmax`` over ``axis``; with ``exact`` its denominator is summed in fp64 (`sum_f32`)."""
+def exp_f32(x, exact: int = 0):
+    """``jnp.exp`` of fp32 values; at the `DETERMINISTIC` level evaluated in fp64 and rounded once to fp32
+    (the exact mode keeps the fp32 exp its recorded goldens were made with). Why: XLA:CPU
+    evaluates an fp32 exp fused with the subtraction before it (softmax's ``exp(x - max)``) by a code path
+    that depends on the shape (measured: 27 of 2560 values 1 ulp apart between a [1, ...] and a [6, ...]
+    batch of the same rows), which the bf16 roundings after it turn into different activations; the
+    fp64 result rounds to the same fp32 whatever path computed it (unless it lies within an fp64 ulp of
+    an fp32 rounding boundary)."""
+    if not exact or exact < DETERMINISTIC:
+        return jnp.exp(x)
+    with x64_scope():
+        return jnp.exp(x.astype(jnp.float64)).astype(jnp.float32)
+
+
+def softmax_f32(x, axis, exact: int = 0):
+    """``jax.nn.softmax`` over ``axis``; with ``exact`` its denominator is summed in fp64 (`sum_f32`), at
+    the `DETERMINISTIC` level its exp is fp64 too (`exp_f32`)."""
     if not exact:
         return jax.nn.softmax(x, axis=axis)
-    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    e = exp_f32(x - jnp.max(x, axis=axis, keepdims=True), exact)
     return e / sum_f32(e, axis, True, keepdims=True)
 
 

@@ -99,7 +99,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.model.numerics import sum_f32, x64_scope
+from dsv41_jax.model.numerics import DETERMINISTIC, exp_f32, sum_f32, x64_scope
 
 __all__ = [
     "SAMPLING_EPS",
@@ -590,7 +590,7 @@ def _logsumexp(x, det: bool):
         return jax.nn.logsumexp(x, axis=-1, keepdims=True)
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    return m + jnp.log(sum_f32(jnp.exp(x - m), -1, True, keepdims=True))
+    return m + jnp.log(sum_f32(exp_f32(x - m, DETERMINISTIC), -1, True, keepdims=True))
 
 
 def log_softmax(x, det: bool = False):
@@ -600,14 +600,14 @@ def log_softmax(x, det: bool = False):
         return jax.nn.log_softmax(x, axis=-1)
     m = jnp.max(x, axis=-1, keepdims=True)
     shifted = x - jnp.where(jnp.isfinite(m), m, 0.0)
-    return shifted - jnp.log(sum_f32(jnp.exp(shifted), -1, True, keepdims=True))
+    return shifted - jnp.log(sum_f32(exp_f32(shifted, DETERMINISTIC), -1, True, keepdims=True))
 
 
 def _softmax(x, det: bool):
     """``jax.nn.softmax`` over the last axis; with `det` the denominator's sum is fp64."""
     if not det:
         return jax.nn.softmax(x, axis=-1)
-    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    e = exp_f32(x - jnp.max(x, axis=-1, keepdims=True), DETERMINISTIC)
     return e / sum_f32(e, -1, True, keepdims=True)
 
 
@@ -663,7 +663,7 @@ def _filter(x, top_k, top_p, min_p, det: bool = False):
                           lambda: jnp.where(_top_k_mask(x, k) | ~big[:, None], xk, _NEG_INF), lambda: xk)
         cv = jnp.where(keep_c, cv, _NEG_INF)  # candidates after top-k (big-k rows keep all C)
         # top-p on the renormalised top-k distribution
-        pc = jnp.exp(cv - _logsumexp(xk, det))
+        pc = exp_f32(cv - _logsumexp(xk, det), DETERMINISTIC if det else 0)
         excl = _cumsum(pc, det) - pc
         first = jnp.concatenate([jnp.ones((N, 1), bool), cv[:, 1:] != cv[:, :-1]], axis=-1)
         first_idx = jax.lax.cummax(jnp.where(first, rank, 0), axis=1)
