@@ -50,6 +50,12 @@ the device (``--weights random``, `random_stored_params`):
 
     python scripts/bench_decode.py --model flash --impls reference,xla --batches 1,64 --out b.json
     python scripts/bench_decode.py --part a --impls reference,xla --out a.json   # PNG: a.png
+    python scripts/bench_decode.py --part a --impls xla --numerics bfloat16,deterministic --out det.json
+
+``--numerics`` (part a): the numerics modes to time, each case run once per mode in the same process
+("bfloat16", "deterministic" = `ModelConfig.deterministic`, "float32", "exact"); with "bfloat16" and
+"deterministic" both given, the summary (and the JSON's ``deterministic_cost``) gives the deterministic
+step time over the bf16 one per (impl, batch, max_context, context).
 
 A progress line per case goes to stderr; the JSON (``--out``) holds every number, and the summary
 checks the batch-1 targets (matmul FLOPs <= 1.5x ideal, operand bytes <= 2.5x ideal,
@@ -374,8 +380,10 @@ def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_si
 
     from dsv41_jax.model import cache as kvc
     from dsv41_jax.model import decode
+    from dsv41_jax.model.numerics import mode_name
 
     c = cfg.replace(impl=impl)
+    numerics = mode_name(c)
     pages = max(1, max_context // page_size)
     live = [L for L in contexts if L <= max_context]
     if not live:
@@ -409,8 +417,8 @@ def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_si
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - t1)
         ms = 1e3 * float(np.median(times))
-        r = {"impl": impl, "batch": B, "context": L, "max_context": ccfg.max_context, "step_ms": ms,
-             "step_ms_min": 1e3 * min(times), "tokens_per_s": B / (ms / 1e3), "iters": iters,
+        r = {"impl": impl, "numerics": numerics, "batch": B, "context": L, "max_context": ccfg.max_context,
+             "step_ms": ms, "step_ms_min": 1e3 * min(times), "tokens_per_s": B / (ms / 1e3), "iters": iters,
              "weight_bytes_per_step": weight_bytes, "weight_GBps": weight_bytes / (ms / 1e3) / 1e9,
              "kernel_launches": launches["launches"], "launches_by_opcode": launches["by_opcode"],
              "whiles_without_trip_count": launches["whiles_without_trip_count"]}
@@ -514,7 +522,7 @@ def _part_a_params(cfg, weights: str = "init"):
 
     from dsv41_jax.model.params import init_params
 
-    key = (cfg.replace(impl="auto"), weights)
+    key = (cfg.replace(impl="auto", deterministic=False), weights)
     if key not in _PARAMS:
         _PARAMS.clear()  # one model at a time (a flash cut fills much of a device)
         _PARAMS[key] = random_stored_params(cfg) if weights == "random" else init_params(cfg, jax.random.key(0))
@@ -558,6 +566,7 @@ def run_part_a(args) -> dict:
     from dsv41_jax.model import ModelConfig
 
     cfg = _config(args)
+    modes = [m for m in args.numerics.split(",") if m] if args.numerics else [None]
     load0 = os.getloadavg()
     gpu = jax.default_backend() == "gpu"
     copy_bps = copy_bandwidth(1 << 31 if gpu else 1 << 26)
@@ -566,21 +575,55 @@ def run_part_a(args) -> dict:
     for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
         for mc in _ints(args.max_contexts):
             for B in _ints(args.batches):
-                for r in real_cases(cfg, impl, B, mc, _ints(args.contexts), args.page_size, args.iters,
-                                    args.weights, copy_bps):
-                    cases.append(r)
-                    log(f"[a] impl={impl:<9} B={B:<3} max_context={mc:<6} context={r['context']:<5} "
-                        f"step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  weights "
-                        f"{r['weight_GBps']:7.1f} GB/s ({100 * r['frac_copy_bandwidth']:.0f}% of copy)  "
-                        f"{r['kernel_launches']} launches"
-                        + (f"  (compile+first {r['compile_and_first_step_s']:.1f}s)"
-                           if "compile_and_first_step_s" in r else ""))
-    return {"part": "a", "model": args.model, "keep_layers": args.keep_layers, "weights": args.weights,
-            "act_dtype": cfg.act_dtype, "jax": jax.__version__, "backend": jax.default_backend(),
-            "device": jax.devices()[0].device_kind, "copy_bandwidth_GBps": copy_bps / 1e9,
-            "host": platform.node(), "cpu_count": os.cpu_count(),
-            "loadavg_before": load0, "loadavg_after": os.getloadavg(), "page_size": args.page_size,
-            "cases": cases}
+                for mode in modes:  # the modes of one (impl, B) back to back: comparable machine load
+                    cm = cfg if mode is None else _with_numerics(cfg, mode)
+                    for r in real_cases(cm, impl, B, mc, _ints(args.contexts), args.page_size, args.iters,
+                                        args.weights, copy_bps):
+                        cases.append(r)
+                        log(f"[a] impl={impl:<9} {r['numerics']:<22} B={B:<3} max_context={mc:<6} "
+                            f"context={r['context']:<5} step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  "
+                            f"weights {r['weight_GBps']:7.1f} GB/s ({100 * r['frac_copy_bandwidth']:.0f}% of copy)  "
+                            f"{r['kernel_launches']} launches"
+                            + (f"  (compile+first {r['compile_and_first_step_s']:.1f}s)"
+                               if "compile_and_first_step_s" in r else ""))
+    doc = {"part": "a", "model": args.model, "keep_layers": args.keep_layers, "weights": args.weights,
+           "act_dtype": cfg.act_dtype, "jax": jax.__version__, "backend": jax.default_backend(),
+           "device": jax.devices()[0].device_kind, "copy_bandwidth_GBps": copy_bps / 1e9,
+           "host": platform.node(), "cpu_count": os.cpu_count(),
+           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "page_size": args.page_size,
+           "cases": cases}
+    cost = deterministic_cost(cases)
+    if cost:
+        doc["deterministic_cost"] = cost
+        for c in cost:
+            log(f"[a] deterministic / bf16: impl={c['impl']:<9} B={c['batch']:<3} max_context={c['max_context']:<6} "
+                f"context={c['context']:<5} step x{c['step_ratio']:.2f}")
+    return doc
+
+
+NUMERICS = ("bfloat16", "deterministic", "float32", "exact")
+
+
+def _with_numerics(cfg, mode: str):
+    """`cfg` in one of `NUMERICS` ("deterministic": the bf16 flow with ``deterministic=True``)."""
+    if mode not in NUMERICS:
+        raise SystemExit(f"--numerics: {mode!r} is not one of {', '.join(NUMERICS)}")
+    if mode == "deterministic":
+        return cfg.replace(act_dtype="bfloat16", deterministic=True)
+    return cfg.replace(act_dtype=mode, deterministic=False)
+
+
+def deterministic_cost(cases: list) -> list:
+    """Per (impl, batch, max_context, context) timed in both the bf16 and the deterministic bf16 mode:
+    the deterministic step time over the bf16 one."""
+    by = {(r["impl"], r["batch"], r["max_context"], r["context"], r["numerics"]): r for r in cases}
+    out = []
+    for (impl, B, mc, L, mode), r in by.items():
+        d = by.get((impl, B, mc, L, "bfloat16+deterministic"))
+        if mode == "bfloat16" and d is not None:
+            out.append({"impl": impl, "batch": B, "max_context": mc, "context": L, "bf16_ms": r["step_ms"],
+                        "deterministic_ms": d["step_ms"], "step_ratio": d["step_ms"] / r["step_ms"]})
+    return out
 
 
 def _config(args):
@@ -613,6 +656,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="(a) PNG path (default: the JSON path with .png)")
     ap.add_argument("--page-size", type=int, default=None, help="default 256 for b, 64 for a")
     ap.add_argument("--act-dtype", default=None, help="override ModelConfig.act_dtype")
+    ap.add_argument("--numerics", default=None,
+                    help="(a) comma-separated numerics modes to time per case: " + ", ".join(NUMERICS)
+                         + " (default: the config's); bfloat16,deterministic reports the mode's cost")
     ap.add_argument("--no-layer-scan", action="store_true",
                     help="(b) ModelConfig.layer_scan=False: the unrolled layer loop (default: scan runs of layers)")
     ap.add_argument("--no-compile", action="store_true", help="jaxpr counts only (no XLA compile/memory)")

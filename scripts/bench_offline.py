@@ -21,6 +21,13 @@ through the scheduler, ``--repeats`` times (the best run is kept). Reported per 
 
 The JSON holds every number; the PNG plots decode / prefill tok/s and step time against b. The
 summary line reports decode throughput at 16 over that at 1 when both were measured.
+
+``--compare-deterministic``: after the runs above (with the engine flags as given, deterministic mode
+off), a second engine with ``--enable-deterministic-inference`` runs the same batch sizes with the same
+prompts in the same process, and the JSON's ``deterministic`` block holds its results and, per batch
+size, its cost: decode tok/s and decode step time relative to the first engine's.
+
+    python scripts/bench_offline.py --model tiny --batch-sizes 1,16,64 --compare-deterministic --out det.json
 """
 
 from __future__ import annotations
@@ -133,6 +140,30 @@ def plot(results: list, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _measure(args, ns):
+    """Build one engine (`LLM`) from `args` and run every batch size: (llm, build_s, compilations, results)."""
+    from dsv41_jax.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**vars(args))
+    build_s = time.perf_counter() - t0
+    n_comp = llm.engine.num_compilations()
+    results = []
+    for b in ns.batch_sizes:
+        best = None
+        for rep in range(max(1, ns.repeats)):
+            r = bench_one(llm, b, ns.input_len, ns.output_len, args.random_seed + 1000 * rep)
+            if best is None or r["wall_s"] < best["wall_s"]:
+                best = r
+        results.append(best)
+        logging.info("batch %3d: decode %.1f tok/s, prefill %.1f tok/s, output %.1f tok/s, decode step %.2f ms%s",
+                     b, best["decode_tok_s"] or 0, best["prefill_tok_s"] or 0, best["output_tok_s"],
+                     best["mean_decode_step_ms"] or 0,
+                     "" if best["spec_accept_length"] is None else
+                     f", accept length {best['spec_accept_length']:.2f} (rate {best['spec_accept_rate']:.2f})")
+    return llm, build_s, n_comp, results
+
+
 def main(argv=None) -> dict:
     from dsv41_jax.serving.engine_args import EngineArgs
 
@@ -145,6 +176,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench_offline.json", help="JSON output path")
     ap.add_argument("--plot", default=None, help="PNG plot path (default: the JSON path with .png)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    ap.add_argument("--compare-deterministic", action="store_true",
+                    help="also run the batch sizes with --enable-deterministic-inference and report its cost")
     EngineArgs.add_cli_args(ap)
     ap.set_defaults(max_running_requests=None, chunked_prefill_size=None, context_length=None)
     ns = ap.parse_args(argv)
@@ -165,26 +198,11 @@ def main(argv=None) -> dict:
 
     import jax
 
-    from dsv41_jax.llm import LLM
-
-    t0 = time.perf_counter()
-    llm = LLM(**vars(args))
+    if args.enable_deterministic_inference and ns.compare_deterministic:
+        ap.error("--compare-deterministic compares against the engine flags as given: drop "
+                 "--enable-deterministic-inference")
+    llm, build_s, n_comp, results = _measure(args, ns)
     eng = llm.engine
-    build_s = time.perf_counter() - t0
-    n_comp = eng.num_compilations()
-    results = []
-    for b in ns.batch_sizes:
-        best = None
-        for rep in range(max(1, ns.repeats)):
-            r = bench_one(llm, b, ns.input_len, ns.output_len, args.random_seed + 1000 * rep)
-            if best is None or r["wall_s"] < best["wall_s"]:
-                best = r
-        results.append(best)
-        logging.info("batch %3d: decode %.1f tok/s, prefill %.1f tok/s, output %.1f tok/s, decode step %.2f ms%s",
-                     b, best["decode_tok_s"] or 0, best["prefill_tok_s"] or 0, best["output_tok_s"],
-                     best["mean_decode_step_ms"] or 0,
-                     "" if best["spec_accept_length"] is None else
-                     f", accept length {best['spec_accept_length']:.2f} (rate {best['spec_accept_rate']:.2f})")
     by_b = {r["batch_size"]: r for r in results}
     scaling = None
     if 1 in by_b and 16 in by_b and by_b[1]["decode_tok_s"]:
@@ -199,13 +217,28 @@ def main(argv=None) -> dict:
         "num_compilations": n_comp, "compilations_during_runs": eng.num_compilations() - n_comp,
         "decode_scaling_16_over_1": scaling, "results": results,
     }
+    if ns.compare_deterministic:
+        del llm, eng
+        dargs = args.replace(enable_deterministic_inference=True)
+        dllm, dbuild_s, _, dres = _measure(dargs, ns)
+        cost = {}
+        for r, d in zip(results, dres):
+            c = cost[r["batch_size"]] = {
+                "decode_tok_s_ratio": (d["decode_tok_s"] / r["decode_tok_s"]) if r["decode_tok_s"] else None,
+                "decode_step_ms_ratio": (d["mean_decode_step_ms"] / r["mean_decode_step_ms"])
+                if r["mean_decode_step_ms"] else None}
+            logging.info("batch %3d: deterministic decode %.1f tok/s vs %.1f (x%.2f), step %.2f ms vs %.2f ms",
+                         r["batch_size"], d["decode_tok_s"] or 0, r["decode_tok_s"] or 0,
+                         c["decode_tok_s_ratio"] or 0, d["mean_decode_step_ms"] or 0, r["mean_decode_step_ms"] or 0)
+        report["deterministic"] = {"build_s": dbuild_s, "compile_time_s": dllm.engine.warmup_time,
+                                   "results": dres, "cost": cost}
     os.makedirs(os.path.dirname(os.path.abspath(ns.out)) or ".", exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump(report, f, indent=2)
     png = ns.plot or os.path.splitext(ns.out)[0] + ".png"
     plot(results, png, f"{args.model} ({report['device']}, dtype {args.dtype}), in {ns.input_len} / out "
                        f"{ns.output_len}")
-    msg = f"wrote {ns.out} and {png}; compile {eng.warmup_time:.1f}s ({n_comp} compilations, " \
+    msg = f"wrote {ns.out} and {png}; compile {report['compile_time_s']:.1f}s ({n_comp} compilations, " \
           f"{report['compilations_during_runs']} during runs)"
     if scaling is not None:
         msg += f"; decode throughput at 16 / at 1 = {scaling:.2f}x"

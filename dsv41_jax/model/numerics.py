@@ -46,10 +46,14 @@ on every backend (``is_exact`` is the one predicate the ops ask):
 * reductions over a model width (RMSNorm's mean, the Engram gate's dot and means, the compressor's
   pooling softmax and sum, attention's softmax denominator, the indexer's sum over heads) — fp64
   accumulation (`sum_f32`, `mean_f32`, `softmax_f32`), one rounding.
-* the exps of the softmaxes (attention's probabilities and sink, the compressor's pooling weights, the
-  sampler's normalisers) — fp64, rounded once (`exp_f32`: XLA:CPU computes an fp32 exp fused after a
-  subtraction by a shape-dependent code path, 1 ulp apart, which the next bf16 rounding amplifies).
-  The exact mode keeps its fp32 exps (and its recorded goldens); `is_exact` returns the level.
+* elementwise chains whose fp32 evaluation XLA:CPU varies with the fusion it lands in (and so with the
+  batch shape: measured, a micro forward at batch 1 and at batch 6 parted at layer 1's compressor, one
+  fp32 ulp that the next bf16 rounding made 4 bf16 ulps and a later top-k choice): RMSNorm, the
+  compressor's pooling softmax and sum, attention's softmax after the logits (probabilities rounded to
+  bf16 for the numerator as in the bf16 flow) and the sampler's exps — evaluated in fp64 and rounded
+  once where the bf16 mode rounds (`exp_f32`, `norm.rmsnorm`, `compressor.pool_groups`,
+  `attention._attend_exact`). The exact mode keeps its fp32 versions (and its recorded goldens);
+  `is_exact` returns which level runs.
 * fixed-order reductions: the routed-expert combine (ascending expert id, left-to-right fp32 fold,
   `moe.combine_slots`; bitwise across ep shards, `parallel.collectives`), hc_pre / hc_post (static
   left-to-right over the n streams), the top-k weight normalisation over k terms.

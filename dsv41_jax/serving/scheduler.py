@@ -379,7 +379,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ DSpark
     def _may_speculate(self, s: Seq) -> bool:
-        """The request's own reasons allow DSpark rows (see `can_speculate`)."""
+        """The request's own reasons allow DSpark rows (see `can_speculate`). In the deterministic mode only
+        greedy rows speculate: a sampled row's draws differ between a DSpark step and a plain one, and
+        whether it can speculate at a step (host-known anchor) depends on the rest of the batch."""
+        if getattr(self.runner, "deterministic", False) and not s.params.greedy:
+            return False
         return (s.constraint is None or hasattr(s.constraint, "clone")) and s.params.logprobs is None
 
     def can_speculate(self, s: Seq) -> bool:
