@@ -32,6 +32,7 @@ from dsv41_jax.model.config import ConfigError, ModelConfig
 from dsv41_jax.model.numerics import act_dtype, is_exact, mode_name
 from dsv41_jax.model.params import init_params
 from dsv41_jax.serving import sampling as smp
+from dsv41_jax.serving import speculator as spr
 from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
@@ -167,11 +168,11 @@ def test_engine_mixed_equals_alone(det_eng, mixed_ref):
 
 def test_dspark_mixed_equals_plain_alone(det_eng, mixed_ref):
     """DSpark on (γ = 3, micro's one stage; batch bucket 4, 16-token chunks), the mixed set without
-    logprobs, all greedy but one seeded sampled row: the greedy rows speculate, with an oracle draft (the test-only ``runner.draft_hook``)
-    proposing their tokens with a wrong one at a per-row, per-step position, so rows of one verify window
-    accept different lengths; the sampled rows decode plainly in this mode (`Scheduler._may_speculate`:
-    their draws would depend on when the batch let them speculate). Every sample's tokens are the plain
-    engine's alone."""
+    logprobs, all greedy but one seeded sampled row: the greedy rows speculate, with an oracle draft (a
+    test-only `speculator.DSparkSpeculator` whose `fixed_drafts` the oracle answers) proposing their tokens
+    with a wrong one at a per-row, per-step position, so rows of one verify window accept different
+    lengths; the sampled row decodes plainly in this mode (`Scheduler._may_speculate`: its draws would
+    depend on when the batch let it speculate). Every sample's tokens are the plain engine's alone."""
     prompts, sps, *_ = mixed_ref
     sps = [sp if i == 1 else SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True)
            for i, sp in enumerate(sps)]
@@ -196,7 +197,14 @@ def test_dspark_mixed_equals_plain_alone(det_eng, mixed_ref):
                 out[b, k] = (want[k] + 1) % eng.vocab_size
         return out
 
-    eng.runner.draft_hook = oracle
+    class Oracle(spr.DSparkSpeculator):
+        def __init__(self, base):
+            self.__dict__.update(base.__dict__)
+
+        def fixed_drafts(self, L):
+            return oracle(L)
+
+    eng.runner.speculator = Oracle(eng.runner.speculator)
     for rid, p, sp in zip(rids, prompts, sps):
         eng.add_request(rid, p, sp.replace(logprobs=None))
     outs = {o.request_id: o for o in eng.run_until_done()}
