@@ -222,7 +222,8 @@ def test_sinkhorn_loop_on_cpu_unrolled_elsewhere(tiny_cfg, tiny_params):
     """The policy: the "xla" mixes keep Sinkhorn's fori_loop on CPU (compile time) and unroll it on
     GPU/TPU; the traced CPU program really has the loop and the unrolled one has none."""
     assert not mhc.sinkhorn_unrolled_on("cpu")
-    assert mhc.sinkhorn_unrolled_on("gpu") and mhc.sinkhorn_unrolled_on("tpu")
+    assert not mhc.sinkhorn_unrolled_on("gpu")  # its compile time grows ~quadratically with iterations
+    assert mhc.sinkhorn_unrolled_on("tpu")
     lp = tiny_params["layers"][3]
     h = jnp.zeros((1, 2, tiny_cfg.hc_mult, tiny_cfg.hidden_size), jnp.bfloat16)
     args = (h, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"], tiny_cfg.replace(impl="xla"))

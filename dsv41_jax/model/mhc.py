@@ -186,7 +186,14 @@ def sublayer_mixes(h, fn, base, scale, cfg):
 # x 10 layers fuse into chains that XLA duplicates per consumer — 138K optimized HLO lines, 27.2 CPU-s
 # to compile, 28.4 ms a run; as the fori_loop 50K lines, 18.5 CPU-s, 16.2 ms. A CPU runs the loop's
 # tiny steps without a launch or a sync each, so there the fusion costs more than it saves.
-SINKHORN_LOOP_BACKENDS = ("cpu",)
+# On XLA:GPU (sm_90, compiled on a CPU machine for a compile-only H200: scripts/aot_flash.py
+# --gpu-target; research/gpu_compile_probe.py) the unrolled form is worse: priority fusion's time
+# grows ~quadratically with the unrolled iterations — one tiny `hc_mixes` compiles in 2.0 / 7.5 / 25 /
+# 88 s at 3 / 6 / 10 / 20 iterations, against 1.1 s as the loop — so a model with two mHC entries per
+# layer never finished compiling (the tiny forward on an H200 was killed after ~190 s). The GPU runs the
+# loop (iters-1 small steps per sublayer) or the Pallas mhc kernel (`mhc=pallas`), which runs the whole
+# Sinkhorn in registers.
+SINKHORN_LOOP_BACKENDS = ("cpu", "gpu")
 
 
 @functools.lru_cache(maxsize=None)
