@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     flags = a.engine_flags[1:] if a.engine_flags[:1] == ["--"] else a.engine_flags
     dep = LocalDeployment(log_dir=a.log_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the deployment on SIGTERM too (finally below)
     results = {}
     try:
         dep.start_worker("worker0", flags)
