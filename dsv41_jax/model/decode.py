@@ -32,7 +32,8 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, tiling
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype, is_exact
-from dsv41_jax.model.transformer import block, embed_streams, final_logits, initial_pre, new_aux, scan_blocks
+from dsv41_jax.model.transformer import (block, embed_streams, final_logits, initial_pre, new_aux, record,
+                                         scan_blocks)
 
 
 def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
@@ -108,9 +109,19 @@ def _pool_index(page_table, slots_j, ratio, page_size):
     return indexer.pool_index(page_table, slots_j, ratio, page_size)
 
 
-def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend):
-    """The attention sublayer of one layer against the cache. Updates `st` and `pend` (trace-time
-    dicts) in place.
+def _with(container, key, value):
+    """A copy of a dict or list with ``[key] = value`` (the argument itself is not modified)."""
+    if isinstance(container, dict):
+        return {**container, key: value}
+    out = list(container)
+    out[key] = value
+    return out
+
+
+def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend):
+    """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec,
+    pend'), the primed values being the arguments with this layer's writes (new dicts: nothing passed
+    in is modified) and rec its aux record (`transformer.record`).
 
     Completed compressed groups and index keys are written to `st` before they are read (this chunk's
     later queries see them); the window codes and the partial-group buffers only go to `pend`, and
@@ -130,39 +141,43 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     qr, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
     win_codes = kvc.encode("win", mode, kv_rot)
     ring = st["window"][lid]
-    pend["window"][lid] = win_codes
+    pend = dict(pend, window=_with(pend["window"], lid, win_codes))
     r = plan.compress_ratio
-    comp, sel = None, None
+    comp, sel, rec = None, None, {}
     if r > 0:
         if plan.is_kv_source:
             key = str(lid)
             latent, j, complete, buf = _compress_chunk(
                 p["compressor"], x, batch, positions, valid, st["partial"].get(key), r, cfg, dt)
             if buf is not None:
-                pend["partial"][key] = buf
+                pend["partial"] = _with(pend["partial"], key, buf)
             oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
             dest = jnp.where(complete, _pool_index(pt, j, r, ps), oob)
             saved = None
             if pend["restore"] is not None:
-                saved = pend["restore"][key] = {"dest": dest, "last": j * r + r - 1,
-                                                "comp": kvc.store_get(st["comp"][key], dest)}
+                saved = {"dest": dest, "last": j * r + r - 1, "comp": kvc.store_get(st["comp"][key], dest)}
             rot = compressor.compressed_rot(latent, j * r, freqs, dt)
-            st["comp"][key] = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
+            written = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
+            st = dict(st, comp=_with(st["comp"], key, written))
             if key in st["ikeys"]:
                 if saved is not None:
                     saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
                 krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
-                st["ikeys"][key] = kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))
+                st["ikeys"] = _with(st["ikeys"], key, kvc.store_set(st["ikeys"][key], dest,
+                                                                    kvc.encode("ikey", mode, krot)))
+            if saved is not None:
+                pend["restore"] = _with(pend["restore"], key, saved)
         if plan.is_index_source:
-            indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, st["ikeys"][str(plan.key_owner)],
-                             pt, page_size=ps, mode=mode, cfg=cfg, dt=dt, retrieval_block=ccfg.retrieval_block)
+            ctx, rec = indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx,
+                                        st["ikeys"][str(plan.key_owner)], pt, page_size=ps, mode=mode, cfg=cfg, dt=dt,
+                                        retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = st["comp"][str(plan.kv_source)]
     o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
                                   window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
                                   exact=is_exact(cfg), key_lo=batch.get("key_lo"))
-    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
+    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
 
 
 def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend,
@@ -171,7 +186,8 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
     store) as one scan. Each layer's window ring is read only at this batch's rows, so those rows
     ([n, B, W, ...], a few KiB per row and layer) are gathered before the scan and scanned over with
     the stacked params; the body is `attention_cached` on them (ring rows 0..B-1). The window codes
-    each layer leaves for `commit` come back stacked and go to ``pend["window"]`` per layer."""
+    each layer leaves for `commit` come back stacked and go to ``pend["window"]`` per layer. Returns
+    (h, pre, aux', pend') (new dicts)."""
     lid = plan.layer_id
     B = batch["tokens"].shape[0]
     # (plain stack, in the codes' own dtypes: these are a few rows, not weights)
@@ -179,24 +195,28 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
         jax.tree_util.tree_map(lambda a: a[batch["slot"]], st["window"][i]) for i in range(first, first + n)])
     rows_batch = dict(batch, slot=jnp.arange(B, dtype=jnp.int32))
 
-    def attn_run(p, x, ring, out):
+    def attn_run(p, x, ring):
         st_l = {"window": {lid: ring}, "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
         pend_l = {"window": {}, "partial": {}, "restore": None}
-        y = attention_cached(p, x, plan, st_l, ctx, rows_batch, positions, valid, cfg, ccfg, dt, new_aux(), pend_l)
-        out["window"] = pend_l["window"][lid]
-        return y
+        y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, rows_batch, positions, valid,
+                                                             cfg, ccfg, dt, pend_l)
+        if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out["partial"]:
+            raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
+        return y, {"window": pend_out["window"][lid]}
 
-    h, pre, outs = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
-                               cfg.num_experts_per_tok, attn_run, xs=rings, par=par)
+    h, pre, aux, outs = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
+                                    cfg.num_experts_per_tok, attn_run, xs=rings, par=par)
+    window = list(pend["window"])
     for k in range(n):
-        pend["window"][first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
-    return h, pre
+        window[first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
+    return h, pre, aux, dict(pend, window=window)
 
 
 def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
                 par, cols=None):
     """The layers of `runs` ((first, n) from `layer_scan.layer_runs`, in order) on h [B, T', n, D] /
-    pre fp32 [B, T', n]: returns (h, pre). Updates st / ctx / aux / pend in place.
+    pre fp32 [B, T', n]: returns (h, pre, st, ctx, aux, pend), the last four with the layers' writes
+    (new dicts; the arguments are not modified).
 
     positions / valid [B, T'] belong to the rows of h. tokens int32 [B, T] are the chunk's tokens (the
     Engram hashes need each token's predecessors); cols int32 [B, T'] (SWA bounded replay's late
@@ -206,8 +226,8 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
     for i, n in runs:
         plan = cfg.layer_plan(i)
         if n > 1:
-            h, pre = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt,
-                                      aux, pend, par)
+            h, pre, aux, pend = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg,
+                                                 ccfg, dt, aux, pend, par)
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None
@@ -216,29 +236,29 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
             if cols is not None:
                 rows = jnp.take_along_axis(rows, cols[:, :, None], axis=1)
 
-        def attn_fn(x, lp=lp, plan=plan):
-            return attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend)
+        def attn_fn(x, lp=lp, plan=plan, st=st, ctx=ctx, pend=pend):
+            y, *out = attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend)
+            return y, out
 
-        h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, par=par)
-    return h, pre
+        h, pre, rec, (st, ctx, arec, pend) = block(lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
+                                                   par=par)
+        aux = record(aux, i, rec, arec)
+    return h, pre, st, ctx, aux, pend
 
 
 def _step_setup(state, batch, cfg, restore: bool):
     """What every cached step starts from: (act dtype, tokens int32 [B, T], positions int32 [B, T],
-    valid bool [B, T], a shallow copy of the cache whose per-layer containers the step may rebind,
-    the empty `pending` record (restore data kept iff `restore`), the Engram history or None)."""
+    valid bool [B, T], the cache (the layers return new containers with their writes; it is never
+    modified), the empty `pending` record (restore data kept iff `restore`), the Engram history or None)."""
     dt = act_dtype(cfg)
     tokens = batch["tokens"].astype(jnp.int32)
     T = tokens.shape[1]
     start, n_new = batch["start"], batch["n_new"]
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T)[None, :] < n_new[:, None]
-    st = dict(state)
-    st.update({"window": list(state["window"]), "comp": dict(state["comp"]), "ikeys": dict(state["ikeys"]),
-               "partial": dict(state["partial"])})
     pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
             "restore": {} if restore else None}
-    return dt, tokens, positions, valid, st, pend, state.get("engram_hist")
+    return dt, tokens, positions, valid, state, pend, state.get("engram_hist")
 
 
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
@@ -266,9 +286,8 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
         h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
-        aux = new_aux()
-        h, pre = _run_layers(params, layer_scan.layer_runs(cfg), h, pre, st, ctx, batch, positions, valid, tokens,
-                             hist, cfg, ccfg, dt, aux, pend, par)
+        h, pre, st, ctx, aux, pend = _run_layers(params, layer_scan.layer_runs(cfg), h, pre, st, ctx, batch, positions,
+                                                 valid, tokens, hist, cfg, ccfg, dt, new_aux(), pend, par)
         if not all_logits:
             last = jnp.maximum(n_new - 1, 0)
             h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
@@ -277,9 +296,8 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
         if not all_logits:
             logits = logits[:, 0]
         if hist is not None:
-            pend["engram_ids"] = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
-        aux["hidden"] = x
-        return logits, st, pend, aux
+            pend = dict(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
+        return logits, st, pend, dict(aux, hidden=x)
 
 
 def commit(st, pending, batch, n_commit, cfg):
@@ -412,10 +430,9 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
         h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
-        aux = new_aux()
         early, late = split_runs(cfg)
-        h, pre = _run_layers(params, early, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt,
-                             aux, pend, par)
+        h, pre, st, ctx, aux, pend = _run_layers(params, early, h, pre, st, ctx, batch, positions, valid, tokens,
+                                                 hist, cfg, ccfg, dt, new_aux(), pend, par)
         # the late sub-batch: each row's tail tokens, gathered to [B, tail]
         tail = min(T, late_tail)
         cols, count = tail_columns(start, n_new, batch["tail_lo"], tail)
@@ -423,21 +440,20 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
         sub_pos = start[:, None] + cols
         sub_valid = jnp.arange(tail)[None, :] < count[:, None]
         h, pre = _gather_cols(h, colc), _gather_cols(pre, colc)
-        ctx["topk"] = {k: _gather_cols(v, colc) for k, v in ctx["topk"].items()}
-        if ctx["cand"] is not None:
-            ctx["cand"] = _gather_cols(ctx["cand"], colc)
+        ctx = {"topk": {k: _gather_cols(v, colc) for k, v in ctx["topk"].items()},
+               "cand": None if ctx["cand"] is None else _gather_cols(ctx["cand"], colc)}
         # `start` stays the chunk's: the ring holds positions < start (window_keys places its entries by it)
         sub_batch = dict(batch, n_new=count, key_lo=batch["tail_lo"])
         late_pend = {"window": [None] * cfg.num_hidden_layers, "partial": {}, "restore": None}
-        h, pre = _run_layers(params, late, h, pre, st, ctx, sub_batch, sub_pos, sub_valid, tokens, hist, cfg, ccfg,
-                             dt, aux, late_pend, par, cols=colc)
+        h, pre, st, ctx, aux, late_pend = _run_layers(params, late, h, pre, st, ctx, sub_batch, sub_pos, sub_valid,
+                                                      tokens, hist, cfg, ccfg, dt, aux, late_pend, par, cols=colc)
         last = jnp.maximum(count - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
         pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
         logits, _ = final_logits(params, h, pre, cfg, dt)
         logits = jnp.where(count[:, None] > 0, logits[:, 0], 0.0)
         if hist is not None:
-            pend["engram_ids"] = compressed_ids(cfg, params["derived"]["engram_token_map"], tokens)
+            pend = dict(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
         new_state = commit(st, pend, batch, n_new, cfg)
         rings = list(new_state["window"])
         for f, n in late:
@@ -446,8 +462,7 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
                                            cfg.sliding_window)
         new_state["window"] = rings
         if return_aux:
-            aux.update(late_tokens=count, late_cols=cols)
-            return logits, new_state, aux
+            return logits, new_state, dict(aux, late_tokens=count, late_cols=cols)
         return logits, new_state
 
 

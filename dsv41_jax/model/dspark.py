@@ -38,7 +38,7 @@ from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.rope import apply_rope
-from dsv41_jax.model.transformer import block, embed_streams, initial_pre, new_aux
+from dsv41_jax.model.transformer import block, embed_streams, initial_pre
 
 
 def _require(cfg):
@@ -179,9 +179,9 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
         plan = _stage_plan(cfg, s)
 
         def attn_fn(x, sp=sp, ring=rings[s], plan=plan):
-            return _draft_attention(sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt)
+            return _draft_attention(sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt), None
 
-        h, pre = block(sp, h, pre, plan, cfg, dt, new_aux(), cfg.dspark_num_experts_per_tok, attn_fn)
+        h, pre, _, _ = block(sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn)
     last = params["mtp"][-1]
     x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
     base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"], cfg,

@@ -327,7 +327,7 @@ def _topk_xla(q, w, ikeys, page_table, visible, *, ratio, page_size, mode, k, kb
     return sel, cand
 
 
-def retrieve(p, qr, x, positions, freqs, plan, ctx, aux, ikeys, page_table, *, page_size: int, mode: str,
+def retrieve(p, qr, x, positions, freqs, plan, ctx, ikeys, page_table, *, page_size: int, mode: str,
              cfg, dt, retrieval_block: int = RETRIEVAL_BLOCK):
     """Index selection of an index-source layer: the one routine `forward` and the cached path share.
 
@@ -335,9 +335,10 @@ def retrieve(p, qr, x, positions, freqs, plan, ctx, aux, ikeys, page_table, *, p
     sublayer input; positions int32 [B, T]; freqs its RoPE frequencies; ikeys / page_table: the key
     owner's stored index-key codes and the page table addressing them (see `topk`). Index query →
     scores → (candidate blocks at the candidate source; candidate mask at layers past it) → top-k.
-    Writes ctx["topk"][layer] (int32 [B, T, k']) and, at the candidate source, ctx["cand"] (block ids
-    [B, T, kb]); aux gets the same top-k and the candidate *mask* bool [B, T, S] (for tests/tools;
-    dead code under jit unless returned).
+    Returns (ctx', rec): ctx' is `ctx` (not modified) with ctx'["topk"][layer] (int32 [B, T, k']) and, at
+    the candidate source, ctx'["cand"] (block ids [B, T, kb]); rec is the layer's record for the
+    forward's aux: {"topk": the same top-k[, "cand": the candidate *mask* bool [B, T, S]]} (for
+    tests/tools; dead code under jit unless returned).
     """
     lid, r = plan.layer_id, plan.compress_ratio
     visible = (positions + 1) // r
@@ -347,9 +348,10 @@ def retrieve(p, qr, x, positions, freqs, plan, ctx, aux, ikeys, page_table, *, p
                      make_candidates=plan.is_candidate_source, block_size=cfg.candidate_block_size,
                      topk_blocks=cfg.candidate_topk_blocks, impl=dispatch.resolve(cfg, "indexer"),
                      retrieval_block=retrieval_block, exact=is_exact(cfg))
+    ctx = dict(ctx, topk={**ctx["topk"], lid: sel})
+    rec = {"topk": sel}
     if plan.is_candidate_source:
         ctx["cand"] = cand
         S = page_table.shape[1] * page_size // r
-        aux["cand"][lid] = blocks_to_mask(cand, S, cfg.candidate_block_size)
-    ctx["topk"][lid] = sel
-    aux["topk"][lid] = sel
+        rec["cand"] = blocks_to_mask(cand, S, cfg.candidate_block_size)
+    return ctx, rec

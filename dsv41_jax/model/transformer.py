@@ -51,11 +51,13 @@ def initial_pre(shape_bt, cfg):
     return jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32), tuple(shape_bt) + (cfg.hc_mult,))
 
 
-def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
+def attention_full(p, x, positions, plan, ctx, cfg, dt):
     """The attention sublayer over a whole sequence starting at position 0.
 
     p: the layer's ``attn`` params; x [B, T, D] normed input; ctx: dict of stores written by earlier
-    layers ("comp"/"keys"/"topk"/"cand" keyed by layer id). Returns y [B, T, D].
+    layers ("comp"/"keys"/"topk"/"cand" keyed by layer id). Returns (y [B, T, D], ctx', rec): ctx' is
+    `ctx` plus what this layer stores for later ones (a new dict; `ctx` is not modified), rec this
+    layer's aux record (`record`: "topk"/"cand" at index / candidate sources, else empty).
 
     Index selection goes through the same routine as the cached path (`indexer.retrieve`, the
     "indexer" seam), on the key owner's index-key *codes* laid out as a pool with one page per row
@@ -73,34 +75,37 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt, aux):
     win_mask = jnp.broadcast_to(win_mask, (B, T, T))
     r = plan.compress_ratio
     S = T // r if r else 0
+    lid = plan.layer_id
+    rec: dict = {}
     if r == 0 or S == 0:  # window-only layer, or a sequence shorter than one group: no compressed slot
         comp = jnp.zeros((B, T, 0, cfg.head_dim), dt)
         comp_mask = jnp.zeros((B, T, 0), bool)
         if r and plan.is_index_source:
-            ctx["topk"][plan.layer_id] = aux["topk"][plan.layer_id] = jnp.zeros((B, T, 0), jnp.int32)
+            none = jnp.zeros((B, T, 0), jnp.int32)
+            ctx, rec = dict(ctx, topk={**ctx["topk"], lid: none}), {"topk": none}
             if plan.is_candidate_source:
                 ctx["cand"] = jnp.zeros((B, T, 0), jnp.int32)
-                aux["cand"][plan.layer_id] = jnp.zeros((B, T, 0), bool)
+                rec["cand"] = jnp.zeros((B, T, 0), bool)
     else:
         if plan.is_kv_source:
             latent = compressor.compress(p["compressor"], x, r, eps, dt, is_exact(cfg))  # [B, S, hd]
             slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * r, (B, S))
+            ctx = dict(ctx, comp={**ctx["comp"], lid: compressor.compressed_kv(latent, slot_pos, freqs, dt)})
             if "wk" in p.get("indexer", {}):
                 krot = indexer.index_keys_rot(p["indexer"], latent, slot_pos, freqs, eps, dt, is_exact(cfg))
                 codes = kvc.encode("ikey", "auto", krot)  # == index_keys(...) once decoded, bitwise
-                ctx["keys"][plan.layer_id] = {k: v.reshape((B * S,) + v.shape[2:]) for k, v in codes.items()}
-            ctx["comp"][plan.layer_id] = compressor.compressed_kv(latent, slot_pos, freqs, dt)
+                ctx["keys"] = {**ctx["keys"], lid: {k: v.reshape((B * S,) + v.shape[2:]) for k, v in codes.items()}}
         if plan.is_index_source:
             page_table = jnp.arange(B, dtype=jnp.int32)[:, None]  # one page of S·r tokens per row
-            indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, aux, ctx["keys"][plan.key_owner],
-                             page_table, page_size=S * r, mode="auto", cfg=cfg, dt=dt)
+            ctx, rec = indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx, ctx["keys"][plan.key_owner],
+                                        page_table, page_size=S * r, mode="auto", cfg=cfg, dt=dt)
         store = ctx["comp"][plan.kv_source]  # [B, S, hd]
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = jnp.take_along_axis(store[:, None, :, :], jnp.maximum(sel, 0)[..., None], axis=2)
         comp_mask = sel >= 0
     o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt,
                         exact=is_exact(cfg))
-    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
+    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), ctx, rec
 
 
 def replicated(x, par):
@@ -112,26 +117,30 @@ def replicated(x, par):
     return x if par is None else par.replicated(x)
 
 
-def block(lp, h, pre_prev, plan, cfg, dt, aux, top_k, attn_fn, engram_rows=None, par=None):
-    """One layer (any attention implementation): returns (h, pre for the next sublayer).
+def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=None):
+    """One layer (any attention implementation): returns (h, pre for the next sublayer, rec, out).
 
-    lp: the layer's params; h [B, T, n, D]; pre_prev fp32 [B, T, n]; attn_fn(x) -> y maps the normed
-    attention input [B, T, D] to the sublayer output; engram_rows int32 [B, T, R] for Engram layers;
-    par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts run its sharded forms).
+    lp: the layer's params; h [B, T, n, D]; pre_prev fp32 [B, T, n]; attn_fn(x) -> (y, out) maps the
+    normed attention input [B, T, D] to the sublayer output y and whatever else the attention returns
+    (`out`, handed back untouched: stores for later layers, cache writes); engram_rows int32 [B, T, R]
+    for Engram layers; par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts
+    run its sharded forms). rec: this layer's aux record {"layer_inputs": h after Engram [B, T, n, D],
+    "experts": int32 [B, T, top_k]} (`record`).
     """
     if plan.is_engram:
         h = replicated(engram(lp["engram"], h, engram_rows, cfg, dt, par=par), par)
-    aux["layer_inputs"][plan.layer_id] = h
+    rec = {"layer_inputs": h}
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
     x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
     x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
-    h = replicated(sublayer_exit(replicated(attn_fn(x), par), h, a_post, a_comb, cfg, dt), par)
+    y, out = attn_fn(x)
+    h = replicated(sublayer_exit(replicated(y, par), h, a_post, a_comb, cfg, dt), par)
     x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
     x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par)
-    aux["experts"][plan.layer_id] = eidx
+    rec["experts"] = eidx
     h = replicated(sublayer_exit(replicated(y, par), h, f_post, f_comb, cfg, dt), par)
-    return h, f_pre
+    return h, f_pre, rec, out
 
 
 def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None):
@@ -140,10 +149,10 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     stacked: the run's layer params with a leading axis n, in storage dtypes (`layer_scan.run_params`); h [B, T, n_hc, D]
     and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan
     (the run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs
-    with a leading axis n (or None). attn_fn(p, x, xs_row, out) -> y is the attention sublayer of one
-    layer (p its ``attn`` params) and may put per-layer arrays in the dict `out`. Writes each layer's
-    ``layer_inputs`` / ``experts`` to `aux` under its own layer id. Returns (h, pre, outs): `outs` is
-    `out` stacked over the run (leading axis n)."""
+    with a leading axis n (or None). attn_fn(p, x, xs_row) -> (y, out) is the attention sublayer of one
+    layer (p its ``attn`` params); `out` is a pytree of per-layer arrays. Returns (h, pre, aux', outs):
+    aux' is `aux` with each layer's ``layer_inputs`` / ``experts`` under its own layer id (a new dict),
+    `outs` the layers' `out` stacked over the run (leading axis n)."""
     like = layer_scan.layer_decl(cfg, first)
     # The routed experts are not sliced per layer: the body gathers only the selected (layer, expert)
     # rows out of the run's stacks (`moe.layer_slice`); a dynamic slice would copy all of a layer's
@@ -158,17 +167,14 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         lp, row, k = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
-        local, out = new_aux(), {}
-        h, pre = block(lp, h, pre, plan, cfg, dt, local, top_k, lambda x: attn_fn(lp["attn"], x, row, out),
-                       None, par=par)
-        lid = plan.layer_id
-        return (h, pre), (local["layer_inputs"][lid], local["experts"][lid], out)
+        h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row), None,
+                                 par=par)
+        return (h, pre), (rec, out)
 
-    (h, pre), (inputs, eidx, outs) = jax.lax.scan(body, (h, pre), (rest, xs, jnp.arange(n, dtype=jnp.int32)))
+    (h, pre), (recs, outs) = jax.lax.scan(body, (h, pre), (rest, xs, jnp.arange(n, dtype=jnp.int32)))
     for k in range(n):
-        aux["layer_inputs"][first + k] = inputs[k]
-        aux["experts"][first + k] = eidx[k]
-    return h, pre, outs
+        aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
+    return h, pre, aux, outs
 
 
 def final_logits(params, h, pre, cfg, dt):
@@ -178,7 +184,19 @@ def final_logits(params, h, pre, cfg, dt):
 
 
 def new_aux():
+    """The empty aux record of a forward / step: {"topk", "cand", "experts", "layer_inputs"}, each
+    {layer id: array}."""
     return {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
+
+
+def record(aux, lid, *recs):
+    """`aux` with layer `lid`'s records added (each rec {kind: array}, kinds as in `new_aux`): a new
+    dict, `aux` itself is not modified (the forward and the step are traced as pure functions)."""
+    out = dict(aux)
+    for rec in recs:
+        for kind, v in rec.items():
+            out[kind] = {**out[kind], lid: v}
+    return out
 
 
 def forward(params, tokens, cfg, return_aux: bool = False, par=None):
@@ -208,21 +226,26 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
         for i, n in layer_scan.layer_runs(cfg):
             plan = cfg.layer_plan(i)
             if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-                def attn_run(p, x, _row, _out, plan=plan):
-                    return attention_full(p, x, positions, plan, ctx, cfg, dt, new_aux())
+                def attn_run(p, x, _row, plan=plan, ctx=ctx):
+                    y, ctx_out, rec = attention_full(p, x, positions, plan, ctx, cfg, dt)
+                    if ctx_out is not ctx or rec:
+                        raise RuntimeError(f"layer {plan.layer_id}: a scanned run's layers must not store anything")
+                    return y, {}
 
-                h, pre, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux, i,
-                                        cfg.num_experts_per_tok, attn_run, par=par)
+                h, pre, aux, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux,
+                                             i, cfg.num_experts_per_tok, attn_run, par=par)
                 continue
             lp = layer_scan.layer_params(params, i, cfg)
             rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
 
-            def attn_fn(x, lp=lp, plan=plan):
-                return attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt, aux)
+            def attn_fn(x, lp=lp, plan=plan, ctx=ctx):
+                y, ctx_out, rec = attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt)
+                return y, (ctx_out, rec)
 
-            h, pre = block(lp, h, pre, plan, cfg, dt, aux, cfg.num_experts_per_tok, attn_fn, rows, par=par)
+            h, pre, rec, (ctx, arec) = block(lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
+                                             par=par)
+            aux = record(aux, i, rec, arec)
         logits, x = final_logits(params, h, pre, cfg, dt)
         if return_aux:
-            aux["hidden"] = x
-            return logits, aux
+            return logits, dict(aux, hidden=x)
         return logits
