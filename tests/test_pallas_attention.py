@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model import attention, dispatch
+from dsv41_jax.model import attention, codec, dispatch
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.pallas import sparse_attention as sa
 
@@ -207,3 +207,20 @@ def test_bench_inputs_and_bytes_moved():
     n = sa.bytes_moved(*args, **kw)
     win = kvc.store_bytes_per_entry("win", "auto", 64)
     assert n >= 2 * 8 * win + 2 * 3 * win + kvc.store_bytes_per_entry("comp", "auto", 64) * 4
+
+
+@pytest.mark.parametrize("kind, mode", [("win", "auto"), ("comp", "auto"), ("comp", "fp8_e4m3")])
+def test_kernel_storage_decode_is_the_codec(kind, mode):
+    """The kernel reads stored codes as raw bytes (`_raw_codes`) and decodes them with the shared
+    `model.codec` (as `_load_rows` does); that decode equals the reference `cache.decode`, bit for bit."""
+    x = jax.random.normal(jax.random.key(5), (3, 7, 64), jnp.float32) * 3.0
+    st = kvc.encode(kind, mode, x)
+    c = "fp8" if mode == "fp8_e4m3" or kind == "win" else "fp4_e4m3"
+    q, s = (a.astype(jnp.int32) for a in sa._raw_codes(st, c))
+    if c == "fp8":
+        got = codec.e4m3_decode(q, jnp) * jnp.repeat(codec.e8m0_decode(s, jnp), 32, axis=-1)
+    else:
+        got = (codec.e2m1_decode(codec.unpack_nibbles(q, jnp), jnp)
+               * jnp.repeat(codec.e4m3_decode(s, jnp), 16, axis=-1))
+    want = kvc.decode(kind, mode, st, jnp.float32).reshape(-1, 64)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))

@@ -26,7 +26,7 @@ import pytest
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, indexer
-from dsv41_jax.model import quant
+from dsv41_jax.model import codec, quant
 from dsv41_jax.pallas import indexer_topk
 
 _STATIC = ("impl", "ratio", "page_size", "mode", "k", "dt", "make", "bs", "kb", "tiles")
@@ -176,3 +176,17 @@ def test_scores_round_like_spec(pallas_impl, mode, T):
     np.testing.assert_array_equal(np.where(live, got, 0.0), np.where(live, want, 0.0))
     if T > 1:
         assert np.isneginf(got[1, 0, S - 5:]).all()  # past `visible` inside the live blocks: −inf
+
+
+@pytest.mark.parametrize("mode", ["auto", "fp8_e4m3"])
+def test_kernel_key_decode_is_the_codec(mode):
+    """The kernel gets the index-key codes as raw bytes (`_codes`) and decodes them with the shared
+    `model.codec` (as `_Geo`'s loads do); that decode equals the reference `cache.decode`, bit for bit."""
+    x = jax.random.normal(jax.random.key(6), (4, 5, 64), jnp.float32) * 2.0
+    st = kvc.encode("ikey", mode, x)
+    kind, (q, s) = indexer_topk._codes(st, mode)
+    q, s = q.astype(jnp.int32), s.astype(jnp.int32)
+    scale = jnp.repeat(codec.e8m0_decode(s, jnp), 32, axis=-1)
+    v = codec.e2m1_decode(codec.unpack_nibbles(q, jnp), jnp) if kind == "fp4" else codec.e4m3_decode(q, jnp)
+    want = kvc.decode("ikey", mode, st, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(v * scale).view(np.uint32), np.asarray(want).view(np.uint32))
