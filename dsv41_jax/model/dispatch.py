@@ -87,11 +87,17 @@ def kernel_available(op: str) -> bool:
 # the H200 (docs/results/gpu_check_h200/README.md, scripts/bench_kernels.py --quick, jax 0.11.2), XLA where it
 # measured slower. indexer: 1.2-19x faster (fused scoring + radix select); attention: 0.97-1.09x with
 # the 64-head/16-key tiling that is now its default (0.6-0.8x with the old 32-head default); engram:
-# 0.5-1.0x and mhc enter: 0.3-0.9x (both XLA fusions already read each byte once at these sizes).
+# 0.5-1.0x (the XLA fusion already reads each byte once at these sizes).
+# mhc: the kernel, although it measured 0.3-0.9x of XLA's *unrolled* Sinkhorn, because that form cannot
+# be compiled for a whole model on XLA:GPU (priority fusion's time grows ~quadratically with the
+# unrolled iterations: 1,558 s for a 4-layer flash cut), and the loop that replaced it there
+# (`mhc.SINKHORN_LOOP_BACKENDS`) costs launches: the 4-layer flash cut at B=1 compiled for an H200 is
+# 1,188 launches per step with the loop, 392 with the mHC kernel (421 unrolled), compile 176 s / 238 s
+# (docs/benchmarks.md, "Compile time on a GPU"). Kernel vs loop is not timed on a GPU yet.
 # moe: the grouped MXFP4 kernel (pallas/moe_mxfp4.py) has not been timed on a GPU yet (it reads the
 # selected experts at stored width, the xla path dequantizes them to bf16), so auto keeps xla until
 # scripts/gpu_check.sh measures it faster. An explicit "pallas" still runs every kernel.
-GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "xla", "moe": "xla"}
+GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "xla"}
 
 
 def _auto(op: str, backend: str) -> str:
