@@ -49,6 +49,7 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 _F32_QNAN = 0x7FC00000
 _F32_2M127 = 0x00400000  # 2^-127: exponent field 0, mantissa MSB set (an fp32 subnormal)
+_F32_SIGN = -(1 << 31)  # int32 0x80000000
 
 
 # ------------------------------------------------------------------------------------ fp32 bits
@@ -156,18 +157,32 @@ def e8m0_encode_pow2(s, xp):
     return ((bits_from_f32(s, xp) >> 23) & 0xFF).astype(xp.uint8)
 
 
+def _round_half_even_int(v, xp):
+    """Round-half-even of fp32 ``v`` in [0, 2^23) to an integer, as fp32: truncate, then compare the
+    exact remainder (no round primitive: the Triton lowering has none)."""
+    t = v.astype(xp.int32)
+    frac = v - t.astype(xp.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))
+    return (t + up.astype(xp.int32)).astype(xp.float32)
+
+
 def round_e4m3(y, xp):
     """Round fp32 ``y`` to the float8_e4m3fn grid, round-to-nearest-even, result kept in fp32.
 
-    ``y`` must already be clamped to [−448, 448] (larger values round like an unbounded e4m3). The
-    quantum at |y| is 2^(floor(log2|y|) − 3) for normal values and 2^-9 below 2^-6 (subnormals share
-    the min-normal quantum), so RNE is ``round_half_even(|y|/q)·q``, exact in fp32 (q a power of two).
+    ``y`` should already be clamped to [−448, 448] (larger values round like an unbounded e4m3; ±inf
+    and NaN pass through). The quantum at |y| is q = 2^(floor(log2|y|) − 3) for normal values and 2^-9
+    below 2^-6 (subnormals share the min-normal quantum), so RNE is ``round_half_even(|y|/q)·q``, exact
+    in fp32 (q a power of two; |y|/q < 16). Written with integer rounding and the sign copied by bits
+    (no round / copysign), so the same definition runs inside a Triton kernel (`pallas.moe_mxfp4`).
     Every result is exactly representable, so a following cast to e4m3 is exact on every backend.
     """
     y = xp.asarray(y).astype(xp.float32)
-    a = xp.abs(y)
-    q = exp2_int(xp.maximum(f32_exponent(a, xp), -6) - 3, xp)
-    return xp.copysign(xp.round(a / q) * q, y)
+    finite = xp.abs(y) < np.inf
+    a = xp.where(finite, xp.abs(y), 0.0)  # (±inf / NaN are passed through below)
+    e = xp.maximum(f32_exponent(a, xp), -6)
+    r = _round_half_even_int(a * exp2_int(3 - e, xp), xp) * exp2_int(e - 3, xp)  # exact (powers of two)
+    r = f32_from_bits(bits_from_f32(r, xp) | (bits_from_f32(y, xp) & _F32_SIGN), xp)  # −0 stays −0
+    return xp.where(finite, r, y)
 
 
 def round_e2m1(x, xp):

@@ -83,25 +83,6 @@ def _decode_mxfp4(packed, scale):
     return codec.e2m1_decode(codes, jnp) * sa._expand(codec.e8m0_decode(scale, jnp), 32)
 
 
-def _rne_small(v):
-    """Round-half-even of fp32 v in [0, 2^23) to an integer, as fp32 (truncate, then compare the exact
-    remainder: the Triton lowering has no round primitive, so `codec.round_e4m3` cannot run in-kernel)."""
-    t = v.astype(jnp.int32)
-    frac = v - t.astype(jnp.float32)
-    up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))
-    return (t + up.astype(jnp.int32)).astype(jnp.float32)
-
-
-def _round_e4m3(y):
-    """`codec.round_e4m3` for fp32 y with |y| <= 448, with integer rounding and the sign copied by bits
-    (no round / copysign in the Triton lowering): quantum 2^(max(⌊log2|y|⌋, −6) − 3), RNE; −0 stays −0."""
-    a = jnp.abs(y)
-    e = jnp.maximum(codec.f32_exponent(a, jnp), -6)
-    r = _rne_small(a * codec.exp2_int(3 - e, jnp)) * codec.exp2_int(e - 3, jnp)  # exact (powers of two)
-    sign = codec.bits_from_f32(y, jnp) & jnp.int32(-(1 << 31))
-    return codec.f32_from_bits(codec.bits_from_f32(r, jnp) | sign, jnp)
-
-
 def _fake_quant_fp8(a):
     """SPEC §6 activation quant of fp32 a [m, n] (n % 32 == 0), per 32 along n, multiplied back:
     fp32 [m, n], bitwise `quant.fake_quant_fp8` (amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉ with amax/448
@@ -110,7 +91,7 @@ def _fake_quant_fp8(a):
     amax = jnp.maximum(jnp.max(jnp.abs(a).reshape(m, n // 32, 32), axis=2), 1e-4)
     e = codec.ceil_log2(amax / codec.E4M3_MAX, jnp)  # amax/448 >= 2.2e-7: a normal fp32
     y = jnp.clip(a * sa._expand(codec.exp2_int(-e, jnp), 32), -codec.E4M3_MAX, codec.E4M3_MAX)  # a / s, exact
-    return _round_e4m3(y) * sa._expand(codec.exp2_int(e, jnp), 32)
+    return codec.round_e4m3(y, jnp) * sa._expand(codec.exp2_int(e, jnp), 32)  # (Triton-lowerable form)
 
 
 def _dot_nt(x, w):
