@@ -14,6 +14,7 @@ Marked ``dynamo``: not in the default run, selected with ``pytest -m dynamo``; t
   conversations share no page); the workers' own counters (``POST /engine/control/stats``) add up to
   the cached tokens the clients saw, and both published blocks.
 * A client that disconnects mid-stream: the worker aborts the request and its pages return.
+* A worker killed mid-stream: the client gets an error event, no choice finishes.
 
 Engine flags: ``--dtype exact`` (order-independent numerics: a prefix-cache hit, which changes the
 prefill chunking, gives the same tokens as a cold prefill, so the workers' and the server's different
@@ -213,3 +214,26 @@ def test_client_disconnect_aborts_on_the_worker(cluster):
         return aborted == 1 and idle
 
     dep.wait(settled, "the worker to abort the request and free its pages", timeout=120)
+
+
+def test_a_worker_lost_mid_stream_is_an_error_not_a_short_answer(cluster):
+    """(Last: it kills a worker.) The client gets an error event, never a finished-looking answer."""
+    fe, dep = cluster["frontend"], cluster["dep"]
+    body = {"model": "nano", "messages": [{"role": "user", "content": "Count slowly, please."}], "temperature": 0,
+            "max_tokens": 900, "ignore_eos": True, "stream": True}
+    events, killed = [], None
+    with httpx.stream("POST", fe + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 3 and killed is None:
+                busy = [w for w in WORKERS if dep.stats(w)["num_running_reqs"] == 1]
+                assert len(busy) == 1, busy
+                killed = busy[0]
+                dep.procs[killed][0].kill()
+    assert killed is not None
+    assert "error" in events[-1], events[-3:]
+    finishes = [c.get("finish_reason") for e in events for c in e.get("choices") or []]
+    assert not any(finishes), finishes  # no choice claims to have finished

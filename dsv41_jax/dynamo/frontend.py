@@ -107,7 +107,7 @@ class RoutedEngine:
         done = False
         try:
             stream = await self.routed.generate(self.request(prompt_ids, sp, drop_token_ids), context=ctx)
-            async for resp in stream:
+            async for resp in _routed_errors(stream):
                 if resp.is_error():
                     raise EngineInternalError("; ".join(resp.comments() or []) or "the worker failed")
                 data = resp.data()
@@ -130,6 +130,8 @@ class RoutedEngine:
                 if fin is not None:
                     done = True
                     return
+            # the stream ended without a finish reason: the worker is gone (or dropped it), not an answer
+            raise EngineInternalError("the worker's stream ended before the request finished (worker lost?)")
         finally:
             self._contexts.pop(request_id, None)
             if not done:  # abandoned (client gone, app aborted) or failed: stop it on the worker too
@@ -139,6 +141,22 @@ class RoutedEngine:
         ctx = self._contexts.get(request_id)
         if ctx is not None:
             ctx.stop_generating()
+
+
+async def _routed_errors(stream):
+    """The routed stream, with Dynamo's failures (no worker, a worker lost mid-stream: raised as
+    ValueError / RuntimeError by its bindings) as `EngineInternalError` (HTTP 500 / a stream error event)."""
+    from dsv41_jax.serving.request import EngineInternalError
+
+    it = stream.__aiter__()
+    while True:
+        try:
+            resp = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except (ValueError, RuntimeError) as e:
+            raise EngineInternalError(f"the worker failed: {e}") from None
+        yield resp
 
 
 async def _asgi_post(app, path: str, body: dict, disconnected: asyncio.Event):
