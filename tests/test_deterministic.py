@@ -9,7 +9,12 @@ What the mode promises, and where it is checked here:
   forks, logprobs) under KV pressure (preemption + replay) give exactly the tokens and logprobs each
   sample gets alone, where the alone runs restore the radix cache's prefixes and run at batch 1 with
   their own prefill chunks. (The same run without the mode, measured: one sample's tokens diverge and
-  7 of 8 samples' logprobs differ, by up to 2.9e-4 before the divergence.)
+  7 of 8 samples' logprobs differ, by up to 2.9e-4 before the divergence.) The same with DSpark (verify
+  windows accepting different lengths), and on tp = 2 x ep = 4 against the one-device engine;
+* the server: concurrent requests (stream, n = 2, json_schema, seeded sampling) = each alone;
+* the model: a forward's rows are independent of the batch; faithfulness against the bf16 reference;
+* the benchmark plumbing that reports the mode's cost.
+Cost: the engines compile micro's shapes once each (the server loads them from the run's compile cache).
 """
 
 import concurrent.futures

@@ -64,9 +64,8 @@ on every backend (``is_exact`` is the one predicate the ops ask):
   (`dispatch.resolve`, logged once) and an explicit Pallas choice is refused (ImplError /
   NotImplementedError at the seam; the engine refuses it at start-up).
 
-Cost: the fp64 GEMMs run at the backend's fp64 rate (on CPU about half the fp32 rate, on a datacenter
-GPU fp64 tensor cores, on consumer GPUs 1/64), measured by scripts/bench_decode.py and
-scripts/bench_offline.py (docs/benchmarks.md).
+Cost (docs/benchmarks.md, "Deterministic inference: cost"): inside the noise of a shared 2-core CPU for
+tiny; 7-25 % of decode throughput on an H200 for tiny (fp64 GEMMs, and no Pallas attention / indexer).
 
 Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is applied in every mode.
 """
