@@ -414,8 +414,10 @@ def _table(rep: dict) -> str:
                               f"{f['budget_bytes'] / g:.1f} GiB"))
     if "lower_s" in rep:
         kl = rep["kernel_launches"]
-        rows.append(("kernel launches / step", f"{kl['launches']} ({', '.join(f'{k} {v}' for k, v in list(kl['by_opcode'].items())[:6])})"
-                     + (f"; {kl['whiles_without_trip_count']} loop(s) counted once" if kl["whiles_without_trip_count"] else "")))
+        ops = ", ".join(f"{k} {v}" for k, v in list(kl["by_opcode"].items())[:6])
+        once = kl["whiles_without_trip_count"]
+        rows.append(("kernel launches / step", f"{kl['launches']} ({ops})"
+                     + (f"; {once} loop(s) counted once" if once else "")))
         rows.append(("target / impl", f"{rep['target']} / {rep['impl']}"))
         rows.append(("lower / compile", f"{rep['lower_s']} s / {rep['compile_s']} s"))
     else:

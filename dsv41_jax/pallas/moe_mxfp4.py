@@ -1,4 +1,4 @@
-"""Pallas kernel of the MoE seam: the grouped routed experts on their stored MXFP4 codes (SPEC §6).
+"""Pallas kernel of the MoE seam: the grouped routed experts on their stored MXFP4 codes (docs/design/spec.md §6).
 
 `kernel` takes the arguments of `moe.routed_slots` (plus ``interpret`` and tuning knobs) and returns
 what it returns: the per-assignment outputs [N, k, D] (`ref_routed_slots` is that oracle, the "xla"
@@ -9,8 +9,9 @@ path). The (token, expert) assignments are sorted by expert exactly as the xla p
 1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens' fp8
    fake-quantized activations, gathered by token id inside the kernel — g = x·w1ᵀ and u = x·w3ᵀ over
    K = D in chunks of block_k, each chunk of w1 / w3 read as packed e2m1 bytes + E8M0 scale bytes and
-   decoded in registers (exact in bf16; the shared `model.codec` definitions); then SPEC's expert activation: g, u rounded to `dt` and
-   widened, u clamped to ±swiglu_limit, g ≤ swiglu_limit, a = silu(g)·u·routing weight → `dt`, and
+   decoded in registers (exact in bf16; the shared `model.codec` definitions); then the spec's expert
+   activation: g, u rounded to `dt` and widened, u clamped to ±swiglu_limit, g ≤ swiglu_limit,
+   a = silu(g)·u·routing weight → `dt`, and
    the fp8 activation quant of w2's input (per 32 along I) applied in the epilogue, so the
    intermediate written to HBM is already w2's operand (bf16: every fp8-quantized value is exact).
 2. **down** (`_down_kernel`, grid (D / block_n2, G)): y = a·w2ᵀ over K = I, w2 decoded the same way,
@@ -84,7 +85,7 @@ def _decode_mxfp4(packed, scale):
 
 
 def _fake_quant_fp8(a):
-    """SPEC §6 activation quant of fp32 a [m, n] (n % 32 == 0), per 32 along n, multiplied back:
+    """The spec's (§6) activation quant of fp32 a [m, n] (n % 32 == 0), per 32 along n, multiplied back:
     fp32 [m, n], bitwise `quant.fake_quant_fp8` (amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉ with amax/448
     rounded in fp32 first, e4m3 RNE of clamp(a/s, ±448), times s)."""
     m, n = a.shape
