@@ -560,7 +560,8 @@ def plot_part_a(cases: list, path: str) -> None:
 
 
 def run_part_a(args) -> dict:
-    """Part (a): real step timings (module doc). Returns the JSON document."""
+    """Part (a): real step timings (module doc). Returns the JSON document; with ``--out`` it is also
+    written after every case, so a run cut short (a GPU lease, a timeout) keeps what it measured."""
     import jax
 
     from dsv41_jax.model import ModelConfig
@@ -572,6 +573,11 @@ def run_part_a(args) -> dict:
     copy_bps = copy_bandwidth(1 << 31 if gpu else 1 << 26)
     log(f"[a] device copy bandwidth {copy_bps / 1e9:.1f} GB/s ({jax.devices()[0].device_kind})")
     cases = []
+    doc = {"part": "a", "model": args.model, "keep_layers": args.keep_layers, "weights": args.weights,
+           "act_dtype": cfg.act_dtype, "jax": jax.__version__, "backend": jax.default_backend(),
+           "device": jax.devices()[0].device_kind, "copy_bandwidth_GBps": copy_bps / 1e9,
+           "host": platform.node(), "cpu_count": os.cpu_count(), "loadavg_before": load0,
+           "page_size": args.page_size, "cases": cases}
     for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
         for mc in _ints(args.max_contexts):
             for B in _ints(args.batches):
@@ -580,18 +586,16 @@ def run_part_a(args) -> dict:
                     for r in real_cases(cm, impl, B, mc, _ints(args.contexts), args.page_size, args.iters,
                                         args.weights, copy_bps):
                         cases.append(r)
+                        if args.out:
+                            with open(args.out, "w") as f:
+                                json.dump(dict(doc, loadavg_after=os.getloadavg()), f, indent=1)
                         log(f"[a] impl={impl:<9} {r['numerics']:<22} B={B:<3} max_context={mc:<6} "
                             f"context={r['context']:<5} step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  "
                             f"weights {r['weight_GBps']:7.1f} GB/s ({100 * r['frac_copy_bandwidth']:.0f}% of copy)  "
                             f"{r['kernel_launches']} launches"
                             + (f"  (compile+first {r['compile_and_first_step_s']:.1f}s)"
                                if "compile_and_first_step_s" in r else ""))
-    doc = {"part": "a", "model": args.model, "keep_layers": args.keep_layers, "weights": args.weights,
-           "act_dtype": cfg.act_dtype, "jax": jax.__version__, "backend": jax.default_backend(),
-           "device": jax.devices()[0].device_kind, "copy_bandwidth_GBps": copy_bps / 1e9,
-           "host": platform.node(), "cpu_count": os.cpu_count(),
-           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "page_size": args.page_size,
-           "cases": cases}
+    doc = dict(doc, loadavg_after=os.getloadavg())
     cost = deterministic_cost(cases)
     if cost:
         doc["deterministic_cost"] = cost

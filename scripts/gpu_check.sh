@@ -4,15 +4,16 @@
 # logs, JSON, a summary — go under $OUT when that is set (else ./gpu_check_out/). Steps, each under its
 # own timeout (seconds, overridable) so one slow step cannot eat the others' time:
 #
-#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel)   T_KERNELS=150
+#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel)   T_KERNELS=120
 #   2. the model-level equivalence tests natively: forward and decode with every kernel vs
-#      "xla", DSpark vs plain decoding, prefix-cache hit vs cold                             T_MODEL=120
+#      "xla", DSpark vs plain decoding, prefix-cache hit vs cold                             T_MODEL=90
 #   3. the MoE kernel vs the xla grouped path at flash's expert shapes (time, GB/s, diff)    T_MOE=60
 #   4. the decode step of a flash-dimension cut (layers 0,2,3,20: window, ratio-2 source, ratio-2
 #      reader, ratio-1 source + candidates: 30 GiB; layer 1's Engram table alone is 101 GiB,
 #      a row gather per step) with random weights in the stored formats, at B = 1, 8, 64 and
 #      contexts 4K and 64K: ms per step, weight bytes per step, GB/s against a device copy
-#      measured in the same run, kernel launches per step                                    T_DECODE=150
+#      measured in the same run, kernel launches per step (XLA's GPU compile of the cut takes
+#      minutes of CPU: one per batch size, so the step may end at its timeout with B=1 / 64 only) T_DECODE=210
 #
 #   bash scripts/gpu_check.sh            # on a GPU (ALL_KERNELS=1: also every kernel's micro-benchmark)
 #   DRY_RUN=1 bash scripts/gpu_check.sh  # on CPU: every step's command at tiny sizes (tests collected, not
@@ -48,18 +49,20 @@ step() {  # step NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.
 # pytest: -p no:cacheprovider (the tree may be read-only); conftest forces host CPU devices only, which leaves
 # the GPU the default backend, and the pallas_impl fixture picks the native kernels there.
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" ${DRY:+--collect-only})
-step kernel_tests "${T_KERNELS:-150}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
+step kernel_tests "${T_KERNELS:-120}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
   tests/test_pallas_mix.py tests/test_pallas_moe.py
-step model_tests "${T_MODEL:-120}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
+step model_tests "${T_MODEL:-90}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
   tests/test_prefix_cache.py -k "pallas_equals_xla or greedy_speculation_equals_plain or cached_prefix_equals_cold_exact"
 if [ -n "$DRY" ]; then GRID=--smoke; else GRID=--quick; fi
 step moe_kernel "${T_MOE:-60}" "$PY" scripts/bench_kernels.py --ops moe "$GRID" --reps 10 --out "$OUT/bench_moe.json"
 if [ -n "$DRY" ]; then
   DECODE=(--model tiny --keep-layers 0 --batches 1 --contexts 64 --max-contexts 1024 --iters 1 --weights random)
 else
-  DECODE=(--model flash --keep-layers 0,2,3,20 --batches 1,8,64 --contexts 4096,65536 --max-contexts 65536 --iters 5)
+  # B=1 first (the bandwidth goal), then 64 (the MoE's case), then 8; one compile per batch, the JSON is
+  # written after every case, so a step cut short by its timeout keeps what it measured
+  DECODE=(--model flash --keep-layers 0,2,3,20 --batches 1,64,8 --contexts 4096,65536 --max-contexts 65536 --iters 5)
 fi
-step decode_flash_cut "${T_DECODE:-150}" "$PY" scripts/bench_decode.py --part a --impls auto "${DECODE[@]}" \
+step decode_flash_cut "${T_DECODE:-210}" "$PY" scripts/bench_decode.py --part a --impls auto "${DECODE[@]}" \
   --out "$OUT/bench_decode.json"
 if [ -n "${ALL_KERNELS:-}" ]; then  # optional: every kernel's micro-benchmark (scripts/bench_kernels.py --quick)
   step bench_kernels "${T_ALL:-300}" "$PY" scripts/bench_kernels.py "$GRID" --out "$OUT/bench_kernels.json"
