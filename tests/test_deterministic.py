@@ -337,23 +337,29 @@ SERVE_FLAGS = ["--page-size", "16", "--context-length", "64", "--max-running-req
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}}, "required": ["a"], "additionalProperties": False}
 
 
-def _server_requests():
+def _server_requests(n: int = 6):
+    """n requests cycling through six kinds: greedy, seeded top-p, n = 2 sampling, streamed (token prompts of
+    ragged lengths, logprobs), a json_schema chat and a seeded chat."""
     rng = np.random.default_rng(39)
-    ids = [rng.integers(3, 300, n).tolist() for n in (5, 37, 12, 23)]
     msg = [{"role": "user", "content": "Say something"}]
-    return [
-        ("/v1/completions", {"prompt": ids[0], "max_tokens": 8, "temperature": 0, "logprobs": 2}),
-        ("/v1/completions", {"prompt": ids[1], "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 7,
-                             "logprobs": 2}),
-        ("/v1/completions", {"prompt": ids[2], "max_tokens": 10, "temperature": 1.0, "seed": 8, "n": 2,
-                             "logprobs": 2}),
-        ("/v1/completions", {"prompt": ids[3], "max_tokens": 6, "temperature": 0, "logprobs": 1, "stream": True}),
-        ("/v1/chat/completions", {"messages": msg, "max_tokens": 12, "temperature": 0, "logprobs": True,
-                                  "top_logprobs": 2, "response_format": {"type": "json_schema",
-                                                                         "json_schema": {"schema": SCHEMA}}}),
-        ("/v1/chat/completions", {"messages": msg, "max_tokens": 8, "temperature": 0.7, "seed": 9,
-                                  "logprobs": True}),
-    ]
+    out = []
+    for i in range(n):
+        ids = rng.integers(3, 300, int(rng.integers(3, 40))).tolist()
+        kind = [
+            ("/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0, "logprobs": 2}),
+            ("/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 7 + i,
+                                 "logprobs": 2}),
+            ("/v1/completions", {"prompt": ids, "max_tokens": 10, "temperature": 1.0, "seed": 8 + i, "n": 2,
+                                 "logprobs": 2}),
+            ("/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 1, "stream": True}),
+            ("/v1/chat/completions", {"messages": msg, "max_tokens": 12, "temperature": 0, "logprobs": True,
+                                      "top_logprobs": 2, "response_format": {"type": "json_schema",
+                                                                             "json_schema": {"schema": SCHEMA}}}),
+            ("/v1/chat/completions", {"messages": msg, "max_tokens": 8, "temperature": 0.7, "seed": 9 + i,
+                                      "logprobs": True}),
+        ][i % 6]
+        out.append(kind)
+    return out
 
 
 def _answer(client, path, body):
@@ -372,14 +378,11 @@ def _answer(client, path, body):
     return out
 
 
-def test_server_mixed_concurrent_equals_alone(tmp_path, micro_dir):
-    """`serve --enable-deterministic-inference` (logged at start-up): six concurrent requests — ragged token
-    prompts, greedy, seeded top-p and n = 2 sampling, a streamed one, a json_schema chat, logprobs — each
-    answer equals the same request sent alone afterwards (text, tokens' logprobs, top logprobs, exact)."""
+def _server_mixed_vs_alone(tmp_path, micro_dir, n):
     cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(tmp_path / "jax_cache")
     proc, base, logf = start_server(["--model", micro_dir, "--served-model-name", "micro"] + SERVE_FLAGS,
                                     tmp_path / "s.log", cache)
-    reqs = _server_requests()
+    reqs = _server_requests(n)
     try:
         with httpx.Client(base_url=base, timeout=600) as c:
             with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
@@ -392,3 +395,15 @@ def test_server_mixed_concurrent_equals_alone(tmp_path, micro_dir):
     assert together == alone
     assert json.loads(together[4][0]["message"]["content"])["a"] in ("x", "yy")
     assert len({c["text"] for c in together[2]}) == 2
+
+
+def test_server_mixed_concurrent_equals_alone(tmp_path, micro_dir):
+    """`serve --enable-deterministic-inference` (logged at start-up): six concurrent requests — ragged token
+    prompts, greedy, seeded top-p and n = 2 sampling, a streamed one, a json_schema chat, logprobs — each
+    answer equals the same request sent alone afterwards (text, tokens' logprobs, top logprobs, exact)."""
+    _server_mixed_vs_alone(tmp_path, micro_dir, 6)
+
+
+@pytest.mark.slow  # the same with 32 requests (the default version above has every kind once)
+def test_server_32_mixed_concurrent_equals_alone(tmp_path, micro_dir):
+    _server_mixed_vs_alone(tmp_path, micro_dir, 32)
