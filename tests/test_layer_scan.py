@@ -89,8 +89,16 @@ def _scan_lengths(jaxpr) -> list:
     """Lengths of the top-level scans that iterate over stacked inputs (a run of layers scans its
     stacked weights). A fori_loop (Sinkhorn's, on backends where the "xla" mhc path keeps the loop)
     also traces to a scan, but one without scanned inputs: left out."""
-    return [int(e.params["length"]) for e in jaxpr.eqns if e.primitive.name == "scan"
-            and len(e.invars) > e.params["num_consts"] + e.params["num_carry"]]
+    return [int(e.params["length"]) for e in jaxpr.eqns if e.primitive.name == "scan" and _n_scanned(e) > 0]
+
+
+def _n_scanned(eqn) -> int:
+    """How many inputs a scan equation iterates over (its xs)."""
+    p = eqn.params
+    if "num_consts" in p:  # JAX 0.10: flat invars = consts + carry + xs
+        return len(eqn.invars) - p["num_consts"] - p["num_carry"]
+    _, _, xs = p["ft_in"].update(eqn.invars).unpack()  # JAX 0.12: a (consts, carry, xs) tree
+    return len(xs)
 
 
 def test_forward_scan_equals_unrolled(cfgs, params):
