@@ -160,12 +160,12 @@ def tok():
     return load_tokenizer("tiny")
 
 
-def _mock_engine(tok, num_pages=25, host_pages=0, **kw):
+def _mock_engine(tok, num_pages=25, host_pages=0, rows=6, **kw):
     args = dict(model="tiny", page_size=4, max_running_requests=4, chunked_prefill_size=4, max_prefill_tokens=8,
                 batch_buckets=[4], token_buckets=[4], decode_log_interval=1000)
     args.update(kw)
     runner = CheckingRunner(page_size=args["page_size"], num_pages=num_pages,
-                            max_slots=args["max_running_requests"], host_pages=host_pages)
+                            max_slots=args["max_running_requests"], host_pages=host_pages, rows=rows)
     return Engine(EngineArgs(**args), runner=runner, tokenizer=tok)
 
 
@@ -226,6 +226,26 @@ def test_longest_cached_prefix_admitted_first_bounded(tok):
         order += [o.request_id for o in eng.step() if o.finished]
     assert order == ["y0", "y1", "y2", "y3", "x", "y4", "y5"]
     assert eng.metrics["cached_prompt_tokens"] == 6 * 12
+    _check_refs(eng)
+
+
+def test_chunk_end_points_survive_a_cache_full_of_hit_entries(tok):
+    """Segmented LRU: the snapshot rows are full of older entries that were hit or made at prompt ends
+    (none on probation); a 18-token prompt then leaves chunk-end points at 4, 8, 12, 16. They may not
+    evict each other while they hold less than a quarter of the rows (2 of 8), so the point inside
+    the 16-token prefix the next request shares survives and that request resumes from it (with
+    unhit points evicted first regardless, a prompt's own points evicted each other and it missed)."""
+    eng = _mock_engine(tok, max_running_requests=1, batch_buckets=[1], rows=8, num_pages=200)
+    c = eng.prefix_cache
+    assert c.num_rows == 8 and c.probation_rows == 2
+    for i in range(4):
+        _run(eng, [(f"f{i}", [30 + 3 * i, 31 + 3 * i, 32 + 3 * i], 1)])
+    assert len(c.entries) == 8 and not any(e.probation for e in c.entries.values())
+    S = list(range(100, 116))
+    _run(eng, [("a", S + [7, 8], 1)])
+    assert sorted(e.k for e in c.entries.values() if e.probation) == [16]  # 4, 8, 12 evicted once two were held
+    outs = _run(eng, [("b", S + [9, 9, 9], 1)])
+    assert outs["b"].num_cached_tokens == 16
     _check_refs(eng)
 
 

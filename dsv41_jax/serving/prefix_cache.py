@@ -151,12 +151,7 @@ class CacheEntry:
     last_use: int = 0
     node: "Optional[_Node]" = None
     tier: str = "device"
-    probation: bool = False  # a chunk-end point no request has hit yet: evicted before the others
-
-    @property
-    def evict_order(self) -> tuple:
-        """Sort key of eviction (smallest first): unhit chunk-end points, then least recently used."""
-        return (not self.probation, self.last_use)
+    probation: bool = False  # a chunk-end point no request has hit yet: evicted first past a share (`_victim`)
 
     @property
     def k(self) -> int:
@@ -274,7 +269,8 @@ class PrefixCache:
     Its entries hold page references in the page allocator like requests (allocator key
     ``(CACHE_OWNER, id)``). It is the allocator's *reclaimer* (`runner.SharedPageAllocator`): pages
     held by unpinned entries alone count as free there, and an ``ensure`` that needs them calls
-    `reclaim`, which evicts entries least recently used (unhit chunk-end points first), so the
+    `reclaim`, which evicts entries least recently used (unhit chunk-end points first once they fill a quarter
+    of the rows: `_victim`), so the
     scheduler's page accounting is unchanged."""
 
     def __init__(self, allocator, num_rows: int, host_pages: int = 0):
@@ -293,6 +289,10 @@ class PrefixCache:
         self.spills = self.host_hits = 0
         self.free_rows = list(range(num_rows - 1, -1, -1))
         self.num_rows = num_rows
+        # segmented LRU: unhit chunk-end points (probation) are evicted before the others only once
+        # they hold this many rows, so a long prompt's own points cannot evict each other while the
+        # rows are full of older hit entries (the second request with a shared prompt would miss)
+        self.probation_rows = max(1, num_rows // 4)
         self.pinned: set = set()  # entry keys matched in the plan being made (restore not dispatched)
         self.pending_saves: list = []
         self._tick = itertools.count(1)
@@ -377,14 +377,25 @@ class PrefixCache:
         """Evict unpinned entries, least recently used first, until ``free_target`` pages are on the
         free list (or none is left); returns how many entries went."""
         n = 0
-        for e in sorted(self.entries.values(), key=lambda e: e.evict_order):
-            if len(self.alloc._free) >= free_target:
+        while len(self.alloc._free) < free_target:
+            e = self._victim()
+            if e is None:
                 break
-            if e.key in self.pinned:
-                continue
             self._drop(e)
             n += 1
         return n
+
+    def _victim(self) -> Optional[CacheEntry]:
+        """The device entry to evict next (None: every one is pinned), segmented LRU: the least
+        recently used unhit chunk-end point while such points hold ``probation_rows`` rows or more,
+        else the least recently used entry of any kind."""
+        free = [e for e in self.entries.values() if e.key not in self.pinned]
+        if not free:
+            return None
+        trial = [e for e in free if e.probation]
+        if trial and sum(e.probation for e in self.entries.values()) >= self.probation_rows:
+            return min(trial, key=lambda e: e.last_use)
+        return min(free, key=lambda e: e.last_use)
 
     def clear_cache(self) -> int:
         """Drop every unpinned entry (both tiers); returns how many."""
@@ -406,7 +417,7 @@ class PrefixCache:
         its save is placed after the plan's launch, so its row must not change hands before).
         Returns the entry (an existing one for the same tokens is only refreshed), or None (no row
         could be freed). ``probation``: a chunk-end point kept on speculation (evicted before any
-        point that was hit or made for a known reason, `CacheEntry.evict_order`)."""
+        point that was hit or made for a known reason once such points fill their share, `_victim`)."""
         k = len(tokens)
         n_pages = -(-k // self.page_size)
         if k < 1 or len(self.alloc._tables.get(rid, [])) < n_pages:
@@ -421,10 +432,9 @@ class PrefixCache:
             old.probation = old.probation and probation
             return old
         if not self.free_rows:
-            for e in sorted(self.entries.values(), key=lambda e: e.evict_order):
-                if e.key not in self.pinned:
-                    self._drop(e)
-                    break
+            victim = self._victim()
+            if victim is not None:
+                self._drop(victim)
             if not self.free_rows:
                 return None
         key = (CACHE_OWNER, next(self._ids))
