@@ -9,7 +9,7 @@ engine that answers ``/v1/chat/completions``. Ours is our own server app (`servi
 over `RoutedEngine`, an engine adapter whose ``generate(prompt_ids, sampling_params, ...)`` sends
 the token ids through Dynamo's router and yields what the worker streams back: token ids and the
 text our engine's detokenizer made of them (the server never decodes generated ids). So the chat
-encoding (SPEC §10, the checkpoint's wording), ``reasoning_content``, the DSML ``tool_calls``, stop
+encoding (docs/design/spec.md §10, the checkpoint's wording), ``reasoning_content``, the DSML ``tool_calls``, stop
 strings, usage and the 400s are computed by the very code of ``python -m dsv41_jax.serve``, and the
 KV router sees the prompt's token ids (it needs them to match a worker's cached blocks).
 

@@ -1,4 +1,4 @@
-"""Radix prefix cache (issue 15 part 1): reuse the cached state of finished / preempted requests.
+"""Radix prefix cache: reuse the cached state of finished / preempted requests.
 
 What a V4.1 request's cache is made of, and where each part lives (model/cache.py):
 

@@ -50,7 +50,7 @@ _TAG_OVERHEAD = 64
 def max_tag_length(tools: Sequence[Mapping[str, Any]] | None) -> int:
     """The tag-length limit of the lexer for ``tools``: ``_MAX_TAG``, or more when a tool's name or
     one of its top-level parameter names is long. The tool-call grammar forces exactly these names
-    (issue 9: a name the grammar allowed made a tag the lexer cut off as junk), so every tag the
+    (a name the grammar allowed once made a tag the lexer cut off as junk), so every tag the
     grammar can produce must fit."""
     longest = 0
     for t in tools or []:
