@@ -2,7 +2,9 @@
 rows accepting different lengths in one step; zero compilations across steps with different accept
 lengths; pages and slots back after every request; constrained decoding with drafts checked by the
 grammar; the simulated-accept-length knob (slow: its own step variant); no test-only input in the
-production step; start-up errors. Forced drafts come from a test drafter (`OracleDrafter`, a
+production step; start-up errors. Prefill/decode handover (`serving.handover`): a second DSpark engine
+prefills, its exported state (wire form) is decoded by the DSpark engine: the same tokens and logprob
+bits as one engine, nothing prefilled on the decode side; bad states refused with the engines clean. Forced drafts come from a test drafter (`OracleDrafter`, a
 `speculator.DSparkSpeculator` whose `fixed_drafts` an oracle answers): the production step, fed
 through its drafts input (the one constrained rows use).
 
@@ -17,12 +19,14 @@ the draft-only step (constrained rows), each of which holds the draft's three st
 """
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 
 import numpy as np
 import pytest
 
+from dsv41_jax.serving import handover
 from dsv41_jax.serving import speculator as spr
 from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.sampling import SamplingParams
@@ -305,3 +309,112 @@ def test_startup_errors(cfg, mini_params):
         Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", speculative_dspark_block_size=4, **KW)
     with pytest.raises(EngineError, match="enable-mixed-chunk"):
         Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", enable_mixed_chunk=True, **KW)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prefill/decode handover (issue 39): a prefill engine's exported state, decoded by another engine
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prefill_eng(cfg, mini_params):
+    """A second DSpark engine (the same compiled steps): its prefill writes the draft rings too."""
+    return Engine(cfg=cfg, params=mini_params, speculative_algorithm="DSPARK", **KW)
+
+
+def _prefill(eng, prompt, sp):
+    """The handover request on a prefill engine -> (its wire form: manifest, buffer; first output)."""
+    rid = f"p{next(_ids)}"
+    eng.add_request(rid, prompt, sp.replace(max_tokens=1), handover=True)
+    outs = [o for o in eng.run_until_done() if o.request_id == rid]
+    assert outs[-1].finished and outs[-1].prefilled_state is not None, outs[-1]
+    assert eng.allocator.free_pages == eng.allocator.capacity  # its pages are back once exported
+    return handover.pack(outs[-1].prefilled_state), outs[-1]
+
+
+def test_handover_prefill_engine_then_dspark_decode_engine_equals_one_engine(prefill_eng, spec_eng, ref):
+    """Prefill/decode disaggregation at the engine seam: a prefill engine prefills each prompt and samples
+    the first token, exports the request's state (pages + slot rows, DSpark rings included), packed to
+    its wire form; another engine with DSpark imports it and decodes. Greedy: exactly the tokens of one
+    engine doing both (`ref`), all five requests at once (one waits for a slot), with DSpark steps on
+    the decode engine and not one prompt token prefilled there. With logprobs, and sampled with the
+    prefill engine's seed: exactly the decode engine's own aggregated run (tokens and logprob bits)."""
+    layout = spec_eng.runner.handover_layout()
+    states = []
+    for i, p in enumerate(PROMPTS):
+        (manifest, buf), first = _prefill(prefill_eng, p, _greedy())
+        assert first.outputs[0].token_ids == ref[i][:1]
+        states.append(handover.unpack(manifest, buf, layout))
+    assert "dspark" in states[0].rows  # the draft rings travel with the slot's rows
+    mid = spec_eng.stats()
+    rids = [f"h{next(_ids)}" for _ in PROMPTS]
+    for rid, p, st in zip(rids, PROMPTS, states):
+        spec_eng.add_request(rid, p, _greedy(), prefilled=st)
+    done = {o.request_id: o for o in spec_eng.run_until_done() if o.finished}
+    assert [done[r].outputs[0].token_ids for r in rids] == ref
+    after = spec_eng.stats()
+    assert after["computed_prompt_tokens"] == mid["computed_prompt_tokens"]  # the decode engine prefilled nothing
+    assert after["imported_prompt_tokens"] - mid["imported_prompt_tokens"] == sum(map(len, PROMPTS))
+    assert after["handovers_imported"] - mid["handovers_imported"] == len(PROMPTS)
+    assert after["handover_bytes_imported"] - mid["handover_bytes_imported"] == sum(s.nbytes for s in states) > 0
+    assert after["spec_verify_steps"] > mid["spec_verify_steps"]  # DSpark ran on the decode side
+    a = spec_eng.allocator
+    assert a.free_pages == a.capacity and sorted(spec_eng._free_slots) == list(range(spec_eng.max_slots))
+
+    # logprobs (rows that ask for them decode plainly) and sampling with the prefill engine's seed
+    lp_sp = _greedy(8).replace(logprobs=2)
+    hot = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, ignore_eos=True)
+    for p, sp in ((PROMPTS[1], lp_sp), (PROMPTS[3], hot)):
+        (manifest, buf), _ = _prefill(prefill_eng, p, sp)
+        st = handover.unpack(manifest, buf, layout)
+        assert sp.seed is None and st.seed is not None
+        spec_eng.add_request("hd" + str(next(_ids)), p, sp, prefilled=st)
+        moved = [o for o in spec_eng.run_until_done() if o.finished][0].outputs[0]
+        alone, _ = run(spec_eng, [p], [sp.replace(seed=st.seed)])
+        a0 = alone[0].outputs[0]
+        assert (moved.token_ids, moved.logprobs, moved.top_logprobs) == (a0.token_ids, a0.logprobs, a0.top_logprobs)
+
+
+def test_handover_refusals_leave_the_engines_clean(plain_eng, prefill_eng, spec_eng):
+    """A state the decode engine cannot take is refused at `add_request` (`HandoverError`, a 400 on a
+    server), before anything is allocated: truncated or corrupted bytes, missing pages, another prompt,
+    a prefill engine without DSpark (no draft rings), a request too long for the decode engine's pool;
+    the prefill side refuses what it cannot hand over (max_tokens != 1, n > 1). Both engines' pages and
+    slots stay at their baseline, and a prefill engine's request ended early (abort) leaves no state."""
+    layout = spec_eng.runner.handover_layout()
+    p = PROMPTS[1]
+    (manifest, buf), _ = _prefill(prefill_eng, p, _greedy())
+    with pytest.raises(handover.HandoverError, match="truncated"):
+        handover.unpack(manifest, buf[:-5], layout)
+    bad = buf.copy()
+    bad[len(bad) // 2] ^= 1
+    with pytest.raises(handover.HandoverError, match="corrupted"):
+        handover.unpack(manifest, bad, layout)
+    with pytest.raises(handover.HandoverError, match="layout"):
+        handover.unpack(dict(manifest, num_pages=manifest["num_pages"] - 1), buf, layout)
+    st = handover.unpack(manifest, buf, layout)
+    short = dataclasses.replace(st, pages=st.pages[:-1])
+    with pytest.raises(handover.HandoverError, match="pages"):
+        spec_eng.add_request("r1", p, _greedy(), prefilled=short)
+    with pytest.raises(handover.HandoverError, match="another prompt"):
+        spec_eng.add_request("r2", p[:-1] + [p[-1] + 1], _greedy(), prefilled=st)
+    with pytest.raises(EngineError, match="exceeds"):  # the decode engine's pool cannot hold it
+        spec_eng.add_request("r3", p, _greedy(40), prefilled=st)
+    (pm, pbuf), _ = _prefill(plain_eng, p, _greedy())
+    with pytest.raises(handover.HandoverError, match="layout"):  # no DSpark rings for the DSpark engine
+        handover.unpack(pm, pbuf, layout)
+    with pytest.raises(handover.HandoverError, match="structure"):
+        spec_eng.add_request("r4", p, _greedy(), prefilled=handover.unpack(pm, pbuf, plain_eng.runner.handover_layout()))
+    with pytest.raises(EngineError, match="max_tokens=1"):
+        prefill_eng.add_request("r5", p, _greedy(3), handover=True)
+    with pytest.raises(EngineError, match="n must be 1"):
+        prefill_eng.add_request("r6", p, _greedy(1).replace(n=2, temperature=1.0), handover=True)
+    prefill_eng.add_request("r7", p, _greedy(1), handover=True)
+    prefill_eng.step()
+    prefill_eng.abort_request("r7")
+    outs = prefill_eng.run_until_done()
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"] and outs[0].prefilled_state is None
+    for e in (prefill_eng, spec_eng, plain_eng):
+        a = e.allocator
+        assert a.free_pages == a.capacity and sorted(e._free_slots) == list(range(e.max_slots))
+        assert not e.has_unfinished() and not e._groups

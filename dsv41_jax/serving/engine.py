@@ -86,6 +86,16 @@ prefills itself), and ``max_tokens=0`` ends it ("length") once its prompt logpro
 prompt's last sliding_window tokens, `decode.extend_bounded`) there are no exact prompt logits, so
 `add_request` refuses such requests (`EngineError`: HTTP 400), saying why.
 
+Prefill/decode disaggregation (`handover`): a prefill engine runs a request with ``handover=True``
+(max_tokens = 1): when its first token is read and it finishes, `_on_release` exports its state (pages
+of compressed latents and index keys, the slot's rows with the DSpark rings) into the final output's
+``prefilled_state`` before the pages are freed. A decode engine takes it with ``prefilled=``: the
+prefill engine's first token is appended at once, and on admission the scheduler gives the sample
+pages for its prompt and an `ImportOp` (dispatched before the plan's launches) writes the state into
+them and its slot; its next row is the first token's decode (or DSpark) row. Nothing is prefilled
+(``imported_prompt_tokens`` counts the prompt instead of ``computed_prompt_tokens``); a preempted
+sample re-imports the state (kept on the host until it finishes) and replays its generated tokens.
+
 If the engine itself must end a request (a scheduler fault), the sample finishes with reason
 "error" and `RequestOutput.error` says why; `AsyncEngine` turns it into `EngineInternalError`
 (HTTP 500 / a stream error event), never a truncated success.
@@ -202,7 +212,8 @@ class Engine:
         self._pending: list = []  # launches dispatched whose results are not read yet (the overlap schedule)
         self.scheduler = Scheduler(args, r, context_length=self.context_length, batch_buckets=self.batch_buckets,
                                    token_buckets=self.token_buckets, metrics=self.metrics, sync=self._sync,
-                                   spec_gamma=self.spec_gamma, has_inflight=lambda: bool(self._pending))
+                                   spec_gamma=self.spec_gamma, has_inflight=lambda: bool(self._pending),
+                                   on_release=self._on_release)
         self.output = OutputProcessor(self.scheduler, r.allocator, page_size=r.allocator.page_size,
                                       context_length=self.context_length, eos_token_ids=self.eos_token_ids,
                                       metrics=self.metrics, decode_log_interval=args.decode_log_interval,
@@ -325,11 +336,18 @@ class Engine:
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int], None] = None,
                     sampling_params: Optional[SamplingParams] = None, *, prompt_token_ids=None, constraint=None,
                     output_kind: str = "final", arrival_time: Optional[float] = None,
-                    drop_token_ids: Sequence[int] = ()) -> None:
+                    drop_token_ids: Sequence[int] = (), handover: bool = False, prefilled=None) -> None:
         """Queue a request. `prompt` is text (tokenized without special tokens) or token ids.
         output_kind "final": one output when the request finishes (cumulative); "delta": an output
         after every step that produced something (new text / tokens only). drop_token_ids: token ids
-        left out of the text (the server's choice while it keeps special tokens; see `IncrementalDetokenizer`)."""
+        left out of the text (the server's choice while it keeps special tokens; see `IncrementalDetokenizer`).
+
+        Prefill/decode disaggregation (`handover`): ``handover=True`` (a prefill engine; needs n = 1 and
+        max_tokens = 1) exports the request's state when it finishes, in its final output's
+        ``prefilled_state``; ``prefilled=`` that `handover.PrefilledState` (a decode engine; the same
+        prompt) starts the request from it: the state is written into this engine's pages on
+        admission, the first token is the prefill engine's, and nothing is prefilled here. A state that
+        does not fit this engine (layout, prompt) raises `handover.HandoverError` (an EngineError)."""
         if request_id in self.output.groups:
             raise EngineError(f"request_id {request_id!r} is already in use")
         if output_kind not in ("final", "delta"):
@@ -358,8 +376,11 @@ class Engine:
             raise EngineError(f"prompt: {len(ids)} tokens leave no room in context_length={self.context_length}")
         if constraint is not None and p.n > 1 and not hasattr(constraint, "clone"):
             raise EngineError("constraint: n > 1 needs a constraint with clone()")
+        if handover or prefilled is not None:
+            p = self._check_handover(ids, p, handover, prefilled)
         self._check_fits(ids, p)
         g = Group(request_id, text, ids, p, p.n, output_kind, arrival_time or time.time(), self._group_counter)
+        g.handover = handover
         self._group_counter += 1
         children = p.child_params() if p.n > 1 else [p]
         for j, cp in enumerate(children):
@@ -369,12 +390,71 @@ class Engine:
             con = constraint if j == 0 or constraint is None else constraint.clone()
             g.seqs.append(Seq(g, j, cp, det, con))
         self.output.groups[request_id] = g
+        self.metrics.add("prompt_tokens", len(ids))
+        if prefilled is not None:  # the prefill engine's first token, then (unless it ends it) decode from the state
+            s = g.seqs[0]
+            s.prefilled = prefilled
+            self.metrics.add("handovers_imported")
+            self.metrics.add("handover_bytes_imported", prefilled.nbytes)
+            self.output.append_token(s, prefilled.first_token, prefilled.first_logprob, prefilled.first_top,
+                                     time.perf_counter())
+            if s.status != FINISHED:
+                self.scheduler.add(g.seqs)
+            return
         if p.max_tokens == 0 and len(ids) == 1:  # nothing to compute: the first token has no logprob
             for s in g.seqs:
                 self.output.finish(s, "length")
         else:
             self.scheduler.add(g.seqs)
-        self.metrics.add("prompt_tokens", len(ids))
+
+    def _check_handover(self, ids: list, p: SamplingParams, handover: bool, prefilled) -> SamplingParams:
+        """Refuse a handover request this engine cannot serve as asked (`add_request`); returns its
+        sampling parameters (a decode request without a seed continues the prefill engine's)."""
+        from dsv41_jax.serving.handover import HandoverError, check_layout
+
+        if handover and prefilled is not None:
+            raise EngineError("handover and prefilled: a request is either prefilled here or decoded here")
+        if p.n != 1:
+            raise EngineError("prefill/decode handover: n must be 1")
+        if p.prompt_logprobs is not None:
+            raise EngineError("prefill/decode handover: prompt_logprobs are not carried over")
+        if handover:
+            if p.max_tokens != 1:
+                raise EngineError(f"handover: the prefill engine samples exactly the first token (max_tokens=1), "
+                                  f"got max_tokens={p.max_tokens}")
+            return p
+        if list(prefilled.prompt_ids) != ids:
+            raise HandoverError(f"prefilled state: it covers another prompt ({len(prefilled.prompt_ids)} tokens) "
+                                f"than this request's ({len(ids)} tokens)")
+        if p.logprobs is not None and (prefilled.first_logprob is None or
+                                       len(prefilled.first_top or ()) < p.logprobs):
+            raise HandoverError("prefilled state: the request asks for logprobs the prefill engine did not record")
+        check_layout(prefilled, self.runner.handover_layout())
+        n_pages = -(-len(ids) // self.allocator.page_size)
+        if len(prefilled.pages) != n_pages:
+            raise HandoverError(f"prefilled state: {len(prefilled.pages)} pages for a {len(ids)}-token prompt, "
+                                f"which fills {n_pages} pages of {self.allocator.page_size} tokens (truncated?)")
+        return p if p.seed is not None else p.replace(seed=prefilled.seed)
+
+    def _on_release(self, s: Seq) -> None:
+        """A handover request that finished (its first token sampled): export its state (pages and slot
+        still hold it) for the final output, before the scheduler frees them."""
+        g = s.group
+        if not g.handover or s.finish_reason not in ("stop", "length") or s.slot is None:
+            return
+        from dsv41_jax.serving.handover import PrefilledState
+
+        n = len(s.prompt_ids)
+        pages = self.allocator.pages(s.key)[:-(-n // self.allocator.page_size)]
+        if s.num_cached < n or len(pages) * self.allocator.page_size < n:
+            return  # (cannot happen: the first token is sampled after the whole prompt) no state: no handover
+        data = self.runner.export_slot(s.slot, pages)
+        want_lp = s.params.logprobs is not None
+        g.handover_state = PrefilledState(list(s.prompt_ids), s.output_ids[0], s.params.seed, data["rows"],
+                                          data["pages"], s.lps[0] if want_lp else None,
+                                          list(s.tops[0]) if want_lp else None)
+        self.metrics.add("handovers_exported")
+        self.metrics.add("handover_bytes_exported", g.handover_state.nbytes)
 
     def _check_fits(self, ids: list, p: SamplingParams) -> None:
         """Refuse, at admission, a request that could never run to its end: every sample must fit

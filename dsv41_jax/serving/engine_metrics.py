@@ -16,7 +16,8 @@ __all__ = ["COUNTERS", "EngineMetrics"]
 COUNTERS = ("num_preemptions", "replayed_tokens", "requests_failed", "prompt_tokens", "generation_tokens",
             "requests_finished", "requests_aborted", "shared_prompt_tokens", "computed_prompt_tokens", "num_forks",
             "steps", "launches", "spec_verify_steps", "spec_accepted_tokens", "spec_draft_tokens",
-            "cached_prompt_tokens")
+            "cached_prompt_tokens", "handovers_exported", "handover_bytes_exported", "handovers_imported",
+            "handover_bytes_imported", "imported_prompt_tokens")
 
 
 class EngineMetrics:

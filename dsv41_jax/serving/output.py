@@ -233,7 +233,8 @@ class OutputProcessor:
             if s0.want_plp and s0.plp_missing == 0 and not g.sent_plp:
                 plp, g.sent_plp = list(s0.plp), True
             out.append(RequestOutput(rid, g.prompt, g.prompt_ids, comps, fin, self.group_metrics(g), error, plp,
-                                     num_cached_tokens=max(s.cached_tokens for s in g.seqs)))
+                                     num_cached_tokens=max(s.cached_tokens for s in g.seqs),
+                                     prefilled_state=g.handover_state if fin else None))
         self.touched = {}
         return out
 

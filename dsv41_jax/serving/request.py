@@ -93,6 +93,8 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None
     # prompt tokens whose cache came from the prefix cache (the usage's prompt_tokens_details.cached_tokens)
     num_cached_tokens: Optional[int] = None
+    # a handover request's final output: its state after the prefill (`handover.PrefilledState`)
+    prefilled_state: Optional[object] = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -114,6 +116,8 @@ class Group:
         self.finished_time: Optional[float] = None
         self.emitted_final = False
         self.sent_plp = False
+        self.handover = False  # a prefill engine's request: export its state when it finishes (`handover`)
+        self.handover_state = None  # ... the exported `handover.PrefilledState`
 
     @property
     def finished(self) -> bool:
@@ -151,6 +155,7 @@ class Seq:
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.num_preemptions = 0
+        self.prefilled = None  # a decode engine's request: the `handover.PrefilledState` it starts from
         self.spec_inflight = False  # a DSpark row of this sample is on the device (its accept length unknown)
         self.spec_steps = 0  # DSpark verify steps of this sample, and the drafts they accepted
         self.spec_accepted = 0

@@ -18,8 +18,9 @@ reads them):
   verify-then-commit step per batch bucket; accept lengths are values). Speculation is behind the
   `speculator.Speculator` seam (`NoSpeculation` without DSpark): it also gives the step plain
   launches run and the per-slot state it keeps in the cache.
-- fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples, and the
-  prefix cache's snapshot saves / restores and HiCache spills / loads — one method per op type
+- fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples, the
+  prefix cache's snapshot saves / restores and HiCache spills / loads, and the imports of states
+  prefilled by another engine (`ImportOp`, `import_slot`; `handover`) — one method per op type
   (`_run_op`).
 
 Set-up runs in steps with one job each (`__init__`: configure, load, place, plan memory, build the
@@ -60,7 +61,7 @@ from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveO
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import RUNNING, EngineError
 from dsv41_jax.serving.sampling import SamplingTensors
-from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
+from dsv41_jax.serving.scheduler import ForkOp, ImportOp, Launch, SpecLaunch
 
 __all__ = ["Runner", "SharedPageAllocator", "SIMULATE_ACC_LEN_ENV"]
 
@@ -848,6 +849,10 @@ class Runner:
         self._load(op)
 
     @_run_op.register
+    def _(self, op: ImportOp) -> None:
+        self.import_slot({"rows": op.state.rows, "pages": op.state.pages}, op.slot, op.pages)
+
+    @_run_op.register
     def _(self, op: RestoreOp) -> None:
         self.state = _restore_snapshot(self.state, self.snaps, np.int32(op.row), np.int32(op.slot),
                                        np.int32(op.src_page), np.int32(op.dst_page),
@@ -923,6 +928,15 @@ class Runner:
         for p, blk in zip(pages, data["pages"]):
             self.state = _scatter_page(self.state, blk, np.int32(p), **kw)
         self.state = _put_snapshot(self.state, data["rows"], np.int32(slot))
+
+    def handover_layout(self) -> tuple:
+        """(rows, page): the structures `export_slot` gives for a slot's rows and for one page, as
+        pytrees of ``jax.ShapeDtypeStruct`` (what a state moved from another engine must match)."""
+        kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
+        rows = jax.eval_shape(_get_slot_rows, self.state, np.int32(0))
+        page = jax.eval_shape(functools.partial(_gather_page, **kw), self.state, np.int32(0))
+        strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (no shardings: host arrays)
+        return jax.tree.map(strip, rows), jax.tree.map(strip, page)
 
     def _settle_host(self) -> None:
         """Spilled copies into host memory (numpy), releasing their device buffers."""

@@ -41,7 +41,7 @@ from dsv41_jax.serving.engine_metrics import EngineMetrics
 from dsv41_jax.serving.request import PREEMPTION_REASONS, RUNNING, WAITING, Seq
 from dsv41_jax.serving.runner_api import RunnerProtocol
 
-__all__ = ["ForkOp", "Launch", "Row", "Scheduler", "SpecLaunch"]
+__all__ = ["ForkOp", "ImportOp", "Launch", "Row", "Scheduler", "SpecLaunch"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
@@ -112,6 +112,16 @@ class ForkOp:
     seqs: list
 
 
+@dataclass
+class ImportOp:
+    """Write a prefilled request's state (`handover.PrefilledState`) into slot ``slot`` and pool pages
+    ``pages`` (prefill/decode disaggregation; dispatched before the plan's launches, like a restore)."""
+
+    slot: int
+    pages: list
+    state: Any
+
+
 class Scheduler:
     """Decides each iteration's rows. Single-threaded; owned by `Engine`.
 
@@ -149,6 +159,7 @@ class Scheduler:
         self.has_inflight = has_inflight  # the engine's: launches dispatched whose results are not read yet
         self.cache = runner.prefix_cache  # the radix prefix cache's controller (prefix_cache.py), or None
         self.pending_restores: list = []  # this plan's RestoreOps (dispatched before its launches)
+        self.pending_imports: list = []  # this plan's ImportOps (prefilled states of admitted samples)
 
     # ------------------------------------------------------------------------------------ queue
     def add(self, seqs: list) -> None:
@@ -176,7 +187,9 @@ class Scheduler:
         of samples released since the last plan and this plan's restores come first (`_cache_ops`)."""
         if self.cache is not None:
             self.cache.unpin_all()  # the previous plan's restores are dispatched
-        return self._cache_ops(self._schedule())
+        ops = self._schedule()
+        imports, self.pending_imports = self.pending_imports, []
+        return self._cache_ops(imports + ops)
 
     def _cache_ops(self, ops: list) -> list:
         if self.cache is None:
@@ -531,6 +544,9 @@ class Scheduler:
         part while it prefills (a chunk ends there; an in-order save right after it), so the next
         request with that prefix resumes there."""
         s.cached_tokens = s.branch_at = 0
+        if s.prefilled is not None:
+            self._import(s)
+            return
         if self.cache is None:
             return
         query = s.tokens(0, s.total_len - 1)
@@ -546,6 +562,17 @@ class Scheduler:
         b = min(self.cache.tree.shared_len(query), n_pre) // self.page_size * self.page_size
         if s.num_cached < b < n_pre:
             s.branch_at = b
+
+    def _import(self, s: Seq) -> None:
+        """A just-admitted sample that comes with its prefilled state (`handover`): pages for its
+        prompt, an `ImportOp` writing the state into them and its slot; it then decodes from its first
+        token (a resumed one replays its generated tokens from there) and prefills nothing."""
+        n = len(s.prompt_ids)
+        self.allocator.ensure(s.key, n)
+        pages = self.allocator.pages(s.key)[:-(-n // self.page_size)]
+        self.pending_imports.append(ImportOp(s.slot, pages, s.prefilled))
+        s.num_cached = n
+        self.metrics.add("imported_prompt_tokens", n)
 
     def _chunk_point(self, s: Seq) -> bool:
         """Whether s's prefill chunk just planned ends at a point the prefix cache keeps: its branch
@@ -617,7 +644,9 @@ class Scheduler:
                     self.pending_resets.append(q.slot)
 
     def release(self, s: Seq) -> None:
-        """Free s's pages and slot (it finished, was aborted or preempted)."""
+        """Free s's pages and slot (it finished, was aborted or preempted); ``on_release`` sees s first."""
+        if self.on_release is not None:
+            self.on_release(s)
         if s in self.running:
             self.running.remove(s)
         if s.status == WAITING:
