@@ -274,18 +274,18 @@ def _first_flip(aux, ref, row, t_aux=None):
 
 def test_faithful_to_the_bf16_reference(seqs):
     """Against `impl="reference"` in bf16 (the full forward, each prompt alone): where the experts or index
-    slots first differ from the reference's, for the bf16 mode as served (one-token decode steps, "xla"),
-    this mode (its forward, which is its served path bit for bit: the tests above) and the exact mode.
+    slots first differ from the reference's, for the bf16 mode as served (one-token decode steps, "xla")
+    and for this mode (its forward, which is its served path bit for bit: the tests above). The issue's
+    criterion: the same decisions at every position before the first flip (what "first flip" means), and
+    this mode's first flip no earlier than the bf16 mode's, on every prompt.
 
-    Measured (micro, keys 11-14): bf16 as served 27, 40, 40, 40 (40 = never); this mode 19, 40, 40, 40;
-    the exact mode within the first 6 positions (fp32 activations choose other fp8 codes). On key 11 this
-    mode's final hidden states equal the reference's bit for bit for 17 positions, then part by bf16 ulps
-    and at position 19 layer 2 picks slot 2 for slot 5 (bf16 index scores a rounding apart): the
-    reference sums in fp32 in its own order, this mode rounds the exact sums, so near-ties break either
-    way — the mode is faithful to rounding level, not flip for flip. Over keys 11-18 the two agree but on
-    key 11. (The bf16 "xla" *forward* at the reference's own shape shares most of its code and summation
-    order and agrees longer still.) Asserted: the first position agrees, and the flip comes as late as the
-    bf16 mode's on all but one prompt."""
+    Measured (micro; keys 11-18, 40 = never): bf16 as served 27, 40, 40, 40, 11, 40, 40, 40; this mode
+    the same. (Before its fp32 chains were rounded op for op as the reference's compiled chains round —
+    `numerics.round_f32`, attention's num · fp32(1 / denom) — it flipped at 19 on key 11: layer 0's
+    attention output at position 17, whose exact value lies 0.04 fp32 ulp above a bf16 midpoint, rounded
+    the other way, and at 19 layer 2's indexer took slot 2 for slot 5.) Where this mode still parts from
+    the reference by bf16 ulps, it is the reference's own fp32 summation order and XLA's fp32 exp / rsqrt /
+    Sinkhorn evaluation, which no order-independent evaluation reproduces (numerics module doc)."""
     cfg = configs.micro()
     params = init_params(cfg, jax.random.key(0))
     bf = cfg.replace(impl="xla")
@@ -305,8 +305,7 @@ def test_faithful_to_the_bf16_reference(seqs):
             _, st, aux = step(params, st, b)
             served.append({k: {l: np.asarray(v)[0, 0] for l, v in aux[k].items()} for k in ("topk", "experts")})
         flips.append((_first_flip(None, ref, 0, served), _first_flip(det, ref, 0)))
-    assert all(d > 0 for _, d in flips), flips
-    assert sum(d >= b for b, d in flips) >= len(flips) - 1, flips
+    assert all(d >= b > 0 for b, d in flips), flips  # (served bf16, this mode) per prompt
 
 
 # ------------------------------------------------------------------------------------------- the cost

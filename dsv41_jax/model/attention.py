@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, x64_scope
+from dsv41_jax.model.numerics import (DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, round_f32,
+                                      round_to, x64_scope)
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 
 
@@ -110,7 +111,8 @@ def attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast: bool = False
 def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, level=EXACT_SUMS):
     """`attend` in the exact / deterministic modes: the same formula, every sum in fp64 (see `attend`); in
     the bf16 flow (deterministic bf16) the numerator's probabilities are rounded to bf16 as there; at the
-    `numerics.DETERMINISTIC` level everything after the logits is fp64, rounded once."""
+    `numerics.DETERMINISTIC` level everything after the logits is evaluated in fp64 and rounded to fp32
+    after each op, as `attend` rounds in fp32 (`numerics.round_f32`)."""
     hd = q.shape[-1]
     scale = hd ** -0.5
     lw = einsum_exact("bthd,bsd->bths", q, win_kv) * scale
@@ -119,19 +121,27 @@ def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, level=EXACT
     lc = jnp.where(comp_mask[:, :, None, :], lc, -jnp.inf)
     num_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
     if level >= DETERMINISTIC:
-        # everything after the logits in fp64, rounded where the bf16 flow rounds (numerics module doc)
+        # After the logits, the bf16 flow's fp32 chain op for op, each op evaluated in fp64 and rounded to
+        # fp32 where that chain rounds (`numerics.round_f32`): the exps, the two sums and their adds into
+        # the denominator, the two numerator matmuls and their add, and the division as XLA compiles the
+        # bf16 flow's ``num / denom[..., None]`` (a division by a broadcast): num · fp32(1 / denom), two
+        # roundings (numerics module doc). Measured: micro, layer 0, position 17 of the decode tests'
+        # prompt, the output's exact value lies 0.04 fp32 ulp above a bf16 midpoint; the reference's
+        # num · fp32(1 / denom) lands 1 fp32 ulp above it and rounds up, the quotient evaluated in fp64
+        # rounded to the midpoint and then down (ties to even): the first bf16 difference on that prompt.
+        r = round_f32
         with x64_scope():
             f64 = jnp.float64
             lw, lc = lw.astype(f64), lc.astype(f64)
             m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
             m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
-            pw, pc = jnp.exp(lw - m), jnp.exp(lc - m)
-            denom = jnp.sum(pw, axis=-1) + jnp.sum(pc, axis=-1) + jnp.exp(sink[None, None, :].astype(f64) - m[..., 0])
-            pw = pw.astype(jnp.float32).astype(num_dt).astype(f64)
-            pc = pc.astype(jnp.float32).astype(num_dt).astype(f64)
-            num = (jnp.einsum("bths,bsd->bthd", pw, win_kv.astype(f64), precision=HIGHEST)
-                   + jnp.einsum("bthk,btkd->bthd", pc, comp_kv.astype(f64), precision=HIGHEST))
-            return (num / denom[..., None]).astype(jnp.float32).astype(dt)
+            pw, pc = r(jnp.exp(r(lw - m))), r(jnp.exp(r(lc - m)))
+            denom = r(r(r(jnp.sum(pw, axis=-1)) + r(jnp.sum(pc, axis=-1)))
+                      + r(jnp.exp(r(sink[None, None, :].astype(f64) - m[..., 0]))))
+            pw, pc = round_to(pw, num_dt), round_to(pc, num_dt)  # the numerator's bf16 probabilities
+            num = r(r(jnp.einsum("bths,bsd->bthd", pw, win_kv.astype(f64), precision=HIGHEST))
+                    + r(jnp.einsum("bthk,btkd->bthd", pc, comp_kv.astype(f64), precision=HIGHEST)))
+            return r(num * r(1.0 / denom)[..., None]).astype(jnp.float32).astype(dt)
     m = jnp.maximum(jnp.max(lw, axis=-1, initial=-jnp.inf), jnp.max(lc, axis=-1, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
     pw = jnp.exp(lw - m)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import DETERMINISTIC, linear_bf16, linear_f32, softmax_f32, sum_f32, x64_scope
+from dsv41_jax.model.numerics import (DETERMINISTIC, linear_bf16, linear_f32, round_f32, softmax_f32, sum_f32,
+                                      x64_scope)
 from dsv41_jax.model.rope import apply_rope
 
 
@@ -32,15 +33,18 @@ def pool_groups(kv, score, p, eps, dt, exact: bool = False):
 
     kv, score: fp32 [..., r, hd] (score −inf where a slot of the group is absent). Returns the normed
     latent [..., hd] in `dt`. `exact`: the softmax's and the pooling's sums (and the norm's mean)
-    accumulate in fp64; at the deterministic level the softmax and the pooling are fp64 throughout.
+    accumulate in fp64; at the deterministic level every op of the softmax and the pooling is evaluated
+    in fp64 and rounded to fp32 as the fp32 chain rounds (`numerics.round_f32`).
     """
     if exact and exact >= DETERMINISTIC:
-        # softmax and pooled sum in fp64, rounded once (numerics module doc: no fusion-dependent fp32 step)
+        # the softmax and the pooling as the bf16 flow's fp32 chain, each op evaluated in fp64 and rounded
+        # to fp32 where that chain rounds (`numerics.round_f32`; numerics module doc)
+        r = round_f32
         with x64_scope():
             sc = score.astype(jnp.float64)
-            e = jnp.exp(sc - jnp.max(sc, axis=-2, keepdims=True))
-            w = e / jnp.sum(e, axis=-2, keepdims=True)
-            latent = jnp.sum(w * kv.astype(jnp.float64), axis=-2).astype(jnp.float32).astype(dt)
+            e = r(jnp.exp(r(sc - jnp.max(sc, axis=-2, keepdims=True))))
+            w = r(e * r(1.0 / r(jnp.sum(e, axis=-2, keepdims=True))))  # XLA's form of softmax's e / sum
+            latent = r(jnp.sum(r(w * kv.astype(jnp.float64)), axis=-2)).astype(jnp.float32).astype(dt)
     else:
         w = softmax_f32(score, -2, exact)
         latent = sum_f32(w * kv, -2, exact).astype(dt)

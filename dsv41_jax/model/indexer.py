@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch, linear, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import HIGHEST, einsum_exact, is_exact, linear_bf16, x64_scope
+from dsv41_jax.model.numerics import (DETERMINISTIC, HIGHEST, einsum_exact, is_exact, linear_bf16, round_f32,
+                                      round_to, x64_scope)
 from dsv41_jax.model.rope import apply_rope
 
 NEG_INF = -jnp.inf
@@ -61,6 +62,16 @@ def raw_scores(q, w, keys, dt, exact: bool = False):
     accumulate in fp64 and round once to fp32, so a score does not depend on how many slots or queries
     are scored together (the reference's one pass vs the bounded loop's blocks).
     """
+    if exact and exact >= DETERMINISTIC:
+        # the same steps in fp64, each rounded to fp32 and then to `dt` by reduce-precision ops
+        # (`numerics.round_to`), which XLA keeps in every fusion (a convert chain such as bf16 -> fp32 it
+        # may fold away, so the step roundings would depend on how the scoring is fused)
+        with x64_scope():
+            f64 = jnp.float64
+            rd = lambda x: round_to(round_f32(x), dt)  # noqa: E731
+            qk = rd(jnp.einsum("bthd,bsd->bths", q.astype(f64), keys.astype(f64), precision=HIGHEST))
+            prod = rd(w.astype(f64)[..., None] * jnp.maximum(qk, 0.0))
+            return rd(jnp.sum(prod, axis=2)).astype(jnp.float32).astype(dt)
     if exact:
         qk = einsum_exact("bthd,bsd->bths", q, keys).astype(dt)
         prod = (w.astype(jnp.float32)[..., None] * jax.nn.relu(qk.astype(jnp.float32))).astype(dt)

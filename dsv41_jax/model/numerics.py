@@ -49,11 +49,32 @@ on every backend (``is_exact`` is the one predicate the ops ask):
 * elementwise chains whose fp32 evaluation XLA:CPU varies with the fusion it lands in (and so with the
   batch shape: measured, a micro forward at batch 1 and at batch 6 parted at layer 1's compressor, one
   fp32 ulp that the next bf16 rounding made 4 bf16 ulps and a later top-k choice): RMSNorm, the
-  compressor's pooling softmax and sum, attention's softmax after the logits (probabilities rounded to
-  bf16 for the numerator as in the bf16 flow) and the sampler's exps — evaluated in fp64 and rounded
-  once where the bf16 mode rounds (`exp_f32`, `norm.rmsnorm`, `compressor.pool_groups`,
-  `attention._attend_exact`). The exact mode keeps its fp32 versions (and its recorded goldens);
-  `is_exact` returns which level runs.
+  compressor's pooling softmax and sum, attention's softmax after the logits, the index scores' step
+  roundings (`norm.rmsnorm`, `compressor.pool_groups`, `attention._attend_exact`, `indexer.raw_scores`)
+  — the bf16 flow's fp32 chain op for op, each op evaluated in fp64 and rounded to fp32 where that chain
+  rounds, and to bf16 where it rounds to bf16 (`round_f32`, `round_to`: reduce-precision ops, which XLA
+  never folds away as it may fold a convert chain). So a + − × ÷ is the IEEE fp32 op bit for bit, a sum
+  is the exact sum rounded once, an exp / rsqrt is correctly rounded, and a division by a broadcast is
+  written as XLA compiles the bf16 flow's (x · fp32(1 / y): attention's output, the pooling softmax).
+  The sampler's exps are fp64 rounded once (`exp_f32`). The exact mode keeps its fp32 versions (and its
+  recorded goldens); `is_exact` returns which level runs.
+  Faithfulness, measured against ``impl="reference"`` in bf16 (tests/test_deterministic.py, micro, the
+  decode tests' prompts, keys 11-18): the first expert / index-slot flip comes at 27, 40, 40, 40, 11, 40,
+  40, 40 (40 = never), as for the bf16 mode as served. Where this mode still parts from the reference
+  it is by what no order-independent evaluation can reproduce: (1) the reference's fp32 sums in XLA's
+  order of the moment (a GEMM output within ~1e-7 of a bf16 midpoint: key 11, position 20, Engram's
+  wkv); (2) XLA's excess precision — in the jitted reference a bf16 rounding between two fp32 steps is
+  dropped in some fusions (docs/design/fastpath_attention.md): key 11's flip at 27 is layer 1's index
+  score of slot 9, which the reference, keeping the head weights unrounded inside its fusion, scores
+  0.30078 (a tie with slot 6, which wins on the lower id) where the spec's step roundings — this mode,
+  and the reference run standalone — give 0.30273, 1 bf16 ulp above; (3) XLA's fp32 exp / rsqrt /
+  logistic approximations (measured on CPU: 10 / 18 / 37 % of results 1 ulp off the correctly rounded
+  ones) and mHC's fp32 Sinkhorn, which a per-op fp32 emulation does not reproduce (30 % of entries
+  differ after one iteration, with XLA's own exps): mHC's mixes stay fp64, rounded once (key 13: the
+  first bf16 difference, position 9, is a layer 0 hc_post; no decision flips on it). Before the per-op
+  roundings this mode flipped at 19 on key 11: layer 0's attention output at position 17, whose exact
+  value lies 0.04 fp32 ulp above a bf16 midpoint, was rounded fp64 -> fp32 (onto the midpoint) -> bf16
+  (down, ties to even), where the reference's num · fp32(1 / denom) lands 1 fp32 ulp above and rounds up.
 * fixed-order reductions: the routed-expert combine (ascending expert id, left-to-right fp32 fold,
   `moe.combine_slots`; bitwise across ep shards, `parallel.collectives`), hc_pre / hc_post (static
   left-to-right over the n streams), the top-k weight normalisation over k terms.
@@ -152,6 +173,29 @@ def exp_f32(x, exact: int = 0):
         return jnp.exp(x)
     with x64_scope():
         return jnp.exp(x.astype(jnp.float64)).astype(jnp.float32)
+
+
+def round_f32(x):
+    """fp64 `x` rounded to fp32 values (kept in fp64): inside the deterministic mode's fp64 evaluations, the
+    fp32 rounding of every intermediate that the bf16 flow computes in fp32. A + − × ÷ or √ of fp32 values
+    evaluated in fp64 and so rounded is the IEEE fp32 operation bit for bit (53 >= 2·24 + 2: the double
+    rounding is innocuous), and no FMA contraction reaches across the rounding; so a chain written this
+    way is the reference's fp32 chain op for op, whatever fusion or shape it lands in. Transcendentals
+    (exp, rsqrt) so evaluated are correctly rounded, where XLA's fp32 versions are approximations
+    (measured on CPU: exp 10 %, rsqrt 18 % of fp32 results 1 ulp off).
+
+    A ``reduce_precision``, not a convert pair: with its default ``--xla_allow_excess_precision`` XLA
+    removes chains of converts (``simplify-fp-conversions``: f64 -> f32 -> f64 becomes nothing) in some
+    fusions and not in others (measured: a micro forward at batch 4 kept the fp64 value where batch 1
+    rounded it), while a reduce-precision is kept. Unlike a convert it flushes values below fp32's normal
+    range (2^-126) to ±0."""
+    return round_to(x, jnp.float32)
+
+
+def round_to(x, dtype):
+    """`x` rounded to the values of the float `dtype` (ties to even) in its own dtype; see `round_f32`."""
+    fi = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
 
 
 def softmax_f32(x, axis, exact: int = 0):
