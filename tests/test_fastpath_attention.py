@@ -49,6 +49,7 @@ import goldens
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model import attention, forward, indexer, init_params
+from dsv41_jax.model.numerics import DETERMINISTIC, EXACT_SUMS
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "fastpath_golden_micro.npz")
 
@@ -357,24 +358,25 @@ def test_decode_exact_mode_xla_equals_reference(which, micro_params, micro_cfg, 
     assert any(k.startswith("topk") and (v == -1).all() for k, v in ref.items())  # empty selections
 
 
-def test_attend_exact_ignores_key_layout():
-    """`attend` in the exact mode: the same visible keys laid out differently (permuted, padded with
-    masked keys) give bit-identical outputs."""
+@pytest.mark.parametrize("dt,level", [(jnp.float32, EXACT_SUMS), (jnp.bfloat16, DETERMINISTIC)])
+def test_attend_exact_ignores_key_layout(dt, level):
+    """`attend` in the exact mode (and in the deterministic mode's bf16 flow): the same visible keys laid
+    out differently (permuted, padded with masked keys) give bit-identical outputs."""
     rng = np.random.default_rng(9)
     B, T, H, hd, S, K = 2, 3, 2, 32, 6, 4
-    q = jnp.asarray(rng.standard_normal((B, T, H, hd)), jnp.float32)
-    win = jnp.asarray(rng.standard_normal((B, S, hd)), jnp.float32)
-    comp = jnp.asarray(rng.standard_normal((B, T, K, hd)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, hd)), dt)
+    win = jnp.asarray(rng.standard_normal((B, S, hd)), dt)
+    comp = jnp.asarray(rng.standard_normal((B, T, K, hd)), dt)
     wm = jnp.asarray(rng.random((B, T, S)) < 0.7)
     cm = jnp.asarray(rng.random((B, T, K)) < 0.7)
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    f = jax.jit(lambda *a: attention.attend(*a, jnp.float32, exact=True))
-    a = np.asarray(f(q, win, wm, comp, cm, sink))
+    f = jax.jit(lambda *a: attention.attend(*a, dt, exact=level))
+    a = np.asarray(f(q, win, wm, comp, cm, sink).astype(jnp.float32))
     perm = rng.permutation(S)
-    junk = jnp.asarray(rng.standard_normal((B, 5, hd)), jnp.float32)  # masked: must not matter
+    junk = jnp.asarray(rng.standard_normal((B, 5, hd)), dt)  # masked: must not matter
     win2 = jnp.concatenate([win[:, perm], junk], axis=1)
     wm2 = jnp.concatenate([wm[:, :, perm], jnp.zeros((B, T, 5), bool)], axis=-1)
-    b = np.asarray(f(q, win2, wm2, comp[:, :, ::-1], cm[:, :, ::-1], sink))
+    b = np.asarray(f(q, win2, wm2, comp[:, :, ::-1], cm[:, :, ::-1], sink).astype(jnp.float32))
     np.testing.assert_array_equal(a, b)
     assert np.abs(a).max() > 0
 
