@@ -10,7 +10,8 @@ What the mode promises, and where it is checked here:
   sample gets alone, where the alone runs restore the radix cache's prefixes and run at batch 1 with
   their own prefill chunks. (The same run without the mode, measured: one sample's tokens diverge and
   7 of 8 samples' logprobs differ, by up to 2.9e-4 before the divergence.) The same with DSpark (verify
-  windows accepting different lengths), and on tp = 2 x ep = 4 against the one-device engine;
+  windows accepting different lengths), and on tp = 2 x ep = 4 against the one-device engine; a HiCache
+  round trip (evicted to the host tier, loaded back) equals the cold run;
 * the server: concurrent requests (stream, n = 2, json_schema, seeded sampling) = each alone;
 * the model: a forward's rows are independent of the batch; faithfulness against the bf16 reference;
 * the benchmark plumbing that reports the mode's cost.
@@ -219,6 +220,33 @@ def test_dspark_mixed_equals_plain_alone(det_eng, mixed_ref):
     assert len({n for a in accepts for n in a}) >= 3
     assert {rids.index(r.seq.group.rid) for L in launches for r in L.rows} == {i for i, sp in enumerate(sps)
                                                                                  if sp.temperature == 0}
+
+
+def test_hicache_round_trip_equals_cold(det_eng):
+    """HiCache in the mode: a first turn's cached states (pages and snapshot rows) are evicted to the host
+    tier, the next turns (prompt + answer + 2 tokens, greedy and seeded sampling, logprobs) load them back
+    onto fresh device pages, and every sample's tokens and logprobs are the cold run's, bit for bit
+    (measured without the mode: one sample's logprobs 2.4e-7 apart). The engine has `det_eng`'s shapes
+    and weights, so it runs its compiled steps."""
+    eng = Engine(EngineArgs(**dict(KW, enable_hierarchical_cache=True)), cfg=configs.micro(),
+                 params=det_eng.runner.params)
+    a, c = eng.allocator, eng.prefix_cache
+    rng = np.random.default_rng(41)
+    sps = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)]
+    firsts = [rng.integers(3, 300, n).tolist() for n in (18, 33, 9)]
+    outs = _run(eng, firsts, sps)
+    eng.step()  # dispatches the last snapshot saves (an entry is spilled only once its save ran)
+    c.evict(a.capacity)
+    assert not c.entries and c.spills > 0 and a.free_pages == a.capacity
+    seconds = [p + list(o.outputs[0].token_ids) + rng.integers(3, 300, 2).tolist() for p, o in zip(firsts, outs)]
+    warm = _run(eng, seconds, sps)
+    assert c.host_hits == len(seconds) and all(o.num_cached_tokens > 0 for o in warm)
+    c.clear_cache()
+    cold = _run(eng, seconds, sps)
+    assert [o.num_cached_tokens for o in cold] == [0] * len(seconds)
+    assert [_result(o) for o in warm] == [_result(o) for o in cold]
 
 
 @pytest.mark.parametrize("host_table", [False, pytest.param(True, marks=pytest.mark.slow)])
