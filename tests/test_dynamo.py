@@ -1,4 +1,4 @@
-"""NVIDIA Dynamo, live (issue 39): our frontend (`python -m dsv41_jax.dynamo.frontend`, KV router) and two
+"""NVIDIA Dynamo, live: our frontend (`python -m dsv41_jax.dynamo.frontend`, KV router) and two
 aggregated nano workers (`python -m dsv41_jax.dynamo`), beside our own server (`python -m dsv41_jax.serve`)
 with the same engine flags. No etcd / NATS: file discovery, the tcp request plane, the zmq event plane, every
 address on the loopback.

@@ -312,7 +312,7 @@ def test_startup_errors(cfg, mini_params):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Prefill/decode handover (issue 39): a prefill engine's exported state, decoded by another engine
+# Prefill/decode handover: a prefill engine's exported state, decoded by another engine
 # ----------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
-"""A local Dynamo deployment: our frontend and N aggregated workers on this machine, no etcd / NATS.
+"""A local Dynamo deployment: our frontend and N workers on this machine, no etcd / NATS.
 
     python -m dsv41_jax.dynamo.local --workers 2 --port 8000 -- --model nano     # Ctrl-C stops them all
+    python -m dsv41_jax.dynamo.local --prefill-workers 1 --workers 1 -- --model nano   # prefill + decode
 
 `LocalDeployment` starts and stops the processes (scripts/dynamo_local.sh, tests/test_dynamo.py and
 scripts/bench_dynamo.py use it): every process gets file discovery in a fresh directory, the tcp request
@@ -147,27 +148,39 @@ class LocalDeployment:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv41_jax.dynamo.local",
-                                 description="Our Dynamo frontend and N aggregated workers on this machine (no etcd / "
+                                 description="Our Dynamo frontend and N aggregated (or P prefill + N decode) workers "
+                                             "on this machine (no etcd / "
                                              "NATS); the arguments after -- are the workers' engine flags. Ctrl-C "
                                              "stops every process.")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2,
+                    help="aggregated workers; with --prefill-workers: decode workers")
+    ap.add_argument("--prefill-workers", type=int, default=0,
+                    help="prefill workers (prefill/decode disaggregation: --workers are then decode workers; the "
+                         "request's state moves from prefill to decode worker through NIXL)")
     ap.add_argument("--port", type=int, default=8000, help="the frontend's HTTP port")
     ap.add_argument("--router-mode", default="kv", choices=("kv", "round-robin", "random"))
     ap.add_argument("--log-dir", default=None, help="one log per process (default: a temporary directory)")
     ap.add_argument("engine_flags", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     flags = a.engine_flags[1:] if a.engine_flags[:1] == ["--"] else a.engine_flags
-    if a.workers < 1:
-        ap.error("--workers must be >= 1")
+    if a.workers < 1 or a.prefill_workers < 0:
+        ap.error("--workers must be >= 1 and --prefill-workers >= 0")
     d = LocalDeployment(log_dir=a.log_dir)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
-        for i in range(a.workers):
-            d.start_worker(f"worker{i}", flags)
+        if a.prefill_workers:
+            for i in range(a.prefill_workers):
+                d.start_worker(f"prefill{i}", [*flags, "--disaggregation-mode", "prefill"])
+            for i in range(a.workers):
+                d.start_worker(f"decode{i}", [*flags, "--disaggregation-mode", "decode"])
+            layout = f"{a.prefill_workers} prefill + {a.workers} decode worker(s)"
+        else:
+            for i in range(a.workers):
+                d.start_worker(f"worker{i}", flags)
+            layout = f"{a.workers} worker(s)"
         url = d.start_frontend(a.port, a.router_mode)
-        print(f"frontend {url}/v1 (router: {a.router_mode}), {a.workers} worker(s) starting; logs in {d.log_dir}",
-              flush=True)
+        print(f"frontend {url}/v1 (router: {a.router_mode}), {layout} starting; logs in {d.log_dir}", flush=True)
         d.wait_ready()
         print(f"ready: {', '.join(f'{n} (stats: POST 127.0.0.1:{p}/engine/control/stats)' for n, p in d.worker_ports.items())}",
               flush=True)

@@ -25,8 +25,26 @@
   ``DYN_SYSTEM_PORT``) returns the engine's own counters (requests, cached prompt tokens, prefix
   cache hits, published KV blocks).
 
-Disaggregated roles (``--disaggregation-mode prefill|decode``) are refused at start-up: moving a
-request's state between workers is not implemented (`docs/design/dynamo.md`).
+Prefill/decode disaggregation (``--disaggregation-mode prefill|decode``; Dynamo's protocol: the
+frontend sends a request first to a prefill worker with ``max_tokens=1``, then hands that worker's
+final ``disaggregated_params`` to a decode worker as ``prefill_result.disaggregated_params``):
+
+* a *prefill* worker runs the request with ``handover=True`` (`serving.handover`): its engine prefills
+  the prompt, samples the first token and exports the request's state (pages, slot rows with the
+  DSpark rings); the worker packs it to one buffer, offers it through NIXL (`transfer.NixlTransport`)
+  and ends with ``disaggregated_params = {"dsv41": {"manifest": ..., "nixl": <descriptor>}}``;
+* a *decode* worker READs the buffer from the prefill worker's memory (NIXL), checks it against its
+  own engine (`handover.unpack`: model, page size, numerics, DSpark rings, digest) and runs the request
+  with ``prefilled=``: the first token is the prefill worker's, the state goes into its own pages, it
+  decodes (with DSpark when on) and prefills nothing; the bytes moved and the time are logged and
+  counted (``engine_control("stats")``: ``handovers_imported``, ``imported_prompt_tokens``,
+  ``computed_prompt_tokens``, ``transfer_*``).
+
+A decode request without a prefill result, a failed or timed-out transfer (prefill worker gone, NIXL
+error) or a state that does not fit ends with ``Unknown`` (the client gets an error status or a stream
+error event, never a 200 with empty content); nothing was allocated on the decode side. The prefill
+worker's pages go back when it exports; its buffer when the decode side's READ completes, or after
+``--transfer-ttl`` seconds.
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ __all__ = ["build_parser", "engine_class", "main", "sampling_from_request"]
 
 DISAGGREGATION_MODES = ("aggregated", "prefill", "decode")
 _FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+_DYN_MODE = {"aggregated": "agg", "prefill": "prefill", "decode": "decode"}  # Dynamo's DisaggregationMode values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p, model_default="nano")
     g = p.add_argument_group("dynamo")
     g.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"), help="Dynamo namespace")
-    g.add_argument("--component", default="dsv41", help="Dynamo component name of this worker")
+    g.add_argument("--component", default=None,
+                   help="Dynamo component name of this worker (default: dsv41, prefill workers dsv41_prefill)")
     g.add_argument("--endpoint", default="generate", help="Dynamo endpoint name")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the model directory's name)")
@@ -72,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE") or None, choices=("nats", "zmq"),
                    help="Dynamo event plane for KV events (default: Dynamo's choice)")
     g.add_argument("--disaggregation-mode", default="aggregated", choices=DISAGGREGATION_MODES,
-                   help="worker role; only 'aggregated' is implemented (prefill / decode are refused at start-up)")
+                   help="worker role: aggregated, or prefill / decode (the request's state moves from the prefill "
+                        "worker to the decode worker through NIXL)")
+    g.add_argument("--transfer-timeout", type=float, default=60.0,
+                   help="decode role: seconds a state transfer may take before the request fails")
+    g.add_argument("--transfer-ttl", type=float, default=120.0,
+                   help="prefill role: seconds an exported state waits for its decode worker before it is dropped")
     g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="do not publish the prefix cache's blocks (the frontend's KV router then sees nothing)")
     g.add_argument("--compilation-cache-dir", default=default_cache_dir(),
@@ -136,16 +161,23 @@ def engine_class():
             self.blocks = None  # KvBlockEvents
             self.loop: Optional[asyncio.AbstractEventLoop] = None
             self.requests = 0
+            self.mode = args.disaggregation_mode
+            self.transport = None  # NixlTransport (prefill / decode roles)
+            self._poller = None
+            self.transfer_seconds = 0.0
 
         @classmethod
         async def from_args(cls, argv=None):
             args, engine_args = parse_args(argv)
             name = args.served_model_name or _served_name(engine_args.model)
+            if args.component is None:
+                args.component = "dsv41_prefill" if args.disaggregation_mode == "prefill" else "dsv41"
             wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
                               model_name=engine_args.model, served_model_name=name,
                               discovery_backend=args.discovery_backend, request_plane=args.request_plane,
-                              event_plane=args.event_plane, enable_kv_routing=args.kv_events,
-                              disaggregation_mode=DisaggregationMode.AGGREGATED)
+                              event_plane=args.event_plane,
+                              enable_kv_routing=args.kv_events and args.disaggregation_mode != "decode",
+                              disaggregation_mode=DisaggregationMode(_DYN_MODE[args.disaggregation_mode]))
             args.served_model_name = name
             return cls(args, engine_args), wc
 
@@ -154,12 +186,19 @@ def engine_class():
 
             self.loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
+            if self.mode != "aggregated":
+                from dsv41_jax.dynamo.transfer import NixlTransport
+
+                self.transport = NixlTransport(f"dsv41-{self.mode}-{worker_id}", ttl=self.args.transfer_ttl)
+                if self.mode == "prefill":
+                    self._poller = asyncio.ensure_future(self._poll_transfers())
             self.engine = await asyncio.to_thread(AsyncEngine, self.engine_args)
             inner = self.engine.engine
             a = inner.allocator
-            log.info("engine ready in %.1fs: %s, page size %d, %d pages, context_length %d, worker %s",
+            log.info("engine ready in %.1fs: %s, page size %d, %d pages, context_length %d, worker %s, role %s%s",
                      time.perf_counter() - t0, self.engine_args.model, a.page_size, a.capacity,
-                     inner.context_length, worker_id)
+                     inner.context_length, worker_id, self.mode,
+                     f", NIXL agent {self.transport.name}" if self.transport is not None else "")
             return EngineConfig(
                 model=self.engine_args.model, served_model_name=self.args.served_model_name,
                 llm=LlmRegistration(context_length=inner.context_length, kv_cache_block_size=a.page_size,
@@ -169,8 +208,9 @@ def engine_class():
         # -------------------------------------------------------------------------- KV events
         async def kv_event_sources(self):
             cache = self.engine.engine.prefix_cache if self.engine is not None else None
-            if not self.args.kv_events or cache is None:
-                log.info("KV events: off (%s)", "--no-kv-events" if not self.args.kv_events else "no radix cache")
+            if not self.args.kv_events or cache is None or self.mode == "decode":
+                log.info("KV events: off (%s)", "--no-kv-events" if not self.args.kv_events else
+                         "decode role: the router places prefills" if self.mode == "decode" else "no radix cache")
                 return []
             return [PushSource(on_ready=self._kv_ready, dp_rank=0)]
 
@@ -209,8 +249,17 @@ def engine_class():
             ours = (request.get("extra_args") or {}).get("dsv41")
             drop = tuple(int(t) for t in (ours or {}).get("drop_token_ids") or ())
             generated = {}
+            kw: dict = {}
+            if self.mode == "prefill":
+                if sp.n != 1:
+                    raise InvalidArgument("n > 1 is not served by disaggregated workers")
+                # Dynamo's contract: the prefill worker gives the first token (and the state after the prompt)
+                sp = sp.replace(max_tokens=1, min_tokens=min(sp.min_tokens, 1))
+                kw["handover"] = True
+            elif self.mode == "decode":
+                kw["prefilled"] = await self._receive(request, ids, rid)
             try:
-                async for out in self.engine.generate(ids, sp, rid, drop_token_ids=drop):
+                async for out in self.engine.generate(ids, sp, rid, drop_token_ids=drop, **kw):
                     for c in out.outputs:
                         generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                         chunk: dict = {"token_ids": [int(t) for t in c.token_ids], "index": c.index}
@@ -226,6 +275,8 @@ def engine_class():
                                 "prompt_tokens": len(ids), "completion_tokens": total,
                                 "total_tokens": len(ids) + total,
                                 "prompt_tokens_details": {"cached_tokens": int(out.num_cached_tokens or 0)}}
+                            if self.mode == "prefill":
+                                chunk["disaggregated_params"] = self._offer(rid, out)
                         yield chunk
             except (EngineError, ValueError) as e:
                 raise InvalidArgument(str(e)) from None
@@ -233,6 +284,53 @@ def engine_class():
                 raise Unknown(f"queue full: {e}") from None
             except EngineInternalError as e:
                 raise Unknown(f"the engine ended the request: {e}") from None
+
+        # -------------------------------------------------------------------------- disaggregation
+        def _offer(self, rid: str, out) -> dict:
+            """Prefill role: the exported state's buffer offered through NIXL; the disaggregated_params
+            the frontend hands to the decode worker."""
+            from dsv41_jax.serving import handover
+
+            st = out.prefilled_state
+            if st is None:  # (the engine exports every handover request that finished with a token)
+                raise Unknown("the prefill worker's engine exported no state for the request")
+            manifest, buf = handover.pack(st)
+            desc = self.transport.offer(rid, buf)
+            log.info("request %s: prefilled %d tokens, state of %d bytes (%d pages) offered via NIXL", rid,
+                     len(st.prompt_ids), buf.nbytes, len(st.pages))
+            return {"dsv41": {"manifest": manifest, "nixl": desc}}
+
+        async def _poll_transfers(self):
+            while True:
+                await asyncio.sleep(0.05)
+                try:
+                    self.transport.poll()
+                except Exception as e:  # noqa: BLE001 (keep polling; a broken agent shows in the stats)
+                    log.error("NIXL poll: %s", e)
+
+        async def _receive(self, request, ids: list, rid: str):
+            """Decode role: the request's state from its prefill worker (NIXL READ), checked against this
+            engine. Raises `Unknown` (an error for the client) when there is none or it cannot be had."""
+            from dsv41_jax.dynamo.transfer import TransferError
+            from dsv41_jax.serving import handover
+
+            pr = request.get("prefill_result") or {}
+            params = (pr.get("disaggregated_params") or {}).get("dsv41")
+            if not params or "manifest" not in params or "nixl" not in params:
+                raise Unknown("decode worker: the request carries no prefill result from a dsv41_jax prefill worker "
+                              "(run prefill workers beside the decode workers)")
+            t0 = time.perf_counter()
+            try:
+                buf = await asyncio.to_thread(self.transport.fetch, params["nixl"], self.args.transfer_timeout)
+                state = handover.unpack(params["manifest"], buf, self.engine.engine.runner.handover_layout())
+            except (TransferError, handover.HandoverError) as e:
+                log.error("request %s: state transfer failed: %s", rid, e)
+                raise Unknown(f"KV transfer from the prefill worker failed: {e}") from None
+            dt = time.perf_counter() - t0
+            self.transfer_seconds += dt
+            log.info("request %s: received %d bytes (%d prompt tokens, %d pages) from %s via NIXL in %.1f ms", rid,
+                     buf.nbytes, len(state.prompt_ids), len(state.pages), params["nixl"].get("agent"), dt * 1e3)
+            return state
 
         async def abort(self, context):
             if self.engine is not None:
@@ -244,6 +342,10 @@ def engine_class():
                     self.engine.engine.prefix_cache.on_tree_event = None
                 await asyncio.to_thread(self.engine.shutdown)
                 self.engine = None
+            if self._poller is not None:
+                self._poller.cancel()
+            if self.transport is not None:
+                self.transport.close()
 
         # -------------------------------------------------------------------------- stats
         def supported_controls(self):
@@ -255,9 +357,14 @@ def engine_class():
             s = await asyncio.to_thread(self.engine.stats)
             keep = ("requests_finished", "prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens",
                     "generation_tokens", "prefix_cache_hits", "prefix_cache_entries", "requests_aborted",
-                    "num_running_reqs", "num_used_tokens", "max_total_num_tokens")
+                    "num_running_reqs", "num_used_tokens", "max_total_num_tokens", "handovers_exported",
+                    "handover_bytes_exported", "handovers_imported", "handover_bytes_imported",
+                    "imported_prompt_tokens", "spec_verify_steps", "spec_accepted_tokens", "requests_failed")
             out = {k: s[k] for k in keep if k in s}
             out["requests"] = self.requests
+            out["disaggregation_mode"] = self.mode
+            if self.transport is not None:
+                out.update(self.transport.stats(), transfer_seconds=self.transfer_seconds)
             out["kv_blocks_published"] = self.blocks.num_blocks if self.blocks is not None else None
             return {"status": "ok", "stats": out}
 
@@ -277,8 +384,13 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     if args.disaggregation_mode != "aggregated":
-        p.error(f"--disaggregation-mode {args.disaggregation_mode}: not implemented (moving a request's pages and "
-                "per-slot state between workers is not built yet); run aggregated workers")
+        try:
+            import nixl._api  # noqa: F401
+        except ImportError as e:
+            p.error(f"--disaggregation-mode {args.disaggregation_mode}: needs NIXL, which is not installed ({e}); "
+                    "install it with scripts/install_dynamo.sh")
+        if args.transfer_timeout <= 0 or args.transfer_ttl <= 0:
+            p.error("--transfer-timeout and --transfer-ttl must be > 0")
     try:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.resolved_impl()

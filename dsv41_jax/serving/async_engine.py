@@ -139,11 +139,11 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt_ids, params, constraint, drop_ids = cmd
+            _, rid, prompt_ids, params, constraint, drop_ids, handover_kw = cmd
             try:
                 with self._lock:
                     self.engine.add_request(rid, prompt_ids, params, constraint=constraint, output_kind="delta",
-                                            drop_token_ids=drop_ids)
+                                            drop_token_ids=drop_ids, **handover_kw)
             except Exception as e:  # noqa: BLE001 (the request's own error)
                 self._deliver(rid, e)
                 self._streams.pop(rid, None)
@@ -175,10 +175,11 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, constraint=None,
-                       drop_token_ids=()) -> AsyncIterator[RequestOutput]:
+                       drop_token_ids=(), handover: bool = False, prefilled=None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: each `RequestOutput` holds the new text / tokens / logprobs
         of the samples that advanced (``outputs[i].index`` tells which); the last has
-        ``finished=True`` and the finish reasons. drop_token_ids: ids left out of the text."""
+        ``finished=True`` and the finish reasons. drop_token_ids: ids left out of the text.
+        handover / prefilled: prefill/decode disaggregation (`Engine.add_request`)."""
         if self._dead is not None or self._thread is None:
             raise EngineDeadError("the engine loop is not running")
         if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
@@ -195,7 +196,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (loop, q)
         self._n_pending_adds += 1
-        self._cmds.put(("add", rid, list(prompt_ids), params, constraint, tuple(drop_token_ids)))
+        handover_kw = {"handover": True} if handover else {"prefilled": prefilled} if prefilled is not None else {}
+        self._cmds.put(("add", rid, list(prompt_ids), params, constraint, tuple(drop_token_ids), handover_kw))
         self._wake.set()
         finished = False
         try:

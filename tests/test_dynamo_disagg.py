@@ -1,0 +1,160 @@
+"""NVIDIA Dynamo, live: prefill/decode disaggregation. Our frontend (`python -m dsv41_jax.dynamo.frontend`), a
+prefill worker and a decode worker (`python -m dsv41_jax.dynamo --disaggregation-mode prefill|decode`), DSpark
+on both (the prefill side fills the draft rings the decode side drafts from); the request's state moves from
+the prefill worker's memory to the decode worker's through NIXL (UCX, host memory).
+
+Marked ``dynamo`` (``pytest -m dynamo``): needs Dynamo and NIXL (scripts/install_dynamo.sh); fails, never
+skips, without them.
+
+* The transport alone (`transfer.NixlTransport`, two agents): a buffer READ whole, the offer released by the
+  READ's notification; an offer whose prefill process was SIGKILLed is a `TransferError` within the timeout.
+* Greedy chat completions through the P/D deployment equal the aggregated ones (our server with the same
+  engine flags, DSpark on: tests/test_dynamo.py shows it equals aggregated Dynamo workers): content,
+  reasoning_content, tool_calls, usage, streaming too. The decode worker prefilled nothing (its
+  ``computed_prompt_tokens`` stays 0; ``imported_prompt_tokens`` is every prompt; bytes fetched through
+  NIXL > 0), ran DSpark steps; the prefill worker's offers were all read and released.
+* The prefill worker killed: requests end with an error status / a stream error event, and the decode
+  worker's pages stay at their baseline.
+
+Engine flags: as tests/test_dynamo.py (``--dtype exact``, pages of 16) plus ``--speculative-algorithm DSPARK``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from servers import free_port, start_server, stop_server, user_env
+from test_dynamo import ENGINE_FLAGS, _answer, _body, _examples, _stream
+
+pytestmark = pytest.mark.dynamo
+
+FLAGS = ENGINE_FLAGS + ["--speculative-algorithm", "DSPARK"]
+START_TIMEOUT = 900
+
+
+def test_nixl_transport_moves_a_buffer_and_reports_a_dead_peer(tmp_path):
+    from dsv41_jax.dynamo.transfer import NixlTransport, TransferError
+
+    a, b = NixlTransport("t-prefill"), NixlTransport("t-decode")
+    buf = (np.arange(1 << 18) % 251).astype(np.uint8)
+    desc = a.offer("r1", buf)
+    assert json.loads(json.dumps(desc)) == desc and a.pending == 1  # the descriptor travels as JSON
+    got = b.fetch(desc, timeout=10)
+    assert np.array_equal(got, buf) and b.bytes_fetched == buf.nbytes
+    for _ in range(200):  # the READ's notification releases the offer
+        a.poll()
+        if not a.pending:
+            break
+        time.sleep(0.01)
+    assert a.pending == 0 and a.released == 1
+    with pytest.raises(TransferError, match="descriptor"):
+        b.fetch({"agent": "x"}, timeout=1)
+    child = ("import sys, json, time, numpy as np; from dsv41_jax.dynamo.transfer import NixlTransport; "
+             "t = NixlTransport('t-dead'); d = t.offer('k', np.ones(4096, np.uint8)); "
+             "print('DESC ' + json.dumps(d), flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        line = p.stdout.readline()
+        while line and not line.startswith("DESC "):
+            line = p.stdout.readline()
+        desc = json.loads(line[5:])
+    finally:
+        p.kill()
+        p.wait()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        b.fetch(desc, timeout=10)
+    assert time.monotonic() - t0 < 15 and b.fetch_failures == 2
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    import dynamo.frontend  # noqa: F401 (fails, with the import error, when Dynamo is not installed)
+    import nixl._api  # noqa: F401
+
+    from dsv41_jax.dynamo.local import LocalDeployment
+
+    d = tmp_path_factory.mktemp("dynamo_pd")
+    env = user_env()
+    cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache)
+    # the aggregated answers first (our server, same engine flags); it also fills the compilation cache the
+    # workers then read, and is stopped before they start (two nano engines at a time on a small machine)
+    server, base, slog = start_server(FLAGS, d / "server.log", cache, env=env)
+    try:
+        exs = _examples()
+        ref = []
+        for ex in exs:
+            r = httpx.post(base + "/v1/chat/completions", json=_body(ex), timeout=300)
+            assert r.status_code == 200, r.text
+            ref.append(_answer(r.json()))
+        ref_stream = _stream(base, _body(exs[5]))
+    finally:
+        stop_server(server, slog)
+    dep = LocalDeployment(env=env, log_dir=str(d))
+    try:
+        dep.start_worker("prefill", [*FLAGS, "--disaggregation-mode", "prefill"])
+        dep.start_worker("decode", [*FLAGS, "--disaggregation-mode", "decode"])
+        dep.start_frontend(free_port(), "kv")
+        dep.wait_ready("nano", timeout=START_TIMEOUT)
+        yield {"frontend": dep.frontend_url, "dep": dep, "examples": exs, "ref": ref, "ref_stream": ref_stream}
+    finally:
+        dep.stop_all()
+
+
+def test_disaggregated_answers_equal_aggregated_and_decode_prefilled_nothing(pd):
+    fe, dep = pd["frontend"], pd["dep"]
+    p0, d0 = dep.stats("prefill"), dep.stats("decode")
+    assert d0["disaggregation_mode"] == "decode" and p0["disaggregation_mode"] == "prefill"
+    prompt_tokens = 0
+    for ex, want in zip(pd["examples"], pd["ref"]):
+        r = httpx.post(fe + "/v1/chat/completions", json=_body(ex), timeout=300)
+        assert r.status_code == 200, r.text
+        got = _answer(r.json())
+        assert got == want, (ex.messages, want, got)
+        prompt_tokens += got["prompt_tokens"]
+    assert _stream(fe, _body(pd["examples"][5])) == pd["ref_stream"]
+    n = len(pd["examples"]) + 1
+    p1, d1 = dep.stats("prefill"), dep.stats("decode")
+    assert d1["computed_prompt_tokens"] == d0["computed_prompt_tokens"] == 0  # the decode worker prefilled nothing
+    assert d1["handovers_imported"] - d0["handovers_imported"] == n
+    assert d1["imported_prompt_tokens"] - d0["imported_prompt_tokens"] == prompt_tokens + pd["ref"][5]["prompt_tokens"]
+    assert d1["transfer_bytes_fetched"] - d0["transfer_bytes_fetched"] == (
+        d1["handover_bytes_imported"] - d0["handover_bytes_imported"]) > 0
+    assert d1["spec_verify_steps"] > d0["spec_verify_steps"]  # DSpark on the decode side
+    assert p1["handovers_exported"] - p0["handovers_exported"] == n
+    assert p1["generation_tokens"] - p0["generation_tokens"] == n  # one token each: the first
+    dep.wait(lambda: dep.stats("prefill")["transfer_offers_pending"] == 0, "the prefill worker's offers to be read",
+             timeout=30)
+    assert d1["num_running_reqs"] == 0
+
+
+def test_prefill_worker_gone_is_an_error_and_the_decode_side_stays_clean(pd):
+    """(Last: it kills the prefill worker.)"""
+    fe, dep = pd["frontend"], pd["dep"]
+    before = dep.stats("decode")
+    dep.procs["prefill"][0].kill()
+    dep.procs["prefill"][0].wait()
+    ex = pd["examples"][0]
+    r = httpx.post(fe + "/v1/chat/completions", json=_body(ex), timeout=300)
+    assert r.status_code >= 400, (r.status_code, r.text)  # never a 200 with empty content
+    events = []
+    with httpx.stream("POST", fe + "/v1/chat/completions", json={**_body(ex), "stream": True}, timeout=300) as s:
+        if s.status_code == 200:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+            assert events and "error" in events[-1], events[-3:]
+            assert not any(c.get("finish_reason") for e in events for c in e.get("choices") or [])
+        else:
+            assert s.status_code >= 400
+    after = dep.stats("decode")
+    assert after["num_running_reqs"] == 0 and after["num_used_tokens"] == before["num_used_tokens"]
+    assert after["handovers_imported"] == before["handovers_imported"]
