@@ -135,3 +135,29 @@ def test_events_track_the_radix_cache(tok, seed, host):  # noqa: F811 (tok: the 
         assert c.spills > 0  # entries moved to the host tier stay advertised (a hit loads them back)
     c.clear_cache()
     assert not router.blocks and not ev.refs
+
+
+@pytest.mark.parametrize("name,roles", [("agg.yaml", ["aggregated"]), ("disagg.yaml", ["prefill", "decode"])])
+def test_deploy_manifests_run_our_worker_with_flags_it_takes(name, roles):
+    """deploy/*.yaml cannot be applied here (no cluster): their worker commands are checked instead — each
+    worker runs `python -m dsv41_jax.dynamo` with arguments its own parser takes, in the roles the topology
+    names (the disaggregated one: a prefill and a decode worker with the same DSpark setting)."""
+    import os
+
+    import yaml
+
+    from dsv41_jax.dynamo.worker import build_parser
+
+    path = os.path.join(os.path.dirname(__file__), "..", "deploy", name)
+    with open(path) as f:
+        services = yaml.safe_load(f)["spec"]["services"]
+    workers = [s for s in services.values() if s["componentType"] == "worker"]
+    got = []
+    for w in workers:
+        c = w["extraPodSpec"]["mainContainer"]
+        assert c["command"] == ["python3", "-m", "dsv41_jax.dynamo"]
+        a = build_parser().parse_args([str(x) for x in c["args"]])
+        got.append((a.disaggregation_mode, a.speculative_algorithm, a.tp_size, a.ep_size))
+        assert w.get("subComponentType", "aggregated") == a.disaggregation_mode
+    assert [g[0] for g in got] == roles
+    assert len({g[1:] for g in got}) == 1  # one DSpark setting and mesh for every role

@@ -238,6 +238,7 @@ def engine_class():
 
         async def generate(self, request, context):
             from dsv41_jax.serving.engine import EngineError, EngineInternalError, QueueFullError
+            from dsv41_jax.serving.handover import HandoverError
 
             ids = [int(t) for t in request.get("token_ids") or []]
             try:
@@ -278,6 +279,8 @@ def engine_class():
                             if self.mode == "prefill":
                                 chunk["disaggregated_params"] = self._offer(rid, out)
                         yield chunk
+            except HandoverError as e:  # a state from the prefill worker this engine cannot take: not the client's fault
+                raise Unknown(f"the prefill worker's state does not fit this decode worker: {e}") from None
             except (EngineError, ValueError) as e:
                 raise InvalidArgument(str(e)) from None
             except QueueFullError as e:
