@@ -61,9 +61,10 @@ on every backend (``is_exact`` is the one predicate the ops ask):
   Faithfulness, measured against ``impl="reference"`` in bf16 (tests/test_deterministic.py, micro, the
   decode tests' prompts, keys 11-18): the first expert / index-slot flip comes at 27, 40, 40, 40, 11, 40,
   40, 40 (40 = never), as for the bf16 mode as served. Where this mode still parts from the reference
-  it is by what no order-independent evaluation can reproduce: (1) the reference's fp32 sums in XLA's
-  order of the moment (a GEMM output within ~1e-7 of a bf16 midpoint: key 11, position 20, Engram's
-  wkv); (2) XLA's excess precision — in the jitted reference a bf16 rounding between two fp32 steps is
+  it is by what no order-independent evaluation can reproduce: (1) the reference's fp32 sums in the
+  order XLA gives them inside the whole forward (key 11, position 20, Engram's wkv: an output whose exact
+  sum lies 4 fp32 ulps from a bf16 midpoint rounds the other way there; the same reference GEMM jitted
+  alone rounds as this mode does); (2) XLA's excess precision — in the jitted reference a bf16 rounding between two fp32 steps is
   dropped in some fusions (docs/design/fastpath_attention.md): key 11's flip at 27 is layer 1's index
   score of slot 9, which the reference, keeping the head weights unrounded inside its fusion, scores
   0.30078 (a tie with slot 6, which wins on the lower id) where the spec's step roundings — this mode,
