@@ -64,12 +64,12 @@ on every backend (``is_exact`` is the one predicate the ops ask):
   it is by what no order-independent evaluation can reproduce: (1) the reference's fp32 sums in the
   order XLA gives them inside the whole forward (key 11, position 20, Engram's wkv: an output whose exact
   sum lies 4 fp32 ulps from a bf16 midpoint rounds the other way there; the same reference GEMM jitted
-  alone rounds as this mode does); (2) XLA's excess precision — in the jitted reference a bf16 rounding between two fp32 steps is
-  dropped in some fusions (docs/design/fastpath_attention.md): key 11's flip at 27 is layer 1's index
-  score of slot 9, which the reference, keeping the head weights unrounded inside its fusion, scores
-  0.30078 (a tie with slot 6, which wins on the lower id) where the spec's step roundings — this mode,
-  and the reference run standalone — give 0.30273, 1 bf16 ulp above; (3) XLA's fp32 exp / rsqrt /
-  logistic approximations (measured on CPU: 10 / 18 / 37 % of results 1 ulp off the correctly rounded
+  alone rounds as this mode does); (2) XLA's excess precision — in the jitted reference a bf16 rounding
+  between two fp32 steps is dropped in some fusions (docs/design/fastpath_attention.md): key 11's flip
+  at 27 is layer 1's index score of slot 9, which the reference, keeping the head weights unrounded
+  inside its fusion, scores 0.30078 (a tie with slot 6, which wins on the lower id) where the spec's
+  step roundings — this mode, and the reference run standalone — give 0.30273, 1 bf16 ulp above;
+  (3) XLA's fp32 exp / rsqrt / logistic approximations (measured on CPU: 10 / 18 / 37 % of results 1 ulp off the correctly rounded
   ones) and mHC's fp32 Sinkhorn, which a per-op fp32 emulation does not reproduce (30 % of entries
   differ after one iteration, with XLA's own exps): mHC's mixes stay fp64, rounded once (key 13: the
   first bf16 difference, position 9, is a layer 0 hc_post; no decision flips on it). Before the per-op
@@ -86,8 +86,9 @@ on every backend (``is_exact`` is the one predicate the ops ask):
   (`dispatch.resolve`, logged once) and an explicit Pallas choice is refused (ImplError /
   NotImplementedError at the seam; the engine refuses it at start-up).
 
-Cost (docs/benchmarks.md, "Deterministic inference: cost"): inside the noise of a shared 2-core CPU for
-tiny; 7-25 % of decode throughput on an H200 for tiny (fp64 GEMMs, and no Pallas attention / indexer).
+Cost (docs/benchmarks.md, "Deterministic inference: cost"; measured before the per-op fp32 roundings,
+which add elementwise ops only): inside the noise of a shared 2-core CPU for tiny; 7-25 % of decode
+throughput on an H200 for tiny (fp64 GEMMs, and no Pallas attention / indexer).
 
 Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is applied in every mode.
 """
