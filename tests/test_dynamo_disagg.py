@@ -13,16 +13,19 @@ skips, without them.
   reasoning_content, tool_calls, usage, streaming too. The decode worker prefilled nothing (its
   ``computed_prompt_tokens`` stays 0; ``imported_prompt_tokens`` is every prompt; bytes fetched through
   NIXL > 0), ran DSpark steps; the prefill worker's offers were all read and released.
-* The prefill worker killed: requests end with an error status / a stream error event, and the decode
-  worker's pages stay at their baseline.
+* The prefill worker killed under a request in flight (stopped, then SIGKILLed), and requests after it:
+  each ends with an error status / a stream error event, and the decode worker's pages stay at their
+  baseline.
 
 Engine flags: as tests/test_dynamo.py (``--dtype exact``, pages of 16) plus ``--speculative-algorithm DSPARK``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,24 +140,43 @@ def test_disaggregated_answers_equal_aggregated_and_decode_prefilled_nothing(pd)
 
 
 def test_prefill_worker_gone_is_an_error_and_the_decode_side_stays_clean(pd):
-    """(Last: it kills the prefill worker.)"""
+    """(Last: it kills the prefill worker.) A request in flight when the prefill worker dies (it is stopped
+    first, so the request waits on it, then SIGKILLed), and requests after that: each ends with an error
+    status or a stream error event, none with a finished-looking answer; the decode worker holds nothing."""
     fe, dep = pd["frontend"], pd["dep"]
     before = dep.stats("decode")
-    dep.procs["prefill"][0].kill()
-    dep.procs["prefill"][0].wait()
+    proc = dep.procs["prefill"][0]
     ex = pd["examples"][0]
+
+    def stream_events():
+        events, status = [], None
+        with httpx.stream("POST", fe + "/v1/chat/completions", json={**_body(ex), "stream": True},
+                          timeout=300) as s:
+            status = s.status_code
+            if status == 200:
+                for line in s.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+        return status, events
+
+    def failed(status, events):
+        if status != 200:
+            return status >= 400
+        finished = any(c.get("finish_reason") for e in events for c in e.get("choices") or [])
+        return bool(events) and "error" in events[-1] and not finished
+
+    proc.send_signal(signal.SIGSTOP)  # the next request waits on the prefill worker ...
+    with cf.ThreadPoolExecutor(1) as pool:
+        inflight = pool.submit(stream_events)
+        time.sleep(3)
+        proc.kill()  # ... which dies under it
+        proc.wait()
+        status, events = inflight.result(timeout=300)
+    assert failed(status, events), (status, events[-3:])
     r = httpx.post(fe + "/v1/chat/completions", json=_body(ex), timeout=300)
     assert r.status_code >= 400, (r.status_code, r.text)  # never a 200 with empty content
-    events = []
-    with httpx.stream("POST", fe + "/v1/chat/completions", json={**_body(ex), "stream": True}, timeout=300) as s:
-        if s.status_code == 200:
-            for line in s.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-            assert events and "error" in events[-1], events[-3:]
-            assert not any(c.get("finish_reason") for e in events for c in e.get("choices") or [])
-        else:
-            assert s.status_code >= 400
+    status, events = stream_events()
+    assert failed(status, events), (status, events[-3:])
     after = dep.stats("decode")
     assert after["num_running_reqs"] == 0 and after["num_used_tokens"] == before["num_used_tokens"]
     assert after["handovers_imported"] == before["handovers_imported"]
