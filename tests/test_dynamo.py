@@ -42,6 +42,14 @@ START_TIMEOUT = 900
 WORKERS = ("worker0", "worker1")
 
 
+def live_env(d) -> tuple:
+    """(environment, JAX compilation cache dir) of the processes a live test starts in directory ``d``."""
+    env = user_env()
+    cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache)
+    return env, cache
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     import dynamo.frontend  # noqa: F401 (fails, with the import error, when Dynamo is not installed)
@@ -49,9 +57,7 @@ def cluster(tmp_path_factory):
     from dsv41_jax.dynamo.local import LocalDeployment
 
     d = tmp_path_factory.mktemp("dynamo")
-    env = user_env()
-    cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache)
+    env, cache = live_env(d)
     # our server first: it fills the compilation cache the workers (same engine flags) then read
     server, base, slog = start_server(ENGINE_FLAGS, d / "server.log", cache, env=env)
     dep = LocalDeployment(env=env, log_dir=str(d))

@@ -33,8 +33,8 @@ import time
 import httpx
 import numpy as np
 import pytest
-from servers import free_port, start_server, stop_server, user_env
-from test_dynamo import ENGINE_FLAGS, _answer, _body, _examples, _stream
+from servers import free_port, start_server, stop_server
+from test_dynamo import ENGINE_FLAGS, _answer, _body, _examples, _stream, live_env
 
 pytestmark = pytest.mark.dynamo
 
@@ -85,9 +85,7 @@ def pd(tmp_path_factory):
     from dsv41_jax.dynamo.local import LocalDeployment
 
     d = tmp_path_factory.mktemp("dynamo_pd")
-    env = user_env()
-    cache = os.environ.get("DSV41_TEST_JAX_CACHE") or str(d / "jax_cache")
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache)
+    env, cache = live_env(d)
     # the aggregated answers first (our server, same engine flags); it also fills the compilation cache the
     # workers then read, and is stopped before they start (two nano engines at a time on a small machine)
     server, base, slog = start_server(FLAGS, d / "server.log", cache, env=env)
