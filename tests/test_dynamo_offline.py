@@ -26,6 +26,19 @@ from dsv41_jax.dynamo.worker import sampling_from_request
 from dsv41_jax.serving.sampling import SamplingParams, SamplingParamsError
 
 
+def test_transfer_flags_are_refused_outside_their_role(capsys):
+    """--transfer-timeout (decode) and --transfer-ttl (prefill) are refused on workers of another role, never
+    ignored; values must be positive."""
+    from dsv41_jax.dynamo.worker import parse_args
+
+    for argv, msg in ((["--transfer-ttl", "5"], "applies to prefill workers"),
+                      (["--disaggregation-mode", "prefill", "--transfer-timeout", "5"], "applies to decode workers"),
+                      (["--disaggregation-mode", "decode", "--transfer-timeout", "0"], "must be > 0")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
 def test_sampling_from_request():
     sp = SamplingParams(temperature=0.5, top_k=7, max_tokens=33, stop=["x"], seed=5, skip_special_tokens=False,
                         min_tokens=2)

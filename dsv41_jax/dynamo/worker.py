@@ -94,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disaggregation-mode", default="aggregated", choices=DISAGGREGATION_MODES,
                    help="worker role: aggregated, or prefill / decode (the request's state moves from the prefill "
                         "worker to the decode worker through NIXL)")
-    g.add_argument("--transfer-timeout", type=float, default=60.0,
-                   help="decode role: seconds a state transfer may take before the request fails")
-    g.add_argument("--transfer-ttl", type=float, default=120.0,
-                   help="prefill role: seconds an exported state waits for its decode worker before it is dropped")
+    g.add_argument("--transfer-timeout", type=float, default=None,
+                   help="decode role: seconds a state transfer may take before the request fails (default 60)")
+    g.add_argument("--transfer-ttl", type=float, default=None,
+                   help="prefill role: seconds an exported state waits for its decode worker before it is dropped "
+                        "(default 120)")
     g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="do not publish the prefix cache's blocks (the frontend's KV router then sees nothing)")
     g.add_argument("--compilation-cache-dir", default=default_cache_dir(),
@@ -386,14 +387,21 @@ def parse_args(argv=None):
 
     p = build_parser()
     args = p.parse_args(argv)
-    if args.disaggregation_mode != "aggregated":
+    mode = args.disaggregation_mode
+    for flag, value, role in (("--transfer-timeout", args.transfer_timeout, "decode"),
+                              ("--transfer-ttl", args.transfer_ttl, "prefill")):
+        if value is not None and mode != role:
+            p.error(f"{flag} applies to {role} workers (--disaggregation-mode {role}), not to a {mode} worker")
+        if value is not None and value <= 0:
+            p.error(f"{flag} must be > 0, got {value}")
+    args.transfer_timeout = 60.0 if args.transfer_timeout is None else args.transfer_timeout
+    args.transfer_ttl = 120.0 if args.transfer_ttl is None else args.transfer_ttl
+    if mode != "aggregated":
         try:
             import nixl._api  # noqa: F401
         except ImportError as e:
             p.error(f"--disaggregation-mode {args.disaggregation_mode}: needs NIXL, which is not installed ({e}); "
                     "install it with scripts/install_dynamo.sh")
-        if args.transfer_timeout <= 0 or args.transfer_ttl <= 0:
-            p.error("--transfer-timeout and --transfer-ttl must be > 0")
     try:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.resolved_impl()
