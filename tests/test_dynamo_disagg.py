@@ -8,6 +8,8 @@ skips, without them.
 
 * The transport alone (`transfer.NixlTransport`, two agents): a buffer READ whole, the offer released by the
   READ's notification; an offer whose prefill process was SIGKILLed is a `TransferError` within the timeout.
+* The decode worker's receive step with real NIXL: no prefill result, a dead prefill process, a state of
+  another layout each end the request with Dynamo's ``Unknown`` (an error for the client).
 * Greedy chat completions through the P/D deployment equal the aggregated ones (our server with the same
   engine flags, DSpark on: tests/test_dynamo.py shows it equals aggregated Dynamo workers): content,
   reasoning_content, tool_calls, usage, streaming too. The decode worker prefilled nothing (its
@@ -31,6 +33,7 @@ import sys
 import time
 
 import httpx
+import jax
 import numpy as np
 import pytest
 from servers import free_port, start_server, stop_server
@@ -59,22 +62,71 @@ def test_nixl_transport_moves_a_buffer_and_reports_a_dead_peer(tmp_path):
     assert a.pending == 0 and a.released == 1
     with pytest.raises(TransferError, match="descriptor"):
         b.fetch({"agent": "x"}, timeout=1)
+    desc = _dead_offer("t-dead")
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        b.fetch(desc, timeout=10)
+    assert time.monotonic() - t0 < 15 and b.fetch_failures == 2
+
+
+def _dead_offer(name: str) -> dict:
+    """The descriptor of a buffer offered by a process that was then SIGKILLed (a prefill worker gone)."""
     child = ("import sys, json, time, numpy as np; from dsv41_jax.dynamo.transfer import NixlTransport; "
-             "t = NixlTransport('t-dead'); d = t.offer('k', np.ones(4096, np.uint8)); "
+             f"t = NixlTransport({name!r}); d = t.offer('k', np.ones(4096, np.uint8)); "
              "print('DESC ' + json.dumps(d), flush=True); time.sleep(600)")
     p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, env=os.environ)
     try:
         line = p.stdout.readline()
         while line and not line.startswith("DESC "):
             line = p.stdout.readline()
-        desc = json.loads(line[5:])
+        return json.loads(line[5:])
     finally:
         p.kill()
         p.wait()
-    t0 = time.monotonic()
-    with pytest.raises(TransferError):
-        b.fetch(desc, timeout=10)
-    assert time.monotonic() - t0 < 15 and b.fetch_failures == 2
+
+
+def test_decode_worker_ends_a_request_whose_state_cannot_be_had_with_an_error():
+    """The decode worker's receive step (`worker._receive`, real NIXL, no engine needed before the state is
+    in): no prefill result, a prefill worker gone (NIXL error) and a state that does not fit this engine each
+    raise Dynamo's ``Unknown`` (an error status / stream error event for the client), never an empty answer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dynamo.llm.exceptions import Unknown
+
+    from dsv41_jax.dynamo.transfer import NixlTransport
+    from dsv41_jax.dynamo.worker import engine_class, parse_args
+    from dsv41_jax.serving import handover
+
+    args, engine_args = parse_args(["--disaggregation-mode", "decode", "--transfer-timeout", "10",
+                                    "--compilation-cache-dir", "none"])
+    w = engine_class()(args, engine_args)
+    w.transport = NixlTransport("t-decode-worker")
+    layout = ({"window": [np.zeros((4,), np.float32)]}, {"comp": {"1": np.zeros((2,), np.float32)}})
+    to_struct = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
+    w.engine = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(
+        handover_layout=lambda: (to_struct(layout[0]), to_struct(layout[1])))))
+
+    def receive(request):
+        return asyncio.run(w._receive(request, [1, 2, 3], "r"))
+
+    with pytest.raises(Unknown, match="no prefill result"):
+        receive({"token_ids": [1, 2, 3]})
+    manifest, _ = handover.pack(handover.PrefilledState([1, 2, 3], 7, 0, layout[0], [layout[1]]))
+    with pytest.raises(Unknown, match="KV transfer from the prefill worker failed"):
+        receive({"prefill_result": {"disaggregated_params": {"dsv41": {"manifest": manifest,
+                                                                       "nixl": _dead_offer("t-dead-2")}}}})
+    prefill = NixlTransport("t-prefill-2")
+    other = handover.PrefilledState([1, 2, 3], 7, 0, {"window": [np.zeros((5,), np.float32)]}, [layout[1]])
+    manifest, buf = handover.pack(other)  # another engine's layout (a window of 5)
+    desc = prefill.offer("r", buf)
+    with pytest.raises(Unknown, match="layout does not match"):
+        receive({"prefill_result": {"disaggregated_params": {"dsv41": {"manifest": manifest, "nixl": desc}}}})
+    state = handover.pack(handover.PrefilledState([1, 2, 3], 7, 0, layout[0], [layout[1]]))
+    desc = prefill.offer("r2", state[1])
+    got = receive({"prefill_result": {"disaggregated_params": {"dsv41": {"manifest": state[0], "nixl": desc}}}})
+    assert got.first_token == 7 and got.prompt_ids == [1, 2, 3]  # (the same path, when the state fits)
+    assert w.transport.fetch_failures == 1 and w.transport.bytes_fetched == buf.nbytes + state[1].nbytes
 
 
 @pytest.fixture(scope="module")
