@@ -13,8 +13,8 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
   (with Engram row padding) and of the load-time derived copies (``wo_a.bf16``), per device (max / min
   over devices, everything placed), and the host-table bytes with ``--engram-host-table``;
 * cache bytes per device (replicated, see `parallel.rules`) for the batch and context;
-* the prefix cache's snapshot pool per device (``--radix-cache-snapshots`` rows, default 4 x batch, as the
-  server's default; placed by the cache's rules) and what one point costs, and the DSpark draft per device:
+* the prefix cache's snapshot pool per device (``--radix-cache-snapshots`` rows, default 4 x batch and at
+  least 64, as the server's default; placed by the cache's rules) and what one point costs, and the DSpark draft per device:
   its parameters (the ``mtp`` stages, part of the parameter totals) and its rings for the batch's slots;
   ``--memory-only`` stops there (no lowering or compiling: seconds instead of minutes);
 * XLA's memory analysis of the compiled step (arguments, outputs, temporaries, generated code) and its
@@ -365,7 +365,9 @@ def _snapshot_and_draft(cfg, ccfg, mesh, params, args) -> dict:
 
         state = jax.eval_shape(lambda: dspark.with_rings(kvc.init_cache(cfg, ccfg), cfg, ccfg))
     rows = {k: state[k] for k in slot_keys if k in state}
-    n = args.radix_cache_snapshots if args.radix_cache_snapshots is not None else 4 * args.batch
+    from dsv41_jax.serving.prefix_cache import default_snapshot_rows
+
+    n = args.radix_cache_snapshots if args.radix_cache_snapshots is not None else default_snapshot_rows(args.batch)
 
     def sharded(tree, lead):
         shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((lead,) + a.shape[1:], a.dtype), tree)
@@ -450,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (default tp x ep)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--radix-cache-snapshots", type=int, default=None,
-                    help="prefix-cache snapshot rows (default 4 x --batch, the server's default)")
+                    help="prefix-cache snapshot rows (default 4 x --batch and at least 64, the server's default)")
     ap.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
                     help="count the DSpark draft's rings (and list its parameters); default on")
     ap.add_argument("--memory-only", action="store_true",

@@ -192,7 +192,7 @@ def _check_refs(eng) -> None:
 
 
 def test_cache_hit_resumes_with_exact_history(tok):
-    eng = _mock_engine(tok)
+    eng = _mock_engine(tok, rows=16)  # every point kept (eviction: the segmented-LRU tests below)
     p1 = list(range(20, 31))  # 11 tokens: ends mid-page (pages of 4)
     o = _run(eng, [("a", p1, 5)])["a"]
     conv = p1 + list(o.outputs[0].token_ids)  # 16 tokens; 15 written (the last sampled is not)
@@ -230,9 +230,9 @@ def test_longest_cached_prefix_admitted_first_bounded(tok):
 
 
 def test_chunk_end_points_survive_a_cache_full_of_hit_entries(tok):
-    """Segmented LRU: the snapshot rows are full of older entries that were hit or made at prompt ends
-    (none on probation); a 18-token prompt then leaves chunk-end points at 4, 8, 12, 16. They may not
-    evict each other while they hold less than a quarter of the rows (2 of 8), so the point inside
+    """Segmented LRU over the snapshot rows: they are full of older entries that were hit or made at
+    prompt ends (none on probation); a 18-token prompt then leaves chunk-end points at 4, 8, 12, 16.
+    They evict one another only once they hold a quarter of the rows (2 of 8), so the point inside
     the 16-token prefix the next request shares survives and that request resumes from it (with
     unhit points evicted first regardless, a prompt's own points evicted each other and it missed)."""
     eng = _mock_engine(tok, max_running_requests=1, batch_buckets=[1], rows=8, num_pages=200)
@@ -243,9 +243,33 @@ def test_chunk_end_points_survive_a_cache_full_of_hit_entries(tok):
     assert len(c.entries) == 8 and not any(e.probation for e in c.entries.values())
     S = list(range(100, 116))
     _run(eng, [("a", S + [7, 8], 1)])
-    assert sorted(e.k for e in c.entries.values() if e.probation) == [16]  # 4, 8, 12 evicted once two were held
+    assert 16 in [e.k for e in c.entries.values() if e.probation]
     outs = _run(eng, [("b", S + [9, 9, 9], 1)])
     assert outs["b"].num_cached_tokens == 16
+    _check_refs(eng)
+
+
+def test_page_pressure_evicts_lru_leaves_not_a_path_in_use(tok):
+    """12 pages of 4 tokens. A conversation x (points 4, 8 at chunk ends, 9 at its prompt end, 13 at
+    its end), a cold prompt y (the same points), x's second turn (a hit at 13; points 15, 17) and a
+    14-token cold prompt z that needs pages: they come from y's points (the least recently used
+    leaves), and every point on x's path stays — an inner point's pages are held by the points below
+    it, so evicting it first would free nothing. (Unhit points first, then LRU over every entry,
+    evicted x's 4, 8 and 9 for no page.) x's third turn resumes at 17."""
+    eng = _mock_engine(tok, max_running_requests=1, batch_buckets=[1], rows=16, num_pages=12)
+    c = eng.prefix_cache
+    path = lambda first: sorted(e.k for e in c.entries.values() if e.tokens[0] == first)
+    X = list(range(20, 30))
+    x1 = X + list(_run(eng, [("x", X, 4)])["x"].outputs[0].token_ids)
+    _run(eng, [("y", list(range(60, 70)), 4)])
+    assert path(20) == path(60) == [4, 8, 9, 13]
+    x2 = x1 + [5, 5]
+    o = _run(eng, [("x2", x2, 2)])["x2"]
+    assert o.num_cached_tokens == 13 and path(20) == [4, 8, 9, 13, 15, 17]
+    _run(eng, [("z", list(range(100, 114)), 2)])
+    assert path(20) == [4, 8, 9, 13, 15, 17] and len(path(60)) < 4
+    o = _run(eng, [("x3", x2 + list(o.outputs[0].token_ids) + [6], 1)])["x3"]
+    assert o.num_cached_tokens == 17
     _check_refs(eng)
 
 
@@ -377,7 +401,7 @@ KW = dict(model="tiny", page_size=8, max_total_tokens=192, context_length=48, ma
 @pytest.fixture(scope="module")
 def eng(mini_cfg, mini_params):
     e = Engine(cfg=mini_cfg.replace(act_dtype="exact"), params=mini_params, **KW)
-    assert e.runner.snapshot_rows == 16
+    assert e.runner.snapshot_rows == 64  # 4 x 4 running requests, raised to the minimum
     yield e
     e.allocator.check_invariants()
     assert e.allocator.free_pages == e.allocator.capacity
@@ -536,7 +560,7 @@ def test_snapshot_rows_come_out_of_the_memory_budget(tiny_cfg, tiny_params):
                cfg=tiny_cfg, params=tiny_params)
     assert e.ccfg.num_pages == 10 and e.runner.snapshot_rows == 3 and e.prefix_cache.num_rows == 3
     e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), cfg=tiny_cfg, params=tiny_params)
-    assert e.runner.snapshot_rows == int(budget * 0.25 // w) < 4 * S
+    assert e.runner.snapshot_rows == int(budget * 0.25 // w) < 4 * S  # < the default 64 too
     with pytest.raises(ValueError, match="radix_cache_snapshots"):
         EngineArgs(radix_cache_snapshots=0, **kw)
     with pytest.raises(ValueError, match="disable-radix-cache"):

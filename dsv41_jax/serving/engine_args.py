@@ -119,7 +119,7 @@ class EngineArgs:
     disable_overlap_schedule: bool = False
     disable_prefix_sharing: bool = False
     disable_radix_cache: bool = False
-    radix_cache_snapshots: Optional[int] = None  # None: 4 x max_running_requests
+    radix_cache_snapshots: Optional[int] = None  # None: 4 x max_running_requests, at least 64
     enable_hierarchical_cache: bool = False
     hicache_ratio: Optional[float] = None  # None: 2.0 (with enable_hierarchical_cache)
     max_logprobs: int = 20
@@ -400,7 +400,7 @@ class EngineArgs:
         g.add_argument("--radix-cache-snapshots", type=int, default=None,
                        help="cached states the radix prefix cache keeps at most (each holds one copy of a "
                             "request's window rows; its pages are counted in the KV pool); default 4 x "
-                            "--max-running-requests, at most a quarter of the KV memory budget")
+                            "--max-running-requests and at least 64, at most a quarter of the KV memory budget")
         g.add_argument("--enable-hierarchical-cache", action="store_true",
                        help="HiCache L2: prefix-cache entries the device pool evicts are copied to a host pool "
                             "(--hicache-ratio x the device pool's pages, its own LRU) and loaded back on a hit "

@@ -98,6 +98,17 @@ log = logging.getLogger("dsv41_jax.engine")
 CACHE_OWNER = "<prefix-cache>"  # first element of an entry's allocator key: (CACHE_OWNER, entry id)
 
 
+MIN_SNAPSHOT_ROWS = 64
+
+
+def default_snapshot_rows(max_running_requests: int) -> int:
+    """The snapshot pool's default size: 4 points per running request, at least 64 — a multi-turn
+    workload keeps about two points per request (its prompt end and its end) plus the chunk ends of a
+    shared prompt, and with 16 (4 running requests) the points of three conversations and their cold
+    neighbours no longer fit one turn's cycle (scripts/bench_multiturn.py: the third turns missed)."""
+    return max(4 * max_running_requests, MIN_SNAPSHOT_ROWS)
+
+
 @dataclass
 class SaveOp:
     """Copy slot ``slot``'s rows into snapshot row ``row``. A released sample's save runs before the
@@ -289,9 +300,8 @@ class PrefixCache:
         self.spills = self.host_hits = 0
         self.free_rows = list(range(num_rows - 1, -1, -1))
         self.num_rows = num_rows
-        # segmented LRU: unhit chunk-end points (probation) are evicted before the others only once
-        # they hold this many rows, so a long prompt's own points cannot evict each other while the
-        # rows are full of older hit entries (the second request with a shared prompt would miss)
+        # segmented LRU (`_victim`): the rows unhit chunk-end points may hold before they are the
+        # first to go (with none, a long prompt's own points evicted each other)
         self.probation_rows = max(1, num_rows // 4)
         self.pinned: set = set()  # entry keys matched in the plan being made (restore not dispatched)
         self.pending_saves: list = []
@@ -374,8 +384,9 @@ class PrefixCache:
         self.host_store.pop(e.key, None)
 
     def evict(self, free_target: int) -> int:
-        """Evict unpinned entries, least recently used first, until ``free_target`` pages are on the
-        free list (or none is left); returns how many entries went."""
+        """Evict unpinned entries (`_victim`: those that free a page, unhit points first, then least
+        recently used) until ``free_target`` pages are on the free list (or none is left); returns how
+        many entries went."""
         n = 0
         while len(self.alloc._free) < free_target:
             e = self._victim()
@@ -385,17 +396,52 @@ class PrefixCache:
             n += 1
         return n
 
-    def _victim(self) -> Optional[CacheEntry]:
-        """The device entry to evict next (None: every one is pinned), segmented LRU: the least
-        recently used unhit chunk-end point while such points hold ``probation_rows`` rows or more,
-        else the least recently used entry of any kind."""
+    def _victim(self, incoming: Optional[bool] = None) -> Optional[CacheEntry]:
+        """The device entry to evict next (None: every one is pinned).
+
+        ``incoming`` (a snapshot row is needed for a new entry; True: an unhit chunk-end point): a
+        segmented LRU. Unhit chunk-end points (probation) may hold ``probation_rows`` rows, the
+        others (hit, prompt-end, whole-sequence and branch points) the rest; when the newcomer's
+        segment is at its share its own least recently used entry goes, else the other segment's
+        (then over its share). So a long prompt's chunk ends cannot flush the points a conversation's
+        next turn resumes from, and its own prompt ends cannot flush its chunk ends (evicted first
+        regardless, they evicted one another and the next request with its system prompt missed).
+
+        ``incoming=None`` (pages are needed): the least recently used leaf — a device entry no other
+        device entry extends, the deeper on a tie — as SGLang's radix cache evicts. An inner point's
+        pages are held by the points below it too, so evicting it first frees nothing and loses the
+        point (unhit points first, then LRU over every entry, emptied a conversation's whole path
+        for the pages of an older prompt's leaf)."""
         free = [e for e in self.entries.values() if e.key not in self.pinned]
         if not free:
             return None
-        trial = [e for e in free if e.probation]
-        if trial and sum(e.probation for e in self.entries.values()) >= self.probation_rows:
-            return min(trial, key=lambda e: e.last_use)
-        return min(free, key=lambda e: e.last_use)
+        if incoming is None:
+            leaves = self._device_leaves()
+            return min([e for e in free if e.key in leaves] or free, key=lambda e: (e.last_use, -e.k))
+        n_trial = sum(e.probation for e in self.entries.values())
+        own_full = (n_trial >= self.probation_rows if incoming
+                    else len(self.entries) - n_trial >= self.num_rows - self.probation_rows)
+        segment = [e for e in free if e.probation == (incoming if own_full else not incoming)]
+        return min(segment or free, key=lambda e: e.last_use)
+
+    def _device_leaves(self) -> set:
+        """Keys of the device entries that no other device entry extends."""
+        out = set()
+        stack = [(self.tree.root, False)]
+        below = {}  # id(node) -> whether its subtree holds a device entry
+        while stack:  # iterative post-order (a long conversation makes a deep tree)
+            node, done = stack.pop()
+            if not done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children.values())
+                continue
+            sub = any(below[id(c)] for c in node.children.values())
+            e = node.entry
+            dev = e is not None and e.tier == "device"
+            if dev and not sub:
+                out.add(e.key)
+            below[id(node)] = sub or dev
+        return out
 
     def clear_cache(self) -> int:
         """Drop every unpinned entry (both tiers); returns how many."""
@@ -432,7 +478,7 @@ class PrefixCache:
             old.probation = old.probation and probation
             return old
         if not self.free_rows:
-            victim = self._victim()
+            victim = self._victim(incoming=probation)
             if victim is not None:
                 self._drop(victim)
             if not self.free_rows:

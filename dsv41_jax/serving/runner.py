@@ -57,7 +57,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveOp, SpillOp
+from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveOp, SpillOp, default_snapshot_rows
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.request import RUNNING, EngineError
 from dsv41_jax.serving.sampling import SamplingTensors
@@ -591,11 +591,11 @@ class Runner:
             self.state = _put_snapshot(self.state, _get_snapshot(self.snaps, np.int32(0)), np.int32(self.scratch))
 
     def _snapshot_rows(self) -> int:
-        """Rows of the prefix cache's snapshot pool (--radix-cache-snapshots, default 4 per slot); 0 (off) with
-        --disable-radix-cache."""
+        """Rows of the prefix cache's snapshot pool (--radix-cache-snapshots, default 4 per slot and at least
+        64: `prefix_cache.default_snapshot_rows`); 0 (off) with --disable-radix-cache."""
         if self.args.disable_radix_cache:
             return 0
-        return self.args.radix_cache_snapshots or 4 * self.args.max_running_requests
+        return self.args.radix_cache_snapshots or default_snapshot_rows(self.args.max_running_requests)
 
     def _bounded_replay(self, cfg, ccfg):
         """The SWA bounded replay step (`decode.extend_bounded`, late_tail = sliding_window) used for launches of
