@@ -443,9 +443,10 @@ class EngineArgs:
         g.add_argument("--speculative-algorithm", dest="speculative_algorithm", default=None,
                        type=lambda x: str(x).upper(), choices=SPECULATIVE_ALGORITHMS,
                        help="speculative decoding: DSPARK = the checkpoint's DSpark draft (mtp.* stages) proposes "
-                            "a block of tokens that the model verifies in one step; refused at start-up when the "
-                            "checkpoint has no DSpark stages, and with --tp-size/--ep-size > 1, "
-                            "--engram-host-table or --enable-mixed-chunk. Off by default")
+                            "a block of tokens that the model verifies in one step (on one device or a --tp-size / "
+                            "--ep-size mesh, also with --engram-host-table); refused at start-up when the "
+                            "checkpoint has no DSpark stages and with --enable-mixed-chunk or "
+                            "--enable-decoder-swa-bounded-replay. Off by default")
         g.add_argument("--speculative-dspark-block-size", dest="speculative_dspark_block_size", type=int,
                        default=None, help=f"DSpark proposals per step (1..{DSPARK_MAX_BLOCK}, at most the checkpoint's "
                                           "dspark_block_size, which is the default)")
