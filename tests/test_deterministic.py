@@ -26,6 +26,7 @@ import os
 import httpx
 import jax
 import jax.numpy as jnp
+from jax import monitoring
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ from dsv41_jax.model.numerics import act_dtype, is_exact, mode_name
 from dsv41_jax.model.params import init_params
 from dsv41_jax.serving import sampling as smp
 from dsv41_jax.serving import speculator as spr
-from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.engine import CacheLoads, Engine
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -253,12 +254,31 @@ def test_hicache_round_trip_equals_cold(det_eng):
 def test_mesh_tp2_ep4_equals_one_device(cpu8, mixed_ref, host_table):
     """On 8 fake CPU devices, tp = 2 x ep = 4 (and the Engram table on the host: slow tier), one batch
     bucket of 4 and 16-token steps (radix cache off on a mesh): the mixed set gives the one-device
-    engine's results alone, tokens and logprobs bit for bit."""
+    engine's results alone, tokens and logprobs bit for bit; the run compiles (or loads) no program after
+    the warm-up (it did — extend, the sampler — while the first launches saw other input shardings than
+    the later ones)."""
     prompts, sps, _, alone, *_ = mixed_ref
     eng = Engine(EngineArgs(**dict(KW, tp_size=2, ep_size=4, engram_host_table=host_table, batch_buckets=[4],
                                    token_buckets=[16])), cfg=configs.micro())
     assert dict(eng.mesh.shape) == {"ep": 4, "tp": 2} and eng.engram_host_table == host_table
-    assert [_result(o) for o in _run(eng, prompts, sps)] == alone
+    built = []  # XLA compiles (or persistent-cache loads) during the run: none, the warm-up built them all
+
+    def on_duration(event, secs, **kw):
+        if event.endswith("backend_compile_duration"):
+            built.append(kw.get("fun_name", "?"))
+
+    def on_event(event, **kw):
+        if event == CacheLoads.EVENT:
+            built.append("cache load")
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    monitoring.register_event_listener(on_event)
+    try:
+        assert [_result(o) for o in _run(eng, prompts, sps)] == alone
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+        monitoring.unregister_event_listener(on_event)
+    assert built == []
 
 
 # ------------------------------------------------------------------------------------------- the model

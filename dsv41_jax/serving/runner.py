@@ -551,6 +551,14 @@ class Runner:
         self.reset_slots(list(range(self.max_slots + 1)))
         self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
         self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
+        if self.mesh is not None:
+            # replicated on the mesh from the start, as every launch returns them: otherwise the first
+            # launches (and the warm-up's precompile) see other input shardings than the later ones, and
+            # jit traces and compiles each extend shape twice
+            from dsv41_jax.parallel import rules
+
+            rep = rules.replicated(self.mesh)
+            self.slot_tensors, self.last_token = jax.device_put((self.slot_tensors, self.last_token), rep)
         self._allow_all: dict = {}
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
 
