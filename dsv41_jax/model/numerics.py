@@ -69,13 +69,15 @@ on every backend (``is_exact`` is the one predicate the ops ask):
   at 27 is layer 1's index score of slot 9, which the reference, keeping the head weights unrounded
   inside its fusion, scores 0.30078 (a tie with slot 6, which wins on the lower id) where the spec's
   step roundings — this mode, and the reference run standalone — give 0.30273, 1 bf16 ulp above;
-  (3) XLA's fp32 exp / rsqrt / logistic approximations (measured on CPU: 10 / 18 / 37 % of results 1 ulp off the correctly rounded
-  ones) and mHC's fp32 Sinkhorn, which a per-op fp32 emulation does not reproduce (30 % of entries
-  differ after one iteration, with XLA's own exps): mHC's mixes stay fp64, rounded once (key 13: the
-  first bf16 difference, position 9, is a layer 0 hc_post; no decision flips on it). Before the per-op
-  roundings this mode flipped at 19 on key 11: layer 0's attention output at position 17, whose exact
-  value lies 0.04 fp32 ulp above a bf16 midpoint, was rounded fp64 -> fp32 (onto the midpoint) -> bf16
-  (down, ties to even), where the reference's num · fp32(1 / denom) lands 1 fp32 ulp above and rounds up.
+  (3) XLA's fp32 exp / rsqrt / logistic approximations (measured on CPU: 10 / 18 / 37 % of results 1 ulp
+  off the correctly rounded ones) and mHC's fp32 Sinkhorn, which a per-op fp32 emulation does not
+  reproduce (30 % of entries differ after one iteration, with XLA's own exps; XLA:CPU hands it whole to a
+  library fusion, "ynn_fusion" in the optimized HLO, with its own exp and reduction order): mHC's mixes
+  stay fp64, rounded once (key 13: the first bf16 difference, position 9, is a layer 0 hc_post; no
+  decision flips on it). Before the per-op roundings this mode flipped at 19 on key 11: layer 0's
+  attention output at position 17, whose exact value lies 0.04 fp32 ulp above a bf16 midpoint, was rounded
+  fp64 -> fp32 (onto the midpoint) -> bf16 (down, ties to even), where the reference's num · fp32(1 /
+  denom) lands 1 fp32 ulp above and rounds up.
 * fixed-order reductions: the routed-expert combine (ascending expert id, left-to-right fp32 fold,
   `moe.combine_slots`; bitwise across ep shards, `parallel.collectives`), hc_pre / hc_post (static
   left-to-right over the n streams), the top-k weight normalisation over k terms.
