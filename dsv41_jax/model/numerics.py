@@ -88,9 +88,9 @@ on every backend (``is_exact`` is the one predicate the ops ask):
   (`dispatch.resolve`, logged once) and an explicit Pallas choice is refused (ImplError /
   NotImplementedError at the seam; the engine refuses it at start-up).
 
-Cost (docs/benchmarks.md, "Deterministic inference: cost"; measured before the per-op fp32 roundings,
-which add elementwise ops only): inside the noise of a shared 2-core CPU for tiny; 7-25 % of decode
-throughput on an H200 for tiny (fp64 GEMMs, and no Pallas attention / indexer).
+Cost (docs/benchmarks.md, "Deterministic inference: cost"): 18-31 % of decode throughput on an idle
+2-core CPU for tiny (with the per-op fp32 roundings); 7-25 % on an H200 for tiny (fp64 GEMMs, and no
+Pallas attention / indexer; measured before the per-op roundings, which add elementwise ops only).
 
 Quantization (fp8/fp4 fake-quant, fp8 GEMM inputs) is part of the model and is applied in every mode.
 """
