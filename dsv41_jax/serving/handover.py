@@ -112,22 +112,19 @@ def unpack(manifest: dict, buf, layout: tuple) -> PrefilledState:
     rows_l, page_l = layout
     row_struct = jax.tree_util.tree_structure(rows_l)
     page_struct = jax.tree_util.tree_structure(page_l)
-    want = _expected(layout, n_pages)
-    _compare(described, want)
+    specs = _specs(layout, n_pages)
+    _compare(described, [(tuple(x.shape), np.dtype(x.dtype).name) for x in specs])
     buf = np.asarray(buf)
     if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != nbytes:
         raise HandoverError(f"prefilled state: {buf.nbytes} bytes received, the manifest says {nbytes} (truncated?)")
     if hashlib.blake2b(buf.tobytes(), digest_size=16).hexdigest() != digest:
         raise HandoverError("prefilled state: the bytes received do not match the manifest's digest (corrupted)")
-    need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree_util.tree_leaves(rows_l) + jax.tree_util.tree_leaves(page_l) * n_pages)
-    if need != nbytes:
-        raise HandoverError(f"prefilled state: {nbytes} bytes for arrays of {need} bytes")
+    sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in specs]
+    if sum(sizes) != nbytes:
+        raise HandoverError(f"prefilled state: {nbytes} bytes for arrays of {sum(sizes)} bytes")
     arrays, off = [], 0
-    for x in jax.tree_util.tree_leaves(rows_l) + jax.tree_util.tree_leaves(page_l) * n_pages:
-        dt = np.dtype(x.dtype)
-        n = int(np.prod(x.shape)) * dt.itemsize
-        arrays.append(buf[off:off + n].view(dt).reshape(x.shape))
+    for x, n in zip(specs, sizes):
+        arrays.append(buf[off:off + n].view(np.dtype(x.dtype)).reshape(x.shape))
         off += n
     n_rows = row_struct.num_leaves
     rows = jax.tree_util.tree_unflatten(row_struct, arrays[:n_rows])
@@ -141,10 +138,14 @@ def unpack(manifest: dict, buf, layout: tuple) -> PrefilledState:
                           None if top is None else [(int(t), float(v)) for t, v in top], meta)
 
 
-def _expected(layout: tuple, n_pages: int) -> list:
+def _specs(layout: tuple, n_pages: int) -> list:
+    """The leaves (``ShapeDtypeStruct``s) of a state of ``n_pages`` pages, in wire order."""
     rows_l, page_l = layout
-    return [(tuple(x.shape), np.dtype(x.dtype).name)
-            for x in jax.tree_util.tree_leaves(rows_l) + jax.tree_util.tree_leaves(page_l) * n_pages]
+    return jax.tree_util.tree_leaves(rows_l) + jax.tree_util.tree_leaves(page_l) * n_pages
+
+
+def _expected(layout: tuple, n_pages: int) -> list:
+    return [(tuple(x.shape), np.dtype(x.dtype).name) for x in _specs(layout, n_pages)]
 
 
 def _compare(described: list, want: list) -> None:

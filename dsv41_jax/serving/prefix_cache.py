@@ -280,9 +280,8 @@ class PrefixCache:
     Its entries hold page references in the page allocator like requests (allocator key
     ``(CACHE_OWNER, id)``). It is the allocator's *reclaimer* (`runner.SharedPageAllocator`): pages
     held by unpinned entries alone count as free there, and an ``ensure`` that needs them calls
-    `reclaim`, which evicts entries least recently used (unhit chunk-end points first once they fill a quarter
-    of the rows: `_victim`), so the
-    scheduler's page accounting is unchanged."""
+    `reclaim`, which evicts the least recently used leaf entries (`_victim`), so the scheduler's page
+    accounting is unchanged."""
 
     def __init__(self, allocator, num_rows: int, host_pages: int = 0):
         self.alloc = allocator
@@ -384,9 +383,8 @@ class PrefixCache:
         self.host_store.pop(e.key, None)
 
     def evict(self, free_target: int) -> int:
-        """Evict unpinned entries (`_victim`: those that free a page, unhit points first, then least
-        recently used) until ``free_target`` pages are on the free list (or none is left); returns how
-        many entries went."""
+        """Evict unpinned entries (`_victim`: the least recently used leaf first) until ``free_target``
+        pages are on the free list (or none is left); returns how many entries went."""
         n = 0
         while len(self.alloc._free) < free_target:
             e = self._victim()
