@@ -366,28 +366,22 @@ def check_targets(results: list) -> dict:
 
 # ----------------------------------------------------------------------------- part (a): real timings
 
-def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_size: int, iters: int,
-               weights: str = "init", copy_bps: float | None = None):
-    """Yield one timing dict per context for the decode step of `cfg` with impl, batch B, max_context.
-
-    The step is compiled once ahead of time (`jitted_extend(...).lower(...).compile()`, state donated)
-    and the executable is timed; its HLO gives the kernel launches per step (`aot_flash.kernel_launches`).
-    Bytes per step: the active weights at stored width (`ideal_costs`: the experts B tokens select in
-    expectation), so GB/s = those bytes / step time — against `copy_bps`, a device copy measured in the
-    same run, when given. (KV-cache reads are not in it: a lower bound on what the step moves.)"""
-    import jax
-    import numpy as np
-
+def prepare_case(cfg, impl: str, B: int, max_context: int, contexts: list, page_size: int,
+                 weights: str = "init") -> dict | None:
+    """Everything one (impl, B, max_context) case needs before it is timed: parameters, a zeroed cache,
+    one batch per context that fits, and the step compiled ahead of time (`jitted_extend(...).lower(...)
+    .compile()`, state donated) with its kernel launches per step (`aot_flash.kernel_launches` on its HLO)
+    and its compile seconds. None when no context fits ``max_context``."""
     from dsv41_jax.model import cache as kvc
     from dsv41_jax.model import decode
     from dsv41_jax.model.numerics import mode_name
+    import numpy as np
 
     c = cfg.replace(impl=impl)
-    numerics = mode_name(c)
     pages = max(1, max_context // page_size)
     live = [L for L in contexts if L <= max_context]
     if not live:
-        return
+        return None
     need = max(-(-L // page_size) for L in live)  # pages a row holds at the largest context
     ccfg = kvc.CacheConfig(page_size=page_size, num_pages=B * need + 1, max_slots=B, max_pages_per_seq=pages)
     params = _part_a_params(c, weights)
@@ -395,21 +389,44 @@ def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_si
     if "engram_hist" in state:
         pad = int(np.asarray(params["derived"]["engram_token_map"])[c.engram_pad_token_id])
         state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
-    weight_bytes = ideal_costs(c, B)["weight_bytes_per_step"]
-    step = launches = None
-    t0 = time.perf_counter()
+    batches = {}
     for L in live:
         n = -(-L // page_size)
         # Row b holds pages 1 + b·need .. (page 0 stays unused, as the allocator's null page).
         rows = [{"tokens": [3 + b % 100], "start": L - 1, "slot": b,
                  "page_table": list(range(1 + b * need, 1 + b * need + n))} for b in range(B)]
-        batch = decode.make_batch(rows, 1, B, ccfg)
-        if step is None:
-            step = decode.jitted_extend(c, ccfg, False, None).lower(params, state, batch).compile()
-            launches = _aot().kernel_launches(step.as_text())
+        batches[L] = decode.make_batch(rows, 1, B, ccfg)
+    t0 = time.perf_counter()
+    step = decode.jitted_extend(c, ccfg, False, None).lower(params, state, batches[live[0]]).compile()
+    compile_s = time.perf_counter() - t0
+    return {"impl": impl, "numerics": mode_name(c), "B": B, "ccfg": ccfg, "params": params, "state": state,
+            "batches": batches, "step": step, "compile_s": compile_s,
+            "launches": _aot().kernel_launches(step.as_text()),
+            "weight_bytes": ideal_costs(c, B)["weight_bytes_per_step"]}
+
+
+def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_size: int, iters: int,
+               weights: str = "init", copy_bps: float | None = None, prepared: dict | None = None):
+    """Yield one timing dict per context for the decode step of `cfg` with impl, batch B, max_context
+    (`prepare_case`'s, or `prepared` when the step was compiled earlier).
+
+    Each context: one warm-up step, then ``iters`` timed steps (median and min reported).
+    Bytes per step: the active weights at stored width (`ideal_costs`: the experts B tokens select in
+    expectation), so GB/s = those bytes / step time — against `copy_bps`, a device copy measured in the
+    same run, when given. (KV-cache reads are not in it: a lower bound on what the step moves.)"""
+    import jax
+    import numpy as np
+
+    t0 = time.perf_counter()
+    p = prepared or prepare_case(cfg, impl, B, max_context, contexts, page_size, weights)
+    if p is None:
+        return
+    params, state, step, launches = p["params"], p.pop("state"), p["step"], p["launches"]
+    weight_bytes = p["weight_bytes"]
+    first = True
+    for L, batch in p["batches"].items():
         logits, state = step(params, state, batch)  # warm-up
         jax.block_until_ready(logits)
-        compile_s = time.perf_counter() - t0 if L == live[0] else None
         times = []
         for _ in range(iters):
             t1 = time.perf_counter()
@@ -417,16 +434,20 @@ def real_cases(cfg, impl: str, B: int, max_context: int, contexts: list, page_si
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - t1)
         ms = 1e3 * float(np.median(times))
-        r = {"impl": impl, "numerics": numerics, "batch": B, "context": L, "max_context": ccfg.max_context,
+        r = {"impl": impl, "numerics": p["numerics"], "batch": B, "context": L, "max_context": p["ccfg"].max_context,
              "step_ms": ms, "step_ms_min": 1e3 * min(times), "tokens_per_s": B / (ms / 1e3), "iters": iters,
              "weight_bytes_per_step": weight_bytes, "weight_GBps": weight_bytes / (ms / 1e3) / 1e9,
              "kernel_launches": launches["launches"], "launches_by_opcode": launches["by_opcode"],
              "whiles_without_trip_count": launches["whiles_without_trip_count"]}
         if copy_bps:
             r["frac_copy_bandwidth"] = weight_bytes / (ms / 1e3) / copy_bps
-        if compile_s is not None:
-            r["compile_and_first_step_s"] = compile_s
+        if first:
+            r["compile_s"] = p["compile_s"]
+            if prepared is None:
+                r["compile_and_first_step_s"] = time.perf_counter() - t0 - sum(times)
+        first = False
         yield r
+    del state
 
 
 def _aot():
@@ -570,31 +591,67 @@ def run_part_a(args) -> dict:
     modes = [m for m in args.numerics.split(",") if m] if args.numerics else [None]
     load0 = os.getloadavg()
     gpu = jax.default_backend() == "gpu"
-    copy_bps = copy_bandwidth(1 << 31 if gpu else 1 << 26)
-    log(f"[a] device copy bandwidth {copy_bps / 1e9:.1f} GB/s ({jax.devices()[0].device_kind})")
     cases = []
     doc = {"part": "a", "model": args.model, "keep_layers": args.keep_layers, "weights": args.weights,
            "act_dtype": cfg.act_dtype, "jax": jax.__version__, "backend": jax.default_backend(),
-           "device": jax.devices()[0].device_kind, "copy_bandwidth_GBps": copy_bps / 1e9,
-           "host": platform.node(), "cpu_count": os.cpu_count(), "loadavg_before": load0,
-           "page_size": args.page_size, "cases": cases}
-    for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]:
-        for mc in _ints(args.max_contexts):
-            for B in _ints(args.batches):
-                for mode in modes:  # the modes of one (impl, B) back to back: comparable machine load
-                    cm = cfg if mode is None else _with_numerics(cfg, mode)
-                    for r in real_cases(cm, impl, B, mc, _ints(args.contexts), args.page_size, args.iters,
-                                        args.weights, copy_bps):
-                        cases.append(r)
-                        if args.out:
-                            with open(args.out, "w") as f:
-                                json.dump(dict(doc, loadavg_after=os.getloadavg()), f, indent=1)
-                        log(f"[a] impl={impl:<9} {r['numerics']:<22} B={B:<3} max_context={mc:<6} "
-                            f"context={r['context']:<5} step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  "
-                            f"weights {r['weight_GBps']:7.1f} GB/s ({100 * r['frac_copy_bandwidth']:.0f}% of copy)  "
-                            f"{r['kernel_launches']} launches"
-                            + (f"  (compile+first {r['compile_and_first_step_s']:.1f}s)"
-                               if "compile_and_first_step_s" in r else ""))
+           "device": jax.devices()[0].device_kind, "host": platform.node(), "cpu_count": os.cpu_count(),
+           "loadavg_before": load0, "page_size": args.page_size, "cases": cases}
+    grid = [(impl, mc, B, mode) for impl in [s for s in args.impls.split(";" if ";" in args.impls else ",") if s]
+            for mc in _ints(args.max_contexts) for B in _ints(args.batches)
+            for mode in modes]  # the modes of one (impl, B) back to back: comparable machine load
+
+    def time_cases(key, prepared=None):
+        impl, mc, B, mode = key
+        if "copy_bandwidth_GBps" not in doc:  # measured just before the first timing, in the same conditions
+            doc["copy_bandwidth_GBps"] = copy_bandwidth(1 << 31 if gpu else 1 << 26) / 1e9
+            log(f"[a] device copy bandwidth {doc['copy_bandwidth_GBps']:.1f} GB/s ({jax.devices()[0].device_kind})")
+        cm = cfg if mode is None else _with_numerics(cfg, mode)
+        for r in real_cases(cm, impl, B, mc, _ints(args.contexts), args.page_size, args.iters, args.weights,
+                            doc["copy_bandwidth_GBps"] * 1e9, prepared):
+            cases.append(r)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(dict(doc, loadavg_after=os.getloadavg()), f, indent=1)
+            log(f"[a] impl={impl:<9} {r['numerics']:<22} B={B:<3} max_context={mc:<6} "
+                f"context={r['context']:<5} step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  "
+                f"weights {r['weight_GBps']:7.1f} GB/s ({100 * r['frac_copy_bandwidth']:.0f}% of copy)  "
+                f"{r['kernel_launches']} launches" + (f"  (compile {r['compile_s']:.1f}s)" if "compile_s" in r else ""))
+
+    if not args.barrier:
+        for key in grid:
+            time_cases(key)
+    else:
+        # Compile cases one by one (CPU work: it can overlap other jobs using the device); time them only
+        # once the barrier file exists, so the timings and the copy bandwidth run on a device nobody else
+        # uses. Cases compiled while the barrier is there are timed at once: a run cut short keeps them.
+        t_start, waiting = time.perf_counter(), []
+
+        def barrier_up():
+            return os.path.exists(args.barrier)
+
+        for key in grid:
+            impl, mc, B, mode = key
+            cm = cfg if mode is None else _with_numerics(cfg, mode)
+            p = prepare_case(cm, impl, B, mc, _ints(args.contexts), args.page_size, args.weights)
+            if p is None:
+                continue
+            log(f"[a] compiled impl={impl} B={B} max_context={mc}: {p['compile_s']:.1f}s, "
+                f"{p['launches']['launches']} launches per step")
+            waiting.append((key, p))
+            if barrier_up():
+                while waiting:
+                    time_cases(*waiting.pop(0))
+        if waiting:
+            log(f"[a] waiting for {args.barrier} (at most {args.barrier_timeout:.0f} s)")
+        t_wait = time.perf_counter()
+        while waiting and not barrier_up() and time.perf_counter() - t_wait < args.barrier_timeout:
+            time.sleep(0.5)
+        doc["barrier"] = {"file": args.barrier, "found": barrier_up(),
+                          "found_after_s": time.perf_counter() - t_start}
+        if not barrier_up():
+            log(f"[a] barrier NOT found after {args.barrier_timeout:.0f} s: timing anyway (recorded in the JSON)")
+        while waiting:
+            time_cases(*waiting.pop(0))
     doc = dict(doc, loadavg_after=os.getloadavg())
     cost = deterministic_cost(cases)
     if cost:
@@ -672,6 +729,11 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", choices=("init", "random"), default=None,
                     help="(a) init_params (host-quantized; default for tiny) or random_stored_params (random "
                          "bits in the stored formats, made on the device; default for other models)")
+    ap.add_argument("--barrier", default=None, metavar="FILE",
+                    help="(a) compile each case, but time cases (and the copy bandwidth) only once FILE exists: "
+                         "compiles overlap other jobs on the device, timings do not (scripts/gpu_check.sh)")
+    ap.add_argument("--barrier-timeout", type=float, default=600.0,
+                    help="(a) seconds to wait for --barrier's FILE after the last compile, then time anyway")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     a = args.part == "a"
