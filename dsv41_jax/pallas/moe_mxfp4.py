@@ -78,9 +78,13 @@ def ref_routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
 
 
 def _decode_mxfp4(packed, scale):
-    """MXFP4 codes -> values, exact: packed uint8 [n, c/2] (low nibble = even element), E8M0 bytes
-    uint8 [n, c/32] -> fp32 [n, c] (the shared `model.codec` definitions, in-kernel form)."""
-    codes = codec.unpack_nibbles(packed.astype(jnp.int32), jnp)
+    """MXFP4 codes -> values, exact: packed bytes as uint16 pairs [n, c/4] (little-endian: the low byte is
+    the even byte; in each byte the low nibble is the even element), E8M0 bytes uint8 [n, c/32] -> fp32
+    [n, c] (the shared `model.codec` definitions, in-kernel form)."""
+    pairs = packed.astype(jnp.int32)
+    n, m = pairs.shape
+    by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(n, 2 * m)  # the bytes, in order
+    codes = codec.unpack_nibbles(by, jnp)
     return codec.e2m1_decode(codes, jnp) * sa._expand(codec.e8m0_decode(scale, jnp), 32)
 
 
@@ -129,7 +133,7 @@ def _gate_up_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, tok_ref, wts_ref
     row0 = (layer_ref[0] * c["E"] + gexp_ref[g]) * c["I"] + j * bn  # the tile's first weight row
 
     def weight(w_ref, s_ref, kc):
-        return _decode_mxfp4(w_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 2), bk // 2)],
+        return _decode_mxfp4(w_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 4), bk // 4)],
                              s_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 32), bk // 32)]).astype(jnp.bfloat16)
 
     def rows(r0, live):
@@ -158,7 +162,7 @@ def _down_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, act_ref, w2_ref, s2
 
     def rows(r0, live):
         def kstep(kc, acc):
-            w = _decode_mxfp4(w2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 2), bk // 2)],
+            w = _decode_mxfp4(w2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 4), bk // 4)],
                               s2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 32), bk // 32)]).astype(jnp.bfloat16)
             return acc + _dot_nt(act_ref[pl.ds(r0, bm), pl.ds(kc * bk, bk)], w)
 
@@ -234,11 +238,30 @@ def _plan(A: int, G: int, D: int, I: int, block_m, block_n, block_n2, block_k, b
     return p
 
 
-def _flat(a, layer):
-    """A weight / scale stack [E, R, C] (or a run's [n, E, R, C]) as [rows, C] uint8 bits."""
+def _flat(a, layer, pairs: bool = False):
+    """A weight / scale stack [E, R, C] (or a run's [n, E, R, C]) as [rows, C] uint8 bits, or with
+    ``pairs`` as [rows, C/2] uint16 (byte pairs: a bitcast, no copy).
+
+    Why pairs for the packed weights: the Pallas Triton lowering addresses an operand with int32 element
+    offsets unless the operand is over 2^32 bytes; one layer's packed w1 of flash is 2.26e9 one-byte
+    elements, so experts past the 2^31st byte wrapped (an illegal address, or another expert's weights:
+    seen on an H200). As uint16 an operand of at most 2^32 bytes has at most 2^31 elements."""
     if a.dtype != jnp.uint8:
         a = lax.bitcast_convert_type(a, jnp.uint8)
-    return a.reshape(-1, a.shape[-1])
+    a = a.reshape(-1, a.shape[-1])
+    if pairs:
+        a = lax.bitcast_convert_type(a.reshape(a.shape[0], a.shape[1] // 2, 2), jnp.uint16)
+    _check_offsets(a)
+    return a
+
+
+def _check_offsets(a) -> None:
+    """Refuse an operand whose element offsets would wrap in the Triton lowering (int32 offsets for
+    operands up to 2^32 bytes): an element offset past 2^31 - 1 in at most 2^32 bytes."""
+    n, nbytes = math.prod(a.shape), math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+    if nbytes <= 2**32 and n - 1 > 2**31 - 1:
+        raise NotImplementedError(f"moe_mxfp4: an operand of {n} {jnp.dtype(a.dtype).name} elements ({nbytes} "
+                                  "bytes) would be addressed with wrapping int32 offsets by the Triton lowering")
 
 
 def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, block_m: int | None = None,
@@ -276,7 +299,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     xd = quant.fake_quant_fp8(xf, out_dtype=jnp.bfloat16)  # per token (the xla path: per sorted row, same values)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     meta = [gexp, gstart, sizes.astype(jnp.int32), lay]
-    wt = {n: (_flat(ex[n]["weight"], layer), _flat(ex[n]["scale"], layer)) for n in ("w1", "w3", "w2")}
+    wt = {n: (_flat(ex[n]["weight"], layer, pairs=True), _flat(ex[n]["scale"], layer)) for n in ("w1", "w3", "w2")}
     c = dict(E=E, D=D, I=I, dt=dt, limit=float(cfg.swiglu_limit))
     params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
     common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],
