@@ -5,13 +5,15 @@
 # WHEELS=DIR). Results (logs, JSON, a summary) go under $OUT when that is set (else ./gpu_check_out/).
 # Steps, each under its own timeout (seconds, overridable) so one slow step cannot eat the others' time:
 #
-#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel)   T_KERNELS=120
+#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel; slow ones
+#      too), 4 pytest workers (their compiles dominate)                                     T_KERNELS=150
 #   2. the model-level equivalence tests natively: forward and decode with every kernel vs
-#      "xla", DSpark vs plain decoding, prefix-cache hit vs cold                             T_MODEL=150
+#      "xla", DSpark vs plain decoding, prefix-cache hit vs cold, 4 workers                  T_MODEL=120
 #   3. from the start, beside 1-2: the server on nano (`python -m dsv41_jax.serve`, kernels chosen by
 #      `auto`) answering the quick-start demo (thinking, a tool call, json_schema, /metrics); its log
 #      gives the start-up (compile) time                                                    T_SERVER=200
-#   4. after 1-3: the MoE kernel vs the xla grouped path at flash's expert shapes (time, GB/s, diff)  T_MOE=60
+#   4. after 1-3: the MoE kernel vs the xla grouped path at flash's expert shapes, 1-512 tokens
+#      (time, GB/s, diff)                                                                    T_MOE=90
 #   5. from the start, in the background: the decode step of a flash-dimension cut (layers 0,2,3,20:
 #      window, ratio-2 source, ratio-2 reader, ratio-1 source + candidates: 30 GiB; layer 1's Engram table
 #      alone is 101 GiB, a row gather per step) with random weights in the stored formats, at B = 1, 64, 8
@@ -19,8 +21,9 @@
 #      the same run, kernel launches per step, compile time per batch. XLA's GPU compile of the cut takes
 #      minutes of CPU, so it overlaps steps 1-4; the timings (and the copy) wait for steps 1-4 to end
 #      (bench_decode --barrier), so they run on a GPU nobody else uses                        T_DECODE=480
-#   The processes share the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION: decode 0.55, server 0.1,
-#   tests and the MoE benchmark 0.15). At most 480 s in all.
+#   The processes share the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION: decode 0.45, server 0.1, each
+#   test worker 0.09, the MoE benchmark 0.4). At most 480 s in all. Results of the runs on an H200:
+#   docs/results/gpu_check_h200_flash_cut/ (docs/benchmarks.md, "The model on an H200").
 #
 #   bash scripts/gpu_check.sh            # on a GPU (ALL_KERNELS=1: also every kernel's micro-benchmark)
 #   DRY_RUN=1 bash scripts/gpu_check.sh  # on CPU: every step's command at tiny sizes (tests collected, not
@@ -68,7 +71,7 @@ else
   DECODE=(--model flash --keep-layers 0,2,3,20 --batches 1,64,8 --contexts 4096,65536 --max-contexts 65536 --iters 10)
 fi
 (
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.55
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
   step decode_flash_cut "${T_DECODE:-480}" "$PY" scripts/bench_decode.py --part a --impls auto "${DECODE[@]}" \
     --barrier "$BARRIER" --barrier-timeout 600 --out "$OUT/bench_decode.json"
   exit $status
@@ -86,17 +89,20 @@ kill $pid 2>/dev/null; wait $pid 2>/dev/null; echo "--- the server log"; cat /tm
   exit $status
 ) &
 server_pid=$!
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.15
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.09  # per pytest worker
 # pytest: -p no:cacheprovider (the tree may be read-only); conftest forces host CPU devices only, which leaves
-# the GPU the default backend, and the pallas_impl fixture picks the native kernels there.
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 ${DRY:+--collect-only})
-step kernel_tests "${T_KERNELS:-120}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
+# the GPU the default backend, and the pallas_impl fixture picks the native kernels there. -o addopts="":
+# the slow tests too (the MoE kernel at flash's widths, experts past 2 GiB).
+if [ -n "$DRY" ]; then PAR=(--collect-only); else PAR=(-n 4 --dist loadgroup); fi
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 -rfE "${PAR[@]}")
+step kernel_tests "${T_KERNELS:-150}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
   tests/test_pallas_mix.py tests/test_pallas_moe.py
-step model_tests "${T_MODEL:-150}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
+step model_tests "${T_MODEL:-120}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
   tests/test_prefix_cache.py -k "pallas_equals_xla or greedy_speculation_equals_plain or cached_prefix_equals_cold_exact"
 wait "$server_pid" || status=1
 if [ -n "$DRY" ]; then GRID=--smoke; else GRID=--quick; fi
-step moe_kernel "${T_MOE:-60}" "$PY" scripts/bench_kernels.py --ops moe "$GRID" --reps 10 --out "$OUT/bench_moe.json"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step moe_kernel "${T_MOE:-90}" "$PY" scripts/bench_kernels.py --ops moe "$GRID" \
+  --reps 5 --out "$OUT/bench_moe.json"
 if [ -n "${ALL_KERNELS:-}" ]; then  # optional: every kernel's micro-benchmark (scripts/bench_kernels.py --quick)
   step bench_kernels "${T_ALL:-300}" "$PY" scripts/bench_kernels.py "$GRID" --out "$OUT/bench_kernels.json"
 fi

@@ -94,10 +94,12 @@ def kernel_available(op: str) -> bool:
 # (`mhc.SINKHORN_LOOP_BACKENDS`) costs launches: the 4-layer flash cut at B=1 compiled for an H200 is
 # 1,188 launches per step with the loop, 392 with the mHC kernel (421 unrolled), compile 176 s / 238 s
 # (docs/benchmarks.md, "Compile time on a GPU"). Kernel vs loop is not timed on a GPU yet.
-# moe: the grouped MXFP4 kernel (pallas/moe_mxfp4.py) has not been timed on a GPU yet (it reads the
-# selected experts at stored width, the xla path dequantizes them to bf16), so auto keeps xla until
-# scripts/gpu_check.sh measures it faster. An explicit "pallas" still runs every kernel.
-GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "xla"}
+# moe: the grouped MXFP4 kernel (pallas/moe_mxfp4.py), which reads the selected experts at stored width
+# where the xla path dequantizes them to bf16: on the H200 (jax 0.11.2, flash's 384 x (5120, 2304) experts,
+# scripts/bench_kernels.py --ops moe --quick) 1.39x / 1.72x / 4.48x the xla path at 1 / 8 / 64 tokens, and
+# the 4-layer flash cut's decode step (scripts/bench_decode.py --part a) 3.99 vs 4.63 ms at B=1, 30.0 vs
+# 112.4 ms at B=64 (docs/benchmarks.md, "The H200"). Prefill sizes (512+ tokens) are not timed yet.
+GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas"}
 
 
 def _auto(op: str, backend: str) -> str:

@@ -27,6 +27,8 @@ the bf16 rounding of each GEMM output; none at all in the exact mode).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -258,7 +260,8 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     "pallas_interpret", module doc); the
     gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
     par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the routed experts
-    expert-parallel (`par.routed_experts`: the grouped path per expert shard, bitwise the same result).
+    expert-parallel (`par.routed_experts`: the grouped path, or the kernel, per expert shard, bitwise the
+    same result as on one device).
     """
     impl = dispatch.resolve(cfg, "moe")
     kernel = impl in ("pallas", "pallas_interpret")
@@ -275,10 +278,9 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
-        if kernel:
-            raise dispatch.ImplError(f"moe: the {impl!r} kernel runs on one device's experts only, not "
-                                     f"expert-parallel; use impl 'moe=xla' (or 'auto') on an ep mesh")
-        routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt)
+        # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
+        slots = functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret") if kernel else None
+        routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=slots)
     elif kernel:
         slots = dispatch.kernel("moe", impl)(p["experts"], xf, idx, w, cfg, dt, interpret=impl == "pallas_interpret")
         routed = combine_slots(slots, idx)

@@ -33,12 +33,16 @@ from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import axis_size
 
 
-def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
+def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
     """fp32 [N, D]: the routed experts' sum for tokens xf [N, D], expert-parallel over mesh `axis`.
 
     ex: stacked routed experts (leading expert axis split over `axis`); idx int32 [N, k] global expert
-    ids; w fp32 [N, k] routing weights (both replicated). Equals `moe._routed_grouped` bitwise.
+    ids; w fp32 [N, k] routing weights (both replicated). slots: the per-shard grouped computation with
+    `moe.routed_slots`'s signature (default that xla path; the MoE kernel, `pallas.moe_mxfp4.kernel`, has
+    the same). Equals the same computation on one device bitwise (each slot is computed on the one
+    shard holding its expert, zeros elsewhere, then summed).
     """
+    slots = slots or moe.routed_slots
     N, D = xf.shape
     if N * idx.shape[1] == 0:
         return jnp.zeros((N, D), jnp.float32)
@@ -53,7 +57,7 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep"):
         first = jax.lax.axis_index(axis) * ex_l["w1"]["weight"].shape[-3]
         if layer is not None:
             ex_l = dict(ex_l, layer=layer)
-        y = moe.routed_slots(ex_l, xf, idx, w, cfg, dt, first_expert=first)  # [N, k, D], zeros elsewhere
+        y = slots(ex_l, xf, idx, w, cfg, dt, first_expert=first)  # [N, k, D], zeros elsewhere
         return jax.lax.psum(y, axis)
 
     ex_specs = jax.tree_util.tree_map(lambda _: P(*lead, axis), ex)

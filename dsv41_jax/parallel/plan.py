@@ -70,9 +70,10 @@ class MeshPlan:
         """`engram.gather_rows` on a row-split table (`collectives.row_gather`)."""
         return collectives.row_gather(table, tscale, rows, dt, self.mesh)
 
-    def routed_experts(self, ex, xf, idx, w, cfg, dt):
-        """The routed experts expert-parallel over "ep" (`collectives.routed_experts`)."""
-        return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh)
+    def routed_experts(self, ex, xf, idx, w, cfg, dt, slots=None):
+        """The routed experts expert-parallel over "ep" (`collectives.routed_experts`; slots: the per-shard
+        grouped computation, default the xla path)."""
+        return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh, slots=slots)
 
     def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):
         """((params, state, batch), (logits, state)) shardings of the decode step (`rules.step_shardings`)."""
