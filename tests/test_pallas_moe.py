@@ -172,17 +172,31 @@ def test_kernel_at_flash_widths(pallas_impl, n_tok):
     assert np.abs(got - want).max() <= 4 * 2.0 ** (np.floor(np.log2(np.abs(want).max())) - 7)
 
 
+def _flash_args(N: int, k: int = 6):
+    """Abstract kernel arguments (nothing allocated): flash's 384 experts of (5120, 2304), N tokens, top-k."""
+    (D, I), E, sds = FLASH, 384, jax.ShapeDtypeStruct
+    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
+          for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
+    return ex, sds((N, D), BF16), sds((N, k), jnp.int32), sds((N, k), jnp.float32)
+
+
+def _kernel_bf16(ex, x, idx, w):
+    return mk.kernel(ex, x, idx, w, _CFG["bfloat16"], BF16)
+
+
+def _flash_calls(N: int, k: int = 6):
+    """(jaxpr, its two pallas_call equations) of the kernel traced at `_flash_args`."""
+    jaxpr = jax.make_jaxpr(_kernel_bf16)(*_flash_args(N, k)).jaxpr
+    return jaxpr, [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+
+
 def test_packed_weights_enter_as_byte_pairs_and_wrapping_offsets_are_refused():
     """The packed e2m1 weights reach the kernel as uint16 byte pairs (half the elements: Triton's int32
     offsets cannot wrap below 2^32 bytes), the scales as bytes; an operand that would still wrap (an
     element offset past 2^31 - 1 in at most 2^32 bytes) is refused, not read from a wrapped address."""
-    D, I, E, N, k = *FLASH, 384, 4, 6
+    D, I, E = *FLASH, 384
     sds = jax.ShapeDtypeStruct
-    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
-          for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
-    jaxpr = jax.make_jaxpr(lambda ex, x, idx, w: mk.kernel(ex, x, idx, w, _CFG["bfloat16"], BF16))(
-        ex, sds((N, D), BF16), sds((N, k), jnp.int32), sds((N, k), jnp.float32)).jaxpr
-    up, down = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    up, down = _flash_calls(N=4)[1]
     avals = [v.aval for v in up.invars[-4:]] + [v.aval for v in down.invars[-2:]]
     assert [(a.shape, a.dtype) for a in avals] == [((E * I, D // 4), jnp.uint16), ((E * I, D // 32), jnp.uint8)] * 2 \
         + [((E * D, I // 4), jnp.uint16), ((E * D, I // 32), jnp.uint8)]
@@ -283,12 +297,7 @@ def test_cost_estimate_is_the_bytes_moved_contract():
     scripts/bench_decode.py reads. Flash widths, 384 experts, B = 64: each selected expert's weights
     at stored width (packed + scales, 17.7 MiB for the three) once per non-empty group."""
     D, I, E, N, k = *FLASH, 384, 64, 6
-    sds = jax.ShapeDtypeStruct
-    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
-          for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
-    jaxpr = jax.make_jaxpr(lambda ex, x, idx, w: mk.kernel(ex, x, idx, w, _CFG["bfloat16"], BF16))(
-        ex, sds((N, D), BF16), sds((N, k), jnp.int32), sds((N, k), jnp.float32)).jaxpr
-    calls = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    jaxpr, calls = _flash_calls(N)
     assert [c.params["name"].rsplit("_m", 1)[0] for c in calls] == ["moe_mxfp4_gate_up", "moe_mxfp4_down"]
     per_expert = 0
     for c in calls:
@@ -325,12 +334,7 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
         pytest.skip("the native tests compile the kernel on this GPU")
     from dsv41_jax.pallas.offline import capture_kernels
 
-    D, I, E, k = *FLASH, 384, 6
-    sds = jax.ShapeDtypeStruct
-    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
-          for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
     for n_tok, bm in ((1, 16), (4096, 64)):
-        ks = capture_kernels(lambda ex, x, idx, w: mk.kernel(ex, x, idx, w, _CFG["bfloat16"], BF16), ex,
-                             sds((n_tok, D), BF16), sds((n_tok, k), jnp.int32), sds((n_tok, k), jnp.float32))
+        ks = capture_kernels(_kernel_bf16, *_flash_args(n_tok))
         assert [kk["name"] for kk in ks] == [f"moe_mxfp4_gate_up_m{bm}_n64_k128", f"moe_mxfp4_down_m{bm}_n64_k128"]
         assert all("tt.dot" in kk["ttir"] and "tt.load" in kk["ttir"] for kk in ks)
