@@ -1,4 +1,4 @@
-"""The Dynamo integration's parts that need no Dynamo (the live tests are tests/test_dynamo.py, ``-m dynamo``).
+"""The Dynamo integration's parts that need no Dynamo (the live tests: tests/test_dynamo.py).
 
 * `worker.sampling_from_request`: our frontend's own `SamplingParams` travel whole; a stock Dynamo
   frontend's fields map to ours; bad values are refused.

@@ -88,21 +88,30 @@ class LocalDeployment:
         return self.frontend_url
 
     def stop(self, name: str, timeout: float = 60) -> int:
-        p, _, f = self.procs.pop(name)
+        """SIGTERM, wait (kill after ``timeout``), close the log; returns the exit code."""
+        p = self.procs[name][0]
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        return self._reap(name, timeout)
+
+    def _reap(self, name: str, timeout: float) -> int:
+        p, _, f = self.procs.pop(name)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
         f.close()
         self.worker_ports.pop(name, None)
         return p.returncode
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout: float = 60) -> None:
+        """SIGTERM to every process at once (each drains for Dynamo's grace period side by side), then wait."""
+        for p, _, _ in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         for name in list(self.procs)[::-1]:
-            self.stop(name)
+            self._reap(name, timeout)
 
     def wait(self, pred, what: str, timeout: float = 900) -> None:
         """Until pred() is true; raises RuntimeError (with the log's tail) if a process exits first."""

@@ -164,7 +164,6 @@ def engine_class():
             self.requests = 0
             self.mode = args.disaggregation_mode
             self.transport = None  # NixlTransport (prefill / decode roles)
-            self._poller = None
             self.transfer_seconds = 0.0
 
         @classmethod
@@ -191,8 +190,6 @@ def engine_class():
                 from dsv41_jax.dynamo.transfer import NixlTransport
 
                 self.transport = NixlTransport(f"dsv41-{self.mode}-{worker_id}", ttl=self.args.transfer_ttl)
-                if self.mode == "prefill":
-                    self._poller = asyncio.ensure_future(self._poll_transfers())
             self.engine = await asyncio.to_thread(AsyncEngine, self.engine_args)
             inner = self.engine.engine
             a = inner.allocator
@@ -304,14 +301,6 @@ def engine_class():
                      len(st.prompt_ids), buf.nbytes, len(st.pages))
             return {"dsv41": {"manifest": manifest, "nixl": desc}}
 
-        async def _poll_transfers(self):
-            while True:
-                await asyncio.sleep(0.05)
-                try:
-                    self.transport.poll()
-                except Exception as e:  # noqa: BLE001 (keep polling; a broken agent shows in the stats)
-                    log.error("NIXL poll: %s", e)
-
         async def _receive(self, request, ids: list, rid: str):
             """Decode role: the request's state from its prefill worker (NIXL READ), checked against this
             engine. Raises `Unknown` (an error for the client) when there is none or it cannot be had."""
@@ -346,8 +335,6 @@ def engine_class():
                     self.engine.engine.prefix_cache.on_tree_event = None
                 await asyncio.to_thread(self.engine.shutdown)
                 self.engine = None
-            if self._poller is not None:
-                self._poller.cancel()
             if self.transport is not None:
                 self.transport.close()
 
@@ -370,6 +357,9 @@ def engine_class():
             if self.transport is not None:
                 out.update(self.transport.stats(), transfer_seconds=self.transfer_seconds)
             out["kv_blocks_published"] = self.blocks.num_blocks if self.blocks is not None else None
+            # events handed to the publisher (the router's `kv_cache_events_applied` counts them in)
+            out["kv_stored_events"] = self.blocks.stored_events if self.blocks is not None else 0
+            out["kv_removed_events"] = self.blocks.removed_events if self.blocks is not None else 0
             return {"status": "ok", "stats": out}
 
     return _DsvEngine
