@@ -136,7 +136,17 @@ def _moe_cases(quick: bool, smoke: bool, interpret: bool):
     xla = jax.jit(lambda *a: moe.routed_slots(*a, cfg, bf))
     for t in toks:
         args = mk.bench_inputs(t, seed=0, dims=dims)
-        yield {"tokens": t}, {"call": (kern, xla, args)}, (lambda part, a=args: mk.routed_bytes(*a))
+        parts = {"call": (kern, xla, args)}
+        if not smoke and t in MOE_TUNE_AT:
+            # the kernel's alternative tilings (`moe_mxfp4.TUNING_CANDIDATES`) on the same inputs
+            for i, knobs in enumerate(mk.TUNING_CANDIDATES[1:], 1):
+                parts[f"tune{i}"] = (jax.jit(lambda *a, kn=knobs: mk.kernel(*a, cfg, bf, interpret=interpret, **kn)),
+                                     xla, args)
+        yield {"tokens": t}, parts, (lambda part, a=args: mk.routed_bytes(*a))
+
+
+# token counts at which the MoE kernel's tuning candidates are timed too (decode at B = 1 and 64)
+MOE_TUNE_AT = {1, 64}
 
 
 def cases(op: str, quick: bool, smoke: bool, interpret: bool):

@@ -327,6 +327,24 @@ def test_cost_estimate_is_the_bytes_moved_contract():
     assert acc["bytes"] == want and acc["flops"] == 2 * N * k * 3 * D * I
 
 
+def test_tuning_candidates_lower_to_triton_for_cuda():
+    """Every tiling `scripts/bench_kernels.py` times on a GPU (`TUNING_CANDIDATES`, the first the default)
+    is accepted at flash's widths and lowers to verified Triton IR for sm_90 (so a GPU run spends no
+    time on a candidate that cannot compile); its names record the tiling."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the GPU benchmark compiles the candidates on the GPU")
+    from dsv41_jax.pallas.offline import capture_kernels
+
+    assert mk.TUNING_CANDIDATES[0] == dict(block_n=64, block_n2=64, block_k=128, block_k2=128, num_warps=4,
+                                           num_stages=2)
+    assert mk._plan(6, 6, *FLASH, None, None, None, None, None) == dict(bm=16, bn=64, bn2=64, bk=128, bk2=128)
+    for kn in mk.TUNING_CANDIDATES[1:]:
+        ks = capture_kernels(lambda *a, kn=kn: mk.kernel(*a, _CFG["bfloat16"], BF16, **kn), *_flash_args(1))
+        assert [kk["name"] for kk in ks] == [f"moe_mxfp4_gate_up_m16_n{kn['block_n']}_k{kn['block_k']}",
+                                             f"moe_mxfp4_down_m16_n{kn['block_n2']}_k{kn['block_k2']}"]
+        assert all("tt.dot" in kk["ttir"] for kk in ks)
+
+
 def test_lowers_to_triton_for_cuda_without_a_gpu():
     """Both calls lower to verified Triton IR for sm_90 at flash shapes, decode (B = 1) and prefill
     (4096 tokens: 64-row blocks)."""
