@@ -175,6 +175,16 @@ BAD_THINKING = {"model": "nano", "messages": [{"role": "user", "content": "hi"}]
 STREAMED = (1, 5)  # the examples also compared streamed: thinking text, thinking tool call
 
 
+def need_dynamo() -> None:
+    """Fail (never skip) with what to run when Dynamo or NIXL is not installed."""
+    try:
+        import dynamo.frontend  # noqa: F401
+        import nixl._api  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"NVIDIA Dynamo / NIXL not installed ({e}): run scripts/install_dynamo.sh (these tests are in the "
+                    "default run)", pytrace=False)
+
+
 class Live:
     """The module's processes: our server's reference answers (computed once, the server then stopped), then
     one Dynamo deployment at a time (`agg`: two aggregated workers; `pd`: a prefill and a decode worker),
@@ -222,9 +232,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    import dynamo.frontend  # noqa: F401 (fails, with the import error, when Dynamo is not installed)
-    import nixl._api  # noqa: F401 (and NIXL)
-
+    need_dynamo()
     d = tmp_path_factory.mktemp("dynamo")
     env, _ = live_env(d)
     stack = Live(d, env)
@@ -380,6 +388,7 @@ def test_a_worker_lost_mid_stream_is_an_error_not_a_short_answer(live):
 
 # ------------------------------------------------------------------------------------- disaggregated
 def test_nixl_transport_moves_a_buffer_and_reports_a_dead_peer(tmp_path):
+    need_dynamo()
     from dsv41_jax.dynamo.transfer import NixlTransport, TransferError
 
     a, b = NixlTransport("t-prefill"), NixlTransport("t-decode")
@@ -423,6 +432,7 @@ def test_decode_worker_ends_a_request_whose_state_cannot_be_had_with_an_error():
     """The decode worker's receive step (`worker._receive`, real NIXL, no engine needed before the state is
     in): no prefill result, a prefill worker gone (NIXL error) and a state that does not fit this engine each
     raise Dynamo's ``Unknown`` (an error status / stream error event for the client), never an empty answer."""
+    need_dynamo()
     import asyncio
     from types import SimpleNamespace
 
