@@ -98,7 +98,7 @@ def kernel_available(op: str) -> bool:
 # where the xla path dequantizes them to bf16: on the H200 (jax 0.11.2, flash's 384 x (5120, 2304) experts,
 # scripts/bench_kernels.py --ops moe --quick) 1.39x / 1.72x / 4.48x the xla path at 1 / 8 / 64 tokens, and
 # the 4-layer flash cut's decode step (scripts/bench_decode.py --part a) 3.99 vs 4.63 ms at B=1, 30.0 vs
-# 112.4 ms at B=64 (docs/benchmarks.md, "The H200"). Prefill sizes (512+ tokens) are not timed yet.
+# 112.4 ms at B=64 (docs/benchmarks.md, "The model on an H200"). Prefill sizes (512+ tokens) are not timed yet.
 GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas"}
 
 

@@ -265,6 +265,8 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     """
     impl = dispatch.resolve(cfg, "moe")
     kernel = impl in ("pallas", "pallas_interpret")
+    kernel_slots = (functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
+                    if kernel else None)
     if impl not in ("reference", "xla") and not kernel:
         raise dispatch.ImplError(f"moe: no {impl!r} implementation")
     dispatch.refuse_kernel_in_f64_mode(cfg, "moe", impl)
@@ -279,11 +281,9 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
         # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
-        slots = functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret") if kernel else None
-        routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=slots)
+        routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=kernel_slots)
     elif kernel:
-        slots = dispatch.kernel("moe", impl)(p["experts"], xf, idx, w, cfg, dt, interpret=impl == "pallas_interpret")
-        routed = combine_slots(slots, idx)
+        routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt), idx)
     else:
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]

@@ -113,7 +113,7 @@ def unpack(manifest: dict, buf, layout: tuple) -> PrefilledState:
     row_struct = jax.tree_util.tree_structure(rows_l)
     page_struct = jax.tree_util.tree_structure(page_l)
     specs = _specs(layout, n_pages)
-    _compare(described, [(tuple(x.shape), np.dtype(x.dtype).name) for x in specs])
+    _compare(described, _described(specs))
     buf = np.asarray(buf)
     if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != nbytes:
         raise HandoverError(f"prefilled state: {buf.nbytes} bytes received, the manifest says {nbytes} (truncated?)")
@@ -144,8 +144,13 @@ def _specs(layout: tuple, n_pages: int) -> list:
     return jax.tree_util.tree_leaves(rows_l) + jax.tree_util.tree_leaves(page_l) * n_pages
 
 
+def _described(specs: list) -> list:
+    """(shape, dtype name) of each leaf: what a manifest lists."""
+    return [(tuple(x.shape), np.dtype(x.dtype).name) for x in specs]
+
+
 def _expected(layout: tuple, n_pages: int) -> list:
-    return [(tuple(x.shape), np.dtype(x.dtype).name) for x in _specs(layout, n_pages)]
+    return _described(_specs(layout, n_pages))
 
 
 def _compare(described: list, want: list) -> None:
