@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pallas kernels vs their XLA paths at the flash config's shapes: time, achieved bandwidth, ratio.
 
-    python scripts/bench_kernels.py [--quick] [--ops attention,indexer,engram,mhc,moe] [--out bench.json]
+    python scripts/bench_kernels.py [--quick] [--ops attention,indexer,engram,mhc,moe,linear] [--out bench.json]
     python scripts/bench_kernels.py --smoke     # interpret mode, tiny grid: checks the script runs (CPU)
 
 For each kernel and case (decode and prefill shapes; batch 1–256, contexts 1K–1M for attention and the
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-OPS = ("attention", "indexer", "engram", "mhc", "moe")
+OPS = ("attention", "indexer", "engram", "mhc", "moe", "linear")
 
 
 def _time(fn, args, reps: int, warmup: int = 2) -> float:
@@ -149,11 +149,44 @@ def _moe_cases(quick: bool, smoke: bool, interpret: bool):
 MOE_TUNE_AT = {1, 64}
 
 
+# flash's fp8 linears the decode step runs (name: rows N, K): q down / up, kv, the output projection
+LINEAR_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192)}
+# (weight, tokens) at which the linear kernel's tuning candidates are timed too
+LINEAR_TUNE_AT = {("wq_a", 1), ("wq_b", 1), ("wq_b", 64)}
+
+
+def _linear_cases(quick: bool, smoke: bool, interpret: bool):
+    """The fused fp8 GEMM kernel (`pallas/quant_linear.py`: activation quant + GEMM in one launch) vs the
+    linear seam's xla path (`linear.fp8`: the quant, then the K-blockwise GEMM at <= 8 rows, the
+    exact-bf16 dequant GEMM above) on flash's linear shapes. Bytes: the kernel's contract."""
+    from dsv41_jax.model import ModelConfig
+    from dsv41_jax.pallas import quant_linear as ql
+
+    cfg = ModelConfig.preset("flash").replace(impl="xla")
+    bf = jnp.bfloat16
+    shapes = {"tiny": (64, 256)} if smoke else LINEAR_SHAPES
+    toks = (4,) if smoke else ((1, 8, 64) if quick else (1, 8, 64, 512, 4096))
+    kern = jax.jit(lambda x, p: ql.kernel(x, p, "fp8", bf, interpret=interpret))
+    xla = jax.jit(lambda x, p: ql.ref_linear(x, p, "fp8", cfg, bf))
+    for name, (n, k) in shapes.items():
+        for t in toks:
+            args = ql.bench_inputs("fp8", t, n, k, seed=0)
+            parts = {"call": (kern, xla, args)}
+            if not smoke and (name, t) in LINEAR_TUNE_AT:
+                for i, knobs in enumerate(ql.TUNING_CANDIDATES[1:], 1):
+                    parts[f"tune{i}"] = (jax.jit(lambda x, p, kn=knobs: ql.kernel(x, p, "fp8", bf, interpret=interpret,
+                                                                                  **kn)), xla, args)
+            yield ({"weight": name, "tokens": t}, parts,
+                   (lambda part, t=t, n=n, k=k: ql.bytes_moved("fp8", M=t, N=n, K=k, x_itemsize=2, out_itemsize=2)))
+
+
 def cases(op: str, quick: bool, smoke: bool, interpret: bool):
     if op in ("attention", "indexer"):
         return _seam_cases(op, quick, smoke, interpret)
     if op == "moe":
         return _moe_cases(quick, smoke, interpret)
+    if op == "linear":
+        return _linear_cases(quick, smoke, interpret)
     return _mix_cases({"engram": "engram_gather", "mhc": "mhc_mix"}[op], quick, smoke, interpret)
 
 

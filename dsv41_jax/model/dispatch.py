@@ -39,13 +39,14 @@ OPS = ("attention", "indexer", "engram", "mhc", "moe", "linear")
 IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 CHOICES = IMPLS + ("auto",)
 
-# op -> module (under dsv41_jax.pallas) holding its kernel; linear has none yet.
+# op -> module (under dsv41_jax.pallas) holding its kernel (linear: its fp8 / MXFP4 GEMMs).
 KERNEL_MODULES: dict = {
     "attention": "sparse_attention",
     "indexer": "indexer_topk",
     "engram": "engram_gather",
     "mhc": "mhc_mix",
     "moe": "moe_mxfp4",
+    "linear": "quant_linear",
 }
 KERNEL_ENTRY = "kernel"
 
@@ -99,7 +100,12 @@ def kernel_available(op: str) -> bool:
 # scripts/bench_kernels.py --ops moe --quick) 1.39x / 1.72x / 4.48x the xla path at 1 / 8 / 64 tokens, and
 # the 4-layer flash cut's decode step (scripts/bench_decode.py --part a) 3.99 vs 4.63 ms at B=1, 30.0 vs
 # 112.4 ms at B=64 (docs/benchmarks.md, "The model on an H200"). Prefill sizes (512+ tokens) are not timed yet.
-GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas"}
+# linear: xla until timed. The fused fp8 / MXFP4 GEMM kernel (pallas/quant_linear.py) makes each quantized
+# matmul one launch instead of about five (the flash cut's B=1 step compiled for an H200: docs/benchmarks.md,
+# "Launches per decode step"), but it has not run on a GPU yet: `scripts/gpu_check.sh` times it
+# (scripts/bench_kernels.py --ops linear, and the flash cut's decode with "auto,linear=pallas").
+GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas",
+                  "linear": "xla"}
 
 
 def _auto(op: str, backend: str) -> str:

@@ -37,6 +37,7 @@ devices, it lets the CPU row tiles follow the split (`tiling`, module doc).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -44,17 +45,42 @@ import jax.numpy as jnp
 from dsv41_jax.model import codec, dispatch, quant, tiling
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
+log = logging.getLogger(__name__)
+
 # Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
 # stored width, a K/32·M·N fp32 partial-sum temporary); above it the exact-bf16 dequant GEMM.
 BLOCK_M_MAX = 8
 
 
+_KERNEL_SCOPE_LOGGED: set = set()
+
+
 def impl_of(cfg) -> str:
-    """The implementation of the "linear" op for `cfg` (logged once by `dispatch`)."""
+    """The implementation of the "linear" op for `cfg` (logged once by `dispatch`).
+
+    "pallas" / "pallas_interpret": the fp8 and MXFP4 GEMMs (`fp8`, `mxfp4`) run the fused kernel
+    (`pallas/quant_linear.py`); the matmuls on bf16 weights (`plain_bf16`, `f32`, `wo_a`'s load-time
+    bf16 copy) have no quantized operand to fuse and run the xla path — said once in the log."""
     name = dispatch.resolve(cfg, "linear")
-    if name not in ("reference", "xla"):  # pallas choices are rejected by dispatch until kernels exist
+    if name not in dispatch.IMPLS:
         raise dispatch.ImplError(f"linear: no {name!r} implementation")
+    if name in ("pallas", "pallas_interpret") and name not in _KERNEL_SCOPE_LOGGED:
+        _KERNEL_SCOPE_LOGGED.add(name)
+        log.info("linear=%s: the fp8 / MXFP4 GEMMs run the quant_linear kernel; the bf16 / fp32 matmuls "
+                 "(head, MoE gate, wo_a's bf16 copy) run the xla path", name)
     return name
+
+
+def _kernel_gemm(x, p, fmt, cfg, dt, name):
+    """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`)."""
+    dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
+    par = tiling.mesh_plan()
+    if par is not None and par.mesh.size > 1:
+        raise dispatch.ImplError(f"linear={name}: the quant_linear kernel runs on one device; on a mesh of "
+                                 f"{par.mesh.size} the weights are split by the rules and a Pallas call would "
+                                 "gather them onto every device; use 'linear=xla' (or 'auto')")
+    k = dispatch.kernel("linear", name)
+    return k(x, p, fmt, dt, cfg, interpret=name == "pallas_interpret")
 
 
 def _rows(x):
@@ -136,7 +162,10 @@ def fp8(x, p, cfg, dt, row_axis=None):
     """
     w, s = p["weight"], p["scale"]
     exact = is_exact(cfg)
-    if impl_of(cfg) == "reference":
+    impl = impl_of(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        return _kernel_gemm(x, p, "fp8", cfg, dt, impl)
+    if impl == "reference":
         if not exact:
             return quant.fp8_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)
@@ -164,7 +193,10 @@ def mxfp4(x, p, cfg, dt):
     """
     w, s = p["weight"], p["scale"]
     exact = is_exact(cfg)
-    if impl_of(cfg) == "reference":
+    impl = impl_of(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        return _kernel_gemm(x, p, "mxfp4", cfg, dt, impl)
+    if impl == "reference":
         if not exact:
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)
         xd = quant.fake_quant_fp8(x, out_dtype=jnp.float32)

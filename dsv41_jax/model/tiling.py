@@ -123,6 +123,11 @@ def on_mesh(par):
         _MESH.reset(tok)
 
 
+def mesh_plan():
+    """The mesh plan the enclosed model code is being traced for (`on_mesh`), or None."""
+    return _MESH.get()
+
+
 def row_split(logical: Optional[str], n_rows: int, align: int = 1) -> Optional[Split]:
     """The `Split` of a weight with `n_rows` rows of logical axis `logical` on the current mesh plan
     (`on_mesh`), or None: no plan, rows not split by its rules, or rows that do not split into whole

@@ -1,0 +1,235 @@
+"""Pallas kernel of the linear seam: an fp8 / MXFP4 GEMM with the activation quant fused in (docs/design/spec.md §6).
+
+`kernel(x, p, fmt, dt)` computes what `linear.fp8` (``fmt="fp8"``) and `linear.mxfp4` (``"mxfp4"``)
+compute — the spec's GEMM of an fp8-quantized activation with a stored weight — in **one launch**:
+
+* the activation quant (`quant.act_quant_fp8`: per 32 along K, amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉,
+  e4m3 RNE of x/s) runs in registers on each K chunk, on the rows the program holds
+  (`moe_mxfp4._fake_quant_fp8`, bitwise the jnp definition), so no quantized copy of x is written;
+* the weight is read at stored width — fp8: e4m3 bytes [N, K] and one E8M0 byte per 32×32 block
+  ([⌈N/32⌉, K/32]); MXFP4: packed e2m1 [N, K/2] (as uint16 byte pairs, `moe_mxfp4._flat`) and one
+  E8M0 byte per 32 along K ([N, K/32]) — and decoded in registers with the shared `model.codec`
+  definitions;
+* both operands are then exact in bf16 (an e4m3 or e2m1 value times a power of two), so one bf16 dot
+  per chunk with fp32 accumulation forms the exact products and sums them in fp32; the sum is rounded
+  once to `dt`.
+
+Why: at decode sizes the xla path is a chain of small launches per matmul — the activation's amax, its
+scale, the quantized codes, the K-blockwise partial sums, their scaled sum (5 kernels per linear in the
+H200-target compile of the flash cut, about half of all launches of the step: docs/benchmarks.md,
+"Launches per decode step") — each on a few thread blocks. Here a linear is one launch whose programs
+tile N (and M), each streaming its weight rows once; the activation enters as it is (no pad).
+
+Numerics vs. the xla path and the reference: the same products (exact) and the same roundings of the
+activation; only the fp32 summation order inside the GEMM differs (the reference: one fp32 dot over K;
+the xla small-M path: per-32-block partial sums, then a scaled sum over blocks). So a sum with at most
+two nonzero products is bitwise the same on every path, and otherwise the fp32 output is within fp32
+reassociation (tests/test_pallas_linear.py states the bounds). The exact / deterministic modes (fp64
+accumulation) have no kernel: the seam refuses them.
+
+Grid (N / block_n, ⌈M / block_m⌉): output tiles along N fastest, so the programs that read one weight
+tile for different row blocks (prefill) are far apart and the decode case (one row block) is N / block_n
+programs, each streaming a [block_n, K] slab through K / block_k chunks. A row block past the last row
+re-reads that row (clamped indices) and its extra outputs are dropped. Only one device: on a mesh whose rules split the
+weights, a Pallas call would make XLA gather every weight onto every device, so the seam refuses the
+kernel there (the xla path is partitioned by XLA).
+
+Lowering: Pallas **Triton** (`common.triton_params`), as every kernel here; no fp8 dtype reaches the
+kernel (codes and scales enter as their uint8 bits); block sizes are powers of two (block_n ≥ 16,
+block_k ≥ 32, each dividing its dimension); rounding is integer arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from dsv41_jax.model import codec, quant
+from dsv41_jax.model.numerics import is_exact
+from dsv41_jax.pallas import common
+from dsv41_jax.pallas import moe_mxfp4 as mx
+from dsv41_jax.pallas import sparse_attention as sa
+
+NAME = "quant_linear"
+FORMATS = ("fp8", "mxfp4")
+_MIN_DOT = 16  # the smallest tt.dot tile edge
+
+# The alternatives worth timing on a GPU (scripts/bench_kernels.py --ops linear); the first is the default.
+# At decode a [64, K] fp8 slab per program gives flash's wq_b (32768 rows) 512 programs and its wq_a
+# (1280 rows) 20: narrower tiles give the small matmuls more programs, deeper chunks longer loads.
+TUNING_CANDIDATES = (
+    dict(block_n=64, block_k=256, num_warps=4, num_stages=3),  # the default
+    dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
+    dict(block_n=16, block_k=256, num_warps=4, num_stages=4),
+    dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
+    dict(block_n=64, block_k=512, num_warps=8, num_stages=2),
+)
+
+
+# ------------------------------------------------------------------------------------- reference
+
+
+def ref_linear(x, p, fmt: str, cfg, dt):
+    """The oracle: the seam's "xla" GEMM (`linear.fp8` / `linear.mxfp4` with impl "xla")."""
+    from dsv41_jax.model import linear
+
+    cfg = cfg.replace(impl="xla")
+    return linear.fp8(x, p, cfg, dt) if fmt == "fp8" else linear.mxfp4(x, p, cfg, dt)
+
+
+# ------------------------------------------------------------------------------------------ kernel
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, c):
+    """Program (tile j of N, row block i): o[i-rows, j-tile] = dt(fq8(x[i-rows]) · w[j-tile]ᵀ)."""
+    j, i = pl.program_id(0), pl.program_id(1)
+    bm, bn, bk = c["bm"], c["bn"], c["bk"]
+    r0, n0 = i * bm, j * bn
+    nrow = n0 + lax.iota(jnp.int32, bn)
+    srow = lax.div(nrow, 32) if c["fmt"] == "fp8" else nrow  # fp8: one scale row per 32 weight rows
+
+    # x is not padded to whole row blocks (a pad would be one more launch per linear): the rows past M
+    # read row M − 1 again (clamped indices, always in bounds) and their outputs are dropped.
+    xrows = jnp.minimum(r0 + lax.iota(jnp.int32, bm), c["M"] - 1)
+
+    def kstep(kc, acc):
+        xb = x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)
+        xq = mx._fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
+        scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
+        if c["fmt"] == "fp8":
+            w = codec.e4m3_decode(w_ref[pl.ds(n0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
+            w = w * sa._expand(scale, 32)
+        else:  # packed e2m1 as uint16 byte pairs, 4 elements per pair
+            pairs = w_ref[pl.ds(n0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
+            by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(bn, bk // 2)
+            w = codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * sa._expand(scale, 32)
+        return acc + mx._dot_nt(xq, w.astype(jnp.bfloat16))
+
+    acc = lax.fori_loop(0, c["K"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------- contract
+
+
+def bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out_itemsize: int) -> int:
+    """Minimal HBM bytes of one call, the kernel's bytes-moved contract: the weight and its scales at
+    stored width once (fp8: N·K + ⌈N/32⌉·K/32; MXFP4: N·K/2 + N·K/32), the activation in and the output
+    out once (repeated reads of an activation chunk by the N tiles hit L2)."""
+    if fmt == "fp8":
+        w = N * K + -(-N // 32) * (K // 32)
+    elif fmt == "mxfp4":
+        w = N * K // 2 + N * (K // 32)
+    else:
+        raise ValueError(f"quant_linear.bytes_moved: fmt must be one of {FORMATS}, got {fmt!r}")
+    return int(w + M * K * x_itemsize + M * N * out_itemsize)
+
+
+def call_geometry(name: str, in_avals, out_avals) -> dict | None:
+    """The `bytes_moved` keywords of one of this module's pallas_calls from its name and operand shapes
+    (scripts/bench_decode.py counts calls from a jaxpr this way), or None if `name` is not one."""
+    import numpy as np
+
+    if not name.startswith(f"{NAME}_"):
+        return None
+    fmt = name[len(NAME) + 1:].split("_", 1)[0]
+    M, K = in_avals[0].shape
+    N = out_avals[0].shape[1]
+    return dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[0].dtype).itemsize,
+                out_itemsize=np.dtype(out_avals[0].dtype).itemsize)
+
+
+# ------------------------------------------------------------------------------------------- entry
+
+
+def _plan(M: int, N: int, K: int, block_m, block_n, block_k) -> dict:
+    """Static block sizes. Defaults: block_m the rows padded to a power of two (16 to 64), block_n 64 and
+    block_k 256, each cut to the largest power of two dividing its dimension."""
+    bm = block_m or min(64, max(_MIN_DOT, common.next_pow2(M)))
+    bn = block_n or math.gcd(N, 64)
+    bk = block_k or math.gcd(K, 256)
+    for name, v, dim, lo in (("block_m", bm, None, _MIN_DOT), ("block_n", bn, N, _MIN_DOT), ("block_k", bk, K, 32)):
+        if v < lo or v & (v - 1) or (dim is not None and dim % v):
+            raise NotImplementedError(f"quant_linear: {name}={v} must be a power of two >= {lo}"
+                                      + (f" dividing {dim}" if dim is not None else "")
+                                      + " (the kernel's tiles; run the linear op with impl 'xla' for this shape)")
+    return dict(bm=bm, bn=bn, bk=bk)
+
+
+def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: int | None = None,
+           block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3):
+    """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
+
+    p: fp8 {"weight": float8_e4m3fn [N, K], "scale": E8M0 [⌈N/32⌉, K/32]} (``fmt="fp8"``) or MXFP4
+    {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]} (``fmt="mxfp4"``); scales may be their uint8 bits.
+    cfg: the model config (its exact / deterministic modes are refused). Knobs (static): block_m rows per
+    program, block_n output columns per program, block_k K chunk, num_warps / num_stages (Triton).
+    """
+    if cfg is not None and is_exact(cfg):
+        raise NotImplementedError("quant_linear kernel: the exact / deterministic numerics modes accumulate in fp64, "
+                                  "which this kernel does not; run the linear op with impl 'xla' or 'reference'")
+    if fmt not in FORMATS:
+        raise ValueError(f"quant_linear: fmt must be one of {FORMATS}, got {fmt!r}")
+    dt = jnp.dtype(dt)
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"quant_linear kernel: x must be bf16 or fp32, got {x.dtype}")
+    w, s = p["weight"], p["scale"]
+    N = w.shape[0]
+    K = w.shape[1] * (2 if fmt == "mxfp4" else 1)
+    if x.shape[-1] != K or K % 32:
+        raise ValueError(f"quant_linear: x [..., {x.shape[-1]}] against a weight of K = {K} (K % 32 must be 0)")
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    if M == 0:
+        return jnp.zeros((*lead, N), dt)
+    pl_ = _plan(M, N, K, block_m, block_n, block_k)
+    bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
+    mp = -(-M // bm) * bm  # the output's rows: whole row blocks (the slice back to M fuses into its consumer)
+    x2 = x.reshape(M, K)
+    wb = mx._flat(w, None, pairs=fmt == "mxfp4")
+    sb = mx._flat(s, None)
+    common.log_choice(NAME, interpret, block_m=bm, block_n=bn, block_k=bk, num_warps=num_warps, num_stages=num_stages)
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda j, i, nd=a.ndim: (0,) * nd)
+
+    cost = pl.CostEstimate(flops=2 * M * N * K, transcendentals=0,
+                           bytes_accessed=bytes_moved(fmt, M=M, N=N, K=K, x_itemsize=x.dtype.itemsize,
+                                                      out_itemsize=dt.itemsize))
+    out = jax.ShapeDtypeStruct((mp, N), dt)
+    y = pl.pallas_call(
+        functools.partial(_kernel, c=dict(fmt=fmt, M=M, K=K, bm=bm, bn=bn, bk=bk)),
+        grid=(N // bn, mp // bm), in_specs=[whole(x2), whole(wb), whole(sb)], out_specs=whole(out), out_shape=out,
+        interpret=interpret, compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
+        cost_estimate=cost, name=f"{NAME}_{fmt}_m{bm}_n{bn}_k{bk}")(x2, wb, sb)
+    return y[:M].reshape(*lead, N)
+
+
+# ------------------------------------------------------------------------------------------- bench
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_inputs(key, fmt: str, M: int, N: int, K: int):
+    """A stored-format weight (random valid codes; E8M0 scales 2^-9 .. 2^-4) and bf16 rows, on device."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    if fmt == "fp8":
+        wb = jax.random.bits(k1, (N, K), jnp.uint8)
+        wb = jnp.where((wb & 0x7F) == 0x7F, wb ^ 1, wb)  # 0x7f / 0xff are NaN in e4m3fn
+        w = lax.bitcast_convert_type(wb, quant.FP8)
+        srows = -(-N // 32)
+    else:
+        w = jax.random.bits(k1, (N, K // 2), jnp.uint8)
+        srows = N
+    s = lax.bitcast_convert_type(jax.random.randint(k2, (srows, K // 32), 118, 124).astype(jnp.uint8), quant.E8M0)
+    x = jax.random.normal(k3, (M, K), jnp.float32).astype(jnp.bfloat16)
+    return x, {"weight": w, "scale": s}
+
+
+def bench_inputs(fmt: str, M: int, N: int, K: int, *, seed: int = 0):
+    """(x bf16 [M, K], p) for `kernel` / `ref_linear` at a weight of N x K in format `fmt`."""
+    return _random_inputs(jax.random.key(seed, impl="rbg"), fmt, M, N, K)
