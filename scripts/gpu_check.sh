@@ -5,19 +5,20 @@
 # WHEELS=DIR). Results (logs, JSON, a summary) go under $OUT when that is set (else ./gpu_check_out/).
 # Steps, each under its own timeout (seconds, overridable) so one slow step cannot eat the others' time:
 #
-#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel; slow ones
-#      too), 4 pytest workers (their compiles dominate)                                     T_KERNELS=150
+#   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel, the fused
+#      fp8 / MXFP4 linear; slow ones too), 4 pytest workers (their compiles dominate)       T_KERNELS=150
 #   2. the model-level equivalence tests natively: forward and decode with every kernel vs
 #      "xla", DSpark vs plain decoding, prefix-cache hit vs cold, 4 workers                  T_MODEL=120
 #   3. from the start, beside 1-2: the server on nano (`python -m dsv41_jax.serve`, kernels chosen by
 #      `auto`) answering the quick-start demo (thinking, a tool call, json_schema, /metrics); its log
 #      gives the start-up (compile) time                                                    T_SERVER=200
 #   4. after 1-3: the MoE kernel vs the xla grouped path at flash's expert shapes, 1-512 tokens
-#      (time, GB/s, diff), and its tuning candidates at 1 and 64 tokens                      T_MOE=120
+#      (time, GB/s, diff), and its tuning candidates at 1 and 64 tokens; the fused linear kernel vs the
+#      xla fp8 GEMM at flash's wq_a / wq_b / wkv / wo_b, 1-64 rows, and its candidates        T_MOE=170
 #   5. from the start, in the background: the decode step of a flash-dimension cut (layers 0,2,3,20:
 #      window, ratio-2 source, ratio-2 reader, ratio-1 source + candidates: 30 GiB; layer 1's Engram table
 #      alone is 101 GiB, a row gather per step) with random weights in the stored formats, at B = 1, 64, 8
-#      and contexts 4K and 64K: ms per step, weight bytes per step, GB/s against a device copy measured in
+#      and contexts 4K and 64K, with impl "auto" and then "auto,linear=pallas": ms per step, weight bytes per step, GB/s against a device copy measured in
 #      the same run, kernel launches per step, compile time per batch. XLA's GPU compile of the cut takes
 #      minutes of CPU, so it overlaps steps 1-4; the timings (and the copy) wait for steps 1-4 to end
 #      (bench_decode --barrier), so they run on a GPU nobody else uses                        T_DECODE=480
@@ -65,14 +66,17 @@ step() {  # step NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.
 BARRIER="$(mktemp -u /tmp/gpu_check_barrier.XXXXXX)"
 if [ -n "$DRY" ]; then
   DECODE=(--model tiny --keep-layers 0 --batches 1 --contexts 64 --max-contexts 1024 --iters 1 --weights random)
+  IMPLS="auto;auto,linear=pallas_interpret"  # on the CPU the kernel runs in interpret mode
 else
+  IMPLS="auto;auto,linear=pallas"  # the fused linear kernel (auto keeps xla for it until this run times it)
   # B=1 first (the bandwidth goal), then 64 (the MoE's case), then 8; one compile per batch, the JSON is
   # written after every case, so a step cut short by its timeout keeps what it measured
   DECODE=(--model flash --keep-layers 0,2,3,20 --batches 1,64,8 --contexts 4096,65536 --max-contexts 65536 --iters 10)
 fi
 (
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-  step decode_flash_cut "${T_DECODE:-480}" "$PY" scripts/bench_decode.py --part a --impls auto "${DECODE[@]}" \
+  step decode_flash_cut "${T_DECODE:-480}" "$PY" scripts/bench_decode.py --part a --impls "$IMPLS" \
+    "${DECODE[@]}" \
     --barrier "$BARRIER" --barrier-timeout 600 --out "$OUT/bench_decode.json"
   exit $status
 ) &
@@ -96,13 +100,13 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.09  # per pytest worker
 if [ -n "$DRY" ]; then PAR=(--collect-only); else PAR=(-n 4 --dist loadgroup); fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 -rfE "${PAR[@]}")
 step kernel_tests "${T_KERNELS:-150}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
-  tests/test_pallas_mix.py tests/test_pallas_moe.py
+  tests/test_pallas_mix.py tests/test_pallas_moe.py tests/test_pallas_linear.py
 step model_tests "${T_MODEL:-120}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
   tests/test_prefix_cache.py -k "pallas_equals_xla or greedy_speculation_equals_plain or cached_prefix_equals_cold_exact"
 wait "$server_pid" || status=1
 if [ -n "$DRY" ]; then GRID=--smoke; else GRID=--quick; fi
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step moe_kernel "${T_MOE:-120}" "$PY" scripts/bench_kernels.py --ops moe "$GRID" \
-  --reps 5 --out "$OUT/bench_moe.json"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step moe_kernel "${T_MOE:-170}" "$PY" scripts/bench_kernels.py --ops moe,linear \
+  "$GRID" --reps 5 --out "$OUT/bench_moe.json"
 if [ -n "${ALL_KERNELS:-}" ]; then  # optional: every kernel's micro-benchmark (scripts/bench_kernels.py --quick)
   step bench_kernels "${T_ALL:-300}" "$PY" scripts/bench_kernels.py "$GRID" --out "$OUT/bench_kernels.json"
 fi

@@ -217,3 +217,43 @@ def test_extend_scan_on_mesh(cfgs, params, unrolled_extend, cpu8):
     want = rules.step_shardings(on, CCFG, mesh)[0][0]
     assert want["layer_stacks"]["3"]["ffn"]["experts"]["w1"]["weight"].spec == w1.sharding.spec
     _same_steps(_run_extend(sp, on, params, mesh), unrolled_extend, logit_atol=1e-4)
+
+
+def _pallas_calls(jaxpr, inside_scan=False, out=None):
+    """(name, operand shapes, inside a scan, output width) of every pallas_call in a jaxpr, through sub-jaxprs."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append((eqn.params["name"], [tuple(v.aval.shape) for v in eqn.invars], inside_scan,
+                        eqn.params["out_avals"][0].shape[-1]))
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                j = getattr(sub, "jaxpr", sub)
+                if hasattr(j, "eqns"):
+                    _pallas_calls(j, inside_scan or eqn.primitive.name == "scan", out)
+    return out
+
+
+def test_linear_kernel_reads_a_runs_stacks_in_place(cfgs, params):
+    """With the linear kernel (linear=pallas_interpret, fp32 flow) a scanned run passes its quantized
+    linears to the kernel as the run's stacks plus the layer (a sliced operand would be copied per layer
+    by XLA: a Pallas call does not fuse with the slice): every kernel call inside a scan reads a weight of
+    2 layers' rows; the scanned forward equals the unrolled one (the same kernel calls on the same values)
+    within fp32 summation noise, with identical decisions."""
+    on, off = (c.replace(act_dtype="float32", impl="xla,linear=pallas_interpret") for c in cfgs)
+    tokens = jax.random.randint(jax.random.key(5), (2, T), 3, 300, dtype=jnp.int32)
+    fwd = jax.jit(forward, static_argnames=("cfg", "return_aux"))
+    calls = _pallas_calls(fwd.trace(params, tokens, on, return_aux=True).jaxpr.jaxpr)
+    lin = [c for c in calls if c[0].startswith("quant_linear_") and c[2]]
+    assert len(lin) >= 2 * 7, calls  # per run: wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2
+    for name, shapes, _, n_out in lin:
+        assert shapes[0] == (1,)  # the layer index
+        assert shapes[2][0] == 2 * n_out, (name, shapes)  # the weight: both layers' rows (the run's stack)
+    outside = [c for c in calls if c[0].startswith("quant_linear_") and not c[2]]
+    assert outside and all(shapes[2][0] == n_out for _, shapes, _, n_out in outside)  # one layer's weight
+    lg_s, aux_s = fwd(params, tokens, on, return_aux=True)
+    lg_u, aux_u = fwd(params, tokens, off, return_aux=True)
+    for key in ("topk", "cand", "experts"):
+        for lid in aux_u[key]:
+            np.testing.assert_array_equal(np.asarray(aux_s[key][lid]), np.asarray(aux_u[key][lid]), err_msg=f"{key} {lid}")
+    np.testing.assert_allclose(np.asarray(lg_s), np.asarray(lg_u), rtol=0, atol=1e-5 * float(np.abs(lg_u).max()))

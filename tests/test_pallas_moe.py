@@ -20,7 +20,8 @@ The exact and deterministic numerics modes have no kernel: the seam refuses them
 Shapes (interpret mode is slow, so the default run keeps grids tiny): hidden 320 and intermediate 288
 (5·64 and 9·32: the odd factors of flash's 5120 and 2304, so several output tiles and K chunks that are
 not a power of two in number), 8 experts; B = 1 (two of eight experts get no token) and 64 (top-6:
-groups of many rows, more than one row block); every token on one expert (top-1, the last expert;
+groups of many rows, more than one row block); one token whose slots are partly on experts held elsewhere
+(the sort-free one-token path); every token on one expert (top-1, the last expert;
 and top-6 all on the same six); top-6 of 384 routed over a stack holding 8 of them (`first_expert`:
 most assignments belong to no held expert); experts stacked by the layer scan. At flash's widths
 (5120 / 2304, 8 experts, top-6) the `slow` cases run B = 1 and 64.
@@ -112,6 +113,7 @@ CASES = {
     "one_expert_top1": (3, NARROW, 8, 64, 1, "one_expert_top1", 0, None),
     "same_six": (4, NARROW, 8, 5, 6, "same_six", 0, None),
     "top6_of_384_hold_8": (5, NARROW, 8, 64, 6, "random", 16, 384),
+    "b1_hold_8_of_24": (14, NARROW, 8, 1, 6, "random", 8, 24),  # one token: no sort; some slots not held
 }
 
 
@@ -126,6 +128,8 @@ def test_kernel_bitwise_on_order_free_experts(pallas_impl, name):
         assert (counts == 0).sum() == 2
     if name == "top6_of_384_hold_8":
         assert 0 < held.sum() < held.size // 4  # most assignments go to experts not held here
+    if name == "b1_hold_8_of_24":
+        assert 0 < held.sum() < held.size
     for mode in ("bfloat16", "float32"):
         got, want = _run(pallas_impl, ex, x, idx, w, mode, first)
         assert np.abs(want).max() > 0

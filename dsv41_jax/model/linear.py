@@ -71,6 +71,55 @@ def impl_of(cfg) -> str:
     return name
 
 
+# ------------------------------------------------------------------- layer-scan runs (kernel path)
+
+
+def stacked_paths(tree) -> list:
+    """Paths (tuples of keys) of the quantized linears in a layer-scan run's stacked params: dicts of exactly
+    {"weight", "scale"} (fp8 / MXFP4 GEMM weights; not wo_a, whose dict also holds its bf16 copy, nor the
+    routed experts, which the MoE passes whole)."""
+    out = []
+
+    def walk(t, path):
+        if not isinstance(t, dict):
+            return
+        if set(t) == {"weight", "scale"} and getattr(t["weight"], "ndim", 0) == 3:
+            out.append(path)
+            return
+        for k, v in t.items():
+            if k != "experts":
+                walk(v, path + (k,))
+
+    walk(tree, ())
+    return out
+
+
+def get_path(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def set_path(tree, path, value):
+    """A copy of nested dict `tree` with `path` set to `value` (the dicts on the path copied)."""
+    if not path:
+        return value
+    return dict(tree, **{path[0]: set_path(tree[path[0]], path[1:], value)})
+
+
+def layer_weight(p):
+    """A linear's params inside a layer-scan run: `p` as it is, or — with ``"layer"`` (the scan counter),
+    where the kernel runs — the run's stacks [n, ...] in storage dtypes (uint8), sliced here to the layer's
+    weight for the jnp paths (the slice fuses into their consumers) with its dtypes restored."""
+    if "layer" not in p:
+        return p
+    k = p["layer"]
+    w, s = p["weight"][k], p["scale"][k]
+    if s.dtype == jnp.uint8:
+        s = jax.lax.bitcast_convert_type(s, quant.E8M0)
+    return {"weight": w, "scale": s}
+
+
 def _kernel_gemm(x, p, fmt, cfg, dt, name):
     """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`)."""
     dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
@@ -160,11 +209,14 @@ def fp8(x, p, cfg, dt, row_axis=None):
     x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}.
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
-    w, s = p["weight"], p["scale"]
     exact = is_exact(cfg)
     impl = impl_of(cfg)
     if impl in ("pallas", "pallas_interpret"):
         return _kernel_gemm(x, p, "fp8", cfg, dt, impl)
+    p = layer_weight(p)
+    w, s = p["weight"], p["scale"]
+    if w.dtype == jnp.uint8:  # a stacked row keeps its storage dtype
+        w = jax.lax.bitcast_convert_type(w, quant.FP8)
     if impl == "reference":
         if not exact:
             return quant.fp8_linear(x, w, s, out_dtype=dt)
@@ -191,11 +243,12 @@ def mxfp4(x, p, cfg, dt):
 
     x [..., K] float; p {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]}. Returns [..., N] in `dt`.
     """
-    w, s = p["weight"], p["scale"]
     exact = is_exact(cfg)
     impl = impl_of(cfg)
     if impl in ("pallas", "pallas_interpret"):
         return _kernel_gemm(x, p, "mxfp4", cfg, dt, impl)
+    p = layer_weight(p)
+    w, s = p["weight"], p["scale"]
     if impl == "reference":
         if not exact:
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)

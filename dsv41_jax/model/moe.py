@@ -288,8 +288,10 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]
 
+    lay = {"layer": sh["w1"]["layer"]} if "layer" in sh["w1"] else {}  # a scan run's stacks (`linear.layer_weight`)
+
     def fp8(a, wt, sc, row_axis=None):
-        return linear.fp8(a, {"weight": wt, "scale": sc}, cfg, dt, row_axis)
+        return linear.fp8(a, {"weight": wt, "scale": sc, **lay}, cfg, dt, row_axis)
 
     # w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh); w2's rows are the hidden size
     shared = swiglu_expert(xf, (sh["w1"]["weight"], sh["w1"]["scale"], "mlp"),

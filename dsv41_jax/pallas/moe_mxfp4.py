@@ -3,7 +3,8 @@
 `kernel` takes the arguments of `moe.routed_slots` (plus ``interpret`` and tuning knobs) and returns
 what it returns: the per-assignment outputs [N, k, D] (`ref_routed_slots` is that oracle, the "xla"
 path). The (token, expert) assignments are sorted by expert exactly as the xla path sorts them
-(`moe.sort_assignments`: groups = the distinct selected experts, at most min(N·k, E)), then two
+(`moe.sort_assignments`: groups = the distinct selected experts, at most min(N·k, E); for one token,
+whose k experts are distinct, each assignment is its own group in slot order, with no sort), then two
 ``pallas_call``s run over (output tile, group):
 
 1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens' fp8
@@ -300,16 +301,25 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     E, I = ex["w1"]["weight"].shape[-3], ex["w1"]["weight"].shape[-2]
     if A == 0:
         return jnp.zeros((N, k, D), dt)
-    order, held, gexp, sizes = moe.sort_assignments(idx, E, first_expert)
+    if N == 1:
+        # One token (decode at batch 1): its k experts are distinct (top-k), so each assignment is its own
+        # group, in slot order: no sort and no unsort (about ten small launches per layer), and every
+        # group computes what the sorted group of its expert would, bit for bit.
+        local = idx.reshape(A).astype(jnp.int32) - first_expert
+        held = (local >= 0) & (local < E)
+        gexp, sizes, order = jnp.where(held, local, 0), held.astype(jnp.int32), None
+    else:
+        order, held, gexp, sizes = moe.sort_assignments(idx, E, first_expert)
     G = sizes.shape[0]
     if gexp is None:
         gexp = jnp.arange(G, dtype=jnp.int32)
-    gstart = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    gstart = (jnp.cumsum(sizes) - sizes).astype(jnp.int32) if order is not None else jnp.arange(G, dtype=jnp.int32)
     p = _plan(A, G, D, I, block_m, block_n, block_n2, block_k, block_k2)
     bm = p["bm"]
     a_pad = A + bm  # every row block of every group lies inside the padded rows
-    tok = jnp.pad(order // k, (0, bm))
-    wts = jnp.pad(jnp.take(w.reshape(A).astype(jnp.float32), order), (0, bm))
+    tok = jnp.pad(order // k, (0, bm)) if order is not None else jnp.zeros((a_pad,), jnp.int32)
+    wts = w.reshape(A).astype(jnp.float32)
+    wts = jnp.pad(jnp.take(wts, order) if order is not None else wts, (0, bm))
     xd = quant.fake_quant_fp8(xf, out_dtype=jnp.bfloat16)  # per token (the xla path: per sorted row, same values)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     meta = [gexp, gstart, sizes.astype(jnp.int32), lay]
@@ -341,6 +351,8 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         out_specs=whole(jax.ShapeDtypeStruct((a_pad, D), dt)), out_shape=jax.ShapeDtypeStruct((a_pad, D), dt),
         interpret=interpret, compiler_params=params, cost_estimate=cost("down", dt.itemsize, 2 * A * D * I),
         name=f"{NAME}_down_m{bm}_n{p['bn2']}_k{p['bk2']}")(*ins)
+    if order is None:  # slot order already; a slot of an expert not held is never written: exact zeros
+        return jnp.where(held[:, None], y[:A], jnp.zeros((), y.dtype)).reshape(N, k, D)
     return moe.unsort_slots(y[:A], order, held, N, k)
 
 

@@ -85,13 +85,17 @@ def ref_linear(x, p, fmt: str, cfg, dt):
 # ------------------------------------------------------------------------------------------ kernel
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, c):
-    """Program (tile j of N, row block i): o[i-rows, j-tile] = dt(fq8(x[i-rows]) · w[j-tile]ᵀ)."""
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, c):
+    """Program (tile j of N, row block i): o[i-rows, j-tile] = dt(fq8(x[i-rows]) · w[j-tile]ᵀ), the weight's
+    rows read at layer_ref[0]'s offset in a run's stacks (0 for one layer's weight)."""
     j, i = pl.program_id(0), pl.program_id(1)
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
     r0, n0 = i * bm, j * bn
     nrow = n0 + lax.iota(jnp.int32, bn)
     srow = lax.div(nrow, 32) if c["fmt"] == "fp8" else nrow  # fp8: one scale row per 32 weight rows
+    lay = layer_ref[0]
+    srow = srow + lay * c["S"]
+    w0 = n0 + lay * c["N"]  # the tile's first weight row in the (stacked) weight
 
     # x is not padded to whole row blocks (a pad would be one more launch per linear): the rows past M
     # read row M − 1 again (clamped indices, always in bounds) and their outputs are dropped.
@@ -102,10 +106,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, c):
         xq = mx._fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
         scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
         if c["fmt"] == "fp8":
-            w = codec.e4m3_decode(w_ref[pl.ds(n0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
+            w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
             w = w * sa._expand(scale, 32)
         else:  # packed e2m1 as uint16 byte pairs, 4 elements per pair
-            pairs = w_ref[pl.ds(n0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
+            pairs = w_ref[pl.ds(w0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
             by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(bn, bk // 2)
             w = codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * sa._expand(scale, 32)
         return acc + mx._dot_nt(xq, w.astype(jnp.bfloat16))
@@ -138,9 +142,9 @@ def call_geometry(name: str, in_avals, out_avals) -> dict | None:
     if not name.startswith(f"{NAME}_"):
         return None
     fmt = name[len(NAME) + 1:].split("_", 1)[0]
-    M, K = in_avals[0].shape
+    M, K = in_avals[1].shape
     N = out_avals[0].shape[1]
-    return dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[0].dtype).itemsize,
+    return dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[1].dtype).itemsize,
                 out_itemsize=np.dtype(out_avals[0].dtype).itemsize)
 
 
@@ -166,7 +170,10 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
 
     p: fp8 {"weight": float8_e4m3fn [N, K], "scale": E8M0 [⌈N/32⌉, K/32]} (``fmt="fp8"``) or MXFP4
-    {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]} (``fmt="mxfp4"``); scales may be their uint8 bits.
+    {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]} (``fmt="mxfp4"``); codes and scales may be their
+    uint8 bits; or, inside a layer-scan run, the run's stacks [n, ...] of these with ``"layer"`` (int32
+    scalar): the kernel reads that layer's rows in place (a slice would be copied by XLA: a Pallas
+    operand does not fuse with it).
     cfg: the model config (its exact / deterministic modes are refused). Knobs (static): block_m rows per
     program, block_n output columns per program, block_k K chunk, num_warps / num_stages (Triton).
     """
@@ -179,8 +186,12 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quant_linear kernel: x must be bf16 or fp32, got {x.dtype}")
     w, s = p["weight"], p["scale"]
-    N = w.shape[0]
-    K = w.shape[1] * (2 if fmt == "mxfp4" else 1)
+    layer = p.get("layer")  # inside a layer-scan run: the run's stacks [n, ...] and the layer to read
+    if w.ndim != (2 if layer is None else 3):
+        raise ValueError(f"quant_linear: weight of shape {w.shape} " + ("without" if layer is None else "with") +
+                         " a layer index")
+    N, S = w.shape[-2], s.shape[-2]
+    K = w.shape[-1] * (2 if fmt == "mxfp4" else 1)
     if x.shape[-1] != K or K % 32:
         raise ValueError(f"quant_linear: x [..., {x.shape[-1]}] against a weight of K = {K} (K % 32 must be 0)")
     lead = x.shape[:-1]
@@ -191,8 +202,9 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
     mp = -(-M // bm) * bm  # the output's rows: whole row blocks (the slice back to M fuses into its consumer)
     x2 = x.reshape(M, K)
-    wb = mx._flat(w, None, pairs=fmt == "mxfp4")
+    wb = mx._flat(w, None, pairs=fmt == "mxfp4")  # [(n·)N, K or K/4]: a stack's layers one after another
     sb = mx._flat(s, None)
+    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     common.log_choice(NAME, interpret, block_m=bm, block_n=bn, block_k=bk, num_warps=num_warps, num_stages=num_stages)
 
     def whole(a):
@@ -203,10 +215,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
                                                       out_itemsize=dt.itemsize))
     out = jax.ShapeDtypeStruct((mp, N), dt)
     y = pl.pallas_call(
-        functools.partial(_kernel, c=dict(fmt=fmt, M=M, K=K, bm=bm, bn=bn, bk=bk)),
-        grid=(N // bn, mp // bm), in_specs=[whole(x2), whole(wb), whole(sb)], out_specs=whole(out), out_shape=out,
+        functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk)),
+        grid=(N // bn, mp // bm), in_specs=[whole(lay), whole(x2), whole(wb), whole(sb)], out_specs=whole(out),
+        out_shape=out,
         interpret=interpret, compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
-        cost_estimate=cost, name=f"{NAME}_{fmt}_m{bm}_n{bn}_k{bk}")(x2, wb, sb)
+        cost_estimate=cost, name=f"{NAME}_{fmt}_m{bm}_n{bn}_k{bk}")(lay, x2, wb, sb)
     return y[:M].reshape(*lead, N)
 
 
