@@ -172,17 +172,20 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         like = linear.set_path(like, path, None)
 
     def body(carry, inp):
-        h, pre = carry
-        lp, row, k = inp
+        # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
+        # dynamic slice that XLA:GPU rematerializes as one small launch per consumer (the routed experts
+        # and each stacked linear read it)
+        h, pre, k = carry
+        lp, row = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
         for path, st in lin_stacks.items():
             lp = linear.set_path(lp, path, dict(st, layer=k))
         h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row), None,
                                  par=par)
-        return (h, pre), (rec, out)
+        return (h, pre, k + 1), (rec, out)
 
-    (h, pre), (recs, outs) = jax.lax.scan(body, (h, pre), (rest, xs, jnp.arange(n, dtype=jnp.int32)))
+    (h, pre, _), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0)), (rest, xs), length=n)
     for k in range(n):
         aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
     return h, pre, aux, outs
