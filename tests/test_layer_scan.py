@@ -234,23 +234,28 @@ def _pallas_calls(jaxpr, inside_scan=False, out=None):
     return out
 
 
-def test_linear_kernel_reads_a_runs_stacks_in_place(cfgs, params):
-    """With the linear kernel (linear=pallas_interpret, fp32 flow) a scanned run passes its quantized
-    linears to the kernel as the run's stacks plus the layer (a sliced operand would be copied per layer
-    by XLA: a Pallas call does not fuse with the slice): every kernel call inside a scan reads a weight of
-    2 layers' rows; the scanned forward equals the unrolled one (the same kernel calls on the same values)
-    within fp32 summation noise, with identical decisions."""
-    on, off = (c.replace(act_dtype="float32", impl="xla,linear=pallas_interpret") for c in cfgs)
+def test_kernels_read_a_runs_stacks_in_place(cfgs, params):
+    """With the linear and mHC kernels (interpret mode, fp32 flow) a scanned run passes their weights to
+    the kernels as the run's stacks plus the layer (a sliced operand of a Pallas call is copied per layer
+    by XLA: flash at B=1, 3.9 GB of linear weights per step, and a command-buffer break per copy): every
+    such call inside a scan reads operands holding both layers' rows, calls outside read one layer's;
+    the scanned forward equals the unrolled one (the same kernel calls on the same values) within fp32
+    summation noise, with identical decisions."""
+    impl = "xla,linear=pallas_interpret,mhc=pallas_interpret"
+    on, off = (c.replace(act_dtype="float32", impl=impl) for c in cfgs)
+    mix = (2 + on.hc_mult) * on.hc_mult
     tokens = jax.random.randint(jax.random.key(5), (2, T), 3, 300, dtype=jnp.int32)
     fwd = jax.jit(forward, static_argnames=("cfg", "return_aux"))
     calls = _pallas_calls(fwd.trace(params, tokens, on, return_aux=True).jaxpr.jaxpr)
-    lin = [c for c in calls if c[0].startswith("quant_linear_") and c[2]]
-    assert len(lin) >= 2 * 7, calls  # per run: wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2
-    for name, shapes, _, n_out in lin:
+    lin = [c for c in calls if c[0].startswith("quant_linear_")]
+    enters = [c for c in calls if c[0].startswith("mhc_enter")]
+    # per run: wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2; two mHC entries per layer
+    assert sum(c[2] for c in lin) >= 2 * 7 and sum(c[2] for c in enters) == 2 * 2, calls
+    for name, shapes, inside, n_out in lin:
         assert shapes[0] == (1,)  # the layer index
-        assert shapes[2][0] == 2 * n_out, (name, shapes)  # the weight: both layers' rows (the run's stack)
-    outside = [c for c in calls if c[0].startswith("quant_linear_") and not c[2]]
-    assert outside and all(shapes[2][0] == n_out for _, shapes, _, n_out in outside)  # one layer's weight
+        assert shapes[2][0] == (2 if inside else 1) * n_out, (name, shapes)  # the weight's rows
+    for name, shapes, inside, _ in enters:
+        assert shapes[0] == (1,) and shapes[3][0] == (2 if inside else 1) * mix, (name, shapes)  # fn's rows
     lg_s, aux_s = fwd(params, tokens, on, return_aux=True)
     lg_u, aux_u = fwd(params, tokens, off, return_aux=True)
     for key in ("topk", "cand", "experts"):

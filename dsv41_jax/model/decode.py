@@ -184,19 +184,21 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
                      par):
     """Layers first..first+n-1 (a `layer_scan` run: consumers or window-only layers, which write no
     store) as one scan. Each layer's window ring is read only at this batch's rows, so those rows
-    ([n, B, W, ...], a few KiB per row and layer) are gathered before the scan and scanned over with
-    the stacked params; the body is `attention_cached` on them (ring rows 0..B-1). The window codes
-    each layer leaves for `commit` come back stacked and go to ``pend["window"]`` per layer. Returns
-    (h, pre, aux', pend') (new dicts)."""
+    ([n·B, W, ...], a few KiB per row and layer, layer-major) are gathered before the scan; the body is
+    `attention_cached` on them, layer k reading ring rows k·B .. k·B + B − 1. They are not scanned over:
+    a per-layer slice would be copied by XLA where the attention kernel reads it (a Pallas operand does
+    not fuse with the slice), outside the step's command buffer. The window codes each layer leaves for
+    `commit` come back stacked and go to ``pend["window"]`` per layer. Returns (h, pre, aux', pend')
+    (new dicts)."""
     lid = plan.layer_id
     B = batch["tokens"].shape[0]
-    # (plain stack, in the codes' own dtypes: these are a few rows, not weights)
-    rings = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[
+    # (plain concatenation [n·B, W, ...], in the codes' own dtypes: these are a few rows, not weights)
+    rings = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *[
         jax.tree_util.tree_map(lambda a: a[batch["slot"]], st["window"][i]) for i in range(first, first + n)])
-    rows_batch = dict(batch, slot=jnp.arange(B, dtype=jnp.int32))
 
-    def attn_run(p, x, ring):
-        st_l = {"window": {lid: ring}, "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
+    def attn_run(p, x, _row, k):
+        rows_batch = dict(batch, slot=k * B + jnp.arange(B, dtype=jnp.int32))
+        st_l = {"window": {lid: rings}, "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
         pend_l = {"window": {}, "partial": {}, "restore": None}
         y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, rows_batch, positions, valid,
                                                              cfg, ccfg, dt, pend_l)
@@ -205,7 +207,7 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
         return y, {"window": pend_out["window"][lid]}
 
     h, pre, aux, outs = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
-                                    cfg.num_experts_per_tok, attn_run, xs=rings, par=par)
+                                    cfg.num_experts_per_tok, attn_run, par=par)
     window = list(pend["window"])
     for k in range(n):
         window[first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])

@@ -274,6 +274,11 @@ def hc_post(
     return out.astype(out_dtype)
 
 
+def kernel_runs(cfg) -> bool:
+    """Whether the mhc seam runs its Pallas kernel for `cfg` (what `sublayer_enter` will call)."""
+    return _seam_impl(cfg) in ("pallas", "pallas_interpret")
+
+
 def _seam_impl(cfg) -> str:
     """The mhc implementation for the seams. The Pallas kernels compute the mix projection in fp32,
     so in the exact numerics mode (fp64-accumulated projection) "auto" means "xla" there (logged
@@ -291,7 +296,7 @@ def _log_exact_auto(spec: str) -> None:
              "using 'xla'", spec)
 
 
-def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt):
+def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None):
     """Everything a sublayer needs from the streams before it runs, by implementation.
 
     Args:
@@ -300,6 +305,9 @@ def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt):
       fn, base, scale: this sublayer's ``hc_<s>_fn`` [(2+n)·n, n·D], ``hc_<s>_base``, ``hc_<s>_scale``
         (fp32).
       cfg: `ModelConfig` (eps constants, the implementation switch); dt: dtype of x_in.
+      layer: None, or — inside a layer-scan run where the kernel runs — the layer (int32 scalar) of
+        fn / base / scale given as the run's stacks [n, ...]: the kernel reads that layer's rows in place
+        (XLA would copy a sliced operand of a Pallas call per layer); the jnp paths slice it here.
 
     Returns:
       (x_in [..., D] dt = ``hc_pre(h, pre_prev, dt)``, pre [..., n], post [..., n], comb [..., n, n])
@@ -309,7 +317,9 @@ def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt):
     impl = _seam_impl(cfg)
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt,
-                                            interpret=impl == "pallas_interpret")
+                                            interpret=impl == "pallas_interpret", layer=layer)
+    if layer is not None:
+        fn, base, scale = fn[layer], base[layer], scale[layer]
     x_in = hc_pre(h, pre_prev, dt)
     return (x_in, *_mixes(h, fn, base, scale, cfg, impl))
 

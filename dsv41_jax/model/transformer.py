@@ -23,6 +23,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit
+from dsv41_jax.model.mhc import kernel_runs as mhc_kernel_runs
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
@@ -32,7 +33,7 @@ def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
     """Entering sublayer `sub` ("attn" | "ffn") with streams h [.., n, D]: (x_in = hc_pre(h, pre_prev) in
     `dt`, and the pre / post / comb mixes of h), through the mhc seam (`mhc.sublayer_enter`)."""
     return sublayer_enter(h, pre_prev, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"],
-                          layer_p[f"hc_{sub}_scale"], cfg, dt)
+                          layer_p[f"hc_{sub}_scale"], cfg, dt, layer=layer_p.get("hc_layer"))
 
 
 def embed_streams(params, tokens, cfg, dt, par=None):
@@ -149,8 +150,8 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     stacked: the run's layer params with a leading axis n, in storage dtypes (`layer_scan.run_params`); h [B, T, n_hc, D]
     and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan
     (the run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs
-    with a leading axis n (or None). attn_fn(p, x, xs_row) -> (y, out) is the attention sublayer of one
-    layer (p its ``attn`` params); `out` is a pytree of per-layer arrays. Returns (h, pre, aux', outs):
+    with a leading axis n (or None). attn_fn(p, x, xs_row, k) -> (y, out) is the attention sublayer of one
+    layer (p its ``attn`` params, k int32 its index within the run); `out` is a pytree of per-layer arrays. Returns (h, pre, aux', outs):
     aux' is `aux` with each layer's ``layer_inputs`` / ``experts`` under its own layer id (a new dict),
     `outs` the layers' `out` stacked over the run (leading axis n)."""
     like = layer_scan.layer_decl(cfg, first)
@@ -166,6 +167,9 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     # weight copies, 3.9 GB per step, in the H200-target compile); the kernel reads the layer's rows out
     # of the run's stacks instead (`linear.layer_weight`). The xla path keeps the slice, which fuses.
     lin = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
+    # and the mHC mixes' fn / base / scale when the mhc kernel runs (`mhc.sublayer_enter`'s layer)
+    if mhc_kernel_runs(cfg):
+        lin = lin + [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
     lin_stacks = {path: linear.get_path(rest, path) for path in lin}
     for path in lin:
         rest = linear.set_path(rest, path, None)
@@ -180,8 +184,10 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
         for path, st in lin_stacks.items():
-            lp = linear.set_path(lp, path, dict(st, layer=k))
-        h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row), None,
+            lp = linear.set_path(lp, path, dict(st, layer=k) if isinstance(st, dict) else st)
+        if mhc_kernel_runs(cfg):
+            lp = dict(lp, hc_layer=k)
+        h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row, k), None,
                                  par=par)
         return (h, pre, k + 1), (rec, out)
 
@@ -240,7 +246,7 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
         for i, n in layer_scan.layer_runs(cfg):
             plan = cfg.layer_plan(i)
             if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-                def attn_run(p, x, _row, plan=plan, ctx=ctx):
+                def attn_run(p, x, _row, _k, plan=plan, ctx=ctx):
                     y, ctx_out, rec = attention_full(p, x, positions, plan, ctx, cfg, dt)
                     if ctx_out is not ctx or rec:
                         raise RuntimeError(f"layer {plan.layer_id}: a scanned run's layers must not store anything")

@@ -164,7 +164,7 @@ def _sinkhorn(c, n: int, iters: int, eps: float):
     return [list(flat[i * n:(i + 1) * n]) for i in range(n)]
 
 
-def _finish(acc, ss, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, t0, tmask, n: int, k_total: int,
+def _finish(acc, ss, lay, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, t0, tmask, n: int, k_total: int,
             norm_eps: float, hc_eps: float, iters: int):
     """acc [bt, L] (the raw projection), ss [bt] (Σh²) -> pre / post / comb stored for tokens t0.."""
     mix = (2 + n) * n
@@ -172,8 +172,9 @@ def _finish(acc, ss, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, t0, tm
     r = jax.lax.rsqrt(ss / k_total + norm_eps)
     m = acc * r[:, None]
     lane = jnp.arange(L)
-    sc = jnp.where(lane < n, scale_ref[0], jnp.where(lane < 2 * n, scale_ref[1], scale_ref[2]))
-    base = pltriton.load(base_ref.at[_rows_in_bounds(L, mix)], mask=lane < mix, other=0.0)
+    # lay: the layer within a scan run's stacked base [n·mix] / scale [n·3] (0 for one layer's)
+    sc = jnp.where(lane < n, scale_ref[lay * 3], jnp.where(lane < 2 * n, scale_ref[lay * 3 + 1], scale_ref[lay * 3 + 2]))
+    base = pltriton.load(base_ref.at[_rows_in_bounds(L, mix) + lay * mix], mask=lane < mix, other=0.0)
     z = m * sc[None, :] + base[None, :]
     rows = pl.ds(t0, acc.shape[0])
     tm2 = tmask[:, None]
@@ -188,9 +189,10 @@ def _finish(acc, ss, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, t0, tm
 
 # ------------------------------------------------------------------------------------------ kernels
 
-def _enter_kernel(h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int, n: int, d: int, bt: int,
+def _enter_kernel(lay_ref, h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int, n: int, d: int, bt: int,
                   bd: int, splits: int, lanes: int, norm_eps: float, hc_eps: float, iters: int):
-    # h_ref [M, n, D]; pp_ref f32 [M, n]; fn_ref f32 [mix, n·D]; base_ref f32 [mix]; scale_ref f32 [3].
+    # lay_ref int32 [1]: the layer in a scan run's stacks (0: one layer's params); h_ref [M, n, D]; pp_ref
+    # f32 [M, n]; fn_ref f32 [(layers·)mix, n·D]; base_ref f32 [(layers·)mix]; scale_ref f32 [(layers·)3].
     # out_refs: x_ref [M, D], then pre [M, n], post [M, n], comb [M, n²] (splits == 1)
     #           or partial projections f32 [S, M, L] and partial Σh² f32 [S, M] (splits > 1).
     x_ref = out_refs[0]
@@ -199,7 +201,8 @@ def _enter_kernel(h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int,
     tmask = t0 + jnp.arange(bt) < m
     tm2 = tmask[:, None]
     fmask = (jnp.arange(lanes) < (2 + n) * n)[:, None]
-    frows = _rows_in_bounds(lanes, (2 + n) * n)[:, None]  # fn tile [lanes, bd]: both axes as index
+    lay = lay_ref[0]
+    frows = _rows_in_bounds(lanes, (2 + n) * n)[:, None] + lay * ((2 + n) * n)  # fn tile [lanes, bd]: both axes as index
     dlane = jnp.arange(bd, dtype=jnp.int32)                 # arrays (interpret mode takes no mix)
     per_split = d // splits
     pp = [pltriton.load(pp_ref.at[pl.ds(t0, bt), _i(c)], mask=tmask, other=0.0) for c in range(n)]
@@ -223,7 +226,7 @@ def _enter_kernel(h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int,
     acc, ss = jax.lax.fori_loop(0, per_split // bd, body, init)
     if splits == 1:
         pre_ref, post_ref, comb_ref = out_refs[1:]
-        _finish(acc, ss, base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n,
+        _finish(acc, ss, lay, base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n,
                 k_total=n * d, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
     else:
         pm_ref, pss_ref = out_refs[1:]
@@ -231,7 +234,7 @@ def _enter_kernel(h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int,
         pltriton.store(pss_ref.at[s, pl.ds(t0, bt)], ss, mask=tmask)
 
 
-def _tail_kernel(pm_ref, pss_ref, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, m: int, n: int,
+def _tail_kernel(lay_ref, pm_ref, pss_ref, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, m: int, n: int,
                  d: int, bt: int, splits: int, norm_eps: float, hc_eps: float, iters: int):
     # pm_ref f32 [S, M, L]; pss_ref f32 [S, M]: sum the split partials in split order, then the tail.
     t0 = pl.program_id(0) * bt
@@ -241,7 +244,7 @@ def _tail_kernel(pm_ref, pss_ref, base_ref, scale_ref, pre_ref, post_ref, comb_r
     for s in range(1, splits):
         acc = acc + pltriton.load(pm_ref.at[_i(s), pl.ds(t0, bt), :], mask=tmask[:, None], other=0.0)
         ss = ss + pltriton.load(pss_ref.at[_i(s), pl.ds(t0, bt)], mask=tmask, other=0.0)
-    _finish(acc, ss, base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n, k_total=n * d,
+    _finish(acc, ss, lay_ref[0], base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n, k_total=n * d,
             norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
 
 
@@ -267,13 +270,14 @@ def _exit_kernel(y_ref, h_ref, post_ref, comb_ref, out_ref, *, m: int, n: int, b
 
 @functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "dt", "splits", "interpret"))
 def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float, iters: int, dt,
-                splits: int | None = None, interpret: bool = False):
+                splits: int | None = None, interpret: bool = False, layer=None):
     """hc_pre(h, pre_prev) and the mixes of h, fused (`mhc.hc_pre` + `mhc.hc_mixes`).
 
     h: [..., n, D] bf16 or fp32; pre_prev: [..., n] fp32; fn: fp32 [(2+n)·n, n·D]; base: fp32 [(2+n)·n];
     scale: fp32 [3]; norm_eps / hc_eps / iters: ``rms_norm_eps`` / ``hc_eps`` / ``hc_sinkhorn_iters``;
     dt: dtype of x_in; splits: how many parts D is split into (must divide D / chunk; default
-    `_default_splits`). Returns (x_in [..., D] dt, pre [..., n], post [..., n], comb [..., n, n]) fp32.
+    `_default_splits`); layer: with fn / base / scale a layer-scan run's stacks ([L, ...] each), the layer to
+    read (an int32 scalar: read in place; a sliced operand would be copied by XLA per layer). Returns (x_in [..., D] dt, pre [..., n], post [..., n], comb [..., n, n]) fp32.
     """
     n, d = h.shape[-2], h.shape[-1]
     lead = h.shape[:-2]
@@ -281,8 +285,10 @@ def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float,
     if n & (n - 1):
         raise ValueError(f"mhc enter kernel: hc_mult must be a power of two (Triton tiles [tokens, n], "
                          f"[tokens, n²]), got {n}")
-    if fn.shape != (mix, n * d) or base.shape != (mix,) or scale.shape != (3,):
-        raise ValueError(f"mhc enter: fn {fn.shape} / base {base.shape} / scale {scale.shape} do not fit h {h.shape}")
+    lead_p = () if layer is None else fn.shape[:1]
+    if fn.shape != (*lead_p, mix, n * d) or base.shape != (*lead_p, mix) or scale.shape != (*lead_p, 3):
+        raise ValueError(f"mhc enter: fn {fn.shape} / base {base.shape} / scale {scale.shape} do not fit h {h.shape}"
+                         + ("" if layer is None else " (stacked: a leading layer axis)"))
     hf = h.reshape(-1, n, d)
     m = hf.shape[0]
     if m == 0:
@@ -293,8 +299,9 @@ def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float,
     if (d // bd) % splits:
         raise ValueError(f"mhc enter: splits={splits} must divide the {d // bd} chunks of {bd} along D={d}")
     common.log_choice("mhc_enter", interpret, token_block=bt, d_chunk=bd, splits=splits)
-    args = (hf, pre_prev.reshape(m, n).astype(jnp.float32), fn.astype(jnp.float32), base.astype(jnp.float32),
-            scale.astype(jnp.float32))
+    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    args = (lay, hf, pre_prev.reshape(m, n).astype(jnp.float32), fn.astype(jnp.float32).reshape(-1, n * d),
+            base.astype(jnp.float32).reshape(-1), scale.astype(jnp.float32).reshape(-1))
     nb = pl.cdiv(m, bt)
     tail = dict(norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(iters))
     mixes_shape = [jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((m, n), jnp.float32),
@@ -314,7 +321,7 @@ def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float,
         pre, post, comb = pl.pallas_call(
             functools.partial(_tail_kernel, m=m, n=n, d=d, bt=bt, splits=splits, **tail),
             grid=(nb,), out_shape=mixes_shape, compiler_params=common.triton_params(num_warps=4, num_stages=1),
-            interpret=interpret, name="mhc_mix_tail")(pm, pss, args[3], args[4])
+            interpret=interpret, name="mhc_mix_tail")(lay, pm, pss, args[4], args[5])
     return (x.reshape(*lead, d), pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n))
 
 
@@ -350,11 +357,12 @@ def _check_mode(cfg):
                                   "mhc='xla' or 'reference' (the mix projection accumulates in fp64 there)")
 
 
-def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, *, interpret: bool = False):
-    """`mhc.sublayer_enter` on Pallas: (x_in [..., D] dt, pre, post [..., n], comb [..., n, n] fp32)."""
+def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, *, interpret: bool = False, layer=None):
+    """`mhc.sublayer_enter` on Pallas: (x_in [..., D] dt, pre, post [..., n], comb [..., n, n] fp32).
+    layer: see `mixes_enter` (a scan run's stacked fn / base / scale, read in place)."""
     _check_mode(cfg)
     return mixes_enter(h, pre_prev, fn, base, scale, norm_eps=float(cfg.rms_norm_eps), hc_eps=float(cfg.hc_eps),
-                       iters=int(cfg.hc_sinkhorn_iters), dt=jnp.dtype(dt), interpret=interpret)
+                       iters=int(cfg.hc_sinkhorn_iters), dt=jnp.dtype(dt), interpret=interpret, layer=layer)
 
 
 kernel = sublayer_enter  # dispatch.KERNEL_ENTRY
