@@ -159,7 +159,9 @@ def _load_rows(codec: str, refs, rows, col: int, dc: int, dt):
 def _kernel(*refs, c):
     """One program: query (b, t), head block h, key split s. `c` holds the static layout (see `kernel`)."""
     it = iter(refs)
-    q_ref, sink_ref, rr_ref, start_ref, pos_ref, valid_ref = (next(it) for _ in range(6))
+    q_ref = next(it)
+    sink_ref = next(it) if c["num_splits"] == 1 else None  # with splits the merge (XLA) adds the sink
+    rr_ref, start_ref, pos_ref, valid_ref = (next(it) for _ in range(4))
     pt_ref = next(it) if c["has_comp"] else None
     sel_ref = next(it) if c["has_comp"] else None
     ring_refs = [next(it) for _ in range(c["n_ring"])]
@@ -373,7 +375,10 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     valid_p = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, tn - T)))
     rr = ring_rows.astype(jnp.int32)
     st = start.astype(jnp.int32)
-    ins = [qp, sinkp, rr, st, pos_p, valid_p]
+    # The sink enters only where the kernel uses it (one split: it normalizes in-kernel). With splits the
+    # merge adds it, in XLA, where a layer-scan run's slice of it fuses; as a kernel operand that slice
+    # would be a copy outside the step's command buffer.
+    ins = [qp] + ([sinkp] if p["num_splits"] == 1 else []) + [rr, st, pos_p, valid_p]
     if has_comp:
         sel_p = jnp.pad(sel.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - K)), constant_values=-1)
         ins += [page_table.astype(jnp.int32), sel_p]
@@ -396,9 +401,10 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
         nd = a.ndim
         return pl.BlockSpec(a.shape, lambda h, s, t, b, nd=nd: (0,) * nd)
 
-    in_specs = [pl.BlockSpec((None, None, bh, hd), lambda h, s, t, b: (b, t, h, 0)),
-                pl.BlockSpec((bh,), lambda h, s, t, b: (h,))]
-    in_specs += [whole(a) for a in ins[2:]]
+    in_specs = [pl.BlockSpec((None, None, bh, hd), lambda h, s, t, b: (b, t, h, 0))]
+    if ns == 1:
+        in_specs.append(pl.BlockSpec((bh,), lambda h, s, t, b: (h,)))
+    in_specs += [whole(a) for a in ins[len(in_specs):]]
     grid = (n_hblk, ns, T, B)
     if ns == 1:
         out_shape = [jax.ShapeDtypeStruct((B, T, hp, hd), dt)]
