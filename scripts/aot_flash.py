@@ -23,7 +23,9 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
   all-to-all / reduce-scatter / collective-permute results, by kind, and the largest groups by source
   (kind, result type, JAX op name: `collective_sources`);
 * whether it fits an H200 (``--hbm-gib``, 141 GB by default, minus ``--reserve-gib``);
-* kernel launches per step, counted from the compiled HLO (`kernel_launches`).
+* kernel launches per step, counted from the compiled HLO (`kernel_launches`); with ``--kernel-table``
+  (GPU target) every kernel in order with its grid and JAX source (`kernel_table`), and the counts by
+  source function.
 
 ``--gpu-target scripts/gpu_specs/h200.txtpb`` compiles for compile-only CUDA devices instead of fake
 CPU ones (`gpu_target_devices`: XLA's GPU compiler on a machine without a GPU; needs the CUDA PJRT
@@ -90,6 +92,83 @@ def _computations(hlo: str) -> tuple:
         elif cur is not None and "=" in line:
             comps[cur].append(line)
     return comps, entry
+
+
+# The JAX source functions that say nothing about which model op a kernel belongs to (wrappers, the
+# script itself, the jitted entry points): `kernel_table` skips them when naming a kernel's source.
+_GENERIC_FRAMES = ("numerics.", "aot_flash.", "decode.jitted", "decode.extend", "tiling.")
+
+
+def kernel_table(dump_dir: str) -> list:
+    """The compiled step's kernels in execution order, from an XLA GPU dump (``--xla_dump_to`` with
+    ``--xla_dump_hlo_as_text``): one dict per kernel thunk — ``loop`` (how many while bodies it is
+    inside), ``blocks`` (thread blocks of its grid; 0 for a copy), ``kernel`` (XLA's or the Pallas call's
+    name) and ``source`` (the innermost JAX source frames of its HLO instruction, `file.function:line`,
+    wrappers skipped). Static: a loop body's kernels are listed once."""
+    import glob
+
+    def one(pattern):
+        found = sorted(glob.glob(os.path.join(dump_dir, pattern)))
+        if not found:
+            raise FileNotFoundError(f"kernel_table: no {pattern} in {dump_dir} (a GPU-target compile dumped there?)")
+        return open(found[-1]).read()
+
+    thunks = one("*jit_extend*thunk_sequence_after_thunk_passes.txt")
+    hlo = one("*jit_extend*gpu_after_optimizations.txt")
+
+    def section(name):
+        return hlo.split("\n" + name + "\n", 1)[1].split("\n\n", 1)[0] if "\n" + name + "\n" in hlo else ""
+
+    files = dict(re.findall(r'^(\d+) "([^"]*)"', section("FileNames"), re.M))
+    funcs = dict(re.findall(r'^(\d+) "([^"]*)"', section("FunctionNames"), re.M))
+    locs = {m[0]: m[1:] for m in re.findall(r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)",
+                                             section("FileLocations"), re.M)}
+    frames = {m[0]: m[1:] for m in re.findall(r"^(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)",
+                                               section("StackFrames"), re.M)}
+
+    def chain(fid):
+        out, seen = [], set()
+        while fid in frames and fid not in seen:
+            seen.add(fid)
+            loc, parent = frames[fid]
+            f, fn, ln = locs[loc]
+            out.append(f"{os.path.basename(files[f])[:-3]}.{funcs[fn]}:{ln}")
+            fid = parent
+        specific = [c for c in out if not c.startswith(_GENERIC_FRAMES)]
+        return specific or out[:1]  # a wrapper's frame when nothing more specific is recorded
+
+    frame_of = {m.group(1).replace(".", "_"): m.group(2) for m in re.finditer(
+        r"^\s*%([\w.\-]+) = [^\n]*? (?:fusion|custom-call|copy|sort|copy-start)\([^\n]*?stack_frame_id=(\d+)", hlo, re.M)}
+    rows, whiles = [], []
+    for line in thunks.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if line.strip() in ("condition:", "body:") or not line.strip():  # a while's parts, written unindented
+            continue
+        while whiles and indent <= whiles[-1]:
+            whiles.pop()
+        if re.match(r"\s*\d+: kWhile\b", line):
+            whiles.append(indent)
+            continue
+        m = re.search(r"(k\w+)\s+\[[^\]]*\]\s+(\S+)(?: grid: \[(\d+), (\d+), (\d+)\])?", line)
+        if not m:
+            continue
+        if m.group(1) not in ("kCustomKernel", "kKernel", "kCopy"):
+            continue
+        name = m.group(2)
+        blocks = math.prod(int(m.group(i)) for i in (3, 4, 5)) if m.group(3) else 0
+        rows.append({"loop": len(whiles), "blocks": blocks, "kernel": name,
+                     "source": " < ".join(chain(frame_of.get(name, ""))[:3])})
+    return rows
+
+
+def kernel_sources(rows: list) -> dict:
+    """{the innermost source function of a kernel (`file.function`, or its name if none): kernels} of
+    `kernel_table` rows, most first."""
+    counts: dict = {}
+    for r in rows:
+        key = r["source"].split(" < ")[0].rsplit(":", 1)[0] if r["source"] else re.sub(r"([_.]+\d+)+$", "", r["kernel"])
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def kernel_launches(hlo: str) -> dict:
@@ -457,6 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="count the DSpark draft's rings (and list its parameters); default on")
     ap.add_argument("--memory-only", action="store_true",
                     help="the per-device memory table only: no lowering or compiling")
+    ap.add_argument("--kernel-table", default=None, metavar="TSV",
+                    help="with --gpu-target: write the compiled step's kernels in order (loop depth, thread "
+                         "blocks, kernel, JAX source) to TSV and print the counts by source function (XLA "
+                         "dumps to a temporary directory for this)")
     from dsv41_jax.parallel.distributed import add_distributed_args
 
     add_distributed_args(ap)
@@ -464,7 +547,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    dump = None
+    if args.kernel_table:
+        if not args.gpu_target or args.memory_only:
+            ap.error("--kernel-table needs --gpu-target (the kernel thunks are the GPU compiler's) and a compile")
+        if "jax" in sys.modules:
+            ap.error("--kernel-table: the XLA dump flags must be set before JAX starts (run the script itself)")
+        import tempfile
+
+        dump = tempfile.mkdtemp(prefix="aot_flash_dump_")
+        os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() +
+                                           [f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text"])
     if "jax" not in sys.modules:  # the device count must be set before JAX starts
         _set_devices(args.devices or args.tp * args.ep)
     from dsv41_jax.parallel.distributed import initialize_from
@@ -476,6 +571,18 @@ def main(argv=None) -> int:
     except (MeshError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if dump is not None:
+        import shutil
+
+        rows = kernel_table(dump)
+        shutil.rmtree(dump, ignore_errors=True)
+        with open(args.kernel_table, "w") as f:
+            f.write("loop\tblocks\tkernel\tsource\n")
+            f.writelines(f"{r['loop']}\t{r['blocks']}\t{r['kernel']}\t{r['source']}\n" for r in rows)
+        rep["kernel_sources"] = kernel_sources(rows)
+        print(f"kernels in order: {args.kernel_table} ({len(rows)} kernel thunks, each loop body once); by source:")
+        for k, v in list(rep["kernel_sources"].items())[:20]:
+            print(f"  {v:4d}  {k}")
     print(_table(rep))
     if args.out:
         with open(args.out, "w") as f:

@@ -90,3 +90,52 @@ def test_dry_run(tmp_path):
     moe = json.loads((tmp_path / "bench_moe.json").read_text())
     assert [r["op"] for r in moe["records"]] == ["moe", "linear"] and moe["records"][0]["max_diff"] == 0.0
     assert {c["impl"] for c in doc["cases"]} == {"auto", "auto,linear=pallas_interpret"}
+
+
+def test_kernel_table_reads_an_xla_gpu_dump(tmp_path):
+    """`aot_flash.kernel_table` on a miniature dump in the formats jaxlib 0.10.2's GPU compiler writes (a
+    thunk sequence with a command buffer and a while body; the optimized HLO's stack-frame tables): the
+    kernels in order with their loop depth, thread blocks and innermost non-wrapper source frame (a
+    wrapper's when it is the only one)."""
+    (tmp_path / "module_0001.jit_extend.thunk_sequence_after_thunk_passes.txt").write_text(
+        "000: kCommandBuffer [source       | next=118 (1)] \n"
+        "    001: kCustomKernel [source        | next=003 (2) ] input_reduce_fusion_7 grid: [20, 2, 1] threads: "
+        "[256, 1, 1]  shared_memory: 0 bytes\n"
+        "118: kWhile         [prev=000 (1) | next=000 (1)]   \n"
+        "condition:\n"
+        "    119: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  "
+        "shared_memory: 0 bytes\n"
+        "  body:\n"
+        "    000: kCommandBuffer      [source       | next=000 (2)] \n"
+        "        120: kCustomKernel [source       | next=121 (1)] quant_linear_fp8_m16_n64_k256__7 grid: [20, 1, 1] "
+        "threads: [128, 1, 1]  shared_memory: 58368 bytes\n"
+        "        121: kCopy [source | sink] kCopy\n"
+        "000: kCommandBuffer [prev=118 (1) | sink        ] \n"
+        "    130: kCustomKernel [source | sink] sort_80_1 grid: [1, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes\n"
+        "    131: kCustomKernel [source | sink] input_reduce_fusion_9 grid: [1, 1, 1] threads: [32, 1, 1]  "
+        "shared_memory: 0 bytes\n")
+    (tmp_path / "module_0001.jit_extend.sm_9.0a_gpu_after_optimizations.txt").write_text(
+        "HloModule jit_extend\n\nFileNames\n1 \"/x/dsv41_jax/model/quant.py\"\n2 \"/x/dsv41_jax/model/numerics.py\"\n"
+        "3 \"/x/dsv41_jax/model/moe.py\"\n\nFunctionNames\n1 \"act_quant_fp8\"\n2 \"mean_f32\"\n3 \"route\"\n\n"
+        "FileLocations\n1 {file_name_id=1 function_name_id=1 line=270 end_line=270 column=1 end_column=2}\n"
+        "2 {file_name_id=2 function_name_id=2 line=162 end_line=162 column=1 end_column=2}\n"
+        "3 {file_name_id=3 function_name_id=3 line=53 end_line=53 column=1 end_column=2}\n\n"
+        "StackFrames\n1 {file_location_id=1 parent_frame_id=1}\n2 {file_location_id=2 parent_frame_id=1}\n"
+        "3 {file_location_id=3 parent_frame_id=3}\n4 {file_location_id=2 parent_frame_id=4}\n\n"
+        "ENTRY %main {\n"
+        "  %input_reduce_fusion.7 = f32[20]{0} fusion(%p), kind=kInput, calls=%fused_reduce.7, "
+        "metadata={op_name=\"jit(extend)/reduce_max\" stack_frame_id=2}\n"
+        "  %sort.80.1 = s32[6]{0} sort(%q), metadata={op_name=\"jit(extend)/sort\" stack_frame_id=3}\n"
+        "  %input_reduce_fusion.9 = f32[] fusion(%r), kind=kInput, calls=%fused_reduce.9, "
+        "metadata={op_name=\"jit(extend)/reduce_sum\" stack_frame_id=4}\n}\n")
+    rows = _script("aot_flash").kernel_table(str(tmp_path))
+    assert rows == [
+        {"loop": 0, "blocks": 40, "kernel": "input_reduce_fusion_7", "source": "quant.act_quant_fp8:270"},
+        {"loop": 1, "blocks": 1, "kernel": "loop_compare_fusion", "source": ""},
+        {"loop": 1, "blocks": 20, "kernel": "quant_linear_fp8_m16_n64_k256__7", "source": ""},
+        {"loop": 1, "blocks": 0, "kernel": "kCopy", "source": ""},
+        {"loop": 0, "blocks": 1, "kernel": "sort_80_1", "source": "moe.route:53"},
+        {"loop": 0, "blocks": 1, "kernel": "input_reduce_fusion_9", "source": "numerics.mean_f32:162"}]
+    assert _script("aot_flash").kernel_sources(rows) == {
+        "quant.act_quant_fp8": 1, "loop_compare_fusion": 1, "quant_linear_fp8_m16_n64_k256": 1, "kCopy": 1,
+        "moe.route": 1, "numerics.mean_f32": 1}
