@@ -14,11 +14,11 @@ compute — the spec's GEMM of an fp8-quantized activation with a stored weight 
   per chunk with fp32 accumulation forms the exact products and sums them in fp32; the sum is rounded
   once to `dt`.
 
-Why: at decode sizes the xla path is a chain of small launches per matmul — the activation's amax, its
-scale, the quantized codes, the K-blockwise partial sums, their scaled sum (5 kernels per linear in the
-H200-target compile of the flash cut, about half of all launches of the step: docs/benchmarks.md,
-"Launches per decode step") — each on a few thread blocks. Here a linear is one launch whose programs
-tile N (and M), each streaming its weight rows once; the activation enters as it is (no pad).
+Why: at decode sizes the xla path is a chain of small launches — per matmul the K-blockwise partial sums
+and their scaled sum, per quantized input its amax, the scale and the codes — each on a few thread blocks
+(in the H200-target compile of the flash cut at B = 1, 30 calls of this kernel replace 82 kernels:
+docs/benchmarks.md, "Launches per decode step"). Here a linear is one launch whose programs tile N (and
+M), each streaming its weight rows once; the activation enters as it is (no pad).
 
 Numerics vs. the xla path and the reference: the same products (exact) and the same roundings of the
 activation; only the fp32 summation order inside the GEMM differs (the reference: one fp32 dot over K;
