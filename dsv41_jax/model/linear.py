@@ -24,6 +24,11 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
     fp32 copy — a bf16 x bf16 dot in the bf16 flow (the activation is bf16-valued there), a mixed
     fp32 x bf16 dot otherwise; widening is exact, so the products are the reference's.
 
+* ``"pallas"`` / ``"pallas_interpret"`` — the fp8 and MXFP4 GEMMs as one fused kernel each
+  (`pallas/quant_linear.py`: the activation quant, the weight decode and the GEMM in one launch; the
+  same products, fp32 sums in its tile order); the bf16 / fp32 kinds keep the xla path. One device only
+  (refused on a mesh); inside a layer-scan run it reads the run's stacked weights in place
+  (`stacked_paths`, `layer_weight`).
 * In the exact and deterministic modes (`numerics.is_exact`) every path accumulates in fp64
   (`numerics.dot_exact`) and rounds once to fp32 (then to `dt`, bf16 in the deterministic bf16 flow), so
   the reference and the xla formulation agree (bit for bit in practice) however they sum.
@@ -206,7 +211,8 @@ def _fp8_row_scales(scale, n):
 def fp8(x, p, cfg, dt, row_axis=None):
     """GEMM with a 32x32-block fp8 weight and fp8-quantized input (docs/design/spec.md §6).
 
-    x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}.
+    x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}, or inside a
+    layer-scan run where the kernel runs the run's stacks of them with ``"layer"`` (`layer_weight`).
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
     exact = is_exact(cfg)

@@ -27,12 +27,14 @@ two nonzero products is bitwise the same on every path, and otherwise the fp32 o
 reassociation (tests/test_pallas_linear.py states the bounds). The exact / deterministic modes (fp64
 accumulation) have no kernel: the seam refuses them.
 
-Grid (N / block_n, ⌈M / block_m⌉): output tiles along N fastest, so the programs that read one weight
-tile for different row blocks (prefill) are far apart and the decode case (one row block) is N / block_n
-programs, each streaming a [block_n, K] slab through K / block_k chunks. A row block past the last row
-re-reads that row (clamped indices) and its extra outputs are dropped. Only one device: on a mesh whose rules split the
-weights, a Pallas call would make XLA gather every weight onto every device, so the seam refuses the
-kernel there (the xla path is partitioned by XLA).
+Grid (N / block_n, ⌈M / block_m⌉): at decode sizes one row block, so N / block_n programs, each
+streaming a [block_n, K] slab of the weight through K / block_k chunks; at prefill sizes every row block
+re-reads its weight tiles (from L2 when they are still there: the order is not tuned, the kernel is
+made for decode). A row block past the last row re-reads that row (clamped indices) and its extra
+outputs are dropped. Inside a layer-scan run the weight is the run's stacks and a layer index (read in
+place: a sliced operand would be copied). Only one device: on a mesh whose rules split the weights, a
+Pallas call would make XLA gather every weight onto every device, so the seam refuses the kernel there
+(the xla path is partitioned by XLA).
 
 Lowering: Pallas **Triton** (`common.triton_params`), as every kernel here; no fp8 dtype reaches the
 kernel (codes and scales enter as their uint8 bits); block sizes are powers of two (block_n ≥ 16,
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dsv41_jax.model import codec, quant
+from dsv41_jax.model import codec, linear, quant
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 from dsv41_jax.pallas import moe_mxfp4 as mx
@@ -76,8 +78,6 @@ TUNING_CANDIDATES = (
 
 def ref_linear(x, p, fmt: str, cfg, dt):
     """The oracle: the seam's "xla" GEMM (`linear.fp8` / `linear.mxfp4` with impl "xla")."""
-    from dsv41_jax.model import linear
-
     cfg = cfg.replace(impl="xla")
     return linear.fp8(x, p, cfg, dt) if fmt == "fp8" else linear.mxfp4(x, p, cfg, dt)
 
