@@ -7,8 +7,9 @@ path). The (token, expert) assignments are sorted by expert exactly as the xla p
 whose k experts are distinct, each assignment is its own group in slot order, with no sort), then two
 ``pallas_call``s run over (output tile, group):
 
-1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens' fp8
-   fake-quantized activations, gathered by token id inside the kernel — g = x·w1ᵀ and u = x·w3ᵀ over
+1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens'
+   activations, gathered by token id and fp8-quantized (per 32, `_fake_quant_fp8`) inside the kernel,
+   one launch fewer than a quantized copy — g = x·w1ᵀ and u = x·w3ᵀ over
    K = D in chunks of block_k, each chunk of w1 / w3 read as packed e2m1 bytes + E8M0 scale bytes and
    decoded in registers (exact in bf16; the shared `model.codec` definitions); then the spec's expert
    activation: g, u rounded to `dt` and widened, u clamped to ±swiglu_limit, g ≤ swiglu_limit,
@@ -53,6 +54,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -141,7 +143,9 @@ def _gate_up_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, tok_ref, wts_ref
         toks = tok_ref[pl.ds(r0, bm)]
 
         def kstep(kc, acc):
-            xb = x_ref[toks, pl.ds(kc * bk, bk)]  # [bm, bk]: the rows' tokens, gathered
+            # [bm, bk]: the rows' tokens, gathered, and fp8-quantized here per 32 (the spec's quant of the
+            # GEMM input, bitwise `quant.fake_quant_fp8`; exact in bf16): no quantized copy of x is written
+            xb = _fake_quant_fp8(x_ref[toks, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
             return acc[0] + _dot_nt(xb, weight(w1_ref, s1_ref, kc)), acc[1] + _dot_nt(xb, weight(w3_ref, s3_ref, kc))
 
         z = jnp.zeros((bm, bn), jnp.float32)
@@ -191,18 +195,19 @@ TUNING_CANDIDATES = (
 
 
 def bytes_moved(part: str, *, A: int, N: int, D: int, I: int, G: int, out_itemsize: int,
-                n_active: float | None = None) -> float:
+                n_active: float | None = None, x_itemsize: int = 2) -> float:
     """Minimal HBM bytes of one call of `part` ("gate_up" | "down"), the kernel's bytes-moved contract.
 
     A assignments (sorted rows), N tokens, hidden D, intermediate I, G groups of which `n_active`
-    (default: all G, the bound) have rows; out_itemsize: the down output's dtype size. Weights at
+    (default: all G, the bound) have rows; out_itemsize: the down output's dtype size; x_itemsize: the
+    tokens' (the gate/up input, quantized in-kernel: bf16 in the bf16 flow). Weights at
     stored width (packed e2m1 + E8M0 scales) once per non-empty group; activations once (the gate/up
     call gathers N distinct token rows; repeated reads of a row by the group's tiles hit L2); metadata
     (group expert / start / size, the layer, the rows' token ids and routing weights)."""
     n_active = G if n_active is None else n_active
     meta = 4 * (3 * G + 1)
     if part == "gate_up":
-        return n_active * 2 * (I * D // 2 + I * D // 32) + 2 * N * D + 2 * A * I + meta + 8 * A
+        return n_active * 2 * (I * D // 2 + I * D // 32) + x_itemsize * N * D + 2 * A * I + meta + 8 * A
     if part == "down":
         return n_active * (D * I // 2 + D * I // 32) + 2 * A * I + out_itemsize * A * D + meta
     raise ValueError(f"moe_mxfp4.bytes_moved: part must be one of {PARTS}, got {part!r}")
@@ -211,9 +216,8 @@ def bytes_moved(part: str, *, A: int, N: int, D: int, I: int, G: int, out_itemsi
 def call_geometry(name: str, in_avals, out_avals) -> dict | None:
     """The `bytes_moved` keywords of one of this module's pallas_calls from its name and operand
     shapes (what a jaxpr holds: scripts/bench_decode.py counts the calls this way), or None if `name`
-    is not one of them. Returns {"part", "A", "N", "D", "I", "G", "out_itemsize"}."""
-    import numpy as np
-
+    is not one of them. Returns {"part", "A", "N", "D", "I", "G", "out_itemsize"} (and "x_itemsize" for
+    gate/up)."""
     part = next((p for p in PARTS if name.startswith(f"{NAME}_{p}")), None)
     if part is None:
         return None
@@ -222,7 +226,8 @@ def call_geometry(name: str, in_avals, out_avals) -> dict | None:
         N, D = in_avals[6].shape
         A_pad, I = out_avals[0].shape
         a_pad = A_pad - _pad_rows(name)
-        return dict(part=part, A=a_pad, N=N, D=D, I=I, G=G, out_itemsize=0)
+        return dict(part=part, A=a_pad, N=N, D=D, I=I, G=G, out_itemsize=0,
+                    x_itemsize=np.dtype(in_avals[6].dtype).itemsize)
     A_pad, I = in_avals[4].shape
     D = out_avals[0].shape[1]
     return dict(part=part, A=A_pad - _pad_rows(name), N=0, D=D, I=I, G=G,
@@ -304,7 +309,8 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     if N == 1:
         # One token (decode at batch 1): its k experts are distinct (top-k), so each assignment is its own
         # group, in slot order: no sort and no unsort (about ten small launches per layer), and every
-        # group computes what the sorted group of its expert would, bit for bit.
+        # group computes what the sorted group of its expert would, bit for bit. The group starts and
+        # token ids are constants (numpy: no launch to make them).
         local = idx.reshape(A).astype(jnp.int32) - first_expert
         held = (local >= 0) & (local < E)
         gexp, sizes, order = jnp.where(held, local, 0), held.astype(jnp.int32), None
@@ -313,14 +319,13 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     G = sizes.shape[0]
     if gexp is None:
         gexp = jnp.arange(G, dtype=jnp.int32)
-    gstart = (jnp.cumsum(sizes) - sizes).astype(jnp.int32) if order is not None else jnp.arange(G, dtype=jnp.int32)
+    gstart = (jnp.cumsum(sizes) - sizes).astype(jnp.int32) if order is not None else np.arange(G, dtype=np.int32)
     p = _plan(A, G, D, I, block_m, block_n, block_n2, block_k, block_k2)
     bm = p["bm"]
     a_pad = A + bm  # every row block of every group lies inside the padded rows
-    tok = jnp.pad(order // k, (0, bm)) if order is not None else jnp.zeros((a_pad,), jnp.int32)
+    tok = jnp.pad(order // k, (0, bm)) if order is not None else np.zeros((a_pad,), np.int32)
     wts = w.reshape(A).astype(jnp.float32)
     wts = jnp.pad(jnp.take(wts, order) if order is not None else wts, (0, bm))
-    xd = quant.fake_quant_fp8(xf, out_dtype=jnp.bfloat16)  # per token (the xla path: per sorted row, same values)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     meta = [gexp, gstart, sizes.astype(jnp.int32), lay]
     wt = {n: (_flat(ex[n]["weight"], layer, pairs=True), _flat(ex[n]["scale"], layer)) for n in ("w1", "w3", "w2")}
@@ -336,9 +341,10 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     def cost(part, out_itemsize, flops):
         return pl.CostEstimate(flops=int(flops), transcendentals=A * I if part == "gate_up" else 0,
                                bytes_accessed=int(bytes_moved(part, A=A, N=N, D=D, I=I, G=G,
-                                                              out_itemsize=out_itemsize)))
+                                                              out_itemsize=out_itemsize,
+                                                              x_itemsize=xf.dtype.itemsize)))
 
-    ins = meta + [tok, wts, xd, *wt["w1"], *wt["w3"]]
+    ins = meta + [tok, wts, xf, *wt["w1"], *wt["w3"]]
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, c=dict(c, bm=bm, bn=p["bn"], bk=p["bk"])),
         grid=(I // p["bn"], G), in_specs=[whole(a) for a in ins], out_specs=whole(jax.ShapeDtypeStruct((a_pad, I), dt)),
@@ -391,8 +397,6 @@ def bench_inputs(tokens: int, *, seed: int = 0, dims: tuple | None = None):
 
 def routed_bytes(ex, x, idx, w, dt=jnp.bfloat16) -> int:
     """`bytes_moved` of both calls for this routing (the distinct experts it selects, host-side)."""
-    import numpy as np
-
     E, I, D = ex["w1"]["weight"].shape[0], ex["w1"]["weight"].shape[1], x.shape[1]
     N, k = idx.shape
     A, G = N * k, min(N * k, E)
