@@ -252,7 +252,8 @@ def test_in_kernel_fp8_quant_is_quants_bitwise():
 
 def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, tiny_params):
     """moe.moe with moe=<kernel> equals moe=xla on tiny's first layer (fp32 flow, summation order only),
-    same routing; the exact / deterministic modes are refused with a clear error."""
+    same routing, for 10 tokens and for one (the kernel's one-token case); the exact / deterministic modes
+    are refused with a clear error."""
     p = tiny_params["layers"][0]["ffn"]
     x = jnp.asarray(np.random.default_rng(11).standard_normal((2, 5, tiny_cfg.hidden_size)), jnp.float32)
     k = tiny_cfg.num_experts_per_tok
@@ -260,6 +261,11 @@ def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, 
     cfg32 = tiny_cfg.replace(act_dtype="float32")
     got, (gi, _) = f(p, x, cfg32.replace(impl=f"xla,moe={pallas_impl}"))
     want, (wi, _) = f(p, x, cfg32.replace(impl="xla"))
+    np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    # one token (decode at B = 1): the kernel's sort-free case, every expert held (no zero-fill select)
+    got, (gi, _) = f(p, x[:1, :1], cfg32.replace(impl=f"xla,moe={pallas_impl}"))
+    want, (wi, _) = f(p, x[:1, :1], cfg32.replace(impl="xla"))
     np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     assert dispatch.kernel("moe", pallas_impl) is mk.kernel

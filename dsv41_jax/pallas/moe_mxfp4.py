@@ -111,13 +111,17 @@ def _dot_nt(x, w):
 # ------------------------------------------------------------------------------------------ kernels
 
 
-def _group_rows(gstart_ref, gsize_ref, g, bm, body):
+def _group_rows(gstart_ref, gsize_ref, g, bm, body, one_token: bool = False):
     """Run body(r0, live) over the row blocks of group g (skipped when it has no rows): r0 the first
-    sorted row of the block, live bool [bm] the rows that belong to the group."""
+    sorted row of the block, live bool [bm] the rows that belong to the group. one_token: each group is
+    one assignment in slot order (row g, at most one row; `kernel`'s one-token case: no gstart_ref)."""
     n = gsize_ref[g]
 
     @pl.when(n > 0)
     def _():
+        if one_token:
+            body(g, g + lax.iota(jnp.int32, bm) < g + n)
+            return
         s0 = gstart_ref[g]
 
         def block(rb, carry):
@@ -128,9 +132,24 @@ def _group_rows(gstart_ref, gsize_ref, g, bm, body):
         lax.fori_loop(0, lax.div(n + bm - 1, bm), block, 0)
 
 
-def _gate_up_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, tok_ref, wts_ref, x_ref, w1_ref, s1_ref, w3_ref,
-                    s3_ref, act_ref, *, c):
-    """Program (tile j of I, group g): act[rows, j-tile] = fq8(dt(silu(min(g, L))·clamp(u, ±L)·w))."""
+def _meta_refs(refs, c):
+    """(gexp, gstart or None, gsize, layer) refs and the rest: the one-token case has no group starts."""
+    if c["one_token"]:
+        return (refs[0], None, refs[1], refs[2]), refs[3:]
+    return tuple(refs[:4]), refs[4:]
+
+
+def _gate_up_kernel(*refs, c):
+    """Program (tile j of I, group g): act[rows, j-tile] = fq8(dt(silu(min(g, L))·clamp(u, ±L)·w)).
+
+    refs: gexp, gstart, gsize, layer, tok, wts (the sorted rows' tokens and routing weights, padded), x,
+    w1, s1, w3, s3, act; in the one-token case (c["one_token"]) gexp, gsize, layer, wts (the k slots'
+    weights, unpadded), x, w1, s1, w3, s3, act: every row's token is token 0."""
+    (gexp_ref, gstart_ref, gsize_ref, layer_ref), rest = _meta_refs(refs, c)
+    if c["one_token"]:
+        tok_ref, (wts_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, act_ref) = None, rest
+    else:
+        tok_ref, wts_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, act_ref = rest
     j, g = pl.program_id(0), pl.program_id(1)
     bm, bn, bk, dt, lim = c["bm"], c["bn"], c["bk"], c["dt"], c["limit"]
     row0 = (layer_ref[0] * c["E"] + gexp_ref[g]) * c["I"] + j * bn  # the tile's first weight row
@@ -140,7 +159,12 @@ def _gate_up_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, tok_ref, wts_ref
                              s_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 32), bk // 32)]).astype(jnp.bfloat16)
 
     def rows(r0, live):
-        toks = tok_ref[pl.ds(r0, bm)]
+        if c["one_token"]:
+            toks = jnp.zeros((bm,), jnp.int32)
+            wts = wts_ref[jnp.minimum(r0 + lax.iota(jnp.int32, bm), c["A"] - 1)]  # clamped: in bounds
+        else:
+            toks = tok_ref[pl.ds(r0, bm)]
+            wts = wts_ref[pl.ds(r0, bm)]
 
         def kstep(kc, acc):
             # [bm, bk]: the rows' tokens, gathered, and fp8-quantized here per 32 (the spec's quant of the
@@ -152,15 +176,17 @@ def _gate_up_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, tok_ref, wts_ref
         gg, uu = lax.fori_loop(0, c["D"] // bk, kstep, (z, z))
         gg = jnp.minimum(gg.astype(dt).astype(jnp.float32), lim)  # GEMM outputs rounded to dt, widened
         uu = jnp.clip(uu.astype(dt).astype(jnp.float32), -lim, lim)
-        a = (jax.nn.silu(gg) * uu * wts_ref[pl.ds(r0, bm)][:, None]).astype(dt).astype(jnp.float32)
+        a = (jax.nn.silu(gg) * uu * wts[:, None]).astype(dt).astype(jnp.float32)
         pltriton.store(act_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], _fake_quant_fp8(a).astype(act_ref.dtype),
                        mask=live[:, None])
 
-    _group_rows(gstart_ref, gsize_ref, g, bm, rows)
+    _group_rows(gstart_ref, gsize_ref, g, bm, rows, c["one_token"])
 
 
-def _down_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, act_ref, w2_ref, s2_ref, y_ref, *, c):
-    """Program (tile j of D, group g): y[rows, j-tile] = dt(act[rows] · w2[e, j-tile]ᵀ)."""
+def _down_kernel(*refs, c):
+    """Program (tile j of D, group g): y[rows, j-tile] = dt(act[rows] · w2[e, j-tile]ᵀ).
+    refs: the metadata refs as `_gate_up_kernel`'s (`_meta_refs`), then act, w2, s2, y."""
+    (gexp_ref, gstart_ref, gsize_ref, layer_ref), (act_ref, w2_ref, s2_ref, y_ref) = _meta_refs(refs, c)
     j, g = pl.program_id(0), pl.program_id(1)
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
     row0 = (layer_ref[0] * c["E"] + gexp_ref[g]) * c["D"] + j * bn
@@ -174,7 +200,7 @@ def _down_kernel(gexp_ref, gstart_ref, gsize_ref, layer_ref, act_ref, w2_ref, s2
         acc = lax.fori_loop(0, c["I"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
         pltriton.store(y_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(y_ref.dtype), mask=live[:, None])
 
-    _group_rows(gstart_ref, gsize_ref, g, bm, rows)
+    _group_rows(gstart_ref, gsize_ref, g, bm, rows, c["one_token"])
 
 
 # The alternatives worth timing on a GPU (`scripts/bench_kernels.py --ops moe` times each at 1 and 64
@@ -222,13 +248,14 @@ def call_geometry(name: str, in_avals, out_avals) -> dict | None:
     if part is None:
         return None
     G = in_avals[0].shape[0]
+    # the activation operand: the call's one 2-D float input (metadata is 1-D int, weights are uint)
+    act = next(a for a in in_avals if len(a.shape) == 2 and jnp.issubdtype(a.dtype, jnp.floating))
     if part == "gate_up":
-        N, D = in_avals[6].shape
+        N, D = act.shape
         A_pad, I = out_avals[0].shape
-        a_pad = A_pad - _pad_rows(name)
-        return dict(part=part, A=a_pad, N=N, D=D, I=I, G=G, out_itemsize=0,
-                    x_itemsize=np.dtype(in_avals[6].dtype).itemsize)
-    A_pad, I = in_avals[4].shape
+        return dict(part=part, A=A_pad - _pad_rows(name), N=N, D=D, I=I, G=G, out_itemsize=0,
+                    x_itemsize=np.dtype(act.dtype).itemsize)
+    A_pad, I = act.shape
     D = out_avals[0].shape[1]
     return dict(part=part, A=A_pad - _pad_rows(name), N=0, D=D, I=I, G=G,
                 out_itemsize=np.dtype(out_avals[0].dtype).itemsize)
@@ -306,11 +333,12 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     E, I = ex["w1"]["weight"].shape[-3], ex["w1"]["weight"].shape[-2]
     if A == 0:
         return jnp.zeros((N, k, D), dt)
-    if N == 1:
+    one = N == 1
+    if one:
         # One token (decode at batch 1): its k experts are distinct (top-k), so each assignment is its own
-        # group, in slot order: no sort and no unsort (about ten small launches per layer), and every
-        # group computes what the sorted group of its expert would, bit for bit. The group starts and
-        # token ids are constants (numpy: no launch to make them).
+        # group, in slot order (group g is row g, token 0): no sort, no unsort, no group starts or token
+        # ids to make (about ten small launches per layer fewer), and every group computes what the sorted
+        # group of its expert would, bit for bit.
         local = idx.reshape(A).astype(jnp.int32) - first_expert
         held = (local >= 0) & (local < E)
         gexp, sizes, order = jnp.where(held, local, 0), held.astype(jnp.int32), None
@@ -319,17 +347,18 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     G = sizes.shape[0]
     if gexp is None:
         gexp = jnp.arange(G, dtype=jnp.int32)
-    gstart = (jnp.cumsum(sizes) - sizes).astype(jnp.int32) if order is not None else np.arange(G, dtype=np.int32)
     p = _plan(A, G, D, I, block_m, block_n, block_n2, block_k, block_k2)
     bm = p["bm"]
     a_pad = A + bm  # every row block of every group lies inside the padded rows
-    tok = jnp.pad(order // k, (0, bm)) if order is not None else np.zeros((a_pad,), np.int32)
     wts = w.reshape(A).astype(jnp.float32)
-    wts = jnp.pad(jnp.take(wts, order) if order is not None else wts, (0, bm))
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    meta = [gexp, gstart, sizes.astype(jnp.int32), lay]
+    if one:
+        meta, rows_in = [gexp, sizes.astype(jnp.int32), lay], [wts]
+    else:
+        meta = [gexp, (jnp.cumsum(sizes) - sizes).astype(jnp.int32), sizes.astype(jnp.int32), lay]
+        rows_in = [jnp.pad(order // k, (0, bm)), jnp.pad(jnp.take(wts, order), (0, bm))]
     wt = {n: (_flat(ex[n]["weight"], layer, pairs=True), _flat(ex[n]["scale"], layer)) for n in ("w1", "w3", "w2")}
-    c = dict(E=E, D=D, I=I, dt=dt, limit=float(cfg.swiglu_limit))
+    c = dict(E=E, D=D, I=I, A=A, dt=dt, limit=float(cfg.swiglu_limit), one_token=one)
     params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
     common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],
                       block_k2=p["bk2"], num_warps=num_warps)
@@ -344,7 +373,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
                                                               out_itemsize=out_itemsize,
                                                               x_itemsize=xf.dtype.itemsize)))
 
-    ins = meta + [tok, wts, xf, *wt["w1"], *wt["w3"]]
+    ins = meta + rows_in + [xf, *wt["w1"], *wt["w3"]]
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, c=dict(c, bm=bm, bn=p["bn"], bk=p["bk"])),
         grid=(I // p["bn"], G), in_specs=[whole(a) for a in ins], out_specs=whole(jax.ShapeDtypeStruct((a_pad, I), dt)),
@@ -357,7 +386,9 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         out_specs=whole(jax.ShapeDtypeStruct((a_pad, D), dt)), out_shape=jax.ShapeDtypeStruct((a_pad, D), dt),
         interpret=interpret, compiler_params=params, cost_estimate=cost("down", dt.itemsize, 2 * A * D * I),
         name=f"{NAME}_down_m{bm}_n{p['bn2']}_k{p['bk2']}")(*ins)
-    if order is None:  # slot order already; a slot of an expert not held is never written: exact zeros
+    if one:  # slot order already; a slot of an expert not held is never written: exact zeros
+        if isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts:
+            return y[:A].reshape(N, k, D)  # every expert is here: every slot was written
         return jnp.where(held[:, None], y[:A], jnp.zeros((), y.dtype)).reshape(N, k, D)
     return moe.unsort_slots(y[:A], order, held, N, k)
 
