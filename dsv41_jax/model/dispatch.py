@@ -101,7 +101,7 @@ def kernel_available(op: str) -> bool:
 # the 4-layer flash cut's decode step (scripts/bench_decode.py --part a) 3.99 vs 4.63 ms at B=1, 30.0 vs
 # 112.4 ms at B=64 (docs/benchmarks.md, "The model on an H200"). Prefill sizes (512+ tokens) are not timed yet.
 # linear: xla until timed. The fused fp8 / MXFP4 GEMM kernel (pallas/quant_linear.py) makes each quantized
-# matmul one launch (the flash cut's B=1 step compiled for an H200: 30 calls replace 82 kernels,
+# matmul one launch (the flash cut's B=1 step compiled for an H200: 30 calls replace 86 kernels,
 # docs/benchmarks.md, "Launches per decode step"), but it has not run on a GPU yet: `scripts/gpu_check.sh` times it
 # (scripts/bench_kernels.py --ops linear, and the flash cut's decode with "auto,linear=pallas").
 GPU_AUTO: dict = {"attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas",

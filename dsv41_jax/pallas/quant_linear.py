@@ -16,7 +16,7 @@ compute — the spec's GEMM of an fp8-quantized activation with a stored weight 
 
 Why: at decode sizes the xla path is a chain of small launches — per matmul the K-blockwise partial sums
 and their scaled sum, per quantized input its amax, the scale and the codes — each on a few thread blocks
-(in the H200-target compile of the flash cut at B = 1, 30 calls of this kernel replace 82 kernels:
+(in the H200-target compile of the flash cut at B = 1, 30 calls of this kernel replace 86 kernels:
 docs/benchmarks.md, "Launches per decode step"). Here a linear is one launch whose programs tile N (and
 M), each streaming its weight rows once; the activation enters as it is (no pad).
 
