@@ -12,9 +12,9 @@
 #   3. from the start, beside 1-2: the server on nano (`python -m dsv41_jax.serve`, kernels chosen by
 #      `auto`) answering the quick-start demo (thinking, a tool call, json_schema, /metrics); its log
 #      gives the start-up (compile) time                                                    T_SERVER=200
-#   4. after 1-3: the MoE kernel vs the xla grouped path at flash's expert shapes, 1-512 tokens
-#      (time, GB/s, diff), and its tuning candidates at 1 and 64 tokens; the fused linear kernel vs the
-#      xla fp8 GEMM at flash's wq_a / wq_b / wkv / wo_b, 1-64 rows, and its candidates        T_MOE=170
+#   4. after 1-3: the fused linear kernel vs the xla fp8 GEMM at flash's wq_a / wq_b / wkv / wo_b, 1
+#      and 64 rows, its tuning candidates at 1 row; then the MoE kernel vs the xla grouped path at
+#      flash's expert shapes, 1-512 tokens (time, GB/s, diff), its candidates at 1 and 64   T_MOE=170
 #   5. from the start, in the background: the decode step of a flash-dimension cut (layers 0,2,3,20:
 #      window, ratio-2 source, ratio-2 reader, ratio-1 source + candidates: 30 GiB; layer 1's Engram table
 #      alone is 101 GiB, a row gather per step) with random weights in the stored formats, at B = 1, 64, 8
@@ -105,7 +105,7 @@ step model_tests "${T_MODEL:-120}" "${PYTEST[@]}" tests/test_fastpath_attention.
   tests/test_prefix_cache.py -k "pallas_equals_xla or greedy_speculation_equals_plain or cached_prefix_equals_cold_exact"
 wait "$server_pid" || status=1
 if [ -n "$DRY" ]; then GRID=--smoke; else GRID=--quick; fi
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step moe_kernel "${T_MOE:-170}" "$PY" scripts/bench_kernels.py --ops moe,linear \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step moe_kernel "${T_MOE:-170}" "$PY" scripts/bench_kernels.py --ops linear,moe \
   "$GRID" --reps 5 --out "$OUT/bench_moe.json"
 if [ -n "${ALL_KERNELS:-}" ]; then  # optional: every kernel's micro-benchmark (scripts/bench_kernels.py --quick)
   step bench_kernels "${T_ALL:-300}" "$PY" scripts/bench_kernels.py "$GRID" --out "$OUT/bench_kernels.json"

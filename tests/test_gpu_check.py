@@ -88,7 +88,7 @@ def test_dry_run(tmp_path):
     case = doc["cases"][0]
     assert case["kernel_launches"] > 0 and case["weight_bytes_per_step"] > 0 and case["frac_copy_bandwidth"] > 0
     moe = json.loads((tmp_path / "bench_moe.json").read_text())
-    assert [r["op"] for r in moe["records"]] == ["moe", "linear"] and moe["records"][0]["max_diff"] == 0.0
+    assert [r["op"] for r in moe["records"]] == ["linear", "moe"] and moe["records"][1]["max_diff"] == 0.0
     assert {c["impl"] for c in doc["cases"]} == {"auto", "auto,linear=pallas_interpret"}
 
 
