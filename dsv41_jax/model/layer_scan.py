@@ -193,6 +193,20 @@ def stack_tree(trees, traced: bool = False):
     return jax.tree_util.tree_map(_stack_leaves, *trees, is_leaf=_is_leaf)
 
 
+def get_path(tree, path):
+    """tree[path[0]][path[1]]... (a path of dict keys)."""
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def set_path(tree, path, value):
+    """A copy of nested dict `tree` with `path` set to `value` (the dicts on the path copied)."""
+    if not path:
+        return value
+    return dict(tree, **{path[0]: set_path(tree[path[0]], path[1:], value)})
+
+
 def is_stacked(params) -> bool:
     return STACKS in params
 

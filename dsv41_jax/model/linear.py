@@ -99,19 +99,6 @@ def stacked_paths(tree) -> list:
     return out
 
 
-def get_path(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def set_path(tree, path, value):
-    """A copy of nested dict `tree` with `path` set to `value` (the dicts on the path copied)."""
-    if not path:
-        return value
-    return dict(tree, **{path[0]: set_path(tree[path[0]], path[1:], value)})
-
-
 def layer_weight(p):
     """A linear's params inside a layer-scan run: `p` as it is, or — with ``"layer"`` (the scan counter),
     where the kernel runs — the run's stacks [n, ...] in storage dtypes (uint8), sliced here to the layer's

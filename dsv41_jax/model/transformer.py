@@ -166,14 +166,14 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     # fused with the scan's dynamic slice, so XLA would copy each weight per layer (flash at B=1: 420
     # weight copies, 3.9 GB per step, in the H200-target compile); the kernel reads the layer's rows out
     # of the run's stacks instead (`linear.layer_weight`). The xla path keeps the slice, which fuses.
-    lin = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
+    in_place = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
     # and the mHC mixes' fn / base / scale when the mhc kernel runs (`mhc.sublayer_enter`'s layer)
     if mhc_kernel_runs(cfg):
-        lin = lin + [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
-    lin_stacks = {path: linear.get_path(rest, path) for path in lin}
-    for path in lin:
-        rest = linear.set_path(rest, path, None)
-        like = linear.set_path(like, path, None)
+        in_place += [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
+    stacks = {path: layer_scan.get_path(rest, path) for path in in_place}
+    for path in in_place:  # not scanned over: the body gets them whole
+        rest = layer_scan.set_path(rest, path, None)
+        like = layer_scan.set_path(like, path, None)
 
     def body(carry, inp):
         # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
@@ -183,8 +183,8 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         lp, row = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
-        for path, st in lin_stacks.items():
-            lp = linear.set_path(lp, path, dict(st, layer=k) if isinstance(st, dict) else st)
+        for path, st in stacks.items():
+            lp = layer_scan.set_path(lp, path, dict(st, layer=k) if isinstance(st, dict) else st)
         if mhc_kernel_runs(cfg):
             lp = dict(lp, hc_layer=k)
         h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row, k), None,
