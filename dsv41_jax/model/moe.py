@@ -237,24 +237,11 @@ def combine_slots(y, idx):
     """fp32 [N, D]: each token's k slot outputs y [N, k, D] in ascending expert id, folded left to right
     in fp32 — the reference's additions in the reference's order."""
     k = idx.shape[1]
-    # The slots in ascending expert id (ties by slot, as a stable sort) without a sort: slot j's rank is the
-    # number of slots before it in that order, and the r-th addend is selected by rank (exact selects; k is
-    # 6, so k² comparisons) — elementwise work XLA fuses with the additions, where a sort is a launch of its
-    # own per layer.
-    pos = jnp.arange(k)
-    before = (idx[:, :, None] < idx[:, None, :]) | ((idx[:, :, None] == idx[:, None, :]) & (pos[:, None] < pos[None, :]))
-    rank = jnp.sum(before, axis=1)  # [N, k]: rank[n, j] = #{i before j}
-    y = y.astype(jnp.float32)
-
-    def addend(r):
-        out = y[:, 0]
-        for j in range(1, k):
-            out = jnp.where((rank[:, j] == r)[:, None], y[:, j], out)
-        return jnp.where((rank[:, 0] == r)[:, None], y[:, 0], out)
-
-    acc = jnp.zeros(y.shape[:1] + y.shape[2:], jnp.float32) + addend(0)
-    for r in range(1, k):
-        acc = acc + addend(r)
+    perm = jnp.argsort(idx, axis=1, stable=True)
+    y = jnp.take_along_axis(y, perm[..., None], axis=1).astype(jnp.float32)
+    acc = jnp.zeros(y.shape[:1] + y.shape[2:], jnp.float32) + y[:, 0]
+    for j in range(1, k):
+        acc = acc + y[:, j]
     return acc
 
 
