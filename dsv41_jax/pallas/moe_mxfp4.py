@@ -285,29 +285,30 @@ def _plan(A: int, G: int, D: int, I: int, block_m, block_n, block_n2, block_k, b
     return p
 
 
-def _flat(a, layer, pairs: bool = False):
+def _flat(a, pairs: bool = False, kernel: str = NAME):
     """A weight / scale stack [E, R, C] (or a run's [n, E, R, C]) as [rows, C] uint8 bits, or with
     ``pairs`` as [rows, C/2] uint16 (byte pairs: a bitcast, no copy).
 
     Why pairs for the packed weights: the Pallas Triton lowering addresses an operand with int32 element
     offsets unless the operand is over 2^32 bytes; one layer's packed w1 of flash is 2.26e9 one-byte
     elements, so experts past the 2^31st byte wrapped (an illegal address, or another expert's weights:
-    seen on an H200). As uint16 an operand of at most 2^32 bytes has at most 2^31 elements."""
+    seen on an H200). As uint16 an operand of at most 2^32 bytes has at most 2^31 elements. `kernel`
+    names the caller in a refusal (`pallas/quant_linear.py` flattens its weights here too)."""
     if a.dtype != jnp.uint8:
         a = lax.bitcast_convert_type(a, jnp.uint8)
     a = a.reshape(-1, a.shape[-1])
     if pairs:
         a = lax.bitcast_convert_type(a.reshape(a.shape[0], a.shape[1] // 2, 2), jnp.uint16)
-    _check_offsets(a)
+    _check_offsets(a, kernel)
     return a
 
 
-def _check_offsets(a) -> None:
+def _check_offsets(a, kernel: str = NAME) -> None:
     """Refuse an operand whose element offsets would wrap in the Triton lowering (int32 offsets for
     operands up to 2^32 bytes): an element offset past 2^31 - 1 in at most 2^32 bytes."""
     n, nbytes = math.prod(a.shape), math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
     if nbytes <= 2**32 and n - 1 > 2**31 - 1:
-        raise NotImplementedError(f"moe_mxfp4: an operand of {n} {jnp.dtype(a.dtype).name} elements ({nbytes} "
+        raise NotImplementedError(f"{kernel}: an operand of {n} {jnp.dtype(a.dtype).name} elements ({nbytes} "
                                   "bytes) would be addressed with wrapping int32 offsets by the Triton lowering")
 
 
@@ -357,7 +358,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     else:
         meta = [gexp, (jnp.cumsum(sizes) - sizes).astype(jnp.int32), sizes.astype(jnp.int32), lay]
         rows_in = [jnp.pad(order // k, (0, bm)), jnp.pad(jnp.take(wts, order), (0, bm))]
-    wt = {n: (_flat(ex[n]["weight"], layer, pairs=True), _flat(ex[n]["scale"], layer)) for n in ("w1", "w3", "w2")}
+    wt = {n: (_flat(ex[n]["weight"], pairs=True), _flat(ex[n]["scale"])) for n in ("w1", "w3", "w2")}
     c = dict(E=E, D=D, I=I, A=A, dt=dt, limit=float(cfg.swiglu_limit), one_token=one)
     params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
     common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],

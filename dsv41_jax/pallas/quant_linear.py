@@ -202,8 +202,8 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
     mp = -(-M // bm) * bm  # the output's rows: whole row blocks (the slice back to M fuses into its consumer)
     x2 = x.reshape(M, K)
-    wb = mx._flat(w, None, pairs=fmt == "mxfp4")  # [(n·)N, K or K/4]: a stack's layers one after another
-    sb = mx._flat(s, None)
+    wb = mx._flat(w, pairs=fmt == "mxfp4", kernel=NAME)  # [(n·)N, K or K/4]: a stack's layers one after another
+    sb = mx._flat(s, kernel=NAME)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     common.log_choice(NAME, interpret, block_m=bm, block_n=bn, block_k=bk, num_warps=num_warps, num_stages=num_stages)
 
