@@ -22,7 +22,8 @@ def test_bench_kernels_smoke(tmp_path):
     rep = json.loads(out.read_text())
     got = {(r["op"], r["part"]) for r in rep["records"]}
     assert got == {("attention", "call"), ("indexer", "call"), ("engram", "gather"), ("engram", "gate"),
-                   ("mhc", "enter"), ("mhc", "exit"), ("moe", "call"), ("linear", "call")}
+                   ("mhc", "enter"), ("mhc", "exit"), ("mhc", "enter_norm"),
+                   ("mhc", "exit_enter"), ("moe", "call"), ("linear", "call")}
     for r in rep["records"]:
         assert r["bytes"] > 0 and r["kernel_s"] > 0 and r["xla_s"] > 0
         assert math.isfinite(r["max_diff"])

@@ -248,14 +248,20 @@ def test_kernels_read_a_runs_stacks_in_place(cfgs, params):
     fwd = jax.jit(forward, static_argnames=("cfg", "return_aux"))
     calls = _pallas_calls(fwd.trace(params, tokens, on, return_aux=True).jaxpr.jaxpr)
     lin = [c for c in calls if c[0].startswith("quant_linear_")]
-    enters = [c for c in calls if c[0].startswith("mhc_enter")]
-    # per run: wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2; two mHC entries per layer
-    assert sum(c[2] for c in lin) >= 2 * 7 and sum(c[2] for c in enters) == 2 * 2, calls
+    enters = [c for c in calls if c[0].startswith(("mhc_enter", "mhc_exit_enter"))]
+    tails = [c for c in calls if c[0] == "mhc_mix_norm_tail"]
+    # per run: wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2; two mHC entries per layer (the
+    # attention's, and the ffn's fused with the attention's exit), each with its norm in the tail
+    assert sum(c[2] for c in lin) >= 2 * 7 and sum(c[2] for c in enters) == sum(c[2] for c in tails) == 2 * 2, calls
+    assert sum(c[0].startswith("mhc_exit_enter") for c in enters) * 2 == len(enters), calls
     for name, shapes, inside, n_out in lin:
         assert shapes[0] == (1,)  # the layer index
         assert shapes[2][0] == (2 if inside else 1) * n_out, (name, shapes)  # the weight's rows
     for name, shapes, inside, _ in enters:
-        assert shapes[0] == (1,) and shapes[3][0] == (2 if inside else 1) * mix, (name, shapes)  # fn's rows
+        fn_at = 6 if name.startswith("mhc_exit_enter") else 3  # after (lay, y, h, post, comb, pp) or (lay, h, pp)
+        assert shapes[0] == (1,) and shapes[fn_at][0] == (2 if inside else 1) * mix, (name, shapes)  # fn's rows
+    for name, shapes, inside, _ in tails:  # (lay, partials x3, x_in, the norm weight flat, ...)
+        assert shapes[5][0] == (2 if inside else 1) * on.hidden_size, (name, shapes)
     lg_s, aux_s = fwd(params, tokens, on, return_aux=True)
     lg_u, aux_u = fwd(params, tokens, off, return_aux=True)
     for key in ("topk", "cand", "experts"):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model import codec, dispatch, engram, mhc
+from dsv41_jax.model import codec, dispatch, engram, mhc, norm
 from dsv41_jax.pallas import engram_gather as eg
 from dsv41_jax.pallas import mhc_mix as mm
 
@@ -185,6 +185,45 @@ def test_mhc_exit(pallas_impl, lead, D, dts):
         _close(got, mhc.hc_post(y, h, post, comb, dt), dt, f"hc_post {dt}")
 
 
+# (token shape, D, splits): 10 ragged tokens unsplit (the norm then needs the tail kernel too); one token at
+# D = 512 in 4 splits (decode's shape: partial Σx² per split)
+FUSED_CASES = [((2, 5), 64, None), ((1, 1), 512, 4)]
+
+
+@pytest.mark.parametrize("lead, D, splits", FUSED_CASES, ids=["tiny10", "d512-1tok-s4"])
+def test_mhc_fused_norm_and_exit_enter(pallas_impl, lead, D, splits):
+    """The sublayer's RMSNorm fused into the enter kernel's tail, and the exit + enter pass (`exit_enter`),
+    against the jnp references: h' = hc_post within one bf16 ulp, x_in = rmsnorm(hc_pre(h')) within one bf16
+    ulp of the reference computed from the kernel's own h', the mixes within test_mhc_enter's tolerances.
+    In interpret mode the fused pass is the separate kernels' arithmetic bit for bit (the same per-chunk
+    ops; natively a compiler may contract differently, so only the tolerances are asserted there). A
+    layer-stacked norm weight / fn read in place (layer 1 of 2) equals the unstacked call."""
+    n, interp = 4, pallas_impl == "pallas_interpret"
+    rng = np.random.default_rng(40 + D)
+    h, pp, fn, base, scale = _mhc_inputs(rng, lead, n, D, BF16)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, D), BF16)
+    y = jnp.asarray(rng.standard_normal((*lead, D)), BF16)
+    post = jnp.asarray(rng.uniform(0, 2, (*lead, n)), jnp.float32)
+    comb = jax.nn.softmax(jnp.asarray(rng.standard_normal((*lead, n, n)), jnp.float32), axis=-2)
+    kw = dict(norm_eps=1e-20, hc_eps=1e-6, iters=20, dt=BF16, splits=splits, interpret=interp)
+    hn, *entered = mm.exit_enter(y, h, post, comb, pp, fn, base, scale, norm_weight=w, **kw)
+    _assert_bf16_ulp(hn, mhc.hc_post(y, h, post, comb, BF16), "h'")
+    x_ref, *mixes_ref = _ref_enter(hn, pp, fn, base, scale, BF16)
+    want = (norm.rmsnorm(x_ref, w, 1e-20, BF16), *mixes_ref)
+    _check_enter(entered, want, BF16)
+    alone = mm.mixes_enter(hn, pp, fn, base, scale, norm_weight=w, **kw)
+    _check_enter(alone, want, BF16)
+    if interp:
+        np.testing.assert_array_equal(_f32(hn), _f32(mm.post_mix(y, h, post, comb, dt=BF16, interpret=True)))
+        for a, b in zip(entered, alone):
+            np.testing.assert_array_equal(_f32(a), _f32(b))
+    # stacked: layer 1 of a two-layer run's fn / base / scale / norm weight
+    st = [jnp.stack([jnp.zeros_like(a), a]) for a in (fn, base, scale, w)]
+    stacked = mm.exit_enter(y, h, post, comb, pp, *st[:3], norm_weight=st[3], layer=jnp.int32(1), **kw)
+    for a, b in zip(stacked, (hn, *entered)):
+        np.testing.assert_array_equal(_f32(a), _f32(b))
+
+
 def test_mhc_seams(pallas_impl, tiny_cfg, tiny_params):
     """sublayer_enter / sublayer_exit: "reference" / "xla" are today's calls bit for bit; the Pallas
     impl on the tiny preset's real weights (n=4, D=64, 10 tokens) agrees within the stated tolerances."""
@@ -209,6 +248,23 @@ def test_mhc_seams(pallas_impl, tiny_cfg, tiny_params):
     _assert_bf16_ulp(outs[pallas_impl][1], ref_exit, "exit")
     with pytest.raises(NotImplementedError, match="exact"):
         mhc.sublayer_enter(h, pp, *w, tiny_cfg.replace(act_dtype="exact", impl=f"xla,mhc={pallas_impl}"), F32)
+    # the fused seams: norm_weight and sublayer_exit_enter are the separate calls ("reference" / "xla": bit for
+    # bit; Pallas: within the tolerances)
+    nw = lp["ffn_norm"]["weight"]
+    post, comb = outs["reference"][0][2], outs["reference"][0][3]
+    for impl in ("reference", "xla", pallas_impl):
+        cfg = tiny_cfg.replace(impl=f"xla,mhc={impl}")
+        hn, entered = mhc.sublayer_exit_enter(y, h, post, comb, pp, *w, cfg, BF16, norm_weight=nw)
+        h_ref = mhc.hc_post(y, h, post, comb, BF16)
+        x_ref = norm.rmsnorm(mhc.hc_pre(h_ref, pp, BF16), nw, tiny_cfg.rms_norm_eps, BF16)
+        if impl == pallas_impl:
+            _assert_bf16_ulp(hn, h_ref, "exit_enter h'")
+            _check_enter(entered, (x_ref, *mhc.sublayer_mixes(hn, *w, tiny_cfg.replace(impl="xla,mhc=reference"))),
+                         BF16)
+        else:
+            np.testing.assert_array_equal(_f32(hn), _f32(h_ref))
+            for a, b in zip(entered, (x_ref, *mhc.sublayer_mixes(h_ref, *w, cfg))):
+                np.testing.assert_array_equal(_f32(a), _f32(b))
 
 
 def test_mhc_exact_mode_auto_is_xla(pallas_impl, tiny_cfg, monkeypatch):

@@ -15,8 +15,10 @@ caller's business (the layer code), not this module's.
 
 The seam the layer code calls, by implementation (`dispatch.resolve(cfg, "mhc")`):
 :func:`sublayer_enter` (hc_pre with the previous sublayer's pre + this sublayer's mixes, both from
-the same h, so a kernel reads h once) and :func:`sublayer_exit` (hc_post). "reference" / "xla" run
-the functions above unchanged; "pallas" / "pallas_interpret" run `dsv41_jax.pallas.mhc_mix`.
+the same h, so a kernel reads h once; optionally the sublayer's RMSNorm of x_in too), :func:`sublayer_exit`
+(hc_post) and :func:`sublayer_exit_enter` (one sublayer's exit and the next one's enter: the kernel keeps
+the new streams in registers between the two). "reference" / "xla" run the functions above unchanged;
+"pallas" / "pallas_interpret" run `dsv41_jax.pallas.mhc_mix`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
+from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import einsum_exact, is_exact, mean_f32, x64_scope
 
 log = logging.getLogger(__name__)
 
-__all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post", "sublayer_enter", "sublayer_exit"]
+__all__ = ["sinkhorn", "hc_mixes", "sublayer_mixes", "hc_pre", "hc_post", "sublayer_enter", "sublayer_exit",
+           "sublayer_exit_enter"]
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float, unroll: bool = False) -> jnp.ndarray:
@@ -296,7 +300,7 @@ def _log_exact_auto(spec: str) -> None:
              "using 'xla'", spec)
 
 
-def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None):
+def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weight=None):
     """Everything a sublayer needs from the streams before it runs, by implementation.
 
     Args:
@@ -306,21 +310,26 @@ def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None):
         (fp32).
       cfg: `ModelConfig` (eps constants, the implementation switch); dt: dtype of x_in.
       layer: None, or — inside a layer-scan run where the kernel runs — the layer (int32 scalar) of
-        fn / base / scale given as the run's stacks [n, ...]: the kernel reads that layer's rows in place
-        (XLA would copy a sliced operand of a Pallas call per layer); the jnp paths slice it here.
+        fn / base / scale (and norm_weight) given as the run's stacks [n, ...]: the kernel reads that layer's
+        rows in place (XLA would copy a sliced operand of a Pallas call per layer); the jnp paths slice it here.
+      norm_weight: None, or the sublayer's RMSNorm weight [D] (``attn_norm`` / ``ffn_norm``): x_in comes back
+        normed (``norm.rmsnorm``), which the kernel fuses into its tail (two XLA launches fewer per sublayer).
 
     Returns:
-      (x_in [..., D] dt = ``hc_pre(h, pre_prev, dt)``, pre [..., n], post [..., n], comb [..., n, n])
-      with the mixes of :func:`sublayer_mixes` (fp32). "reference" / "xla": exactly those two calls
-      (bitwise today's numbers); Pallas: one fused pass over h (`dsv41_jax.pallas.mhc_mix`).
+      (x_in [..., D] dt = ``hc_pre(h, pre_prev, dt)`` (normed with norm_weight), pre [..., n], post [..., n],
+      comb [..., n, n]) with the mixes of :func:`sublayer_mixes` (fp32). "reference" / "xla": exactly those
+      calls (bitwise today's numbers); Pallas: one fused pass over h (`dsv41_jax.pallas.mhc_mix`).
     """
     impl = _seam_impl(cfg)
     if impl in ("pallas", "pallas_interpret"):
-        return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt,
-                                            interpret=impl == "pallas_interpret", layer=layer)
+        return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt, interpret=impl == "pallas_interpret",
+                                            layer=layer, norm_weight=norm_weight)
     if layer is not None:
         fn, base, scale = fn[layer], base[layer], scale[layer]
+        norm_weight = None if norm_weight is None else norm_weight[layer]
     x_in = hc_pre(h, pre_prev, dt)
+    if norm_weight is not None:
+        x_in = rmsnorm(x_in, norm_weight, cfg.rms_norm_eps, dt, is_exact(cfg))
     return (x_in, *_mixes(h, fn, base, scale, cfg, impl))
 
 
@@ -338,3 +347,18 @@ def sublayer_exit(y, h, post, comb, cfg, dt):
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"mhc: no {impl!r} implementation")
     return hc_post(y, h, post, comb, dt)
+
+
+def sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weight=None):
+    """Leave one sublayer and enter the next: (h', (x_in, pre, post, comb)) with
+    ``h' = sublayer_exit(y, h, post, comb, cfg, dt)`` and the rest ``sublayer_enter(h', pre_prev, fn, base,
+    scale, cfg, dt, layer, norm_weight)`` — pre_prev being the exiting sublayer's pre. "reference" / "xla":
+    exactly those two calls; Pallas: one kernel pass (`mhc_mix.exit_enter`: each chunk of h' is written
+    once and used from registers, one launch fewer)."""
+    impl = _seam_impl(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        return dispatch.kernel("mhc", impl, "sublayer_exit_enter")(
+            y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, interpret=impl == "pallas_interpret", layer=layer,
+            norm_weight=norm_weight)
+    h = sublayer_exit(y, h, post, comb, cfg, dt)
+    return h, sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=layer, norm_weight=norm_weight)

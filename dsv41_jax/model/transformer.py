@@ -22,18 +22,39 @@ from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling
 from dsv41_jax.model.engram import engram, hash_rows
-from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit
+from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit, sublayer_exit_enter
 from dsv41_jax.model.mhc import kernel_runs as mhc_kernel_runs
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 
 
+def _sub_weights(layer_p, sub: str):
+    """Sublayer `sub`'s mHC fn / base / scale and its RMSNorm weight (``attn_norm`` / ``ffn_norm``)."""
+    return (layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"]), \
+        layer_p[f"{sub}_norm"]["weight"]
+
+
 def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
-    """Entering sublayer `sub` ("attn" | "ffn") with streams h [.., n, D]: (x_in = hc_pre(h, pre_prev) in
-    `dt`, and the pre / post / comb mixes of h), through the mhc seam (`mhc.sublayer_enter`)."""
-    return sublayer_enter(h, pre_prev, layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"],
-                          layer_p[f"hc_{sub}_scale"], cfg, dt, layer=layer_p.get("hc_layer"))
+    """Entering sublayer `sub` ("attn" | "ffn") with streams h [.., n, D]: (x = the sublayer's RMSNorm of
+    hc_pre(h, pre_prev), in `dt`, and the pre / post / comb mixes of h), through the mhc seam
+    (`mhc.sublayer_enter`, which fuses the norm where its kernel runs)."""
+    w, norm_w = _sub_weights(layer_p, sub)
+    return sublayer_enter(h, pre_prev, *w, cfg, dt, layer=layer_p.get("hc_layer"), norm_weight=norm_w)
+
+
+def exit_enter(layer_p, sub: str, y, h, post, comb, pre, cfg, dt, par=None):
+    """Leave a sublayer (output y, its post / comb / pre) and enter sublayer `sub`: (h', `enter`'s result).
+    One mhc seam call (`mhc.sublayer_exit_enter`: one kernel where the mhc kernel runs); on a mesh of more
+    than one device the two stay apart, so h' is pinned replicated (`replicated`) before the enter sums over it."""
+    y = replicated(y, par)
+    if par is not None and par.size > 1:
+        h = replicated(sublayer_exit(y, h, post, comb, cfg, dt), par)
+        return h, enter(layer_p, sub, h, pre, cfg, dt)
+    w, norm_w = _sub_weights(layer_p, sub)
+    h, entered = sublayer_exit_enter(y, h, post, comb, pre, *w, cfg, dt, layer=layer_p.get("hc_layer"),
+                                     norm_weight=norm_w)
+    return replicated(h, par), entered
 
 
 def embed_streams(params, tokens, cfg, dt, par=None):
@@ -133,11 +154,8 @@ def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=
     rec = {"layer_inputs": h}
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
     x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
-    x = rmsnorm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     y, out = attn_fn(x)
-    h = replicated(sublayer_exit(replicated(y, par), h, a_post, a_comb, cfg, dt), par)
-    x, f_pre, f_post, f_comb = enter(lp, "ffn", h, a_pre, cfg, dt)
-    x = rmsnorm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    h, (x, f_pre, f_post, f_comb) = exit_enter(lp, "ffn", y, h, a_post, a_comb, a_pre, cfg, dt, par)
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par)
     rec["experts"] = eidx
     h = replicated(sublayer_exit(replicated(y, par), h, f_post, f_comb, cfg, dt), par)
@@ -167,10 +185,16 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     # weight copies, 3.9 GB per step, in the H200-target compile); the kernel reads the layer's rows out
     # of the run's stacks instead (`linear.layer_weight`). The xla path keeps the slice, which fuses.
     in_place = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
-    # and the mHC mixes' fn / base / scale when the mhc kernel runs (`mhc.sublayer_enter`'s layer)
+    # and the mHC mixes' fn / base / scale and the sublayer norms' weights when the mhc kernel runs
+    # (`mhc.sublayer_enter`'s layer)
     if mhc_kernel_runs(cfg):
         in_place += [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
+        in_place += [(f"{sub}_norm", "weight") for sub in ("attn", "ffn")]  # its tail runs the norms
     stacks = {path: layer_scan.get_path(rest, path) for path in in_place}
+    # a whole stack back to its declared dtype (the norms' bf16 is stored as uint16: `layer_scan.storage_dtype`);
+    # the linears' dicts stay in storage dtypes (`linear.layer_weight`)
+    stacks = {path: st if isinstance(st, dict) else layer_scan.load_row(st, layer_scan.get_path(like, path))
+              for path, st in stacks.items()}
     for path in in_place:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
         like = layer_scan.set_path(like, path, None)

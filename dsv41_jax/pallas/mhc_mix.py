@@ -53,7 +53,8 @@ from dsv41_jax.model import mhc as mhc_ref
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
-__all__ = ["kernel", "sublayer_enter", "sublayer_exit", "mixes_enter", "bench_inputs", "bytes_moved"]
+__all__ = ["kernel", "sublayer_enter", "sublayer_exit", "sublayer_exit_enter", "mixes_enter", "exit_enter",
+           "post_mix", "bench_inputs", "bytes_moved"]
 
 ENTER_TOKEN_BLOCK = 16  # Triton's dot needs M >= 16
 ENTER_MAX_CHUNK = 128  # live fp32 tiles: h [16, 128] and fn [32, 128]
@@ -189,15 +190,24 @@ def _finish(acc, ss, lay, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, t
 
 # ------------------------------------------------------------------------------------------ kernels
 
-def _enter_kernel(lay_ref, h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs, m: int, n: int, d: int, bt: int,
-                  bd: int, splits: int, lanes: int, norm_eps: float, hc_eps: float, iters: int):
-    # lay_ref int32 [1]: the layer in a scan run's stacks (0: one layer's params); h_ref [M, n, D]; pp_ref
-    # f32 [M, n]; fn_ref f32 [(layers·)mix, n·D]; base_ref f32 [(layers·)mix]; scale_ref f32 [(layers·)3].
-    # out_refs: x_ref [M, D], then pre [M, n], post [M, n], comb [M, n²] (splits == 1)
-    #           or partial projections f32 [S, M, L] and partial Σh² f32 [S, M] (splits > 1).
-    x_ref = out_refs[0]
+def _enter_kernel(lay_ref, *refs, m: int, n: int, d: int, bt: int, bd: int, splits: int, lanes: int, exit_: bool,
+                  norm: bool, norm_eps: float, hc_eps: float, iters: int):
+    # lay_ref int32 [1]: the layer in a scan run's stacks (0: one layer's params).
+    # refs, inputs: h_ref [M, n, D] (the streams), or with exit_ the previous sublayer's y_ref [M, D], h_ref [M, n, D],
+    #   post_ref f32 [M, n], comb_ref f32 [M, n²] (the streams are hc_post of those, computed here); then pp_ref
+    #   f32 [M, n]; fn_ref f32 [(layers·)mix, n·D]; base_ref f32 [(layers·)mix]; scale_ref f32 [(layers·)3].
+    # refs, outputs: with exit_ the new streams hn_ref [M, n, D]; x_ref [M, D]; then pre [M, n], post [M, n],
+    #   comb [M, n²] (splits == 1 without norm) or partial projections f32 [S, M, L], partial Σh² f32 [S, M]
+    #   and with norm partial Σx² f32 [S, M] of the rounded x (the tail kernel finishes).
+    if exit_:
+        y_ref, h_ref, epost_ref, ecomb_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs = refs
+        hn_ref, x_ref, *out_refs = out_refs
+    else:
+        h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs = refs
+        x_ref, *out_refs = out_refs
     i, s = pl.program_id(0), pl.program_id(1)
     t0 = i * bt
+    rows = pl.ds(t0, bt)
     tmask = t0 + jnp.arange(bt) < m
     tm2 = tmask[:, None]
     fmask = (jnp.arange(lanes) < (2 + n) * n)[:, None]
@@ -205,47 +215,95 @@ def _enter_kernel(lay_ref, h_ref, pp_ref, fn_ref, base_ref, scale_ref, *out_refs
     frows = _rows_in_bounds(lanes, (2 + n) * n)[:, None] + lay * ((2 + n) * n)  # fn tile [lanes, bd]: both axes as index
     dlane = jnp.arange(bd, dtype=jnp.int32)                 # arrays (interpret mode takes no mix)
     per_split = d // splits
-    pp = [pltriton.load(pp_ref.at[pl.ds(t0, bt), _i(c)], mask=tmask, other=0.0) for c in range(n)]
+    pp = [pltriton.load(pp_ref.at[rows, _i(c)], mask=tmask, other=0.0) for c in range(n)]
+    if exit_:  # the exiting sublayer's mixes, per token: loop-invariant
+        epost = [pltriton.load(epost_ref.at[rows, _i(j)], mask=tmask, other=0.0)[:, None] for j in range(n)]
+        ecomb = [[pltriton.load(ecomb_ref.at[rows, _i(n * c + j)], mask=tmask, other=0.0)[:, None] for j in range(n)]
+                 for c in range(n)]
 
     def body(k, carry):
-        acc, ss = carry
+        acc, ss, xs = carry
         d0 = s * per_split + k * bd
+        cols = pl.ds(d0, bd)
+        if exit_:
+            y = pltriton.load(y_ref.at[rows, cols], mask=tm2, other=0).astype(jnp.float32)
+            hs = [pltriton.load(h_ref.at[rows, _i(c), cols], mask=tm2, other=0).astype(jnp.float32) for c in range(n)]
         x = None
         for c in range(n):
-            hc = pltriton.load(h_ref.at[pl.ds(t0, bt), _i(c), pl.ds(d0, bd)], mask=tm2, other=0).astype(jnp.float32)
+            if exit_:
+                # hc_post: out_c = post_c·y + Σ_i C[i, c]·h_i (static order, as `_exit_kernel`), rounded to the
+                # stream dtype, which is what the next sublayer reads
+                res = None
+                for i2 in range(n):
+                    res = ecomb[i2][c] * hs[i2] if res is None else res + ecomb[i2][c] * hs[i2]
+                hn = (epost[c] * y + res).astype(hn_ref.dtype)
+                pltriton.store(hn_ref.at[rows, _i(c), cols], hn, mask=tm2)
+                hc = hn.astype(jnp.float32)
+            else:
+                hc = pltriton.load(h_ref.at[rows, _i(c), cols], mask=tm2, other=0).astype(jnp.float32)
             f = pltriton.load(fn_ref.at[frows, (c * d + d0 + dlane)[None, :]], mask=fmask, other=0.0)
             acc = acc + jax.lax.dot_general(hc, f, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                             preferred_element_type=jnp.float32)
             ss = ss + jnp.sum(hc * hc, axis=1)
             # hc_pre with the previous sublayer's pre: static left-to-right order, as mhc.hc_pre
             x = pp[c][:, None] * hc if x is None else x + pp[c][:, None] * hc
-        pltriton.store(x_ref.at[pl.ds(t0, bt), pl.ds(d0, bd)], x.astype(x_ref.dtype), mask=tm2)
-        return acc, ss
+        xr = x.astype(x_ref.dtype)
+        pltriton.store(x_ref.at[rows, cols], xr, mask=tm2)
+        if norm:  # RMSNorm's Σx² of the rounded x_in (what `norm.rmsnorm` squares)
+            xf = xr.astype(jnp.float32)
+            xs = xs + jnp.sum(xf * xf, axis=1)
+        return acc, ss, xs
 
-    init = (jnp.zeros((bt, lanes), jnp.float32), jnp.zeros((bt,), jnp.float32))
-    acc, ss = jax.lax.fori_loop(0, per_split // bd, body, init)
-    if splits == 1:
-        pre_ref, post_ref, comb_ref = out_refs[1:]
+    zero = jnp.zeros((bt,), jnp.float32)
+    acc, ss, xs = jax.lax.fori_loop(0, per_split // bd, body, (jnp.zeros((bt, lanes), jnp.float32), zero, zero))
+    if splits == 1 and not norm:
+        pre_ref, post_ref, comb_ref = out_refs
         _finish(acc, ss, lay, base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n,
                 k_total=n * d, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
     else:
-        pm_ref, pss_ref = out_refs[1:]
-        pltriton.store(pm_ref.at[s, pl.ds(t0, bt), :], acc, mask=tm2)
-        pltriton.store(pss_ref.at[s, pl.ds(t0, bt)], ss, mask=tmask)
+        pm_ref, pss_ref, *pxs_ref = out_refs
+        pltriton.store(pm_ref.at[s, rows, :], acc, mask=tm2)
+        pltriton.store(pss_ref.at[s, rows], ss, mask=tmask)
+        if norm:
+            pltriton.store(pxs_ref[0].at[s, rows], xs, mask=tmask)
 
 
-def _tail_kernel(lay_ref, pm_ref, pss_ref, base_ref, scale_ref, pre_ref, post_ref, comb_ref, *, m: int, n: int,
-                 d: int, bt: int, splits: int, norm_eps: float, hc_eps: float, iters: int):
-    # pm_ref f32 [S, M, L]; pss_ref f32 [S, M]: sum the split partials in split order, then the tail.
+def _tail_kernel(lay_ref, *refs, m: int, n: int, d: int, bt: int, bd: int, splits: int, norm: bool, norm_eps: float,
+                 hc_eps: float, iters: int):
+    # refs: pm_ref f32 [S, M, L], pss_ref f32 [S, M], with norm pxs_ref f32 [S, M], x_ref [M, D] (raw x_in) and
+    # w_ref [(layers·)D] (the norm weight); base_ref, scale_ref; outputs pre, post, comb, with norm xo_ref [M, D]
+    # (x_ref's buffer: normed in place). Sums the split partials in split order, then the tail.
+    if norm:
+        pm_ref, pss_ref, pxs_ref, x_ref, w_ref, base_ref, scale_ref, pre_ref, post_ref, comb_ref, xo_ref = refs
+    else:
+        pm_ref, pss_ref, base_ref, scale_ref, pre_ref, post_ref, comb_ref = refs
     t0 = pl.program_id(0) * bt
+    rows = pl.ds(t0, bt)
     tmask = t0 + jnp.arange(bt) < m
-    acc = pltriton.load(pm_ref.at[_i(0), pl.ds(t0, bt), :], mask=tmask[:, None], other=0.0)
-    ss = pltriton.load(pss_ref.at[_i(0), pl.ds(t0, bt)], mask=tmask, other=0.0)
+    tm2 = tmask[:, None]
+    lay = lay_ref[0]
+    acc = pltriton.load(pm_ref.at[_i(0), rows, :], mask=tm2, other=0.0)
+    ss = pltriton.load(pss_ref.at[_i(0), rows], mask=tmask, other=0.0)
     for s in range(1, splits):
-        acc = acc + pltriton.load(pm_ref.at[_i(s), pl.ds(t0, bt), :], mask=tmask[:, None], other=0.0)
-        ss = ss + pltriton.load(pss_ref.at[_i(s), pl.ds(t0, bt)], mask=tmask, other=0.0)
-    _finish(acc, ss, lay_ref[0], base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n, k_total=n * d,
+        acc = acc + pltriton.load(pm_ref.at[_i(s), rows, :], mask=tm2, other=0.0)
+        ss = ss + pltriton.load(pss_ref.at[_i(s), rows], mask=tmask, other=0.0)
+    _finish(acc, ss, lay, base_ref, scale_ref, pre_ref, post_ref, comb_ref, t0=t0, tmask=tmask, n=n, k_total=n * d,
             norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
+    if norm:
+        # norm.rmsnorm: x · rsqrt(mean(x²) + eps) · w in fp32, rounded once (mean = Σx² / D)
+        xs = pltriton.load(pxs_ref.at[_i(0), rows], mask=tmask, other=0.0)
+        for s in range(1, splits):
+            xs = xs + pltriton.load(pxs_ref.at[_i(s), rows], mask=tmask, other=0.0)
+        r = jax.lax.rsqrt(xs / d + norm_eps)[:, None]
+
+        def body(k, _):
+            cols = pl.ds(k * bd, bd)
+            xf = pltriton.load(x_ref.at[rows, cols], mask=tm2, other=0).astype(jnp.float32)
+            w = pltriton.load(w_ref.at[pl.ds(lay * d + k * bd, bd)]).astype(jnp.float32)
+            pltriton.store(xo_ref.at[rows, cols], (xf * r * w[None, :]).astype(xo_ref.dtype), mask=tm2)
+            return 0
+
+        jax.lax.fori_loop(0, d // bd, body, 0)
 
 
 def _exit_kernel(y_ref, h_ref, post_ref, comb_ref, out_ref, *, m: int, n: int, bt: int, bd: int):
@@ -268,61 +326,120 @@ def _exit_kernel(y_ref, h_ref, post_ref, comb_ref, out_ref, *, m: int, n: int, b
 
 # ------------------------------------------------------------------------------------------ wrappers
 
+def _check_weights(n, d, fn, base, scale, layer, norm_weight, what):
+    mix = (2 + n) * n
+    if n & (n - 1):
+        raise ValueError(f"{what}: hc_mult must be a power of two (Triton tiles [tokens, n], [tokens, n²]), got {n}")
+    lead_p = () if layer is None else fn.shape[:1]
+    if fn.shape != (*lead_p, mix, n * d) or base.shape != (*lead_p, mix) or scale.shape != (*lead_p, 3):
+        raise ValueError(f"{what}: fn {fn.shape} / base {base.shape} / scale {scale.shape} do not fit streams of "
+                         f"{n} x {d}" + ("" if layer is None else " (stacked: a leading layer axis)"))
+    if norm_weight is not None and norm_weight.shape != (*lead_p, d):
+        raise ValueError(f"{what}: norm weight {norm_weight.shape}, expected {(*lead_p, d)}")
+
+
+def _enter_call(streams, pre_prev, fn, base, scale, *, n, d, dt, splits, interpret, layer, norm_weight, norm_eps,
+                hc_eps, iters, name):
+    """The enter kernel (+ its tail) on token-flat operands; `streams` is (h [M, n, D],) or, fusing the
+    previous sublayer's exit, (y [M, D], h [M, n, D], post f32 [M, n], comb f32 [M, n²]).
+    Returns ([h_new,] x, pre, post, comb), token-flat."""
+    exit_ = len(streams) == 4
+    norm = norm_weight is not None
+    m = streams[0].shape[0]
+    mix = (2 + n) * n
+    bt, bd, lanes = ENTER_TOKEN_BLOCK, _pow2_chunk(d, ENTER_MAX_CHUNK), common.next_pow2(mix)
+    splits = _default_splits(m, d) if splits is None else int(splits)
+    if (d // bd) % splits:
+        raise ValueError(f"{name}: splits={splits} must divide the {d // bd} chunks of {bd} along D={d}")
+    common.log_choice(name, interpret, token_block=bt, d_chunk=bd, splits=splits, fused_norm=norm)
+    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    base_f, scale_f = base.astype(jnp.float32).reshape(-1), scale.astype(jnp.float32).reshape(-1)
+    args = (lay, *streams, pre_prev.reshape(m, n).astype(jnp.float32), fn.astype(jnp.float32).reshape(-1, n * d),
+            base_f, scale_f)
+    nb = pl.cdiv(m, bt)
+    tail = dict(norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(iters))
+    mixes_shape = [jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((m, n), jnp.float32),
+                   jax.ShapeDtypeStruct((m, n * n), jnp.float32)]
+    lead_shape = ([jax.ShapeDtypeStruct((m, n, d), dt)] if exit_ else []) + [jax.ShapeDtypeStruct((m, d), dt)]
+    enter = functools.partial(_enter_kernel, m=m, n=n, d=d, bt=bt, bd=bd, splits=splits, lanes=lanes, exit_=exit_,
+                              norm=norm, **tail)
+    params = common.triton_params(num_warps=4, num_stages=2)
+    if splits == 1 and not norm:
+        return pl.pallas_call(enter, grid=(nb, 1), out_shape=lead_shape + mixes_shape, compiler_params=params,
+                              interpret=interpret, name=name)(*args)
+    part = [jax.ShapeDtypeStruct((splits, m, lanes), jnp.float32), jax.ShapeDtypeStruct((splits, m), jnp.float32)]
+    outs = pl.pallas_call(enter, grid=(nb, splits), out_shape=lead_shape + part + part[1:] * norm,
+                          compiler_params=params, interpret=interpret, name=name + "_split")(*args)
+    lead, parts = list(outs[:len(lead_shape)]), outs[len(lead_shape):]
+    tail_k = functools.partial(_tail_kernel, m=m, n=n, d=d, bt=bt, bd=bd, splits=splits, norm=norm, **tail)
+    tparams = common.triton_params(num_warps=4, num_stages=1)
+    if not norm:
+        return (*lead, *pl.pallas_call(tail_k, grid=(nb,), out_shape=mixes_shape, compiler_params=tparams,
+                                       interpret=interpret, name="mhc_mix_tail")(lay, *parts, base_f, scale_f))
+    # the raw x_in's buffer is normed in place (operand 4 -> output 3)
+    pre, post, comb, x = pl.pallas_call(
+        tail_k, grid=(nb,), out_shape=mixes_shape + [lead_shape[-1]], compiler_params=tparams, interpret=interpret,
+        input_output_aliases={4: 3}, name="mhc_mix_norm_tail",
+    )(lay, *parts, lead[-1], norm_weight.reshape(-1), base_f, scale_f)
+    return (*lead[:-1], x, pre, post, comb)
+
+
 @functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "dt", "splits", "interpret"))
 def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float, iters: int, dt,
-                splits: int | None = None, interpret: bool = False, layer=None):
-    """hc_pre(h, pre_prev) and the mixes of h, fused (`mhc.hc_pre` + `mhc.hc_mixes`).
+                splits: int | None = None, interpret: bool = False, layer=None, norm_weight=None):
+    """hc_pre(h, pre_prev) and the mixes of h, fused (`mhc.hc_pre` + `mhc.hc_mixes`), optionally with the
+    sublayer's RMSNorm of x_in.
 
     h: [..., n, D] bf16 or fp32; pre_prev: [..., n] fp32; fn: fp32 [(2+n)·n, n·D]; base: fp32 [(2+n)·n];
     scale: fp32 [3]; norm_eps / hc_eps / iters: ``rms_norm_eps`` / ``hc_eps`` / ``hc_sinkhorn_iters``;
     dt: dtype of x_in; splits: how many parts D is split into (must divide D / chunk; default
-    `_default_splits`); layer: with fn / base / scale a layer-scan run's stacks ([L, ...] each), the layer to
-    read (an int32 scalar: read in place; a sliced operand would be copied by XLA per layer). Returns (x_in [..., D] dt, pre [..., n], post [..., n], comb [..., n, n]) fp32.
+    `_default_splits`); layer: with fn / base / scale (and norm_weight) a layer-scan run's stacks ([L, ...]
+    each), the layer to read (an int32 scalar: read in place; a sliced operand would be copied by XLA per
+    layer); norm_weight: None, or the sublayer's norm weight [D] (bf16): x_in comes back as
+    ``norm.rmsnorm(x_in, norm_weight, norm_eps, dt)`` (its Σx² summed per chunk and split; the scaling
+    runs in the tail kernel, which then always runs). Returns (x_in [..., D] dt, pre [..., n], post [..., n],
+    comb [..., n, n]) fp32.
     """
     n, d = h.shape[-2], h.shape[-1]
     lead = h.shape[:-2]
-    mix = (2 + n) * n
-    if n & (n - 1):
-        raise ValueError(f"mhc enter kernel: hc_mult must be a power of two (Triton tiles [tokens, n], "
-                         f"[tokens, n²]), got {n}")
-    lead_p = () if layer is None else fn.shape[:1]
-    if fn.shape != (*lead_p, mix, n * d) or base.shape != (*lead_p, mix) or scale.shape != (*lead_p, 3):
-        raise ValueError(f"mhc enter: fn {fn.shape} / base {base.shape} / scale {scale.shape} do not fit h {h.shape}"
-                         + ("" if layer is None else " (stacked: a leading layer axis)"))
+    _check_weights(n, d, fn, base, scale, layer, norm_weight, "mhc enter")
     hf = h.reshape(-1, n, d)
     m = hf.shape[0]
     if m == 0:
         z = jnp.zeros((*lead, n), jnp.float32)
         return jnp.zeros((*lead, d), dt), z, z, jnp.zeros((*lead, n, n), jnp.float32)
-    bt, bd, lanes = ENTER_TOKEN_BLOCK, _pow2_chunk(d, ENTER_MAX_CHUNK), common.next_pow2(mix)
-    splits = _default_splits(m, d) if splits is None else int(splits)
-    if (d // bd) % splits:
-        raise ValueError(f"mhc enter: splits={splits} must divide the {d // bd} chunks of {bd} along D={d}")
-    common.log_choice("mhc_enter", interpret, token_block=bt, d_chunk=bd, splits=splits)
-    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    args = (lay, hf, pre_prev.reshape(m, n).astype(jnp.float32), fn.astype(jnp.float32).reshape(-1, n * d),
-            base.astype(jnp.float32).reshape(-1), scale.astype(jnp.float32).reshape(-1))
-    nb = pl.cdiv(m, bt)
-    tail = dict(norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(iters))
-    mixes_shape = [jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((m, n), jnp.float32),
-                   jax.ShapeDtypeStruct((m, n * n), jnp.float32)]
-    x_shape = jax.ShapeDtypeStruct((m, d), dt)
-    enter = functools.partial(_enter_kernel, m=m, n=n, d=d, bt=bt, bd=bd, splits=splits, lanes=lanes, **tail)
-    params = common.triton_params(num_warps=4, num_stages=2)
-    if splits == 1:
-        x, pre, post, comb = pl.pallas_call(enter, grid=(nb, 1), out_shape=[x_shape] + mixes_shape,
-                                            compiler_params=params, interpret=interpret, name="mhc_enter")(*args)
-    else:
-        x, pm, pss = pl.pallas_call(
-            enter, grid=(nb, splits),
-            out_shape=[x_shape, jax.ShapeDtypeStruct((splits, m, lanes), jnp.float32),
-                       jax.ShapeDtypeStruct((splits, m), jnp.float32)],
-            compiler_params=params, interpret=interpret, name="mhc_enter_split")(*args)
-        pre, post, comb = pl.pallas_call(
-            functools.partial(_tail_kernel, m=m, n=n, d=d, bt=bt, splits=splits, **tail),
-            grid=(nb,), out_shape=mixes_shape, compiler_params=common.triton_params(num_warps=4, num_stages=1),
-            interpret=interpret, name="mhc_mix_tail")(lay, pm, pss, args[4], args[5])
+    x, pre, post, comb = _enter_call((hf,), pre_prev, fn, base, scale, n=n, d=d, dt=dt, splits=splits,
+                                     interpret=interpret, layer=layer, norm_weight=norm_weight, norm_eps=norm_eps,
+                                     hc_eps=hc_eps, iters=iters, name="mhc_enter")
     return (x.reshape(*lead, d), pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n))
+
+
+@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "dt", "splits", "interpret"))
+def exit_enter(y, h, post, comb, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float, iters: int, dt,
+               splits: int | None = None, interpret: bool = False, layer=None, norm_weight=None):
+    """One sublayer's exit and the next one's enter in one pass: ``h' = hc_post(y, h, post, comb)`` (`post_mix`)
+    and `mixes_enter` of h' — each D chunk of h' is written once and used from registers, so h' is not read
+    back and one launch goes.
+
+    y: [..., D]; h: [..., n, D]; post fp32 [..., n], comb fp32 [..., n, n]: the exiting sublayer's; pre_prev,
+    fn, base, scale, layer, norm_weight and the rest: `mixes_enter`'s, for the entered sublayer (pre_prev is
+    the exiting sublayer's pre). Returns (h' [..., n, D] dt, x_in [..., D] dt, pre, post, comb) — h' equal to
+    `post_mix`'s, the rest to `mixes_enter(h', ...)`'s, bit for bit (the same per-chunk arithmetic).
+    """
+    n, d = h.shape[-2], h.shape[-1]
+    lead = h.shape[:-2]
+    _check_weights(n, d, fn, base, scale, layer, norm_weight, "mhc exit+enter")
+    hf = h.reshape(-1, n, d)
+    m = hf.shape[0]
+    if m == 0:
+        z = jnp.zeros((*lead, n), jnp.float32)
+        return jnp.zeros(h.shape, dt), jnp.zeros((*lead, d), dt), z, z, jnp.zeros((*lead, n, n), jnp.float32)
+    streams = (y.reshape(m, d), hf, post.reshape(m, n).astype(jnp.float32), comb.reshape(m, n * n).astype(jnp.float32))
+    hn, x, pre, post2, comb2 = _enter_call(streams, pre_prev, fn, base, scale, n=n, d=d, dt=dt, splits=splits,
+                                           interpret=interpret, layer=layer, norm_weight=norm_weight,
+                                           norm_eps=norm_eps, hc_eps=hc_eps, iters=iters, name="mhc_exit_enter")
+    return (hn.reshape(*lead, n, d), x.reshape(*lead, d), pre.reshape(*lead, n), post2.reshape(*lead, n),
+            comb2.reshape(*lead, n, n))
 
 
 @functools.partial(jax.jit, static_argnames=("dt", "interpret"))
@@ -357,12 +474,23 @@ def _check_mode(cfg):
                                   "mhc='xla' or 'reference' (the mix projection accumulates in fp64 there)")
 
 
-def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, *, interpret: bool = False, layer=None):
+def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, *, interpret: bool = False, layer=None, norm_weight=None):
     """`mhc.sublayer_enter` on Pallas: (x_in [..., D] dt, pre, post [..., n], comb [..., n, n] fp32).
-    layer: see `mixes_enter` (a scan run's stacked fn / base / scale, read in place)."""
+    layer / norm_weight: see `mixes_enter` (a scan run's stacks read in place; the sublayer's RMSNorm fused)."""
     _check_mode(cfg)
     return mixes_enter(h, pre_prev, fn, base, scale, norm_eps=float(cfg.rms_norm_eps), hc_eps=float(cfg.hc_eps),
-                       iters=int(cfg.hc_sinkhorn_iters), dt=jnp.dtype(dt), interpret=interpret, layer=layer)
+                       iters=int(cfg.hc_sinkhorn_iters), dt=jnp.dtype(dt), interpret=interpret, layer=layer,
+                       norm_weight=norm_weight)
+
+
+def sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, *, interpret: bool = False, layer=None,
+                        norm_weight=None):
+    """`mhc.sublayer_exit_enter` on Pallas (`exit_enter`): (h' [..., n, D], (x_in, pre, post, comb))."""
+    _check_mode(cfg)
+    hn, *entered = exit_enter(y, h, post, comb, pre_prev, fn, base, scale, norm_eps=float(cfg.rms_norm_eps),
+                              hc_eps=float(cfg.hc_eps), iters=int(cfg.hc_sinkhorn_iters), dt=jnp.dtype(dt),
+                              interpret=interpret, layer=layer, norm_weight=norm_weight)
+    return hn, tuple(entered)
 
 
 kernel = sublayer_enter  # dispatch.KERNEL_ENTRY
@@ -388,8 +516,13 @@ def bench_inputs(tokens: int, *, seed: int = 0, interpret: bool = False) -> dict
 
     "enter": (h [tokens, 4, 5120] bf16, pre_prev, fn [24, 20480], base, scale) -> (x_in bf16, pre, post,
     comb), against the "xla" implementation (hc_pre + hc_mixes with the unrolled Sinkhorn);
-    "exit": (y [tokens, 5120] bf16, h, post, comb) -> h' bf16, against `mhc.hc_post`.
+    "exit": (y [tokens, 5120] bf16, h, post, comb) -> h' bf16, against `mhc.hc_post`;
+    "enter_norm": "enter" with the sublayer's RMSNorm fused (+ w [5120] bf16), against "enter"'s xla
+    function then `norm.rmsnorm`; "exit_enter": (y, h, post, comb, pre_prev, fn, base, scale, w) -> (h', x_in
+    normed, pre, post, comb) in one pass (`exit_enter`), against hc_post then "enter_norm"'s xla function.
     """
+    from dsv41_jax.model.norm import rmsnorm
+
     n, D, neps, heps, iters = _flash_dims()
     rng = np.random.default_rng(seed)  # numpy: no device compiles to build the inputs
     bf = jnp.dtype(jnp.bfloat16)
@@ -407,11 +540,26 @@ def bench_inputs(tokens: int, *, seed: int = 0, interpret: bool = False) -> dict
         mixes = mhc_ref.hc_mixes(h, fn, base, scale, norm_eps=neps, hc_eps=heps, sinkhorn_iters=iters, unroll=True)
         return (mhc_ref.hc_pre(h, pp, bf), *mixes)
 
+    w = jnp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32).astype(bf))
+
+    def xla_enter_norm(h, pp, fn, base, scale, w):
+        x, *mixes = xla_enter(h, pp, fn, base, scale)
+        return (rmsnorm(x, w, neps, bf), *mixes)
+
+    def xla_exit_enter(y, h, post, comb, pp, fn, base, scale, w):
+        hn = mhc_ref.hc_post(y, h, post, comb, bf)
+        return (hn, *xla_enter_norm(hn, pp, fn, base, scale, w))
+
+    kw = dict(norm_eps=neps, hc_eps=heps, iters=iters, dt=bf, interpret=interpret)
     return {
-        "enter": (functools.partial(mixes_enter, norm_eps=neps, hc_eps=heps, iters=iters, dt=bf, interpret=interpret),
-                  jax.jit(xla_enter), (h, pp, fn, base, scale)),
+        "enter": (functools.partial(mixes_enter, **kw), jax.jit(xla_enter), (h, pp, fn, base, scale)),
         "exit": (functools.partial(post_mix, dt=bf, interpret=interpret),
                  jax.jit(lambda y, h, p, c: mhc_ref.hc_post(y, h, p, c, bf)), (y, h, post, comb)),
+        "enter_norm": (lambda h, pp, fn, base, scale, w: mixes_enter(h, pp, fn, base, scale, norm_weight=w, **kw),
+                       jax.jit(xla_enter_norm), (h, pp, fn, base, scale, w)),
+        "exit_enter": (lambda y, h, post, comb, pp, fn, base, scale, w: exit_enter(
+            y, h, post, comb, pp, fn, base, scale, norm_weight=w, **kw),
+            jax.jit(xla_exit_enter), (y, h, post, comb, pp, fn, base, scale, w)),
     }
 
 
@@ -423,4 +571,8 @@ def bytes_moved(part: str, tokens: int) -> int:
         return tokens * (2 * n * D + 4 * n + 2 * D + 4 * (2 * n + n * n)) + 4 * (mix * n * D + mix + 3)
     if part == "exit":
         return tokens * (2 * D + 2 * n * D + 4 * (n + n * n) + 2 * n * D)
-    raise ValueError(f"unknown part {part!r}; parts: enter, exit")
+    if part == "enter_norm":  # + the weight, and x_in read back and rewritten normed by the tail
+        return bytes_moved("enter", tokens) + 2 * D + tokens * 2 * 2 * D
+    if part == "exit_enter":  # exit's bytes + enter_norm's, less h' read back by the enter
+        return bytes_moved("exit", tokens) + bytes_moved("enter_norm", tokens) - tokens * 2 * n * D
+    raise ValueError(f"unknown part {part!r}; parts: enter, exit, enter_norm, exit_enter")
