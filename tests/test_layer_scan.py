@@ -250,13 +250,17 @@ def test_kernels_read_a_runs_stacks_in_place(cfgs, params):
     lin = [c for c in calls if c[0].startswith("quant_linear_")]
     enters = [c for c in calls if c[0].startswith(("mhc_enter", "mhc_exit_enter"))]
     tails = [c for c in calls if c[0] == "mhc_mix_norm_tail"]
-    # per run: wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2; two mHC entries per layer (the
+    # per run: wq_a, wq_b (q_norm in-kernel), wkv, wo_b and the shared expert's w1 / w3 (one gated call) and
+    # w2; two mHC entries per layer (the
     # attention's, and the ffn's fused with the attention's exit), each with its norm in the tail
-    assert sum(c[2] for c in lin) >= 2 * 7 and sum(c[2] for c in enters) == sum(c[2] for c in tails) == 2 * 2, calls
+    assert sum(c[2] for c in lin) >= 2 * 6 and sum(c[2] for c in enters) == sum(c[2] for c in tails) == 2 * 2, calls
     assert sum(c[0].startswith("mhc_exit_enter") for c in enters) * 2 == len(enters), calls
     for name, shapes, inside, n_out in lin:
         assert shapes[0] == (1,)  # the layer index
         assert shapes[2][0] == (2 if inside else 1) * n_out, (name, shapes)  # the weight's rows
+        if "_normed" in name:  # wq_b with q_norm in-kernel: the norm weight's rows, flattened
+            assert shapes[4] == ((2 if inside else 1) * on.q_lora_rank,), (name, shapes)
+    assert sum(c[2] for c in lin if "_normed" in c[0]) == 2, calls  # one wq_b per scanned layer
     for name, shapes, inside, _ in enters:
         fn_at = 6 if name.startswith("mhc_exit_enter") else 3  # after (lay, y, h, post, comb, pp) or (lay, h, pp)
         assert shapes[0] == (1,) and shapes[fn_at][0] == (2 if inside else 1) * mix, (name, shapes)  # fn's rows

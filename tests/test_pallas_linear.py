@@ -200,6 +200,86 @@ def test_seam_runs_the_kernel_and_refuses_the_exact_mode_and_a_mesh(pallas_impl,
         linear.fp8(x, p, cfg, F32)
 
 
+def _swiglu(dt):
+    from dsv41_jax.model import moe
+
+    return lambda g, u: moe._swiglu_act(g, u, None, 0.75, dt)  # a limit inside the outputs' range: clamps bite
+
+
+@pytest.mark.parametrize("name", ["fp8_b1", "fp8_ragged_partial_scale_block"])
+def test_gated_pair_bitwise_on_order_free_weights(pallas_impl, name):
+    """The gated pair (the shared expert's w1 / w3 + SwiGLU in one launch) equals the separate xla calls bit
+    for bit on order-free weights (each GEMM output then is the same fp32 sum), bf16 and fp32 flows, through
+    the seam (`linear.fp8_gated`, which runs the kernel) and with the xla seam as the oracle; a stacked pair
+    reads its layer in place."""
+    x, p1, fmt = _case(name, True)
+    rng = np.random.default_rng(11)
+    N, K = p1["weight"].shape
+    p3 = _weight(rng, fmt, N, K, True)
+    for mode in ("bfloat16", "float32"):
+        dt = BF16 if mode == "bfloat16" else F32
+        kcfg = _CFG[mode].replace(impl=f"xla,linear={pallas_impl}")
+        xin = x.astype(dt)
+        for cfg in (kcfg, _CFG[mode]):
+            a = jax.jit(lambda x, p1, p3, cfg=cfg: linear.fp8_gated(x, p1, p3, _swiglu(dt), cfg, dt))(xin, p1, p3)
+            if cfg is kcfg:
+                got = a
+            else:
+                want = a
+        g, u = (_xla(xin, q, fmt, mode, dt) for q in (p1, p3))
+        np.testing.assert_array_equal(np.asarray(want.astype(F32)), np.asarray(_swiglu(dt)(g, u).astype(F32)))
+        clamped = np.abs(np.asarray(u.astype(F32))) > 0.75
+        assert clamped.any() and (~clamped).any()
+        assert got.dtype == want.dtype == dt and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)), err_msg=f"{name} {mode}")
+    st = {k: jnp.stack([jnp.zeros_like(p1[k]), p1[k]]) for k in p1}
+    st3 = {k: jnp.stack([jnp.zeros_like(p3[k]), p3[k]]) for k in p3}
+    kern = ql.kernel(x, dict(st, layer=jnp.int32(1)), fmt, F32, interpret=pallas_impl == "pallas_interpret",
+                     p_up=dict(st3, layer=jnp.int32(1)), act=_swiglu(F32))
+    np.testing.assert_array_equal(np.asarray(kern), np.asarray(ql.kernel(x, p1, fmt, F32, p_up=p3, act=_swiglu(F32),
+                                                                          interpret=pallas_impl == "pallas_interpret")))
+    with pytest.raises(ValueError, match="go together"):
+        ql.kernel(x, p1, fmt, F32, p_up=p3)
+
+
+@pytest.mark.parametrize("name", ["fp8_b1", "fp8_ragged_partial_scale_block"])
+def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
+    """``norm=`` (q_norm run inside wq_b's kernel, `linear.fp8_normed`) equals `norm.rmsnorm` then the GEMM:
+    with integer-valued rows (Σx² exact in any order) and order-free weights, bit for bit, in the bf16 and fp32
+    flows, through the seam against the xla seam (natively this also asks that Triton's rsqrt be XLA:GPU's:
+    both call libdevice's). A stacked norm weight and weight (layer 1 of 2) read in place equal the unstacked
+    call; mismatched stacking is refused."""
+    from dsv41_jax.model import norm
+
+    _, p, fmt = _case(name, True)
+    seed, _, xs, N, K = CASES[name]
+    rng = np.random.default_rng(seed + 100)
+    x = jnp.asarray(rng.integers(-6, 7, xs).astype(np.float32))
+    nw = {"weight": jnp.asarray(rng.uniform(0.5, 2.0, K), BF16)}
+    interp = pallas_impl == "pallas_interpret"
+    for mode in ("bfloat16", "float32"):
+        dt = BF16 if mode == "bfloat16" else F32
+        kcfg = _CFG[mode].replace(impl=f"xla,linear={pallas_impl}")
+        xin = x.astype(dt)
+        got = jax.jit(lambda x, nw, p: linear.fp8_normed(x, nw, 1e-6, p, kcfg, dt))(xin, nw, p)
+        want = jax.jit(lambda x, nw, p: linear.fp8_normed(x, nw, 1e-6, p, _CFG[mode], dt))(xin, nw, p)
+        oracle = _xla(norm.rmsnorm(xin, nw["weight"], 1e-6, dt), p, fmt, mode, dt)
+        np.testing.assert_array_equal(np.asarray(want.astype(F32)), np.asarray(oracle.astype(F32)))
+        assert got.dtype == dt and got.shape == want.shape
+        assert np.abs(np.asarray(want.astype(F32))).max() > 0
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)), err_msg=mode)
+    st = {k: jnp.stack([jnp.zeros_like(p[k]), p[k]]) for k in p}
+    nst = jnp.stack([jnp.ones_like(nw["weight"]), nw["weight"]])
+    one = ql.kernel(x, p, fmt, F32, norm=(nw["weight"], 1e-6), interpret=interp)
+    stacked = ql.kernel(x, dict(st, layer=jnp.int32(1)), fmt, F32, norm=(nst, 1e-6), interpret=interp)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(one))
+    with pytest.raises(ValueError, match="both be a run's stacks"):
+        linear.fp8_normed(x, nw, 1e-6, dict(st, layer=jnp.int32(1)), _CFG["float32"].replace(
+            impl=f"xla,linear={pallas_impl}"), F32)
+    with pytest.raises(ValueError, match="norm weight of shape"):
+        ql.kernel(x, p, fmt, F32, norm=(nw["weight"][:-1], 1e-6))
+
+
 # --------------------------------------------------------------------------------------- contract
 
 FLASH_WQ_B = (32768, 1280)  # flash's q up-projection (64 heads x 512, q_lora_rank 1280)
@@ -227,8 +307,14 @@ def test_cost_estimate_is_the_bytes_moved_contract():
                  if e.primitive.name == "pallas_call"]
         assert len(calls) == 1 and calls[0].params["name"] == f"quant_linear_{fmt}_m16_n64_k256"
         geo = ql.call_geometry(calls[0].params["name"], [v.aval for v in calls[0].invars], calls[0].params["out_avals"])
-        assert geo == dict(fmt=fmt, M=1, N=N, K=K, x_itemsize=2, out_itemsize=2)
+        assert geo == dict(fmt=fmt, M=1, N=N, K=K, x_itemsize=2, out_itemsize=2, weights=1)
         assert calls[0].params["cost_estimate"].bytes_accessed == ql.bytes_moved(**geo) == wbytes + K * 2 + N * 2
+        # the gated pair streams two weights
+        calls = [e for e in jax.make_jaxpr(lambda x, p: ql.kernel(x, p, fmt, BF16, p_up=p, act=lambda g, u: g * u))(
+            x, p).jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert calls[0].params["name"] == f"quant_linear_{fmt}_gated_m16_n64_k256"
+        geo = ql.call_geometry(calls[0].params["name"], [v.aval for v in calls[0].invars], calls[0].params["out_avals"])
+        assert calls[0].params["cost_estimate"].bytes_accessed == ql.bytes_moved(**geo) == 2 * wbytes + K * 2 + N * 2
     assert ql.call_geometry("moe_mxfp4_down_m16", [], []) is None
 
 
@@ -244,6 +330,13 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
         ks = capture_kernels(lambda x, p: ql.kernel(x, p, fmt, BF16), *_flash_args(M, fmt))
         assert [k["name"] for k in ks] == [f"quant_linear_{fmt}_m{bm}_n64_k256"]
         assert "tt.dot" in ks[0]["ttir"] and "tt.load" in ks[0]["ttir"]
+    # the gated pair at flash's shared-expert shape (w1 / w3: 2048 x 5120 with the SwiGLU)
+    from dsv41_jax.model import moe
+
+    x, p = _flash_args(1, "fp8", (2048, 5120))
+    ks = capture_kernels(lambda x, p: ql.kernel(x, p, "fp8", BF16, p_up=p, act=lambda g, u: moe._swiglu_act(
+        g, u, None, 10.0, BF16)), x, p)
+    assert [k["name"] for k in ks] == ["quant_linear_fp8_gated_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]
     assert ql.TUNING_CANDIDATES[0] == dict(block_n=64, block_k=256, num_warps=4, num_stages=3)
     for kn in ql.TUNING_CANDIDATES[1:]:
         ks = capture_kernels(lambda x, p, kn=kn: ql.kernel(x, p, "fp8", BF16, **kn), *_flash_args(1, "fp8", FLASH_WQ_A))

@@ -46,8 +46,9 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     """
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     exact = is_exact(cfg)
-    qr = rmsnorm(linear.fp8(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt, exact)
-    q = linear.fp8(qr, p["wq_b"], cfg, dt, row_axis="heads")
+    qa = linear.fp8(x, p["wq_a"], cfg, dt)
+    qr = rmsnorm(qa, linear.norm_weight(p["q_norm"]), eps, dt, exact)  # the indexer's input (dropped if unused)
+    q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads")  # = fp8(qr, wq_b)
     q = q.reshape(q.shape[:-1] + (H, hd))
     q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
     kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], eps, dt, exact)

@@ -48,6 +48,7 @@ import math
 import jax
 import jax.numpy as jnp
 from dsv41_jax.model import codec, dispatch, quant, tiling
+from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,16 @@ def layer_weight(p):
     return {"weight": w, "scale": s}
 
 
-def _kernel_gemm(x, p, fmt, cfg, dt, name):
-    """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`)."""
+def norm_weight(pn):
+    """An RMSNorm's weight from its params {"weight": [K]}, or — inside a layer-scan run where the linear
+    kernel runs (`fp8_normed`) — {"weight": the run's stack [n, K], "layer": k}: the layer's row (for the jnp
+    paths; the kernel reads the stack in place)."""
+    return pn["weight"] if "layer" not in pn else pn["weight"][pn["layer"]]
+
+
+def _kernel_gemm(x, p, fmt, cfg, dt, name, **epilogue):
+    """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`);
+    `epilogue`: the kernel's gated pair (p_up / act) or normed input (norm)."""
     dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
     par = tiling.mesh_plan()
     if par is not None and par.mesh.size > 1:
@@ -121,7 +130,7 @@ def _kernel_gemm(x, p, fmt, cfg, dt, name):
                                  f"{par.mesh.size} the weights are split by the rules and a Pallas call would "
                                  "gather them onto every device; use 'linear=xla' (or 'auto')")
     k = dispatch.kernel("linear", name)
-    return k(x, p, fmt, dt, cfg, interpret=name == "pallas_interpret")
+    return k(x, p, fmt, dt, cfg, interpret=name == "pallas_interpret", **epilogue)
 
 
 def _rows(x):
@@ -229,6 +238,30 @@ def fp8(x, p, cfg, dt, row_axis=None):
         return quant.dequantize_fp8_block(wt, st, wdt)
 
     return _quantized_gemm(x, N, K, 32, small, large, dt, exact, row_axis)
+
+
+def fp8_gated(x, p_gate, p_up, act, cfg, dt, row_axis=None):
+    """``act(fp8(x, p_gate), fp8(x, p_up))``: two fp8 GEMMs of one input and an elementwise function of their
+    outputs (both [..., N] in `dt`; act returns `dt`), e.g. a SwiGLU expert's w1 / w3 and its activation.
+    Where the linear kernel runs, one launch (`quant_linear.kernel`'s gated epilogue: the same per-element
+    arithmetic); else the two calls and `act`, bit for bit."""
+    impl = impl_of(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        return _kernel_gemm(x, p_gate, "fp8", cfg, dt, impl, p_up=p_up, act=act)
+    return act(fp8(x, p_gate, cfg, dt, row_axis), fp8(x, p_up, cfg, dt, row_axis))
+
+
+def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None):
+    """``fp8(norm.rmsnorm(x, norm_weight(pn), eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's
+    q_norm before wq_b). Where the linear kernel runs, the norm runs in the kernel (`quant_linear.kernel`'s
+    norm: two XLA launches fewer; its Σx² in the kernel's order); else exactly those two calls."""
+    impl = impl_of(cfg)
+    if impl in ("pallas", "pallas_interpret"):
+        if ("layer" in pn) != ("layer" in p):
+            raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
+                             "(with 'layer') or both one layer's")
+        return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(pn["weight"], eps))
+    return fp8(rmsnorm(x, norm_weight(pn), eps, dt, is_exact(cfg)), p, cfg, dt, row_axis)
 
 
 def mxfp4(x, p, cfg, dt):

@@ -58,12 +58,14 @@ def route(p_gate, x, top_k: int, cfg):
 
 
 def _swiglu_act(g, u, weight, limit, dt):
-    """a = silu(min(g, limit)) · clamp(u, ±limit) · weight in fp32 -> `dt` (g, u GEMM outputs)."""
+    """a = silu(min(g, limit)) · clamp(u, ±limit) · weight in fp32 -> `dt` (g, u GEMM outputs); weight fp32
+    [N], or None for a weight of 1 (the shared expert: the same values, one multiply fewer)."""
     g = g.astype(jnp.float32)
     u = u.astype(jnp.float32)
     u = jnp.clip(u, -limit, limit)
     g = jnp.minimum(g, limit)
-    return (jax.nn.silu(g) * u * weight[:, None]).astype(dt)
+    a = jax.nn.silu(g) * u
+    return (a if weight is None else a * weight[:, None]).astype(dt)
 
 
 def swiglu_expert(x, w1, w3, w2, weight, limit, dt, linear):
@@ -290,14 +292,15 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
 
     lay = {"layer": sh["w1"]["layer"]} if "layer" in sh["w1"] else {}  # a scan run's stacks (`linear.layer_weight`)
 
-    def fp8(a, wt, sc, row_axis=None):
-        return linear.fp8(a, {"weight": wt, "scale": sc, **lay}, cfg, dt, row_axis)
+    # The shared expert (`swiglu_expert` with weight 1): w1 / w3 and the SwiGLU as one linear-seam call
+    # (`linear.fp8_gated`: one launch where the linear kernel runs, the same values as the separate calls),
+    # then w2. w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh); w2's rows are the hidden size.
+    def sw(name):
+        return {"weight": sh[name]["weight"], "scale": sh[name]["scale"], **lay}
 
-    # w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh); w2's rows are the hidden size
-    shared = swiglu_expert(xf, (sh["w1"]["weight"], sh["w1"]["scale"], "mlp"),
-                           (sh["w3"]["weight"], sh["w3"]["scale"], "mlp"),
-                           (sh["w2"]["weight"], sh["w2"]["scale"]), jnp.ones((N,), jnp.float32), lim, dt, fp8)
-    out = (routed + shared.astype(jnp.float32)).astype(dt).reshape(shape)
+    a = linear.fp8_gated(xf, sw("w1"), sw("w3"), functools.partial(_swiglu_act, weight=None, limit=lim, dt=dt), cfg, dt,
+                         "mlp")
+    out = (routed + linear.fp8(a, sw("w2"), cfg, dt).astype(jnp.float32)).astype(dt).reshape(shape)
     if return_routing:
         return out, (idx.reshape(shape[:-1] + (top_k,)), w.reshape(shape[:-1] + (top_k,)))
     return out

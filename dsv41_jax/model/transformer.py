@@ -185,16 +185,18 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     # weight copies, 3.9 GB per step, in the H200-target compile); the kernel reads the layer's rows out
     # of the run's stacks instead (`linear.layer_weight`). The xla path keeps the slice, which fuses.
     in_place = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
+    if in_place:  # q_norm runs in wq_b's kernel (`linear.fp8_normed`)
+        in_place.append(("attn", "q_norm"))
     # and the mHC mixes' fn / base / scale and the sublayer norms' weights when the mhc kernel runs
     # (`mhc.sublayer_enter`'s layer)
     if mhc_kernel_runs(cfg):
         in_place += [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
         in_place += [(f"{sub}_norm", "weight") for sub in ("attn", "ffn")]  # its tail runs the norms
     stacks = {path: layer_scan.get_path(rest, path) for path in in_place}
-    # a whole stack back to its declared dtype (the norms' bf16 is stored as uint16: `layer_scan.storage_dtype`);
-    # the linears' dicts stay in storage dtypes (`linear.layer_weight`)
-    stacks = {path: st if isinstance(st, dict) else layer_scan.load_row(st, layer_scan.get_path(like, path))
-              for path, st in stacks.items()}
+    # a norm's whole stack back to its declared dtype (bf16 is stored as uint16: `layer_scan.storage_dtype`); the
+    # linears' dicts stay in storage dtypes (`linear.layer_weight`)
+    stacks = {path: layer_scan.load_row(st, layer_scan.get_path(like, path))
+              if not isinstance(st, dict) or set(st) == {"weight"} else st for path, st in stacks.items()}
     for path in in_place:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
         like = layer_scan.set_path(like, path, None)

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import codec, linear, quant
 from dsv41_jax.model.numerics import is_exact
@@ -85,9 +86,18 @@ def ref_linear(x, p, fmt: str, cfg, dt):
 # ------------------------------------------------------------------------------------------ kernel
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, c):
+def _kernel(layer_ref, x_ref, *refs, c):
     """Program (tile j of N, row block i): o[i-rows, j-tile] = dt(fq8(x[i-rows]) · w[j-tile]ᵀ), the weight's
-    rows read at layer_ref[0]'s offset in a run's stacks (0 for one layer's weight)."""
+    rows read at layer_ref[0]'s offset in a run's stacks (0 for one layer's weight).
+
+    refs: w_ref, s_ref, then with c["gated"] a second weight w2_ref, s2_ref (same shape: the two GEMMs share
+    the activation's chunks and the output is ``act(dt(x·w), dt(x·w2))``), with c["norm"] the RMSNorm weight
+    nw_ref [(layers·)K] (x is normed first: ``dt(x · rsqrt(Σx²/K + eps) · nw)``, `norm.rmsnorm`), and o_ref
+    [M, N] (rows past M masked off: an output with padded rows would be sliced by a copy before a Pallas
+    consumer)."""
+    ws = [refs[:2], refs[2:4]] if c["gated"] else [refs[:2]]
+    nw_ref = refs[2 * len(ws)] if c["norm"] else None
+    o_ref = refs[-1]
     j, i = pl.program_id(0), pl.program_id(1)
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
     r0, n0 = i * bm, j * bn
@@ -101,9 +111,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, c):
     # read row M − 1 again (clamped indices, always in bounds) and their outputs are dropped.
     xrows = jnp.minimum(r0 + lax.iota(jnp.int32, bm), c["M"] - 1)
 
-    def kstep(kc, acc):
-        xb = x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)
-        xq = mx._fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
+    def wtile(w_ref, s_ref, kc):
         scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
         if c["fmt"] == "fp8":
             w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
@@ -112,26 +120,48 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, c):
             pairs = w_ref[pl.ds(w0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
             by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(bn, bk // 2)
             w = codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * sa._expand(scale, 32)
-        return acc + mx._dot_nt(xq, w.astype(jnp.bfloat16))
+        return w.astype(jnp.bfloat16)
 
-    acc = lax.fori_loop(0, c["K"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+    if c["norm"]:  # the rows' Σx² first (x is a few KB per row: a second read of it hits L1 / L2)
+        def sq(kc, ss):
+            xb = x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)
+            return ss + jnp.sum(xb * xb, axis=1)
+
+        ss = lax.fori_loop(0, c["K"] // bk, sq, jnp.zeros((bm,), jnp.float32))
+        r = lax.rsqrt(ss / c["K"] + c["eps"])[:, None]
+
+    def kstep(kc, accs):
+        xb = x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)
+        if c["norm"]:  # norm.rmsnorm's fp32 formula, rounded to dt as its output is
+            nw = nw_ref[pl.ds(lay * c["K"] + kc * bk, bk)].astype(jnp.float32)
+            xb = (xb * r * nw[None, :]).astype(o_ref.dtype).astype(jnp.float32)
+        xq = mx._fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
+        return tuple(acc + mx._dot_nt(xq, wtile(w_ref, s_ref, kc)) for acc, (w_ref, s_ref) in zip(accs, ws))
+
+    accs = lax.fori_loop(0, c["K"] // bk, kstep, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in ws))
+    dt = o_ref.dtype
+    if c["gated"]:  # each GEMM's output rounded to dt, as the separate calls give them to the activation
+        out = c["act"](accs[0].astype(dt), accs[1].astype(dt))
+    else:
+        out = accs[0]
+    rmask = (r0 + lax.iota(jnp.int32, bm) < c["M"])[:, None]
+    pltriton.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], out.astype(dt), mask=rmask)
 
 
 # ---------------------------------------------------------------------------------------- contract
 
 
-def bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out_itemsize: int) -> int:
-    """Minimal HBM bytes of one call, the kernel's bytes-moved contract: the weight and its scales at
-    stored width once (fp8: N·K + ⌈N/32⌉·K/32; MXFP4: N·K/2 + N·K/32), the activation in and the output
-    out once (repeated reads of an activation chunk by the N tiles hit L2)."""
+def bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out_itemsize: int, weights: int = 1) -> int:
+    """Minimal HBM bytes of one call, the kernel's bytes-moved contract: each of the `weights` weights (2 for
+    a gated pair) and its scales at stored width once (fp8: N·K + ⌈N/32⌉·K/32; MXFP4: N·K/2 + N·K/32), the
+    activation in and the output out once (repeated reads of an activation chunk by the N tiles hit L2)."""
     if fmt == "fp8":
         w = N * K + -(-N // 32) * (K // 32)
     elif fmt == "mxfp4":
         w = N * K // 2 + N * (K // 32)
     else:
         raise ValueError(f"quant_linear.bytes_moved: fmt must be one of {FORMATS}, got {fmt!r}")
-    return int(w + M * K * x_itemsize + M * N * out_itemsize)
+    return int(weights * w + M * K * x_itemsize + M * N * out_itemsize)
 
 
 def call_geometry(name: str, in_avals, out_avals) -> dict | None:
@@ -141,11 +171,11 @@ def call_geometry(name: str, in_avals, out_avals) -> dict | None:
 
     if not name.startswith(f"{NAME}_"):
         return None
-    fmt = name[len(NAME) + 1:].split("_", 1)[0]
+    fmt, *rest = name[len(NAME) + 1:].split("_")
     M, K = in_avals[1].shape
     N = out_avals[0].shape[1]
     return dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[1].dtype).itemsize,
-                out_itemsize=np.dtype(out_avals[0].dtype).itemsize)
+                out_itemsize=np.dtype(out_avals[0].dtype).itemsize, weights=2 if "gated" in rest else 1)
 
 
 # ------------------------------------------------------------------------------------------- entry
@@ -166,7 +196,8 @@ def _plan(M: int, N: int, K: int, block_m, block_n, block_k) -> dict:
 
 
 def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: int | None = None,
-           block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3):
+           block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+           p_up=None, act=None, norm=None):
     """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
 
     p: fp8 {"weight": float8_e4m3fn [N, K], "scale": E8M0 [⌈N/32⌉, K/32]} (``fmt="fp8"``) or MXFP4
@@ -176,6 +207,15 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     operand does not fuse with it).
     cfg: the model config (its exact / deterministic modes are refused). Knobs (static): block_m rows per
     program, block_n output columns per program, block_k K chunk, num_warps / num_stages (Triton).
+
+    Gated pair (one launch instead of three): ``p_up`` (a second weight like `p`) with ``act`` (a static
+    elementwise function of two [rows, N] arrays in `dt`, traceable by the Triton lowering): returns
+    ``act(dt(x·p), dt(x·p_up))`` in `dt` — both weights streamed by the same programs, e.g. a SwiGLU
+    expert's w1 / w3 and its activation.
+
+    Normed input: ``norm=(weight, eps)`` with weight [K] (or, with a stacked `p`, the run's stacked norm
+    weights [n, K], read at p's layer): the GEMM's input is ``norm.rmsnorm(x, weight, eps, dt)`` computed
+    in-kernel (each program sums its rows' squares first) — the XLA norm's two launches go.
     """
     if cfg is not None and is_exact(cfg):
         raise NotImplementedError("quant_linear kernel: the exact / deterministic numerics modes accumulate in fp64, "
@@ -196,11 +236,20 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
         raise ValueError(f"quant_linear: x [..., {x.shape[-1]}] against a weight of K = {K} (K % 32 must be 0)")
     lead = x.shape[:-1]
     M = math.prod(lead)
+    gated = p_up is not None
+    if gated != (act is not None):
+        raise ValueError("quant_linear: p_up and act go together")
+    if gated and (p_up["weight"].shape != w.shape or p_up["scale"].shape != s.shape
+                  or (p_up.get("layer") is None) != (layer is None)):
+        raise ValueError(f"quant_linear: the gated pair's weights differ: {w.shape} / {s.shape} vs "
+                         f"{p_up['weight'].shape} / {p_up['scale'].shape}")
+    if norm is not None and norm[0].shape != ((K,) if layer is None else (w.shape[0], K)):
+        raise ValueError(f"quant_linear: norm weight of shape {norm[0].shape} for K = {K}"
+                         + ("" if layer is None else f" and {w.shape[0]} stacked layers"))
     if M == 0:
         return jnp.zeros((*lead, N), dt)
     pl_ = _plan(M, N, K, block_m, block_n, block_k)
     bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
-    mp = -(-M // bm) * bm  # the output's rows: whole row blocks (the slice back to M fuses into its consumer)
     x2 = x.reshape(M, K)
     wb = mx._flat(w, pairs=fmt == "mxfp4", kernel=NAME)  # [(n·)N, K or K/4]: a stack's layers one after another
     sb = mx._flat(s, kernel=NAME)
@@ -210,17 +259,25 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     def whole(a):
         return pl.BlockSpec(a.shape, lambda j, i, nd=a.ndim: (0,) * nd)
 
-    cost = pl.CostEstimate(flops=2 * M * N * K, transcendentals=0,
+    nw = 2 if gated else 1
+    cost = pl.CostEstimate(flops=2 * nw * M * N * K, transcendentals=M * N if gated else 0,
                            bytes_accessed=bytes_moved(fmt, M=M, N=N, K=K, x_itemsize=x.dtype.itemsize,
-                                                      out_itemsize=dt.itemsize))
-    out = jax.ShapeDtypeStruct((mp, N), dt)
+                                                      out_itemsize=dt.itemsize, weights=nw))
+    out = jax.ShapeDtypeStruct((M, N), dt)
+    operands = [lay, x2, wb, sb]
+    if gated:
+        operands += [mx._flat(p_up["weight"], pairs=fmt == "mxfp4", kernel=NAME), mx._flat(p_up["scale"], kernel=NAME)]
+    if norm is not None:
+        operands.append(norm[0].reshape(-1))
+    tag = ("_gated" if gated else "") + ("_normed" if norm is not None else "")
     y = pl.pallas_call(
-        functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk)),
-        grid=(N // bn, mp // bm), in_specs=[whole(lay), whole(x2), whole(wb), whole(sb)], out_specs=whole(out),
+        functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk, gated=gated, act=act,
+                                          norm=norm is not None, eps=None if norm is None else float(norm[1]))),
+        grid=(N // bn, pl.cdiv(M, bm)), in_specs=[whole(a) for a in operands], out_specs=whole(out),
         out_shape=out,
         interpret=interpret, compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
-        cost_estimate=cost, name=f"{NAME}_{fmt}_m{bm}_n{bn}_k{bk}")(lay, x2, wb, sb)
-    return y[:M].reshape(*lead, N)
+        cost_estimate=cost, name=f"{NAME}_{fmt}{tag}_m{bm}_n{bn}_k{bk}")(*operands)
+    return y.reshape(*lead, N)
 
 
 # ------------------------------------------------------------------------------------------- bench
