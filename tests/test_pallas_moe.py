@@ -366,3 +366,16 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
         ks = capture_kernels(_kernel_bf16, *_flash_args(n_tok))
         assert [kk["name"] for kk in ks] == [f"moe_mxfp4_gate_up_m{bm}_n64_k128", f"moe_mxfp4_down_m{bm}_n64_k128"]
         assert all("tt.dot" in kk["ttir"] and "tt.load" in kk["ttir"] for kk in ks)
+
+
+def test_distinct_argsort_is_the_stable_argsort():
+    """The kernel path's sort-free combine order (`moe._distinct_argsort`) is `argsort(stable)` on rows of
+    distinct ids — top-6 of 384 in random order, ascending, descending, and k = 1 — so the combine adds the
+    same slots in the same order as the xla path's."""
+    from dsv41_jax.model import moe
+
+    rng = np.random.default_rng(8)
+    rows = [rng.choice(384, 6, replace=False) for _ in range(64)] + [np.arange(6), np.arange(6)[::-1] * 50]
+    for idx in (np.stack(rows).astype(np.int32), rng.choice(384, (5, 1)).astype(np.int32)):
+        got = np.asarray(moe._distinct_argsort(jnp.asarray(idx)))
+        np.testing.assert_array_equal(got, np.argsort(idx, axis=1, kind="stable"))

@@ -235,11 +235,23 @@ def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     return unsort_slots(proj(act, "w2"), order, held, N, k)  # [A, D] in dt -> [N, k, D]
 
 
-def combine_slots(y, idx):
-    """fp32 [N, D]: each token's k slot outputs y [N, k, D] in ascending expert id, folded left to right
-    in fp32 — the reference's additions in the reference's order."""
+def _distinct_argsort(idx):
+    """``argsort(idx, axis=1, stable=True)`` for rows of distinct ids (a token's top-k experts), without a sort:
+    slot i's rank is the number of smaller ids in its row, and position r takes the slot ranked r. Integer
+    arithmetic in one small fusion, where XLA:GPU's sort is a launch plus a copy of its operand (sorts run in
+    place); the same permutation as the sort for distinct ids."""
     k = idx.shape[1]
-    perm = jnp.argsort(idx, axis=1, stable=True)
+    rank = jnp.sum(idx[:, None, :] < idx[:, :, None], axis=-1)  # [N, k]: rank of slot i
+    pos = jnp.arange(k, dtype=jnp.int32)
+    return jnp.sum(jnp.where(rank[:, :, None] == pos, pos[None, :, None], 0), axis=1).astype(jnp.int32)
+
+
+def combine_slots(y, idx, distinct: bool = False):
+    """fp32 [N, D]: each token's k slot outputs y [N, k, D] in ascending expert id, folded left to right
+    in fp32 — the reference's additions in the reference's order. distinct: idx's rows hold distinct ids
+    (top-k), so the order comes from `_distinct_argsort` (no sort launch; the same order)."""
+    k = idx.shape[1]
+    perm = _distinct_argsort(idx) if distinct else jnp.argsort(idx, axis=1, stable=True)
     y = jnp.take_along_axis(y, perm[..., None], axis=1).astype(jnp.float32)
     acc = jnp.zeros(y.shape[:1] + y.shape[2:], jnp.float32) + y[:, 0]
     for j in range(1, k):
@@ -284,8 +296,8 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
         # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
         routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=kernel_slots)
-    elif kernel:
-        routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt), idx)
+    elif kernel:  # (top-k ids are distinct: the combine's order needs no sort; the kernel runs fp32 modes only)
+        routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt), idx, distinct=True)
     else:
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]
