@@ -4,6 +4,7 @@ The sublayer is split so the full forward (`transformer.py`) and the cached deco
 piece of arithmetic:
 
 * `project_q_kv` — q latent, RoPE'd queries and this layer's window K=V (RoPE + fp8 fake-quant);
+  `window_codes` — the cached path's window K=V as stored codes (one kernel where the attention kernel runs);
 * `attend` — one softmax over [window keys ∪ selected compressed slots] with the per-head sink;
 * `output_proj` — inverse RoPE, grouped wo_a (bf16), wo_b (fp8).
 
@@ -15,6 +16,9 @@ attention output out. Implementations: "reference" (decode, gather, `attend`: th
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +28,8 @@ from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import (DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, round_f32,
                                       round_to, x64_scope)
 from dsv41_jax.model.rope import apply_rope, rope_freqs
+
+log = logging.getLogger(__name__)
 
 
 def layer_freqs(cfg, plan):
@@ -44,16 +50,52 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     scales); the quantized value is what the window ring stores and attention uses, in the same
     forward too — callers apply `window_kv` (or store its codes, which decode to the same values).
     """
+    return (*project_q(p, x, positions, freqs, cfg, dt), project_kv(p, x, positions, freqs, cfg, dt))
+
+
+def project_q(p, x, positions, freqs, cfg, dt):
+    """`project_q_kv`'s (qr, q). Inside a layer-scan run where the linear kernel runs, ``p["q_norm"]`` may
+    be the run's stack with its layer (`linear.norm_weight`)."""
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    exact = is_exact(cfg)
     qa = linear.fp8(x, p["wq_a"], cfg, dt)
-    qr = rmsnorm(qa, linear.norm_weight(p["q_norm"]), eps, dt, exact)  # the indexer's input (dropped if unused)
+    qr = rmsnorm(qa, linear.norm_weight(p["q_norm"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
     q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads")  # = fp8(qr, wq_b)
     q = q.reshape(q.shape[:-1] + (H, hd))
-    q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
-    kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], eps, dt, exact)
-    kv = apply_rope(kv, positions, freqs, out_dtype=dt)
-    return qr, q, kv
+    return qr, apply_rope(q, positions[..., None], freqs, out_dtype=dt)
+
+
+def project_kv(p, x, positions, freqs, cfg, dt):
+    """`project_q_kv`'s kv_rot [B, T, hd]: kv_norm(wkv(x)), RoPE'd, in `dt` (``p["kv_norm"]`` may be a run's
+    stack with its layer, `linear.norm_weight`)."""
+    kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), linear.norm_weight(p["kv_norm"]), cfg.rms_norm_eps, dt,
+                 is_exact(cfg))
+    return apply_rope(kv, positions, freqs, out_dtype=dt)
+
+
+def window_codes(p, x, positions, freqs, cfg, dt, mode: str) -> dict:
+    """This layer's new window codes: ``cache.encode("win", mode, project_kv(...))`` [B, T, ...].
+
+    Where the attention kernel runs (`dispatch.resolve(cfg, "attention")` a Pallas impl, fp32 numerics) and
+    the window codec is fp8, the wkv GEMM's output goes through one kernel — kv_norm, RoPE and the codes
+    (`pallas/window_codes.py`, the attention op's ``window_codes`` entry: four to five XLA launches fewer
+    per layer); the codes are the jnp path's (bitwise where the two sum Σx² alike). Other codecs run the
+    jnp path (said once in the log)."""
+    impl = dispatch.resolve(cfg, "attention")
+    if impl in ("pallas", "pallas_interpret") and not is_exact(cfg):
+        if kvc._codec("win", mode) == "fp8":
+            y = linear.fp8(x, p["wkv"], cfg, dt)
+            pn = p["kv_norm"]
+            return dispatch.kernel("attention", impl, "window_codes")(
+                y, pn["weight"], positions, freqs, cfg.rms_norm_eps, dt, layer=pn.get("layer"),
+                interpret=impl == "pallas_interpret")
+        _log_window_codec(mode)
+    return kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_window_codec(mode: str) -> None:
+    log.info("attention: the window codes of kv_cache_dtype %r (codec %s) have no kernel: kv_norm, RoPE and "
+             "the codes run the jnp path", mode, kvc._codec("win", mode))
 
 
 def window_kv(kv_rot, dt):

@@ -185,6 +185,19 @@ def round_e4m3(y, xp):
     return xp.where(finite, r, y)
 
 
+def e4m3_encode(v, xp):
+    """fp32 values already on the float8_e4m3fn grid (`round_e4m3` of a clamped input: |v| ≤ 448, finite)
+    -> their e4m3 bytes (int32 0..255), from the bits: normal |v| ≥ 2^-6 keep the exponent (rebiased by
+    −120) and the top three mantissa bits; subnormals are m·2^-9 (m = |v|·2^9, exact); the sign bit is
+    copied (−0 -> 0x80). The same bytes as a cast to float8_e4m3fn, with integer ops only (no fp8 dtype:
+    it runs inside a Triton kernel, `pallas.window_codes`)."""
+    b = bits_from_f32(v, xp)
+    e = ((b >> 23) & 0xFF) - 127
+    mag = xp.where(e >= -6, ((e + 7) << 3) | ((b >> 20) & 7),
+                   (xp.abs(v) * 512.0).astype(xp.int32))  # subnormal: m exact (|v| < 2^-6 -> m < 8)
+    return mag | ((b >> 24) & 0x80)
+
+
 def round_e2m1(x, xp):
     """Round fp32 ``x`` (already clamped to ±6) to the e2m1 grid, ties to the even code (spec.md §6:
     0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4); sign kept (small negatives give −0.0).

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling
+from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, linear, tiling
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit, sublayer_exit_enter
 from dsv41_jax.model.mhc import kernel_runs as mhc_kernel_runs
@@ -187,6 +187,8 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     in_place = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
     if in_place:  # q_norm runs in wq_b's kernel (`linear.fp8_normed`)
         in_place.append(("attn", "q_norm"))
+    if dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret"):  # kv_norm: `attention.window_codes`
+        in_place.append(("attn", "kv_norm"))
     # and the mHC mixes' fn / base / scale and the sublayer norms' weights when the mhc kernel runs
     # (`mhc.sublayer_enter`'s layer)
     if mhc_kernel_runs(cfg):

@@ -536,3 +536,11 @@ def bytes_moved(q, sink, ring, ring_rows, new, start, positions, valid, comp, pa
         n_rows = len(np.unique(rows[s >= 0]))
         total += n_rows * kvc.store_bytes_per_entry("comp", mode, hd)
     return int(total)
+
+
+def window_codes(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, interpret: bool = False) -> dict:
+    """The attention op's second kernel entry (`attention.window_codes`): a layer's new window codes from its
+    wkv output, kv_norm + RoPE + fp8 codes in one launch (`pallas/window_codes.py`)."""
+    from dsv41_jax.pallas import window_codes as wc
+
+    return wc.kernel(y, norm_w, positions, freqs, eps, dt, layer=layer, interpret=interpret)

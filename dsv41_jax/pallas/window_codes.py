@@ -1,0 +1,143 @@
+"""Pallas kernel: a layer's window K=V from the wkv GEMM's output to its stored fp8 codes, in one launch.
+
+What a cached step does with this layer's new K=V (`attention.window_codes`; the reference,
+`ref_window_codes`, is the jnp composition the seam runs otherwise):
+
+    kv     = norm.rmsnorm(y, kv_norm, eps, dt)                    # y = wkv(x) [M, hd] in dt
+    kv_rot = rope.apply_rope(kv, positions, freqs, out_dtype=dt)  # the last rd dims, interleaved pairs
+    codes  = cache.encode("win", mode, kv_rot)                    # fp8: quant.act_quant_fp8 per 32
+
+XLA:GPU runs that as four to five launches per layer (the norm's mean, then the RoPE + quant chain:
+amax, scale, codes; the H200-target kernel table in docs/results/launches_h200_target/). Here one
+program per block of 16 tokens holds each token's whole row ([16, hd] fp32 in registers; hd = 512 in
+flash) and does all of it:
+
+* RMSNorm as `norm.rmsnorm` (fp32: x·rsqrt(Σx²/hd + eps)·w, rounded once to dt; Σx² in the kernel's
+  order);
+* RoPE as `rope.apply_rope` (angle = fp32(pos)·f_i, cos / sin in fp32, (a, b) -> (a·cos − b·sin,
+  a·sin + b·cos), rounded once to dt). The Triton lowering cannot slice register tensors, so each pair's
+  partner comes from a second gather of the row at the partner columns (col ^ 1 in the rotated tail),
+  normed the same way (bitwise the partner's value);
+* the window codec "fp8" (`quant.act_quant_fp8`: per 32, amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉, e4m3 RNE
+  of clamp(x/s, ±448)) with the bytes made by integer ops (`codec.e4m3_encode`, the scale's e8m0 byte
+  e + 127): no fp8 dtype in the kernel.
+
+Other window codecs (the fp8_e4m3 / bf16 / fp32 ``kv_cache_dtype`` modes keep fp8 for the window except
+bf16 / fp32) have no kernel: the seam runs the jnp composition for them (logged once). The exact /
+deterministic modes have no kernel either (the attention seam refuses its kernels there).
+
+Inside a layer-scan run the norm weight is the run's stack [n, hd] read at the layer (a sliced operand
+of a Pallas call would be copied per layer). Lowering: Pallas Triton (`common.triton_params`), whole-array
+refs with masked stores for the token tail and clamped row indices for loads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import codec, quant
+from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.rope import apply_rope
+from dsv41_jax.pallas import common
+
+NAME = "window_codes"
+TOKEN_BLOCK = 16
+_ACT_AMAX_FLOOR = 1e-4  # quant.act_quant_fp8's
+
+
+def ref_window_codes(y, norm_w, positions, freqs, eps: float, dt, mode: str) -> dict:
+    """The oracle: `cache.encode("win", mode, apply_rope(rmsnorm(y, norm_w, eps, dt), positions, freqs, dt))`."""
+    kv = rmsnorm(y, norm_w, eps, dt)
+    return kvc.encode("win", mode, apply_rope(kv, positions, freqs, out_dtype=dt))
+
+
+def supports(mode: str) -> bool:
+    """Whether the kernel makes the window codes of `mode` (``kv_cache_dtype``): the "fp8" window codec."""
+    return kvc._codec("win", mode) == "fp8"
+
+
+def _kernel(lay_ref, y_ref, w_ref, pos_ref, f_ref, q_ref, s_ref, *, c):
+    """Program i: tokens i·bm .. i·bm + bm − 1 (rows past M load row M − 1 and are not stored)."""
+    bm, hd, rd, M, dt = c["bm"], c["hd"], c["rd"], c["M"], c["dt"]
+    r0 = pl.program_id(0) * bm
+    rows = jnp.minimum(r0 + lax.iota(jnp.int32, bm), M - 1)
+    col = lax.iota(jnp.int32, hd)
+    rope = col >= hd - rd
+    partner = jnp.where(rope, col ^ 1, col)  # the tail starts at an even column: pairs (2i, 2i + 1)
+    lay = lay_ref[0]
+
+    def normed(cols):  # norm.rmsnorm's formula on the row's columns `cols`, rounded to dt, widened
+        y = y_ref[rows[:, None], cols[None, :]].astype(jnp.float32)
+        w = w_ref[lay * hd + cols].astype(jnp.float32)
+        return y, w
+
+    y, w = normed(col)
+    yp, wp = normed(partner)
+    r = lax.rsqrt(jnp.sum(y * y, axis=1) / hd + c["eps"])[:, None]
+    kv = (y * r * w[None, :]).astype(dt).astype(jnp.float32)
+    kvp = (yp * r * wp[None, :]).astype(dt).astype(jnp.float32)
+    # rope.apply_rope: angle = fp32(pos) · f_i, pair i of the tail = columns hd − rd + 2i, 2i + 1
+    freq = f_ref[jnp.clip((col - (hd - rd)) // 2, 0, rd // 2 - 1)]
+    ang = pos_ref[rows].astype(jnp.float32)[:, None] * freq[None, :]
+    cs, sn = jnp.cos(ang), jnp.sin(ang)
+    even = (col & 1) == 0
+    rot = jnp.where(even[None, :], kv * cs - kvp * sn, kvp * sn + kv * cs)
+    v = jnp.where(rope[None, :], rot, kv).astype(dt).astype(jnp.float32)
+    # quant.act_quant_fp8 per 32, to bytes
+    amax = jnp.maximum(jnp.max(jnp.abs(v).reshape(bm, hd // 32, 32), axis=2), _ACT_AMAX_FLOOR)
+    e = codec.ceil_log2(amax / codec.E4M3_MAX, jnp)  # amax / 448 ≥ 2.2e-7: a normal fp32
+    inv = jnp.broadcast_to(codec.exp2_int(-e, jnp)[:, :, None], (bm, hd // 32, 32)).reshape(bm, hd)
+    yq = jnp.clip(v * inv, -codec.E4M3_MAX, codec.E4M3_MAX)  # v / s, exact (s a power of two)
+    qb = codec.e4m3_encode(codec.round_e4m3(yq, jnp), jnp)
+    live = (r0 + lax.iota(jnp.int32, bm) < M)[:, None]
+    pltriton.store(q_ref.at[pl.ds(r0, bm), :], qb.astype(jnp.uint8), mask=live)
+    pltriton.store(s_ref.at[pl.ds(r0, bm), :], (e + 127).astype(jnp.uint8), mask=live)
+
+
+def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, interpret: bool = False) -> dict:
+    """The window codes of "fp8" (`ref_window_codes` with that codec) from the wkv output y [..., hd] (dt).
+
+    norm_w: the kv_norm weight [hd] (bf16), or with `layer` (int32 scalar) a run's stack [n, hd];
+    positions: int32 [...] (y's leading shape); freqs: the layer's RoPE frequencies [rd/2] (numpy / jax
+    fp32, `attention.layer_freqs`); eps: ``rms_norm_eps``; dt: the act dtype (y's). Returns {"q":
+    float8_e4m3fn [..., hd], "s": float8_e8m0fnu [..., hd/32]}, `cache.encode("win", ...)`'s layout."""
+    hd = y.shape[-1]
+    lead = y.shape[:-1]
+    rd = 2 * int(np.shape(freqs)[-1])
+    if hd % 32 or hd & (hd - 1) or rd > hd or rd % 2 or (hd - rd) % 2:
+        raise NotImplementedError(f"window_codes kernel: head_dim {hd} must be a power of two (a multiple of 32) "
+                                  f"and the rope dims {rd} an even tail of it")
+    if norm_w.shape != ((hd,) if layer is None else (norm_w.shape[0], hd)):
+        raise ValueError(f"window_codes kernel: norm weight {norm_w.shape} for head_dim {hd}"
+                         + ("" if layer is None else " (stacked: a leading layer axis)"))
+    M = int(np.prod(lead, dtype=np.int64))
+    if M == 0:
+        return {"q": jnp.zeros((*lead, hd), quant.FP8), "s": jnp.zeros((*lead, hd // 32), quant.E8M0)}
+    dt = jnp.dtype(dt)
+    bm = TOKEN_BLOCK
+    common.log_choice(NAME, interpret, token_block=bm, head_dim=hd, rope_dims=rd)
+    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    fr = jnp.asarray(np.asarray(freqs, np.float32) if not isinstance(freqs, jax.Array) else freqs, jnp.float32)
+    ins = [lay, y.reshape(M, hd), norm_w.reshape(-1), positions.reshape(M).astype(jnp.int32), fr]
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda i, nd=a.ndim: (0,) * nd)
+
+    q, s = pl.pallas_call(
+        functools.partial(_kernel, c=dict(bm=bm, hd=hd, rd=rd, M=M, dt=dt, eps=float(eps))),
+        grid=(pl.cdiv(M, bm),), in_specs=[whole(a) for a in ins],
+        out_shape=[jax.ShapeDtypeStruct((M, hd), jnp.uint8), jax.ShapeDtypeStruct((M, hd // 32), jnp.uint8)],
+        out_specs=[whole(jax.ShapeDtypeStruct((M, hd), jnp.uint8)),
+                   whole(jax.ShapeDtypeStruct((M, hd // 32), jnp.uint8))],
+        compiler_params=common.triton_params(num_warps=4, num_stages=1), interpret=interpret, name=NAME,
+    )(*ins)
+    return {"q": lax.bitcast_convert_type(q, quant.FP8).reshape(*lead, hd),
+            "s": lax.bitcast_convert_type(s, quant.E8M0).reshape(*lead, hd // 32)}

@@ -1,0 +1,110 @@
+"""The window-codes kernel (dsv41_jax/pallas/window_codes.py: kv_norm + RoPE + fp8 window codes of a layer's
+new K=V in one launch) against its reference (`ref_window_codes`: norm.rmsnorm, rope.apply_rope,
+cache.encode("win")), natively on a GPU and in interpret mode elsewhere (`pallas_impl`).
+
+Bitwise: the kernel computes the reference's ops on the reference's values; only Σx² of the norm is summed
+in the kernel's order, and on these inputs that sum is the same in any order in interpret mode (it is a
+row of 512 fp32 squares; natively this also asks that Triton's rsqrt / cos / sin be XLA:GPU's — both
+call libdevice). Shapes: the tiny preset's (head_dim 64, 16 rope dims, 10 ragged tokens over one 16-token
+block), flash's (512, 64) at one token and at 17 tokens (two blocks, ragged) in the fp32 flow; a zero row
+(the amax floor), large positions (past 64K), values that use e4m3 subnormals; a stacked norm weight.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import ModelConfig, attention, dispatch
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model.rope import rope_freqs
+from dsv41_jax.pallas import window_codes as wc
+
+BF16 = jnp.dtype(jnp.bfloat16)
+F32 = jnp.dtype(jnp.float32)
+
+
+def _bytes(codes):
+    return {k: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8)) for k, v in codes.items()}
+
+
+def _inputs(rng, lead, hd, dt):
+    y = rng.standard_normal((*lead, hd)) * 3.0
+    y[..., :8] *= 2.0 ** -14  # small entries: e4m3 subnormal codes after the per-32 scale
+    if y.size > hd:
+        y.reshape(-1, hd)[0] = 0.0  # a zero row: the norm gives zeros, the scale is the amax floor's
+    pos = rng.integers(0, 200_000, lead).astype(np.int32)
+    return jnp.asarray(y, dt), jnp.asarray(rng.uniform(0.5, 1.5, hd), BF16), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("lead, hd, rd, dt", [((2, 5), 64, 16, BF16), ((1, 1), 512, 64, BF16),
+                                              ((1, 17), 512, 64, F32)], ids=["tiny10", "flash-1tok", "flash-17tok-f32"])
+def test_kernel_bitwise_the_reference(pallas_impl, lead, hd, rd, dt):
+    rng = np.random.default_rng(hd + len(lead))
+    y, w, pos = _inputs(rng, lead, hd, dt)
+    fr = rope_freqs(rd, 10000.0)
+    got = wc.kernel(y, w, pos, fr, 1e-6, dt, interpret=pallas_impl == "pallas_interpret")
+    want = wc.ref_window_codes(y, w, pos, fr, 1e-6, dt, "auto")
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in want.items()}
+    g, r = _bytes(got), _bytes(want)
+    sub = ((r["q"] & 0x78) == 0) & ((r["q"] & 7) != 0)
+    assert sub.any() and ((r["q"] & 0x78) != 0).any()  # subnormal codes and normal ones occur
+    for k in ("q", "s"):
+        np.testing.assert_array_equal(g[k], r[k], err_msg=k)
+    # a run's stacked norm weight, layer 1 of 2 (layer 0 zeros: reading it would give other codes)
+    st = jnp.stack([jnp.zeros_like(w), w])
+    got1 = wc.kernel(y, st, pos, fr, 1e-6, dt, layer=jnp.int32(1), interpret=pallas_impl == "pallas_interpret")
+    for k in ("q", "s"):
+        np.testing.assert_array_equal(_bytes(got1)[k], g[k], err_msg=f"stacked {k}")
+
+
+def test_seam_runs_the_kernel_for_fp8_windows_only(pallas_impl, tiny_cfg, tiny_params, monkeypatch):
+    """attention.window_codes: with the attention kernel and an fp8 window codec the kernel's codes, equal
+    to the jnp path's (impl xla) bit for bit; a bf16 window (kv_cache_dtype "bfloat16") runs the jnp path
+    even with the kernel chosen (no kernel is called)."""
+    p = tiny_params["layers"][2]["attn"]
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 5, tiny_cfg.hidden_size)), BF16)
+    pos = jnp.asarray(rng.integers(0, 5000, (2, 5)), jnp.int32)
+    fr = attention.layer_freqs(tiny_cfg, tiny_cfg.layer_plan(2))
+    kcfg = tiny_cfg.replace(impl=f"xla,attention={pallas_impl}")
+    got = attention.window_codes(p, x, pos, fr, kcfg, BF16, "auto")
+    want = attention.window_codes(p, x, pos, fr, tiny_cfg.replace(impl="xla"), BF16, "auto")
+    np.testing.assert_array_equal(_bytes(got)["q"], _bytes(want)["q"])
+    np.testing.assert_array_equal(_bytes(got)["s"], _bytes(want)["s"])
+    want_enc = kvc.encode("win", "auto", attention.project_kv(p, x, pos, fr, tiny_cfg.replace(impl="xla"), BF16))
+    np.testing.assert_array_equal(_bytes(want)["q"], _bytes(want_enc)["q"])
+
+    def no_kernel(*a, **k):
+        raise AssertionError("a kernel was called")
+
+    monkeypatch.setattr(dispatch, "kernel", no_kernel)
+    bf = attention.window_codes(p, x, pos, fr, kcfg, BF16, "bfloat16")
+    np.testing.assert_array_equal(np.asarray(bf["v"].astype(F32)), np.asarray(kvc.encode(
+        "win", "bfloat16", attention.project_kv(p, x, pos, fr, kcfg, BF16))["v"].astype(F32)))
+
+
+def test_shapes_it_cannot_cover_are_refused():
+    y = jnp.zeros((1, 96), BF16)
+    with pytest.raises(NotImplementedError, match="power of two"):
+        wc.kernel(y, jnp.ones((96,), BF16), jnp.zeros((1,), jnp.int32), rope_freqs(16, 1e4), 1e-6, BF16)
+    with pytest.raises(ValueError, match="norm weight"):
+        wc.kernel(jnp.zeros((1, 64), BF16), jnp.ones((32,), BF16), jnp.zeros((1,), jnp.int32), rope_freqs(16, 1e4),
+                  1e-6, BF16)
+    assert wc.supports("auto") and wc.supports("fp8_e4m3") and not wc.supports("bfloat16")
+
+
+def test_lowers_to_triton_for_cuda_without_a_gpu():
+    """Flash's window (head_dim 512, 64 rope dims) lowers to verified Triton IR for sm_90 at one token and a
+    64-token chunk."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the native tests compile the kernel on this GPU")
+    from dsv41_jax.pallas.offline import capture_kernels
+
+    cfg = ModelConfig.preset("flash")
+    fr = rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta)
+    for M in (1, 64):
+        sds = jax.ShapeDtypeStruct
+        ks = capture_kernels(lambda y, w, p: wc.kernel(y, w, p, fr, cfg.rms_norm_eps, BF16),
+                             sds((M, cfg.head_dim), BF16), sds((cfg.head_dim,), BF16), sds((M,), jnp.int32))
+        assert [k["name"] for k in ks] == ["window_codes"] and "tt.store" in ks[0]["ttir"]
