@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import ModelConfig, codec, dispatch, linear, quant, tiling
+from dsv41_jax.model.rope import apply_rope, rope_freqs
 from dsv41_jax.pallas import quant_linear as ql
 from dsv41_jax.parallel.plan import MeshPlan
 
@@ -244,7 +245,8 @@ def test_gated_pair_bitwise_on_order_free_weights(pallas_impl, name):
 
 @pytest.mark.parametrize("name", ["fp8_b1", "fp8_ragged_partial_scale_block"])
 def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
-    """``norm=`` (q_norm run inside wq_b's kernel, `linear.fp8_normed`) equals `norm.rmsnorm` then the GEMM:
+    """``norm=`` (q_norm run inside wq_b's kernel, `linear.fp8_normed`) equals `norm.rmsnorm` then the GEMM, and
+    with ``rope=`` (the q RoPE as its epilogue) `rope.apply_rope` of that:
     with integer-valued rows (Σx² exact in any order) and order-free weights, bit for bit, in the bf16 and fp32
     flows, through the seam against the xla seam (natively this also asks that Triton's rsqrt be XLA:GPU's:
     both call libdevice's). A stacked norm weight and weight (layer 1 of 2) read in place equal the unstacked
@@ -268,6 +270,18 @@ def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
         assert got.dtype == dt and got.shape == want.shape
         assert np.abs(np.asarray(want.astype(F32))).max() > 0
         np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)), err_msg=mode)
+        # + the q projection's RoPE as the epilogue: heads of N/3 with a rotated tail of half of them
+        hd = N // 3
+        rope = (jnp.asarray(rng.integers(0, 100_000, xs[:-1]), jnp.int32), rope_freqs(hd // 2, 10000.0), hd)
+        got_r = jax.jit(lambda x, nw, p, pos: linear.fp8_normed(x, nw, 1e-6, p, kcfg, dt, rope=(pos, *rope[1:])))(
+            xin, nw, p, rope[0])
+        want_r = linear.fp8_normed(xin, nw, 1e-6, p, _CFG[mode], dt, rope=rope)
+        heads = want.reshape(*want.shape[:-1], 3, hd)
+        oracle = apply_rope(heads, rope[0][..., None], rope[1], out_dtype=dt).reshape(want.shape)
+        np.testing.assert_array_equal(np.asarray(want_r.astype(F32)), np.asarray(oracle.astype(F32)))
+        assert (np.asarray(want_r.astype(F32)) != np.asarray(want.astype(F32))).any()  # the rotation did something
+        np.testing.assert_array_equal(np.asarray(got_r.astype(F32)), np.asarray(want_r.astype(F32)),
+                                      err_msg=f"rope {mode}")
     st = {k: jnp.stack([jnp.zeros_like(p[k]), p[k]]) for k in p}
     nst = jnp.stack([jnp.ones_like(nw["weight"]), nw["weight"]])
     one = ql.kernel(x, p, fmt, F32, norm=(nw["weight"], 1e-6), interpret=interp)
@@ -330,6 +344,12 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
         ks = capture_kernels(lambda x, p: ql.kernel(x, p, fmt, BF16), *_flash_args(M, fmt))
         assert [k["name"] for k in ks] == [f"quant_linear_{fmt}_m{bm}_n64_k256"]
         assert "tt.dot" in ks[0]["ttir"] and "tt.load" in ks[0]["ttir"]
+    # wq_b as the decode step runs it: q_norm in, the q RoPE out (64 heads of 512, 64 rotated dims)
+    x, p = _flash_args(1, "fp8")
+    ks = capture_kernels(lambda x, p, w, pos: ql.kernel(x, p, "fp8", BF16, norm=(w, 1e-6),
+                                                         rope=(pos, rope_freqs(64, 10000.0), 512)),
+                         x, p, jax.ShapeDtypeStruct((FLASH_WQ_B[1],), BF16), jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert [k["name"] for k in ks] == ["quant_linear_fp8_normed_rope_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]
     # the gated pair at flash's shared-expert shape (w1 / w3: 2048 x 5120 with the SwiGLU)
     from dsv41_jax.model import moe
 

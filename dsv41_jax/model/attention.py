@@ -59,9 +59,9 @@ def project_q(p, x, positions, freqs, cfg, dt):
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     qa = linear.fp8(x, p["wq_a"], cfg, dt)
     qr = rmsnorm(qa, linear.norm_weight(p["q_norm"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
-    q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads")  # = fp8(qr, wq_b)
-    q = q.reshape(q.shape[:-1] + (H, hd))
-    return qr, apply_rope(q, positions[..., None], freqs, out_dtype=dt)
+    # = apply_rope(fp8(qr, wq_b) as [.., H, hd]): one launch where the linear kernel runs
+    q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads", rope=(positions, freqs, hd))
+    return qr, q.reshape(q.shape[:-1] + (H, hd))
 
 
 def project_kv(p, x, positions, freqs, cfg, dt):

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from dsv41_jax.model import codec, dispatch, quant, tiling
 from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def norm_weight(pn):
 
 def _kernel_gemm(x, p, fmt, cfg, dt, name, **epilogue):
     """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`);
-    `epilogue`: the kernel's gated pair (p_up / act) or normed input (norm)."""
+    `epilogue`: the kernel's gated pair (p_up / act), normed input (norm) or RoPE'd output (rope)."""
     dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
     par = tiling.mesh_plan()
     if par is not None and par.mesh.size > 1:
@@ -251,17 +252,24 @@ def fp8_gated(x, p_gate, p_up, act, cfg, dt, row_axis=None):
     return act(fp8(x, p_gate, cfg, dt, row_axis), fp8(x, p_up, cfg, dt, row_axis))
 
 
-def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None):
+def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None):
     """``fp8(norm.rmsnorm(x, norm_weight(pn), eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's
-    q_norm before wq_b). Where the linear kernel runs, the norm runs in the kernel (`quant_linear.kernel`'s
-    norm: two XLA launches fewer; its Σx² in the kernel's order); else exactly those two calls."""
+    q_norm before wq_b), optionally RoPE'd: ``rope=(positions int32 [...], freqs, head_dim)`` returns the
+    output [..., N] as ``rope.apply_rope`` of its [..., N / head_dim, head_dim] view at positions[..., None].
+    Where the linear kernel runs, the norm and the RoPE run in the kernel (`quant_linear.kernel`'s norm and
+    rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls."""
     impl = impl_of(cfg)
     if impl in ("pallas", "pallas_interpret"):
         if ("layer" in pn) != ("layer" in p):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
                              "(with 'layer') or both one layer's")
-        return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(pn["weight"], eps))
-    return fp8(rmsnorm(x, norm_weight(pn), eps, dt, is_exact(cfg)), p, cfg, dt, row_axis)
+        return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(pn["weight"], eps), rope=rope)
+    y = fp8(rmsnorm(x, norm_weight(pn), eps, dt, is_exact(cfg)), p, cfg, dt, row_axis)
+    if rope is None:
+        return y
+    positions, freqs, hd = rope
+    yh = y.reshape(y.shape[:-1] + (y.shape[-1] // hd, hd))
+    return apply_rope(yh, positions[..., None], freqs, out_dtype=dt).reshape(y.shape)
 
 
 def mxfp4(x, p, cfg, dt):

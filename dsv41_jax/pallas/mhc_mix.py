@@ -15,6 +15,13 @@ What is fused:
   twice, mixes materialized in between).
 * `sublayer_exit`: ``out_j = post_j · y + Σ_i C[i, j] · h_i`` per token block and D chunk (one read
   of y and h, one write), same static summation order as `mhc.hc_post`.
+* Fused with the neighbours (`mixes_enter(norm_weight=)`, `exit_enter`; the seams
+  `mhc.sublayer_enter(norm_weight=)` and `mhc.sublayer_exit_enter`): the sublayer's RMSNorm of x_in (its
+  Σx² of the rounded x_in summed per chunk and split beside Σh², the scaling in the tail kernel, in place
+  on x_in's buffer) and one sublayer's exit with the next one's enter (each chunk of the new streams is
+  written once and used from registers: not read back). At decode (B = 1, 40 splits) a sublayer boundary is
+  then two launches (the exit + enter split pass, the norm tail) where it was five (exit, enter, tail, and
+  XLA's mean and scale of the norm): docs/benchmarks.md, "Launches per decode step".
 
 Layout in registers: the 24 mixes live as one [tokens, 32] tile (24 = (2+n)·n padded to the next
 power of two; fn rows ≥ 24 are masked to zero). The Triton lowering has no slicing of register

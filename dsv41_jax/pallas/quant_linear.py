@@ -36,6 +36,13 @@ place: a sliced operand would be copied). Only one device: on a mesh whose rules
 Pallas call would make XLA gather every weight onto every device, so the seam refuses the kernel there
 (the xla path is partitioned by XLA).
 
+Epilogues and prologues that take a neighbour's launches (`kernel`'s keywords; the seams
+`linear.fp8_gated` / `linear.fp8_normed`): a gated pair (two weights streamed by the same programs and an
+elementwise function of both outputs: the shared expert's w1 / w3 and its SwiGLU), an RMSNormed input (each
+program sums its rows' squares first: q_norm inside wq_b) and a RoPE'd output (the pairs' partners through
+an exact fp32 dot with the pair swap: the q RoPE). The output has exactly M rows (masked stores): a padded
+output would be sliced by a copy before a Pallas consumer.
+
 Lowering: Pallas **Triton** (`common.triton_params`), as every kernel here; no fp8 dtype reaches the
 kernel (codes and scales enter as their uint8 bits); block sizes are powers of two (block_n ≥ 16,
 block_k ≥ 32, each dividing its dimension); rounding is integer arithmetic.
@@ -48,6 +55,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -96,7 +104,9 @@ def _kernel(layer_ref, x_ref, *refs, c):
     [M, N] (rows past M masked off: an output with padded rows would be sliced by a copy before a Pallas
     consumer)."""
     ws = [refs[:2], refs[2:4]] if c["gated"] else [refs[:2]]
-    nw_ref = refs[2 * len(ws)] if c["norm"] else None
+    extra = list(refs[2 * len(ws):-1])
+    nw_ref = extra.pop(0) if c["norm"] else None
+    pos_ref, f_ref = extra if c["rope"] else (None, None)
     o_ref = refs[-1]
     j, i = pl.program_id(0), pl.program_id(1)
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
@@ -142,10 +152,35 @@ def _kernel(layer_ref, x_ref, *refs, c):
     dt = o_ref.dtype
     if c["gated"]:  # each GEMM's output rounded to dt, as the separate calls give them to the activation
         out = c["act"](accs[0].astype(dt), accs[1].astype(dt))
+    elif c["rope"]:
+        out = _rope_epilogue(accs[0].astype(dt).astype(jnp.float32), pos_ref[xrows], f_ref, n0, c)
     else:
         out = accs[0]
     rmask = (r0 + lax.iota(jnp.int32, bm) < c["M"])[:, None]
     pltriton.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], out.astype(dt), mask=rmask)
+
+
+def _rope_epilogue(y, pos, f_ref, n0, c):
+    """`rope.apply_rope` on the output tile y fp32 [bm, bn] (the GEMM's output rounded to dt): columns n0 ..
+    n0 + bn − 1 of rows viewed as heads of c["hd"], whose last c["rd"] dims are rotated in interleaved pairs
+    at angle fp32(pos)·f_i. A pair's partner (column ^ 1, in the same tile: bn is a multiple of 2) comes from
+    an fp32 dot with the pair-swap permutation (IEEE fp32, HIGHEST: each output is one product by 1.0 plus
+    zeros: the partner itself; the Triton lowering cannot permute register lanes otherwise). The result is
+    rounded by the caller's store, as apply_rope rounds once."""
+    bn, hd, rd = y.shape[1], c["hd"], c["rd"]
+    col = n0 + lax.iota(jnp.int32, bn)
+    d = lax.rem(col, hd)
+    rope = d >= hd - rd
+    lane = lax.iota(jnp.int32, bn)
+    swap = (lane[:, None] == (lane[None, :] ^ 1)).astype(jnp.float32)  # [bn, bn]: column c takes lane c ^ 1
+    yp = lax.dot_general(y, swap, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+    freq = f_ref[jnp.clip((d - (hd - rd)) // 2, 0, rd // 2 - 1)]
+    ang = pos.astype(jnp.float32)[:, None] * freq[None, :]
+    cs, sn = jnp.cos(ang), jnp.sin(ang)
+    even = ((d & 1) == 0)[None, :]
+    rot = jnp.where(even, y * cs - yp * sn, yp * sn + y * cs)
+    return jnp.where(rope[None, :], rot, y)
 
 
 # ---------------------------------------------------------------------------------------- contract
@@ -197,7 +232,7 @@ def _plan(M: int, N: int, K: int, block_m, block_n, block_k) -> dict:
 
 def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: int | None = None,
            block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-           p_up=None, act=None, norm=None):
+           p_up=None, act=None, norm=None, rope=None):
     """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
 
     p: fp8 {"weight": float8_e4m3fn [N, K], "scale": E8M0 [⌈N/32⌉, K/32]} (``fmt="fp8"``) or MXFP4
@@ -216,6 +251,10 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     Normed input: ``norm=(weight, eps)`` with weight [K] (or, with a stacked `p`, the run's stacked norm
     weights [n, K], read at p's layer): the GEMM's input is ``norm.rmsnorm(x, weight, eps, dt)`` computed
     in-kernel (each program sums its rows' squares first) — the XLA norm's two launches go.
+
+    RoPE'd output: ``rope=(positions int32 [...] (x's leading shape), freqs [rd/2] fp32, head_dim)``: the
+    output viewed as [..., N / head_dim, head_dim] comes back as ``rope.apply_rope(out, positions[..., None],
+    freqs, out_dtype=dt)`` (the q projection's RoPE, one launch fewer; head_dim even).
     """
     if cfg is not None and is_exact(cfg):
         raise NotImplementedError("quant_linear kernel: the exact / deterministic numerics modes accumulate in fp64, "
@@ -246,9 +285,17 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     if norm is not None and norm[0].shape != ((K,) if layer is None else (w.shape[0], K)):
         raise ValueError(f"quant_linear: norm weight of shape {norm[0].shape} for K = {K}"
                          + ("" if layer is None else f" and {w.shape[0]} stacked layers"))
+    if rope is not None:
+        if gated:
+            raise ValueError("quant_linear: rope and a gated pair exclude each other")
+        rpos, rfreqs, rhd = rope
+        rd = 2 * int(np.shape(rfreqs)[-1])
+        if rpos.shape != lead or N % rhd or rd > rhd or rhd % 2:
+            raise ValueError(f"quant_linear: rope positions {rpos.shape} / rope dims {rd} / head_dim {rhd} do not fit "
+                             f"x {x.shape} and N = {N}")
     if M == 0:
         return jnp.zeros((*lead, N), dt)
-    pl_ = _plan(M, N, K, block_m, block_n, block_k)
+    pl_ = _plan(M, N, K, block_m, block_n, block_k)  # block_n a power of two >= 16: a pair never straddles tiles
     bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
     x2 = x.reshape(M, K)
     wb = mx._flat(w, pairs=fmt == "mxfp4", kernel=NAME)  # [(n·)N, K or K/4]: a stack's layers one after another
@@ -269,10 +316,16 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
         operands += [mx._flat(p_up["weight"], pairs=fmt == "mxfp4", kernel=NAME), mx._flat(p_up["scale"], kernel=NAME)]
     if norm is not None:
         operands.append(norm[0].reshape(-1))
-    tag = ("_gated" if gated else "") + ("_normed" if norm is not None else "")
+    if rope is not None:
+        operands += [rpos.reshape(M).astype(jnp.int32),
+                     jnp.asarray(np.asarray(rfreqs, np.float32) if not isinstance(rfreqs, jax.Array) else rfreqs,
+                                 jnp.float32)]
+    tag = ("_gated" if gated else "") + ("_normed" if norm is not None else "") + ("_rope" if rope is not None else "")
     y = pl.pallas_call(
         functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk, gated=gated, act=act,
-                                          norm=norm is not None, eps=None if norm is None else float(norm[1]))),
+                                          norm=norm is not None, eps=None if norm is None else float(norm[1]),
+                                          rope=rope is not None, hd=None if rope is None else int(rope[2]),
+                                          rd=None if rope is None else rd)),
         grid=(N // bn, pl.cdiv(M, bm)), in_specs=[whole(a) for a in operands], out_specs=whole(out),
         out_shape=out,
         interpret=interpret, compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
