@@ -6,7 +6,7 @@
 # Steps, each under its own timeout (seconds, overridable) so one slow step cannot eat the others' time:
 #
 #   1. the Pallas kernel tests natively (attention, indexer, Engram / mHC, the MoE kernel, the fused
-#      fp8 / MXFP4 linear, the window codes; slow ones too), 4 pytest workers                T_KERNELS=150
+#      fp8 / MXFP4 linear, the window codes, o_proj; slow ones too), 4 pytest workers        T_KERNELS=150
 #   2. the model-level equivalence tests natively: forward and decode with every kernel vs
 #      "xla", DSpark vs plain decoding, prefix-cache hit vs cold, 4 workers                  T_MODEL=120
 #   3. from the start, beside 1-2: the server on nano (`python -m dsv41_jax.serve`, kernels chosen by
@@ -100,7 +100,8 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.09  # per pytest worker
 if [ -n "$DRY" ]; then PAR=(--collect-only); else PAR=(-n 4 --dist loadgroup); fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 -rfE "${PAR[@]}")
 step kernel_tests "${T_KERNELS:-150}" "${PYTEST[@]}" tests/test_pallas_attention.py tests/test_pallas_indexer.py \
-  tests/test_pallas_mix.py tests/test_pallas_moe.py tests/test_pallas_linear.py tests/test_pallas_window_codes.py
+  tests/test_pallas_mix.py tests/test_pallas_moe.py tests/test_pallas_linear.py tests/test_pallas_window_codes.py \
+  tests/test_pallas_o_proj.py
 step model_tests "${T_MODEL:-120}" "${PYTEST[@]}" tests/test_fastpath_attention.py tests/test_dspark.py \
   tests/test_prefix_cache.py -k "pallas_equals_xla or greedy_speculation_equals_plain or cached_prefix_equals_cold_exact"
 wait "$server_pid" || status=1

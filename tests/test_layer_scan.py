@@ -264,6 +264,10 @@ def test_kernels_read_a_runs_stacks_in_place(cfgs, params):
     for name, shapes, inside, _ in enters:
         fn_at = 6 if name.startswith("mhc_exit_enter") else 3  # after (lay, y, h, post, comb, pp) or (lay, h, pp)
         assert shapes[0] == (1,) and shapes[fn_at][0] == (2 if inside else 1) * mix, (name, shapes)  # fn's rows
+    oprojs = [c for c in calls if c[0].startswith("o_proj_")]
+    assert sum(c[2] for c in oprojs) == 2, calls  # one per scanned layer (the forward hands it the merged output)
+    for name, shapes, inside, _ in oprojs:  # (lay, o, positions, freqs, wo_a codes, scales): the codes' rows
+        assert shapes[4][0] == (2 if inside else 1) * on.o_groups * on.o_lora_rank, (name, shapes)
     for name, shapes, inside, _ in tails:  # (lay, partials x3, x_in, the norm weight flat, ...)
         assert shapes[5][0] == (2 if inside else 1) * on.hidden_size, (name, shapes)
     lg_s, aux_s = fwd(params, tokens, on, return_aux=True)

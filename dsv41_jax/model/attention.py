@@ -229,7 +229,7 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
                      ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
-                     exact: bool = False, key_lo=None):
+                     exact: bool = False, key_lo=None, partials_ok: bool = False):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -256,7 +256,9 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     Returns [B, T, H, hd] in q.dtype (docs/design/spec.md §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
     A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
-    `interpret`.
+    `interpret`. partials_ok: the kernel may return its unmerged split partials (a dict, see
+    `pallas.sparse_attention.kernel`'s merge) for `output_proj` to merge inside its own kernel; the jnp paths
+    always return the output.
     """
     if impl in ("pallas", "pallas_interpret") and exact:
         raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} implementation (fp64 "
@@ -267,7 +269,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
-            page_size=page_size, window=window, mode=mode, interpret=impl == "pallas_interpret")
+            page_size=page_size, window=window, mode=mode, interpret=impl == "pallas_interpret",
+            merge=not partials_ok)
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
     dt = q.dtype
@@ -283,14 +286,30 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla", exact=exact)
 
 
+def sink_of(p):
+    """The layer's attention sink fp32 [H] (``p["attn_sink"]``, or inside a layer-scan run where the o_proj
+    kernel reads it in place {"weight": the run's stack, "layer": k})."""
+    return linear.norm_weight(p["attn_sink"] if isinstance(p["attn_sink"], dict) else {"weight": p["attn_sink"]}
+                              ).astype(jnp.float32)
+
+
 def output_proj(p, o, positions, freqs, cfg, dt):
     """o [B, T, H, hd] attention output -> [B, T, D].
 
     Inverse RoPE at the query position; heads viewed as o_groups groups of H/o_groups·hd; wo_a
     (fp8 in the file, dequantized to bf16 — exact) applied per group as a plain bf16 matmul; wo_b fp8.
+    Where the linear kernel runs (`linear.kernel_runs`), the inverse RoPE and wo_a are one kernel
+    (`linear.o_proj`), which also merges the attention kernel's split partials when `o` is them (the
+    dict `sparse_attention(partials_ok=True)` may return).
     """
-    B, T = o.shape[:2]
     G, R = cfg.o_groups, cfg.o_lora_rank
+    if linear.kernel_runs(cfg):
+        sk = p["attn_sink"] if isinstance(p["attn_sink"], dict) else {"weight": p["attn_sink"]}
+        y = linear.o_proj(o, p["wo_a"], positions, freqs, sk, cfg, dt)
+        return linear.fp8(y, p["wo_b"], cfg, dt)
+    if isinstance(o, dict):
+        raise ValueError("output_proj: split partials need the linear kernel (linear.kernel_runs) to merge them")
+    B, T = o.shape[:2]
     o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt)
     o = o.reshape(B, T, G, cfg.o_group_in)
     y = linear.wo_a(o, p["wo_a"], cfg, dt, row_axis="heads").astype(dt).reshape(B, T, G * R)

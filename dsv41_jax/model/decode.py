@@ -29,7 +29,7 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, tiling
+from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, linear, tiling
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import (block, embed_streams, final_logits, initial_pre, new_aux, record,
@@ -173,10 +173,11 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
                                         retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = st["comp"][str(plan.kv_source)]
-    o = attn_mod.sparse_attention(q, p["attn_sink"].astype(jnp.float32), ring, batch["slot"], win_codes,
+    o = attn_mod.sparse_attention(q, attn_mod.sink_of(p), ring, batch["slot"], win_codes,
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
                                   window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
-                                  exact=is_exact(cfg), key_lo=batch.get("key_lo"))
+                                  exact=is_exact(cfg), key_lo=batch.get("key_lo"),
+                                  partials_ok=linear.kernel_runs(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
 
 

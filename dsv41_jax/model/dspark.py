@@ -135,7 +135,7 @@ def _draft_attention(p, x, ring, slot, start, positions, plan, cfg, ccfg, dt):
     mask = jnp.broadcast_to(ok[:, None, :], (B, K, W + K))
     hd = q.shape[-1]
     o = attn_mod.attend(q, keys, mask, jnp.zeros((B, K, 0, hd), dt), jnp.zeros((B, K, 0), bool),
-                        p["attn_sink"].astype(jnp.float32), dt, exact=is_exact(cfg))
+                        attn_mod.sink_of(p), dt, exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
 
 

@@ -114,6 +114,35 @@ def layer_weight(p):
     return {"weight": w, "scale": s}
 
 
+def kernel_runs(cfg) -> bool:
+    """Whether the linear seam's kernels run for `cfg` here: a Pallas impl, the fp32 numerics (the exact /
+    deterministic modes are refused by the kernels), one device (`tiling.mesh_plan`: the kernels are refused
+    on a mesh). What callers that hand a kernel a different operand (the attention's split partials,
+    `o_proj`) ask first."""
+    if impl_of(cfg) not in ("pallas", "pallas_interpret") or is_exact(cfg):
+        return False
+    par = tiling.mesh_plan()
+    return par is None or par.mesh.size == 1
+
+
+def o_proj(o, p, positions, freqs, sink, cfg, dt):
+    """The grouped wo_a projection of the attention output with its inverse RoPE, on the kernel
+    (`pallas/o_proj.py`: also the split-K merge when `o` is the attention kernel's partials): [B, T, G·R] in
+    `dt`, as `attention.output_proj`'s inverse RoPE + `wo_a` compute it. p: wo_a's params (the fp8 pair is
+    read; the bf16 copy is not), or a run's stacks with ``"layer"``; sink: {"weight": fp32 [H] or a run's
+    stack, "layer"?}. Only where `kernel_runs`."""
+    impl = impl_of(cfg)
+    dispatch.refuse_kernel_in_f64_mode(cfg, "linear", impl)
+    if not kernel_runs(cfg):
+        raise dispatch.ImplError(f"linear.o_proj: the o_proj kernel does not run for impl {impl!r} here "
+                                 "(linear.kernel_runs)")
+    if ("layer" in p) != ("layer" in sink):
+        raise ValueError("linear.o_proj: wo_a and the sink must both be a run's stacks (with 'layer') or neither")
+    k = dispatch.kernel("linear", impl, "o_proj")
+    return k(o, {"weight": p["weight"], "scale": p["scale"]}, positions, freqs, cfg.o_groups, cfg.o_lora_rank, dt,
+             sink=sink["weight"], layer=p.get("layer"), interpret=impl == "pallas_interpret")
+
+
 def norm_weight(pn):
     """An RMSNorm's weight from its params {"weight": [K]}, or — inside a layer-scan run where the linear
     kernel runs (`fp8_normed`) — {"weight": the run's stack [n, K], "layer": k}: the layer's row (for the jnp
@@ -342,6 +371,14 @@ def wo_a(o, p, cfg, dt, row_axis=None):
     bf16-representable, so every path computes the same products.
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
+    if "layer" in p:  # a run's stacks (read in place by the o_proj kernel): this layer's, dtypes restored
+        k = p["layer"]
+        p = {"weight": jax.lax.bitcast_convert_type(p["weight"][k], quant.FP8) if p["weight"].dtype == jnp.uint8
+             else p["weight"][k],
+             "scale": jax.lax.bitcast_convert_type(p["scale"][k], quant.E8M0) if p["scale"].dtype == jnp.uint8
+             else p["scale"][k],
+             **({"bf16": jax.lax.bitcast_convert_type(p["bf16"][k], jnp.bfloat16) if p["bf16"].dtype == jnp.uint16
+                 else p["bf16"][k]} if "bf16" in p else {})}
     exact = is_exact(cfg)
     if exact:
         w = quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=jnp.float32).reshape(G, R, -1)

@@ -125,7 +125,7 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt):
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = jnp.take_along_axis(store[:, None, :, :], jnp.maximum(sel, 0)[..., None], axis=2)
         comp_mask = sel >= 0
-    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, p["attn_sink"].astype(jnp.float32), dt,
+    o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, attn_mod.sink_of(p), dt,
                         exact=is_exact(cfg))
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), ctx, rec
 
@@ -189,6 +189,8 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         in_place.append(("attn", "q_norm"))
     if dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret"):  # kv_norm: `attention.window_codes`
         in_place.append(("attn", "kv_norm"))
+    if linear.kernel_runs(cfg):  # wo_a's fp8 pair and the sink: the o_proj kernel (`attention.output_proj`)
+        in_place += [("attn", "wo_a"), ("attn", "attn_sink")]
     # and the mHC mixes' fn / base / scale and the sublayer norms' weights when the mhc kernel runs
     # (`mhc.sublayer_enter`'s layer)
     if mhc_kernel_runs(cfg):
@@ -199,6 +201,8 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     # linears' dicts stay in storage dtypes (`linear.layer_weight`)
     stacks = {path: layer_scan.load_row(st, layer_scan.get_path(like, path))
               if not isinstance(st, dict) or set(st) == {"weight"} else st for path, st in stacks.items()}
+    if ("attn", "attn_sink") in stacks:  # a vector param read in place: {"weight": stack, "layer"} (`attention.sink_of`)
+        stacks[("attn", "attn_sink")] = {"weight": stacks[("attn", "attn_sink")]}
     for path in in_place:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
         like = layer_scan.set_path(like, path, None)

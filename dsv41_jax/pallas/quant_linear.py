@@ -356,3 +356,11 @@ def _random_inputs(key, fmt: str, M: int, N: int, K: int):
 def bench_inputs(fmt: str, M: int, N: int, K: int, *, seed: int = 0):
     """(x bf16 [M, K], p) for `kernel` / `ref_linear` at a weight of N x K in format `fmt`."""
     return _random_inputs(jax.random.key(seed, impl="rbg"), fmt, M, N, K)
+
+
+def o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=None, interpret: bool = False):
+    """The linear op's o_proj entry (`linear.o_proj`): the attention output's merge, inverse RoPE and grouped
+    fp8 wo_a in one launch (`pallas/o_proj.py`)."""
+    from dsv41_jax.pallas import o_proj as op
+
+    return op.kernel(o, wo_a, positions, freqs, G, R, dt, sink=sink, layer=layer, interpret=interpret)

@@ -337,7 +337,7 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
            page_size: int, window: int, mode: str, interpret: bool = False, block_h: int | None = None,
            block_k: int | None = None, block_d: int | None = None, num_splits: int | None = None,
            num_warps: int | None = None,
-           num_stages: int = 2):
+           num_stages: int = 2, merge: bool = True):
     """Sparse retrieval attention from stored codes (the "attention" seam; arguments as
     `attention.sparse_attention`, whose docstring gives every shape and dtype).
 
@@ -351,7 +351,9 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     (power of two ≥ 16; heads are zero-padded), block_k keys per block, block_d head_dim columns
     per dot (power of two ≥ 32 dividing head_dim), num_splits key splits
     (≥ 2 adds an XLA merge), num_warps / num_stages for Triton. `interpret` runs the same body
-    through the HLO interpreter (CPU tests).
+    through the HLO interpreter (CPU tests). merge=False: with ≥ 2 splits return the unmerged partials
+    {"acc": fp32 [S, B, T, hp, hd], "m", "l": fp32 [S, B, T, hp]} (heads padded to hp) for a consumer that
+    merges them itself (`pallas.o_proj`, with the sink); with one split the output as usual.
     """
     dt = q.dtype
     if dt not in (jnp.bfloat16, jnp.float32):
@@ -424,6 +426,8 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
         name=f"sparse_attention_h{bh}_k{bk}_d{p['block_d']}_s{ns}")(*ins)
     if ns == 1:
         out = outs[0]
+    elif not merge:
+        return {"acc": outs[0], "m": outs[1], "l": outs[2]}
     else:
         out = _merge_splits(*outs, sinkp).astype(dt)
     return out[:, :, :H]
