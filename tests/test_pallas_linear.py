@@ -294,6 +294,39 @@ def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
         ql.kernel(x, p, fmt, F32, norm=(nw["weight"][:-1], 1e-6))
 
 
+def test_dual_gemm_bitwise_the_two_calls(pallas_impl):
+    """`kernel_dual` (a layer's wq_a and wkv in one launch, `linear.fp8_dual`) equals the two single calls bit for
+    bit on order-free weights (the same products; each sum has at most two nonzero terms, so the order the
+    compiler gives a dot inside the kernel's branch cannot show), ragged rows and the bf16 / fp32 flows,
+    through the seam; the xla seam gives the two xla calls; stacked weights read layer 1 of 2; mismatched
+    weights are refused."""
+    rng = np.random.default_rng(21)
+    x = jnp.asarray(rng.standard_normal((5, 320)).astype(np.float32))
+    p1, p2 = _weight(rng, "fp8", 128, 320, True), _weight(rng, "fp8", 64, 320, True)
+    interp = pallas_impl == "pallas_interpret"
+    for mode in ("bfloat16", "float32"):
+        dt = BF16 if mode == "bfloat16" else F32
+        kcfg = _CFG[mode].replace(impl=f"xla,linear={pallas_impl}")
+        y1, y2 = jax.jit(lambda x, a, b: linear.fp8_dual(x, a, b, kcfg, dt))(x.astype(dt), p1, p2)
+        for y, p in ((y1, p1), (y2, p2)):
+            one = _kern(pallas_impl)(x.astype(dt), p, "fp8", mode, dt)
+            assert y.dtype == dt and y.shape == one.shape
+            np.testing.assert_array_equal(np.asarray(y.astype(F32)), np.asarray(one.astype(F32)), err_msg=mode)
+        x1, x2 = linear.fp8_dual(x.astype(dt), p1, p2, _CFG[mode], dt)
+        np.testing.assert_array_equal(np.asarray(x1.astype(F32)), np.asarray(_xla(x.astype(dt), p1, "fp8", mode, dt)
+                                                                           .astype(F32)))
+    st = [{k: jnp.stack([jnp.zeros_like(p[k]), p[k]]) for k in p} for p in (p1, p2)]
+    s1, s2 = ql.kernel_dual(x, dict(st[0], layer=jnp.int32(1)), dict(st[1], layer=jnp.int32(1)), "fp8", F32,
+                            interpret=interp)
+    u1, u2 = ql.kernel_dual(x, p1, p2, "fp8", F32, interpret=interp)
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(u1))
+    np.testing.assert_array_equal(np.asarray(s2), np.asarray(u2))
+    with pytest.raises(ValueError, match="both N multiples"):
+        ql.kernel_dual(x, p1, _weight(rng, "fp8", 48, 320, False), "fp8", F32)
+    with pytest.raises(ValueError, match="stacks"):
+        ql.kernel_dual(x, dict(st[0], layer=jnp.int32(1)), p2, "fp8", F32)
+
+
 # --------------------------------------------------------------------------------------- contract
 
 FLASH_WQ_B = (32768, 1280)  # flash's q up-projection (64 heads x 512, q_lora_rank 1280)
@@ -350,6 +383,11 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
                                                          rope=(pos, rope_freqs(64, 10000.0), 512)),
                          x, p, jax.ShapeDtypeStruct((FLASH_WQ_B[1],), BF16), jax.ShapeDtypeStruct((1,), jnp.int32))
     assert [k["name"] for k in ks] == ["quant_linear_fp8_normed_rope_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]
+    # wq_a and wkv in one launch (1280 and 512 rows of 5120)
+    sds = jax.ShapeDtypeStruct
+    pa, pk = ({"weight": sds((n, 5120), quant.FP8), "scale": sds((n // 32, 160), quant.E8M0)} for n in (1280, 512))
+    ks = capture_kernels(lambda x, a, b: ql.kernel_dual(x, a, b, "fp8", BF16), sds((1, 5120), BF16), pa, pk)
+    assert [k["name"] for k in ks] == ["quant_linear_fp8_dual_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]
     # the gated pair at flash's shared-expert shape (w1 / w3: 2048 x 5120 with the SwiGLU)
     from dsv41_jax.model import moe
 

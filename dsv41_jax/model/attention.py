@@ -53,43 +53,52 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
     return (*project_q(p, x, positions, freqs, cfg, dt), project_kv(p, x, positions, freqs, cfg, dt))
 
 
-def project_q(p, x, positions, freqs, cfg, dt):
+def project_q(p, x, positions, freqs, cfg, dt, qa=None):
     """`project_q_kv`'s (qr, q). Inside a layer-scan run where the linear kernel runs, ``p["q_norm"]`` may
-    be the run's stack with its layer (`linear.norm_weight`)."""
+    be the run's stack with its layer (`linear.norm_weight`). qa: wq_a(x) when the caller has it already
+    (`project_q_codes`)."""
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    qa = linear.fp8(x, p["wq_a"], cfg, dt)
+    qa = linear.fp8(x, p["wq_a"], cfg, dt) if qa is None else qa
     qr = rmsnorm(qa, linear.norm_weight(p["q_norm"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
     # = apply_rope(fp8(qr, wq_b) as [.., H, hd]): one launch where the linear kernel runs
     q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads", rope=(positions, freqs, hd))
     return qr, q.reshape(q.shape[:-1] + (H, hd))
 
 
-def project_kv(p, x, positions, freqs, cfg, dt):
+def project_kv(p, x, positions, freqs, cfg, dt, y=None):
     """`project_q_kv`'s kv_rot [B, T, hd]: kv_norm(wkv(x)), RoPE'd, in `dt` (``p["kv_norm"]`` may be a run's
-    stack with its layer, `linear.norm_weight`)."""
-    kv = rmsnorm(linear.fp8(x, p["wkv"], cfg, dt), linear.norm_weight(p["kv_norm"]), cfg.rms_norm_eps, dt,
-                 is_exact(cfg))
+    stack with its layer, `linear.norm_weight`); y: wkv(x) if the caller has it."""
+    y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
+    kv = rmsnorm(y, linear.norm_weight(p["kv_norm"]), cfg.rms_norm_eps, dt, is_exact(cfg))
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
-def window_codes(p, x, positions, freqs, cfg, dt, mode: str) -> dict:
+def project_q_codes(p, x, positions, freqs, cfg, dt, mode: str):
+    """The cached path's projections: (qr, q) as `project_q` and the window codes as `window_codes`, with wq_a
+    and wkv — two GEMMs of the same x — as one call (`linear.fp8_dual`: one launch where the kernel runs)."""
+    qa, kvy = linear.fp8_dual(x, p["wq_a"], p["wkv"], cfg, dt)
+    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa),
+            window_codes(p, x, positions, freqs, cfg, dt, mode, y=kvy))
+
+
+def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None) -> dict:
     """This layer's new window codes: ``cache.encode("win", mode, project_kv(...))`` [B, T, ...].
 
     Where the attention kernel runs (`dispatch.resolve(cfg, "attention")` a Pallas impl, fp32 numerics) and
     the window codec is fp8, the wkv GEMM's output goes through one kernel — kv_norm, RoPE and the codes
     (`pallas/window_codes.py`, the attention op's ``window_codes`` entry: four to five XLA launches fewer
     per layer); the codes are the jnp path's (bitwise where the two sum Σx² alike). Other codecs run the
-    jnp path (said once in the log)."""
+    jnp path (said once in the log). y: wkv(x) when the caller has it already (`project_q_codes`)."""
     impl = dispatch.resolve(cfg, "attention")
     if impl in ("pallas", "pallas_interpret") and not is_exact(cfg):
         if kvc._codec("win", mode) == "fp8":
-            y = linear.fp8(x, p["wkv"], cfg, dt)
+            y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
             pn = p["kv_norm"]
             return dispatch.kernel("attention", impl, "window_codes")(
                 y, pn["weight"], positions, freqs, cfg.rms_norm_eps, dt, layer=pn.get("layer"),
                 interpret=impl == "pallas_interpret")
         _log_window_codec(mode)
-    return kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt))
+    return kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=y))
 
 
 @functools.lru_cache(maxsize=None)

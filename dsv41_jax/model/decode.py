@@ -138,8 +138,7 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     ps = ccfg.page_size
     pt = batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
-    qr, q = attn_mod.project_q(p, x, positions, freqs, cfg, dt)
-    win_codes = attn_mod.window_codes(p, x, positions, freqs, cfg, dt, mode)
+    qr, q, win_codes = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode)
     ring = st["window"][lid]
     pend = dict(pend, window=_with(pend["window"], lid, win_codes))
     r = plan.compress_ratio

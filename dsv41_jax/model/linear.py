@@ -281,6 +281,17 @@ def fp8_gated(x, p_gate, p_up, act, cfg, dt, row_axis=None):
     return act(fp8(x, p_gate, cfg, dt, row_axis), fp8(x, p_up, cfg, dt, row_axis))
 
 
+def fp8_dual(x, p1, p2, cfg, dt):
+    """``(fp8(x, p1), fp8(x, p2))``: two fp8 GEMMs of one input (a layer's wq_a and wkv). Where the linear kernel
+    runs and both output widths are multiples of 64, one launch (`quant_linear.kernel_dual`: the same values);
+    else the two calls."""
+    if kernel_runs(cfg) and p1["weight"].shape[-2] % 64 == 0 and p2["weight"].shape[-2] % 64 == 0:
+        impl = impl_of(cfg)
+        return dispatch.kernel("linear", impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg,
+                                                              interpret=impl == "pallas_interpret")
+    return fp8(x, p1, cfg, dt), fp8(x, p2, cfg, dt)
+
+
 def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None):
     """``fp8(norm.rmsnorm(x, norm_weight(pn), eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's
     q_norm before wq_b), optionally RoPE'd: ``rope=(positions int32 [...], freqs, head_dim)`` returns the

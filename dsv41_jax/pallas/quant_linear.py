@@ -160,6 +160,36 @@ def _kernel(layer_ref, x_ref, *refs, c):
     pltriton.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], out.astype(dt), mask=rmask)
 
 
+def _dual_kernel(layer_ref, x_ref, w1_ref, s1_ref, w2_ref, s2_ref, o1_ref, o2_ref, *, c):
+    """Two GEMMs of one input in one launch (`kernel_dual`): programs j < T1 compute tile j of x·w1ᵀ, the rest
+    tile j − T1 of x·w2ᵀ (the branch picks the weight; the stores are masked to their output)."""
+    j, i = pl.program_id(0), pl.program_id(1)
+    bm, bn, bk, t1 = c["bm"], c["bn"], c["bk"], c["T1"]
+    r0 = i * bm
+    lay = layer_ref[0]
+    xrows = jnp.minimum(r0 + lax.iota(jnp.int32, bm), c["M"] - 1)
+    first = j < t1
+    n0 = jnp.where(first, j, j - t1) * bn  # the tile's first output column in its own output
+
+    def gemm(w_ref, s_ref, N):
+        w0 = n0 + lay * N
+        srow = lax.div(n0 + lax.iota(jnp.int32, bn), 32) + lay * (-(-N // 32))
+
+        def kstep(kc, acc):
+            xq = mx._fake_quant_fp8(x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
+            scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
+            w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
+            return acc + mx._dot_nt(xq, (w * sa._expand(scale, 32)).astype(jnp.bfloat16))
+
+        return lax.fori_loop(0, c["K"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
+
+    acc = lax.cond(first, lambda: gemm(w1_ref, s1_ref, c["N1"]), lambda: gemm(w2_ref, s2_ref, c["N2"]))
+    live = (r0 + lax.iota(jnp.int32, bm) < c["M"])[:, None]
+    out = acc.astype(o1_ref.dtype)
+    pltriton.store(o1_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], out, mask=live & first)
+    pltriton.store(o2_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], out, mask=live & jnp.logical_not(first))
+
+
 def _rope_epilogue(y, pos, f_ref, n0, c):
     """`rope.apply_rope` on the output tile y fp32 [bm, bn] (the GEMM's output rounded to dt): columns n0 ..
     n0 + bn − 1 of rows viewed as heads of c["hd"], whose last c["rd"] dims are rotated in interleaved pairs
@@ -356,6 +386,53 @@ def _random_inputs(key, fmt: str, M: int, N: int, K: int):
 def bench_inputs(fmt: str, M: int, N: int, K: int, *, seed: int = 0):
     """(x bf16 [M, K], p) for `kernel` / `ref_linear` at a weight of N x K in format `fmt`."""
     return _random_inputs(jax.random.key(seed, impl="rbg"), fmt, M, N, K)
+
+
+def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, block_k: int | None = None,
+                num_warps: int = 4, num_stages: int = 3):
+    """Two fp8 GEMMs of one activation in one launch: (`kernel`(x, p1), `kernel`(x, p2)) — e.g. a layer's wq_a and
+    wkv, both of the normed attention input. p1 / p2: fp8 weights [N1, K] / [N2, K] (or a run's stacks, both
+    with the same ``"layer"``); N1, N2 multiples of 64. Programs over N1/64 + N2/64 tiles; each quantizes its
+    activation chunks in-kernel as `kernel` does (the same values, bitwise the two calls)."""
+    if cfg is not None and is_exact(cfg):
+        raise NotImplementedError("quant_linear kernel: the exact / deterministic numerics modes accumulate in fp64, "
+                                  "which this kernel does not; run the linear op with impl 'xla' or 'reference'")
+    if fmt != "fp8":
+        raise NotImplementedError(f"quant_linear.kernel_dual: fp8 weights only, got {fmt!r}")
+    dt = jnp.dtype(dt)
+    layer = p1.get("layer")
+    if (layer is None) != (p2.get("layer") is None):
+        raise ValueError("quant_linear.kernel_dual: both weights must be a run's stacks (with 'layer') or neither")
+    (N1, K), (N2, K2) = p1["weight"].shape[-2:], p2["weight"].shape[-2:]
+    bn = 64
+    if K != K2 or x.shape[-1] != K or N1 % bn or N2 % bn or K % 32:
+        raise ValueError(f"quant_linear.kernel_dual: weights {p1['weight'].shape} / {p2['weight'].shape} for x {x.shape}"
+                         f" (both N multiples of {bn}, one K)")
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    if M == 0:
+        return jnp.zeros((*lead, N1), dt), jnp.zeros((*lead, N2), dt)
+    bk = _plan(M, N1, K, None, bn, block_k)["bk"]
+    bm = min(64, max(_MIN_DOT, common.next_pow2(M)))
+    lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    ops = [lay, x.reshape(M, K)] + [a for p in (p1, p2) for a in (mx._flat(p["weight"], kernel=NAME),
+                                                                 mx._flat(p["scale"], kernel=NAME))]
+    common.log_choice(NAME + "_dual", interpret, block_m=bm, block_n=bn, block_k=bk)
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda j, i, nd=a.ndim: (0,) * nd)
+
+    outs = [jax.ShapeDtypeStruct((M, N1), dt), jax.ShapeDtypeStruct((M, N2), dt)]
+    cost = pl.CostEstimate(flops=2 * M * (N1 + N2) * K, transcendentals=0,
+                           bytes_accessed=sum(bytes_moved("fp8", M=M, N=n, K=K, x_itemsize=x.dtype.itemsize,
+                                                          out_itemsize=dt.itemsize) for n in (N1, N2)))
+    y1, y2 = pl.pallas_call(
+        functools.partial(_dual_kernel, c=dict(M=M, K=K, N1=N1, N2=N2, T1=N1 // bn, bm=bm, bn=bn, bk=bk)),
+        grid=((N1 + N2) // bn, pl.cdiv(M, bm)), in_specs=[whole(a) for a in ops], out_specs=[whole(o) for o in outs],
+        out_shape=outs, interpret=interpret,
+        compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages), cost_estimate=cost,
+        name=f"{NAME}_fp8_dual_m{bm}_n{bn}_k{bk}")(*ops)
+    return y1.reshape(*lead, N1), y2.reshape(*lead, N2)
 
 
 def o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=None, interpret: bool = False):
