@@ -379,3 +379,48 @@ def test_distinct_argsort_is_the_stable_argsort():
     for idx in (np.stack(rows).astype(np.int32), rng.choice(384, (5, 1)).astype(np.int32)):
         got = np.asarray(moe._distinct_argsort(jnp.asarray(idx)))
         np.testing.assert_array_equal(got, np.argsort(idx, axis=1, kind="stable"))
+
+
+@pytest.mark.parametrize("N, E, k", [(1, 384, 6), (5, 384, 6), (17, 64, 4)], ids=["flash-1tok", "flash-5tok", "17tok"])
+def test_router_kernel_is_moe_route(pallas_impl, N, E, k):
+    """The router kernel (`pallas/moe_route.py`: scores, top-k, weights in one launch) equals `moe.route`'s
+    selection bit for bit: the same experts in the same order (ties to the lower id: two experts with equal
+    scores in row 0), the same weights (normalized, scaled), softplus's linear branch (a logit past 20), E not a
+    power of two (384, padded to 512 with −inf); the combine's order (the stable argsort of the ids); the padded
+    lanes past k hold 0; a stacked bias (layer 1 of 2)."""
+    from dsv41_jax.model import ModelConfig
+    from dsv41_jax.pallas import moe_route as mr
+
+    cfg = ModelConfig.preset("flash")
+    rng = np.random.default_rng(N + E)
+    lg = rng.standard_normal((N, E)).astype(np.float32) * 3
+    b = (rng.standard_normal(E) * 0.1).astype(np.float32)
+    lg[0, 10] = lg[0, 20] = 40.0  # (above the last row's 30 when N = 1)
+    b[10] = b[20] = 0.5  # a tie at the top of row 0
+    lg[-1, 3] = 30.0
+    interp = pallas_impl == "pallas_interpret"
+    idx, w, order = mr.kernel(jnp.asarray(lg), jnp.asarray(b), k, cfg, interpret=interp)
+    ri, rw = mr.ref_route(jnp.asarray(lg), jnp.asarray(b), k, cfg)
+    np.testing.assert_array_equal(np.asarray(order[:, :k]), np.argsort(np.asarray(ri), axis=1, kind="stable"))
+    assert idx.shape == w.shape == (N, max(2, 1 << (k - 1).bit_length())) and idx.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(idx[:, :k]), np.asarray(ri))
+    np.testing.assert_array_equal(np.asarray(w[:, :k]), np.asarray(rw))
+    assert list(np.asarray(ri[0, :2])) == [10, 20] and (np.asarray(w[:, k:]) == 0).all()
+    si, sw, _ = mr.kernel(jnp.asarray(lg), jnp.stack([jnp.zeros(E), jnp.asarray(b)]), k, cfg, layer=jnp.int32(1),
+                          interpret=interp)
+    np.testing.assert_array_equal(np.asarray(si), np.asarray(idx))
+    np.testing.assert_array_equal(np.asarray(sw), np.asarray(w))
+
+
+def test_router_kernel_lowers_to_triton_for_cuda():
+    if jax.default_backend() == "gpu":
+        pytest.skip("the native tests compile the kernel on this GPU")
+    from dsv41_jax.model import ModelConfig
+    from dsv41_jax.pallas import moe_route as mr
+    from dsv41_jax.pallas.offline import capture_kernels
+
+    cfg = ModelConfig.preset("flash")
+    for n in (1, 64):
+        ks = capture_kernels(lambda lg, b: mr.kernel(lg, b, 6, cfg), jax.ShapeDtypeStruct((n, 384), jnp.float32),
+                             jax.ShapeDtypeStruct((384,), jnp.float32))
+        assert [k["name"] for k in ks] == ["moe_route"] and "tt.store" in ks[0]["ttir"]

@@ -50,7 +50,9 @@ def route(p_gate, x, top_k: int, cfg):
     """
     logits = linear.f32(x, p_gate["weight"], cfg) / cfg.gate_temp
     s = jnp.sqrt(softplus_torch(logits))
-    _, idx = jax.lax.top_k(s + p_gate["bias"].astype(jnp.float32), top_k)
+    bias = p_gate["bias"]  # (inside a layer-scan run where the router kernel reads it in place: its stack + layer)
+    bias = linear.norm_weight(bias) if isinstance(bias, dict) else bias
+    _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), top_k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and top_k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -246,12 +248,16 @@ def _distinct_argsort(idx):
     return jnp.sum(jnp.where(rank[:, :, None] == pos, pos[None, :, None], 0), axis=1).astype(jnp.int32)
 
 
-def combine_slots(y, idx, distinct: bool = False):
+def combine_slots(y, idx, distinct: bool = False, order=None):
     """fp32 [N, D]: each token's k slot outputs y [N, k, D] in ascending expert id, folded left to right
     in fp32 — the reference's additions in the reference's order. distinct: idx's rows hold distinct ids
-    (top-k), so the order comes from `_distinct_argsort` (no sort launch; the same order)."""
+    (top-k), so the order comes from `_distinct_argsort` (no sort launch; the same order); order: that
+    order already made (int32 [N, k]: the router kernel's)."""
     k = idx.shape[1]
-    perm = _distinct_argsort(idx) if distinct else jnp.argsort(idx, axis=1, stable=True)
+    if order is not None:
+        perm = order
+    else:
+        perm = _distinct_argsort(idx) if distinct else jnp.argsort(idx, axis=1, stable=True)
     y = jnp.take_along_axis(y, perm[..., None], axis=1).astype(jnp.float32)
     acc = jnp.zeros(y.shape[:1] + y.shape[2:], jnp.float32) + y[:, 0]
     for j in range(1, k):
@@ -286,10 +292,22 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     dispatch.refuse_kernel_in_f64_mode(cfg, "moe", impl)
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    idx, w, _ = route(p["gate"], xf, top_k, cfg)
+    from_mesh = par is not None and par.axis_size("ep") > 1
+    padded = None
+    if kernel and not from_mesh and (par is None or par.size == 1):
+        # the router's top-k as one kernel (scores, selection, weights; the gate matmul stays the linear seam's):
+        # its padded outputs feed the experts' kernel as they are (`moe_mxfp4.kernel`'s padded)
+        bias = p["gate"]["bias"]
+        bias = bias if isinstance(bias, dict) else {"weight": bias}
+        padded = dispatch.kernel("moe", impl, "route")(linear.f32(xf, p["gate"]["weight"], cfg), bias["weight"], top_k,
+                                                       cfg, layer=bias.get("layer"),
+                                                       interpret=impl == "pallas_interpret")
+        idx, w = padded[0][:, :top_k], padded[1][:, :top_k]
+        padded, order = padded[:2], padded[2][:, :top_k]
+    else:
+        idx, w, _ = route(p["gate"], xf, top_k, cfg)
     N = xf.shape[0]
     lim = cfg.swiglu_limit
-    from_mesh = par is not None and par.axis_size("ep") > 1
     if from_mesh:
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
@@ -297,7 +315,8 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
         # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
         routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=kernel_slots)
     elif kernel:  # (top-k ids are distinct: the combine's order needs no sort; the kernel runs fp32 modes only)
-        routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt), idx, distinct=True)
+        routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded), idx, distinct=True,
+                               order=None if padded is None else order)
     else:
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]

@@ -191,6 +191,8 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         in_place.append(("attn", "kv_norm"))
     if linear.kernel_runs(cfg):  # wo_a's fp8 pair and the sink: the o_proj kernel (`attention.output_proj`)
         in_place += [("attn", "wo_a"), ("attn", "attn_sink")]
+    if dispatch.resolve(cfg, "moe") in ("pallas", "pallas_interpret") and (par is None or par.size == 1):
+        in_place.append(("ffn", "gate", "bias"))  # the router kernel's (`moe.moe`)
     # and the mHC mixes' fn / base / scale and the sublayer norms' weights when the mhc kernel runs
     # (`mhc.sublayer_enter`'s layer)
     if mhc_kernel_runs(cfg):
@@ -201,8 +203,9 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     # linears' dicts stay in storage dtypes (`linear.layer_weight`)
     stacks = {path: layer_scan.load_row(st, layer_scan.get_path(like, path))
               if not isinstance(st, dict) or set(st) == {"weight"} else st for path, st in stacks.items()}
-    if ("attn", "attn_sink") in stacks:  # a vector param read in place: {"weight": stack, "layer"} (`attention.sink_of`)
-        stacks[("attn", "attn_sink")] = {"weight": stacks[("attn", "attn_sink")]}
+    for path in (("attn", "attn_sink"), ("ffn", "gate", "bias")):  # vector params read in place: {"weight": stack,
+        if path in stacks:                                             # "layer"} (`attention.sink_of`, `moe.route`)
+            stacks[path] = {"weight": stacks[path]}
     for path in in_place:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
         like = layer_scan.set_path(like, path, None)

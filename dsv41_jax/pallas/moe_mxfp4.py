@@ -312,9 +312,18 @@ def _check_offsets(a, kernel: str = NAME) -> None:
                                   "bytes) would be addressed with wrapping int32 offsets by the Triton lowering")
 
 
+def route(logits, bias, top_k: int, cfg, *, layer=None, interpret: bool = False):
+    """The moe op's router entry (`moe.moe` on the kernel path): the top-k selection from the gate's logits in one
+    launch (`pallas/moe_route.py`); (idx int32 [N, kp], weights fp32 [N, kp], the combine's order int32 [N, kp]),
+    the first top_k lanes used."""
+    from dsv41_jax.pallas import moe_route as mr
+
+    return mr.kernel(logits, bias, top_k, cfg, layer=layer, interpret=interpret)
+
+
 def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, block_m: int | None = None,
            block_n: int | None = None, block_n2: int | None = None, block_k: int | None = None,
-           block_k2: int | None = None, num_warps: int = 4, num_stages: int = 2):
+           block_k2: int | None = None, num_warps: int = 4, num_stages: int = 2, padded=None):
     """The grouped routed experts (arguments and result of `moe.routed_slots`): [N, k, D] in `dt`.
 
     ex: the layer's stacked experts {w1, w3, w2: {weight uint8 [E, out, in/2], scale E8M0 [E, out, in/32]}}
@@ -322,6 +331,9 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     idx int32 [N, k] global expert ids; w fp32 [N, k] routing weights; first_expert: the global id of
     ex's expert 0. Knobs (static): block_m rows per block, block_n / block_n2 output tile of gate/up (I)
     / down (D), block_k / block_k2 K chunk of gate/up (D) / down (I), num_warps / num_stages (Triton).
+    padded: (idx, w) as the router kernel returns them ([N, kp], `route`: idx / w are their first k lanes):
+    with one token and every expert here, the kernel reads its groups' experts and weights from them as
+    they are (no metadata to compute: one XLA launch fewer).
     """
     if is_exact(cfg):
         raise NotImplementedError("moe_mxfp4 kernel: the exact / deterministic numerics modes accumulate in fp64, "
@@ -340,18 +352,23 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         # group, in slot order (group g is row g, token 0): no sort, no unsort, no group starts or token
         # ids to make (about ten small launches per layer fewer), and every group computes what the sorted
         # group of its expert would, bit for bit.
-        local = idx.reshape(A).astype(jnp.int32) - first_expert
-        held = (local >= 0) & (local < E)
-        gexp, sizes, order = jnp.where(held, local, 0), held.astype(jnp.int32), None
+        everything = isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts
+        if everything and padded is not None:  # the router kernel's outputs as they are; every group has its row
+            held, order = None, None
+            gexp, sizes = padded[0].reshape(-1), jnp.ones((A,), jnp.int32)
+        else:
+            local = idx.reshape(A).astype(jnp.int32) - first_expert
+            held = (local >= 0) & (local < E)
+            gexp, sizes, order = jnp.where(held, local, 0), held.astype(jnp.int32), None
     else:
         order, held, gexp, sizes = moe.sort_assignments(idx, E, first_expert)
-    G = sizes.shape[0]
+    G = sizes.shape[0]  # (A with one token: gexp / wts may be longer, the router's padded lanes)
     if gexp is None:
         gexp = jnp.arange(G, dtype=jnp.int32)
     p = _plan(A, G, D, I, block_m, block_n, block_n2, block_k, block_k2)
     bm = p["bm"]
     a_pad = A + bm  # every row block of every group lies inside the padded rows
-    wts = w.reshape(A).astype(jnp.float32)
+    wts = w.reshape(A).astype(jnp.float32) if not (one and held is None) else padded[1].reshape(-1)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     if one:
         meta, rows_in = [gexp, sizes.astype(jnp.int32), lay], [wts]
@@ -388,7 +405,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         interpret=interpret, compiler_params=params, cost_estimate=cost("down", dt.itemsize, 2 * A * D * I),
         name=f"{NAME}_down_m{bm}_n{p['bn2']}_k{p['bk2']}")(*ins)
     if one:  # slot order already; a slot of an expert not held is never written: exact zeros
-        if isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts:
+        if held is None or (isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts):
             return y[:A].reshape(N, k, D)  # every expert is here: every slot was written
         return jnp.where(held[:, None], y[:A], jnp.zeros((), y.dtype)).reshape(N, k, D)
     return moe.unsort_slots(y[:A], order, held, N, k)
