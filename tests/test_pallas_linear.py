@@ -327,6 +327,31 @@ def test_dual_gemm_bitwise_the_two_calls(pallas_impl):
         ql.kernel_dual(x, dict(st[0], layer=jnp.int32(1)), p2, "fp8", F32)
 
 
+def test_combine_epilogue_is_the_moe_sum(pallas_impl):
+    """``combine=`` (the shared expert's w2 with the routed experts' sum as its epilogue, `linear.fp8_combined`)
+    equals `moe.combine_slots` of the slots in the given order plus the plain kernel's output, rounded once:
+    bit for bit (the same GEMM; the epilogue's fp32 sum in combine_slots' order), bf16 and fp32 flows, with the
+    slot rows padded past M·k as the experts' kernel leaves them."""
+    from dsv41_jax.model import moe
+
+    x, p, fmt = _case("fp8_b1", False)
+    N = p["weight"].shape[0]
+    rng = np.random.default_rng(31)
+    k = 6
+    idx = jnp.asarray(rng.choice(384, (1, k), replace=False).astype(np.int32))
+    order = jnp.pad(jnp.argsort(idx, axis=1, stable=True).astype(jnp.int32), ((0, 0), (0, 2)))  # kp = 8 lanes
+    interp = pallas_impl == "pallas_interpret"
+    for dt in (BF16, F32):
+        slots = jnp.asarray(rng.standard_normal((k + 16, N)), dt)  # 16 padding rows (never read)
+        got = ql.kernel(x.astype(dt), p, fmt, dt, combine=(slots, order, k), interpret=interp)
+        plain = ql.kernel(x.astype(dt), p, fmt, dt, interpret=interp)
+        routed = moe.combine_slots(slots[:k].reshape(1, k, N), idx)
+        want = (routed + plain.astype(jnp.float32)).astype(dt)
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)), err_msg=str(dt))
+    with pytest.raises(ValueError, match="combine slots"):
+        ql.kernel(x, p, fmt, F32, combine=(slots[:2], order, k))
+
+
 # --------------------------------------------------------------------------------------- contract
 
 FLASH_WQ_B = (32768, 1280)  # flash's q up-projection (64 heads x 512, q_lora_rank 1280)

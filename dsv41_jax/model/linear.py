@@ -152,7 +152,7 @@ def norm_weight(pn):
 
 def _kernel_gemm(x, p, fmt, cfg, dt, name, **epilogue):
     """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`);
-    `epilogue`: the kernel's gated pair (p_up / act), normed input (norm) or RoPE'd output (rope)."""
+    `epilogue`: the kernel's gated pair (p_up / act), normed input (norm), RoPE'd output (rope) or combine."""
     dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
     par = tiling.mesh_plan()
     if par is not None and par.mesh.size > 1:
@@ -290,6 +290,18 @@ def fp8_dual(x, p1, p2, cfg, dt):
         return dispatch.kernel("linear", impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg,
                                                               interpret=impl == "pallas_interpret")
     return fp8(x, p1, cfg, dt), fp8(x, p2, cfg, dt)
+
+
+def fp8_combined(x, p, slots, order, k: int, cfg, dt):
+    """``dt(moe.combine_slots(slots) + f32(fp8(x, p)))`` for one token's MoE (the shared expert's w2 and the routed
+    experts' sum): slots [≥ M·k, N] in dt (token m's slot j at row m·k + j), order int32 [M, ≥ k] (each row's
+    slots in ascending expert id: the router kernel's), the sum as the linear kernel's epilogue
+    (`quant_linear.kernel`'s combine: one launch fewer). Only where `kernel_runs` (`moe.moe` sums in XLA
+    otherwise)."""
+    impl = impl_of(cfg)
+    if not kernel_runs(cfg):
+        raise dispatch.ImplError(f"linear.fp8_combined: the linear kernel does not run for impl {impl!r} here")
+    return _kernel_gemm(x, p, "fp8", cfg, dt, impl, combine=(slots, order, k))
 
 
 def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None):

@@ -303,17 +303,21 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
                                                        cfg, layer=bias.get("layer"),
                                                        interpret=impl == "pallas_interpret")
         idx, w = padded[0][:, :top_k], padded[1][:, :top_k]
-        padded, order = padded[:2], padded[2][:, :top_k]
+        padded, order, padded_order = padded[:2], padded[2][:, :top_k], padded[2]
     else:
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
     N = xf.shape[0]
     lim = cfg.swiglu_limit
+    # one token with the router kernel's outputs and the linear kernel: the routed sum is the w2 kernel's epilogue
+    fuse_combine = padded is not None and N == 1 and linear.kernel_runs(cfg)
     if from_mesh:
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
         # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
         routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=kernel_slots)
+    elif kernel and fuse_combine:  # one token: its slots go to the shared expert's w2 kernel, which sums them
+        slots = kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded, raw=True)
     elif kernel:  # (top-k ids are distinct: the combine's order needs no sort; the kernel runs fp32 modes only)
         routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded), idx, distinct=True,
                                order=None if padded is None else order)
@@ -331,7 +335,10 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
 
     a = linear.fp8_gated(xf, sw("w1"), sw("w3"), functools.partial(_swiglu_act, weight=None, limit=lim, dt=dt), cfg, dt,
                          "mlp")
-    out = (routed + linear.fp8(a, sw("w2"), cfg, dt).astype(jnp.float32)).astype(dt).reshape(shape)
+    if fuse_combine:
+        out = linear.fp8_combined(a, sw("w2"), slots, padded_order, top_k, cfg, dt).reshape(shape)
+    else:
+        out = (routed + linear.fp8(a, sw("w2"), cfg, dt).astype(jnp.float32)).astype(dt).reshape(shape)
     if return_routing:
         return out, (idx.reshape(shape[:-1] + (top_k,)), w.reshape(shape[:-1] + (top_k,)))
     return out

@@ -323,7 +323,7 @@ def route(logits, bias, top_k: int, cfg, *, layer=None, interpret: bool = False)
 
 def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, block_m: int | None = None,
            block_n: int | None = None, block_n2: int | None = None, block_k: int | None = None,
-           block_k2: int | None = None, num_warps: int = 4, num_stages: int = 2, padded=None):
+           block_k2: int | None = None, num_warps: int = 4, num_stages: int = 2, padded=None, raw: bool = False):
     """The grouped routed experts (arguments and result of `moe.routed_slots`): [N, k, D] in `dt`.
 
     ex: the layer's stacked experts {w1, w3, w2: {weight uint8 [E, out, in/2], scale E8M0 [E, out, in/32]}}
@@ -333,7 +333,9 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     / down (D), block_k / block_k2 K chunk of gate/up (D) / down (I), num_warps / num_stages (Triton).
     padded: (idx, w) as the router kernel returns them ([N, kp], `route`: idx / w are their first k lanes):
     with one token and every expert here, the kernel reads its groups' experts and weights from them as
-    they are (no metadata to compute: one XLA launch fewer).
+    they are (no metadata to compute: one XLA launch fewer); raw (with padded): return the down output as the
+    kernel wrote it, [A + block_m, D] in slot order (the rows past A unwritten), for a consumer kernel that
+    reads the slots itself (a slice before it would be a copy).
     """
     if is_exact(cfg):
         raise NotImplementedError("moe_mxfp4 kernel: the exact / deterministic numerics modes accumulate in fp64, "
@@ -404,6 +406,11 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         out_specs=whole(jax.ShapeDtypeStruct((a_pad, D), dt)), out_shape=jax.ShapeDtypeStruct((a_pad, D), dt),
         interpret=interpret, compiler_params=params, cost_estimate=cost("down", dt.itemsize, 2 * A * D * I),
         name=f"{NAME}_down_m{bm}_n{p['bn2']}_k{p['bk2']}")(*ins)
+    if raw:
+        if held is not None:
+            raise ValueError("moe_mxfp4: raw output is for one token with every expert here and the router's padded "
+                             "outputs")
+        return y
     if one:  # slot order already; a slot of an expert not held is never written: exact zeros
         if held is None or (isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts):
             return y[:A].reshape(N, k, D)  # every expert is here: every slot was written

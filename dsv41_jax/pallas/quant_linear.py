@@ -106,7 +106,8 @@ def _kernel(layer_ref, x_ref, *refs, c):
     ws = [refs[:2], refs[2:4]] if c["gated"] else [refs[:2]]
     extra = list(refs[2 * len(ws):-1])
     nw_ref = extra.pop(0) if c["norm"] else None
-    pos_ref, f_ref = extra if c["rope"] else (None, None)
+    pos_ref, f_ref = (extra.pop(0), extra.pop(0)) if c["rope"] else (None, None)
+    ys_ref, ord_ref = (extra.pop(0), extra.pop(0)) if c["combine"] else (None, None)
     o_ref = refs[-1]
     j, i = pl.program_id(0), pl.program_id(1)
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
@@ -154,6 +155,17 @@ def _kernel(layer_ref, x_ref, *refs, c):
         out = c["act"](accs[0].astype(dt), accs[1].astype(dt))
     elif c["rope"]:
         out = _rope_epilogue(accs[0].astype(dt).astype(jnp.float32), pos_ref[xrows], f_ref, n0, c)
+    elif c["combine"]:
+        # moe.moe's last sum: dt(combine_slots(slots) + f32(dt(x·w))), the slots in ascending expert id
+        # (the router kernel's order), folded left to right from 0 as combine_slots folds them
+        k, kp = c["k"], c["kp"]
+        cols = n0 + lax.iota(jnp.int32, bn)
+        routed = None
+        for q in range(k):
+            slot = ord_ref[xrows * kp + q]
+            yq = ys_ref[(xrows * k + slot)[:, None], cols[None, :]].astype(jnp.float32)
+            routed = 0.0 + yq if routed is None else routed + yq
+        out = routed + accs[0].astype(dt).astype(jnp.float32)
     else:
         out = accs[0]
     rmask = (r0 + lax.iota(jnp.int32, bm) < c["M"])[:, None]
@@ -262,7 +274,7 @@ def _plan(M: int, N: int, K: int, block_m, block_n, block_k) -> dict:
 
 def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: int | None = None,
            block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-           p_up=None, act=None, norm=None, rope=None):
+           p_up=None, act=None, norm=None, rope=None, combine=None):
     """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
 
     p: fp8 {"weight": float8_e4m3fn [N, K], "scale": E8M0 [⌈N/32⌉, K/32]} (``fmt="fp8"``) or MXFP4
@@ -285,6 +297,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     RoPE'd output: ``rope=(positions int32 [...] (x's leading shape), freqs [rd/2] fp32, head_dim)``: the
     output viewed as [..., N / head_dim, head_dim] comes back as ``rope.apply_rope(out, positions[..., None],
     freqs, out_dtype=dt)`` (the q projection's RoPE, one launch fewer; head_dim even).
+
+    Combined with the routed experts: ``combine=(slots, order, k)`` with slots [≥ M·k, N] in dt (token m's slot
+    j at row m·k + j: the experts' kernel's output rows, padding rows after) and order int32 [M, kp] (each
+    row's slots in ascending expert id in its first k lanes: the router kernel's): returns
+    ``dt(moe.combine_slots(slots, ...) + f32(dt(x·p)))`` — the MoE's last sum, one launch fewer.
     """
     if cfg is not None and is_exact(cfg):
         raise NotImplementedError("quant_linear kernel: the exact / deterministic numerics modes accumulate in fp64, "
@@ -323,6 +340,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
         if rpos.shape != lead or N % rhd or rd > rhd or rhd % 2:
             raise ValueError(f"quant_linear: rope positions {rpos.shape} / rope dims {rd} / head_dim {rhd} do not fit "
                              f"x {x.shape} and N = {N}")
+    if combine is not None:
+        ys, order, ck = combine
+        if gated or rope is not None or ys.shape[-1] != N or ys.shape[0] < M * ck or order.shape[0] != M:
+            raise ValueError(f"quant_linear: combine slots {ys.shape} / order {order.shape} do not fit {M} rows of "
+                             f"{N} (and exclude a gated pair and rope)")
     if M == 0:
         return jnp.zeros((*lead, N), dt)
     pl_ = _plan(M, N, K, block_m, block_n, block_k)  # block_n a power of two >= 16: a pair never straddles tiles
@@ -350,12 +372,17 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
         operands += [rpos.reshape(M).astype(jnp.int32),
                      jnp.asarray(np.asarray(rfreqs, np.float32) if not isinstance(rfreqs, jax.Array) else rfreqs,
                                  jnp.float32)]
+    if combine is not None:
+        operands += [ys, order.reshape(-1).astype(jnp.int32)]
     tag = ("_gated" if gated else "") + ("_normed" if norm is not None else "") + ("_rope" if rope is not None else "")
+    tag += "_combine" if combine is not None else ""
     y = pl.pallas_call(
         functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk, gated=gated, act=act,
                                           norm=norm is not None, eps=None if norm is None else float(norm[1]),
                                           rope=rope is not None, hd=None if rope is None else int(rope[2]),
-                                          rd=None if rope is None else rd)),
+                                          rd=None if rope is None else rd, combine=combine is not None,
+                                          k=None if combine is None else int(combine[2]),
+                                          kp=None if combine is None else int(combine[1].shape[-1]))),
         grid=(N // bn, pl.cdiv(M, bm)), in_specs=[whole(a) for a in operands], out_specs=whole(out),
         out_shape=out,
         interpret=interpret, compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
