@@ -254,7 +254,16 @@ def test_kernels_read_a_runs_stacks_in_place(cfgs, params):
     # w2; two mHC entries per layer (the
     # attention's, and the ffn's fused with the attention's exit), each with its norm in the tail
     assert sum(c[2] for c in lin) >= 2 * 6 and sum(c[2] for c in enters) == sum(c[2] for c in tails) == 2 * 2, calls
-    assert sum(c[0].startswith("mhc_exit_enter") for c in enters) * 2 == len(enters), calls
+    # every attention enter is fused with the exit before it (`block`'s deferred exit, across layer boundaries,
+    # inside scans too) except where the streams come in settled: the model's first layer, and a scanned run that
+    # received them so (its carry keeps their form) and the layer after it
+    want, deferred = [], False
+    for i, n in layer_scan.layer_runs(on):
+        if not deferred:
+            want.append(n > 1)  # a plain enter, inside a scan or not
+        deferred = deferred or n == 1
+    plain = [c for c in enters if not c[0].startswith("mhc_exit_enter")]
+    assert sorted(c[2] for c in plain) == sorted(want), (want, calls)
     for name, shapes, inside, n_out in lin:
         assert shapes[0] == (1,)  # the layer index
         assert shapes[2][0] == (2 if inside else 1) * n_out, (name, shapes)  # the weight's rows

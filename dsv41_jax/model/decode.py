@@ -33,7 +33,7 @@ from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, linear, t
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import (block, embed_streams, final_logits, initial_pre, new_aux, record,
-                                         scan_blocks)
+                                         scan_blocks, settle)
 
 
 def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
@@ -243,9 +243,9 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
             return y, out
 
         h, pre, rec, (st, ctx, arec, pend) = block(lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
-                                                   par=par)
+                                                   par=par, defer=True)
         aux = record(aux, i, rec, arec)
-    return h, pre, st, ctx, aux, pend
+    return settle(h, cfg, dt, par), pre, st, ctx, aux, pend
 
 
 def _step_setup(state, batch, cfg, restore: bool):

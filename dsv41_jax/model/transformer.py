@@ -139,10 +139,24 @@ def replicated(x, par):
     return x if par is None else par.replicated(x)
 
 
-def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=None):
+def settle(h, cfg, dt, par=None):
+    """The streams as an array: `h` itself, or — `h` a deferred exit (h_in, y, post, comb), what `block` with
+    ``defer=True`` hands on — ``sublayer_exit(y, h_in, post, comb)``."""
+    if not isinstance(h, tuple):
+        return h
+    h_in, y, post, comb = h
+    return replicated(sublayer_exit(replicated(y, par), h_in, post, comb, cfg, dt), par)
+
+
+def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=None, defer: bool = False):
     """One layer (any attention implementation): returns (h, pre for the next sublayer, rec, out).
 
-    lp: the layer's params; h [B, T, n, D]; pre_prev fp32 [B, T, n]; attn_fn(x) -> (y, out) maps the
+    h: the streams [B, T, n, D], or the previous layer's deferred exit (a tuple, see `settle`): its exit then
+    runs fused with this layer's attention enter (`exit_enter`: one mHC kernel launch fewer per layer
+    boundary), or alone before an Engram layer. defer: return this layer's own ffn exit deferred, as
+    ``(h entering the ffn, y, post, comb)``, for the next layer (or `settle`) to apply.
+
+    lp: the layer's params; pre_prev fp32 [B, T, n]; attn_fn(x) -> (y, out) maps the
     normed attention input [B, T, D] to the sublayer output y and whatever else the attention returns
     (`out`, handed back untouched: stores for later layers, cache writes); engram_rows int32 [B, T, R]
     for Engram layers; par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts
@@ -150,15 +164,20 @@ def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=
     "experts": int32 [B, T, top_k]} (`record`).
     """
     if plan.is_engram:
-        h = replicated(engram(lp["engram"], h, engram_rows, cfg, dt, par=par), par)
-    rec = {"layer_inputs": h}
+        h = replicated(engram(lp["engram"], settle(h, cfg, dt, par), engram_rows, cfg, dt, par=par), par)
     # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
-    x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
+    if isinstance(h, tuple):  # the previous layer's ffn exit, fused with this enter
+        h_in, y_prev, post_prev, comb_prev = h
+        h, (x, a_pre, a_post, a_comb) = exit_enter(lp, "attn", y_prev, h_in, post_prev, comb_prev, pre_prev, cfg, dt,
+                                                   par)
+    else:
+        x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
+    rec = {"layer_inputs": h}
     y, out = attn_fn(x)
     h, (x, f_pre, f_post, f_comb) = exit_enter(lp, "ffn", y, h, a_post, a_comb, a_pre, cfg, dt, par)
     y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par)
     rec["experts"] = eidx
-    h = replicated(sublayer_exit(replicated(y, par), h, f_post, f_comb, cfg, dt), par)
+    h = (h, y, f_post, f_comb) if defer else settle((h, y, f_post, f_comb), cfg, dt, par)
     return h, f_pre, rec, out
 
 
@@ -223,9 +242,12 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         if mhc_kernel_runs(cfg):
             lp = dict(lp, hc_layer=k)
         h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row, k), None,
-                                 par=par)
+                                 par=par, defer=defer)
         return (h, pre, k + 1), (rec, out)
 
+    # a deferred exit in (`block`) stays deferred through the run (one fixed carry); streams in stay streams
+
+    defer = isinstance(h, tuple)
     (h, pre, _), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0)), (rest, xs), length=n)
     for k in range(n):
         aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
@@ -298,9 +320,9 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
                 return y, (ctx_out, rec)
 
             h, pre, rec, (ctx, arec) = block(lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
-                                             par=par)
+                                             par=par, defer=True)
             aux = record(aux, i, rec, arec)
-        logits, x = final_logits(params, h, pre, cfg, dt)
+        logits, x = final_logits(params, settle(h, cfg, dt, par), pre, cfg, dt)
         if return_aux:
             return logits, dict(aux, hidden=x)
         return logits
