@@ -179,3 +179,10 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
     ks = capture_kernels(lambda o, w, p: op.kernel(o, w, p, fr, Gf, Rf, BF16), sds((64, 1, Hf, hd), BF16), w,
                          sds((64, 1), jnp.int32))
     assert [k["name"] for k in ks] == ["o_proj_s1_n64_k128"]
+    # its cost estimate is the bytes-moved contract bench_decode counts: the fp8 pair once, the partials once, out
+    eqns = jax.make_jaxpr(lambda o, w, p, s: op.kernel(o, w, p, fr, Gf, Rf, BF16, sink=s))(
+        parts, w, sds((1, 1), jnp.int32), sds((Hf,), F32)).jaxpr.eqns
+    (call,) = [e for e in eqns if e.primitive.name == "pallas_call"]
+    I_ = c.o_group_in
+    assert call.params["cost_estimate"].bytes_accessed == (Gf * Rf * I_ + Gf * Rf // 32 * I_ // 32
+                                                           + 11 * Hf * (hd + 2) * 4 + Gf * Rf * 2)

@@ -200,9 +200,14 @@ def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=No
     out = jax.ShapeDtypeStruct((M, G * R), dt)
     c = dict(partials=partials, bm=bm, bn=bn, bk=bk, hd=hd, rd=rd, M=M, S=S, H=H, hp=hp, I=I, G=G, R=R, dt=dt,
              sink_n=H)
+    # the bytes-moved contract (what scripts/bench_decode.py counts): the fp8 pair once, the partials (or o) once
+    # (the N-tile programs' repeated reads hit L2), the output once
+    o_bytes = S * M * hp * (hd + 2) * 4 if partials else M * H * hd * dt.itemsize
+    cost = pl.CostEstimate(flops=2 * M * G * R * I, transcendentals=M * H * hd,
+                           bytes_accessed=G * R * I + (G * R // 32) * (I // 32) + o_bytes + M * G * R * dt.itemsize)
     y = pl.pallas_call(
         functools.partial(_kernel, c=c), grid=(R // bn, G, pl.cdiv(M, bm)), in_specs=[whole(a) for a in ins],
-        out_specs=whole(out), out_shape=out, interpret=interpret,
+        out_specs=whole(out), out_shape=out, interpret=interpret, cost_estimate=cost,
         compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
         name=f"{NAME}_s{S}_n{bn}_k{bk}")(*ins)
     return y.reshape(B, T, G * R)

@@ -138,6 +138,8 @@ def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, interpret
         out_specs=[whole(jax.ShapeDtypeStruct((M, hd), jnp.uint8)),
                    whole(jax.ShapeDtypeStruct((M, hd // 32), jnp.uint8))],
         compiler_params=common.triton_params(num_warps=4, num_stages=1), interpret=interpret, name=NAME,
+        cost_estimate=pl.CostEstimate(flops=12 * M * hd, transcendentals=3 * M * hd,
+                                      bytes_accessed=M * hd * dt.itemsize + 2 * hd + M * (hd + hd // 32 + 4)),
     )(*ins)
     return {"q": lax.bitcast_convert_type(q, quant.FP8).reshape(*lead, hd),
             "s": lax.bitcast_convert_type(s, quant.E8M0).reshape(*lead, hd // 32)}
