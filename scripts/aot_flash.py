@@ -182,7 +182,9 @@ def kernel_launches(hlo: str) -> dict:
     unknown = [0]
 
     def opcode(line):
-        m = re.search(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
+        # (a long tuple type carries /*index=N*/ comments, whose "=" the pattern would stop at: a while over a
+        # carry of six or more arrays was skipped, its body never counted)
+        m = re.search(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", re.sub(r"/\*.*?\*/", "", line))
         return m.group(1) if m else None
 
     def count(name, depth=0):

@@ -58,6 +58,21 @@ def test_kernel_launches_follow_loops_and_branches():
     assert a["launches"] - 3 * per_trip >= 2  # outside the loop: at least the predicate and one branch
     assert sum(a["by_opcode"].values()) == a["launches"]
 
+    # a carry of seven arrays: XLA prints the while's tuple type with /*index=5*/ comments (the layer scan's
+    # carry with a deferred mHC exit has them); its body must still count per trip
+    def g(x, w):
+        def body(c, wi):
+            return tuple(jnp.tanh(ci @ wi) for ci in c), None
+        return jax.lax.scan(body, tuple(x + i for i in range(7)), w)[0]
+
+    def count_g(n):
+        return kl(jax.jit(g).lower(jnp.ones((8, 16)), jnp.ones((n, 16, 16))).compile().as_text())
+
+    hlo = jax.jit(g).lower(jnp.ones((8, 16)), jnp.ones((3, 16, 16))).compile().as_text()
+    assert "/*index=5*/" in hlo
+    ga, gb = count_g(3), count_g(7)
+    assert (gb["launches"] - ga["launches"]) / 4 >= 7  # at least one kernel per carried array per trip
+
 
 def test_random_stored_params_match_the_declared_tree(tiny_cfg):
     """`bench_decode.random_stored_params` (the flash cut's weights, made on the device) gives every
