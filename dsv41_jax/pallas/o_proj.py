@@ -93,32 +93,32 @@ def _kernel(lay_ref, *refs, c):
     lane = lax.iota(jnp.int32, bk)
 
     def merged(h, cols, stats):
-        """o[rows, h, cols] in dt, widened: merged from the partials, or read."""
+        """o[rows, h, cols] in dt, widened: merged from the partials (one split's tile live at a time), or read."""
         if not c["partials"]:
             return x_ref[(rows * c["H"] + h)[:, None], cols[None, :]].astype(jnp.float32)
-        ws, denom = stats
-        num = None
-        for s in range(S):
-            a = acc_ref[((s * M + rows) * hp + h)[:, None], cols[None, :]]
-            num = a * ws[s][:, None] if num is None else num + a * ws[s][:, None]
+        mt, denom = stats
+
+        def add(s, num):  # num = Σ_s acc_s · exp(m_s − m_t), left to right (exp recomputed: the same values)
+            w = jnp.exp(m_ref[(s * M + rows) * hp + h] - mt)
+            return num + acc_ref[((s * M + rows) * hp + h)[:, None], cols[None, :]] * w[:, None]
+
+        first = acc_ref[((0 * M + rows) * hp + h)[:, None], cols[None, :]] * jnp.exp(m_ref[rows * hp + h] - mt)[:, None]
+        num = lax.fori_loop(1, S, add, first)
         return (num / denom[:, None]).astype(dt).astype(jnp.float32)
 
     def kstep(kc, acc):
         h = g * hpg + lax.div(kc * bk, hd)  # a chunk lies in one head (bk divides hd)
         d = lax.rem(kc * bk, hd) + lane
         stats = None
-        if c["partials"]:
-            ms = [m_ref[(s * M + rows) * hp + h] for s in range(S)]
-            mt = ms[0]
-            for s in range(1, S):
-                mt = jnp.maximum(mt, ms[s])
+        if c["partials"]:  # _merge_splits' max (0 when every split is empty) and denominator, split by split
+            mt = lax.fori_loop(1, S, lambda s, m: jnp.maximum(m, m_ref[(s * M + rows) * hp + h]), m_ref[rows * hp + h])
             mt = jnp.where(mt == -jnp.inf, 0.0, mt)
-            ws = [jnp.exp(m - mt) for m in ms]  # an empty split: exp(−inf) = 0
-            den = None
-            for s in range(S):
-                t = l_ref[(s * M + rows) * hp + h] * ws[s]
-                den = t if den is None else den + t
-            stats = (ws, den + jnp.exp(sink_ref[lay * c["sink_n"] + h] - mt))
+
+            def lsum(s, den):
+                return den + l_ref[(s * M + rows) * hp + h] * jnp.exp(m_ref[(s * M + rows) * hp + h] - mt)
+
+            den = lax.fori_loop(1, S, lsum, l_ref[rows * hp + h] * jnp.exp(m_ref[rows * hp + h] - mt))
+            stats = (mt, den + jnp.exp(sink_ref[lay * c["sink_n"] + h] - mt))
         x = merged(h, d, stats)
         rope = d >= hd - rd
         xp = merged(h, jnp.where(rope, d ^ 1, d), stats)  # the pair's partner (the tail starts at an even dim)
@@ -173,7 +173,7 @@ def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=No
         raise ValueError(f"o_proj kernel: wo_a {w.shape} (sink {None if sink is None else sink.shape}) does not fit "
                          f"{G} groups of {R} x {I}" + (" stacked with a layer" if stacked else ""))
     bn = block_n or math.gcd(R, 64)
-    bk = block_k or math.gcd(hd, 128)
+    bk = block_k or math.gcd(hd, 64)  # 64-wide chunks: the merged tile, its partner and the weight tile in registers
     if (hd % bk or bk % 32 or bk & (bk - 1) or bn < _MIN_DOT or bn & (bn - 1) or R % bn or R % 32 or hd & 1
             or rd > hd):
         raise NotImplementedError(f"o_proj kernel: tiles block_n={bn} / block_k={bk} do not fit R={R}, head_dim={hd}"

@@ -214,9 +214,13 @@ def _rope_epilogue(y, pos, f_ref, n0, c):
     d = lax.rem(col, hd)
     rope = d >= hd - rd
     lane = lax.iota(jnp.int32, bn)
-    swap = (lane[:, None] == (lane[None, :] ^ 1)).astype(jnp.float32)  # [bn, bn]: column c takes lane c ^ 1
-    yp = lax.dot_general(y, swap, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+    swap = lane[:, None] == (lane[None, :] ^ 1)  # [bn, bn]: column c takes lane c ^ 1
+    if c["dt"] == jnp.bfloat16:  # y is bf16-valued: a bf16 dot with the 0/1 matrix is exact (tensor cores)
+        yp = lax.dot_general(y.astype(jnp.bfloat16), swap.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    else:
+        yp = lax.dot_general(y, swap.astype(jnp.float32), (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
     freq = f_ref[jnp.clip((d - (hd - rd)) // 2, 0, rd // 2 - 1)]
     ang = pos.astype(jnp.float32)[:, None] * freq[None, :]
     cs, sn = jnp.cos(ang), jnp.sin(ang)
@@ -379,7 +383,7 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     y = pl.pallas_call(
         functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk, gated=gated, act=act,
                                           norm=norm is not None, eps=None if norm is None else float(norm[1]),
-                                          rope=rope is not None, hd=None if rope is None else int(rope[2]),
+                                          rope=rope is not None, hd=None if rope is None else int(rope[2]), dt=dt,
                                           rd=None if rope is None else rd, combine=combine is not None,
                                           k=None if combine is None else int(combine[2]),
                                           kp=None if combine is None else int(combine[1].shape[-1]))),

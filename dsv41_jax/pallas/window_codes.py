@@ -137,7 +137,8 @@ def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, interpret
         out_shape=[jax.ShapeDtypeStruct((M, hd), jnp.uint8), jax.ShapeDtypeStruct((M, hd // 32), jnp.uint8)],
         out_specs=[whole(jax.ShapeDtypeStruct((M, hd), jnp.uint8)),
                    whole(jax.ShapeDtypeStruct((M, hd // 32), jnp.uint8))],
-        compiler_params=common.triton_params(num_warps=4, num_stages=1), interpret=interpret, name=NAME,
+        # 8 warps: the [16, hd] fp32 row tiles (the values, their partners, cos / sin) fit without spilling
+        compiler_params=common.triton_params(num_warps=8, num_stages=1), interpret=interpret, name=NAME,
         cost_estimate=pl.CostEstimate(flops=12 * M * hd, transcendentals=3 * M * hd,
                                       bytes_accessed=M * hd * dt.itemsize + 2 * hd + M * (hd + hd // 32 + 4)),
     )(*ins)
