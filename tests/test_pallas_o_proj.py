@@ -65,12 +65,15 @@ def _run(pallas_impl, o, w, pos, fr, dt, sink=None, **kw):
     return np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
 
 
+def _setup(seed, order_free):
+    """(rng, wo_a, freqs, sink, positions of 2 rows x 1 token) for the cases below."""
+    rng = np.random.default_rng(seed)
+    return (rng, _wo_a(rng, order_free), rope_freqs(RD, 10000.0), jnp.asarray(rng.standard_normal(H), F32),
+            jnp.asarray(rng.integers(0, 100_000, (2, 1)), jnp.int32))
+
+
 def test_bf16_flow_bitwise_on_order_free_weights(pallas_impl):
-    rng = np.random.default_rng(1)
-    w = _wo_a(rng, True)
-    fr = rope_freqs(RD, 10000.0)
-    sink = jnp.asarray(rng.standard_normal(H), F32)
-    pos = jnp.asarray(rng.integers(0, 100_000, (2, 1)), jnp.int32)
+    rng, w, fr, sink, pos = _setup(1, True)
     got, want = _run(pallas_impl, _partials(rng, 3, 2, 1, 16), w, pos, fr, BF16, sink)  # 3 splits, heads padded
     assert np.abs(want).max() > 0
     np.testing.assert_array_equal(got, want)
@@ -95,11 +98,7 @@ def _bound(o_merged, w):
 def test_fp32_flow_within_the_summation_bound(pallas_impl, order_free):
     from dsv41_jax.pallas.sparse_attention import _merge_splits
 
-    rng = np.random.default_rng(2)
-    w = _wo_a(rng, order_free)
-    fr = rope_freqs(RD, 10000.0)
-    sink = jnp.asarray(rng.standard_normal(H), F32)
-    pos = jnp.asarray(rng.integers(0, 100_000, (2, 1)), jnp.int32)
+    rng, w, fr, sink, pos = _setup(2, order_free)
     parts = _partials(rng, 3, 2, 1, 16, exact_merge=True)  # the merge exact in any order: only the rest differs
     got, want = _run(pallas_impl, parts, w, pos, fr, F32, sink)
     o = _merge_splits(parts["acc"], parts["m"], parts["l"], jnp.pad(sink, (0, 12)))[:, :, :H]
@@ -111,11 +110,7 @@ def test_fp32_flow_within_the_summation_bound(pallas_impl, order_free):
 
 
 def test_stacked_weight_and_sink_read_at_the_layer(pallas_impl):
-    rng = np.random.default_rng(3)
-    w = _wo_a(rng, False)
-    fr = rope_freqs(RD, 10000.0)
-    sink = jnp.asarray(rng.standard_normal(H), F32)
-    pos = jnp.asarray(rng.integers(0, 100_000, (2, 1)), jnp.int32)
+    rng, w, fr, sink, pos = _setup(3, False)
     parts = _partials(rng, 3, 2, 1, 16)
     interp = pallas_impl == "pallas_interpret"
     one = op.kernel(parts, w, pos, fr, G, R, BF16, sink=sink, interpret=interp)

@@ -345,6 +345,19 @@ def _check_weights(n, d, fn, base, scale, layer, norm_weight, what):
         raise ValueError(f"{what}: norm weight {norm_weight.shape}, expected {(*lead_p, d)}")
 
 
+def _streams(h, fn, base, scale, layer, norm_weight, dt, what):
+    """h [..., n, D] checked against the weights and flattened: (n, D, lead shape, h [M, n, D], the enter's
+    result for no token — (x_in, pre, post, comb) zeros — or None)."""
+    n, d = h.shape[-2], h.shape[-1]
+    lead = h.shape[:-2]
+    _check_weights(n, d, fn, base, scale, layer, norm_weight, what)
+    hf = h.reshape(-1, n, d)
+    if hf.shape[0]:
+        return n, d, lead, hf, None
+    z = jnp.zeros((*lead, n), jnp.float32)
+    return n, d, lead, hf, (jnp.zeros((*lead, d), dt), z, z, jnp.zeros((*lead, n, n), jnp.float32))
+
+
 def _enter_call(streams, pre_prev, fn, base, scale, *, n, d, dt, splits, interpret, layer, norm_weight, norm_eps,
                 hc_eps, iters, name):
     """The enter kernel (+ its tail) on token-flat operands; `streams` is (h [M, n, D],) or, fusing the
@@ -407,14 +420,9 @@ def mixes_enter(h, pre_prev, fn, base, scale, *, norm_eps: float, hc_eps: float,
     runs in the tail kernel, which then always runs). Returns (x_in [..., D] dt, pre [..., n], post [..., n],
     comb [..., n, n]) fp32.
     """
-    n, d = h.shape[-2], h.shape[-1]
-    lead = h.shape[:-2]
-    _check_weights(n, d, fn, base, scale, layer, norm_weight, "mhc enter")
-    hf = h.reshape(-1, n, d)
-    m = hf.shape[0]
-    if m == 0:
-        z = jnp.zeros((*lead, n), jnp.float32)
-        return jnp.zeros((*lead, d), dt), z, z, jnp.zeros((*lead, n, n), jnp.float32)
+    n, d, lead, hf, empty = _streams(h, fn, base, scale, layer, norm_weight, dt, "mhc enter")
+    if empty is not None:
+        return empty
     x, pre, post, comb = _enter_call((hf,), pre_prev, fn, base, scale, n=n, d=d, dt=dt, splits=splits,
                                      interpret=interpret, layer=layer, norm_weight=norm_weight, norm_eps=norm_eps,
                                      hc_eps=hc_eps, iters=iters, name="mhc_enter")
@@ -433,14 +441,10 @@ def exit_enter(y, h, post, comb, pre_prev, fn, base, scale, *, norm_eps: float, 
     the exiting sublayer's pre). Returns (h' [..., n, D] dt, x_in [..., D] dt, pre, post, comb) — h' equal to
     `post_mix`'s, the rest to `mixes_enter(h', ...)`'s, bit for bit (the same per-chunk arithmetic).
     """
-    n, d = h.shape[-2], h.shape[-1]
-    lead = h.shape[:-2]
-    _check_weights(n, d, fn, base, scale, layer, norm_weight, "mhc exit+enter")
-    hf = h.reshape(-1, n, d)
+    n, d, lead, hf, empty = _streams(h, fn, base, scale, layer, norm_weight, dt, "mhc exit+enter")
+    if empty is not None:
+        return (jnp.zeros(h.shape, dt), *empty)
     m = hf.shape[0]
-    if m == 0:
-        z = jnp.zeros((*lead, n), jnp.float32)
-        return jnp.zeros(h.shape, dt), jnp.zeros((*lead, d), dt), z, z, jnp.zeros((*lead, n, n), jnp.float32)
     streams = (y.reshape(m, d), hf, post.reshape(m, n).astype(jnp.float32), comb.reshape(m, n * n).astype(jnp.float32))
     hn, x, pre, post2, comb2 = _enter_call(streams, pre_prev, fn, base, scale, n=n, d=d, dt=dt, splits=splits,
                                            interpret=interpret, layer=layer, norm_weight=norm_weight,
