@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import dispatch, linear, quant
+from dsv41_jax.model import dispatch, layer_scan, linear, quant
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import (DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, round_f32,
                                       round_to, x64_scope)
@@ -55,21 +55,22 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
 
 def project_q(p, x, positions, freqs, cfg, dt, qa=None):
     """`project_q_kv`'s (qr, q). Inside a layer-scan run where the linear kernel runs, ``p["q_norm"]`` may
-    be the run's stack with its layer (`linear.norm_weight`). qa: wq_a(x) when the caller has it already
+    be the run's stack with its layer (`layer_scan.vector_operand`). qa: wq_a(x) when the caller has it already
     (`project_q_codes`)."""
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     qa = linear.fp8(x, p["wq_a"], cfg, dt) if qa is None else qa
-    qr = rmsnorm(qa, linear.norm_weight(p["q_norm"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
+    qr = rmsnorm(qa, layer_scan.vector_row(p["q_norm"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
     # = apply_rope(fp8(qr, wq_b) as [.., H, hd]): one launch where the linear kernel runs
-    q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads", rope=(positions, freqs, hd))
+    q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads", rope=(positions, freqs, hd),
+                          x_normed=qr)
     return qr, q.reshape(q.shape[:-1] + (H, hd))
 
 
 def project_kv(p, x, positions, freqs, cfg, dt, y=None):
     """`project_q_kv`'s kv_rot [B, T, hd]: kv_norm(wkv(x)), RoPE'd, in `dt` (``p["kv_norm"]`` may be a run's
-    stack with its layer, `linear.norm_weight`); y: wkv(x) if the caller has it."""
+    stack with its layer, `layer_scan.vector_operand`); y: wkv(x) if the caller has it."""
     y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
-    kv = rmsnorm(y, linear.norm_weight(p["kv_norm"]), cfg.rms_norm_eps, dt, is_exact(cfg))
+    kv = rmsnorm(y, layer_scan.vector_row(p["kv_norm"]), cfg.rms_norm_eps, dt, is_exact(cfg))
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
@@ -93,9 +94,9 @@ def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None) -> dict:
     if impl in ("pallas", "pallas_interpret") and not is_exact(cfg):
         if kvc._codec("win", mode) == "fp8":
             y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
-            pn = p["kv_norm"]
+            nw, layer = layer_scan.vector_operand(p["kv_norm"])
             return dispatch.kernel("attention", impl, "window_codes")(
-                y, pn["weight"], positions, freqs, cfg.rms_norm_eps, dt, layer=pn.get("layer"),
+                y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer,
                 interpret=impl == "pallas_interpret")
         _log_window_codec(mode)
     return kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=y))
@@ -298,8 +299,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
 def sink_of(p):
     """The layer's attention sink fp32 [H] (``p["attn_sink"]``, or inside a layer-scan run where the o_proj
     kernel reads it in place {"weight": the run's stack, "layer": k})."""
-    return linear.norm_weight(p["attn_sink"] if isinstance(p["attn_sink"], dict) else {"weight": p["attn_sink"]}
-                              ).astype(jnp.float32)
+    return layer_scan.vector_row(p["attn_sink"]).astype(jnp.float32)
 
 
 def output_proj(p, o, positions, freqs, cfg, dt):
@@ -313,8 +313,7 @@ def output_proj(p, o, positions, freqs, cfg, dt):
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
     if linear.kernel_runs(cfg):
-        sk = p["attn_sink"] if isinstance(p["attn_sink"], dict) else {"weight": p["attn_sink"]}
-        y = linear.o_proj(o, p["wo_a"], positions, freqs, sk, cfg, dt)
+        y = linear.o_proj(o, p["wo_a"], positions, freqs, p["attn_sink"], cfg, dt)
         return linear.fp8(y, p["wo_b"], cfg, dt)
     if isinstance(o, dict):
         raise ValueError("output_proj: split partials need the linear kernel (linear.kernel_runs) to merge them")

@@ -47,7 +47,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from dsv41_jax.model import codec, dispatch, quant, tiling
+from dsv41_jax.model import codec, dispatch, layer_scan, quant, tiling
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
@@ -129,25 +129,19 @@ def o_proj(o, p, positions, freqs, sink, cfg, dt):
     """The grouped wo_a projection of the attention output with its inverse RoPE, on the kernel
     (`pallas/o_proj.py`: also the split-K merge when `o` is the attention kernel's partials): [B, T, G·R] in
     `dt`, as `attention.output_proj`'s inverse RoPE + `wo_a` compute it. p: wo_a's params (the fp8 pair is
-    read; the bf16 copy is not), or a run's stacks with ``"layer"``; sink: {"weight": fp32 [H] or a run's
-    stack, "layer"?}. Only where `kernel_runs`."""
+    read; the bf16 copy is not), or a run's stacks with ``"layer"``; sink: fp32 [H], or with wo_a stacked
+    {"weight": the run's stack, "layer"} (`layer_scan.vector_operand`). Only where `kernel_runs`."""
     impl = impl_of(cfg)
     dispatch.refuse_kernel_in_f64_mode(cfg, "linear", impl)
     if not kernel_runs(cfg):
         raise dispatch.ImplError(f"linear.o_proj: the o_proj kernel does not run for impl {impl!r} here "
                                  "(linear.kernel_runs)")
-    if ("layer" in p) != ("layer" in sink):
+    sink, sink_layer = layer_scan.vector_operand(sink)
+    if ("layer" in p) != (sink_layer is not None):
         raise ValueError("linear.o_proj: wo_a and the sink must both be a run's stacks (with 'layer') or neither")
     k = dispatch.kernel("linear", impl, "o_proj")
     return k(o, {"weight": p["weight"], "scale": p["scale"]}, positions, freqs, cfg.o_groups, cfg.o_lora_rank, dt,
-             sink=sink["weight"], layer=p.get("layer"), interpret=impl == "pallas_interpret")
-
-
-def norm_weight(pn):
-    """An RMSNorm's weight from its params {"weight": [K]}, or — inside a layer-scan run where the linear
-    kernel runs (`fp8_normed`) — {"weight": the run's stack [n, K], "layer": k}: the layer's row (for the jnp
-    paths; the kernel reads the stack in place)."""
-    return pn["weight"] if "layer" not in pn else pn["weight"][pn["layer"]]
+             sink=sink, layer=p.get("layer"), interpret=impl == "pallas_interpret")
 
 
 def _kernel_gemm(x, p, fmt, cfg, dt, name, **epilogue):
@@ -304,19 +298,22 @@ def fp8_combined(x, p, slots, order, k: int, cfg, dt):
     return _kernel_gemm(x, p, "fp8", cfg, dt, impl, combine=(slots, order, k))
 
 
-def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None):
-    """``fp8(norm.rmsnorm(x, norm_weight(pn), eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's
+def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
+    """``fp8(norm.rmsnorm(x, layer_scan.vector_row(pn), eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's
     q_norm before wq_b), optionally RoPE'd: ``rope=(positions int32 [...], freqs, head_dim)`` returns the
     output [..., N] as ``rope.apply_rope`` of its [..., N / head_dim, head_dim] view at positions[..., None].
     Where the linear kernel runs, the norm and the RoPE run in the kernel (`quant_linear.kernel`'s norm and
-    rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls."""
+    rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls (x_normed: that
+    norm of x when the caller has it, not made twice)."""
     impl = impl_of(cfg)
     if impl in ("pallas", "pallas_interpret"):
-        if ("layer" in pn) != ("layer" in p):
+        nw, layer = layer_scan.vector_operand(pn)
+        if (layer is not None) != ("layer" in p):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
                              "(with 'layer') or both one layer's")
-        return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(pn["weight"], eps), rope=rope)
-    y = fp8(rmsnorm(x, norm_weight(pn), eps, dt, is_exact(cfg)), p, cfg, dt, row_axis)
+        return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(nw, eps), rope=rope)
+    y = fp8(rmsnorm(x, layer_scan.vector_row(pn), eps, dt, is_exact(cfg)) if x_normed is None else x_normed, p, cfg,
+            dt, row_axis)
     if rope is None:
         return y
     positions, freqs, hd = rope
@@ -394,14 +391,6 @@ def wo_a(o, p, cfg, dt, row_axis=None):
     bf16-representable, so every path computes the same products.
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
-    if "layer" in p:  # a run's stacks (read in place by the o_proj kernel): this layer's, dtypes restored
-        k = p["layer"]
-        p = {"weight": jax.lax.bitcast_convert_type(p["weight"][k], quant.FP8) if p["weight"].dtype == jnp.uint8
-             else p["weight"][k],
-             "scale": jax.lax.bitcast_convert_type(p["scale"][k], quant.E8M0) if p["scale"].dtype == jnp.uint8
-             else p["scale"][k],
-             **({"bf16": jax.lax.bitcast_convert_type(p["bf16"][k], jnp.bfloat16) if p["bf16"].dtype == jnp.uint16
-                 else p["bf16"][k]} if "bf16" in p else {})}
     exact = is_exact(cfg)
     if exact:
         w = quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=jnp.float32).reshape(G, R, -1)

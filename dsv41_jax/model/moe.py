@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import dispatch, linear, quant, tiling
+from dsv41_jax.model import dispatch, layer_scan, linear, quant, tiling
 from dsv41_jax.model.numerics import einsum_exact, is_exact
 
 
@@ -50,8 +50,7 @@ def route(p_gate, x, top_k: int, cfg):
     """
     logits = linear.f32(x, p_gate["weight"], cfg) / cfg.gate_temp
     s = jnp.sqrt(softplus_torch(logits))
-    bias = p_gate["bias"]  # (inside a layer-scan run where the router kernel reads it in place: its stack + layer)
-    bias = linear.norm_weight(bias) if isinstance(bias, dict) else bias
+    bias = layer_scan.vector_row(p_gate["bias"])  # (a run's stack + layer where the router kernel reads it in place)
     _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), top_k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and top_k > 1:
@@ -295,15 +294,14 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     from_mesh = par is not None and par.axis_size("ep") > 1
     padded = None
     if kernel and not from_mesh and (par is None or par.size == 1):
-        # the router's top-k as one kernel (scores, selection, weights; the gate matmul stays the linear seam's):
-        # its padded outputs feed the experts' kernel as they are (`moe_mxfp4.kernel`'s padded)
-        bias = p["gate"]["bias"]
-        bias = bias if isinstance(bias, dict) else {"weight": bias}
-        padded = dispatch.kernel("moe", impl, "route")(linear.f32(xf, p["gate"]["weight"], cfg), bias["weight"], top_k,
-                                                       cfg, layer=bias.get("layer"),
-                                                       interpret=impl == "pallas_interpret")
-        idx, w = padded[0][:, :top_k], padded[1][:, :top_k]
-        padded, order, padded_order = padded[:2], padded[2][:, :top_k], padded[2]
+        # the router's top-k as one kernel (scores, selection, weights, the combine's order; the gate matmul stays
+        # the linear seam's): its padded outputs ([N, kp], the first top_k lanes used) feed the experts' kernel
+        # and the combine as they are (`moe_mxfp4.kernel`'s padded)
+        bias, layer = layer_scan.vector_operand(p["gate"]["bias"])
+        idx_p, w_p, order_p = dispatch.kernel("moe", impl, "route")(
+            linear.f32(xf, p["gate"]["weight"], cfg), bias, top_k, cfg, layer=layer, interpret=impl == "pallas_interpret")
+        padded = (idx_p, w_p)
+        idx, w, order = idx_p[:, :top_k], w_p[:, :top_k], order_p[:, :top_k]
     else:
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
     N = xf.shape[0]
@@ -336,7 +334,7 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     a = linear.fp8_gated(xf, sw("w1"), sw("w3"), functools.partial(_swiglu_act, weight=None, limit=lim, dt=dt), cfg, dt,
                          "mlp")
     if fuse_combine:
-        out = linear.fp8_combined(a, sw("w2"), slots, padded_order, top_k, cfg, dt).reshape(shape)
+        out = linear.fp8_combined(a, sw("w2"), slots, order_p, top_k, cfg, dt).reshape(shape)
     else:
         out = (routed + linear.fp8(a, sw("w2"), cfg, dt).astype(jnp.float32)).astype(dt).reshape(shape)
     if return_routing:

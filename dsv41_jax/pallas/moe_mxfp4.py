@@ -349,12 +349,12 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     if A == 0:
         return jnp.zeros((N, k, D), dt)
     one = N == 1
+    everything = isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts  # all held
     if one:
         # One token (decode at batch 1): its k experts are distinct (top-k), so each assignment is its own
         # group, in slot order (group g is row g, token 0): no sort, no unsort, no group starts or token
         # ids to make (about ten small launches per layer fewer), and every group computes what the sorted
         # group of its expert would, bit for bit.
-        everything = isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts
         if everything and padded is not None:  # the router kernel's outputs as they are; every group has its row
             held, order = None, None
             gexp, sizes = padded[0].reshape(-1), jnp.ones((A,), jnp.int32)
@@ -412,7 +412,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
                              "outputs")
         return y
     if one:  # slot order already; a slot of an expert not held is never written: exact zeros
-        if held is None or (isinstance(first_expert, int) and first_expert == 0 and E == cfg.n_routed_experts):
+        if everything:
             return y[:A].reshape(N, k, D)  # every expert is here: every slot was written
         return jnp.where(held[:, None], y[:A], jnp.zeros((), y.dtype)).reshape(N, k, D)
     return moe.unsort_slots(y[:A], order, held, N, k)

@@ -94,6 +94,14 @@ def ref_linear(x, p, fmt: str, cfg, dt):
 # ------------------------------------------------------------------------------------------ kernel
 
 
+def _fp8_tile(w_ref, s_ref, w0, srow, kc, bn: int, bk: int):
+    """Weight rows w0 .. w0 + bn − 1, K chunk kc (bk wide) of an fp8 weight, decoded in registers: e4m3 codes times
+    their 32x32 blocks' E8M0 scales (srow: each row's scale row), bf16 (exact)."""
+    scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
+    w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
+    return (w * sa._expand(scale, 32)).astype(jnp.bfloat16)
+
+
 def _kernel(layer_ref, x_ref, *refs, c):
     """Program (tile j of N, row block i): o[i-rows, j-tile] = dt(fq8(x[i-rows]) · w[j-tile]ᵀ), the weight's
     rows read at layer_ref[0]'s offset in a run's stacks (0 for one layer's weight).
@@ -123,15 +131,13 @@ def _kernel(layer_ref, x_ref, *refs, c):
     xrows = jnp.minimum(r0 + lax.iota(jnp.int32, bm), c["M"] - 1)
 
     def wtile(w_ref, s_ref, kc):
-        scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
         if c["fmt"] == "fp8":
-            w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
-            w = w * sa._expand(scale, 32)
-        else:  # packed e2m1 as uint16 byte pairs, 4 elements per pair
-            pairs = w_ref[pl.ds(w0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
-            by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(bn, bk // 2)
-            w = codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * sa._expand(scale, 32)
-        return w.astype(jnp.bfloat16)
+            return _fp8_tile(w_ref, s_ref, w0, srow, kc, bn, bk)
+        # MXFP4: packed e2m1 as uint16 byte pairs, 4 elements per pair
+        scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
+        pairs = w_ref[pl.ds(w0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
+        by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(bn, bk // 2)
+        return (codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * sa._expand(scale, 32)).astype(jnp.bfloat16)
 
     if c["norm"]:  # the rows' Σx² first (x is a few KB per row: a second read of it hits L1 / L2)
         def sq(kc, ss):
@@ -189,9 +195,7 @@ def _dual_kernel(layer_ref, x_ref, w1_ref, s1_ref, w2_ref, s2_ref, o1_ref, o2_re
 
         def kstep(kc, acc):
             xq = mx._fake_quant_fp8(x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
-            scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
-            w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
-            return acc + mx._dot_nt(xq, (w * sa._expand(scale, 32)).astype(jnp.bfloat16))
+            return acc + mx._dot_nt(xq, _fp8_tile(w_ref, s_ref, w0, srow, kc, bn, bk))
 
         return lax.fori_loop(0, c["K"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
 
@@ -206,9 +210,10 @@ def _rope_epilogue(y, pos, f_ref, n0, c):
     """`rope.apply_rope` on the output tile y fp32 [bm, bn] (the GEMM's output rounded to dt): columns n0 ..
     n0 + bn − 1 of rows viewed as heads of c["hd"], whose last c["rd"] dims are rotated in interleaved pairs
     at angle fp32(pos)·f_i. A pair's partner (column ^ 1, in the same tile: bn is a multiple of 2) comes from
-    an fp32 dot with the pair-swap permutation (IEEE fp32, HIGHEST: each output is one product by 1.0 plus
-    zeros: the partner itself; the Triton lowering cannot permute register lanes otherwise). The result is
-    rounded by the caller's store, as apply_rope rounds once."""
+    a dot with the pair-swap permutation (each output is one product by 1.0 plus zeros: the partner itself; a
+    bf16 dot in the bf16 flow, where y is bf16-valued, an IEEE fp32 one otherwise; the Triton lowering cannot
+    permute register lanes otherwise). The result is rounded by the caller's store, as apply_rope rounds
+    once."""
     bn, hd, rd = y.shape[1], c["hd"], c["rd"]
     col = n0 + lax.iota(jnp.int32, bn)
     d = lax.rem(col, hd)
