@@ -299,3 +299,26 @@ def test_fp8_kv_mode_tolerance(mini_params, mini_cfg32, seq, full32):
     assert np.isfinite(got).all()
     assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] >= 0.9
     assert np.abs(got - ref).mean() <= 0.3 * ref.std()
+
+
+@pytest.mark.parametrize("n", [1, 0])
+def test_one_token_row_writes_equal_the_scatter(n):
+    """At B = T = 1 the ring write and the per-request row updates are dynamic-update-slices (one launch per
+    array on a GPU instead of a scatter's select + update): equal to the scatter form on every row, except
+    that a dropped write (n = 0) lands in the scratch row (the last) instead of nowhere."""
+    rng = np.random.default_rng(5)
+    R, W, hd = 4, 8, 64
+    ring = kvc.encode("win", "auto", jnp.asarray(rng.standard_normal((R, W, hd)), jnp.float32))
+    codes = kvc.encode("win", "auto", jnp.asarray(rng.standard_normal((1, 1, hd)), jnp.float32))
+    rows, positions, nn = jnp.array([1], jnp.int32), jnp.array([[13]], jnp.int32), jnp.array([n], jnp.int32)
+    got = dec._window_write(ring, rows, positions, nn, codes, W)
+    cols = jnp.where(nn[:, None] > 0, positions % W, W)
+    want = dec._row_scatter(ring, rows, cols, codes)  # the scatter (B·T > 1's form)
+    for k in ring:
+        g, w = np.asarray(got[k]).view(np.uint8), np.asarray(want[k]).view(np.uint8)
+        np.testing.assert_array_equal(g[:R - 1], w[:R - 1])
+        c = np.asarray(codes[k]).view(np.uint8)[0, 0]
+        np.testing.assert_array_equal(g[1 if n else R - 1, 13 % W], c)  # dropped: the scratch row took it
+    hist = jnp.asarray(rng.integers(0, 99, (R, 3)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, 99, (1, 3)), jnp.int32)
+    np.testing.assert_array_equal(dec._set_row(hist, rows, new), hist.at[rows].set(new))

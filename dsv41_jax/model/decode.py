@@ -41,13 +41,34 @@ def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
     return {k: store[k].at[rows[:, None], cols].set(val[k], mode="drop") for k in store}
 
 
+def _set_row(arr, rows, val):
+    """arr[rows[b]] = val[b] for rows int32 [B] that are in range (a request's slot, or the scratch one).
+
+    One row (B = 1) is a `dynamic_update_slice`: XLA turns a one-index scatter into one too, but keeps the
+    scatter's out-of-range drop as a select of the old row first — two launches per array on a GPU, one
+    here (decode at B = 1 writes a few of these per layer)."""
+    if rows.shape[0] != 1:
+        return arr.at[rows].set(val)
+    return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), (rows[0],) + (0,) * (arr.ndim - 1))
+
+
 def _window_write(st_win, rows, positions, n, codes, window: int) -> dict:
     """Ring update: the chunk's window codes at ``pos mod W`` for its first ``n[b]`` tokens — only the
     last W of them (earlier ones would be overwritten); later tokens (padding, or rejected drafts) are
-    dropped. st_win: ring codes [R, W, ...]; rows int32 [B]; positions int32 [B, T]; n int32 [B]."""
+    dropped. st_win: ring codes [R, W, ...] (row R − 1 is the scratch slot); rows int32 [B]; positions
+    int32 [B, T]; n int32 [B]."""
     W = window
-    i = jnp.arange(positions.shape[1])[None, :]
+    B, T = positions.shape
+    i = jnp.arange(T)[None, :]
     write = (i < n[:, None]) & (i >= n[:, None] - W)
+    if B * T == 1:
+        # One token: written in place (`_set_row`'s reason); a dropped write goes to the scratch row, which
+        # only padded rows read, instead of being dropped.
+        scratch = jax.tree_util.tree_leaves(st_win)[0].shape[0] - 1
+        row = jnp.where(write[0, 0], rows[0], scratch)
+        at = (row, jnp.mod(positions[0, 0], W))
+        return {k: jax.lax.dynamic_update_slice(st_win[k], codes[k].astype(st_win[k].dtype),
+                                                at + (0,) * (st_win[k].ndim - 2)) for k in st_win}
     cols = jnp.where(write, jnp.mod(positions, W), W)  # W = out of range: dropped
     return _row_scatter(st_win, rows, cols, codes)
 
@@ -335,7 +356,7 @@ def commit(st, pending, batch, n_commit, cfg):
         ext = jnp.concatenate([hist[slot], pending["engram_ids"]], axis=1)  # [B, M−1+T]
         m1 = hist.shape[1]
         take = n_commit[:, None] + jnp.arange(m1)[None, :]
-        out["engram_hist"] = hist.at[slot].set(jnp.take_along_axis(ext, take, axis=1))
+        out["engram_hist"] = _set_row(hist, slot, jnp.take_along_axis(ext, take, axis=1))
     return out
 
 

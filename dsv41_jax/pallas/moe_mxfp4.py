@@ -114,7 +114,11 @@ def _dot_nt(x, w):
 def _group_rows(gstart_ref, gsize_ref, g, bm, body, one_token: bool = False):
     """Run body(r0, live) over the row blocks of group g (skipped when it has no rows): r0 the first
     sorted row of the block, live bool [bm] the rows that belong to the group. one_token: each group is
-    one assignment in slot order (row g, at most one row; `kernel`'s one-token case: no gstart_ref)."""
+    one assignment in slot order (row g, at most one row; `kernel`'s one-token case: no gstart_ref);
+    gsize_ref None there: every group has its row (the router's outputs, every expert held)."""
+    if gsize_ref is None:
+        body(g, lax.iota(jnp.int32, bm) < 1)
+        return
     n = gsize_ref[g]
 
     @pl.when(n > 0)
@@ -133,7 +137,10 @@ def _group_rows(gstart_ref, gsize_ref, g, bm, body, one_token: bool = False):
 
 
 def _meta_refs(refs, c):
-    """(gexp, gstart or None, gsize, layer) refs and the rest: the one-token case has no group starts."""
+    """(gexp, gstart or None, gsize or None, layer) refs and the rest: the one-token case has no group starts,
+    and no group sizes either when every group has its one row (c["all_rows"])."""
+    if c["one_token"] and c["all_rows"]:
+        return (refs[0], None, None, refs[1]), refs[2:]
     if c["one_token"]:
         return (refs[0], None, refs[1], refs[2]), refs[3:]
     return tuple(refs[:4]), refs[4:]
@@ -357,14 +364,14 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         # group of its expert would, bit for bit.
         if everything and padded is not None:  # the router kernel's outputs as they are; every group has its row
             held, order = None, None
-            gexp, sizes = padded[0].reshape(-1), jnp.ones((A,), jnp.int32)
+            gexp, sizes = padded[0].reshape(-1), None  # one row per group: no sizes (a broadcast launch fewer)
         else:
             local = idx.reshape(A).astype(jnp.int32) - first_expert
             held = (local >= 0) & (local < E)
             gexp, sizes, order = jnp.where(held, local, 0), held.astype(jnp.int32), None
     else:
         order, held, gexp, sizes = moe.sort_assignments(idx, E, first_expert)
-    G = sizes.shape[0]  # (A with one token: gexp / wts may be longer, the router's padded lanes)
+    G = A if sizes is None else sizes.shape[0]  # (A with one token: gexp / wts may be longer, the router's lanes)
     if gexp is None:
         gexp = jnp.arange(G, dtype=jnp.int32)
     p = _plan(A, G, D, I, block_m, block_n, block_n2, block_k, block_k2)
@@ -373,12 +380,12 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     wts = w.reshape(A).astype(jnp.float32) if not (one and held is None) else padded[1].reshape(-1)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     if one:
-        meta, rows_in = [gexp, sizes.astype(jnp.int32), lay], [wts]
+        meta, rows_in = [gexp] + ([] if sizes is None else [sizes.astype(jnp.int32)]) + [lay], [wts]
     else:
         meta = [gexp, (jnp.cumsum(sizes) - sizes).astype(jnp.int32), sizes.astype(jnp.int32), lay]
         rows_in = [jnp.pad(order // k, (0, bm)), jnp.pad(jnp.take(wts, order), (0, bm))]
     wt = {n: (_flat(ex[n]["weight"], pairs=True), _flat(ex[n]["scale"])) for n in ("w1", "w3", "w2")}
-    c = dict(E=E, D=D, I=I, A=A, dt=dt, limit=float(cfg.swiglu_limit), one_token=one)
+    c = dict(E=E, D=D, I=I, A=A, dt=dt, limit=float(cfg.swiglu_limit), one_token=one, all_rows=sizes is None)
     params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
     common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],
                       block_k2=p["bk2"], num_warps=num_warps)

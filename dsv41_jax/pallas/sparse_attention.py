@@ -180,7 +180,7 @@ def _kernel(*refs, c):
     # 512 columns would make Triton hold the whole [block_h, 512] query operand in registers in every
     # warp; per-chunk dots keep each operand small (see the module docstring).
     qs = [q_ref[:, pl.ds(j * dc, dc)] for j in range(nc)]  # [Hb, dc] in dt
-    pos_t = pos_ref[b, t]
+    pos_t = pos_ref[b * T + t]
     start_b = start_ref[b]
     lane = lax.iota(jnp.int32, BK)
 
@@ -230,8 +230,11 @@ def _kernel(*refs, c):
 
     def new_rows_vis(i):
         u = i * BK + lane
-        kpos = pos_ref[b, pl.ds(i * BK, BK)]
-        ok = valid_ref[b, pl.ds(i * BK, BK)] != 0  # the padding past T is invalid
+        # positions / valid are [B·T], unpadded: the block's lanes past T read token T − 1's and are invalid
+        # (padding them to whole blocks was an XLA launch per layer, and per trip in a layer-scan run)
+        tok = b * T + jnp.minimum(u, T - 1)
+        kpos = pos_ref[tok]
+        ok = (u < T) & (valid_ref[tok] != 0)
         vis = ok & (kpos <= pos_t) & (kpos > pos_t - W)
         return b * T + jnp.minimum(u, T - 1), vis
 
@@ -367,20 +370,20 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     p = _plan(q, ring, sel, comp, W, block_h, block_k, block_d, num_splits, num_warps, num_stages)
     hp, bh, bk, nw, ns = p["hp"], p["block_h"], p["block_k"], p["num_warps"], p["num_splits"]
     has_comp, K, n_hblk = p["has_comp"], p["K"], p["n_hblk"]
-    tn = p["nb_new"] * bk
     kp = p["nb_comp"] * bk
 
-    # Inputs: heads zero-padded (their outputs are dropped), T and K padded to whole key blocks.
+    # Inputs: heads zero-padded (their outputs are dropped), K padded to whole key blocks (the kernel clamps
+    # its reads of the chunk's T tokens).
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
     sinkp = jnp.pad(sink.astype(jnp.float32), (0, hp - H))
-    pos_p = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, tn - T)))
-    valid_p = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, tn - T)))
+    pos_f = positions.astype(jnp.int32).reshape(B * T)
+    valid_f = valid.astype(jnp.int32).reshape(B * T)
     rr = ring_rows.astype(jnp.int32)
     st = start.astype(jnp.int32)
     # The sink enters only where the kernel uses it (one split: it normalizes in-kernel). With splits the
     # merge adds it, in XLA, where a layer-scan run's slice of it fuses; as a kernel operand that slice
     # would be a copy outside the step's command buffer.
-    ins = [qp] + ([sinkp] if p["num_splits"] == 1 else []) + [rr, st, pos_p, valid_p]
+    ins = [qp] + ([sinkp] if p["num_splits"] == 1 else []) + [rr, st, pos_f, valid_f]
     if has_comp:
         sel_p = jnp.pad(sel.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - K)), constant_values=-1)
         ins += [page_table.astype(jnp.int32), sel_p]
