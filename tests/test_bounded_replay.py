@@ -108,7 +108,7 @@ def _tree_equal(a, b):
 
 
 def _rows(st, layer, slot=0):
-    return jax.tree_util.tree_map(lambda a: np.asarray(a[slot]), st["window"][layer])
+    return jax.tree_util.tree_map(lambda a: np.asarray(a[slot, layer]), st["window"])
 
 
 def test_split_is_after_the_last_store_layer(engines):

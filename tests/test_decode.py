@@ -322,3 +322,28 @@ def test_one_token_row_writes_equal_the_scatter(n):
     hist = jnp.asarray(rng.integers(0, 99, (R, 3)), jnp.int32)
     new = jnp.asarray(rng.integers(0, 99, (1, 3)), jnp.int32)
     np.testing.assert_array_equal(dec._set_row(hist, rows, new), hist.at[rows].set(new))
+
+
+@pytest.mark.parametrize("B, T", [(1, 1), (2, 3)])
+def test_stacked_ring_write_equals_per_layer_writes(B, T):
+    """Every layer's rings in one store [R, L, W] (`cache.init_cache`): layers 1..2's codes written in one
+    update (`_window_write(layer=1)`: a dynamic-update-slice at one token, a scatter otherwise) equal each
+    layer's own write into its [R, W] rings; layers 0 and 3 untouched. Row 2 of the (2, 3) case is padding."""
+    rng = np.random.default_rng(6)
+    R, L, W, hd = 4, 4, 8, 64
+    enc = lambda shape: kvc.encode("win", "auto", jnp.asarray(rng.standard_normal(shape), jnp.float32))  # noqa: E731
+    ring = enc((R, L, W, hd))
+    codes = [enc((B, T, hd)) for _ in range(2)]
+    rows = jnp.array([2, 0][:B], jnp.int32)
+    positions = jnp.array([[11], [3]][:B], jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
+    n = jnp.array([T, 0][:B], jnp.int32)
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *codes)
+    got = dec._window_write(ring, rows, positions, n, stacked, W, layer=1)
+    for k in ring:
+        g = np.asarray(got[k]).view(np.uint8)
+        for layer in range(L):
+            one = {kk: v[:, layer] for kk, v in ring.items()}
+            want = one if layer in (0, 3) else dec._window_write(one, rows, positions, n, codes[layer - 1], W)
+            np.testing.assert_array_equal(g[:R - 1, layer], np.asarray(want[k]).view(np.uint8)[:R - 1])
+        for t in range(T):  # batch row 0 (ring row 2) wrote token t of layer 1 at 11 + t mod W
+            np.testing.assert_array_equal(g[2, 1, (11 + t) % W], np.asarray(codes[0][k]).view(np.uint8)[0, t])

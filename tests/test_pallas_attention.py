@@ -129,6 +129,30 @@ def test_kernel_equals_seam_ragged_verify_window(pallas_impl, mode, dtype, oracl
         _check(got, _call(c, impl, 2, mode), mag, dtype, f"{mode}/{dtype} vs {impl}")
 
 
+@functools.partial(jax.jit, static_argnames=("impl", "base"))
+def _run_stacked(c, stacked, layer, *, impl, base):
+    return attention.sparse_attention(c["q"], c["sink"], stacked, c["rows"], c["new"], c["start"], c["pos"], c["valid"],
+                                      c["comp"], c["pt"], c["sel"], ratio=2, page_size=PS, window=W, mode="auto",
+                                      impl=impl, ring_layer=layer, ring_base=base)
+
+
+def test_stacked_rings_read_in_place_equal_one_layers(pallas_impl):
+    """Every layer's rings in one store [R, L, W] (the cache's ``state["window"]``), layer ring_base + ring_layer
+    (a traced index, as in a layer-scan run) read in place: bitwise what the same layer's rings [R, W] give, with
+    the kernel and with the xla path; the other layers' rows (random too) are not read."""
+    c = _case(1, mode="auto", dtype="bfloat16", **RAGGED)
+    rng = np.random.default_rng(4)
+    other = lambda: kvc.encode("win", "auto", jnp.asarray(rng.standard_normal(  # noqa: E731
+        np.asarray(c["ring"]["q"]).shape), jnp.float32))
+    layers = [other(), other(), c["ring"], other()]
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a, axis=1), *layers)  # [R, 4, W, ...]
+    for impl in (pallas_impl, "xla"):
+        want = _call(c, impl, 2, "auto")
+        got = np.asarray(_run_stacked(c, stacked, jnp.int32(1), impl=impl, base=1), np.float32)
+        np.testing.assert_array_equal(got, want, err_msg=impl)
+        assert not np.array_equal(np.asarray(_run_stacked(c, stacked, jnp.int32(0), impl=impl, base=1)), want)
+
+
 def test_kernel_window_only_layer(pallas_impl):
     """comp None (a window-only layer): the same ragged batch, bf16 flow."""
     c = _case(2, mode="auto", dtype="bfloat16", comp=False, **RAGGED)

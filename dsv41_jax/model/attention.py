@@ -209,11 +209,13 @@ def _attend_exact(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, level=EXACT
         return (num / denom[..., None]).astype(jnp.float32).astype(dt)
 
 
-def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode: str, dt, key_lo=None):
+def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode: str, dt, key_lo=None,
+                ring_layer=None, ring_base: int = 0):
     """Window keys and mask of a chunk: the ring (positions before `start`) + the chunk's own keys.
 
-    ring: the layer's ring codes (first axes [R, W]) or None (no earlier positions: the full forward);
-    ring_rows int32 [B]; new: codes of the chunk's keys (first axes [B, T]); start int32 [B];
+    ring: the layer's ring codes (first axes [R, W]), every layer's (first axes [R, L, W], the cache's
+    ``state["window"]``: layer ring_base + ring_layer, an int or int32 scalar) or None (no earlier positions: the full
+    forward); ring_rows int32 [B]; new: codes of the chunk's keys (first axes [B, T]); start int32 [B];
     positions int32 [B, T]; valid bool [B, T]. Returns (keys [B, W+T, hd] or [B, T, hd] in `dt`,
     mask bool [B, T, W+T] or [B, T, T]): key p is visible from query t iff p ≤ t and p > t − W.
     key_lo: optional int32 [B]: keys at positions < key_lo[b] are hidden too (SWA bounded replay: the
@@ -224,7 +226,9 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
         keys, key_pos, key_ok = new_kv, positions, valid
     else:
         W = window
-        ring_kv = kvc.decode("win", mode, kvc.store_get(ring, ring_rows), dt)  # [B, W, hd]
+        got = kvc.store_get(ring, ring_rows) if ring_layer is None else kvc.store_get_layer(ring, ring_rows,
+                                                                                                 ring_base + ring_layer)
+        ring_kv = kvc.decode("win", mode, got, dt)  # [B, W, hd]
         s = jnp.arange(W, dtype=jnp.int32)[None, :]
         ring_pos = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - s, W)  # latest position ≡ s (mod W) before start
         keys = jnp.concatenate([ring_kv, new_kv], axis=1)
@@ -239,7 +243,8 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
                      ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
-                     exact: bool = False, key_lo=None, partials_ok: bool = False):
+                     exact: bool = False, key_lo=None, partials_ok: bool = False, ring_layer=None,
+                     ring_base: int = 0):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -248,7 +253,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
       ring        this layer's window ring codes, first axes [R, W] (`cache.empty_store("win", mode,
                   (R, W), hd)`: {"q": fp8 e4m3 [R, W, hd], "s": e8m0 [R, W, hd/32]} in the default
                   mode), entry s of a row holding the latest position ≡ s (mod W) before `start`;
-                  None when the chunk starts at 0 with no ring (the full forward)
+                  None when the chunk starts at 0 with no ring (the full forward); or every layer's
+                  rings, first axes [R, L, W] (the cache's ``state["window"]``), with `ring_layer`
       ring_rows   int32 [B]      ring row of each batch row (batch["slot"])
       new         the chunk's own window codes, first axes [B, T] (`cache.encode("win", mode, kv_rot)`)
       start       int32 [B]      position of the chunk's first token
@@ -261,6 +267,9 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
       sel         int32 [B, T, K] selected compressed slots (−1 = none), from `indexer.topk`
       key_lo      int32 [B] or None  window keys at positions < key_lo[b] are not visible (SWA bounded
                   replay's late layers: `decode.extend_bounded`); None = no bound
+      ring_layer  None (ring is one layer's), or the layer of a stacked ring to read, ring_base + ring_layer:
+                  an int, or an int32 scalar (a layer-scan run's index; ring_base, static, its first layer:
+                  an add of the two would be an XLA launch per trip); the kernel reads it in place
     Static: ratio, page_size, window, mode (kv_cache_dtype), impl, exact (the exact numerics mode:
     fp64-accumulated sums, `attend`; "reference" and "xla" only).
     Returns [B, T, H, hd] in q.dtype (docs/design/spec.md §3: fp32 logits, sink in the denominator only, bf16-rounded
@@ -279,13 +288,14 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     if impl in ("pallas", "pallas_interpret"):
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
-            page_size=page_size, window=window, mode=mode, interpret=impl == "pallas_interpret",
-            merge=not partials_ok)
+            page_size=page_size, window=window, mode=mode, ring_layer=ring_layer, ring_base=ring_base,
+            interpret=impl == "pallas_interpret", merge=not partials_ok)
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
     dt = q.dtype
     B, T = positions.shape
-    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid, window, mode, dt, key_lo)
+    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid, window, mode, dt, key_lo,
+                                   ring_layer, ring_base)
     if comp is None or sel.shape[-1] == 0:
         comp_kv = jnp.zeros((B, T, 0, q.shape[-1]), dt)
         comp_mask = jnp.zeros((B, T, 0), bool)

@@ -2,9 +2,9 @@
 
 The cache is a pytree of device arrays (donated to the decode step):
 
-* ``window[L]``   per target layer: the last `sliding_window` K=V latents of each request, a ring
-                  indexed by ``pos mod W`` — [max_slots + 1, W, head_dim] (row max_slots is scratch
-                  for padded batch rows).
+* ``window``      every target layer's last `sliding_window` K=V latents of each request, rings
+                  indexed by ``pos mod W`` — [max_slots + 1, L, W, head_dim] (row max_slots is scratch
+                  for padded batch rows; the layer axis second, so that a request's rows are one row).
 * ``comp[src]``   per KV source: compressed latents (RoPE'd, fp4 fake-quantized), one per
                   ``ratio`` tokens — [num_pages · page_size / ratio, head_dim]. A token at position p
                   of a request lives at ``loc = page_table[p // page_size] · page_size + p % page_size``
@@ -169,6 +169,12 @@ def store_get(st: dict, idx) -> dict:
     return {k: jnp.take(st[k], idx, axis=0, mode="clip") for k in st}
 
 
+def store_get_layer(st: dict, rows, layer) -> dict:
+    """Layer `layer` (an int or int32 scalar) of a stacked store's rows `rows` (clamped): codes of first axes
+    [R, L, ...] -> [*rows.shape, ...], one gather (the window rings: `init_cache`)."""
+    return {k: a[jnp.clip(rows, 0, a.shape[0] - 1), layer] for k, a in st.items()}
+
+
 # ----------------------------------------------------------------------------------------- state
 
 
@@ -178,7 +184,8 @@ def init_cache(cfg: ModelConfig, ccfg: CacheConfig) -> dict:
     mode = ccfg.kv_cache_dtype
     rows = ccfg.max_slots + 1
     hd, W = cfg.head_dim, cfg.sliding_window
-    state = {"window": [empty_store("win", mode, (rows, W), hd) for _ in range(cfg.num_hidden_layers)],
+    # every layer's rings in one store, row (request) first: a step writes them all with one update per array
+    state = {"window": empty_store("win", mode, (rows, cfg.num_hidden_layers, W), hd),
              "comp": {}, "ikeys": {}, "partial": {}}
     tokens = ccfg.num_pages * ccfg.page_size
     for src in cfg.kv_source_layer_ids:

@@ -52,25 +52,37 @@ def _set_row(arr, rows, val):
     return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), (rows[0],) + (0,) * (arr.ndim - 1))
 
 
-def _window_write(st_win, rows, positions, n, codes, window: int) -> dict:
+def _window_write(st_win, rows, positions, n, codes, window: int, layer: Optional[int] = None) -> dict:
     """Ring update: the chunk's window codes at ``pos mod W`` for its first ``n[b]`` tokens — only the
     last W of them (earlier ones would be overwritten); later tokens (padding, or rejected drafts) are
-    dropped. st_win: ring codes [R, W, ...] (row R − 1 is the scratch slot); rows int32 [B]; positions
-    int32 [B, T]; n int32 [B]."""
+    dropped. rows int32 [B]; positions int32 [B, T]; n int32 [B]. layer None: st_win is one layer's
+    rings [R, W, ...] and codes [B, T, ...]; an int: st_win holds every layer's, [R, L, W, ...] (the
+    cache's ``state["window"]``), and codes [nl, B, T, ...] go to layers layer .. layer + nl − 1, in one
+    update per array. Row R − 1 is the scratch slot."""
     W = window
     B, T = positions.shape
     i = jnp.arange(T)[None, :]
     write = (i < n[:, None]) & (i >= n[:, None] - W)
+    if layer is not None:
+        codes = {k: jnp.moveaxis(v, 0, 2) for k, v in codes.items()}  # [B, T, nl, ...]
     if B * T == 1:
         # One token: written in place (`_set_row`'s reason); a dropped write goes to the scratch row, which
         # only padded rows read, instead of being dropped.
         scratch = jax.tree_util.tree_leaves(st_win)[0].shape[0] - 1
         row = jnp.where(write[0, 0], rows[0], scratch)
-        at = (row, jnp.mod(positions[0, 0], W))
+        col = jnp.mod(positions[0, 0], W)
+        at = (row, col) if layer is None else (row, layer, col)
+        if layer is not None:  # [1, 1, nl, ...] -> [1, nl, 1, ...]
+            codes = {k: jnp.swapaxes(v, 1, 2) for k, v in codes.items()}
         return {k: jax.lax.dynamic_update_slice(st_win[k], codes[k].astype(st_win[k].dtype),
-                                                at + (0,) * (st_win[k].ndim - 2)) for k in st_win}
+                                                at + (0,) * (st_win[k].ndim - len(at))) for k in st_win}
     cols = jnp.where(write, jnp.mod(positions, W), W)  # W = out of range: dropped
-    return _row_scatter(st_win, rows, cols, codes)
+    if layer is None:
+        return _row_scatter(st_win, rows, cols, codes)
+    nl = jax.tree_util.tree_leaves(codes)[0].shape[2]
+    lay = layer + jnp.arange(nl, dtype=jnp.int32)
+    return {k: st_win[k].at[rows[:, None, None], lay[None, None, :], cols[:, :, None]].set(codes[k], mode="drop")
+            for k in st_win}
 
 
 def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
@@ -139,7 +151,7 @@ def _with(container, key, value):
     return out
 
 
-def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend):
+def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, ring_trip=None):
     """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec,
     pend'), the primed values being the arguments with this layer's writes (new dicts: nothing passed
     in is modified) and rec its aux record (`transformer.record`).
@@ -151,16 +163,18 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     codes each compressed write overwrites are kept so `commit` can put back those of rejected groups.
     Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention`, both on
     stored codes + page table. ``batch["key_lo"]`` (int32 [B], SWA bounded replay's late layers only)
-    hides window keys below that position.
+    hides window keys below that position. ring_trip: in a layer-scan run, (k, first): this layer's rings
+    are layer first + k's (k the run's traced trip index); None: layer `plan.layer_id`'s.
     """
     lid = plan.layer_id
+    ring_layer, ring_base = (lid, 0) if ring_trip is None else ring_trip
     mode = ccfg.kv_cache_dtype
     eps = cfg.rms_norm_eps
     ps = ccfg.page_size
     pt = batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
     qr, q, win_codes = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode)
-    ring = st["window"][lid]
+    ring = st["window"]  # every layer's rings; this layer's are read in place (`ring_layer`)
     pend = dict(pend, window=_with(pend["window"], lid, win_codes))
     r = plan.compress_ratio
     comp, sel, rec = None, None, {}
@@ -197,32 +211,25 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
                                   batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
                                   window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
                                   exact=is_exact(cfg), key_lo=batch.get("key_lo"),
-                                  partials_ok=linear.kernel_runs(cfg))
+                                  partials_ok=linear.kernel_runs(cfg), ring_layer=ring_layer, ring_base=ring_base)
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
 
 
 def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend,
                      par):
     """Layers first..first+n-1 (a `layer_scan` run: consumers or window-only layers, which write no
-    store) as one scan. Each layer's window ring is read only at this batch's rows, so those rows
-    ([n·B, W, ...], a few KiB per row and layer, layer-major) are gathered before the scan; the body is
-    `attention_cached` on them, layer k reading ring rows k·B .. k·B + B − 1. They are not scanned over:
-    a per-layer slice would be copied by XLA where the attention kernel reads it (a Pallas operand does
-    not fuse with the slice), outside the step's command buffer. The window codes each layer leaves for
+    store) as one scan. The body is `attention_cached` with layer first + k's rings read in place from
+    the cache's stacked ``state["window"]`` (a per-layer slice or gather would be an XLA copy per layer
+    before the attention kernel, which does not fuse with it). The window codes each layer leaves for
     `commit` come back stacked and go to ``pend["window"]`` per layer. Returns (h, pre, aux', pend')
     (new dicts)."""
     lid = plan.layer_id
-    B = batch["tokens"].shape[0]
-    # (plain concatenation [n·B, W, ...], in the codes' own dtypes: these are a few rows, not weights)
-    rings = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *[
-        jax.tree_util.tree_map(lambda a: a[batch["slot"]], st["window"][i]) for i in range(first, first + n)])
 
     def attn_run(p, x, _row, k):
-        rows_batch = dict(batch, slot=k * B + jnp.arange(B, dtype=jnp.int32))
-        st_l = {"window": {lid: rings}, "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
+        st_l = {"window": st["window"], "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
         pend_l = {"window": {}, "partial": {}, "restore": None}
-        y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, rows_batch, positions, valid,
-                                                             cfg, ccfg, dt, pend_l)
+        y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, batch, positions, valid,
+                                                             cfg, ccfg, dt, pend_l, ring_trip=(k, first))
         if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out["partial"]:
             raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
         return y, {"window": pend_out["window"][lid]}
@@ -335,10 +342,21 @@ def commit(st, pending, batch, n_commit, cfg):
     start, slot = batch["start"], batch["slot"]
     end = start + n_commit
     out = dict(st)
-    # (a layer with codes None wrote nothing here: SWA bounded replay writes its late layers itself)
-    out["window"] = [ring if codes is None else
-                     _window_write(ring, slot, pending["positions"], n_commit, codes, cfg.sliding_window)
-                     for ring, codes in zip(st["window"], pending["window"])]
+    # every run of consecutive layers with codes in one update per array (all layers, in the plain step); a
+    # layer with codes None wrote nothing here (SWA bounded replay writes its late layers itself)
+    win, codes = st["window"], pending["window"]
+    i = 0
+    while i < len(codes):
+        if codes[i] is None:
+            i += 1
+            continue
+        j = i
+        while j < len(codes) and codes[j] is not None:
+            j += 1
+        stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *codes[i:j])  # [j − i, B, T, ...]
+        win = _window_write(win, slot, pending["positions"], n_commit, stacked, cfg.sliding_window, layer=i)
+        i = j
+    out["window"] = win
     out["partial"] = dict(st["partial"])
     for key, buf in pending["partial"].items():
         r = buf["kv"].shape[2]
@@ -478,12 +496,11 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
         if hist is not None:
             pend = dict(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
         new_state = commit(st, pend, batch, n_new, cfg)
-        rings = list(new_state["window"])
-        for f, n in late:
-            for lid in range(f, f + n):
-                rings[lid] = _window_write(st["window"][lid], batch["slot"], sub_pos, count, late_pend["window"][lid],
-                                           cfg.sliding_window)
-        new_state["window"] = rings
+        if late:  # the late layers (the last ones, contiguous): their rings for the tail tokens, in one update
+            lo, hi = late[0][0], late[-1][0] + late[-1][1]
+            stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *late_pend["window"][lo:hi])
+            new_state["window"] = _window_write(new_state["window"], batch["slot"], sub_pos, count, stacked,
+                                                cfg.sliding_window, layer=lo)
         if return_aux:
             return logits, new_state, dict(aux, late_tokens=count, late_cols=cols)
         return logits, new_state

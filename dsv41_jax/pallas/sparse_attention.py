@@ -164,6 +164,7 @@ def _kernel(*refs, c):
     rr_ref, start_ref, pos_ref, valid_ref = (next(it) for _ in range(4))
     pt_ref = next(it) if c["has_comp"] else None
     sel_ref = next(it) if c["has_comp"] else None
+    lay_ref = next(it) if c["n_ring"] else None  # the ring's layer (int32 [1])
     ring_refs = [next(it) for _ in range(c["n_ring"])]
     new_refs = [next(it) for _ in range(c["n_new"])]
     comp_refs = [next(it) for _ in range(c["n_comp"])]
@@ -226,7 +227,7 @@ def _kernel(*refs, c):
         rpos = start_b - 1 - lax.rem(start_b - 1 - sc + W, W)
         vis = (sidx < W) & (rpos >= 0) & (rpos <= pos_t) & (rpos > pos_t - W)
         rr = jnp.clip(rr_ref[b], 0, c["ring_rows_max"])
-        return rr * W + sc, vis
+        return (rr * c["ring_layers"] + lay_ref[0] + c["ring_base"]) * W + sc, vis
 
     def new_rows_vis(i):
         u = i * BK + lane
@@ -337,15 +338,16 @@ def effective_knobs(q, sink, ring, ring_rows, new, start, positions, valid, comp
 
 
 def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *, ratio: int,
-           page_size: int, window: int, mode: str, interpret: bool = False, block_h: int | None = None,
-           block_k: int | None = None, block_d: int | None = None, num_splits: int | None = None,
-           num_warps: int | None = None,
-           num_stages: int = 2, merge: bool = True):
+           page_size: int, window: int, mode: str, ring_layer=None, ring_base: int = 0, interpret: bool = False,
+           block_h: int | None = None, block_k: int | None = None, block_d: int | None = None,
+           num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2, merge: bool = True):
     """Sparse retrieval attention from stored codes (the "attention" seam; arguments as
     `attention.sparse_attention`, whose docstring gives every shape and dtype).
 
-    q [B, T, H, hd] bf16 | fp32; sink fp32 [H]; ring: the layer's ring codes (first axes [R, W]) or
-    None; ring_rows int32 [B]; new: the chunk's window codes (first axes [B, T]); start int32 [B];
+    q [B, T, H, hd] bf16 | fp32; sink fp32 [H]; ring: the layer's ring codes (first axes [R, W]), every
+    layer's (first axes [R, L, W]: layer ring_base + ring_layer, an int or int32 scalar, read in place) or
+    None;
+    ring_rows int32 [B]; new: the chunk's window codes (first axes [B, T]); start int32 [B];
     positions int32 [B, T]; valid bool [B, T]; comp: pool codes (first axis N) or None; page_table
     int32 [B, P]; sel int32 [B, T, K] (−1 = none). Static: ratio, page_size, window, mode.
     Returns [B, T, H, hd] in q.dtype.
@@ -387,10 +389,16 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     if has_comp:
         sel_p = jnp.pad(sel.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - K)), constant_values=-1)
         ins += [page_table.astype(jnp.int32), sel_p]
-    ring_in = _raw_codes(ring, win_codec) if ring is not None else []
-    if ring is not None and jax.tree_util.tree_leaves(ring)[0].shape[1] != W:
-        raise ValueError(f"sparse_attention kernel: ring has {jax.tree_util.tree_leaves(ring)[0].shape[1]} "
-                         f"entries per row, window is {W}")
+    ring_in, n_layers = [], 1
+    if ring is not None:
+        lead = jax.tree_util.tree_leaves(ring)[0].shape[:-1]
+        if len(lead) != (2 if ring_layer is None else 3) or lead[-1] != W:
+            raise ValueError(f"sparse_attention kernel: ring codes lead with {lead}; expected (R, W={W})"
+                             + ("" if ring_layer is None else f" or, with ring_layer, (R, L, W={W})"))
+        n_layers = 1 if ring_layer is None else lead[1]
+        # the layer is an operand (a layer-scan run's index; else a constant): every layer's rings stay one array
+        ins.append(jnp.reshape(jnp.asarray(0 if ring_layer is None else ring_layer, jnp.int32), (1,)))
+        ring_in = _raw_codes(ring, win_codec)
     new_in = _raw_codes(new, win_codec)
     comp_in = _raw_codes(comp, comp_codec) if has_comp else []
     ins += ring_in + new_in + comp_in
@@ -400,6 +408,7 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
              win_codec=win_codec, comp_codec=comp_codec, ratio=int(ratio), page_size=int(page_size),
              pages_max=page_table.shape[1] - 1, comp_rows_max=(comp_in[0].shape[0] - 1) if has_comp else 0,
              ring_rows_max=(jax.tree_util.tree_leaves(ring)[0].shape[0] - 1) if ring is not None else 0,
+             ring_layers=n_layers, ring_base=int(ring_base),
              nb_ring=p["nb_ring"], nb_new=p["nb_new"], nb_comp=p["nb_comp"], n_blocks=p["n_blocks"], num_splits=ns)
 
     def whole(a):

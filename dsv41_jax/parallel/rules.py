@@ -74,6 +74,7 @@ RULES = {
     "act_vocab": None,      # logits: gathered once
     # cache (module docstring: replicated)
     "cache_slots": None,
+    "cache_layers": None,
     "cache_ring": None,
     "cache_pool": None,
     "cache_group": None,
@@ -272,7 +273,7 @@ def cache_axes(state) -> dict:
     def store(tree, lead):
         return {k: lead + ("cache_dim",) * (v.ndim - len(lead)) for k, v in tree.items()}
 
-    out = {"window": [store(s, ("cache_slots", "cache_ring")) for s in state["window"]],
+    out = {"window": store(state["window"], ("cache_slots", "cache_layers", "cache_ring")),
            "comp": {k: store(s, ("cache_pool",)) for k, s in state["comp"].items()},
            "ikeys": {k: store(s, ("cache_pool",)) for k, s in state["ikeys"].items()},
            "partial": {k: {n: ("cache_slots", "cache_group", "cache_dim") for n in s}
@@ -295,7 +296,7 @@ def state_shardings(state, mesh, rules=None):
 
 def cache_axes_of_rows(state) -> dict:
     """`cache_axes` for a full cache pytree or for a subset of its keys (e.g. only its per-slot rows)."""
-    full = {"window": [], "comp": {}, "ikeys": {}, "partial": {}}
+    full = {"window": {}, "comp": {}, "ikeys": {}, "partial": {}}
     full.update(state)
     axes = cache_axes(full)
     return {k: axes[k] for k in state}

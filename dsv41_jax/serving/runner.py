@@ -332,7 +332,7 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
     """Copy slot ``src``'s rows to slot ``dst`` and page ``src_page``'s pool entries to ``dst_page``."""
     row = lambda a: a.at[dst].set(a[src])  # noqa: E731
     out = dict(state)
-    out["window"] = [jax.tree.map(row, w) for w in state["window"]]
+    out["window"] = jax.tree.map(row, state["window"])
     out["partial"] = {k: jax.tree.map(row, v) for k, v in state["partial"].items()}
     if "engram_hist" in state:
         out["engram_hist"] = row(state["engram_hist"])
