@@ -258,7 +258,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
       ring_rows   int32 [B]      ring row of each batch row (batch["slot"])
       new         the chunk's own window codes, first axes [B, T] (`cache.encode("win", mode, kv_rot)`)
       start       int32 [B]      position of the chunk's first token
-      positions   int32 [B, T]   query positions (= start + t); valid bool [B, T] real tokens
+      positions   int32 [B, T]   query positions (= start + t); valid bool [B, T] real tokens (or int32,
+                                 nonzero = real: the kernel reads it so, and a layer-scan run converts once)
       comp        the KV source's compressed pool codes, first axis N (`cache.empty_store("comp", mode,
                   (N,), hd)`: {"q": uint8 [N, hd/2] packed e2m1, "s": fp8 e4m3 [N, hd/16]}), or None
                   for a window-only layer
@@ -294,8 +295,8 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
         raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
     dt = q.dtype
     B, T = positions.shape
-    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid, window, mode, dt, key_lo,
-                                   ring_layer, ring_base)
+    win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid.astype(bool), window, mode, dt,
+                                   key_lo, ring_layer, ring_base)
     if comp is None or sel.shape[-1] == 0:
         comp_kv = jnp.zeros((B, T, 0, q.shape[-1]), dt)
         comp_mask = jnp.zeros((B, T, 0), bool)

@@ -224,11 +224,13 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
     `commit` come back stacked and go to ``pend["window"]`` per layer. Returns (h, pre, aux', pend')
     (new dicts)."""
     lid = plan.layer_id
+    # valid as the attention kernel reads it (int32), made once: converted in the body it is a launch per trip
+    valid_k = valid.astype(jnp.int32) if dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret") else valid
 
     def attn_run(p, x, _row, k):
         st_l = {"window": st["window"], "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
         pend_l = {"window": {}, "partial": {}, "restore": None}
-        y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, batch, positions, valid,
+        y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, batch, positions, valid_k,
                                                              cfg, ccfg, dt, pend_l, ring_trip=(k, first))
         if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out["partial"]:
             raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
