@@ -285,3 +285,37 @@ def test_kernels_read_a_runs_stacks_in_place(cfgs, params):
         for lid in aux_u[key]:
             np.testing.assert_array_equal(np.asarray(aux_s[key][lid]), np.asarray(aux_u[key][lid]), err_msg=f"{key} {lid}")
     np.testing.assert_allclose(np.asarray(lg_s), np.asarray(lg_u), rtol=0, atol=1e-5 * float(np.abs(lg_u).max()))
+
+
+def test_one_token_step_writes_the_rings_in_the_window_codes_kernel(cfgs, params):
+    """A plain one-token step with the attention kernels (interpret mode, fp32 flow): the window codes kernel
+    writes every layer's codes into the rings itself — through a scanned run's carry too — and leaves nothing
+    for `commit`; the step's logits and every cache leaf are bitwise those of writing them afterwards
+    (`extend_uncommitted` + `commit`), except the rings' scratch row, which the padded third row wrote
+    instead of dropping its codes. (The entry a token overwrites, position p − W, is invisible to it.)"""
+    on = cfgs[0].replace(act_dtype="float32", impl="xla,attention=pallas_interpret")
+    p = layer_scan.prepare(params, on)
+    chunk, _ = _batches()
+    st0 = jax.jit(lambda p, s, b: dec.extend(p, s, b, on, CCFG)[1])(p, _fresh(on, params), chunk)
+    toks = np.asarray(jax.random.randint(jax.random.key(8), (2,), 3, 300), np.int32)
+    step = dec.make_batch([{"tokens": toks[:1], "start": 10, "slot": 0, "page_table": [0, 1]},
+                           {"tokens": toks[1:], "start": 7, "slot": 1, "page_table": [2, 3]}], 1, 3, CCFG)
+
+    def later(p, s, b):
+        lg, st, pend, _ = dec.extend_uncommitted(p, s, b, on, CCFG)
+        return lg, dec.commit(st, pend, b, b["n_new"], on)
+
+    _, _, pend, _ = jax.eval_shape(lambda p, s, b: dec.extend_uncommitted(p, s, b, on, CCFG, ring_now=True), p, st0, step)
+    assert all(c is None for c in pend["window"])  # every layer wrote its rings itself, scanned ones too
+    lg_now, st_now = jax.jit(lambda p, s, b: dec.extend(p, s, b, on, CCFG))(p, st0, step)
+    lg_later, st_later = jax.jit(later)(p, st0, step)
+    np.testing.assert_array_equal(np.asarray(lg_now), np.asarray(lg_later))
+    scratch = CCFG.max_slots
+    later = dict(jax.tree_util.tree_leaves_with_path(st_later))
+    for path, a in jax.tree_util.tree_leaves_with_path(st_now):
+        a, b = np.asarray(a).view(np.uint8), np.asarray(later[path]).view(np.uint8)
+        if jax.tree_util.keystr(path).startswith("['window']"):
+            a, b = a[:scratch], b[:scratch]
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert not np.array_equal(np.asarray(st_now["window"]["q"]).view(np.uint8)[:scratch],
+                              np.asarray(st0["window"]["q"]).view(np.uint8)[:scratch])  # the step did write

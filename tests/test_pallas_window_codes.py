@@ -84,6 +84,40 @@ def test_seam_runs_the_kernel_for_fp8_windows_only(pallas_impl, tiny_cfg, tiny_p
         "win", "bfloat16", attention.project_kv(p, x, pos, fr, kcfg, BF16))["v"].astype(F32)))
 
 
+@pytest.mark.parametrize("B", [3, 20])
+def test_kernel_writes_the_rings_as_the_commit_does(pallas_impl, B):
+    """With ``ring=`` the kernel also writes each token's codes into the cache's rings [R, L, W, ...] in place,
+    at layer ring_base + ring_layer (a traced index), entry position mod W of the token's row: bitwise what
+    `decode._window_write` (the commit's write) makes, on every row but the scratch one, which takes the
+    codes of the tokens not written (write = 0) instead of dropping them; the codes it returns are the
+    reference's. B = 20: two token blocks (the second ragged: its lanes past B rewrite token B − 1's bytes)."""
+    from dsv41_jax.model import decode as dec
+
+    rng = np.random.default_rng(31)
+    hd, R, L, W = 64, B + 1, 4, 8
+    fr = rope_freqs(16, 1e4)
+    y, w, _ = _inputs(rng, (B, 1), hd, BF16)
+    pos = jnp.asarray(rng.integers(0, 300, (B, 1)), jnp.int32)
+    ring = kvc.encode("win", "auto", jnp.asarray(rng.standard_normal((R, L, W, hd)), jnp.float32))
+    rows = jnp.asarray(rng.permutation(B)[:, None], jnp.int32)
+    write = jnp.asarray((np.arange(B) % 3 != 2)[:, None], jnp.int32)  # every third token is a padded row's
+    f = jax.jit(lambda y, w, pos, ring, rows, write, k: wc.kernel(
+        y, w, pos, fr, 1e-6, BF16, ring=(ring, rows, write, k, 1), interpret=pallas_impl == "pallas_interpret"))
+    codes, got = f(y, w, pos, ring, rows, write, jnp.int32(1))
+    ref = _bytes(wc.ref_window_codes(y, w, pos, fr, 1e-6, BF16, "auto"))
+    for k, v in _bytes(codes).items():
+        np.testing.assert_array_equal(v, ref[k], err_msg=k)
+    want = dec._window_write(ring, rows[:, 0], pos, write[:, 0], jax.tree_util.tree_map(lambda a: a[None], codes), W,
+                             layer=2)
+    g, wnt, c = _bytes(got), _bytes(want), _bytes(codes)
+    dropped = [b for b in range(B) if not write[b, 0]]
+    for k in g:
+        np.testing.assert_array_equal(g[k][:R - 1], wnt[k][:R - 1], err_msg=k)
+        for b in dropped:  # its scratch entry holds the codes of a dropped token of its column (any of them)
+            col = int(pos[b, 0]) % W
+            assert any(np.array_equal(g[k][R - 1, 2, col], c[k][o, 0]) for o in dropped if int(pos[o, 0]) % W == col), k
+
+
 def test_shapes_it_cannot_cover_are_refused():
     y = jnp.zeros((1, 96), BF16)
     with pytest.raises(NotImplementedError, match="power of two"):
@@ -109,3 +143,11 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
         ks = capture_kernels(lambda y, w, p: wc.kernel(y, w, p, fr, cfg.rms_norm_eps, BF16),
                              sds((M, cfg.head_dim), BF16), sds((cfg.head_dim,), BF16), sds((M,), jnp.int32))
         assert [k["name"] for k in ks] == ["window_codes"] and "tt.store" in ks[0]["ttir"]
+        # and writing the rings too (the scattered stores into every layer's rings, 65 request rows)
+        store = {"q": sds((65, cfg.num_hidden_layers, cfg.sliding_window, cfg.head_dim), jnp.float8_e4m3fn),
+                 "s": sds((65, cfg.num_hidden_layers, cfg.sliding_window, cfg.head_dim // 32), jnp.float8_e8m0fnu)}
+        ks = capture_kernels(lambda y, w, p, st, r, wr, k: wc.kernel(y, w, p, fr, cfg.rms_norm_eps, BF16,
+                                                                    ring=(st, r, wr, k, 3)),
+                             sds((M, cfg.head_dim), BF16), sds((cfg.head_dim,), BF16), sds((M,), jnp.int32), store,
+                             sds((M,), jnp.int32), sds((M,), jnp.int32), sds((), jnp.int32))
+        assert [k["name"] for k in ks] == ["window_codes"] and ks[0]["ttir"].count("tt.store") >= 4

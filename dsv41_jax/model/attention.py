@@ -74,32 +74,46 @@ def project_kv(p, x, positions, freqs, cfg, dt, y=None):
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
-def project_q_codes(p, x, positions, freqs, cfg, dt, mode: str):
+def project_q_codes(p, x, positions, freqs, cfg, dt, mode: str, ring=None):
     """The cached path's projections: (qr, q) as `project_q` and the window codes as `window_codes`, with wq_a
-    and wkv — two GEMMs of the same x — as one call (`linear.fp8_dual`: one launch where the kernel runs)."""
+    and wkv — two GEMMs of the same x — as one call (`linear.fp8_dual`: one launch where the kernel runs).
+    Returns (qr, q, codes, the rings as `window_codes` left them: None without `ring` or where not written)."""
     qa, kvy = linear.fp8_dual(x, p["wq_a"], p["wkv"], cfg, dt)
-    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa),
-            window_codes(p, x, positions, freqs, cfg, dt, mode, y=kvy))
+    got = window_codes(p, x, positions, freqs, cfg, dt, mode, y=kvy, ring=ring)
+    codes, written = (got, None) if ring is None else got
+    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, written)
 
 
-def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None) -> dict:
+def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None, ring=None):
     """This layer's new window codes: ``cache.encode("win", mode, project_kv(...))`` [B, T, ...].
 
     Where the attention kernel runs (`dispatch.resolve(cfg, "attention")` a Pallas impl, fp32 numerics) and
     the window codec is fp8, the wkv GEMM's output goes through one kernel — kv_norm, RoPE and the codes
     (`pallas/window_codes.py`, the attention op's ``window_codes`` entry: four to five XLA launches fewer
     per layer); the codes are the jnp path's (bitwise where the two sum Σx² alike). Other codecs run the
-    jnp path (said once in the log). y: wkv(x) when the caller has it already (`project_q_codes`)."""
+    jnp path (said once in the log). y: wkv(x) when the caller has it already (`project_q_codes`).
+
+    ring: None, or (store, rows, write, ring_layer, ring_base) (`pallas.window_codes.kernel`'s): where the kernel
+    runs it also writes the codes into the cache's window rings in place and this returns (codes, the store);
+    elsewhere (codes, None) — the caller writes them later (`decode.commit`)."""
     impl = dispatch.resolve(cfg, "attention")
     if impl in ("pallas", "pallas_interpret") and not is_exact(cfg):
-        if kvc._codec("win", mode) == "fp8":
+        if window_codes_kernel_runs(cfg, mode):
             y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
             nw, layer = layer_scan.vector_operand(p["kv_norm"])
             return dispatch.kernel("attention", impl, "window_codes")(
-                y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer,
+                y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring,
                 interpret=impl == "pallas_interpret")
         _log_window_codec(mode)
-    return kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=y))
+    codes = kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=y))
+    return codes if ring is None else (codes, None)
+
+
+def window_codes_kernel_runs(cfg, mode: str) -> bool:
+    """Whether `window_codes` runs its kernel for `cfg` and ``kv_cache_dtype`` `mode` (the attention kernel's
+    numerics, the fp8 window codec)."""
+    return (dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret") and not is_exact(cfg)
+            and kvc._codec("win", mode) == "fp8")
 
 
 @functools.lru_cache(maxsize=None)

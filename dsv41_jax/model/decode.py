@@ -173,9 +173,17 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     ps = ccfg.page_size
     pt = batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
-    qr, q, win_codes = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode)
+    # A plain one-token step (pend["ring_now"]) writes the codes into the rings now, in the window codes
+    # kernel: the entry it overwrites, position p − W, is invisible to the query at p (a key at q is
+    # visible iff p − W < q ≤ p), so reading the rings after the write changes nothing.
+    ring_req = ((st["window"], batch["slot"][:, None], batch["n_new"][:, None], ring_layer, ring_base)
+                if pend.get("ring_now") else None)
+    qr, q, win_codes, written = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode, ring=ring_req)
+    if written is not None:  # `commit` has nothing left to write for this layer
+        st = dict(st, window=written)
+    else:
+        pend = dict(pend, window=_with(pend["window"], lid, win_codes))
     ring = st["window"]  # every layer's rings; this layer's are read in place (`ring_layer`)
-    pend = dict(pend, window=_with(pend["window"], lid, win_codes))
     r = plan.compress_ratio
     comp, sel, rec = None, None, {}
     if r > 0:
@@ -221,27 +229,39 @@ def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, 
     store) as one scan. The body is `attention_cached` with layer first + k's rings read in place from
     the cache's stacked ``state["window"]`` (a per-layer slice or gather would be an XLA copy per layer
     before the attention kernel, which does not fuse with it). The window codes each layer leaves for
-    `commit` come back stacked and go to ``pend["window"]`` per layer. Returns (h, pre, aux', pend')
-    (new dicts)."""
+    `commit` come back stacked and go to ``pend["window"]`` per layer; in a plain one-token step
+    (``pend["ring_now"]``) where the window codes kernel writes them into the rings itself, the rings are
+    the scan's carry instead (no per-layer output to stack: two small copies per layer fewer). Returns
+    (h, pre, st', aux', pend') (new dicts)."""
     lid = plan.layer_id
     # valid as the attention kernel reads it (int32), made once: converted in the body it is a launch per trip
     valid_k = valid.astype(jnp.int32) if dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret") else valid
+    ring_now = bool(pend.get("ring_now"))
 
-    def attn_run(p, x, _row, k):
-        st_l = {"window": st["window"], "comp": st["comp"], "ikeys": st["ikeys"], "partial": st["partial"]}
-        pend_l = {"window": {}, "partial": {}, "restore": None}
+    def attn_run(p, x, _row, k, win=None):
+        st_l = {"window": st["window"] if win is None else win, "comp": st["comp"], "ikeys": st["ikeys"],
+                "partial": st["partial"]}
+        pend_l = {"window": {}, "partial": {}, "restore": None, "ring_now": ring_now}
         y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, batch, positions, valid_k,
                                                              cfg, ccfg, dt, pend_l, ring_trip=(k, first))
         if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out["partial"]:
             raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
-        return y, {"window": pend_out["window"][lid]}
+        out = {"window": pend_out["window"][lid]} if lid in pend_out["window"] else {}
+        return (y, out) if win is None else (y, (out, st_out["window"]))
 
-    h, pre, aux, outs = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
-                                    cfg.num_experts_per_tok, attn_run, par=par)
+    written = ring_now and attn_mod.window_codes_kernel_runs(cfg, ccfg.kv_cache_dtype)  # the layers write the rings
+    got = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
+                      cfg.num_experts_per_tok, attn_run, par=par, carry=st["window"] if written else None)
+    if written:
+        h, pre, aux, outs, win = got
+        st = dict(st, window=win)
+    else:
+        h, pre, aux, outs = got
     window = list(pend["window"])
-    for k in range(n):
-        window[first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
-    return h, pre, aux, dict(pend, window=window)
+    if "window" in outs:
+        for k in range(n):
+            window[first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
+    return h, pre, st, aux, dict(pend, window=window)
 
 
 def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
@@ -258,8 +278,8 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
     for i, n in runs:
         plan = cfg.layer_plan(i)
         if n > 1:
-            h, pre, aux, pend = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid, cfg,
-                                                 ccfg, dt, aux, pend, par)
+            h, pre, st, aux, pend = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid,
+                                                     cfg, ccfg, dt, aux, pend, par)
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None
@@ -294,7 +314,7 @@ def _step_setup(state, batch, cfg, restore: bool):
 
 
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
-                       par=None):
+                       par=None, ring_now: bool = False):
     """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
 
     Returns (logits, st, pending, aux):
@@ -310,9 +330,13 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
               [B, T, n, D] per layer) and "hidden" (final normed x).
     par: optional mesh plan (`parallel.plan.MeshPlan`): MoE and the row-split tables run its
     `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
+    ring_now (`extend`: every real token is kept): in a one-token step (T = 1) the window codes kernel, where
+    it runs, writes each layer's codes into the rings itself (`attention_cached`), and those layers leave
+    no codes in `pending` (padded rows write to the scratch row).
     """
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
+        pend["ring_now"] = ring_now and tokens.shape[1] == 1 and not restore
         B, T = tokens.shape
         start, n_new = batch["start"], batch["n_new"]
         h = embed_streams(params, tokens, cfg, dt, par)
@@ -387,7 +411,7 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
     step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. par: see
     `extend_uncommitted`.
     """
-    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par)
+    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par, ring_now=True)
     new_state = commit(st, pend, batch, batch["n_new"], cfg)
     if return_aux:
         return logits, new_state, aux

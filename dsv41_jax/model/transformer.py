@@ -181,7 +181,7 @@ def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=
     return h, f_pre, rec, out
 
 
-def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None):
+def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None, carry=None):
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
     stacked: the run's layer params with a leading axis n, in storage dtypes (`layer_scan.run_params`); h [B, T, n_hc, D]
@@ -190,7 +190,9 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     with a leading axis n (or None). attn_fn(p, x, xs_row, k) -> (y, out) is the attention sublayer of one
     layer (p its ``attn`` params, k int32 its index within the run); `out` is a pytree of per-layer arrays. Returns (h, pre, aux', outs):
     aux' is `aux` with each layer's ``layer_inputs`` / ``experts`` under its own layer id (a new dict),
-    `outs` the layers' `out` stacked over the run (leading axis n)."""
+    `outs` the layers' `out` stacked over the run (leading axis n). carry: None, or a pytree the layers thread
+    through (attn_fn(p, x, xs_row, k, carry) -> (y, (out, carry')): the cache's window rings, which each layer
+    writes in place); then returns (h, pre, aux', outs, the last carry)."""
     like = layer_scan.layer_decl(cfg, first)
     # The routed experts are not sliced per layer: the body gathers only the selected (layer, expert)
     # rows out of the run's stacks (`moe.layer_slice`); a dynamic slice would copy all of a layer's
@@ -233,7 +235,7 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
         # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
         # dynamic slice that XLA:GPU rematerializes as one small launch per consumer (the routed experts
         # and each stacked linear read it)
-        h, pre, k = carry
+        h, pre, k, extra = carry
         lp, row = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
@@ -241,17 +243,20 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
             lp = layer_scan.set_path(lp, path, dict(st, layer=k) if isinstance(st, dict) else st)
         if mhc_kernel_runs(cfg):
             lp = dict(lp, hc_layer=k)
-        h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, lambda x: attn_fn(lp["attn"], x, row, k), None,
-                                 par=par, defer=defer)
-        return (h, pre, k + 1), (rec, out)
+        fn = ((lambda x: attn_fn(lp["attn"], x, row, k)) if extra is None else
+              (lambda x: attn_fn(lp["attn"], x, row, k, extra)))
+        h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, fn, None, par=par, defer=defer)
+        if extra is not None:
+            out, extra = out
+        return (h, pre, k + 1, extra), (rec, out)
 
     # a deferred exit in (`block`) stays deferred through the run (one fixed carry); streams in stay streams
 
     defer = isinstance(h, tuple)
-    (h, pre, _), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0)), (rest, xs), length=n)
+    (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), (rest, xs), length=n)
     for k in range(n):
         aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
-    return h, pre, aux, outs
+    return (h, pre, aux, outs) if carry is None else (h, pre, aux, outs, carry)
 
 
 def final_logits(params, h, pre, cfg, dt):

@@ -554,9 +554,10 @@ def bytes_moved(q, sink, ring, ring_rows, new, start, positions, valid, comp, pa
     return int(total)
 
 
-def window_codes(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, interpret: bool = False) -> dict:
+def window_codes(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None, interpret: bool = False):
     """The attention op's second kernel entry (`attention.window_codes`): a layer's new window codes from its
-    wkv output, kv_norm + RoPE + fp8 codes in one launch (`pallas/window_codes.py`)."""
+    wkv output, kv_norm + RoPE + fp8 codes in one launch, optionally written into the rings too
+    (`pallas/window_codes.py`)."""
     from dsv41_jax.pallas import window_codes as wc
 
-    return wc.kernel(y, norm_w, positions, freqs, eps, dt, layer=layer, interpret=interpret)
+    return wc.kernel(y, norm_w, positions, freqs, eps, dt, layer=layer, ring=ring, interpret=interpret)
