@@ -346,8 +346,7 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
 
     q [B, T, H, hd] bf16 | fp32; sink fp32 [H]; ring: the layer's ring codes (first axes [R, W]), every
     layer's (first axes [R, L, W]: layer ring_base + ring_layer, an int or int32 scalar, read in place) or
-    None;
-    ring_rows int32 [B]; new: the chunk's window codes (first axes [B, T]); start int32 [B];
+    None; ring_rows int32 [B]; new: the chunk's window codes (first axes [B, T]); start int32 [B];
     positions int32 [B, T]; valid bool [B, T]; comp: pool codes (first axis N) or None; page_table
     int32 [B, P]; sel int32 [B, T, K] (−1 = none). Static: ratio, page_size, window, mode.
     Returns [B, T, H, hd] in q.dtype.
