@@ -7,7 +7,8 @@ in the kernel's order, and on these inputs that sum is the same in any order in 
 row of 512 fp32 squares; natively this also asks that Triton's rsqrt / cos / sin be XLA:GPU's — both
 call libdevice). Shapes: the tiny preset's (head_dim 64, 16 rope dims, 10 ragged tokens over one 16-token
 block), flash's (512, 64) at one token and at 17 tokens (two blocks, ragged) in the fp32 flow; a zero row
-(the amax floor), large positions (past 64K), values that use e4m3 subnormals; a stacked norm weight.
+(the amax floor), large positions (past 64K), values that use e4m3 subnormals; a stacked norm weight. With
+``ring=`` the kernel also writes the codes into the cache's rings: equal to the commit's write.
 """
 
 import jax
