@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # matmuls.
 OPS = ("attention", "indexer", "engram", "mhc", "moe", "linear")
 IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
+KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the implementations that run a Pallas kernel
 CHOICES = IMPLS + ("auto",)
 
 # op -> module (under dsv41_jax.pallas) holding its kernel (linear: its fp8 / MXFP4 GEMMs).
@@ -49,6 +50,11 @@ KERNEL_MODULES: dict = {
     "linear": "quant_linear",
 }
 KERNEL_ENTRY = "kernel"
+
+
+def is_kernel(impl: str) -> bool:
+    """Whether the resolved implementation name `impl` runs a Pallas kernel (natively or interpreted)."""
+    return impl in KERNEL_IMPLS
 
 
 class ImplError(ValueError):
