@@ -119,14 +119,16 @@ def test_kernel_writes_the_rings_as_the_commit_does(pallas_impl, B):
             assert any(np.array_equal(g[k][R - 1, 2, col], c[k][o, 0]) for o in dropped if int(pos[o, 0]) % W == col), k
 
 
-def test_shapes_it_cannot_cover_are_refused():
+def test_shapes_it_cannot_cover_are_refused(tiny_cfg):
     y = jnp.zeros((1, 96), BF16)
     with pytest.raises(NotImplementedError, match="power of two"):
         wc.kernel(y, jnp.ones((96,), BF16), jnp.zeros((1,), jnp.int32), rope_freqs(16, 1e4), 1e-6, BF16)
     with pytest.raises(ValueError, match="norm weight"):
         wc.kernel(jnp.zeros((1, 64), BF16), jnp.ones((32,), BF16), jnp.zeros((1,), jnp.int32), rope_freqs(16, 1e4),
                   1e-6, BF16)
-    assert wc.supports("auto") and wc.supports("fp8_e4m3") and not wc.supports("bfloat16")
+    assert wc.supports(tiny_cfg, "auto") and wc.supports(tiny_cfg, "fp8_e4m3") and not wc.supports(tiny_cfg, "bfloat16")
+    assert not wc.supports(tiny_cfg.replace(deterministic=True))  # the fp64 modes have no kernel
+    assert dispatch.supports("attention", "window_codes", tiny_cfg, "fp8_e4m3")
 
 
 def test_lowers_to_triton_for_cuda_without_a_gpu():

@@ -36,14 +36,19 @@ __all__ = [
     "bitcast", "f32_from_bits", "bits_from_f32", "f32_exponent", "ceil_log2", "exp2_int",
     "e8m0_decode", "e4m3_decode", "e2m1_decode", "e2m1_to_e4m3",
     "e8m0_encode_exponent", "e8m0_encode_pow2", "round_e4m3", "round_e2m1", "e2m1_encode",
+    "ACT_AMAX_FLOOR", "fp8_act_codes",
     "pack_nibbles", "unpack_nibbles",
     "e8m0_to_f32_np", "e4m3_to_f32_np", "unpack_fp4_np",
 ]
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)  # the same dtypes as jnp.float8_e4m3fn / jnp.float8_e8m0fnu
+# The checkpoint's two 8-bit dtypes, defined here only (`quant`, `checkpoint`, the kernels import them):
+# numpy dtypes equal to jnp.float8_e4m3fn / jnp.float8_e8m0fnu (``==``, ``astype``, ``jnp.zeros`` take either).
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+# Activation-quant amax floor (docs/design/spec.md §6: "amax >= 1e-4"): keeps amax/448 a normal fp32.
+ACT_AMAX_FLOOR = 1e-4
 # e2m1 magnitudes indexed by their 3-bit code (standard OCP MX encoding).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -243,6 +248,32 @@ def unpack_nibbles(packed, xp):
 def pack_fp4(v, xp):
     """e2m1 grid values [..., K] (K even) -> packed uint8 [..., K/2] (`e2m1_encode` + `pack_nibbles`)."""
     return pack_nibbles(e2m1_encode(v, xp), xp)
+
+
+# ------------------------------------------------------------------------------------ activation quant
+
+
+def fp8_act_codes(x, xp, block=32):
+    """The spec's (§6) fp8 activation quant, defined once (`quant.act_quant_fp8`, the window codes, the
+    fp8 / MXFP4 GEMM kernels' in-kernel input quant all call it).
+
+    Args:
+      x: fp32 [..., K], K % block == 0 (a jnp array, a numpy array, or a tile loaded inside a Pallas kernel).
+    Returns:
+      (y fp32 [..., K/block, block]: x / s on the e4m3 grid (`round_e4m3` of the clamped quotient; cast to
+      float8_e4m3fn or `e4m3_encode` it: exact), e int32 [..., K/block]: the scale exponent, s = 2^e).
+      amax = max(max|x_block|, 1e-4); e = ⌈log2(amax/448)⌉ with amax/448 rounded in fp32 first (exact
+      ceil-log2 from the bits); x / s is computed as x · 2^−e (exact: s is a power of two, e in [−22, 120]).
+
+    Written with reshape / max / integer shifts / where only (no round, no division), so the same
+    definition lowers inside a Triton kernel (`pallas.common.fake_quant_fp8`, `pallas.window_codes`).
+    """
+    *lead, k = x.shape
+    xb = x.reshape(*lead, k // block, block)
+    amax = xp.maximum(xp.max(xp.abs(xb), axis=-1), ACT_AMAX_FLOOR)
+    e = ceil_log2(amax / E4M3_MAX, xp)  # amax / 448 ≥ 2.2e-7: a normal fp32
+    y = xp.clip(xb * exp2_int(-e, xp)[..., None], -E4M3_MAX, E4M3_MAX)
+    return round_e4m3(y, xp), e
 
 
 # ------------------------------------------------------------------------------------ checkpoint weight quantizers

@@ -14,16 +14,22 @@ retraces, and a jitted step never mixes implementations by accident. The spec is
 every op (``"xla"``) or a comma-separated list of ``op=name`` items with an optional bare default
 (``"xla,moe=reference"``). Each op resolves once per (spec, op, backend) and the choice is logged once.
 
-Pallas kernels are imported lazily by module name (`KERNEL_MODULES`), so ``model/`` never imports
-``pallas/`` at import time. A kernel module exposes a function named by `KERNEL_ENTRY`; until a kernel
-exists, selecting it is a clear error, never a silent fallback.
+The Pallas kernels are found in one registry (`registry`): each kernel module in ``dsv41_jax/pallas/``
+registers its (op, variant) entries with `register` — the kernel, the plain-jnp reference it must equal
+and a `supports` predicate (the model configs it runs). An op may have several variants (mhc: "kernel"
+enters a sublayer, "sublayer_exit" leaves it); `DEFAULT_VARIANT` is the op's main one. ``model/`` never
+imports ``pallas/`` at import time: the registry is filled the first time a kernel implementation is
+resolved (`_load` imports the ``dsv41_jax.pallas`` package, whose modules register themselves). A
+missing (op, variant) is a clear ImplError, never a silent fallback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib
 import logging
+import types
+from typing import Callable
 
 import jax
 
@@ -40,16 +46,65 @@ IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the implementations that run a Pallas kernel
 CHOICES = IMPLS + ("auto",)
 
-# op -> module (under dsv41_jax.pallas) holding its kernel (linear: its fp8 / MXFP4 GEMMs).
-KERNEL_MODULES: dict = {
-    "attention": "sparse_attention",
-    "indexer": "indexer_topk",
-    "engram": "engram_gather",
-    "mhc": "mhc_mix",
-    "moe": "moe_mxfp4",
-    "linear": "quant_linear",
-}
-KERNEL_ENTRY = "kernel"
+DEFAULT_VARIANT = "kernel"  # the variant `kernel` returns when none is named
+KERNEL_ENTRY = DEFAULT_VARIANT  # (the old name of the default variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEntry:
+    """One registered Pallas kernel: `op` (one of `OPS`) and its `variant`; `kernel` the callable the model's
+    seam calls (its module's docstring gives shapes and dtypes; ``interpret=True`` runs it on CPU);
+    `reference` the plain-jnp function of the same contract that it must equal (tests check it against the
+    kernel's tolerance); ``supports(cfg, mode="auto") -> bool`` whether the kernel runs model config `cfg`
+    with ``kv_cache_dtype`` `mode` (from the refusals the kernel itself raises: numerics mode, head dims,
+    codecs)."""
+
+    op: str
+    variant: str
+    kernel: Callable
+    reference: Callable
+    supports: Callable
+
+
+_REGISTRY: dict = {}  # (op, variant) -> KernelEntry, filled by the kernel modules on import
+_loaded: list = []  # [True] once `dsv41_jax.pallas` has been imported
+
+
+def register(op: str, variant: str, *, kernel: Callable, reference: Callable, supports: Callable) -> KernelEntry:
+    """Register one Pallas kernel (called by the kernel modules at import). Registering the same
+    (op, variant) again with another callable is an error (two kernels cannot answer one seam)."""
+    if op not in OPS:
+        raise ImplError(f"register: unknown op {op!r}; ops: {', '.join(OPS)}")
+    for what, f in (("kernel", kernel), ("reference", reference), ("supports", supports)):
+        if not callable(f):
+            raise ImplError(f"register({op!r}, {variant!r}): {what} must be callable, got {f!r}")
+    entry = KernelEntry(op, variant, kernel, reference, supports)
+    old = _REGISTRY.get((op, variant))
+    if old is not None and (old.kernel.__module__, old.kernel.__qualname__) != (kernel.__module__, kernel.__qualname__):
+        raise ImplError(f"register: ({op!r}, {variant!r}) is registered already (by {old.kernel.__module__})")
+    _REGISTRY[(op, variant)] = entry
+    return entry
+
+
+def _load() -> None:
+    """Fill the registry: import the kernel package once (its modules call `register`)."""
+    if not _loaded:
+        import dsv41_jax.pallas  # noqa: F401  (lazy: model/ does not import pallas/ at import time)
+
+        _loaded.append(True)
+
+
+def registry() -> types.MappingProxyType:
+    """Every registered kernel, {(op, variant): KernelEntry} (read-only; loads the kernel modules)."""
+    _load()
+    return types.MappingProxyType(_REGISTRY)
+
+
+def supports(op: str, variant: str, cfg, mode: str = "auto") -> bool:
+    """Whether the registered kernel (op, variant) runs model config `cfg` with ``kv_cache_dtype`` `mode`
+    (its `KernelEntry.supports`); False if no such kernel is registered."""
+    entry = registry().get((op, variant))
+    return entry is not None and bool(entry.supports(cfg, mode))
 
 
 def is_kernel(impl: str) -> bool:
@@ -86,8 +141,8 @@ def parse_impl(spec: str) -> dict:
 
 
 def kernel_available(op: str) -> bool:
-    """Whether a Pallas kernel is registered for `op` (its module is not imported here)."""
-    return op in KERNEL_MODULES
+    """Whether a Pallas kernel (its default variant) is registered for `op`."""
+    return (op, DEFAULT_VARIANT) in registry()
 
 
 # What "auto" picks on a GPU, per op: the kernel where it measured at least as fast as the XLA path on
@@ -125,14 +180,14 @@ def _auto(op: str, backend: str) -> str:
 def _resolve(spec: str, op: str, backend: str, f64: bool = False) -> str:
     choice = parse_impl(spec)[op]
     name = _auto(op, backend) if choice == "auto" else choice
-    if f64 and choice == "auto" and name in ("pallas", "pallas_interpret"):
+    if f64 and choice == "auto" and is_kernel(name):
         # The Pallas kernels accumulate in fp32 in their own tile order: the fp64-accumulating modes
         # (exact / deterministic, `numerics.is_exact`) run the jnp path; an explicit Pallas choice is
         # kept and refused at its seam.
         log.info("impl: %s -> xla (spec %r resolves to %s on %s, but the exact / deterministic numerics "
                  "accumulate in fp64, which the kernels do not)", op, spec, name, backend)
         return "xla"
-    if name in ("pallas", "pallas_interpret") and not kernel_available(op):
+    if is_kernel(name) and not kernel_available(op):
         raise ImplError(f"impl {name!r} for op {op!r}: no Pallas kernel for this op yet (choose 'xla' or "
                         f"'reference', or 'auto')")
     log.info("impl: %s -> %s (spec %r, backend %s)", op, name, spec, backend)
@@ -155,19 +210,20 @@ def refuse_kernel_in_f64_mode(cfg, op: str, impl: str) -> None:
     """Raise ImplError if `impl` is a Pallas kernel and `cfg` runs the exact / deterministic numerics
     (`numerics.is_exact`): the kernels accumulate in fp32 in their own tile order, so they cannot give
     results independent of batch, chunking and tiling. ("auto" never resolves to one there.)"""
-    if impl in ("pallas", "pallas_interpret") and is_exact(cfg):
+    if is_kernel(impl) and is_exact(cfg):
         raise ImplError(f"{op}: the {mode_name(cfg)} numerics mode accumulates in fp64, which the {impl!r} kernel "
                         f"does not (its sums follow its tiles); use impl '{op}=xla' or 'reference' (or 'auto')")
 
 
-def kernel(op: str, name: str, entry: str = KERNEL_ENTRY):
-    """The Pallas entry point of `op` (imported lazily); `name` is "pallas" or "pallas_interpret".
-
-    `entry`: the function's name in the kernel module, `KERNEL_ENTRY` unless the op has more than
-    one seam (mhc: "kernel" enters a sublayer, "sublayer_exit" leaves it)."""
-    if name not in ("pallas", "pallas_interpret"):
+def kernel(op: str, name: str, variant: str = DEFAULT_VARIANT):
+    """The registered Pallas kernel (op, variant) (`registry`); `name` is "pallas" or "pallas_interpret"
+    (the caller passes ``interpret=name == "pallas_interpret"``). `variant`: `DEFAULT_VARIANT` unless the
+    op has more than one seam (mhc: "kernel" enters a sublayer, "sublayer_exit" leaves it)."""
+    if not is_kernel(name):
         raise ImplError(f"kernel(): {name!r} is not a Pallas implementation")
-    if not kernel_available(op):
-        raise ImplError(f"no Pallas kernel for op {op!r}")
-    mod = importlib.import_module(f"dsv41_jax.pallas.{KERNEL_MODULES[op]}")
-    return getattr(mod, entry)
+    entry = registry().get((op, variant))
+    if entry is None:
+        have = sorted(v for o, v in registry() if o == op)
+        raise ImplError(f"no Pallas kernel {variant!r} for op {op!r}" + (f" (registered: {', '.join(have)})" if have
+                                                                         else ""))
+    return entry.kernel

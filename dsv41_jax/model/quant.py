@@ -31,10 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.model import codec
-from dsv41_jax.model.codec import E2M1_GRID, E2M1_MAX, E4M3_MAX  # noqa: F401  (re-exported)
-
-FP8 = jnp.float8_e4m3fn
-E8M0 = jnp.float8_e8m0fnu
+from dsv41_jax.model.codec import E2M1_GRID, E2M1_MAX, E4M3_MAX, E8M0, FP8  # noqa: F401  (re-exported)
 
 __all__ = [
     "E4M3_MAX",
@@ -60,8 +57,6 @@ __all__ = [
     "mxfp4_linear",
 ]
 
-# Activation-quant amax floor (docs/design/spec.md §6: "amax >= 1e-4").
-_ACT_AMAX_FLOOR = 1e-4
 # Floors for the fp4 fake-quants (docs/design/spec.md §6): they make the smallest scale 2^-126 (pow2 variant) and
 # 2^-9, the smallest positive e4m3 value (e4m3-scale variant).
 _FP4_POW2_AMAX_FLOOR = 6.0 * 2.0**-126
@@ -257,7 +252,8 @@ def _straight_through(fake_quant):
 
 @functools.partial(jax.jit, static_argnames=('block',))
 def act_quant_fp8(x, block=32):
-    """docs/design/spec.md §6 fp8 activation quant (every fp8/MXFP4 GEMM input, and the window-KV fake-quant).
+    """docs/design/spec.md §6 fp8 activation quant (every fp8/MXFP4 GEMM input, and the window-KV fake-quant):
+    the jnp form of `codec.fp8_act_codes`, the one definition.
 
     Args:
       x: float array [..., K] (any float dtype; computed in fp32), K % block == 0.
@@ -266,13 +262,8 @@ def act_quant_fp8(x, block=32):
       amax = max(max|x_block|, 1e-4), s = 2^ceil(log2(amax/448)) (amax/448 rounded in fp32 first,
       then an exact ceil-log2), xq = e4m3 RNE of clamp(x/s, +-448). x/s is exact (s is a power of two).
     """
-    xb = _blocks(x, block, "act_quant_fp8")
-    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), _ACT_AMAX_FLOOR)
-    # amax >= 1e-4 keeps amax/448 a normal fp32, and amax is at most ~3.4e38 so e <= 120.
-    s = _exp2_int(_ceil_log2(amax / E4M3_MAX))
-    y = jnp.clip(xb / s[..., None], -E4M3_MAX, E4M3_MAX)
-    xq = round_e4m3(y).astype(FP8).reshape(x.shape)  # exact: already on the e4m3 grid
-    return xq, s
+    y, e = codec.fp8_act_codes(_blocks(x, block, "act_quant_fp8").reshape(x.shape), jnp, block)
+    return y.astype(FP8).reshape(x.shape), _exp2_int(e)  # exact: y is already on the e4m3 grid
 
 
 def _fake_quant_fp8(x, block=32, out_dtype=None):

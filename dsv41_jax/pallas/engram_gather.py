@@ -43,10 +43,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import linear, quant
+from dsv41_jax.model import dispatch, linear, quant
+from dsv41_jax.model import engram as engram_ref
 from dsv41_jax.model.codec import e8m0_decode
 from dsv41_jax.model.engram import gate as gate_reference
 from dsv41_jax.model.engram import gather_rows as gather_reference
+from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
 __all__ = ["kernel", "gather", "gate", "bench_inputs", "bytes_moved"]
@@ -91,7 +93,7 @@ def gather(table, tscale, rows, *, dt, interpret: bool = False):
     Returns [..., R·de] in `dt`, bitwise equal to the reference.
     """
     n_rows, de = table.shape
-    if de % 32 or (de // 32) & (de // 32 - 1):
+    if not _row_width_ok(de):
         raise ValueError(f"engram gather kernel: de/32 must be a power of two (Triton block), got de={de}")
     lead, R = rows.shape[:-1], rows.shape[-1]
     G = de // 32
@@ -188,6 +190,20 @@ def gate(h, kv, q_weight, k_weight, *, eps: float, dt, interpret: bool = False):
 
 # ------------------------------------------------------------------------------------------- entry
 
+def _row_width_ok(de: int) -> bool:
+    return de % 32 == 0 and common.is_pow2(de // 32)
+
+
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether `kernel` runs `cfg`: the fp32 numerics and table rows of a power-of-two number of 32-blocks."""
+    return not is_exact(cfg) and _row_width_ok(cfg.engram_head_dim)
+
+
+def ref_engram(p, h, rows, cfg, dt):
+    """The oracle: `engram.engram` on its jnp path (impl "xla")."""
+    return engram_ref.engram(p, h, rows, cfg.replace(impl="xla"), dt)
+
+
 def kernel(p, h, rows, cfg, dt, *, interpret: bool = False):
     """The "engram" op on Pallas (`dispatch.kernel("engram", ...)`): same contract as `engram.engram`.
 
@@ -246,3 +262,6 @@ def bytes_moved(part: str, tokens: int) -> int:
     if part == "gate":
         return tokens * (2 * n * D + 2 * (n + 1) * D + 2 * n * D) + 2 * 2 * n * D  # h, kv, out; q/k weights
     raise ValueError(f"unknown part {part!r}; parts: gather, gate")
+
+
+dispatch.register("engram", "kernel", kernel=kernel, reference=ref_engram, supports=supports)

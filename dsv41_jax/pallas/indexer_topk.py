@@ -62,8 +62,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dsv41_jax.model import dispatch, indexer
 from dsv41_jax.model.codec import e2m1_decode, e4m3_decode, e8m0_decode
-from dsv41_jax.pallas.common import log_choice, next_pow2, triton_params
+from dsv41_jax.model.numerics import is_exact
+from dsv41_jax.pallas.common import is_pow2, log_choice, next_pow2, triton_params
 
 # Slots scored per step of a scoring program (the dot's N; a multiple of the candidate block size).
 SLOT_BLOCK = 64
@@ -358,7 +360,7 @@ class _Setup:
         S = P * page_size // ratio
         if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
             raise NotImplementedError(f"indexer_topk: dt {dt} (bfloat16 or float32 only)")
-        if dI < 16 or dI & (dI - 1):
+        if dI < 16 or not is_pow2(dI):
             raise NotImplementedError(f"indexer_topk: index_head_dim {dI} must be a power of two >= 16")
         self.codec, self.codes = _codes(ikeys, mode)
         self.geo = _Geo(B=B, T=T, nI=nI, dI=dI, P=P, N=self.codes[0].shape[0], S=S, ratio=ratio,
@@ -412,6 +414,13 @@ class _Setup:
         return out[..., :n]
 
 
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether `kernel` runs `cfg`: the fp32 numerics, index_head_dim a power of two ≥ 16, the candidate
+    block size a power of two; every ``kv_cache_dtype`` `mode`."""
+    return (not is_exact(cfg) and cfg.index_head_dim >= 16 and is_pow2(cfg.index_head_dim)
+            and is_pow2(cfg.candidate_block_size))
+
+
 def _check_tile(name: str, v: int) -> None:
     if v < 16 or v & (v - 1):
         raise ValueError(f"indexer_topk: {name} = {v} must be a power of two >= 16")
@@ -441,7 +450,7 @@ def kernel(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int, mode
         return z, (z if make_candidates else None)
     _check_tile("slot_block", slot_block)
     _check_tile("select_chunk", select_chunk)
-    if make_candidates and block_size & (block_size - 1):
+    if make_candidates and not is_pow2(block_size):
         raise NotImplementedError(f"indexer_topk: candidate_block_size {block_size} must be a power of two")
     st = _Setup(q, w, ikeys, page_table, visible, ratio=ratio, page_size=page_size, mode=mode, dt=dt,
                 interpret=interpret)
@@ -586,3 +595,7 @@ def bytes_moved(q, w, ikeys, page_table, visible, *, ratio: int, page_size: int,
 
 
 __all__ = ["kernel", "dense_scores", "bench_inputs", "bytes_moved", "SLOT_BLOCK", "SELECT_CHUNK"]
+
+
+# the reference: the seam's own "reference" implementation (`indexer.topk`'s default impl), same arguments
+dispatch.register("indexer", "kernel", kernel=kernel, reference=indexer.topk, supports=supports)

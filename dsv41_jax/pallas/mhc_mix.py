@@ -56,11 +56,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dsv41_jax.model import dispatch
 from dsv41_jax.model import mhc as mhc_ref
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
-__all__ = ["kernel", "sublayer_enter", "sublayer_exit", "sublayer_exit_enter", "mixes_enter", "exit_enter",
+__all__ = ["sublayer_enter", "sublayer_exit", "sublayer_exit_enter", "mixes_enter", "exit_enter",
            "post_mix", "bench_inputs", "bytes_moved"]
 
 ENTER_TOKEN_BLOCK = 16  # Triton's dot needs M >= 16
@@ -477,6 +478,30 @@ def post_mix(y, h, post, comb, *, dt, interpret: bool = False):
 
 # ------------------------------------------------------------------------------------- seam entries
 
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether the mhc kernels run `cfg`: the fp32 numerics, hc_mult a power of two (Triton tiles)."""
+    return not is_exact(cfg) and common.is_pow2(cfg.hc_mult)
+
+
+def _xla(cfg):
+    return cfg.replace(impl="xla")
+
+
+def ref_sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weight=None):
+    """The oracle of `sublayer_enter`: `mhc.sublayer_enter` on its jnp path."""
+    return mhc_ref.sublayer_enter(h, pre_prev, fn, base, scale, _xla(cfg), dt, layer, norm_weight)
+
+
+def ref_sublayer_exit(y, h, post, comb, cfg, dt):
+    """The oracle of `sublayer_exit`: `mhc.sublayer_exit` on its jnp path."""
+    return mhc_ref.sublayer_exit(y, h, post, comb, _xla(cfg), dt)
+
+
+def ref_sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weight=None):
+    """The oracle of `sublayer_exit_enter`: `mhc.sublayer_exit_enter` on its jnp path."""
+    return mhc_ref.sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, _xla(cfg), dt, layer, norm_weight)
+
+
 def _check_mode(cfg):
     if is_exact(cfg):
         # The exact / deterministic modes accumulate the mix projection in fp64; these kernels are fp32
@@ -502,9 +527,6 @@ def sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, *,
                               hc_eps=float(cfg.hc_eps), iters=int(cfg.hc_sinkhorn_iters), dt=jnp.dtype(dt),
                               interpret=interpret, layer=layer, norm_weight=norm_weight)
     return hn, tuple(entered)
-
-
-kernel = sublayer_enter  # dispatch.KERNEL_ENTRY
 
 
 def sublayer_exit(y, h, post, comb, cfg, dt, *, interpret: bool = False):
@@ -587,3 +609,9 @@ def bytes_moved(part: str, tokens: int) -> int:
     if part == "exit_enter":  # exit's bytes + enter_norm's, less h' read back by the enter
         return bytes_moved("exit", tokens) + bytes_moved("enter_norm", tokens) - tokens * 2 * n * D
     raise ValueError(f"unknown part {part!r}; parts: enter, exit, enter_norm, exit_enter")
+
+
+dispatch.register("mhc", "kernel", kernel=sublayer_enter, reference=ref_sublayer_enter, supports=supports)
+dispatch.register("mhc", "sublayer_exit", kernel=sublayer_exit, reference=ref_sublayer_exit, supports=supports)
+dispatch.register("mhc", "sublayer_exit_enter", kernel=sublayer_exit_enter, reference=ref_sublayer_exit_enter,
+                  supports=supports)

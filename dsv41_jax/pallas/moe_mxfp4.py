@@ -59,14 +59,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec, moe, quant
+from dsv41_jax.model import codec, dispatch, moe, quant
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
-from dsv41_jax.pallas import sparse_attention as sa
 
 NAME = "moe_mxfp4"
 PARTS = ("gate_up", "down")
-_MIN_DOT = 16  # the smallest tt.dot tile edge
+_MIN_DOT = common.MIN_DOT
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -88,24 +87,7 @@ def _decode_mxfp4(packed, scale):
     n, m = pairs.shape
     by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(n, 2 * m)  # the bytes, in order
     codes = codec.unpack_nibbles(by, jnp)
-    return codec.e2m1_decode(codes, jnp) * sa._expand(codec.e8m0_decode(scale, jnp), 32)
-
-
-def _fake_quant_fp8(a):
-    """The spec's (§6) activation quant of fp32 a [m, n] (n % 32 == 0), per 32 along n, multiplied back:
-    fp32 [m, n], bitwise `quant.fake_quant_fp8` (amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉ with amax/448
-    rounded in fp32 first, e4m3 RNE of clamp(a/s, ±448), times s)."""
-    m, n = a.shape
-    amax = jnp.maximum(jnp.max(jnp.abs(a).reshape(m, n // 32, 32), axis=2), 1e-4)
-    e = codec.ceil_log2(amax / codec.E4M3_MAX, jnp)  # amax/448 >= 2.2e-7: a normal fp32
-    y = jnp.clip(a * sa._expand(codec.exp2_int(-e, jnp), 32), -codec.E4M3_MAX, codec.E4M3_MAX)  # a / s, exact
-    return codec.round_e4m3(y, jnp) * sa._expand(codec.exp2_int(e, jnp), 32)  # (Triton-lowerable form)
-
-
-def _dot_nt(x, w):
-    """x [m, k] · w [n, k]ᵀ -> fp32 [m, n] (bf16 operands: exact products, fp32 accumulation)."""
-    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+    return codec.e2m1_decode(codes, jnp) * common.expand(codec.e8m0_decode(scale, jnp), 32)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -176,15 +158,15 @@ def _gate_up_kernel(*refs, c):
         def kstep(kc, acc):
             # [bm, bk]: the rows' tokens, gathered, and fp8-quantized here per 32 (the spec's quant of the
             # GEMM input, bitwise `quant.fake_quant_fp8`; exact in bf16): no quantized copy of x is written
-            xb = _fake_quant_fp8(x_ref[toks, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
-            return acc[0] + _dot_nt(xb, weight(w1_ref, s1_ref, kc)), acc[1] + _dot_nt(xb, weight(w3_ref, s3_ref, kc))
+            xb = common.fake_quant_fp8(x_ref[toks, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
+            return acc[0] + common.dot_nt(xb, weight(w1_ref, s1_ref, kc)), acc[1] + common.dot_nt(xb, weight(w3_ref, s3_ref, kc))
 
         z = jnp.zeros((bm, bn), jnp.float32)
         gg, uu = lax.fori_loop(0, c["D"] // bk, kstep, (z, z))
         gg = jnp.minimum(gg.astype(dt).astype(jnp.float32), lim)  # GEMM outputs rounded to dt, widened
         uu = jnp.clip(uu.astype(dt).astype(jnp.float32), -lim, lim)
         a = (jax.nn.silu(gg) * uu * wts[:, None]).astype(dt).astype(jnp.float32)
-        pltriton.store(act_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], _fake_quant_fp8(a).astype(act_ref.dtype),
+        pltriton.store(act_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], common.fake_quant_fp8(a).astype(act_ref.dtype),
                        mask=live[:, None])
 
     _group_rows(gstart_ref, gsize_ref, g, bm, rows, c["one_token"])
@@ -202,7 +184,7 @@ def _down_kernel(*refs, c):
         def kstep(kc, acc):
             w = _decode_mxfp4(w2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 4), bk // 4)],
                               s2_ref[pl.ds(row0, bn), pl.ds(kc * (bk // 32), bk // 32)]).astype(jnp.bfloat16)
-            return acc + _dot_nt(act_ref[pl.ds(r0, bm), pl.ds(kc * bk, bk)], w)
+            return acc + common.dot_nt(act_ref[pl.ds(r0, bm), pl.ds(kc * bk, bk)], w)
 
         acc = lax.fori_loop(0, c["I"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
         pltriton.store(y_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(y_ref.dtype), mask=live[:, None])
@@ -292,40 +274,15 @@ def _plan(A: int, G: int, D: int, I: int, block_m, block_n, block_n2, block_k, b
     return p
 
 
-def _flat(a, pairs: bool = False, kernel: str = NAME):
-    """A weight / scale stack [E, R, C] (or a run's [n, E, R, C]) as [rows, C] uint8 bits, or with
-    ``pairs`` as [rows, C/2] uint16 (byte pairs: a bitcast, no copy).
-
-    Why pairs for the packed weights: the Pallas Triton lowering addresses an operand with int32 element
-    offsets unless the operand is over 2^32 bytes; one layer's packed w1 of flash is 2.26e9 one-byte
-    elements, so experts past the 2^31st byte wrapped (an illegal address, or another expert's weights:
-    seen on an H200). As uint16 an operand of at most 2^32 bytes has at most 2^31 elements. `kernel`
-    names the caller in a refusal (`pallas/quant_linear.py` flattens its weights here too)."""
-    if a.dtype != jnp.uint8:
-        a = lax.bitcast_convert_type(a, jnp.uint8)
-    a = a.reshape(-1, a.shape[-1])
-    if pairs:
-        a = lax.bitcast_convert_type(a.reshape(a.shape[0], a.shape[1] // 2, 2), jnp.uint16)
-    _check_offsets(a, kernel)
-    return a
-
-
-def _check_offsets(a, kernel: str = NAME) -> None:
-    """Refuse an operand whose element offsets would wrap in the Triton lowering (int32 offsets for
-    operands up to 2^32 bytes): an element offset past 2^31 - 1 in at most 2^32 bytes."""
-    n, nbytes = math.prod(a.shape), math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
-    if nbytes <= 2**32 and n - 1 > 2**31 - 1:
-        raise NotImplementedError(f"{kernel}: an operand of {n} {jnp.dtype(a.dtype).name} elements ({nbytes} "
-                                  "bytes) would be addressed with wrapping int32 offsets by the Triton lowering")
-
-
-def route(logits, bias, top_k: int, cfg, *, layer=None, interpret: bool = False):
-    """The moe op's router entry (`moe.moe` on the kernel path): the top-k selection from the gate's logits in one
-    launch (`pallas/moe_route.py`); (idx int32 [N, kp], weights fp32 [N, kp], the combine's order int32 [N, kp]),
-    the first top_k lanes used."""
-    from dsv41_jax.pallas import moe_route as mr
-
-    return mr.kernel(logits, bias, top_k, cfg, layer=layer, interpret=interpret)
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether `kernel` runs `cfg`: the fp32 numerics and expert dims its default tiles divide (`_plan`)."""
+    if is_exact(cfg):
+        return False
+    try:
+        _plan(1, 1, cfg.hidden_size, cfg.moe_intermediate_size, None, None, None, None, None)
+    except ValueError:
+        return False
+    return True
 
 
 def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, block_m: int | None = None,
@@ -384,7 +341,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     else:
         meta = [gexp, (jnp.cumsum(sizes) - sizes).astype(jnp.int32), sizes.astype(jnp.int32), lay]
         rows_in = [jnp.pad(order // k, (0, bm)), jnp.pad(jnp.take(wts, order), (0, bm))]
-    wt = {n: (_flat(ex[n]["weight"], pairs=True), _flat(ex[n]["scale"])) for n in ("w1", "w3", "w2")}
+    wt = {n: (common.flat(ex[n]["weight"], pairs=True, kernel=NAME), common.flat(ex[n]["scale"], kernel=NAME)) for n in ("w1", "w3", "w2")}
     c = dict(E=E, D=D, I=I, A=A, dt=dt, limit=float(cfg.swiglu_limit), one_token=one, all_rows=sizes is None)
     params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
     common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],
@@ -466,3 +423,6 @@ def routed_bytes(ex, x, idx, w, dt=jnp.bfloat16) -> int:
     active = len(np.unique(np.asarray(idx)))
     return int(sum(bytes_moved(p, A=A, N=N, D=D, I=I, G=G, out_itemsize=jnp.dtype(dt).itemsize, n_active=active)
                    for p in PARTS))
+
+
+dispatch.register("moe", "kernel", kernel=kernel, reference=moe.routed_slots, supports=supports)

@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dsv41_jax.model import dispatch
+from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
 NAME = "moe_route"
@@ -44,6 +46,11 @@ def ref_route(logits, bias, top_k: int, cfg):
     if cfg.norm_topk_prob and top_k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether `kernel` routes `cfg`: the fp32 numerics (the moe op's kernels), top-k of at most every expert."""
+    return not is_exact(cfg) and 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts
 
 
 def _kernel(lay_ref, lg_ref, b_ref, idx_ref, w_ref, ord_ref, *, c):
@@ -121,3 +128,6 @@ def kernel(logits, bias, top_k: int, cfg, *, layer=None, interpret: bool = False
         compiler_params=common.triton_params(num_warps=8, num_stages=1), name=NAME,  # 8: no spill of [16, 512] tiles
         cost_estimate=pl.CostEstimate(flops=(4 + 3 * k) * N * E, transcendentals=3 * N * E,
                                       bytes_accessed=4 * (N * E + E + 3 * N * kp)))(*ins))
+
+
+dispatch.register("moe", "route", kernel=kernel, reference=ref_route, supports=supports)

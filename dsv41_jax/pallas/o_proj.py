@@ -3,7 +3,7 @@ fp8 wo_a GEMM — in one launch.
 
 What a cached step computes after the attention kernel (the reference, `ref_o_proj`, is that chain):
 
-    o = sparse_attention._merge_splits(acc, m, l, sink).astype(dt)   # the kernel's split partials (S > 1)
+    o = common.merge_splits(acc, m, l, sink).astype(dt)   # the kernel's split partials (S > 1)
     o = rope.apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt)
     y = linear.wo_a(o as [B, T, G, I], wo_a, ...)                     # per group: o_g · W_gᵀ, fp32 sums -> dt
 
@@ -11,7 +11,7 @@ On XLA:GPU that is three launches per layer (the merge, the RoPE, wo_a's grouped
 GEMM reads wo_a's load-time bf16 copy: 2 bytes per weight (flash: 67 MB per layer). Here each program
 (an N tile of one group, a block of 16 rows) streams its group's I = heads·hd inputs in K chunks:
 
-* merge: per chunk (within one head) the S partials are read and merged as `_merge_splits` does (m_t =
+* merge: per chunk (within one head) the S partials are read and merged as `common.merge_splits` does (m_t =
   max over splits, 0 when all are −inf; w_s = exp(m_s − m_t); num = Σ_s acc_s·w_s left to right; denom =
   Σ_s l_s·w_s + exp(sink − m_t)), divided and rounded to dt. With one split the attention kernel already
   wrote o in dt, which is read as it is;
@@ -44,11 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec
+from dsv41_jax.model import codec, dispatch
+from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
 NAME = "o_proj"
-_MIN_DOT = 16
+_MIN_DOT = common.MIN_DOT
 
 
 def ref_o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, sink=None):
@@ -57,13 +58,12 @@ def ref_o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, sink=None):
     [H]; wo_a: {"weight": e4m3 [G·R, I], "scale": E8M0 [G·R/32, I/32]}. Returns [B, T, G·R] in dt."""
     from dsv41_jax.model import quant
     from dsv41_jax.model.rope import apply_rope
-    from dsv41_jax.pallas.sparse_attention import _merge_splits
 
     dt = jnp.dtype(dt)
     if isinstance(o, dict):
         H = sink.shape[0]
         hp = o["m"].shape[-1]
-        o = _merge_splits(o["acc"], o["m"], o["l"], jnp.pad(sink.astype(jnp.float32), (0, hp - H))).astype(dt)[:, :, :H]
+        o = common.merge_splits(o["acc"], o["m"], o["l"], jnp.pad(sink.astype(jnp.float32), (0, hp - H))).astype(dt)[:, :, :H]
     B, T, H, hd = o.shape
     o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt).reshape(B, T, G, H * hd // G)
     wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
@@ -110,7 +110,7 @@ def _kernel(lay_ref, *refs, c):
         h = g * hpg + lax.div(kc * bk, hd)  # a chunk lies in one head (bk divides hd)
         d = lax.rem(kc * bk, hd) + lane
         stats = None
-        if c["partials"]:  # _merge_splits' max (0 when every split is empty) and denominator, split by split
+        if c["partials"]:  # common.merge_splits' max (0 when every split is empty) and denominator, split by split
             mt = lax.fori_loop(1, S, lambda s, m: jnp.maximum(m, m_ref[(s * M + rows) * hp + h]), m_ref[rows * hp + h])
             mt = jnp.where(mt == -jnp.inf, 0.0, mt)
 
@@ -144,6 +144,28 @@ def _kernel(lay_ref, *refs, c):
     pltriton.store(o_ref.at[pl.ds(r0, bm), pl.ds(g * c["R"] + j * bn, bn)], acc.astype(o_ref.dtype), mask=live)
 
 
+def _tiles(R: int, hd: int, rd: int, block_n=None, block_k=None) -> tuple:
+    """(block_n, block_k) for R output rows per group, head_dim hd and rd rope dims, or NotImplementedError."""
+    bn = block_n or math.gcd(R, 64)
+    bk = block_k or math.gcd(hd, 64)  # 64-wide chunks: the merged tile, its partner and the weight tile in registers
+    if (hd % bk or bk % 32 or not common.is_pow2(bk) or bn < _MIN_DOT or not common.is_pow2(bn) or R % bn or R % 32
+            or hd & 1 or rd > hd):
+        raise NotImplementedError(f"o_proj kernel: tiles block_n={bn} / block_k={bk} do not fit R={R}, head_dim={hd}"
+                                  f" (rope dims {rd})")
+    return bn, bk
+
+
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether `kernel` runs `cfg`'s output projection: the fp32 numerics and its default tiles (`_tiles`)."""
+    if is_exact(cfg):
+        return False
+    try:
+        _tiles(cfg.o_lora_rank, cfg.head_dim, cfg.qk_rope_head_dim)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _u8(a):
     return a if a.dtype == jnp.uint8 else lax.bitcast_convert_type(a, jnp.uint8)
 
@@ -172,12 +194,7 @@ def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=No
     if w.shape[-2:] != (G * R, I) or (w.ndim == 3) != stacked or (partials and (sink.ndim == 2) != stacked):
         raise ValueError(f"o_proj kernel: wo_a {w.shape} (sink {None if sink is None else sink.shape}) does not fit "
                          f"{G} groups of {R} x {I}" + (" stacked with a layer" if stacked else ""))
-    bn = block_n or math.gcd(R, 64)
-    bk = block_k or math.gcd(hd, 64)  # 64-wide chunks: the merged tile, its partner and the weight tile in registers
-    if (hd % bk or bk % 32 or bk & (bk - 1) or bn < _MIN_DOT or bn & (bn - 1) or R % bn or R % 32 or hd & 1
-            or rd > hd):
-        raise NotImplementedError(f"o_proj kernel: tiles block_n={bn} / block_k={bk} do not fit R={R}, head_dim={hd}"
-                                  f" (rope dims {rd})")
+    bn, bk = _tiles(R, hd, rd, block_n, block_k)
     M = B * T
     if M == 0:
         return jnp.zeros((B, T, G * R), dt)
@@ -211,3 +228,6 @@ def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=No
         compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
         name=f"{NAME}_s{S}_n{bn}_k{bk}")(*ins)
     return y.reshape(B, T, G * R)
+
+
+dispatch.register("linear", "o_proj", kernel=kernel, reference=ref_o_proj, supports=supports)

@@ -7,7 +7,7 @@ compute — the spec's GEMM of an fp8-quantized activation with a stored weight 
   e4m3 RNE of x/s) runs in registers on each K chunk, on the rows the program holds
   (`moe_mxfp4._fake_quant_fp8`, bitwise the jnp definition), so no quantized copy of x is written;
 * the weight is read at stored width — fp8: e4m3 bytes [N, K] and one E8M0 byte per 32×32 block
-  ([⌈N/32⌉, K/32]); MXFP4: packed e2m1 [N, K/2] (as uint16 byte pairs, `moe_mxfp4._flat`) and one
+  ([⌈N/32⌉, K/32]); MXFP4: packed e2m1 [N, K/2] (as uint16 byte pairs, `common.flat`) and one
   E8M0 byte per 32 along K ([N, K/32]) — and decoded in registers with the shared `model.codec`
   definitions;
 * both operands are then exact in bf16 (an e4m3 or e2m1 value times a power of two), so one bf16 dot
@@ -60,15 +60,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec, linear, quant
+from dsv41_jax.model import codec, dispatch, linear, quant
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
-from dsv41_jax.pallas import moe_mxfp4 as mx
-from dsv41_jax.pallas import sparse_attention as sa
 
 NAME = "quant_linear"
 FORMATS = ("fp8", "mxfp4")
-_MIN_DOT = 16  # the smallest tt.dot tile edge
+_MIN_DOT = common.MIN_DOT
 
 # The alternatives worth timing on a GPU (scripts/bench_kernels.py --ops linear); the first is the default.
 # At decode a [64, K] fp8 slab per program gives flash's wq_b (32768 rows) 512 programs and its wq_a
@@ -91,6 +89,17 @@ def ref_linear(x, p, fmt: str, cfg, dt):
     return linear.fp8(x, p, cfg, dt) if fmt == "fp8" else linear.mxfp4(x, p, cfg, dt)
 
 
+def ref_linear_dual(x, p1, p2, fmt: str, dt, cfg=None):
+    """The oracle of `kernel_dual`: the two GEMMs one after the other (`ref_linear`)."""
+    return ref_linear(x, p1, fmt, cfg, dt), ref_linear(x, p2, fmt, cfg, dt)
+
+
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether the linear kernels run `cfg`: the fp32 numerics (each matmul's tiles are checked per call:
+    a shape they do not divide is refused, NotImplementedError)."""
+    return not is_exact(cfg)
+
+
 # ------------------------------------------------------------------------------------------ kernel
 
 
@@ -99,7 +108,7 @@ def _fp8_tile(w_ref, s_ref, w0, srow, kc, bn: int, bk: int):
     their 32x32 blocks' E8M0 scales (srow: each row's scale row), bf16 (exact)."""
     scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
     w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
-    return (w * sa._expand(scale, 32)).astype(jnp.bfloat16)
+    return (w * common.expand(scale, 32)).astype(jnp.bfloat16)
 
 
 def _kernel(layer_ref, x_ref, *refs, c):
@@ -137,7 +146,7 @@ def _kernel(layer_ref, x_ref, *refs, c):
         scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
         pairs = w_ref[pl.ds(w0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
         by = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(bn, bk // 2)
-        return (codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * sa._expand(scale, 32)).astype(jnp.bfloat16)
+        return (codec.e2m1_decode(codec.unpack_nibbles(by, jnp), jnp) * common.expand(scale, 32)).astype(jnp.bfloat16)
 
     if c["norm"]:  # the rows' Σx² first (x is a few KB per row: a second read of it hits L1 / L2)
         def sq(kc, ss):
@@ -152,8 +161,8 @@ def _kernel(layer_ref, x_ref, *refs, c):
         if c["norm"]:  # norm.rmsnorm's fp32 formula, rounded to dt as its output is
             nw = nw_ref[pl.ds(lay * c["K"] + kc * bk, bk)].astype(jnp.float32)
             xb = (xb * r * nw[None, :]).astype(o_ref.dtype).astype(jnp.float32)
-        xq = mx._fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
-        return tuple(acc + mx._dot_nt(xq, wtile(w_ref, s_ref, kc)) for acc, (w_ref, s_ref) in zip(accs, ws))
+        xq = common.fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
+        return tuple(acc + common.dot_nt(xq, wtile(w_ref, s_ref, kc)) for acc, (w_ref, s_ref) in zip(accs, ws))
 
     accs = lax.fori_loop(0, c["K"] // bk, kstep, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in ws))
     dt = o_ref.dtype
@@ -194,8 +203,8 @@ def _dual_kernel(layer_ref, x_ref, w1_ref, s1_ref, w2_ref, s2_ref, o1_ref, o2_re
         srow = lax.div(n0 + lax.iota(jnp.int32, bn), 32) + lay * (-(-N // 32))
 
         def kstep(kc, acc):
-            xq = mx._fake_quant_fp8(x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
-            return acc + mx._dot_nt(xq, _fp8_tile(w_ref, s_ref, w0, srow, kc, bn, bk))
+            xq = common.fake_quant_fp8(x_ref[xrows, pl.ds(kc * bk, bk)].astype(jnp.float32)).astype(jnp.bfloat16)
+            return acc + common.dot_nt(xq, _fp8_tile(w_ref, s_ref, w0, srow, kc, bn, bk))
 
         return lax.fori_loop(0, c["K"] // bk, kstep, jnp.zeros((bm, bn), jnp.float32))
 
@@ -359,8 +368,8 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     pl_ = _plan(M, N, K, block_m, block_n, block_k)  # block_n a power of two >= 16: a pair never straddles tiles
     bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
     x2 = x.reshape(M, K)
-    wb = mx._flat(w, pairs=fmt == "mxfp4", kernel=NAME)  # [(n·)N, K or K/4]: a stack's layers one after another
-    sb = mx._flat(s, kernel=NAME)
+    wb = common.flat(w, pairs=fmt == "mxfp4", kernel=NAME)  # [(n·)N, K or K/4]: a stack's layers one after another
+    sb = common.flat(s, kernel=NAME)
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     common.log_choice(NAME, interpret, block_m=bm, block_n=bn, block_k=bk, num_warps=num_warps, num_stages=num_stages)
 
@@ -374,7 +383,7 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     out = jax.ShapeDtypeStruct((M, N), dt)
     operands = [lay, x2, wb, sb]
     if gated:
-        operands += [mx._flat(p_up["weight"], pairs=fmt == "mxfp4", kernel=NAME), mx._flat(p_up["scale"], kernel=NAME)]
+        operands += [common.flat(p_up["weight"], pairs=fmt == "mxfp4", kernel=NAME), common.flat(p_up["scale"], kernel=NAME)]
     if norm is not None:
         operands.append(norm[0].reshape(-1))
     if rope is not None:
@@ -451,8 +460,8 @@ def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, b
     bk = _plan(M, N1, K, None, bn, block_k)["bk"]
     bm = min(64, max(_MIN_DOT, common.next_pow2(M)))
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    ops = [lay, x.reshape(M, K)] + [a for p in (p1, p2) for a in (mx._flat(p["weight"], kernel=NAME),
-                                                                 mx._flat(p["scale"], kernel=NAME))]
+    ops = [lay, x.reshape(M, K)] + [a for p in (p1, p2) for a in (common.flat(p["weight"], kernel=NAME),
+                                                                 common.flat(p["scale"], kernel=NAME))]
     common.log_choice(NAME + "_dual", interpret, block_m=bm, block_n=bn, block_k=bk)
 
     def whole(a):
@@ -471,9 +480,5 @@ def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, b
     return y1.reshape(*lead, N1), y2.reshape(*lead, N2)
 
 
-def o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=None, interpret: bool = False):
-    """The linear op's o_proj entry (`linear.o_proj`): the attention output's merge, inverse RoPE and grouped
-    fp8 wo_a in one launch (`pallas/o_proj.py`)."""
-    from dsv41_jax.pallas import o_proj as op
-
-    return op.kernel(o, wo_a, positions, freqs, G, R, dt, sink=sink, layer=layer, interpret=interpret)
+dispatch.register("linear", "kernel", kernel=kernel, reference=ref_linear, supports=supports)
+dispatch.register("linear", "kernel_dual", kernel=kernel_dual, reference=ref_linear_dual, supports=supports)

@@ -58,7 +58,7 @@ default is block_h 64, block_k 16, block_d 64, 8 warps; below that block_h 32, b
 
 Split-K: small batches give few programs (decode at batch 1: 2 programs on a 132-SM H200), so the key
 blocks of a query may be split over `num_splits` programs that write unnormalized partials
-(acc, m, l) merged in XLA (`_merge_splits`: the flash-decoding merge plus the sink). The default
+(acc, m, l) merged in XLA (`common.merge_splits`: the flash-decoding merge plus the sink). The default
 aims at about two waves of programs with at least 4 key blocks per split; 1 split writes the
 normalized output directly.
 """
@@ -73,14 +73,15 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dsv41_jax.model import attention
+from dsv41_jax.model import attention, dispatch
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import quant
 from dsv41_jax.model.codec import e2m1_decode, e4m3_decode, e8m0_decode
-from dsv41_jax.pallas.common import log_choice, next_pow2, triton_params
+from dsv41_jax.model.numerics import is_exact
+from dsv41_jax.pallas.common import MIN_DOT, expand, is_pow2, log_choice, merge_splits, next_pow2, triton_params
 
 NAME = "sparse_attention"
-_MIN_DOT = 16  # the smallest tt.dot tile edge (M, N, K)
+_MIN_DOT = MIN_DOT
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H200 (split-K heuristic)
 _MIN_BLOCKS_PER_SPLIT = 4
 
@@ -104,6 +105,16 @@ def ref_sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid,
         raise ValueError(f"ref_sparse_attention: impl must be 'xla' or 'reference', got {impl!r}")
     return attention.sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table,
                                       sel, ratio=ratio, page_size=page_size, window=window, mode=mode, impl=impl)
+
+
+def _head_dim_ok(hd: int) -> bool:
+    return hd >= 32 and is_pow2(hd)
+
+
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether `kernel` runs `cfg`: the fp32 numerics (not exact / deterministic) and a head_dim that is a
+    power of two ≥ 32; every ``kv_cache_dtype`` `mode` (its codecs are all read in-kernel)."""
+    return not is_exact(cfg) and _head_dim_ok(cfg.head_dim)
 
 
 # ------------------------------------------------------------------------------ storage as raw bits
@@ -130,24 +141,18 @@ def _raw_codes(st: dict, codec: str) -> list:
     raise NotImplementedError(f"sparse_attention kernel: storage codec {codec!r}")
 
 
-def _expand(s, block: int):
-    """Per-block scales [n, G] -> per-element [n, G·block] (broadcast + reshape: no gather)."""
-    n, g = s.shape
-    return jnp.broadcast_to(s[:, :, None], (n, g, block)).reshape(n, g * block)
-
-
 def _load_rows(codec: str, refs, rows, col: int, dc: int, dt):
     """Gather columns [col, col + dc) of pool rows `rows` int32 [BK] of one store and dequantize:
     [BK, dc] in `dt`, exactly `cache.decode`'s values (`col`, `dc` multiples of the scale block)."""
     bk = rows.shape[0]
     if codec == "fp8":
         v = e4m3_decode(refs[0][rows, pl.ds(col, dc)].astype(jnp.int32), jnp)
-        v = v * _expand(e8m0_decode(refs[1][rows, pl.ds(col // 32, dc // 32)].astype(jnp.int32), jnp), 32)
+        v = v * expand(e8m0_decode(refs[1][rows, pl.ds(col // 32, dc // 32)].astype(jnp.int32), jnp), 32)
     elif codec == "fp4_e4m3":
         packed = refs[0][rows, pl.ds(col // 2, dc // 2)].astype(jnp.int32)  # low nibble = even element
         codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(bk, dc)
         scale = e4m3_decode(refs[1][rows, pl.ds(col // 16, dc // 16)].astype(jnp.int32), jnp)
-        v = e2m1_decode(codes, jnp) * _expand(scale, 16)
+        v = e2m1_decode(codes, jnp) * expand(scale, 16)
     else:
         v = refs[0][rows, pl.ds(col, dc)].astype(jnp.float32)
     return v.astype(dt)
@@ -279,16 +284,6 @@ def _kernel(*refs, c):
         l_ref[...] = l
 
 
-def _merge_splits(acc, m, l, sink):
-    """Partials acc fp32 [S, B, T, Hp, hd], m / l fp32 [S, B, T, Hp] -> normalized [B, T, Hp, hd] fp32."""
-    mt = jnp.max(m, axis=0)
-    mt = jnp.where(mt == -jnp.inf, 0.0, mt)
-    w = jnp.exp(m - mt[None])  # empty split: exp(−inf) = 0
-    num = jnp.sum(acc * w[..., None], axis=0)
-    denom = jnp.sum(l * w, axis=0) + jnp.exp(sink[None, None, :] - mt)
-    return num / denom[..., None]
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -363,7 +358,7 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     if dt not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"sparse_attention kernel: q must be bf16 or fp32, got {dt}")
     B, T, H, hd = q.shape
-    if hd < 32 or hd & (hd - 1):
+    if not _head_dim_ok(hd):
         raise NotImplementedError(f"sparse_attention kernel: head_dim {hd} must be a power of two >= 32")
     W = int(window)
     win_codec = kvc._codec("win", mode)
@@ -440,7 +435,7 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     elif not merge:
         return {"acc": outs[0], "m": outs[1], "l": outs[2]}
     else:
-        out = _merge_splits(*outs, sinkp).astype(dt)
+        out = merge_splits(*outs, sinkp).astype(dt)
     return out[:, :, :H]
 
 
@@ -553,10 +548,4 @@ def bytes_moved(q, sink, ring, ring_rows, new, start, positions, valid, comp, pa
     return int(total)
 
 
-def window_codes(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None, interpret: bool = False):
-    """The attention op's second kernel entry (`attention.window_codes`): a layer's new window codes from its
-    wkv output, kv_norm + RoPE + fp8 codes in one launch, optionally written into the rings too
-    (`pallas/window_codes.py`)."""
-    from dsv41_jax.pallas import window_codes as wc
-
-    return wc.kernel(y, norm_w, positions, freqs, eps, dt, layer=layer, ring=ring, interpret=interpret)
+dispatch.register("attention", "kernel", kernel=kernel, reference=ref_sparse_attention, supports=supports)

@@ -18,9 +18,9 @@ flash) and does all of it:
   a·sin + b·cos), rounded once to dt). The Triton lowering cannot slice register tensors, so each pair's
   partner comes from a second gather of the row at the partner columns (col ^ 1 in the rotated tail),
   normed the same way (bitwise the partner's value);
-* the window codec "fp8" (`quant.act_quant_fp8`: per 32, amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉, e4m3 RNE
-  of clamp(x/s, ±448)) with the bytes made by integer ops (`codec.e4m3_encode`, the scale's e8m0 byte
-  e + 127): no fp8 dtype in the kernel.
+* the window codec "fp8" (`codec.fp8_act_codes`, `quant.act_quant_fp8`'s one definition: per 32,
+  amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉, e4m3 RNE of clamp(x/s, ±448)) with the bytes made by integer ops
+  (`codec.e4m3_encode`, `codec.e8m0_encode_exponent`): no fp8 dtype in the kernel.
 
 Other window codecs (the fp8_e4m3 / bf16 / fp32 ``kv_cache_dtype`` modes keep fp8 for the window except
 bf16 / fp32) have no kernel: the seam runs the jnp composition for them (logged once). The exact /
@@ -49,14 +49,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import codec, quant
+from dsv41_jax.model import codec, dispatch, quant
+from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.pallas import common
 
 NAME = "window_codes"
 TOKEN_BLOCK = 16
-_ACT_AMAX_FLOOR = 1e-4  # quant.act_quant_fp8's
 
 
 def ref_window_codes(y, norm_w, positions, freqs, eps: float, dt, mode: str) -> dict:
@@ -65,9 +65,16 @@ def ref_window_codes(y, norm_w, positions, freqs, eps: float, dt, mode: str) -> 
     return kvc.encode("win", mode, apply_rope(kv, positions, freqs, out_dtype=dt))
 
 
-def supports(mode: str) -> bool:
-    """Whether the kernel makes the window codes of `mode` (``kv_cache_dtype``): the "fp8" window codec."""
-    return kvc._codec("win", mode) == "fp8"
+def _geometry_ok(hd: int, rd: int) -> bool:
+    """head_dim a power of two (a multiple of 32), the rope dims an even tail of it."""
+    return hd % 32 == 0 and common.is_pow2(hd) and rd <= hd and rd % 2 == 0 and (hd - rd) % 2 == 0
+
+
+def supports(cfg, mode: str = "auto") -> bool:
+    """Whether the kernel makes `cfg`'s window codes with ``kv_cache_dtype`` `mode`: the fp32 numerics, the
+    "fp8" window codec, and head / rope dims it tiles (`_geometry_ok`)."""
+    return (not is_exact(cfg) and kvc._codec("win", mode) == "fp8"
+            and _geometry_ok(cfg.head_dim, cfg.qk_rope_head_dim))
 
 
 def _kernel(*refs, c):
@@ -104,21 +111,19 @@ def _kernel(*refs, c):
     even = (col & 1) == 0
     rot = jnp.where(even[None, :], kv * cs - kvp * sn, kvp * sn + kv * cs)
     v = jnp.where(rope[None, :], rot, kv).astype(dt).astype(jnp.float32)
-    # quant.act_quant_fp8 per 32, to bytes
-    amax = jnp.maximum(jnp.max(jnp.abs(v).reshape(bm, hd // 32, 32), axis=2), _ACT_AMAX_FLOOR)
-    e = codec.ceil_log2(amax / codec.E4M3_MAX, jnp)  # amax / 448 ≥ 2.2e-7: a normal fp32
-    inv = jnp.broadcast_to(codec.exp2_int(-e, jnp)[:, :, None], (bm, hd // 32, 32)).reshape(bm, hd)
-    yq = jnp.clip(v * inv, -codec.E4M3_MAX, codec.E4M3_MAX)  # v / s, exact (s a power of two)
-    qb = codec.e4m3_encode(codec.round_e4m3(yq, jnp), jnp)
+    # quant.act_quant_fp8 per 32 (`codec.fp8_act_codes`), to bytes
+    yq, e = codec.fp8_act_codes(v, jnp)
+    qb = codec.e4m3_encode(yq, jnp).reshape(bm, hd)
+    sb = codec.e8m0_encode_exponent(e, jnp)
     live = (r0 + lax.iota(jnp.int32, bm) < M)[:, None]
     pltriton.store(q_ref.at[pl.ds(r0, bm), :], qb.astype(jnp.uint8), mask=live)
-    pltriton.store(s_ref.at[pl.ds(r0, bm), :], (e + 127).astype(jnp.uint8), mask=live)
+    pltriton.store(s_ref.at[pl.ds(r0, bm), :], sb, mask=live)
     if c["ring"]:  # the ring entry pos mod W of the token's row (a dropped token's: the scratch row's)
         W = c["W"]
         ring_row = jnp.where(rw_ref[rows] != 0, rr_ref[rows], c["R"] - 1)
         dest = (ring_row * c["L"] + rl_ref[0] + c["base"]) * W + lax.rem(pos_ref[rows], W)
         rq_ref[dest[:, None], col[None, :]] = qb.astype(jnp.uint8)
-        rs_ref[dest[:, None], lax.iota(jnp.int32, hd // 32)[None, :]] = (e + 127).astype(jnp.uint8)
+        rs_ref[dest[:, None], lax.iota(jnp.int32, hd // 32)[None, :]] = sb
 
 
 def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None, interpret: bool = False):
@@ -138,7 +143,7 @@ def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None
     hd = y.shape[-1]
     lead = y.shape[:-1]
     rd = 2 * int(np.shape(freqs)[-1])
-    if hd % 32 or hd & (hd - 1) or rd > hd or rd % 2 or (hd - rd) % 2:
+    if not _geometry_ok(hd, rd):
         raise NotImplementedError(f"window_codes kernel: head_dim {hd} must be a power of two (a multiple of 32) "
                                   f"and the rope dims {rd} an even tail of it")
     if norm_w.shape != ((hd,) if layer is None else (norm_w.shape[0], hd)):
@@ -189,3 +194,6 @@ def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None
         return codes
     return codes, {"q": lax.bitcast_convert_type(outs[2].reshape(store["q"].shape), quant.FP8),
                    "s": lax.bitcast_convert_type(outs[3].reshape(store["s"].shape), quant.E8M0)}
+
+
+dispatch.register("attention", "window_codes", kernel=kernel, reference=ref_window_codes, supports=supports)
