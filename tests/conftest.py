@@ -259,6 +259,20 @@ def mini_params(mini_cfg):
     return init_params(mini_cfg, jax.random.key(0))
 
 
+@pytest.fixture
+def drop_kernels(monkeypatch):
+    """drop(op): take every kernel of `op` out of the dispatch registry for one test (how a missing
+    kernel is refused); the registry and the resolution cache are restored after it."""
+    from dsv41_jax.model import dispatch
+
+    def drop(op: str) -> None:
+        monkeypatch.setattr(dispatch, "_REGISTRY", {k: v for k, v in dispatch.registry().items() if k[0] != op})
+        dispatch._resolve.cache_clear()
+
+    yield drop
+    dispatch._resolve.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def pallas_impl():
     """"pallas" on a GPU, "pallas_interpret" elsewhere (the same kernel body through the HLO interpreter):

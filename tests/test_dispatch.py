@@ -27,18 +27,16 @@ def test_parse_errors_name_the_problem(spec, words):
         D.parse_impl(spec)
 
 
-def test_resolve_auto_is_xla_without_kernels_and_pallas_is_a_clear_error(monkeypatch):
+def test_resolve_auto_is_xla_without_kernels_and_pallas_is_a_clear_error(drop_kernels):
     assert D.resolve("auto", "moe") == "xla"
     assert D.resolve("reference", "indexer") == "reference"
-    # every op has a kernel today; an op without one (the registry entry removed) is a clear error
-    monkeypatch.delitem(D.KERNEL_MODULES, "linear")
-    D._resolve.cache_clear()
-    try:
-        for name in ("pallas", "pallas_interpret"):
-            with pytest.raises(D.ImplError, match="no Pallas kernel"):
-                D.resolve(f"xla,linear={name}", "linear")
-    finally:
-        D._resolve.cache_clear()
+    # every op has a kernel today; an op without one (its registry entries removed) is a clear error
+    drop_kernels("linear")
+    for name in ("pallas", "pallas_interpret"):
+        with pytest.raises(D.ImplError, match="no Pallas kernel"):
+            D.resolve(f"xla,linear={name}", "linear")
+        with pytest.raises(D.ImplError, match="no Pallas kernel 'o_proj' for op 'linear'"):
+            D.kernel("linear", name, "o_proj")
     with pytest.raises(D.ImplError, match="unknown op"):
         D.resolve("xla", "mlp")
 
@@ -58,8 +56,8 @@ def test_auto_on_gpu_picks_the_kernels_measured_faster():
     kernels, Engram stays on XLA; mHC runs its kernel, XLA's unrolled Sinkhorn being too slow to compile
     on a GPU and its loop ~3x the launches; the MoE kernel, 1.4-4.5x the xla path at decode sizes); an explicit
     "pallas" still runs every kernel; off-GPU "auto" is xla."""
-    assert {op: D._resolve("auto", op, "gpu") for op in D.KERNEL_MODULES} == {
+    assert {op: D._resolve("auto", op, "gpu") for op, _ in D.registry()} == {
         "attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas",
         "linear": "xla"}  # linear: its kernel has not been timed on a GPU yet
-    assert all(D._resolve("pallas", op, "gpu") == "pallas" for op in D.KERNEL_MODULES)
+    assert all(D._resolve("pallas", op, "gpu") == "pallas" for op, _ in D.registry())
     assert all(D._resolve("auto", op, "cpu") == "xla" for op in D.OPS)

@@ -128,7 +128,7 @@ def test_args_buckets_and_cli():
         EngineArgs.from_kwargs(max_runing_requests=3)
 
 
-def test_impl_flag(eng, caplog, monkeypatch):
+def test_impl_flag(eng, caplog, drop_kernels):
     """--impl: "auto" by default (the engine's config runs it), parsed and resolved at start-up, each
     op's choice logged; a malformed spec or one this backend cannot honour is refused before loading."""
     import argparse
@@ -147,16 +147,12 @@ def test_impl_flag(eng, caplog, monkeypatch):
             EngineArgs(impl=bad)
     # "pallas" for an op without a kernel (every op has one today: the registry entry removed here) is
     # refused by the engine before the model loads
-    monkeypatch.delitem(dispatch.KERNEL_MODULES, "linear")
-    dispatch._resolve.cache_clear()
-    try:
-        spec = "xla,linear=pallas"
-        with pytest.raises(ValueError, match="no Pallas kernel"):
-            EngineArgs(impl=spec).resolved_impl()
-        with pytest.raises(EngineError, match="--impl"):
-            Engine(EngineArgs(**dict(ENGINE_KW, impl=spec)))
-    finally:
-        dispatch._resolve.cache_clear()
+    drop_kernels("linear")
+    spec = "xla,linear=pallas"
+    with pytest.raises(ValueError, match="no Pallas kernel"):
+        EngineArgs(impl=spec).resolved_impl()
+    with pytest.raises(EngineError, match="--impl"):
+        Engine(EngineArgs(**dict(ENGINE_KW, impl=spec)))
 
 
 def test_shared_allocator_refcounts():

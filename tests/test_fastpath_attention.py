@@ -391,7 +391,7 @@ def _all_kernels(cfg, pallas_impl):
     """Every op with a Pallas kernel on `pallas_impl` (moe and linear's fp8 / MXFP4 GEMMs included)."""
     from dsv41_jax.model import dispatch
 
-    kern = sorted(dispatch.KERNEL_MODULES)
+    kern = sorted({op for op, _ in dispatch.registry()})
     assert set(kern) == {"attention", "indexer", "engram", "mhc", "moe", "linear"}, kern
     return cfg.replace(impl=",".join(["xla"] + [f"{op}={pallas_impl}" for op in kern]))
 

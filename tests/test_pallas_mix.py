@@ -281,7 +281,7 @@ def test_mhc_exact_mode_auto_is_xla(pallas_impl, tiny_cfg, monkeypatch):
 def test_bench_inputs_match_their_xla_functions():
     """bench_inputs: every part's kernel and XLA function take the same args and give the same
     shapes and dtypes (traced only); bytes_moved is positive and grows with tokens."""
-    assert dispatch.KERNEL_MODULES["engram"] == "engram_gather" and dispatch.KERNEL_MODULES["mhc"] == "mhc_mix"
+    assert dispatch.kernel("engram", "pallas") is eg.kernel and dispatch.kernel("mhc", "pallas") is mm.sublayer_enter
     for mod, kw in ((eg, {"table_rows": 64}), (mm, {})):
         cases = mod.bench_inputs(3, interpret=True, **kw)
         for part, (kfn, xfn, args) in cases.items():

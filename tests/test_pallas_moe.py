@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import ModelConfig, dispatch, moe, quant
+from dsv41_jax.pallas import common
 from dsv41_jax.pallas import moe_mxfp4 as mk
 from dsv41_jax.parallel.plan import MeshPlan
 
@@ -205,11 +206,11 @@ def test_packed_weights_enter_as_byte_pairs_and_wrapping_offsets_are_refused():
     assert [(a.shape, a.dtype) for a in avals] == [((E * I, D // 4), jnp.uint16), ((E * I, D // 32), jnp.uint8)] * 2 \
         + [((E * D, I // 4), jnp.uint16), ((E * D, I // 32), jnp.uint8)]
     assert max(a.size for a in avals) < 2**31 < 384 * I * D // 2  # one layer's w1 as bytes would wrap
-    mk._check_offsets(sds((2**31,), jnp.uint8))  # offsets up to 2^31 - 1
-    mk._check_offsets(sds((2**31,), jnp.uint16))  # 2^32 bytes, the same
-    mk._check_offsets(sds((2**31 + 1,), jnp.uint16))  # over 2^32 bytes: the lowering's int64 offsets
+    common.check_offsets(sds((2**31,), jnp.uint8))  # offsets up to 2^31 - 1
+    common.check_offsets(sds((2**31,), jnp.uint16))  # 2^32 bytes, the same
+    common.check_offsets(sds((2**31 + 1,), jnp.uint16))  # over 2^32 bytes: the lowering's int64 offsets
     with pytest.raises(NotImplementedError, match="wrapping int32 offsets"):
-        mk._check_offsets(sds((2**31 + 1,), jnp.uint8))
+        common.check_offsets(sds((2**31 + 1,), jnp.uint8))
 
 
 @pytest.mark.slow
@@ -243,7 +244,7 @@ def test_in_kernel_fp8_quant_is_quants_bitwise():
             np.full(32, 3e-5) * rng.choice([-1, 1], 32),
             np.full(32, 2.0 ** 7)]
     a = np.stack([np.resize(r, 64) for r in rows * 4]).astype(np.float32)  # [16, 64]
-    got = jax.jit(mk._fake_quant_fp8)(jnp.asarray(a))
+    got = jax.jit(common.fake_quant_fp8)(jnp.asarray(a))
     want = quant.fake_quant_fp8(jnp.asarray(a), out_dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 

@@ -1,5 +1,5 @@
 """The o_proj kernel (dsv41_jax/pallas/o_proj.py: the attention kernel's split-K merge, the inverse RoPE and
-the grouped fp8 wo_a in one launch) against its reference chain (`ref_o_proj`: `_merge_splits`,
+the grouped fp8 wo_a in one launch) against its reference chain (`ref_o_proj`: `common.merge_splits`,
 `rope.apply_rope(inverse=True)`, the wo_a einsum on the dequantized weight), natively on a GPU and in
 interpret mode elsewhere (`pallas_impl`).
 
@@ -24,6 +24,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, attention, quant
 from dsv41_jax.model.rope import rope_freqs
+from dsv41_jax.pallas import common
 from dsv41_jax.pallas import o_proj as op
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -96,12 +97,10 @@ def _bound(o_merged, w):
 
 @pytest.mark.parametrize("order_free", [True, False], ids=["order_free", "dense"])
 def test_fp32_flow_within_the_summation_bound(pallas_impl, order_free):
-    from dsv41_jax.pallas.sparse_attention import _merge_splits
-
     rng, w, fr, sink, pos = _setup(2, order_free)
     parts = _partials(rng, 3, 2, 1, 16, exact_merge=True)  # the merge exact in any order: only the rest differs
     got, want = _run(pallas_impl, parts, w, pos, fr, F32, sink)
-    o = _merge_splits(parts["acc"], parts["m"], parts["l"], jnp.pad(sink, (0, 12)))[:, :, :H]
+    o = common.merge_splits(parts["acc"], parts["m"], parts["l"], jnp.pad(sink, (0, 12)))[:, :, :H]
     assert np.abs(want).max() > 0
     assert (np.abs(got - want) <= _bound(o, w)).all(), float(np.max(np.abs(got - want) - _bound(o, w)))
     o = jnp.asarray(rng.standard_normal((1, 3, H, HD)), F32)
