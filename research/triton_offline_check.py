@@ -31,24 +31,26 @@ def _launches(op, shape, mode, knobs):
 
     B, ctx, T = SHAPES[shape]
     if op == "attention":
+        from dsv41_jax.pallas import costs
         from dsv41_jax.pallas import sparse_attention as sa
 
-        inputs, kw = sa.bench_inputs(B, ctx, T, mode=mode, dtype=jnp.bfloat16)
+        inputs, kw = costs.attention_bench_inputs(B, ctx, T, mode=mode, dtype=jnp.bfloat16)
         for kn in knobs:
             eff = sa.effective_knobs(*inputs, **kw, **kn)
             yield {"mode": mode, **eff}, functools.partial(sa.kernel, interpret=False, **kw, **kn), inputs
     elif op == "indexer":
+        from dsv41_jax.pallas import costs
         from dsv41_jax.pallas import indexer_topk as it
 
         for kind in ("dense", "source", "masked"):
-            args, kw = it.bench_inputs(B, ctx, T, mode=mode, kind=kind)
+            args, kw = costs.indexer_bench_inputs(B, ctx, T, mode=mode, kind=kind)
             yield {"mode": mode, "kind": kind}, functools.partial(it.kernel, interpret=False, **kw), args
     else:
-        from dsv41_jax.pallas import engram_gather, mhc_mix
+        from dsv41_jax.pallas import costs
 
-        mod = engram_gather if op == "engram" else mhc_mix
+        bench_inputs = costs.engram_bench_inputs if op == "engram" else costs.mhc_bench_inputs
         extra = {"table_rows": 4096} if op == "engram" else {}
-        for part, (kfn, _xla, args) in mod.bench_inputs(B * T, seed=0, interpret=False, **extra).items():
+        for part, (kfn, _xla, args) in bench_inputs(B * T, seed=0, interpret=False, **extra).items():
             yield {"part": part, "tokens": B * T}, kfn, args
 
 

@@ -13,7 +13,7 @@ traced and compiled, per (impl, batch):
   output row against its own group only) and the bytes of both operands at the dtype they enter
   the matmul. ``while`` loops with data-dependent trip counts are counted once and reported.
   A Pallas kernel counts by its bytes-moved contract, not by its body's block-sized dots: the MoE
-  kernel (``--impls "xla,moe=pallas" --no-compile``; `pallas.moe_mxfp4.bytes_moved`: the selected
+  kernel (``--impls "xla,moe=pallas" --no-compile``; `pallas.costs.moe_bytes_moved`: the selected
   experts' stored bytes once per non-empty group, plus activations) at the expected number of
   distinct experts the batch selects — the same expectation as the ideal's — with the bound for
   every group non-empty beside it (``bytes_x_ideal_all_groups``); another kernel by its declared
@@ -151,21 +151,21 @@ def expected_distinct(E: int, k: int, n_tok: float) -> float:
 
 def _kernel_cost(eqn, routing) -> dict | None:
     """A Pallas kernel counted by its bytes-moved contract instead of its body's block-sized dots:
-    the MoE kernel (`pallas.moe_mxfp4.call_geometry` / `bytes_moved`) at the expected number of
+    the MoE kernel (`pallas.costs.moe_call_geometry` / `moe_bytes_moved`) at the expected number of
     non-empty groups, ``routing = (E, k)`` (the ideal's expectation), with the all-groups bound (its
     declared `pl.CostEstimate`) beside it; another kernel with a cost estimate by that estimate.
     None: no contract (its body is counted as before)."""
-    from dsv41_jax.pallas import moe_mxfp4
+    from dsv41_jax.pallas import costs
 
     ce = eqn.params.get("cost_estimate")
-    geo = moe_mxfp4.call_geometry(str(eqn.params.get("name", "")), [v.aval for v in eqn.invars],
+    geo = costs.moe_call_geometry(str(eqn.params.get("name", "")), [v.aval for v in eqn.invars],
                                   eqn.params["out_avals"])
     if geo is not None:
         part = geo.pop("part")
         E, k = routing
         active = min(geo["G"], expected_distinct(E, k, geo["A"] / k))
-        return {"flops": ce.flops, "bytes": moe_mxfp4.bytes_moved(part, **geo, n_active=active),
-                "bytes_upper": moe_mxfp4.bytes_moved(part, **geo)}
+        return {"flops": ce.flops, "bytes": costs.moe_bytes_moved(part, **geo, n_active=active),
+                "bytes_upper": costs.moe_bytes_moved(part, **geo)}
     if ce is not None and ce.bytes_accessed:
         return {"flops": ce.flops, "bytes": ce.bytes_accessed, "bytes_upper": ce.bytes_accessed}
     return None

@@ -69,27 +69,31 @@ def _max_diff(a, b) -> float:
 # Each case builder returns {part: (kernel_fn, xla_fn, args)} plus a bytes function (part -> bytes).
 
 
-def _mix_cases(mod_name: str, quick: bool, smoke: bool, interpret: bool):
-    import importlib
+def _mix_cases(op: str, quick: bool, smoke: bool, interpret: bool):
+    """engram / mhc: `pallas.costs`' ``{op}_bench_inputs(tokens)`` gives each part's kernel, XLA function and args."""
+    from dsv41_jax.pallas import costs
 
-    mod = importlib.import_module(f"dsv41_jax.pallas.{mod_name}")
+    bench_inputs, bytes_moved = {"engram": (costs.engram_bench_inputs, costs.engram_bytes_moved),
+                                 "mhc": (costs.mhc_bench_inputs, costs.mhc_bytes_moved)}[op]
     toks = (4,) if smoke else ((1, 64, 4096) if quick else (1, 16, 64, 256, 1024, 4096))
     for t in toks:
-        kw = {"table_rows": 1024} if (smoke and mod_name == "engram_gather") else {}
+        kw = {"table_rows": 1024} if (smoke and op == "engram") else {}
         parts = {p: (jax.jit(k), jax.jit(x), a) for p, (k, x, a) in
-                 mod.bench_inputs(t, seed=0, interpret=interpret, **kw).items()}
-        yield {"tokens": t}, parts, (lambda part, t=t: mod.bytes_moved(part, t))
+                 bench_inputs(t, seed=0, interpret=interpret, **kw).items()}
+        yield {"tokens": t}, parts, (lambda part, t=t: bytes_moved(part, t))
 
 
 def _seam_cases(op: str, quick: bool, smoke: bool, interpret: bool):
-    """attention / indexer: the kernel module's `bench_inputs(batch, context, T)` gives the seam's args;
+    """attention / indexer: `pallas.costs`' ``{op}_bench_inputs(batch, context, T)`` gives the seam's args;
     the XLA path is the seam with impl="xla"."""
     import functools
-    import importlib
 
     from dsv41_jax.model import attention, indexer
+    from dsv41_jax.pallas import costs, indexer_topk, sparse_attention
 
-    mod = importlib.import_module(f"dsv41_jax.pallas.{'sparse_attention' if op == 'attention' else 'indexer_topk'}")
+    mod = sparse_attention if op == "attention" else indexer_topk
+    bench_inputs, bytes_moved = ((costs.attention_bench_inputs, costs.attention_bytes_moved) if op == "attention"
+                                 else (costs.indexer_bench_inputs, costs.indexer_bytes_moved))
     seam = attention.sparse_attention if op == "attention" else indexer.topk
     if smoke:
         grid = [(1, 512, 1)]
@@ -103,7 +107,7 @@ def _seam_cases(op: str, quick: bool, smoke: bool, interpret: bool):
     for b, c, t in grid:
         for kind in kinds:
             extra = {} if op == "attention" else {"kind": kind}
-            args, kwargs = mod.bench_inputs(b, c, t, seed=0, **extra)
+            args, kwargs = bench_inputs(b, c, t, seed=0, **extra)
             kern = jax.jit(lambda *a, kw=kwargs: mod.kernel(*a, interpret=interpret, **kw))
             xla = jax.jit(lambda *a, kw=kwargs: seam(*a, impl="xla", **kw))
             case = {"batch": b, "context": c, "T": t, **extra}
@@ -114,7 +118,7 @@ def _seam_cases(op: str, quick: bool, smoke: bool, interpret: bool):
                     parts[f"tune{i}"] = (jax.jit(lambda *a, kw=kwargs, kn=knobs: mod.kernel(
                         *a, interpret=interpret, **kw, **kn)), xla, args)
             yield (case, parts,
-                   functools.partial(lambda part, a, kw: mod.bytes_moved(*a, **kw), a=args, kw=kwargs))
+                   functools.partial(lambda part, a, kw: bytes_moved(*a, **kw), a=args, kw=kwargs))
 
 
 # (batch, context, T) at which the attention kernel's tuning candidates are timed too
@@ -126,6 +130,7 @@ def _moe_cases(quick: bool, smoke: bool, interpret: bool):
     experts: flash's 384 x (5120, 2304), top-6 (smoke: 8 experts of 256 / 128); decode and prefill
     token counts. Bytes: the kernel's contract at the routing's distinct experts."""
     from dsv41_jax.model import ModelConfig, moe
+    from dsv41_jax.pallas import costs
     from dsv41_jax.pallas import moe_mxfp4 as mk
 
     cfg = ModelConfig.preset("flash")
@@ -135,14 +140,14 @@ def _moe_cases(quick: bool, smoke: bool, interpret: bool):
     kern = jax.jit(lambda *a: mk.kernel(*a, cfg, bf, interpret=interpret))
     xla = jax.jit(lambda *a: moe.routed_slots(*a, cfg, bf))
     for t in toks:
-        args = mk.bench_inputs(t, seed=0, dims=dims)
+        args = costs.moe_bench_inputs(t, seed=0, dims=dims)
         parts = {"call": (kern, xla, args)}
         if not smoke and t in MOE_TUNE_AT:
             # the kernel's alternative tilings (`moe_mxfp4.TUNING_CANDIDATES`) on the same inputs
             for i, knobs in enumerate(mk.TUNING_CANDIDATES[1:], 1):
                 parts[f"tune{i}"] = (jax.jit(lambda *a, kn=knobs: mk.kernel(*a, cfg, bf, interpret=interpret, **kn)),
                                      xla, args)
-        yield {"tokens": t}, parts, (lambda part, a=args: mk.routed_bytes(*a))
+        yield {"tokens": t}, parts, (lambda part, a=args: costs.moe_routed_bytes(*a))
 
 
 # token counts at which the MoE kernel's tuning candidates are timed too (decode at B = 1 and 64)
@@ -160,6 +165,7 @@ def _linear_cases(quick: bool, smoke: bool, interpret: bool):
     linear seam's xla path (`linear.fp8`: the quant, then the K-blockwise GEMM at <= 8 rows, the
     exact-bf16 dequant GEMM above) on flash's linear shapes. Bytes: the kernel's contract."""
     from dsv41_jax.model import ModelConfig
+    from dsv41_jax.pallas import costs
     from dsv41_jax.pallas import quant_linear as ql
 
     cfg = ModelConfig.preset("flash").replace(impl="xla")
@@ -170,14 +176,14 @@ def _linear_cases(quick: bool, smoke: bool, interpret: bool):
     xla = jax.jit(lambda x, p: ql.ref_linear(x, p, "fp8", cfg, bf))
     for name, (n, k) in shapes.items():
         for t in toks:
-            args = ql.bench_inputs("fp8", t, n, k, seed=0)
+            args = costs.linear_bench_inputs("fp8", t, n, k, seed=0)
             parts = {"call": (kern, xla, args)}
             if not smoke and (name, t) in LINEAR_TUNE_AT:
                 for i, knobs in enumerate(ql.TUNING_CANDIDATES[1:], 1):
                     parts[f"tune{i}"] = (jax.jit(lambda x, p, kn=knobs: ql.kernel(x, p, "fp8", bf, interpret=interpret,
                                                                                   **kn)), xla, args)
             yield ({"weight": name, "tokens": t}, parts,
-                   (lambda part, t=t, n=n, k=k: ql.bytes_moved("fp8", M=t, N=n, K=k, x_itemsize=2, out_itemsize=2)))
+                   (lambda part, t=t, n=n, k=k: costs.linear_bytes_moved("fp8", M=t, N=n, K=k, x_itemsize=2, out_itemsize=2)))
 
 
 def cases(op: str, quick: bool, smoke: bool, interpret: bool):
@@ -187,7 +193,7 @@ def cases(op: str, quick: bool, smoke: bool, interpret: bool):
         return _moe_cases(quick, smoke, interpret)
     if op == "linear":
         return _linear_cases(quick, smoke, interpret)
-    return _mix_cases({"engram": "engram_gather", "mhc": "mhc_mix"}[op], quick, smoke, interpret)
+    return _mix_cases(op, quick, smoke, interpret)
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ import pytest
 
 from dsv41_jax.model import attention, codec, dispatch
 from dsv41_jax.model import cache as kvc
+from dsv41_jax.pallas import costs
 from dsv41_jax.pallas import sparse_attention as sa
 
 H, HD, W, PS = 4, 64, 8, 8
@@ -183,7 +184,7 @@ def test_kernel_tuning_candidates(pallas_impl, i):
 def test_flash_default_tiling_is_the_measured_fastest():
     """At flash shapes (64 heads, head_dim 512) the defaults are TUNING_CANDIDATES[0], the tiling that
     measured fastest on the H200 (docs/results/gpu_check_h200/README.md); shapes only, nothing runs."""
-    shapes = jax.eval_shape(lambda: sa.bench_inputs(64, 4096, 1)[0])
+    shapes = jax.eval_shape(lambda: costs.attention_bench_inputs(64, 4096, 1)[0])
     kn = sa.effective_knobs(*shapes, window=128)
     assert {k: kn[k] for k in sa.TUNING_CANDIDATES[0]} == sa.TUNING_CANDIDATES[0]
 
@@ -222,13 +223,13 @@ def test_kernel_lowers_to_triton_ir():
 def test_bench_inputs_and_bytes_moved():
     """bench_inputs builds a valid call (tiny preset, every kernel argument); bytes_moved counts at least
     the window entries and the distinct selected pool rows."""
-    args, kw = sa.bench_inputs(2, 40, 3, cfg_like="tiny", page_size=8)
+    args, kw = costs.attention_bench_inputs(2, 40, 3, cfg_like="tiny", page_size=8)
     q, sel = args[0], np.asarray(args[-1])
     assert q.shape == (2, 3, 4, 64) and sel.shape == (2, 3, 4) and kw["window"] == 8
     assert (sel >= 0).all()  # 40 tokens hold 20 ratio-2 groups > top-k 4
     for s in sel.reshape(-1, sel.shape[-1]):
         assert len(set(s.tolist())) == len(s)
-    n = sa.bytes_moved(*args, **kw)
+    n = costs.attention_bytes_moved(*args, **kw)
     win = kvc.store_bytes_per_entry("win", "auto", 64)
     assert n >= 2 * 8 * win + 2 * 3 * win + kvc.store_bytes_per_entry("comp", "auto", 64) * 4
 

@@ -27,6 +27,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, codec, dispatch, linear, quant, tiling
 from dsv41_jax.model.rope import apply_rope, rope_freqs
+from dsv41_jax.pallas import costs
 from dsv41_jax.pallas import quant_linear as ql
 from dsv41_jax.parallel.plan import MeshPlan
 
@@ -369,8 +370,8 @@ def _flash_args(M: int, fmt: str = "fp8", shape=FLASH_WQ_B):
 
 
 def test_cost_estimate_is_the_bytes_moved_contract():
-    """The call declares `bytes_moved` (the weight at stored width once, activation in, output out) as its
-    cost estimate, and `call_geometry` recovers its arguments from the name and operand shapes (what
+    """The call declares `costs.linear_bytes_moved` (the weight at stored width once, activation in, output out) as its
+    cost estimate, and `costs.linear_call_geometry` recovers its arguments from the name and operand shapes (what
     scripts/bench_decode.py reads)."""
     N, K = FLASH_WQ_B
     for fmt, wbytes in (("fp8", N * K + N // 32 * K // 32), ("mxfp4", N * K // 2 + N * K // 32)):
@@ -378,16 +379,16 @@ def test_cost_estimate_is_the_bytes_moved_contract():
         calls = [e for e in jax.make_jaxpr(lambda x, p: ql.kernel(x, p, fmt, BF16))(x, p).jaxpr.eqns
                  if e.primitive.name == "pallas_call"]
         assert len(calls) == 1 and calls[0].params["name"] == f"quant_linear_{fmt}_m16_n64_k256"
-        geo = ql.call_geometry(calls[0].params["name"], [v.aval for v in calls[0].invars], calls[0].params["out_avals"])
+        geo = costs.linear_call_geometry(calls[0].params["name"], [v.aval for v in calls[0].invars], calls[0].params["out_avals"])
         assert geo == dict(fmt=fmt, M=1, N=N, K=K, x_itemsize=2, out_itemsize=2, weights=1)
-        assert calls[0].params["cost_estimate"].bytes_accessed == ql.bytes_moved(**geo) == wbytes + K * 2 + N * 2
+        assert calls[0].params["cost_estimate"].bytes_accessed == costs.linear_bytes_moved(**geo) == wbytes + K * 2 + N * 2
         # the gated pair streams two weights
         calls = [e for e in jax.make_jaxpr(lambda x, p: ql.kernel(x, p, fmt, BF16, p_up=p, act=lambda g, u: g * u))(
             x, p).jaxpr.eqns if e.primitive.name == "pallas_call"]
         assert calls[0].params["name"] == f"quant_linear_{fmt}_gated_m16_n64_k256"
-        geo = ql.call_geometry(calls[0].params["name"], [v.aval for v in calls[0].invars], calls[0].params["out_avals"])
-        assert calls[0].params["cost_estimate"].bytes_accessed == ql.bytes_moved(**geo) == 2 * wbytes + K * 2 + N * 2
-    assert ql.call_geometry("moe_mxfp4_down_m16", [], []) is None
+        geo = costs.linear_call_geometry(calls[0].params["name"], [v.aval for v in calls[0].invars], calls[0].params["out_avals"])
+        assert calls[0].params["cost_estimate"].bytes_accessed == costs.linear_bytes_moved(**geo) == 2 * wbytes + K * 2 + N * 2
+    assert costs.linear_call_geometry("moe_mxfp4_down_m16", [], []) is None
 
 
 def test_lowers_to_triton_for_cuda_without_a_gpu():

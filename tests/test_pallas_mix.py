@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import codec, dispatch, engram, mhc, norm
+from dsv41_jax.pallas import costs
 from dsv41_jax.pallas import engram_gather as eg
 from dsv41_jax.pallas import mhc_mix as mm
 
@@ -279,14 +280,15 @@ def test_mhc_exact_mode_auto_is_xla(pallas_impl, tiny_cfg, monkeypatch):
 # ------------------------------------------------------------------------------------------- bench
 
 def test_bench_inputs_match_their_xla_functions():
-    """bench_inputs: every part's kernel and XLA function take the same args and give the same
-    shapes and dtypes (traced only); bytes_moved is positive and grows with tokens."""
+    """costs' engram / mhc bench_inputs: every part's kernel and XLA function take the same args and give
+    the same shapes and dtypes (traced only); bytes_moved is positive and grows with tokens."""
     assert dispatch.kernel("engram", "pallas") is eg.kernel and dispatch.kernel("mhc", "pallas") is mm.sublayer_enter
-    for mod, kw in ((eg, {"table_rows": 64}), (mm, {})):
-        cases = mod.bench_inputs(3, interpret=True, **kw)
+    for bench_inputs, bytes_moved, kw in ((costs.engram_bench_inputs, costs.engram_bytes_moved, {"table_rows": 64}),
+                                          (costs.mhc_bench_inputs, costs.mhc_bytes_moved, {})):
+        cases = bench_inputs(3, interpret=True, **kw)
         for part, (kfn, xfn, args) in cases.items():
             a, b = jax.eval_shape(kfn, *args), jax.eval_shape(xfn, *args)
             assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), part
             for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
                 assert (u.shape, u.dtype) == (v.shape, v.dtype), part
-            assert 0 < mod.bytes_moved(part, 1) < mod.bytes_moved(part, 64), part
+            assert 0 < bytes_moved(part, 1) < bytes_moved(part, 64), part

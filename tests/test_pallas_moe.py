@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import ModelConfig, dispatch, moe, quant
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 from dsv41_jax.pallas import moe_mxfp4 as mk
 from dsv41_jax.parallel.plan import MeshPlan
 
@@ -220,7 +220,7 @@ def test_experts_past_the_2gib_byte_read_their_own_weights(pallas_impl):
     on a stack of just those experts. Before the byte-pair operands this read wrapped addresses."""
     if pallas_impl != "pallas":
         pytest.skip("native only: a 7.2 GB expert stack in interpret mode would take hours")
-    ex, x, _, w = mk.bench_inputs(4, seed=3)
+    ex, x, _, w = costs.moe_bench_inputs(4, seed=3)
     ids = np.array([[383, 382, 0, 370, 1, 375], [379, 2, 381, 3, 366, 380], [0, 1, 2, 3, 383, 382],
                     [370, 371, 372, 373, 374, 375]], np.int32)
     uniq = np.unique(ids)
@@ -310,8 +310,8 @@ def test_auto_picks_the_kernel_on_a_gpu_as_measured():
 # --------------------------------------------------------------------------------------- contract
 
 def test_cost_estimate_is_the_bytes_moved_contract():
-    """Each pallas_call declares `bytes_moved` (every group non-empty) as its cost estimate, and
-    `call_geometry` recovers the contract's arguments from the call's name and operand shapes — what
+    """Each pallas_call declares `costs.moe_bytes_moved` (every group non-empty) as its cost estimate, and
+    `costs.moe_call_geometry` recovers the contract's arguments from the call's name and operand shapes — what
     scripts/bench_decode.py reads. Flash widths, 384 experts, B = 64: each selected expert's weights
     at stored width (packed + scales, 17.7 MiB for the three) once per non-empty group."""
     D, I, E, N, k = *FLASH, 384, 64, 6
@@ -319,13 +319,13 @@ def test_cost_estimate_is_the_bytes_moved_contract():
     assert [c.params["name"].rsplit("_m", 1)[0] for c in calls] == ["moe_mxfp4_gate_up", "moe_mxfp4_down"]
     per_expert = 0
     for c in calls:
-        geo = mk.call_geometry(c.params["name"], [v.aval for v in c.invars], c.params["out_avals"])
+        geo = costs.moe_call_geometry(c.params["name"], [v.aval for v in c.invars], c.params["out_avals"])
         assert (geo["A"], geo["D"], geo["I"], geo["G"]) == (N * k, D, I, min(N * k, E))
         part = geo.pop("part")
-        assert c.params["cost_estimate"].bytes_accessed == int(mk.bytes_moved(part, **geo))
-        per_expert += mk.bytes_moved(part, **geo, n_active=1) - mk.bytes_moved(part, **geo, n_active=0)
+        assert c.params["cost_estimate"].bytes_accessed == int(costs.moe_bytes_moved(part, **geo))
+        per_expert += costs.moe_bytes_moved(part, **geo, n_active=1) - costs.moe_bytes_moved(part, **geo, n_active=0)
     assert per_expert == 3 * (I * D // 2 + I * D // 32)  # = 17.7 MiB: stored width, read once
-    assert mk.call_geometry("sparse_attention_h64", [], []) is None
+    assert costs.moe_call_geometry("sparse_attention_h64", [], []) is None
     # scripts/bench_decode.py counts the two calls by this contract at the expected number of distinct
     # experts 64 tokens select (top-6 of 384: 243.8), the same expectation as its ideal
     import importlib.util
@@ -340,8 +340,8 @@ def test_cost_estimate_is_the_bytes_moved_contract():
     assert 243 < active < 244 and acc["kernel_calls"] == 2 and acc["n_matmuls"] == 0
     want = 0
     for c in calls:
-        geo = mk.call_geometry(c.params["name"], [v.aval for v in c.invars], c.params["out_avals"])
-        want += mk.bytes_moved(geo.pop("part"), **geo, n_active=active)
+        geo = costs.moe_call_geometry(c.params["name"], [v.aval for v in c.invars], c.params["out_avals"])
+        want += costs.moe_bytes_moved(geo.pop("part"), **geo, n_active=active)
     assert acc["bytes"] == want and acc["flops"] == 2 * N * k * 3 * D * I
 
 

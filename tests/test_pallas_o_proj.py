@@ -24,7 +24,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, attention, quant
 from dsv41_jax.model.rope import rope_freqs
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 from dsv41_jax.pallas import o_proj as op
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -130,7 +130,7 @@ def test_the_attention_kernels_partials_through_o_proj(pallas_impl, tiny_cfg, ti
     from dsv41_jax.pallas import sparse_attention as sa
 
     cfg = tiny_cfg
-    args, kw = sa.bench_inputs(2, 256, 1, cfg_like="tiny", seed=4)
+    args, kw = costs.attention_bench_inputs(2, 256, 1, cfg_like="tiny", seed=4)
     interp = pallas_impl == "pallas_interpret"
     parts = sa.kernel(*args, **kw, num_splits=3, merge=False, interpret=interp)
     assert isinstance(parts, dict) and parts["acc"].shape[0] == 3

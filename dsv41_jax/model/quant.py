@@ -28,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dsv41_jax.model import codec
 from dsv41_jax.model.codec import E2M1_GRID, E2M1_MAX, E4M3_MAX, E8M0, FP8  # noqa: F401  (re-exported)

@@ -39,19 +39,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import dispatch, linear, quant
+from dsv41_jax.model import dispatch, linear
 from dsv41_jax.model import engram as engram_ref
 from dsv41_jax.model.codec import e8m0_decode
-from dsv41_jax.model.engram import gate as gate_reference
-from dsv41_jax.model.engram import gather_rows as gather_reference
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
-__all__ = ["kernel", "gather", "gate", "bench_inputs", "bytes_moved"]
+__all__ = ["kernel", "gather", "gate"]
 
 GATHER_TOKEN_BLOCK = 32  # tokens per gather program (one row slot each): 32 × de bytes of codes
 GATE_TOKEN_BLOCK = 16  # tokens per gate program (one stream each)
@@ -213,55 +210,6 @@ def kernel(p, h, rows, cfg, dt, *, interpret: bool = False):
     kv = linear.fp8(emb, p["wkv"], cfg, dt)
     return gate(h, kv, p["q_weight"], p["k_weight"], eps=float(cfg.rms_norm_eps), dt=jnp.dtype(dt),
                 interpret=interpret)
-
-
-# ------------------------------------------------------------------------------------------- bench
-
-def _flash_dims():
-    from dsv41_jax.model.config import ModelConfig
-
-    c = ModelConfig.preset("flash")
-    R = (c.engram_max_ngram_size - 1) * c.engram_n_heads
-    return c.hc_mult, c.hidden_size, R, c.engram_head_dim, float(c.rms_norm_eps)
-
-
-BENCH_TABLE_ROWS = 1 << 20  # 256 MiB of codes: far above L2, so random rows miss the cache as the real table's do
-
-
-def bench_inputs(tokens: int, *, seed: int = 0, interpret: bool = False, table_rows: int = BENCH_TABLE_ROWS) -> dict:
-    """Flash-shaped inputs for scripts/bench_kernels.py: ``{part: (kernel_fn, xla_fn, args)}``.
-
-    Parts: "gather" (rows -> emb [tokens, 24·256] bf16) and "gate" (h [tokens, 4, 5120] bf16, kv
-    [tokens, 5·5120] bf16 -> h'). ``kernel_fn(*args)`` and ``xla_fn(*args)`` return the same array
-    (xla_fn is the model's reference code, jitted). The table has `table_rows` rows instead of 384M
-    (only the 24 gathered rows per token are read either way). The wkv GEMM between them is the
-    "linear" seam's and is not benchmarked here.
-    """
-    n, D, R, de, eps = _flash_dims()
-    rng = np.random.default_rng(seed)  # numpy: no device compiles to build the inputs
-    table = jnp.asarray(rng.standard_normal((table_rows, de), np.float32).astype(quant.FP8))
-    tscale = jnp.asarray(rng.integers(120, 135, (table_rows, de // 32)).astype(np.uint8).view(quant.E8M0))
-    rows = jnp.asarray(rng.integers(0, table_rows, (tokens, R)).astype(np.int32))
-    h = jnp.asarray(rng.standard_normal((tokens, n, D), np.float32).astype(jnp.bfloat16))
-    kv = jnp.asarray(rng.standard_normal((tokens, (n + 1) * D), np.float32).astype(jnp.bfloat16))
-    qk = jnp.asarray(rng.uniform(0.5, 1.5, (2, n, D)).astype(jnp.bfloat16))
-    bf = jnp.dtype(jnp.bfloat16)
-    return {
-        "gather": (functools.partial(gather, dt=bf, interpret=interpret),
-                   jax.jit(functools.partial(gather_reference, dt=bf)), (table, tscale, rows)),
-        "gate": (functools.partial(gate, eps=eps, dt=bf, interpret=interpret),
-                 jax.jit(lambda h, kv, q, kk: gate_reference(h, kv, q, kk, eps, bf)), (h, kv, qk[0], qk[1])),
-    }
-
-
-def bytes_moved(part: str, tokens: int) -> int:
-    """Minimum HBM bytes of one call of `part` at flash shapes (bf16 activations), for bandwidth."""
-    n, D, R, de, _ = _flash_dims()
-    if part == "gather":
-        return tokens * R * (4 + de + de // 32 + 2 * de)  # row index, codes, scale bytes, bf16 emb
-    if part == "gate":
-        return tokens * (2 * n * D + 2 * (n + 1) * D + 2 * n * D) + 2 * 2 * n * D  # h, kv, out; q/k weights
-    raise ValueError(f"unknown part {part!r}; parts: gather, gate")
 
 
 dispatch.register("engram", "kernel", kernel=kernel, reference=ref_engram, supports=supports)

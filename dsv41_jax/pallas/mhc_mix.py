@@ -52,7 +52,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -62,7 +61,7 @@ from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common
 
 __all__ = ["sublayer_enter", "sublayer_exit", "sublayer_exit_enter", "mixes_enter", "exit_enter",
-           "post_mix", "bench_inputs", "bytes_moved"]
+           "post_mix"]
 
 ENTER_TOKEN_BLOCK = 16  # Triton's dot needs M >= 16
 ENTER_MAX_CHUNK = 128  # live fp32 tiles: h [16, 128] and fn [32, 128]
@@ -533,82 +532,6 @@ def sublayer_exit(y, h, post, comb, cfg, dt, *, interpret: bool = False):
     """`mhc.sublayer_exit` on Pallas: [..., n, D] in `dt`."""
     _check_mode(cfg)
     return post_mix(y, h, post, comb, dt=jnp.dtype(dt), interpret=interpret)
-
-
-# ------------------------------------------------------------------------------------------- bench
-
-def _flash_dims():
-    from dsv41_jax.model.config import ModelConfig
-
-    c = ModelConfig.preset("flash")
-    return c.hc_mult, c.hidden_size, float(c.rms_norm_eps), float(c.hc_eps), int(c.hc_sinkhorn_iters)
-
-
-def bench_inputs(tokens: int, *, seed: int = 0, interpret: bool = False) -> dict:
-    """Flash-shaped inputs for scripts/bench_kernels.py: ``{part: (kernel_fn, xla_fn, args)}``.
-
-    "enter": (h [tokens, 4, 5120] bf16, pre_prev, fn [24, 20480], base, scale) -> (x_in bf16, pre, post,
-    comb), against the "xla" implementation (hc_pre + hc_mixes with the unrolled Sinkhorn);
-    "exit": (y [tokens, 5120] bf16, h, post, comb) -> h' bf16, against `mhc.hc_post`;
-    "enter_norm": "enter" with the sublayer's RMSNorm fused (+ w [5120] bf16), against "enter"'s xla
-    function then `norm.rmsnorm`; "exit_enter": (y, h, post, comb, pre_prev, fn, base, scale, w) -> (h', x_in
-    normed, pre, post, comb) in one pass (`exit_enter`), against hc_post then "enter_norm"'s xla function.
-    """
-    from dsv41_jax.model.norm import rmsnorm
-
-    n, D, neps, heps, iters = _flash_dims()
-    rng = np.random.default_rng(seed)  # numpy: no device compiles to build the inputs
-    bf = jnp.dtype(jnp.bfloat16)
-    h = jnp.asarray(rng.standard_normal((tokens, n, D), np.float32).astype(bf))
-    pp = jnp.asarray(rng.uniform(0, 1, (tokens, n)).astype(np.float32))
-    fn = jnp.asarray((rng.standard_normal(((2 + n) * n, n * D)) * (n * D) ** -0.5).astype(np.float32))
-    base = jnp.asarray((rng.standard_normal((2 + n) * n) * 0.1).astype(np.float32))
-    scale = jnp.asarray([1.0, 1.0, 1.0], jnp.float32)
-    y = jnp.asarray(rng.standard_normal((tokens, D), np.float32).astype(bf))
-    post = jnp.asarray(rng.uniform(0, 2, (tokens, n)).astype(np.float32))
-    comb = rng.uniform(0, 1, (tokens, n, n)).astype(np.float32)
-    comb = jnp.asarray(comb / comb.sum(axis=-2, keepdims=True))
-
-    def xla_enter(h, pp, fn, base, scale):
-        mixes = mhc_ref.hc_mixes(h, fn, base, scale, norm_eps=neps, hc_eps=heps, sinkhorn_iters=iters, unroll=True)
-        return (mhc_ref.hc_pre(h, pp, bf), *mixes)
-
-    w = jnp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32).astype(bf))
-
-    def xla_enter_norm(h, pp, fn, base, scale, w):
-        x, *mixes = xla_enter(h, pp, fn, base, scale)
-        return (rmsnorm(x, w, neps, bf), *mixes)
-
-    def xla_exit_enter(y, h, post, comb, pp, fn, base, scale, w):
-        hn = mhc_ref.hc_post(y, h, post, comb, bf)
-        return (hn, *xla_enter_norm(hn, pp, fn, base, scale, w))
-
-    kw = dict(norm_eps=neps, hc_eps=heps, iters=iters, dt=bf, interpret=interpret)
-    return {
-        "enter": (functools.partial(mixes_enter, **kw), jax.jit(xla_enter), (h, pp, fn, base, scale)),
-        "exit": (functools.partial(post_mix, dt=bf, interpret=interpret),
-                 jax.jit(lambda y, h, p, c: mhc_ref.hc_post(y, h, p, c, bf)), (y, h, post, comb)),
-        "enter_norm": (lambda h, pp, fn, base, scale, w: mixes_enter(h, pp, fn, base, scale, norm_weight=w, **kw),
-                       jax.jit(xla_enter_norm), (h, pp, fn, base, scale, w)),
-        "exit_enter": (lambda y, h, post, comb, pp, fn, base, scale, w: exit_enter(
-            y, h, post, comb, pp, fn, base, scale, norm_weight=w, **kw),
-            jax.jit(xla_exit_enter), (y, h, post, comb, pp, fn, base, scale, w)),
-    }
-
-
-def bytes_moved(part: str, tokens: int) -> int:
-    """Minimum HBM bytes of one call of `part` at flash shapes (bf16 stream), for bandwidth."""
-    n, D, *_ = _flash_dims()
-    mix = (2 + n) * n
-    if part == "enter":
-        return tokens * (2 * n * D + 4 * n + 2 * D + 4 * (2 * n + n * n)) + 4 * (mix * n * D + mix + 3)
-    if part == "exit":
-        return tokens * (2 * D + 2 * n * D + 4 * (n + n * n) + 2 * n * D)
-    if part == "enter_norm":  # + the weight, and x_in read back and rewritten normed by the tail
-        return bytes_moved("enter", tokens) + 2 * D + tokens * 2 * 2 * D
-    if part == "exit_enter":  # exit's bytes + enter_norm's, less h' read back by the enter
-        return bytes_moved("exit", tokens) + bytes_moved("enter_norm", tokens) - tokens * 2 * n * D
-    raise ValueError(f"unknown part {part!r}; parts: enter, exit, enter_norm, exit_enter")
 
 
 dispatch.register("mhc", "kernel", kernel=sublayer_enter, reference=ref_sublayer_enter, supports=supports)

@@ -50,21 +50,18 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec, dispatch, moe, quant
+from dsv41_jax.model import codec, dispatch, moe
 from dsv41_jax.model.numerics import is_exact
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 
-NAME = "moe_mxfp4"
-PARTS = ("gate_up", "down")
+NAME = costs.MOE_NAME
 _MIN_DOT = common.MIN_DOT
 
 
@@ -206,55 +203,6 @@ TUNING_CANDIDATES = (
 )
 
 
-# ---------------------------------------------------------------------------------------- contract
-
-
-def bytes_moved(part: str, *, A: int, N: int, D: int, I: int, G: int, out_itemsize: int,
-                n_active: float | None = None, x_itemsize: int = 2) -> float:
-    """Minimal HBM bytes of one call of `part` ("gate_up" | "down"), the kernel's bytes-moved contract.
-
-    A assignments (sorted rows), N tokens, hidden D, intermediate I, G groups of which `n_active`
-    (default: all G, the bound) have rows; out_itemsize: the down output's dtype size; x_itemsize: the
-    tokens' (the gate/up input, quantized in-kernel: bf16 in the bf16 flow). Weights at
-    stored width (packed e2m1 + E8M0 scales) once per non-empty group; activations once (the gate/up
-    call gathers N distinct token rows; repeated reads of a row by the group's tiles hit L2); metadata
-    (group expert / start / size, the layer, the rows' token ids and routing weights)."""
-    n_active = G if n_active is None else n_active
-    meta = 4 * (3 * G + 1)
-    if part == "gate_up":
-        return n_active * 2 * (I * D // 2 + I * D // 32) + x_itemsize * N * D + 2 * A * I + meta + 8 * A
-    if part == "down":
-        return n_active * (D * I // 2 + D * I // 32) + 2 * A * I + out_itemsize * A * D + meta
-    raise ValueError(f"moe_mxfp4.bytes_moved: part must be one of {PARTS}, got {part!r}")
-
-
-def call_geometry(name: str, in_avals, out_avals) -> dict | None:
-    """The `bytes_moved` keywords of one of this module's pallas_calls from its name and operand
-    shapes (what a jaxpr holds: scripts/bench_decode.py counts the calls this way), or None if `name`
-    is not one of them. Returns {"part", "A", "N", "D", "I", "G", "out_itemsize"} (and "x_itemsize" for
-    gate/up)."""
-    part = next((p for p in PARTS if name.startswith(f"{NAME}_{p}")), None)
-    if part is None:
-        return None
-    G = in_avals[0].shape[0]
-    # the activation operand: the call's one 2-D float input (metadata is 1-D int, weights are uint)
-    act = next(a for a in in_avals if len(a.shape) == 2 and jnp.issubdtype(a.dtype, jnp.floating))
-    if part == "gate_up":
-        N, D = act.shape
-        A_pad, I = out_avals[0].shape
-        return dict(part=part, A=A_pad - _pad_rows(name), N=N, D=D, I=I, G=G, out_itemsize=0,
-                    x_itemsize=np.dtype(act.dtype).itemsize)
-    A_pad, I = act.shape
-    D = out_avals[0].shape[1]
-    return dict(part=part, A=A_pad - _pad_rows(name), N=0, D=D, I=I, G=G,
-                out_itemsize=np.dtype(out_avals[0].dtype).itemsize)
-
-
-def _pad_rows(name: str) -> int:
-    """The row padding (block_m) a call's name records (``..._m{block_m}_...``)."""
-    return int(re.search(r"_m(\d+)_n", name).group(1))
-
-
 # ------------------------------------------------------------------------------------------- entry
 
 
@@ -353,7 +301,7 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
 
     def cost(part, out_itemsize, flops):
         return pl.CostEstimate(flops=int(flops), transcendentals=A * I if part == "gate_up" else 0,
-                               bytes_accessed=int(bytes_moved(part, A=A, N=N, D=D, I=I, G=G,
+                               bytes_accessed=int(costs.moe_bytes_moved(part, A=A, N=N, D=D, I=I, G=G,
                                                               out_itemsize=out_itemsize,
                                                               x_itemsize=xf.dtype.itemsize)))
 
@@ -380,49 +328,6 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
             return y[:A].reshape(N, k, D)  # every expert is here: every slot was written
         return jnp.where(held[:, None], y[:A], jnp.zeros((), y.dtype)).reshape(N, k, D)
     return moe.unsort_slots(y[:A], order, held, N, k)
-
-
-# ------------------------------------------------------------------------------------------- bench
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _random_inputs(key, tokens: int, E: int, D: int, I: int, k: int):
-    """Stored-format experts (random bytes; E8M0 scales 2^-9 .. 2^-4), bf16 tokens, a random top-k of
-    E per token (distinct experts) and routing weights — made on the device, one compile."""
-    ks = jax.random.split(key, 9)
-
-    def mx(kw, ksc, o, i):
-        return {"weight": jax.random.bits(kw, (E, o, i // 2), jnp.uint8),
-                "scale": lax.bitcast_convert_type(jax.random.randint(ksc, (E, o, i // 32), 118, 124).astype(jnp.uint8),
-                                                  quant.E8M0)}
-
-    ex = {"w1": mx(ks[0], ks[1], I, D), "w3": mx(ks[2], ks[3], I, D), "w2": mx(ks[4], ks[5], D, I)}
-    x = jax.random.normal(ks[6], (tokens, D), jnp.float32).astype(jnp.bfloat16)
-    _, idx = lax.top_k(jax.random.uniform(ks[7], (tokens, E)), k)
-    w = jax.random.uniform(ks[8], (tokens, k), jnp.float32) + 0.1
-    return ex, x, idx.astype(jnp.int32), w
-
-
-def bench_inputs(tokens: int, *, seed: int = 0, dims: tuple | None = None):
-    """(ex, x, idx, w) for `kernel` / `ref_routed_slots` at `tokens` tokens; dims (E, D, I, k), default
-    flash's routed experts (384, 5120, 2304, 6: 7.2 GB of stored weights)."""
-    from dsv41_jax.model.config import ModelConfig
-
-    if dims is None:
-        c = ModelConfig.preset("flash")
-        dims = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok)
-    E, D, I, k = dims
-    return _random_inputs(jax.random.key(seed, impl="rbg"), tokens, E, D, I, k)
-
-
-def routed_bytes(ex, x, idx, w, dt=jnp.bfloat16) -> int:
-    """`bytes_moved` of both calls for this routing (the distinct experts it selects, host-side)."""
-    E, I, D = ex["w1"]["weight"].shape[0], ex["w1"]["weight"].shape[1], x.shape[1]
-    N, k = idx.shape
-    A, G = N * k, min(N * k, E)
-    active = len(np.unique(np.asarray(idx)))
-    return int(sum(bytes_moved(p, A=A, N=N, D=D, I=I, G=G, out_itemsize=jnp.dtype(dt).itemsize, n_active=active)
-                   for p in PARTS))
 
 
 dispatch.register("moe", "kernel", kernel=kernel, reference=moe.routed_slots, supports=supports)

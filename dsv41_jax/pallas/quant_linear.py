@@ -60,12 +60,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec, dispatch, linear, quant
+from dsv41_jax.model import codec, dispatch, linear
 from dsv41_jax.model.numerics import is_exact
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 
-NAME = "quant_linear"
-FORMATS = ("fp8", "mxfp4")
+NAME = costs.LINEAR_NAME
+FORMATS = costs.LINEAR_FORMATS
 _MIN_DOT = common.MIN_DOT
 
 # The alternatives worth timing on a GPU (scripts/bench_kernels.py --ops linear); the first is the default.
@@ -243,36 +243,6 @@ def _rope_epilogue(y, pos, f_ref, n0, c):
     return jnp.where(rope[None, :], rot, y)
 
 
-# ---------------------------------------------------------------------------------------- contract
-
-
-def bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out_itemsize: int, weights: int = 1) -> int:
-    """Minimal HBM bytes of one call, the kernel's bytes-moved contract: each of the `weights` weights (2 for
-    a gated pair) and its scales at stored width once (fp8: N·K + ⌈N/32⌉·K/32; MXFP4: N·K/2 + N·K/32), the
-    activation in and the output out once (repeated reads of an activation chunk by the N tiles hit L2)."""
-    if fmt == "fp8":
-        w = N * K + -(-N // 32) * (K // 32)
-    elif fmt == "mxfp4":
-        w = N * K // 2 + N * (K // 32)
-    else:
-        raise ValueError(f"quant_linear.bytes_moved: fmt must be one of {FORMATS}, got {fmt!r}")
-    return int(weights * w + M * K * x_itemsize + M * N * out_itemsize)
-
-
-def call_geometry(name: str, in_avals, out_avals) -> dict | None:
-    """The `bytes_moved` keywords of one of this module's pallas_calls from its name and operand shapes
-    (scripts/bench_decode.py counts calls from a jaxpr this way), or None if `name` is not one."""
-    import numpy as np
-
-    if not name.startswith(f"{NAME}_"):
-        return None
-    fmt, *rest = name[len(NAME) + 1:].split("_")
-    M, K = in_avals[1].shape
-    N = out_avals[0].shape[1]
-    return dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[1].dtype).itemsize,
-                out_itemsize=np.dtype(out_avals[0].dtype).itemsize, weights=2 if "gated" in rest else 1)
-
-
 # ------------------------------------------------------------------------------------------- entry
 
 
@@ -378,7 +348,7 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
 
     nw = 2 if gated else 1
     cost = pl.CostEstimate(flops=2 * nw * M * N * K, transcendentals=M * N if gated else 0,
-                           bytes_accessed=bytes_moved(fmt, M=M, N=N, K=K, x_itemsize=x.dtype.itemsize,
+                           bytes_accessed=costs.linear_bytes_moved(fmt, M=M, N=N, K=K, x_itemsize=x.dtype.itemsize,
                                                       out_itemsize=dt.itemsize, weights=nw))
     out = jax.ShapeDtypeStruct((M, N), dt)
     operands = [lay, x2, wb, sb]
@@ -406,31 +376,6 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
         interpret=interpret, compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
         cost_estimate=cost, name=f"{NAME}_{fmt}{tag}_m{bm}_n{bn}_k{bk}")(*operands)
     return y.reshape(*lead, N)
-
-
-# ------------------------------------------------------------------------------------------- bench
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _random_inputs(key, fmt: str, M: int, N: int, K: int):
-    """A stored-format weight (random valid codes; E8M0 scales 2^-9 .. 2^-4) and bf16 rows, on device."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    if fmt == "fp8":
-        wb = jax.random.bits(k1, (N, K), jnp.uint8)
-        wb = jnp.where((wb & 0x7F) == 0x7F, wb ^ 1, wb)  # 0x7f / 0xff are NaN in e4m3fn
-        w = lax.bitcast_convert_type(wb, quant.FP8)
-        srows = -(-N // 32)
-    else:
-        w = jax.random.bits(k1, (N, K // 2), jnp.uint8)
-        srows = N
-    s = lax.bitcast_convert_type(jax.random.randint(k2, (srows, K // 32), 118, 124).astype(jnp.uint8), quant.E8M0)
-    x = jax.random.normal(k3, (M, K), jnp.float32).astype(jnp.bfloat16)
-    return x, {"weight": w, "scale": s}
-
-
-def bench_inputs(fmt: str, M: int, N: int, K: int, *, seed: int = 0):
-    """(x bf16 [M, K], p) for `kernel` / `ref_linear` at a weight of N x K in format `fmt`."""
-    return _random_inputs(jax.random.key(seed, impl="rbg"), fmt, M, N, K)
 
 
 def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, block_k: int | None = None,
@@ -469,7 +414,7 @@ def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, b
 
     outs = [jax.ShapeDtypeStruct((M, N1), dt), jax.ShapeDtypeStruct((M, N2), dt)]
     cost = pl.CostEstimate(flops=2 * M * (N1 + N2) * K, transcendentals=0,
-                           bytes_accessed=sum(bytes_moved("fp8", M=M, N=n, K=K, x_itemsize=x.dtype.itemsize,
+                           bytes_accessed=sum(costs.linear_bytes_moved("fp8", M=M, N=n, K=K, x_itemsize=x.dtype.itemsize,
                                                           out_itemsize=dt.itemsize) for n in (N1, N2)))
     y1, y2 = pl.pallas_call(
         functools.partial(_dual_kernel, c=dict(M=M, K=K, N1=N1, N2=N2, T1=N1 // bn, bm=bm, bn=bn, bk=bk)),

@@ -69,13 +69,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from dsv41_jax.model import attention, dispatch
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import quant
 from dsv41_jax.model.codec import e2m1_decode, e4m3_decode, e8m0_decode
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas.common import MIN_DOT, expand, is_pow2, log_choice, merge_splits, next_pow2, triton_params
@@ -437,115 +435,6 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     else:
         out = merge_splits(*outs, sinkp).astype(dt)
     return out[:, :, :H]
-
-
-# ------------------------------------------------------------------------------------------- bench
-
-
-def _random_store(key, kind: str, mode: str, lead: tuple, hd: int) -> dict:
-    """Valid random storage codes (no NaN patterns) built on device without a float detour."""
-    c = kvc._codec(kind, mode)
-    k1, k2 = jax.random.split(key)
-    if c == "fp8":
-        qb = jax.random.bits(k1, lead + (hd,), jnp.uint8)
-        qb = jnp.where((qb & 0x7F) == 0x7F, qb ^ 1, qb)  # 0x7f / 0xff are NaN in e4m3fn
-        sb = jax.random.randint(k2, lead + (hd // 32,), 118, 124).astype(jnp.uint8)  # 2^-9 .. 2^-4
-        return {"q": lax.bitcast_convert_type(qb, quant.FP8), "s": lax.bitcast_convert_type(sb, quant.E8M0)}
-    if c == "fp4_e4m3":
-        pb = jax.random.bits(k1, lead + (hd // 2,), jnp.uint8)  # every byte is two valid e2m1 codes
-        sb = jax.random.randint(k2, lead + (hd // 16,), 0x20, 0x40).astype(jnp.uint8)  # e4m3 2^-3 .. 2^1
-        return {"q": pb, "s": lax.bitcast_convert_type(sb, quant.FP8)}
-    v = jax.random.normal(k1, lead + (hd,), jnp.float32)
-    return {"v": v.astype(jnp.bfloat16 if c == "bf16" else jnp.float32)}
-
-
-@functools.partial(jax.jit, static_argnums=tuple(range(1, 9)))
-def _random_tensors(key, mode, n_pool, B, T, H, hd, W, dtype):
-    """Pool, ring and chunk codes, queries and sinks in one computation (one compile, made on device)."""
-    ks = jax.random.split(key, 5)
-    comp = _random_store(ks[0], "comp", mode, (n_pool,), hd)
-    ring = _random_store(ks[1], "win", mode, (B + 1, W), hd)
-    new = _random_store(ks[2], "win", mode, (B, T), hd)
-    q = (jax.random.normal(ks[3], (B, T, H, hd), jnp.float32) * 0.5).astype(dtype)
-    sink = jax.random.normal(ks[4], (H,), jnp.float32)
-    return comp, ring, new, q, sink
-
-
-def bench_inputs(batch: int, context: int, T: int, *, cfg_like: str = "flash", mode: str = "auto", seed: int = 0,
-                 ratio: int | None = None, page_size: int = 256, dtype=jnp.bfloat16,
-                 max_pool_bytes: int = 8 << 30):
-    """Realistic inputs of one call: `batch` rows, each with `context` tokens already cached (the ring
-    full once context ≥ window) and a chunk of T new tokens; top-k = index_topk slots per query
-    (fewer while the context holds fewer complete groups), random and distinct, through a shuffled page
-    table. Shapes from the preset (flash: H 64, head_dim 512, window 128, top-k 512); ratio defaults to
-    the preset's first compressed layer's (flash: 2). Codes are random valid bit patterns made on the
-    device. The pool holds every row's pages when that fits in `max_pool_bytes`; beyond, the rows'
-    pages are drawn at random from a pool of that size (reads stay scattered: `bytes_moved` counts
-    distinct rows).
-
-    Returns (args, kwargs) for `kernel(*args, **kwargs, interpret=False)` (kwargs: ratio, page_size,
-    window, mode) — the same call works for `attention.sparse_attention(..., impl="xla")`.
-    """
-    from dsv41_jax.model.config import ModelConfig
-
-    cfg = ModelConfig.preset(cfg_like)
-    H, hd, W, K = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, cfg.index_topk
-    if ratio is None:
-        ratio = next(r for r in cfg.compress_ratios if r > 0)
-    if page_size % ratio:
-        raise ValueError(f"page_size {page_size} must be a multiple of ratio {ratio}")
-    key = jax.random.key(seed, impl="rbg")  # XLA's RngBitGenerator: quick to compile, fast on device
-    rng = np.random.default_rng(seed)
-    B = batch
-    pages_per_row = -(-(context + T) // page_size)
-    entry = kvc.store_bytes_per_entry("comp", mode, hd)
-    need = B * pages_per_row + 1
-    cap = max(2, int(max_pool_bytes // (page_size // ratio * entry)))
-    num_pages = min(need, cap)
-    if need <= cap:
-        pt = rng.permutation(np.arange(1, num_pages))[: B * pages_per_row].reshape(B, pages_per_row)
-    else:
-        pt = rng.integers(1, num_pages, size=(B, pages_per_row))
-    pt = jnp.asarray(pt.astype(np.int32))
-    comp, ring, new, q, sink = _random_tensors(key, mode, num_pages * page_size // ratio, B, T, H, hd, W,
-                                               jnp.dtype(dtype).name)
-    start = jnp.full((B,), context, jnp.int32)
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    valid = jnp.ones((B, T), bool)
-    ring_rows = jnp.arange(B, dtype=jnp.int32)
-    sel = np.full((B, T, K), -1, np.int32)
-    for t in range(T):
-        n_vis = (context + t + 1) // ratio
-        k = min(K, n_vis)
-        if k:
-            # Distinct slots per query (a random choice, as top-k of random scores would be).
-            sel[:, t, :k] = np.argsort(rng.random((B, n_vis)), axis=1)[:, :k]
-    args = (q, sink, ring, ring_rows, new, start, positions, valid, comp, pt, jnp.asarray(sel))
-    return args, dict(ratio=ratio, page_size=page_size, window=W, mode=mode)
-
-
-def bytes_moved(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *, ratio: int,
-                page_size: int, window: int, mode: str, **_) -> int:
-    """Minimal HBM bytes of one call: q and the output, sink and metadata, each distinct window entry
-    (ring W per row + the chunk's keys) and each distinct pool row selected (host-side count; the
-    kernel reads a row once per query and head block, repeats mostly from L2)."""
-    B, T, H, hd = q.shape
-    isz = jnp.dtype(q.dtype).itemsize
-    win_e = kvc.store_bytes_per_entry("win", mode, hd)
-    total = 2 * B * T * H * hd * isz + 4 * H
-    total += 4 * (2 * B + 2 * B * T) + 4 * int(np.prod(page_table.shape)) + 4 * int(np.prod(sel.shape))
-    total += B * T * win_e
-    if ring is not None:
-        total += B * window * win_e
-    if comp is not None and sel.shape[-1]:
-        s = np.asarray(sel)
-        pt = np.asarray(page_table)
-        tok = np.maximum(s, 0) * ratio
-        page = np.take_along_axis(pt, np.minimum(tok // page_size, pt.shape[1] - 1).reshape(B, -1), axis=1)
-        rows = (page.reshape(s.shape) * page_size + tok % page_size) // ratio
-        n_rows = len(np.unique(rows[s >= 0]))
-        total += n_rows * kvc.store_bytes_per_entry("comp", mode, hd)
-    return int(total)
 
 
 dispatch.register("attention", "kernel", kernel=kernel, reference=ref_sparse_attention, supports=supports)
