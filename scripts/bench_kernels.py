@@ -173,7 +173,7 @@ def _linear_cases(quick: bool, smoke: bool, interpret: bool):
     shapes = {"tiny": (64, 256)} if smoke else LINEAR_SHAPES
     toks = (4,) if smoke else ((1, 64) if quick else (1, 8, 64, 512, 4096))
     kern = jax.jit(lambda x, p: ql.kernel(x, p, "fp8", bf, interpret=interpret))
-    xla = jax.jit(lambda x, p: ql.ref_linear(x, p, "fp8", cfg, bf))
+    xla = jax.jit(lambda x, p: ql.ref_linear(x, p, "fp8", bf, cfg))
     for name, (n, k) in shapes.items():
         for t in toks:
             args = costs.linear_bench_inputs("fp8", t, n, k, seed=0)

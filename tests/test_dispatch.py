@@ -61,3 +61,54 @@ def test_auto_on_gpu_picks_the_kernels_measured_faster():
         "linear": "xla"}  # linear: its kernel has not been timed on a GPU yet
     assert all(D._resolve("pallas", op, "gpu") == "pallas" for op, _ in D.registry())
     assert all(D._resolve("auto", op, "cpu") == "xla" for op in D.OPS)
+
+
+# ------------------------------------------------------------------------------------------- registry
+
+# every kernel the model's seams call, by (op, variant): the registry must hold exactly these
+SEAMS = {("attention", "kernel"), ("attention", "window_codes"), ("indexer", "kernel"), ("engram", "kernel"),
+         ("mhc", "kernel"), ("mhc", "sublayer_exit"), ("mhc", "sublayer_exit_enter"), ("moe", "kernel"),
+         ("moe", "route"), ("linear", "kernel"), ("linear", "kernel_dual"), ("linear", "o_proj")}
+
+
+def test_registry_holds_every_seams_kernel_and_each_ops_default():
+    reg = D.registry()
+    assert set(reg) == SEAMS
+    assert all(D.kernel_available(op) for op in D.OPS)
+    with pytest.raises(D.ImplError, match="not a Pallas implementation"):
+        D.kernel("moe", "xla")
+    with pytest.raises(D.ImplError, match=r"no Pallas kernel 'exit' for op 'mhc' \(registered: kernel, "):
+        D.kernel("mhc", "pallas", "exit")
+    with pytest.raises(D.ImplError, match="unknown op"):
+        D.register("mlp", "kernel", kernel=len, reference=len, supports=len)
+    entry = reg[("moe", "kernel")]
+    with pytest.raises(D.ImplError, match="registered already"):  # two kernels cannot answer one seam
+        D.register("moe", "kernel", kernel=len, reference=entry.reference, supports=entry.supports)
+    assert D.registry()[("moe", "kernel")] is entry
+
+
+def _required(sig):
+    return [n for n, p in sig.parameters.items() if p.default is p.empty and p.kind is not p.VAR_KEYWORD]
+
+
+@pytest.mark.parametrize("key", sorted(SEAMS), ids=lambda k: "/".join(k))
+def test_registry_entry_has_a_reference_and_a_supports_predicate(key, tiny_cfg):
+    """Each entry: the kernel takes ``interpret``; its reference is another function that takes the kernel's
+    arguments (every argument the reference needs is the kernel's, positional ones at the same place); its
+    `supports` accepts the tiny and flash configs and refuses the exact / deterministic numerics, whose fp64
+    sums the kernels do not do. (That each kernel equals its reference is tests/test_pallas_*.py's.)"""
+    import inspect
+
+    e = D.registry()[key]
+    assert (e.op, e.variant) == key and D.kernel(key[0], "pallas_interpret", key[1]) is e.kernel
+    assert e.reference is not e.kernel and e.reference.__module__.startswith("dsv41_jax.")
+    ks, rs = inspect.signature(e.kernel), inspect.signature(e.reference)
+    assert "interpret" in ks.parameters
+    kpos = [n for n, p in ks.parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    for i, name in enumerate(_required(rs)):
+        assert name in ks.parameters, (key, name)
+        if rs.parameters[name].kind is rs.parameters[name].POSITIONAL_OR_KEYWORD:
+            assert kpos[i] == name, (key, kpos, list(rs.parameters))
+    flash = ModelConfig.preset("flash")
+    assert e.supports(tiny_cfg) and e.supports(flash) and D.supports(*key, tiny_cfg)
+    assert not e.supports(tiny_cfg.replace(act_dtype="exact")) and not e.supports(flash.replace(deterministic=True))

@@ -6,8 +6,8 @@ the references they must equal); ``parallel`` above ``model``; ``serving`` on to
 * no cycle among ``model``, ``parallel``, ``pallas`` and ``serving`` (every import counts, lazy ones too,
   except the one seam below);
 * ``model`` never imports ``parallel`` or ``serving``; ``parallel`` and ``pallas`` never import ``serving``;
-* ``model`` imports ``pallas`` only lazily: inside a function body (the dispatch seam loads a kernel module
-  by name when an impl is resolved). An import is *lazy* when the nearest enclosing definition of the
+* ``model`` imports ``pallas`` only lazily: inside a function body (the dispatch registry imports the
+  ``dsv41_jax.pallas`` package, whose kernel modules register themselves, when a kernel is first resolved). An import is *lazy* when the nearest enclosing definition of the
   statement is a ``def`` / ``async def`` (or a lambda); one at module level — including under ``if`` /
   ``try`` there — or in a class body runs when the module is imported. ``importlib.import_module`` calls
   whose argument starts with a constant package name are imports too (f-strings included).

@@ -65,7 +65,7 @@ def _weight(rng, fmt, N, K, order_free):
     return {"weight": w, "scale": s}
 
 
-_xla = jax.jit(lambda x, p, fmt, mode, dt: ql.ref_linear(x, p, fmt, _CFG[mode], dt), static_argnums=(2, 3, 4))
+_xla = jax.jit(lambda x, p, fmt, mode, dt: ql.ref_linear(x, p, fmt, dt, _CFG[mode]), static_argnums=(2, 3, 4))
 
 
 def _kern(impl, **knobs):

@@ -38,12 +38,11 @@ import ml_dtypes
 import numpy as np
 
 from dsv41_jax.model import codec
+from dsv41_jax.model.codec import E8M0, FP8
 from dsv41_jax.model.config import TINY_DIR, ModelConfig, resolve_model
 
 log = logging.getLogger(__name__)
 
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 U8 = np.dtype(np.uint8)

@@ -83,15 +83,15 @@ TUNING_CANDIDATES = (
 # ------------------------------------------------------------------------------------- reference
 
 
-def ref_linear(x, p, fmt: str, cfg, dt):
-    """The oracle: the seam's "xla" GEMM (`linear.fp8` / `linear.mxfp4` with impl "xla")."""
+def ref_linear(x, p, fmt: str, dt, cfg):
+    """The oracle: the seam's "xla" GEMM (`linear.fp8` / `linear.mxfp4` with impl "xla"); `kernel`'s arguments."""
     cfg = cfg.replace(impl="xla")
     return linear.fp8(x, p, cfg, dt) if fmt == "fp8" else linear.mxfp4(x, p, cfg, dt)
 
 
-def ref_linear_dual(x, p1, p2, fmt: str, dt, cfg=None):
+def ref_linear_dual(x, p1, p2, fmt: str, dt, cfg):
     """The oracle of `kernel_dual`: the two GEMMs one after the other (`ref_linear`)."""
-    return ref_linear(x, p1, fmt, cfg, dt), ref_linear(x, p2, fmt, cfg, dt)
+    return ref_linear(x, p1, fmt, dt, cfg), ref_linear(x, p2, fmt, dt, cfg)
 
 
 def supports(cfg, mode: str = "auto") -> bool:

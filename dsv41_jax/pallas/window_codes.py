@@ -59,7 +59,7 @@ NAME = "window_codes"
 TOKEN_BLOCK = 16
 
 
-def ref_window_codes(y, norm_w, positions, freqs, eps: float, dt, mode: str) -> dict:
+def ref_window_codes(y, norm_w, positions, freqs, eps: float, dt, mode: str = "auto") -> dict:
     """The oracle: `cache.encode("win", mode, apply_rope(rmsnorm(y, norm_w, eps, dt), positions, freqs, dt))`."""
     kv = rmsnorm(y, norm_w, eps, dt)
     return kvc.encode("win", mode, apply_rope(kv, positions, freqs, out_dtype=dt))
