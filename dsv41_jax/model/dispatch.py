@@ -47,7 +47,6 @@ KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the implementations that run a 
 CHOICES = IMPLS + ("auto",)
 
 DEFAULT_VARIANT = "kernel"  # the variant `kernel` returns when none is named
-KERNEL_ENTRY = DEFAULT_VARIANT  # (the old name of the default variant)
 
 
 @dataclasses.dataclass(frozen=True)

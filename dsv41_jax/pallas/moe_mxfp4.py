@@ -31,7 +31,7 @@ fp32 accumulation — the products e4m3·2^k × e2m1·2^k are exact), below each
 (tests/test_pallas_moe.py states the tolerances). The exact / deterministic numerics modes (fp64
 accumulation) have no kernel: the seam refuses them (`dispatch.refuse_kernel_in_f64_mode`).
 
-Bytes moved (`bytes_moved`, declared to XLA as the ``pl.CostEstimate`` of each call with every group
+Bytes moved (`costs.moe_bytes_moved`, declared to XLA as the ``pl.CostEstimate`` of each call with every group
 non-empty): per non-empty group the expert's three packed weights + scales at stored width (w1, w3:
 I·D/2 + I·D/32 bytes each; w2: D·I/2 + D·I/32), plus the activations (the N token rows in, the
 bf16 intermediate out and in, the `dt` output), plus metadata. How many groups are non-empty depends on
