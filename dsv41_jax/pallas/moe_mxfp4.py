@@ -8,7 +8,7 @@ whose k experts are distinct, each assignment is its own group in slot order, wi
 ``pallas_call``s run over (output tile, group):
 
 1. **gate/up** (`_gate_up_kernel`, grid (I / block_n, G)): for the group's rows — the tokens'
-   activations, gathered by token id and fp8-quantized (per 32, `_fake_quant_fp8`) inside the kernel,
+   activations, gathered by token id and fp8-quantized (per 32, `common.fake_quant_fp8`) inside the kernel,
    one launch fewer than a quantized copy — g = x·w1ᵀ and u = x·w3ᵀ over
    K = D in chunks of block_k, each chunk of w1 / w3 read as packed e2m1 bytes + E8M0 scale bytes and
    decoded in registers (exact in bf16; the shared `model.codec` definitions); then the spec's expert

@@ -5,7 +5,7 @@ compute — the spec's GEMM of an fp8-quantized activation with a stored weight 
 
 * the activation quant (`quant.act_quant_fp8`: per 32 along K, amax ≥ 1e-4, s = 2^⌈log2(amax/448)⌉,
   e4m3 RNE of x/s) runs in registers on each K chunk, on the rows the program holds
-  (`moe_mxfp4._fake_quant_fp8`, bitwise the jnp definition), so no quantized copy of x is written;
+  (`common.fake_quant_fp8`: `codec.fp8_act_codes`, the one definition), so no quantized copy of x is written;
 * the weight is read at stored width — fp8: e4m3 bytes [N, K] and one E8M0 byte per 32×32 block
   ([⌈N/32⌉, K/32]); MXFP4: packed e2m1 [N, K/2] (as uint16 byte pairs, `common.flat`) and one
   E8M0 byte per 32 along K ([N, K/32]) — and decoded in registers with the shared `model.codec`
