@@ -1,9 +1,10 @@
 """Pallas kernel of the attention seam: window ring + top-k compressed slots, read from stored codes.
 
 `kernel` takes exactly the arguments of `attention.sparse_attention` (plus `interpret` and optional
-tuning knobs) and returns what its "reference"/"xla" implementations return (`ref_sparse_attention`
-calls them: they are the oracle). Per query token (b, t) and head block, one online softmax (m, l, acc)
-runs over up to three key segments, each a loop over blocks of `block_k` keys:
+tuning knobs) and returns what its "reference"/"xla" implementations return (they are the oracle: the
+registry's reference is `attention.sparse_attention`, "reference" by default). Per query token (b, t)
+and head block, one online softmax (m, l, acc) runs over up to three key segments, each a loop over
+blocks of `block_k` keys:
 
 1. the window ring of row `ring_rows[b]` (W entries; entry s holds the latest position ≡ s mod W
    before `start[b]`), skipped when `ring` is None (the full forward);
@@ -91,18 +92,6 @@ TUNING_CANDIDATES = (
     dict(block_h=32, block_k=16, block_d=64, num_warps=8),
     dict(block_h=16, block_k=32, block_d=64, num_warps=4),  # 4 head blocks, more programs
 )
-
-
-# ------------------------------------------------------------------------------------- reference
-
-
-def ref_sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
-                         ratio: int, page_size: int, window: int, mode: str, impl: str = "xla"):
-    """The oracle: the seam's plain-jnp implementation `impl` ("xla" or "reference")."""
-    if impl not in ("xla", "reference"):
-        raise ValueError(f"ref_sparse_attention: impl must be 'xla' or 'reference', got {impl!r}")
-    return attention.sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table,
-                                      sel, ratio=ratio, page_size=page_size, window=window, mode=mode, impl=impl)
 
 
 def _head_dim_ok(hd: int) -> bool:
@@ -437,4 +426,5 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     return out[:, :, :H]
 
 
-dispatch.register("attention", "kernel", kernel=kernel, reference=ref_sparse_attention, supports=supports)
+# the reference: the seam itself, whose default implementation is "reference" (same arguments)
+dispatch.register("attention", "kernel", kernel=kernel, reference=attention.sparse_attention, supports=supports)
