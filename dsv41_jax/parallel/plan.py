@@ -22,22 +22,36 @@ import jax
 from dsv41_jax.model import checkpoint
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.params import flatten_names
-from dsv41_jax.parallel import collectives, rules
+from dsv41_jax.parallel import collectives, moe_dispatch, rules
 from dsv41_jax.parallel.host_table import offload_engram
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshPlan:
-    """A mesh with the rules and collectives the model needs on it (hashable: a static jit argument)."""
+    """A mesh with the rules and collectives the model needs on it (hashable: a static jit argument).
+
+    moe_a2a_backend: how the routed experts meet their tokens (`--moe-a2a-backend`, `moe_dispatch.BACKENDS`):
+    "none" (default) — tokens replicated over the expert axis, one psum (`collectives.routed_experts`);
+    "all_to_all" / "ragged" — each device dispatches its own tokens to the experts' devices and combines
+    locally (`moe_dispatch.routed_experts_dispatch`), tokens split over the rules' "batch" axis (the
+    request axis under data-parallel attention; none today: replicated tokens are then split over the
+    expert axis inside the collective) and experts over the rules' "experts" axes.
+    moe_a2a_capacity: the dense buffer's rows per destination and round (None: `moe_dispatch.capacity_for`).
+    """
 
     mesh: jax.sharding.Mesh
+    moe_a2a_backend: str = "none"
+    moe_a2a_capacity: Optional[int] = None
+
+    def __post_init__(self):
+        moe_dispatch.check_backend(self.moe_a2a_backend)
 
     @classmethod
-    def of(cls, mesh) -> Optional["MeshPlan"]:
+    def of(cls, mesh, moe_a2a_backend: str = "none") -> Optional["MeshPlan"]:
         """`mesh` as a plan; None (one device) stays None, a plan is returned as is."""
         if mesh is None or isinstance(mesh, MeshPlan):
             return mesh
-        return cls(mesh)
+        return cls(mesh, moe_a2a_backend)
 
     @property
     def size(self) -> int:
@@ -71,9 +85,19 @@ class MeshPlan:
         return collectives.row_gather(table, tscale, rows, dt, self.mesh)
 
     def routed_experts(self, ex, xf, idx, w, cfg, dt, slots=None):
-        """The routed experts expert-parallel over "ep" (`collectives.routed_experts`; slots: the per-shard
-        grouped computation, default the xla path)."""
-        return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh, slots=slots)
+        """The routed experts expert-parallel: over "ep" with a psum (`collectives.routed_experts`, backend
+        "none"), or with the tokens dispatched to their experts (`moe_dispatch`); slots: the per-device
+        grouped computation, default the xla path."""
+        if self.moe_a2a_backend == "none":
+            return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh, slots=slots)
+        expert_axes = rules.mesh_axis("experts", self.mesh)
+        if expert_axes is None:
+            raise ValueError(f"--moe-a2a-backend {self.moe_a2a_backend}: the routed experts are not split over "
+                             "this mesh (no expert axis > 1): nothing to dispatch to")
+        return moe_dispatch.routed_experts_dispatch(
+            ex, xf, idx, w, cfg, dt, self.mesh, backend=self.moe_a2a_backend,
+            token_axes=rules.mesh_axis("batch", self.mesh), expert_axes=expert_axes,
+            capacity=self.moe_a2a_capacity, slots=slots)
 
     def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):
         """((params, state, batch), (logits, state)) shardings of the decode step (`rules.step_shardings`)."""
