@@ -10,8 +10,9 @@
   k slots in ascending expert id then runs locally (`moe.combine_slots`) exactly as unsharded —
   sharded ≡ unsharded bit for bit, in every numerics mode. Expert weights never move (no all-gather);
   the price is k/2 times the bytes of an fp32 [N, D] partial-sum all-reduce (bf16 slots), which is
-  small at decode batch sizes. (A `jax.lax.ragged_all_to_all` dispatch pays off once tokens are
-  themselves split over devices — data-parallel attention — which this mesh does not do.)
+  small at decode batch sizes. Once tokens are themselves split over devices (data-parallel
+  attention) they travel to their experts instead: `moe_dispatch` (`--moe-a2a-backend all_to_all |
+  ragged`; this function is its "none").
 * `row_gather` / `embed_gather` — a table whose rows are split over devices (Engram tables over
   ep x tp, the token embedding over tp: `rules`): each shard gathers the requested rows it holds
   (zeros for the others) and one psum over those axes assembles them. Exact: one non-zero

@@ -34,7 +34,9 @@ so all shards write the same values: no communication). This is also SGLang's ML
 Sharding the cache needs data-parallel attention (rows/pages split over a ``dp`` axis), not done yet.
 
 Activations: the residual streams, norms and everything per token are replicated ("batch", "seq",
-"act_embed" -> None); attention activations are split over tp along heads ("act_heads"); the step's
+"act_embed" -> None; "batch" is also the axis the token-dispatch MoE splits tokens over,
+`moe_dispatch`, and "experts" the axes it sends them to: a data-parallel mesh maps "batch" to its
+request axis and "experts" to all devices); attention activations are split over tp along heads ("act_heads"); the step's
 batch (small int arrays) and its logits are replicated.
 """
 
