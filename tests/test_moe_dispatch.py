@@ -51,6 +51,8 @@ def _meshes(cpu8, name):
         return Mesh(np.array(cpu8[:4]), ("dp",)), "dp", "dp"
     if name == "dp4xtp2":  # DP attention with tp inside each rank; experts over all devices
         return Mesh(np.array(cpu8).reshape(4, 2), ("dp", "tp")), "dp", ("dp", "tp")
+    if name == "rep4x2":  # tokens replicated (today's layout), experts over both axes: each device takes 1/8
+        return Mesh(np.array(cpu8).reshape(4, 2), ("dp", "tp")), None, ("dp", "tp")
     raise KeyError(name)
 
 
@@ -89,7 +91,8 @@ def _check(got, want, what):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32), err_msg=what)
 
 
-@pytest.mark.parametrize("layout,mode", [("dp8", "exact"), ("dp4xtp2", "exact"), ("dp4xtp2", "deterministic")])
+@pytest.mark.parametrize("layout,mode", [("dp8", "exact"), ("dp4xtp2", "exact"), ("dp4xtp2", "deterministic"),
+                                         ("rep4x2", "exact")])
 def test_dispatch_equals_one_device(cpu8, tiny_cfg, ex, layout, mode):
     cfg, dt = _mode(tiny_cfg, mode)
     mesh, tok, exp = _meshes(cpu8, layout)
@@ -150,6 +153,24 @@ def test_prefill_chunk_default_buffer(cpu8, tiny_cfg, ex):
         _check(got(ex, x, idx, w), ref(ex, x, idx, w), case)
 
 
+def test_layer_scan_stacks(cpu8, tiny_cfg, tiny_params, ex):
+    """Experts given as a scan run's stacks [n, E, ...] with the layer (`moe.layer_slice`; scales stored as
+    uint8, `layer_scan.storage_dtype`): only that layer's experts are read, bitwise the plain layer."""
+    cfg, dt = _mode(tiny_cfg, "exact")
+    mesh, tok, exp = _meshes(cpu8, "dp8")
+    other = tiny_params["layers"][2]["ffn"]["experts"]
+
+    def stack(a, b):
+        a, b = (jax.lax.bitcast_convert_type(t, jnp.uint8) if t.dtype != jnp.uint8 else t for t in (a, b))
+        return jnp.stack([a, b])
+
+    stacked = jax.tree_util.tree_map(stack, other, ex)
+    stacked["layer"] = jnp.int32(1)
+    x, idx, w = _routings(N, cfg.n_routed_experts, cfg.num_experts_per_tok, np.random.default_rng(SEED + 4))["random"]
+    x = jnp.asarray(x, dt)
+    _check(_dispatched(stacked, cfg, dt, mesh, tok, exp)(stacked, x, idx, w), _ref(ex, cfg, dt)(ex, x, idx, w), "stacks")
+
+
 def test_plan_runs_the_model_moe_dispatched(cpu8, tiny_cfg, tiny_params):
     """`moe.moe` through `MeshPlan(mesh, "all_to_all")` on today's ("ep", "tp") mesh (tokens replicated:
     each device dispatches its share, then an all-gather) ≡ one device, exact mode; the default plan
@@ -161,9 +182,33 @@ def test_plan_runs_the_model_moe_dispatched(cpu8, tiny_cfg, tiny_params):
     want = jax.jit(lambda p, x: moe.moe(p, x, k, cfg, dt))(p, x)
     mesh = Mesh(np.array(cpu8).reshape(4, 2), ("ep", "tp"))
     assert MeshPlan.of(mesh).moe_a2a_backend == "none"
-    par = MeshPlan(mesh, "all_to_all")
+    par = MeshPlan.of(MeshPlan.of(mesh), "all_to_all")
+    assert par == MeshPlan(mesh, "all_to_all") and MeshPlan.of(par) is par
     got = jax.jit(lambda p, x: moe.moe(p, x, k, cfg, dt, par=par))(p, x)
     _check(got, want, "moe via MeshPlan all_to_all")
+
+
+@pytest.mark.slow  # two whole-model compiles
+def test_forward_dispatched_equals_one_device(cpu8):
+    """The whole forward (micro, exact mode) on an ep=4 x tp=2 mesh with every MoE layer dispatched
+    (`MeshPlan(mesh, "all_to_all")`) ≡ unsharded: same experts chosen, bitwise logits."""
+    import configs
+    from dsv41_jax.model.params import init_params
+    from dsv41_jax.model.transformer import forward
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    cfg = configs.micro().replace(act_dtype="exact")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = np.random.default_rng(SEED).integers(3, 300, (2, 7)).astype(np.int32)
+    fwd = jax.jit(forward, static_argnames=("cfg", "return_aux", "par"))
+    want, want_aux = fwd(params, tokens, cfg=cfg, return_aux=True, par=None)
+    mesh = make_mesh(2, 4, cfg=cfg)
+    got, aux = fwd(rules.shard_params(params, cfg, mesh), tokens, cfg=cfg, return_aux=True,
+                   par=MeshPlan(mesh, "all_to_all"))
+    for L in want_aux["experts"]:
+        np.testing.assert_array_equal(np.asarray(aux["experts"][L]), np.asarray(want_aux["experts"][L]))
+    _check(got, want, "forward logits")
 
 
 def test_kernel_slots_dispatched(cpu8, tiny_cfg, tiny_params, pallas_impl):

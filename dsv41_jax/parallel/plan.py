@@ -47,11 +47,14 @@ class MeshPlan:
         moe_dispatch.check_backend(self.moe_a2a_backend)
 
     @classmethod
-    def of(cls, mesh, moe_a2a_backend: str = "none") -> Optional["MeshPlan"]:
-        """`mesh` as a plan; None (one device) stays None, a plan is returned as is."""
-        if mesh is None or isinstance(mesh, MeshPlan):
-            return mesh
-        return cls(mesh, moe_a2a_backend)
+    def of(cls, mesh, moe_a2a_backend: Optional[str] = None) -> Optional["MeshPlan"]:
+        """`mesh` as a plan (backend `moe_a2a_backend`, default "none"); None (one device) stays None, a
+        plan is returned as is (with the backend replaced when one is given)."""
+        if mesh is None:
+            return None
+        if isinstance(mesh, MeshPlan):
+            return mesh if moe_a2a_backend is None else dataclasses.replace(mesh, moe_a2a_backend=moe_a2a_backend)
+        return cls(mesh, moe_a2a_backend or "none")
 
     @property
     def size(self) -> int:
