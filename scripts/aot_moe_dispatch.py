@@ -37,6 +37,7 @@ def hlo_collectives(hlo: str) -> tuple:
     result: its type is ((operands), results))."""
     count: dict = {}
     nbytes: dict = {}
+    hlo = re.sub(r"/\*.*?\*/", "", hlo)  # XLA marks long tuples with /*index=5*/: an "=" inside the type
     for m in _OP_RE.finditer(hlo):
         op, types = m.group(2), m.group(1)
         if m.group(3):

@@ -320,6 +320,34 @@ def test_ragged_compiles_for_h200(tmp_path):
 # ------------------------------------------------------------------------------------------ sizing
 
 
+def _script():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("aot_moe_dispatch", os.path.join(root, "scripts", "aot_moe_dispatch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compiled_dense_bytes_match_the_prediction(cpu8):
+    """scripts/aot_moe_dispatch.py on the 8 fake CPU devices (tiny shapes, all_to_all, fp32 activations:
+    XLA:CPU widens a bf16 all-to-all to fp32): the compiled HLO's all-to-all result bytes are
+    `moe_collective_bytes`'s per-layer figure."""
+    import argparse
+
+    mod = _script()
+    rep = mod.run(argparse.Namespace(config="tiny", dtype="float32", devices=8, gpu_target=None, backend="all_to_all",
+                                     tokens_per_device=4))
+    assert rep["target"] == "cpu" and rep["hlo_ops"] == {"all-to-all": 4}
+    assert rep["hlo_result_bytes"]["all-to-all"] == rep["predicted_bytes_per_layer"] > 0
+    count, nbytes = mod.hlo_collectives("%a = ((s32[8,4]{1,0}), s32[8,4]{1,0}) all-to-all-start(%x), c\n"
+                                        "%b = bf16[2,3]{1,0} ragged-all-to-all(%y), c\n"
+                                        "%c = (f32[1]{0}, f32[1]{0}, /*index=2*/f32[2]{0}) all-to-all(%z), c")
+    assert count == {"all-to-all": 2, "ragged-all-to-all": 1}
+    assert nbytes == {"all-to-all": 128 + 16, "ragged-all-to-all": 12}
+
+
 def test_moe_collective_bytes(tiny_cfg):
     """Bytes per device and step from shapes (tiny's hidden size, top-k and layer count; bf16 flow unless said)."""
     D, k, L = tiny_cfg.hidden_size, tiny_cfg.num_experts_per_tok, tiny_cfg.num_hidden_layers
