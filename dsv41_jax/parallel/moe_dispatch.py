@@ -58,8 +58,9 @@ from dsv41_jax.model.numerics import act_dtype
 from dsv41_jax.parallel.mesh import axis_size
 
 BACKENDS = ("none", "all_to_all", "ragged")
-# Assignment rows per destination up to which the dense buffer is the worst case (one round, whatever the
-# routing): decode sizes. Above it, C = 2x the balanced load, and skewed routing takes more rounds.
+# Local (token, slot) assignments up to which the dense buffer per destination is the worst case (all of them:
+# one round, whatever the routing): decode sizes. Above it, C = 2x the balanced load (at least this many
+# rows), and skewed routing takes more rounds.
 MIN_CAPACITY = 256
 # Platforms whose XLA cannot run ragged_all_to_all ("HLO opcode ragged-all-to-all is not supported by XLA:CPU").
 RAGGED_UNSUPPORTED = ("cpu",)
@@ -101,8 +102,8 @@ def capacity_for(assignments: int, n_dest: int, capacity: Optional[int] = None) 
 
 
 def _rank_in_group(key, n_keys: int):
-    """int32 [A]: each element's rank among the elements with the same key (in index order); key int32 [A]
-    in [0, n_keys)."""
+    """(rank int32 [A], counts int32 [n_keys]): each element's rank among the elements with the same key (in
+    index order), and each key's count; key int32 [A] in [0, n_keys)."""
     A = key.shape[0]
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     counts = jnp.zeros((n_keys,), jnp.int32).at[key].add(1)
