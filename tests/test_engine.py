@@ -23,7 +23,8 @@ import pytest
 
 import configs
 from dsv41_jax.serving.async_engine import AsyncEngine
-from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, SharedPageAllocator, _bucket
+from dsv41_jax.model.decode import _bucket
+from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, SharedPageAllocator
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -173,9 +174,9 @@ def test_shared_allocator_refcounts():
 
 
 def test_memory_plan_logged(eng, caplog):
-    assert eng.ccfg.num_pages == 1024 // 16 + 1
-    assert eng.context_length == 128 and eng.ccfg.max_slots == 8
-    assert eng.memory_plan["pool_tokens"] == 1024
+    assert eng.runner.ccfg.num_pages == 1024 // 16 + 1
+    assert eng.context_length == 128 and eng.runner.ccfg.max_slots == 8
+    assert eng.runner.memory_plan["pool_tokens"] == 1024
     with pytest.raises(EngineError):
         eng.add_request("too-long", list(range(3, 131)))
     with pytest.raises(EngineError):
@@ -200,10 +201,10 @@ def test_pool_sized_from_memory_fraction(caplog):
               skip_server_warmup=True, disable_radix_cache=True)  # (the prefix cache's rows: test_prefix_cache)
     with caplog.at_level("INFO", logger="dsv41_jax.engine"):
         e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), params=params)
-    assert e.ccfg.num_pages == 10 and e.context_length == 64 and e.ccfg.max_pages_per_seq == 4
+    assert e.runner.ccfg.num_pages == 10 and e.context_length == 64 and e.runner.ccfg.max_pages_per_seq == 4
     assert any("KV cache" in r.message and "9 pages = 144 tokens" in r.message for r in caplog.records)
     big = Engine(EngineArgs(cpu_memory_budget=1 << 34, **kw), params=params)
-    assert big.ccfg.num_pages == S * 64 // ps + 1  # capped: no request could use more
+    assert big.runner.ccfg.num_pages == S * 64 // ps + 1  # capped: no request could use more
     with pytest.raises(Exception, match="budget"):
         Engine(EngineArgs(cpu_memory_budget=2 * weights, **kw), params=params)
 
@@ -279,7 +280,7 @@ def test_preemption_keeps_outputs(eng):
     hogs = []
     left = cap - 22  # leave 22 pages: 8 running requests would need up to 40
     while left > 0:  # hold pages as fake requests (a table holds at most max_pages_per_seq)
-        k = min(left, eng.ccfg.max_pages_per_seq)
+        k = min(left, eng.runner.ccfg.max_pages_per_seq)
         hogs.append(("hog", len(hogs)))
         eng.allocator.ensure(hogs[-1], k * 16)
         left -= k
