@@ -326,6 +326,39 @@ def test_abort_mid_generation_frees_pages(eng):
     assert not eng.abort_request("no-such-request")
 
 
+def test_runner_only_reads_the_schedule(eng):
+    """The device runner executes a `messages.Schedule` without changing it (its pickled bytes are the same
+    after `Runner.execute`) and answers with one `LaunchResult` per launch: over prefill chunks, decode
+    rows, an n = 2 fork, logprobs and a constraint's mask."""
+    import pickle
+
+    from dsv41_jax.serving.messages import LaunchResult, StepResult
+
+    seen = []
+    execute = eng.runner.execute
+
+    def checked(schedule):
+        before = pickle.dumps(schedule)
+        result = execute(schedule)
+        assert pickle.dumps(schedule) == before
+        assert isinstance(result, StepResult) and len(result.launches) == len(schedule.launches)
+        assert all(isinstance(r, LaunchResult) for r in result.launches)
+        seen.append(schedule)
+        return result
+
+    eng.runner.execute = checked
+    try:
+        run(eng, P0[:3], [SamplingParams(temperature=0.7, seed=3, max_tokens=5, n=2, ignore_eos=True),
+                          SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+                          SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)],
+            constraints=[None, None, AllowSet(list(range(100, 140)), eng.vocab_size)])
+    finally:
+        del eng.runner.execute
+    ops = [type(op).__name__ for s in seen for op in s.ops]
+    assert "ForkOp" in ops and "Launch" in ops
+    assert any(r.allowed is not None for s in seen for L in s.launches for r in L.rows)
+
+
 # ------------------------------------------------------------------------------------------- compilations
 
 

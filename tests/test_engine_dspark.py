@@ -192,6 +192,29 @@ def test_no_test_only_input_in_the_production_step(spec_eng):
     assert not hasattr(spr.DSparkSpeculator, "fixed_drafts")  # no test hook in the production class
 
 
+def test_speculator_state_in_and_out_as_a_value(spec_eng):
+    """The speculator takes the runner's `messages.DeviceState` and returns a new one with the launch's
+    `LaunchResult`: it writes nothing into the runner (whose arrays it got donated: the runner keeps the
+    returned state). A launch of B = 4 with no rows commits nothing and leaves last_token as it was."""
+    from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
+
+    r, g = spec_eng.runner, spec_eng.spec_gamma
+    assert "runner" not in inspect.signature(spr.DSparkSpeculator.launch).parameters
+    dev = r.device_state
+    assert isinstance(dev, DeviceState)
+    last = np.asarray(dev.last_token).copy()
+    held = (r.state, r.slot_tensors, r.last_token)
+    new, res = r.speculator.launch(r.params, dev, SpecLaunch((), 4, g))
+    assert all(a is b for a, b in zip((r.state, r.slot_tensors, r.last_token), held))  # the runner untouched
+    r.device_state = new
+    assert isinstance(new, DeviceState) and isinstance(res, LaunchResult)
+    assert np.asarray(res.tokens).shape == (4, g + 1) and (np.asarray(res.tokens) == -1).all()
+    assert np.asarray(res.n_accept).tolist() == [0] * 4
+    assert np.array_equal(np.asarray(r.last_token), last)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.state = None
+
+
 @pytest.mark.slow  # compiles the simulated variant of the verify step (~1 CPU-min)
 def test_simulated_accept_length(cfg, mini_params):
     """--speculative-simulate-accept-length γ+1 (performance runs only): every row-step commits γ + 1

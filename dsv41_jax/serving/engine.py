@@ -11,8 +11,13 @@ three parts, each in its own module:
   the one detokenizer; the server uses its text), stops, constraints, logprobs, `RequestOutput`s
   and metrics.
 
-The data they share (requests, samples, outputs, errors) is in `request`. One *scheduler iteration*
-per `Engine.step()`:
+The data they share (requests, samples, outputs, errors) is in `request`. They talk in messages
+(`messages`): the scheduler's plan is a frozen `messages.Schedule` (rows as ints and tuples, no `Seq`),
+`Runner.execute` returns a frozen `messages.StepResult`, and the output processor reads it into the
+samples the scheduler planned the rows for (`scheduler.Planned`). Control flows one way: when the
+scheduler needs the tokens still in flight (a preemption, a constraint mask, a DSpark anchor), it
+says so (`Scheduler.needs_results`, or `schedule` returning None) and the engine reads them first.
+One *scheduler iteration* per `Engine.step()`:
 
 1. **Schedule** (host). Running sequences each contribute one row: a decode row (the newest token,
    position ``num_cached``) or a prefill chunk (at most ``chunked_prefill_size`` tokens, all rows
@@ -54,7 +59,7 @@ one: the draft proposes γ tokens, the target verifies them in one forward, and 
 n_accept + 1 tokens (rows of one launch accept different numbers). The output processor appends them
 one at a time, so stop tokens / strings, max_tokens and the context length cut at the right token;
 the pages of rejected positions go back (`PageAllocator.truncate`). A constrained row's drafts are
-checked by its grammar before verification (`Runner._grammar_masks`): the verify rows are masked up to
+checked by its grammar before verification (`DSparkSpeculator.grammar_masks`): the verify rows are masked up to
 the first draft the grammar rejects, so no disallowed token is ever accepted. The next step's positions depend
 on the accept lengths, so a sample with a DSpark row in flight is read before it is planned again
 (overlap is kept for everything else). Greedy with DSpark gives exactly the tokens of greedy without

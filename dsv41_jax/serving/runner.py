@@ -721,8 +721,8 @@ class Runner:
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:
-                self.device_state, _ = self.speculator.launch(self.params, self.device_state, SpecLaunch((), B, self.spec_gamma),
-                                                              warm=True)
+                warm = SpecLaunch((), B, self.spec_gamma)
+                self.device_state, _ = self.speculator.launch(self.params, self.device_state, warm, warm=True)
                 what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
             else:
                 z = np.zeros((B,), np.int32)

@@ -418,7 +418,7 @@ class Scheduler:
         samples s's next token from a host-known anchor (not a replay, nothing in flight, at least one
         generated token — the first comes from the plain step after the prompt); it asks for no
         logprobs (the verify step returns none); a constraint, if any, can be cloned (the runner walks
-        a clone through the drafts before verifying them, `Runner._grammar_masks`); and the γ+1 verify
+        a clone through the drafts before verifying them, `DSparkSpeculator.grammar_masks`); and the γ+1 verify
         positions fit its context."""
         g = self.spec_gamma
         if g <= 0 or not self._may_speculate(s):
