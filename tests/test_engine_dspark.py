@@ -21,6 +21,7 @@ the draft-only step (constrained rows), each of which holds the draft's three st
 import dataclasses
 import inspect
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -282,21 +283,35 @@ def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
         return out
 
     n_comp = None
-    with oracle_drafts(spec_eng, oracle) as drafter:
-        rids = [f"c{next(_ids)}" for _ in prompts]
-        by_rid.update({r: i for i, r in enumerate(rids)})
-        for rid, p in zip(rids, prompts):
-            spec_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
-        done = {}
-        while spec_eng.has_unfinished():
-            for o in spec_eng.step():
-                if o.finished:
-                    done[o.request_id] = o
-            if launches and n_comp is None:
-                n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
+    execute, grammars = spec_eng.runner.execute, []
+
+    def only_reads(schedule):  # the runner walks the rows' grammars on clones: the schedule stays as given
+        before = pickle.dumps(schedule)
+        grammars.extend(r.grammar for L in schedule.launches for r in L.rows if r.grammar is not None)
+        result = execute(schedule)
+        assert pickle.dumps(schedule) == before
+        return result
+
+    spec_eng.runner.execute = only_reads
+    try:
+        with oracle_drafts(spec_eng, oracle) as drafter:
+            rids = [f"c{next(_ids)}" for _ in prompts]
+            by_rid.update({r: i for i, r in enumerate(rids)})
+            for rid, p in zip(rids, prompts):
+                spec_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
+            done = {}
+            while spec_eng.has_unfinished():
+                for o in spec_eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                if launches and n_comp is None:
+                    n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
+    finally:
+        del spec_eng.runner.execute
     assert [done[r].outputs[0].token_ids for r in rids] == ref_c
     accepts = drafter.accepts()
     assert any(len(set(a)) > 1 for a in accepts) and injected["rejected_by_grammar"] > 0
+    assert grammars and all(isinstance(c, NotMod3) for c in grammars)
     assert spec_eng.num_compilations() == n_comp
     assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
 

@@ -155,8 +155,8 @@ def test_messages_are_frozen(tok):
 
 def test_dspark_rows_and_grammar_clones_cross_as_messages(tok):
     """DSpark launches cross the seam as `SpecLaunch` rows (anchor, start, pages), their results as
-    (tokens, n_accept); a constrained row carries a clone of its grammar, so the runner walking it does
-    not move the sample's own grammar; outputs equal the plain mock's."""
+    (tokens, n_accept); a constrained row carries a snapshot (clone) of its grammar, never the sample's
+    own; outputs equal the plain mock's."""
     walked = []
 
     class Walking(MockRunner):
@@ -165,7 +165,7 @@ def test_dspark_rows_and_grammar_clones_cross_as_messages(tok):
                 for r in L.rows:
                     if r.grammar is not None:
                         walked.append(r.grammar)
-                        r.grammar.accept(1)  # the runner's walk: on its own clone
+                        r.grammar.clone().accept(1)  # the runner's walk: on a clone of the snapshot
             return super().execute(schedule)
 
     runner = Walking(spec_gamma=3, accept=lambda row, start: start % 4, tokens=_odd_tokens)

@@ -4,8 +4,8 @@ One scheduler iteration is one `Schedule`: a frozen value the runner executes an
 runner answers with a frozen `StepResult`, which the scheduler and the output processor consume (as
 vLLM v1's ``SchedulerOutput`` / ``ModelRunnerOutput``). Neither holds a request object (`request.Seq`):
 only ints, tuples of ints, read-only numpy arrays, sampling parameters (values), and — for a
-constrained DSpark row — a clone of the row's grammar, which the runner walks through the drafts
-(the scheduler's own grammar is never touched). Device arrays in a result are JAX arrays (immutable,
+constrained DSpark row — a snapshot (clone) of the row's grammar, which the runner clones again to
+walk through the drafts (neither the sample's grammar nor the schedule's snapshot changes). Device arrays in a result are JAX arrays (immutable,
 possibly still being computed: the overlap schedule reads them one iteration later).
 
 The ops of a schedule, in the order the runner runs them (`Schedule.ops`):
@@ -61,7 +61,7 @@ class Row:
     logprobs: top logprobs the sampled token asks for (0: none). plp_targets: for a prefill chunk of a
     prompt-logprobs sample, the prompt token after each position (n of them), else None.
     allowed: a sampled row's constraint mask bool [V] this step (None: unconstrained); grammar: a DSpark
-    row's constraint, cloned (None: unconstrained)."""
+    row's constraint, a snapshot (clone) the runner clones to walk (None: unconstrained)."""
 
     req_id: str
     index: int

@@ -90,9 +90,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dsv41_jax.model.cache import CacheFullError
-from dsv41_jax.serving.messages import LoadOp, RestoreOp, SaveOp, SpillOp  # noqa: F401 (the ops it makes; re-exported)
+from dsv41_jax.serving.messages import LoadOp, RestoreOp, SaveOp, SpillOp  # the ops it hands the runner
 
-__all__ = ["CacheEntry", "LoadOp", "PrefixCache", "RadixTree", "RestoreOp", "SaveOp", "SpillOp"]
+__all__ = ["CacheEntry", "PrefixCache", "RadixTree"]
 
 log = logging.getLogger("dsv41_jax.engine")
 

@@ -104,8 +104,8 @@ class Planned:
 def _row_message(r: _Row, spec: bool) -> Row:
     """The frozen `messages.Row` of a planned row (``spec``: of a DSpark launch). Made when the plan is
     complete, i.e. when the runner used to read the sample: a constrained row is planned only after its
-    tokens were read, so its mask is the one for the row's token; a DSpark row gets a clone of its
-    grammar, which the runner walks through the drafts."""
+    tokens were read, so its mask is the one for the row's token; a DSpark row gets a snapshot (clone)
+    of its grammar, which the runner walks (on a clone of its own) through the drafts."""
     s = r.seq
     plp = None
     if s.want_plp and not (r.sample or r.replay):

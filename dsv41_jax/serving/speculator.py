@@ -107,7 +107,7 @@ def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, d
     from the rows' slots, `speculative.speculative_step`, then the committed tokens added to the slots'
     penalty counts and each row's bonus token (the next anchor) put in ``last_token[slot]``.
 
-    batch: `speculative.make_spec_batch`-style {anchor, start, slot, page_table, active} (numpy is
+    batch: `DSparkSpeculator.batch`'s {anchor, start, slot, page_table, active} (numpy is
     fine); step_counter int32 [B]: tokens each row has generated (the anchor included); drafts int32
     [B, γ]: −1 (the draft's own proposal) or a draft the host fixed (a constrained row's grammar-walked
     drafts); allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True elsewhere).
@@ -209,8 +209,8 @@ class DSparkSpeculator:
         return out
 
     def grammar_masks(self, params, dev: DeviceState, L: SpecLaunch, batch: dict, step, drafts: np.ndarray):
-        """The verify rows' masks bool [B, γ+1, V]. Constrained rows of L (their `Row.grammar`, a clone the
-        runner may walk): draft on the device, read the drafts, walk the grammar through them; the row's
+        """The verify rows' masks bool [B, γ+1, V]. Constrained rows of L (their `Row.grammar`, walked on a
+        clone): draft on the device, read the drafts, walk the grammar through them; the row's
         drafts become those drafts (the verify step then checks exactly what the grammar saw) and its masks
         row j = what the grammar allows after d_0..d_{j−1}, up to the first draft it rejects (later rows:
         all True; the rejected draft has probability 0 under the masked target, so it and everything after
@@ -225,7 +225,7 @@ class DSparkSpeculator:
         d = np.asarray(self._propose(params, dev.state, dev.slot_tensors, batch, step))
         m = np.ones((L.B, g + 1, V), bool)
         for b, r in rows:
-            c = r.grammar
+            c = r.grammar.clone()  # (the schedule's own copy stays as it was given)
             for j in range(g + 1):
                 a = c.allowed_mask()
                 if a is not None:
