@@ -4,9 +4,9 @@ lengths; pages and slots back after every request; constrained decoding with dra
 grammar; the simulated-accept-length knob (slow: its own step variant); no test-only input in the
 production step; start-up errors. Prefill/decode handover (`serving.handover`): a second DSpark engine
 prefills, its exported state (wire form) is decoded by the DSpark engine: the same tokens and logprob
-bits as one engine, nothing prefilled on the decode side; bad states refused with the engines clean. Forced drafts come from a test drafter (tests/oracle_drafter.py's
-`OracleDrafter`: the production DSpark steps, with drafts an oracle fixes through the step's drafts
-input, the one constrained rows use).
+bits as one engine, nothing prefilled on the decode side; bad states refused with the engines clean.
+Forced drafts come from a test drafter (tests/oracle_drafter.py's `OracleDrafter`: the production
+DSpark steps, with drafts an oracle fixes through the step's drafts input, the one constrained rows use).
 
 Two module-scoped engines on `configs.mini` (tiny's mechanisms in 6 layers, its 3 DSpark stages) in the
 exact numerics mode (fp64-accumulated matmuls: a verify chunk equals one-token steps), one without

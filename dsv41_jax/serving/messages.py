@@ -5,8 +5,9 @@ runner answers with a frozen `StepResult`, which the scheduler and the output pr
 vLLM v1's ``SchedulerOutput`` / ``ModelRunnerOutput``). Neither holds a request object (`request.Seq`):
 only ints, tuples of ints, read-only numpy arrays, sampling parameters (values), and — for a
 constrained DSpark row — a snapshot (clone) of the row's grammar, which the runner clones again to
-walk through the drafts (neither the sample's grammar nor the schedule's snapshot changes). Device arrays in a result are JAX arrays (immutable,
-possibly still being computed: the overlap schedule reads them one iteration later).
+walk through the drafts (neither the sample's grammar nor the schedule's snapshot changes). Device
+arrays in a result are JAX arrays (immutable, possibly still being computed: the overlap schedule reads
+them one iteration later).
 
 The ops of a schedule, in the order the runner runs them (`Schedule.ops`):
 

@@ -35,9 +35,9 @@ with a checkpoint without DSpark stages, a block size above the checkpoint's and
 On a mesh (--tp-size / --ep-size > 1) every feature runs: the DSpark rings and the prefix cache's
 snapshot pool are placed by the cache's rules (`parallel.rules.state_shardings`), the DSpark steps
 run the target's forward on the mesh as the plain step does and hold the cache to its shardings.
-``--speculative-simulate-accept-length L`` (performance runs only) forces each DSpark row to commit L tokens per step (floor/ceil by a seeded stream around a
-fractional L) whatever the verifier says: the *drafts* are committed as if accepted, so the text is
-garbage and only the timing means anything.
+``--speculative-simulate-accept-length L`` (performance runs only) forces each DSpark row to commit
+L tokens per step (floor/ceil by a seeded stream around a fractional L) whatever the verifier says:
+the *drafts* are committed as if accepted, so the text is garbage and only the timing means anything.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ The seam is typed: `Speculator.launch(params, dev, L)` takes the runner's `messa
 never writes into the runner. A DSpark launch is three steps, each production's: `batch` (the host
 inputs), `grammar_masks` (the host-fixed drafts and masks of constrained rows) and `verify` (the
 compiled step, whose ``drafts`` input is −1 or a host-fixed draft). Nothing test-only is in here: a
-test drafter (tests/) composes the same three steps with drafts of its own. The simulated accept length (``--speculative-simulate-accept-length``,
-performance runs only) compiles its own step variant (`_spec_launch_simulated`, with the forced accept
-counts as an input) in place of the production one.
+test drafter (tests/) composes the same three steps with drafts of its own. The simulated accept
+length (``--speculative-simulate-accept-length``, performance runs only) compiles its own step variant
+(`_spec_launch_simulated`, with the forced accept counts as an input) in place of the production one.
 """
 
 from __future__ import annotations
