@@ -388,9 +388,14 @@ def test_jit_reuses_what_lower_compile_built():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_warmup_compiles_its_extend_shapes_concurrently(eng):
-    """The engine's warm-up built its extend shapes (tokens 1 and 16) through `_precompile_extend`."""
-    assert eng.runner.precompiled_shapes == [(8, 1), (8, 16)]
+def test_warmup_compiles_its_extend_shapes_concurrently(eng, monkeypatch):
+    """The engine's warm-up builds its extend shapes (tokens 1 and 16) through `_precompile_extend` (a spy
+    here: the shapes are compiled already, and a second warm-up compiles nothing)."""
+    seen = []
+    monkeypatch.setattr(eng.runner, "_precompile_extend", seen.append)
+    n = eng.num_compilations()
+    eng.warmup()
+    assert seen == [[(8, 1), (8, 16)]] and eng.num_compilations() == n
 
 
 def test_zero_compilations_after_warmup(eng):

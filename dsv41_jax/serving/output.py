@@ -53,7 +53,6 @@ class OutputProcessor:
         self._gen_times = collections.deque(maxlen=4096)  # (time, tokens) per processed launch
         # DSpark: per accept count n (0..γ), how many row-steps accepted n drafts (committing n + 1)
         self.spec_hist = [0] * (spec_gamma + 1)
-        self.last_accepts: list = []  # the accept counts of the last processed DSpark launch's rows
 
     # ------------------------------------------------------------------------------------ results
     def process(self, steps: list) -> None:
@@ -106,11 +105,9 @@ class OutputProcessor:
         toks = np.asarray(res.tokens)
         n_acc = np.asarray(res.n_accept)
         n_tok = 0
-        self.last_accepts = []
         for b, (r, s) in enumerate(zip(L.rows, seqs)):
             n = int(n_acc[b])
             self.scheduler.spec_done(s, r.start, n + 1)
-            self.last_accepts.append(n)
             self.spec_hist[n] += 1
             self.metrics.add("spec_verify_steps", 1)
             self.metrics.add("spec_accepted_tokens", n)

@@ -409,7 +409,6 @@ class Runner:
         self.speculator = self._make_speculator()
         self._build_cache()
         self._build_features()
-        self.precompiled_shapes: list = []  # the (B, T) extend shapes the warm-up compiled concurrently
         self.launches = 0
         self.memory_by_device = self.memory_per_device()
         for d, m in self.memory_by_device.items():
@@ -758,7 +757,6 @@ class Runner:
             return
         import concurrent.futures as cf
 
-        self.precompiled_shapes = list(shapes)
 
         P = self.ccfg.max_pages_per_seq
         jobs = []
