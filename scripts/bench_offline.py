@@ -73,7 +73,7 @@ def bench_one(llm, b: int, input_len: int, output_len: int, seed: int) -> dict:
     t0 = time.perf_counter()
     for r, p in zip(rids, prompts):
         eng.add_request(r, p, sp, output_kind="final")
-    seqs = [s for r in rids for s in eng._groups[r].seqs]
+    seqs = [s for r in rids for s in eng.output.groups[r].seqs]
     m0 = eng.metrics.snapshot()
     n_first = None
     decode_steps = []

@@ -39,10 +39,10 @@ from dsv41_jax.model.config import ConfigError, ModelConfig
 from dsv41_jax.model.numerics import act_dtype, is_exact, mode_name
 from dsv41_jax.model.params import init_params
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving import speculator as spr
 from dsv41_jax.serving.engine import CacheLoads, Engine
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
+from oracle_drafter import OracleDrafter
 
 
 def test_config_field_and_mode(tiny_cfg):
@@ -176,7 +176,7 @@ def test_engine_mixed_equals_alone(det_eng, mixed_ref):
 def test_dspark_mixed_equals_plain_alone(det_eng, mixed_ref):
     """DSpark on (γ = 3, micro's one stage; batch bucket 4, 16-token chunks), the mixed set without
     logprobs, all greedy but one seeded sampled row: the greedy rows speculate, with an oracle draft (a
-    test-only `speculator.DSparkSpeculator` whose `fixed_drafts` the oracle answers) proposing their tokens
+    test drafter, tests/oracle_drafter.py) proposing their tokens
     with a wrong one at a per-row, per-step position, so rows of one verify window accept different
     lengths; the sampled row decodes plainly in this mode (`Scheduler._may_speculate`: its draws would
     depend on when the batch let it speculate). Every sample's tokens are the plain engine's alone."""
@@ -195,31 +195,24 @@ def test_dspark_mixed_equals_plain_alone(det_eng, mixed_ref):
         launches.append(L)
         out = np.full((len(L.rows), g), -1, np.int32)
         for b, r in enumerate(L.rows):
-            i = rids.index(r.seq.group.rid)
-            n = len(r.seq.output_ids)
-            want = ref[i][r.seq.index][n:n + g]
+            i = rids.index(r.req_id)
+            n = r.step
+            want = ref[i][r.index][n:n + g]
             out[b, :len(want)] = want
             k = (n + i + len(launches)) % (g + 1)  # the first wrong draft (k = γ: all right)
             if k < len(want):
                 out[b, k] = (want[k] + 1) % eng.vocab_size
         return out
 
-    class Oracle(spr.DSparkSpeculator):
-        def __init__(self, base):
-            self.__dict__.update(base.__dict__)
-
-        def fixed_drafts(self, L):
-            return oracle(L)
-
-    eng.runner.speculator = Oracle(eng.runner.speculator)
+    eng.runner.speculator = drafter = OracleDrafter(eng.runner.speculator, oracle)
     for rid, p, sp in zip(rids, prompts, sps):
         eng.add_request(rid, p, sp.replace(logprobs=None))
     outs = {o.request_id: o for o in eng.run_until_done()}
     assert [[c.token_ids for c in outs[r].outputs] for r in rids] == ref
-    accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
+    accepts = drafter.accepts()
     assert any(len(set(a)) > 1 for a in accepts), accepts  # rows accepting different lengths in one step
     assert len({n for a in accepts for n in a}) >= 3
-    assert {rids.index(r.seq.group.rid) for L in launches for r in L.rows} == {i for i, sp in enumerate(sps)
+    assert {rids.index(r.req_id) for L in launches for r in L.rows} == {i for i, sp in enumerate(sps)
                                                                                  if sp.temperature == 0}
 
 
@@ -260,7 +253,7 @@ def test_mesh_tp2_ep4_equals_one_device(cpu8, mixed_ref, host_table):
     prompts, sps, _, alone, *_ = mixed_ref
     eng = Engine(EngineArgs(**dict(KW, tp_size=2, ep_size=4, engram_host_table=host_table, batch_buckets=[4],
                                    token_buckets=[16])), cfg=configs.micro())
-    assert dict(eng.mesh.shape) == {"ep": 4, "tp": 2} and eng.engram_host_table == host_table
+    assert dict(eng.runner.mesh.shape) == {"ep": 4, "tp": 2} and eng.runner.engram_host_table == host_table
     built = []  # XLA compiles (or persistent-cache loads) during the run: none, the warm-up built them all
 
     def on_duration(event, secs, **kw):

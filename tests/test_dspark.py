@@ -9,6 +9,9 @@ and the speculative step (B=4, γ=3, forced-draft hook). Pages for each row's wh
 are allocated up front in both runs, so the two caches have the same layout and compare leaf by leaf.
 """
 
+import functools
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,8 +103,47 @@ def plain(cfg, mini_params):
     return outs, snaps, pages
 
 
+# the bare step's host batch and jit (the engine's: `speculator.DSparkSpeculator.batch`, `jitted_spec_launch`)
+def make_spec_batch(rows: list, B: Optional[int], ccfg) -> dict:
+    """Host helper: rows of {anchor, start, slot, page_table} -> a padded batch of B rows.
+
+    anchor int32 [B] (the request's last generated token, not yet in the cache), start int32 [B]
+    (tokens in the cache = the anchor's position), slot int32 [B] (scratch for padding), page_table
+    int32 [B, P] (must cover start + γ + 1 tokens), active bool [B] (False for padding rows).
+    """
+    B = B or len(rows)
+    if len(rows) > B:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {B}")
+    anchor = np.zeros((B,), np.int32)
+    start = np.zeros((B,), np.int32)
+    slot = np.full((B,), ccfg.max_slots, np.int32)
+    pt = np.zeros((B, ccfg.max_pages_per_seq), np.int32)
+    active = np.zeros((B,), bool)
+    for b, r in enumerate(rows):
+        if not 0 <= r["slot"] < ccfg.max_slots:
+            raise ValueError(f"row {b}: slot {r['slot']} is outside 0..{ccfg.max_slots - 1}")
+        if len(r["page_table"]) > ccfg.max_pages_per_seq:
+            raise ValueError(f"row {b}: {len(r['page_table'])} pages exceed max_pages_per_seq={ccfg.max_pages_per_seq}")
+        if r["start"] < 1:
+            raise ValueError(f"row {b}: start {r['start']} — speculation needs a committed prefix (prefill first)")
+        anchor[b], start[b], slot[b], active[b] = r["anchor"], r["start"], r["slot"], True
+        pt[b, : len(r["page_table"])] = r["page_table"]
+    return {"anchor": jnp.asarray(anchor), "start": jnp.asarray(start), "slot": jnp.asarray(slot),
+            "page_table": jnp.asarray(pt), "active": jnp.asarray(active)}
+
+
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_speculative_step(cfg, ccfg, gamma: Optional[int] = None):
+    """`speculative.speculative_step` jitted for (cfg, ccfg, γ) with the cache donated. Called as
+    ``fn(params, state, batch, tensors, step_counter, forced_draft)``; compiles once per batch size
+    and per which of tensors / forced_draft are None."""
+    return jax.jit(functools.partial(spec.speculative_step, cfg=cfg, ccfg=ccfg, gamma=gamma), donate_argnums=(1,))
+
+
 def _spec_step(cfg):
-    return spec.jitted_speculative_step(cfg, CCFG, cfg.dspark_block_size)
+    return jitted_speculative_step(cfg, CCFG, cfg.dspark_block_size)
 
 
 def test_greedy_speculation_equals_plain(cfg, mini_params, plain):
@@ -136,7 +178,7 @@ def test_greedy_speculation_equals_plain(cfg, mini_params, plain):
                 want[i] = m
         rows = [{"anchor": outs[i][-1], "start": pos[i], "slot": i, "page_table": pages[i]} if i in live else None
                 for i in range(B)]
-        batch = spec.make_spec_batch([r for r in rows if r is not None], B, CCFG)
+        batch = make_spec_batch([r for r in rows if r is not None], B, CCFG)
         # make_spec_batch packs live rows first: map back to batch rows
         order = [i for i in range(B) if rows[i] is not None]
         fb = np.full((B, G), -1, np.int32)
@@ -173,7 +215,7 @@ def test_forced_step_cache_equals_plain(cfg, mini_params, plain, accept):
     if accept == "none":
         forced[:, 0] = (forced[:, 0] + 1) % cfg.vocab_size
     rows = [{"anchor": ref[i][0], "start": len(PROMPTS[i]), "slot": i, "page_table": pages[i]} for i in range(B)]
-    toks, n_acc, st = _spec_step(cfg)(mini_params, _copy(snaps[0]), spec.make_spec_batch(rows, B, CCFG), None, None,
+    toks, n_acc, st = _spec_step(cfg)(mini_params, _copy(snaps[0]), make_spec_batch(rows, B, CCFG), None, None,
                                       jnp.asarray(forced))
     n = G if accept == "all" else 0
     assert np.asarray(n_acc).tolist() == [n] * B

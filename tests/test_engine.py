@@ -23,7 +23,8 @@ import pytest
 
 import configs
 from dsv41_jax.serving.async_engine import AsyncEngine
-from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, SharedPageAllocator, _bucket
+from dsv41_jax.model.decode import _bucket
+from dsv41_jax.serving.engine import Engine, EngineError, QueueFullError, SharedPageAllocator
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -169,9 +170,9 @@ def test_shared_allocator_refcounts():
 
 
 def test_memory_plan_logged(eng, caplog):
-    assert eng.ccfg.num_pages == 1024 // 16 + 1
-    assert eng.context_length == 128 and eng.ccfg.max_slots == 8
-    assert eng.memory_plan["pool_tokens"] == 1024
+    assert eng.runner.ccfg.num_pages == 1024 // 16 + 1
+    assert eng.context_length == 128 and eng.runner.ccfg.max_slots == 8
+    assert eng.runner.memory_plan["pool_tokens"] == 1024
     with pytest.raises(EngineError):
         eng.add_request("too-long", list(range(3, 131)))
     with pytest.raises(EngineError):
@@ -196,10 +197,10 @@ def test_pool_sized_from_memory_fraction(caplog):
               skip_server_warmup=True, disable_radix_cache=True)  # (the prefix cache's rows: test_prefix_cache)
     with caplog.at_level("INFO", logger="dsv41_jax.engine"):
         e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), params=params)
-    assert e.ccfg.num_pages == 10 and e.context_length == 64 and e.ccfg.max_pages_per_seq == 4
+    assert e.runner.ccfg.num_pages == 10 and e.context_length == 64 and e.runner.ccfg.max_pages_per_seq == 4
     assert any("KV cache" in r.message and "9 pages = 144 tokens" in r.message for r in caplog.records)
     big = Engine(EngineArgs(cpu_memory_budget=1 << 34, **kw), params=params)
-    assert big.ccfg.num_pages == S * 64 // ps + 1  # capped: no request could use more
+    assert big.runner.ccfg.num_pages == S * 64 // ps + 1  # capped: no request could use more
     with pytest.raises(Exception, match="budget"):
         Engine(EngineArgs(cpu_memory_budget=2 * weights, **kw), params=params)
 
@@ -275,7 +276,7 @@ def test_preemption_keeps_outputs(eng):
     hogs = []
     left = cap - 22  # leave 22 pages: 8 running requests would need up to 40
     while left > 0:  # hold pages as fake requests (a table holds at most max_pages_per_seq)
-        k = min(left, eng.ccfg.max_pages_per_seq)
+        k = min(left, eng.runner.ccfg.max_pages_per_seq)
         hogs.append(("hog", len(hogs)))
         eng.allocator.ensure(hogs[-1], k * 16)
         left -= k
@@ -321,6 +322,39 @@ def test_abort_mid_generation_frees_pages(eng):
     assert not eng.abort_request("no-such-request")
 
 
+def test_runner_only_reads_the_schedule(eng):
+    """The device runner executes a `messages.Schedule` without changing it (its pickled bytes are the same
+    after `Runner.execute`) and answers with one `LaunchResult` per launch: over prefill chunks, decode
+    rows, an n = 2 fork, logprobs and a constraint's mask."""
+    import pickle
+
+    from dsv41_jax.serving.messages import LaunchResult, StepResult
+
+    seen = []
+    execute = eng.runner.execute
+
+    def checked(schedule):
+        before = pickle.dumps(schedule)
+        result = execute(schedule)
+        assert pickle.dumps(schedule) == before
+        assert isinstance(result, StepResult) and len(result.launches) == len(schedule.launches)
+        assert all(isinstance(r, LaunchResult) for r in result.launches)
+        seen.append(schedule)
+        return result
+
+    eng.runner.execute = checked
+    try:
+        run(eng, P0[:3], [SamplingParams(temperature=0.7, seed=3, max_tokens=5, n=2, ignore_eos=True),
+                          SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+                          SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)],
+            constraints=[None, None, AllowSet(list(range(100, 140)), eng.vocab_size)])
+    finally:
+        del eng.runner.execute
+    ops = [type(op).__name__ for s in seen for op in s.ops]
+    assert "ForkOp" in ops and "Launch" in ops
+    assert any(r.allowed is not None for s in seen for L in s.launches for r in L.rows)
+
+
 # ------------------------------------------------------------------------------------------- compilations
 
 
@@ -350,9 +384,14 @@ def test_jit_reuses_what_lower_compile_built():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_warmup_compiles_its_extend_shapes_concurrently(eng):
-    """The engine's warm-up built its extend shapes (tokens 1 and 16) through `_precompile_extend`."""
-    assert eng.runner.precompiled_shapes == [(8, 1), (8, 16)]
+def test_warmup_compiles_its_extend_shapes_concurrently(eng, monkeypatch):
+    """The engine's warm-up builds its extend shapes (tokens 1 and 16) through `_precompile_extend` (a spy
+    here: the shapes are compiled already, and a second warm-up compiles nothing)."""
+    seen = []
+    monkeypatch.setattr(eng.runner, "_precompile_extend", seen.append)
+    n = eng.num_compilations()
+    eng.warmup()
+    assert seen == [[(8, 1), (8, 16)]] and eng.num_compilations() == n
 
 
 def test_zero_compilations_after_warmup(eng):

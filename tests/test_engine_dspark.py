@@ -4,9 +4,9 @@ lengths; pages and slots back after every request; constrained decoding with dra
 grammar; the simulated-accept-length knob (slow: its own step variant); no test-only input in the
 production step; start-up errors. Prefill/decode handover (`serving.handover`): a second DSpark engine
 prefills, its exported state (wire form) is decoded by the DSpark engine: the same tokens and logprob
-bits as one engine, nothing prefilled on the decode side; bad states refused with the engines clean. Forced drafts come from a test drafter (`OracleDrafter`, a
-`speculator.DSparkSpeculator` whose `fixed_drafts` an oracle answers): the production step, fed
-through its drafts input (the one constrained rows use).
+bits as one engine, nothing prefilled on the decode side; bad states refused with the engines clean.
+Forced drafts come from a test drafter (tests/oracle_drafter.py's `OracleDrafter`: the production
+DSpark steps, with drafts an oracle fixes through the step's drafts input, the one constrained rows use).
 
 Two module-scoped engines on `configs.mini` (tiny's mechanisms in 6 layers, its 3 DSpark stages) in the
 exact numerics mode (fp64-accumulated matmuls: a verify chunk equals one-token steps), one without
@@ -18,10 +18,10 @@ Cost: ~120 CPU-s for the module with a cold compile cache, mostly compiling the 
 the draft-only step (constrained rows), each of which holds the draft's three stages.
 """
 
-import contextlib
 import dataclasses
 import inspect
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -30,6 +30,7 @@ from dsv41_jax.serving import handover
 from dsv41_jax.serving import speculator as spr
 from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.sampling import SamplingParams
+from oracle_drafter import oracle_drafts
 
 KW = dict(model="tiny", page_size=8, max_total_tokens=192, context_length=48, max_running_requests=4,
           chunked_prefill_size=1, batch_buckets=[4], skip_server_warmup=True, decode_log_interval=1000)
@@ -57,28 +58,6 @@ def spec_eng(cfg, mini_params):
     return e
 
 
-class OracleDrafter(spr.DSparkSpeculator):
-    """Test-only drafter: the engine's DSpark speculator (same compiled steps) whose drafts an oracle
-    fixes: ``oracle(SpecLaunch) -> int32 [len(rows), γ]`` (−1: the draft's own proposal)."""
-
-    def __init__(self, base: spr.DSparkSpeculator, oracle):
-        self.__dict__.update(base.__dict__)
-        self.oracle = oracle
-
-    def fixed_drafts(self, L):
-        return self.oracle(L)
-
-
-@contextlib.contextmanager
-def oracle_drafts(eng, oracle):
-    base = eng.runner.speculator
-    eng.runner.speculator = OracleDrafter(base, oracle)
-    try:
-        yield
-    finally:
-        eng.runner.speculator = base
-
-
 def _greedy(n=N_NEW):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -92,7 +71,7 @@ def run(eng, prompts, sps, each_step=None):
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o
-        for g in list(eng._groups.values()):  # a finished sample holds no page and no slot
+        for g in list(eng.output.groups.values()):  # a finished sample holds no page and no slot
             for s in g.seqs:
                 if s.status == "finished":
                     assert not eng.allocator.has(s.key) and s.slot is None
@@ -100,7 +79,7 @@ def run(eng, prompts, sps, each_step=None):
         if each_step:
             each_step(eng)
     a = eng.allocator
-    assert a.free_pages == a.capacity and sorted(eng._free_slots) == list(range(eng.max_slots))
+    assert a.free_pages == a.capacity and sorted(eng.scheduler.free_slots) == list(range(eng.runner.max_slots))
     assert eng.num_running == 0 and eng.num_waiting == 0
     return [outs[r] for r in rids], rids
 
@@ -129,8 +108,8 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
         launches.append(L)
         out = np.full((len(L.rows), g), -1, np.int32)
         for b, r in enumerate(L.rows):
-            i = by_rid[r.seq.group.rid]
-            n = len(r.seq.output_ids)  # drafts propose output tokens n, n+1, ...
+            i = by_rid[r.req_id]
+            n = r.step  # drafts propose output tokens n, n+1, ...
             want = ref[i][n:n + g]
             out[b, :len(want)] = want
             k = (n + 2 * i + len(launches)) % (g + 1)  # the first wrong draft (k = γ: all right)
@@ -141,7 +120,7 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
     # the wrong-draft schedule below counts launches from a cold prefill: no prefix-cache hits on the
     # prompts just run (such hits keep the tokens, as checked above, but shift the schedule)
     spec_eng.prefix_cache.clear_cache()
-    with oracle_drafts(spec_eng, oracle):
+    with oracle_drafts(spec_eng, oracle) as drafter:
         rids = [f"o{next(_ids)}" for _ in PROMPTS]
         by_rid.update({r: i for i, r in enumerate(rids)})
         for rid, p in zip(rids, PROMPTS):
@@ -153,7 +132,7 @@ def test_greedy_dspark_equals_plain_with_mixed_accept_lengths(spec_eng, ref):
                     done[o.request_id] = o
             spec_eng.allocator.check_invariants()
     assert [done[r].outputs[0].token_ids for r in rids] == ref
-    accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
+    accepts = drafter.accepts()
     assert any(len(set(a)) > 1 for a in accepts), accepts  # rows accepting different lengths in one step
     assert {n for a in accepts for n in a} == set(range(g + 1))
     assert spec_eng.num_compilations() == n_comp  # zero recompilations across accept lengths
@@ -177,9 +156,9 @@ def test_dspark_stops_max_tokens_and_sampling(spec_eng, ref):
     def oracle(L):  # the reference's tokens (all accepted) for the greedy rows, the draft's own for the other
         out = np.full((len(L.rows), g), -1, np.int32)
         for b, r in enumerate(L.rows):
-            i = rids.index(r.seq.group.rid)
+            i = rids.index(r.req_id)
             if i < 2:
-                want = ref[i][len(r.seq.output_ids):len(r.seq.output_ids) + g]
+                want = ref[i][r.step:r.step + g]
                 out[b, :len(want)] = want
         return out
 
@@ -211,7 +190,30 @@ def test_no_test_only_input_in_the_production_step(spec_eng):
     assert not {"accept_override", "forced_draft", "draft_hook", "hook", "oracle"} & set(params)
     assert "accept_override" in inspect.signature(spr._spec_launch_simulated).parameters
     assert not hasattr(spec_eng.runner, "draft_hook")
-    assert spr.DSparkSpeculator.fixed_drafts(sp, None) is None
+    assert not hasattr(spr.DSparkSpeculator, "fixed_drafts")  # no test hook in the production class
+
+
+def test_speculator_state_in_and_out_as_a_value(spec_eng):
+    """The speculator takes the runner's `messages.DeviceState` and returns a new one with the launch's
+    `LaunchResult`: it writes nothing into the runner (whose arrays it got donated: the runner keeps the
+    returned state). A launch of B = 4 with no rows commits nothing and leaves last_token as it was."""
+    from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
+
+    r, g = spec_eng.runner, spec_eng.spec_gamma
+    assert "runner" not in inspect.signature(spr.DSparkSpeculator.launch).parameters
+    dev = r.device_state
+    assert isinstance(dev, DeviceState)
+    last = np.asarray(dev.last_token).copy()
+    held = (r.state, r.slot_tensors, r.last_token)
+    new, res = r.speculator.launch(r.params, dev, SpecLaunch((), 4, g))
+    assert all(a is b for a, b in zip((r.state, r.slot_tensors, r.last_token), held))  # the runner untouched
+    r.device_state = new
+    assert isinstance(new, DeviceState) and isinstance(res, LaunchResult)
+    assert np.asarray(res.tokens).shape == (4, g + 1) and (np.asarray(res.tokens) == -1).all()
+    assert np.asarray(res.n_accept).tolist() == [0] * 4
+    assert np.array_equal(np.asarray(r.last_token), last)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.state = None
 
 
 @pytest.mark.slow  # compiles the simulated variant of the verify step (~1 CPU-min)
@@ -269,8 +271,8 @@ def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
         launches.append(L)
         out = np.full((len(L.rows), g), -1, np.int32)
         for b, r in enumerate(L.rows):
-            i = by_rid[r.seq.group.rid]
-            n = len(r.seq.output_ids)
+            i = by_rid[r.req_id]
+            n = r.step
             want = ref_c[i][n:n + g]
             out[b, :len(want)] = want
             k = (n + i + len(launches)) % (g + 1)
@@ -281,21 +283,35 @@ def test_constrained_dspark_equals_constrained_plain(plain_eng, spec_eng):
         return out
 
     n_comp = None
-    with oracle_drafts(spec_eng, oracle):
-        rids = [f"c{next(_ids)}" for _ in prompts]
-        by_rid.update({r: i for i, r in enumerate(rids)})
-        for rid, p in zip(rids, prompts):
-            spec_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
-        done = {}
-        while spec_eng.has_unfinished():
-            for o in spec_eng.step():
-                if o.finished:
-                    done[o.request_id] = o
-            if launches and n_comp is None:
-                n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
+    execute, grammars = spec_eng.runner.execute, []
+
+    def only_reads(schedule):  # the runner walks the rows' grammars on clones: the schedule stays as given
+        before = pickle.dumps(schedule)
+        grammars.extend(r.grammar for L in schedule.launches for r in L.rows if r.grammar is not None)
+        result = execute(schedule)
+        assert pickle.dumps(schedule) == before
+        return result
+
+    spec_eng.runner.execute = only_reads
+    try:
+        with oracle_drafts(spec_eng, oracle) as drafter:
+            rids = [f"c{next(_ids)}" for _ in prompts]
+            by_rid.update({r: i for i, r in enumerate(rids)})
+            for rid, p in zip(rids, prompts):
+                spec_eng.add_request(rid, p, _greedy(12), constraint=NotMod3(V))
+            done = {}
+            while spec_eng.has_unfinished():
+                for o in spec_eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                if launches and n_comp is None:
+                    n_comp = spec_eng.num_compilations()  # the draft-only program compiled on first use
+    finally:
+        del spec_eng.runner.execute
     assert [done[r].outputs[0].token_ids for r in rids] == ref_c
-    accepts = [np.asarray(L.n_accept)[:len(L.rows)].tolist() for L in launches]
+    accepts = drafter.accepts()
     assert any(len(set(a)) > 1 for a in accepts) and injected["rejected_by_grammar"] > 0
+    assert grammars and all(isinstance(c, NotMod3) for c in grammars)
     assert spec_eng.num_compilations() == n_comp
     assert spec_eng.allocator.free_pages == spec_eng.allocator.capacity
 
@@ -359,7 +375,7 @@ def test_handover_prefill_engine_then_dspark_decode_engine_equals_one_engine(pre
     assert after["handover_bytes_imported"] - mid["handover_bytes_imported"] == sum(s.nbytes for s in states) > 0
     assert after["spec_verify_steps"] > mid["spec_verify_steps"]  # DSpark ran on the decode side
     a = spec_eng.allocator
-    assert a.free_pages == a.capacity and sorted(spec_eng._free_slots) == list(range(spec_eng.max_slots))
+    assert a.free_pages == a.capacity and sorted(spec_eng.scheduler.free_slots) == list(range(spec_eng.runner.max_slots))
 
     # logprobs (rows that ask for them decode plainly) and sampling with the prefill engine's seed
     lp_sp = _greedy(8).replace(logprobs=2)
@@ -416,5 +432,5 @@ def test_handover_refusals_leave_the_engines_clean(plain_eng, prefill_eng, spec_
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"] and outs[0].prefilled_state is None
     for e in (prefill_eng, spec_eng, plain_eng):
         a = e.allocator
-        assert a.free_pages == a.capacity and sorted(e._free_slots) == list(range(e.max_slots))
-        assert not e.has_unfinished() and not e._groups
+        assert a.free_pages == a.capacity and sorted(e.scheduler.free_slots) == list(range(e.runner.max_slots))
+        assert not e.has_unfinished() and not e.output.groups

@@ -103,7 +103,7 @@ def test_mesh_matrix_equals_single_device(cpu8, cfg, params, ref, ref_more, mesh
     for radix in (True, False):
         cache = dict(enable_hierarchical_cache=True) if radix else dict(disable_radix_cache=True)
         eng = Engine(EngineArgs(**KW, **extra, **cache), cfg=cfg, params=params)
-        assert eng.mesh is not None and eng.engram_host_table == (mesh == "ep8_host_table")
+        assert eng.runner.mesh is not None and eng.runner.engram_host_table == (mesh == "ep8_host_table")
         got = _run(eng, evict_to_host=radix)
         assert [t for t, _ in got] == ref
         if radix:

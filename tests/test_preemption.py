@@ -40,7 +40,7 @@ def _idle(eng) -> None:
     """Everything released: pages, slots, queues; page tables consistent."""
     eng.allocator.check_invariants()
     assert eng.allocator.free_pages == eng.allocator.capacity
-    assert len(eng._free_slots) == eng.max_slots and sorted(eng._free_slots) == list(range(eng.max_slots))
+    assert len(eng.scheduler.free_slots) == eng.runner.max_slots and sorted(eng.scheduler.free_slots) == list(range(eng.runner.max_slots))
     assert eng.num_running == 0 and eng.num_waiting == 0 and not eng.has_unfinished()
 
 
@@ -101,7 +101,7 @@ def test_request_that_cannot_fit_is_refused_at_admission(eng):
         eng.add_request("too-big", list(range(3, 303)), SamplingParams(max_tokens=100))
     with pytest.raises(EngineError, match="exceeds"):  # n > 1: each sample must fit alone
         eng.add_request("too-big-n", list(range(3, 303)), SamplingParams(max_tokens=100, n=3, temperature=1.0))
-    assert eng.num_waiting == 0 and "too-big" not in eng._groups
+    assert eng.num_waiting == 0 and "too-big" not in eng.output.groups
 
 
 def test_n_samples_each_fitting_alone_all_complete(eng):

@@ -24,12 +24,13 @@ import pytest
 
 from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
-from dsv41_jax.serving.prefix_cache import (CACHE_OWNER, CacheEntry, LoadOp, PrefixCache, RadixTree, RestoreOp,
-                                            SaveOp, SpillOp)
+from dsv41_jax.serving.messages import (ForkOp, LaunchResult, LoadOp, RestoreOp, SaveOp, SpecLaunch, SpillOp,
+                                        StepResult)
+from dsv41_jax.serving.prefix_cache import CACHE_OWNER, CacheEntry, PrefixCache, RadixTree
 from dsv41_jax.serving.runner import SharedPageAllocator
 from dsv41_jax.serving.sampling import SamplingParams
-from dsv41_jax.serving.scheduler import ForkOp, SpecLaunch
 from dsv41_jax.serving.tokenizer import load_tokenizer
+from mock_runner import token_at
 
 V = 320
 
@@ -64,13 +65,9 @@ def test_radix_tree_longest_prefix_split_and_merge():
 # ------------------------------------------------------------------------------------------- mock
 
 
-def token_at(seq, pos: int) -> int:
-    """The mock model's token at position pos of a sample (10..209, never special)."""
-    return 10 + (pos * 7 + seq.group.order * 13 + seq.index * 5) % 200
-
-
-def true_token(seq, pos: int) -> int:
-    return seq.prompt_ids[pos] if pos < len(seq.prompt_ids) else token_at(seq, pos)
+def true_token(prompts: dict, row, pos: int) -> int:
+    """The token at position pos of a row's sample: its prompt's (the test registered it), then the mock's."""
+    return prompts[row.req_id][pos] if pos < row.prompt_len else token_at(row, pos)
 
 
 class CheckingRunner:
@@ -91,6 +88,7 @@ class CheckingRunner:
         self.snap_hist: dict = {}
         self.page_hist = collections.defaultdict(dict)  # page -> {offset: token}
         self.n_restores = 0
+        self.prompts: dict = {}  # request id -> prompt ids (registered by `_mock_engine`'s add_request)
 
     def warmup(self, *a) -> int:
         return 0
@@ -98,9 +96,10 @@ class CheckingRunner:
     def num_compilations(self) -> int:
         return 0
 
-    def dispatch(self, ops, resets, admitted, eos_token_ids) -> None:
+    def execute(self, schedule) -> StepResult:
         ps = self.allocator.page_size
-        for op in ops:  # (spills first: their pages and rows may be reused by this dispatch)
+        ops = schedule.ops
+        for op in ops:  # (spills first: their pages and rows may be reused by this schedule)
             if isinstance(op, SpillOp) and op.key in self.prefix_cache.host_entries:  # (as the runner: not
                 # when the entry left the host tier before its spill ran)
                 self.prefix_cache.host_store[op.key] = ([dict(self.page_hist[p]) for p in op.pages],
@@ -108,8 +107,9 @@ class CheckingRunner:
         for op in ops:
             if isinstance(op, SaveOp) and not op.in_order:
                 self.snap_hist[op.row] = dict(self.slot_hist[op.slot])
-        for slot in resets:
+        for slot in schedule.resets:
             self.slot_hist[slot] = {}
+        results = []
         for op in ops:
             if isinstance(op, SaveOp):
                 if op.in_order:
@@ -138,21 +138,21 @@ class CheckingRunner:
             self.launches += 1
             toks = np.zeros((op.B,), np.int32)
             for b, r in enumerate(op.rows):
-                s = r.seq
-                hist = self.slot_hist[s.slot]
-                want = {p: true_token(s, p) for p in range(r.start)}
+                hist = self.slot_hist[r.slot]
+                want = {p: true_token(self.prompts, r, p) for p in range(r.start)}
                 got = {p: hist.get(p) for p in range(r.start)}
-                assert got == want, f"{s.key}: slot rows differ before {r.start}"
+                assert got == want, f"{r.key}: slot rows differ before {r.start}"
                 for p in range(r.start):
-                    assert self.page_hist[r.pages[p // ps]].get(p % ps) == want[p], f"{s.key}: page at {p}"
+                    assert self.page_hist[r.pages[p // ps]].get(p % ps) == want[p], f"{r.key}: page at {p}"
                 for p in range(r.start, r.start + r.n):
-                    hist[p] = true_token(s, p)
-                    self.page_hist[r.pages[p // ps]][p % ps] = true_token(s, p)
+                    hist[p] = true_token(self.prompts, r, p)
+                    self.page_hist[r.pages[p // ps]][p % ps] = true_token(self.prompts, r, p)
                 if r.sample:
-                    toks[b] = token_at(s, r.start + r.n)
-            op.tokens, op.lp = toks, np.zeros((op.B,), np.float32)
-            op.top_ids = np.zeros((op.B, self.max_logprobs), np.int32)
-            op.top_vals = np.zeros((op.B, self.max_logprobs), np.float32)
+                    toks[b] = token_at(r, r.start + r.n)
+            results.append(LaunchResult(toks, np.zeros((op.B,), np.float32),
+                                        np.zeros((op.B, self.max_logprobs), np.int32),
+                                        np.zeros((op.B, self.max_logprobs), np.float32)))
+        return StepResult(tuple(results))
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,15 @@ def _mock_engine(tok, num_pages=25, host_pages=0, rows=6, **kw):
     args.update(kw)
     runner = CheckingRunner(page_size=args["page_size"], num_pages=num_pages,
                             max_slots=args["max_running_requests"], host_pages=host_pages, rows=rows)
-    return Engine(EngineArgs(**args), runner=runner, tokenizer=tok)
+    eng = Engine(EngineArgs(**args), runner=runner, tokenizer=tok)
+    add = eng.add_request
+
+    def add_request(rid, prompt, *a, **kw):  # the mock checks rows against the prompts it is told
+        runner.prompts[rid] = list(prompt)
+        return add(rid, prompt, *a, **kw)
+
+    eng.add_request = add_request
+    return eng
 
 
 def _check_refs(eng) -> None:
@@ -185,7 +193,7 @@ def _check_refs(eng) -> None:
     only_cache = {p for p in holders if p not in live}
     pinned_only = {p for p in only_cache if any(p in a.pages(k) for k in c.pinned if k in c.entries)}
     assert a.free_pages == a.capacity - len(live) - len(pinned_only)
-    for g in list(eng._groups.values()):
+    for g in list(eng.output.groups.values()):
         for s in g.seqs:
             if s.status == "finished":
                 assert not a.has(s.key) and s.slot is None
@@ -558,7 +566,7 @@ def test_snapshot_rows_come_out_of_the_memory_budget(tiny_cfg, tiny_params):
               skip_server_warmup=True)
     e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), radix_cache_snapshots=3, **kw),
                cfg=tiny_cfg, params=tiny_params)
-    assert e.ccfg.num_pages == 10 and e.runner.snapshot_rows == 3 and e.prefix_cache.num_rows == 3
+    assert e.runner.ccfg.num_pages == 10 and e.runner.snapshot_rows == 3 and e.prefix_cache.num_rows == 3
     e = Engine(EngineArgs(cpu_memory_budget=2 * (weights + budget), **kw), cfg=tiny_cfg, params=tiny_params)
     assert e.runner.snapshot_rows == int(budget * 0.25 // w) < 4 * S  # < the default 64 too
     with pytest.raises(ValueError, match="radix_cache_snapshots"):

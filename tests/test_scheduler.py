@@ -1,6 +1,6 @@
 """The scheduler without a model (issue 13 part 3): `Engine` over a mock runner, as JetStream's mock engine.
 
-`MockRunner` has the runner's interface (allocator, slots, `dispatch`) and no device: a sampled token
+`MockRunner` has the runner's interface (allocator, slots, `execute`) and no device: a sampled token
 is a fixed function of (request, position), so a request's tokens do not depend on batching, chunking,
 preemption or speculation, and the tests can check the scheduler's decisions — admission by slots and
 pages, the chunked-prefill budget, preemption order and resumption, the queue limit, DSpark rows that
@@ -20,9 +20,9 @@ from dsv41_jax.serving.request import QueueFullError
 from dsv41_jax.serving.runner import Runner
 from dsv41_jax.serving.runner_api import RUNNER_MEMBERS, RunnerProtocol
 from dsv41_jax.serving.sampling import SamplingParams
-from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
+from dsv41_jax.serving.messages import ForkOp, Launch, SpecLaunch
 from dsv41_jax.serving.tokenizer import load_tokenizer
-from mock_runner import MockRunner, token_at
+from mock_runner import MockRunner, token_for
 
 @pytest.fixture(scope="module")
 def tok():
@@ -37,14 +37,9 @@ def make(tok, *, runner=None, **kw):
     return Engine(EngineArgs(**args), runner=runner, tokenizer=tok)
 
 
-def expected(eng, rid_order: int, prompt: list, n: int) -> list:
-    class _S:  # token_at needs (group.order, index) only
-        pass
-
-    s = _S()
-    s.group, s.index = _S(), 0
-    s.group.order = rid_order
-    return [token_at(s, len(prompt) + j) for j in range(n)]
+def expected(rid: str, prompt: list, n: int) -> list:
+    """The mock model's n tokens after ``prompt`` for sample 0 of request ``rid``."""
+    return [token_for(rid, 0, len(prompt) + j) for j in range(n)]
 
 
 def run_all(eng, reqs, check_each_step=None):
@@ -64,13 +59,13 @@ def assert_idle(eng):
     a = eng.allocator
     a.check_invariants()
     assert a.free_pages == a.capacity
-    assert sorted(eng._free_slots) == list(range(eng.max_slots))
+    assert sorted(eng.scheduler.free_slots) == list(range(eng.runner.max_slots))
     assert eng.num_running == 0 and eng.num_waiting == 0 and not eng.has_unfinished()
 
 
 def finished_hold_nothing(eng):
     """After every step: a finished sample holds no page and no slot."""
-    for g in list(eng._groups.values()):
+    for g in list(eng.output.groups.values()):
         for s in g.seqs:
             if s.status == "finished":
                 assert not eng.allocator.has(s.key) and s.slot is None
@@ -84,10 +79,10 @@ def test_runners_implement_the_protocol(tok):
     from test_prefix_cache import CheckingRunner
 
     declared = set(RunnerProtocol.__annotations__) | {n for n in vars(RunnerProtocol) if n in
-                                                      ("dispatch", "warmup", "num_compilations")}
+                                                      ("execute", "warmup", "num_compilations")}
     assert declared == set(RUNNER_MEMBERS)
     assert isinstance(MockRunner(), RunnerProtocol) and isinstance(CheckingRunner(), RunnerProtocol)
-    assert all(callable(getattr(Runner, n)) for n in ("dispatch", "warmup", "num_compilations"))
+    assert all(callable(getattr(Runner, n)) for n in ("execute", "warmup", "num_compilations"))
     bad = MockRunner()
     del bad.launches
     with pytest.raises(TypeError, match="launches"):
@@ -112,13 +107,13 @@ def test_admission_by_slots_and_chunked_prefill_budget(tok):
         assert eng.last_step["prefill_tokens"] <= 16
         finished_hold_nothing(eng)
     assert max_running == 4
-    for ops in eng.runner.log:
-        for op in ops:
+    for sched, _ in eng.runner.log:
+        for op in sched.ops:
             if isinstance(op, Launch):
                 assert all(r.n <= 8 for r in op.rows) and op.T in (1, 8) and op.B == 4
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"].outputs[0].token_ids == expected(eng, i, p, 6)
-    first_admit = [r.seq.group.rid for ops in eng.runner.log[:1] for op in ops if isinstance(op, Launch) for r in op.rows]
+        assert outs[f"r{i}"].outputs[0].token_ids == expected(f"r{i}", p, 6)
+    first_admit = [r.req_id for sched, _ in eng.runner.log[:1] for op in sched.launches for r in op.rows]
     assert first_admit[0] == "r0"  # oldest first
     assert_idle(eng)
 
@@ -133,7 +128,7 @@ def test_preemption_newest_first_and_resumes_with_the_same_tokens(tok):
     assert eng.preemptions["decode_pages"] > 0
     assert outs["p0"].metrics["num_preemptions"] == 0  # the oldest is never preempted
     for i, p in enumerate(prompts):
-        assert outs[f"p{i}"].outputs[0].token_ids == expected(eng, i, p, 20)
+        assert outs[f"p{i}"].outputs[0].token_ids == expected(f"p{i}", p, 20)
     assert eng.metrics["replayed_tokens"] > 0
     assert_idle(eng)
 
@@ -181,17 +176,17 @@ def test_dspark_rows_accept_different_lengths(tok, gamma, caplog):
     """DSpark rows of one launch accept different numbers of drafts (0..γ, by position); the engine
     appends each row's n_accept + 1 tokens, so outputs equal the plain run's; max_tokens and a stop token
     inside a block cut there; pages beyond each row's committed tokens go back after every step."""
-    accept = lambda seq, start: (start * 3 + seq.group.order) % (gamma + 1)  # noqa: E731
+    accept = lambda row, start: (start * 3 + int(row.req_id[1:])) % (gamma + 1)  # noqa: E731
     runner = MockRunner(spec_gamma=gamma, accept=accept)
     eng = make(tok, runner=runner, speculative_algorithm="DSPARK", decode_log_interval=4)
     prompts = [list(range(40, 40 + n)) for n in (5, 12, 3, 8)]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (17, 9, 22, 13)]
-    stop_tok = expected(eng, 3, prompts[3], 13)[6]
+    stop_tok = expected("s3", prompts[3], 13)[6]
     sps[3] = sps[3].replace(stop_token_ids=[stop_tok])
 
     def check(e):
         finished_hold_nothing(e)
-        for s in e._running:  # no page beyond the committed tokens + the next row's needs
+        for s in e.scheduler.running:  # no page beyond the committed tokens + the next row's needs
             if not s.spec_inflight:
                 assert len(e.allocator.pages(s.key)) <= -(-(s.num_cached + 1) // 8) + (-(-(gamma + 1) // 8))
 
@@ -199,14 +194,14 @@ def test_dspark_rows_accept_different_lengths(tok, gamma, caplog):
         outs = run_all(eng, [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))], check)
     assert any("Decode batch." in r.message and "accept len: " in r.message and "accept rate: " in r.message
                for r in caplog.records)
-    mixed = [op for ops in runner.log for op in ops if isinstance(op, SpecLaunch)
-             and len(set(np.asarray(op.n_accept)[:len(op.rows)].tolist())) > 1]
+    mixed = [op for sched, res in runner.log for op, r in zip(sched.launches, res.launches)
+             if isinstance(op, SpecLaunch) and len(set(np.asarray(r.n_accept)[:len(op.rows)].tolist())) > 1]
     assert mixed, "no DSpark launch had rows accepting different lengths"
     for i, p in enumerate(prompts[:3]):
         o = outs[f"s{i}"].outputs[0]
-        assert o.token_ids == expected(eng, i, p, sps[i].max_tokens) and o.finish_reason == "length"
+        assert o.token_ids == expected(f"s{i}", p, sps[i].max_tokens) and o.finish_reason == "length"
     o = outs["s3"].outputs[0]
-    assert o.token_ids == expected(eng, 3, prompts[3], 7) and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    assert o.token_ids == expected("s3", prompts[3], 7) and o.finish_reason == "stop" and o.stop_reason == stop_tok
     st = eng.stats()
     assert st["spec_verify_steps"] > 0 and 1.0 <= st["spec_accept_length"] <= gamma + 1
     assert sum(st["spec_accept_hist"]) == st["spec_verify_steps"]
@@ -254,7 +249,7 @@ def test_dspark_falls_back_to_plain_rows(tok):
     eng.add_request("con", [5, 6, 7], sp, constraint=AllowAll())
     eng.add_request("free", [5, 6, 7], sp)
     outs = {o.request_id: o for o in eng.run_until_done()}
-    spec_rids = {r.seq.group.rid for ops in runner.log for op in ops if isinstance(op, SpecLaunch) for r in op.rows}
+    spec_rids = {r.req_id for sched, _ in runner.log for op in sched.ops if isinstance(op, SpecLaunch) for r in op.rows}
     assert spec_rids == {"free"}
     assert all(len(outs[r].outputs[0].token_ids) == 8 for r in ("lp", "con", "free"))
     assert_idle(eng)
@@ -265,9 +260,9 @@ def test_dspark_falls_back_to_plain_rows(tok):
     prompt = list(range(50, 70))
     eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
     outs = {o.request_id: o for o in eng.run_until_done()}
-    assert outs["a"].outputs[0].token_ids == expected(eng, 0, prompt, 11)
-    kinds = [("spec" if isinstance(op, SpecLaunch) else "plain", op.rows[0].start) for ops in runner.log
-             for op in ops if not isinstance(op, ForkOp) and op.rows and op.rows[0].n <= 4]
+    assert outs["a"].outputs[0].token_ids == expected("a", prompt, 11)
+    kinds = [("spec" if isinstance(op, SpecLaunch) else "plain", op.rows[0].start) for sched, _ in runner.log
+             for op in sched.ops if not isinstance(op, ForkOp) and op.rows and op.rows[0].n <= 4]
     assert ("spec", 28) in kinds and ("plain", 29) in kinds and not any(k == "spec" and st > 28 for k, st in kinds)
     assert_idle(eng)
 

@@ -71,9 +71,9 @@ def script(runner, tok, *outs):
     seqs = [ids_of(o) for o in outs]
     eos = tok.eos_token_ids[0]
 
-    def tokens(seq, pos):
-        s = seqs[seq.index % len(seqs)]
-        k = pos - len(seq.prompt_ids)
+    def tokens(row, pos):
+        s = seqs[row.index % len(seqs)]
+        k = pos - row.prompt_len
         return s[k] if 0 <= k < len(s) else eos
 
     runner.tokens = tokens

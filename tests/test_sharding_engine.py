@@ -45,7 +45,7 @@ def test_tp2_ep2_engine_matches_unsharded(cpu8, tiny_cfg, tiny_params, host_tabl
         _REF["ref"] = _greedy(Engine(EngineArgs(**KW), cfg=cfg, params=tiny_params), prompts, 5)
     ref = _REF["ref"]
     eng = Engine(EngineArgs(**KW, tp_size=2, ep_size=2, engram_host_table=host_table), cfg=cfg, params=tiny_params)
-    assert dict(eng.mesh.shape) == {"ep": 2, "tp": 2} and eng.engram_host_table == host_table
+    assert dict(eng.runner.mesh.shape) == {"ep": 2, "tp": 2} and eng.runner.engram_host_table == host_table
     w = eng.params["layers"][3]["ffn"]["experts"]["w1"]["weight"]
     assert w.sharding.spec[0] == "ep" and len(w.sharding.device_set) == 4
     got = _greedy(eng, prompts, 5)

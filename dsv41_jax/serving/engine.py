@@ -11,8 +11,13 @@ three parts, each in its own module:
   the one detokenizer; the server uses its text), stops, constraints, logprobs, `RequestOutput`s
   and metrics.
 
-The data they share (requests, samples, outputs, errors) is in `request`. One *scheduler iteration*
-per `Engine.step()`:
+The data they share (requests, samples, outputs, errors) is in `request`. They talk in messages
+(`messages`): the scheduler's plan is a frozen `messages.Schedule` (rows as ints and tuples, no `Seq`),
+`Runner.execute` returns a frozen `messages.StepResult`, and the output processor reads it into the
+samples the scheduler planned the rows for (`scheduler.Planned`). Control flows one way: when the
+scheduler needs the tokens still in flight (a preemption, a constraint mask, a DSpark anchor), it
+says so (`Scheduler.needs_results`, or `schedule` returning None) and the engine reads them first.
+One *scheduler iteration* per `Engine.step()`:
 
 1. **Schedule** (host). Running sequences each contribute one row: a decode row (the newest token,
    position ``num_cached``) or a prefill chunk (at most ``chunked_prefill_size`` tokens, all rows
@@ -54,7 +59,7 @@ one: the draft proposes γ tokens, the target verifies them in one forward, and 
 n_accept + 1 tokens (rows of one launch accept different numbers). The output processor appends them
 one at a time, so stop tokens / strings, max_tokens and the context length cut at the right token;
 the pages of rejected positions go back (`PageAllocator.truncate`). A constrained row's drafts are
-checked by its grammar before verification (`Runner._grammar_masks`): the verify rows are masked up to
+checked by its grammar before verification (`DSparkSpeculator.grammar_masks`): the verify rows are masked up to
 the first draft the grammar rejects, so no disallowed token is ever accepted. The next step's positions depend
 on the accept lengths, so a sample with a DSpark row in flight is read before it is planned again
 (overlap is kept for everything else). Greedy with DSpark gives exactly the tokens of greedy without
@@ -123,7 +128,6 @@ from typing import Optional, Sequence, Union
 
 from jax import monitoring
 
-from dsv41_jax.model.decode import _bucket  # noqa: F401 (re-exported: tests bucket shapes as the engine does)
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.engine_metrics import EngineMetrics
 from dsv41_jax.serving.output import OutputProcessor
@@ -209,10 +213,10 @@ class Engine:
         self.spec_gamma = r.spec_gamma
 
         self.metrics = EngineMetrics()  # the one owner of the counters (scheduler, output and engine count into it)
-        self._pending: list = []  # launches dispatched whose results are not read yet (the overlap schedule)
+        self._pending: list = []  # [(Planned, StepResult)] executed, results not read yet (the overlap schedule)
         self.scheduler = Scheduler(args, r, context_length=self.context_length, batch_buckets=self.batch_buckets,
-                                   token_buckets=self.token_buckets, metrics=self.metrics, sync=self._sync,
-                                   spec_gamma=self.spec_gamma, has_inflight=lambda: bool(self._pending),
+                                   token_buckets=self.token_buckets, metrics=self.metrics,
+                                   spec_gamma=self.spec_gamma, eos_token_ids=self.eos_token_ids,
                                    on_release=self._on_release)
         self.output = OutputProcessor(self.scheduler, r.allocator, page_size=r.allocator.page_size,
                                       context_length=self.context_length, eos_token_ids=self.eos_token_ids,
@@ -248,68 +252,12 @@ class Engine:
         return self.runner.prefix_cache
 
     @property
-    def ccfg(self):
-        return self.runner.ccfg
-
-    @property
     def cfg(self):
         return self.runner.cfg
 
     @property
     def params(self):
         return self.runner.params
-
-    @property
-    def state(self):
-        return self.runner.state
-
-    @property
-    def mesh(self):
-        return self.runner.mesh
-
-    @property
-    def engram_host_table(self):
-        return self.runner.engram_host_table
-
-    @property
-    def memory_plan(self):
-        return self.runner.memory_plan
-
-    @property
-    def max_slots(self) -> int:
-        return self.runner.max_slots
-
-    @property
-    def scratch(self) -> int:
-        return self.runner.scratch
-
-    @property
-    def _groups(self) -> dict:
-        return self.output.groups
-
-    @property
-    def _free_slots(self) -> list:
-        return self.scheduler.free_slots
-
-    @property
-    def _waiting(self):
-        return self.scheduler.waiting
-
-    @property
-    def _running(self) -> list:
-        return self.scheduler.running
-
-    @property
-    def ttft(self):
-        return self.output.ttft
-
-    @property
-    def itl(self):
-        return self.output.itl
-
-    @property
-    def e2e(self):
-        return self.output.e2e
 
     def num_compilations(self) -> int:
         """Compiled variants held by the jitted functions the runner calls (extend, DSpark step,
@@ -497,15 +445,25 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list:
-        """One scheduler iteration; returns the `RequestOutput`s produced."""
+        """One scheduler iteration; returns the `RequestOutput`s produced. The scheduler's plan goes to the
+        runner as a frozen `messages.Schedule`; the runner's `messages.StepResult` is read by the output
+        processor now (``--disable-overlap-schedule``) or one iteration later (the overlap schedule)."""
         self._iter += 1
         n_processed = self.output.n_processed
-        ops = self.scheduler.schedule()
-        launches = [op for op in ops if hasattr(op, "rows")]
-        if ops:
-            resets, admitted = self.scheduler.take_device_work()
+        if self._pending and self.scheduler.needs_results():
+            self._read_pending()  # a constraint mask or a DSpark row depends on the tokens in flight
+        planned = self.scheduler.schedule(inflight=bool(self._pending))
+        if planned is None:  # a preemption needs the in-flight tokens first
+            self._read_pending()
+            planned = self.scheduler.schedule()
+        sched = planned.schedule
+        launches = sched.launches
+        done = []
+        if sched:
             launches_before = self.runner.launches
-            self.runner.dispatch(ops, resets, admitted, self.eos_token_ids)
+            result = self.runner.execute(sched)
+            if launches:  # (a schedule of copies alone has nothing to read)
+                done = [(planned, result)]
             self.metrics.add("launches", self.runner.launches - launches_before)
         self.last_step = {"launches": [(L.B, L.T) for L in launches],
                           "prefill_tokens": sum(r.n for L in launches if not L.spec for r in L.rows
@@ -514,10 +472,8 @@ class Engine:
                           "decode_rows": sum(1 for L in launches for r in L.rows if r.sample),
                           "spec_rows": sum(len(L.rows) for L in launches if L.spec)}
         if self.overlap:
-            done, self._pending = self._pending, launches
-            self.output.process(done)
-        else:
-            self.output.process(launches)
+            done, self._pending = self._pending, done
+        self.output.process(done)
         if (not launches and not self._pending and self.output.n_processed == n_processed
                 and (self.scheduler.running or self.scheduler.waiting)):
             self._unstick()  # nothing ran, nothing was read: the plan saw the current state and had no move
@@ -530,13 +486,10 @@ class Engine:
             out += self.step()
         return out
 
-    def _sync(self) -> None:
-        """Read the in-flight tokens now (before a preemption, a constraint mask or a DSpark row)."""
+    def _read_pending(self) -> None:
+        """Read the in-flight results now (before a preemption, a constraint mask or a DSpark row)."""
         done, self._pending = self._pending, []
         self.output.process(done)
-
-    def _append_token(self, s: Seq, tok: int, lp: float, top, now: float) -> None:
-        self.output.append_token(s, tok, lp, top, now)
 
     def _unstick(self) -> None:
         """The scheduler had work, saw the current state and found no move. With requests checked by
@@ -562,9 +515,6 @@ class Engine:
     def throughput(self, window: float = 10.0) -> float:
         """Generated tokens per second over the last `window` seconds."""
         return self.output.throughput(window)
-
-    def _log_decode(self) -> None:
-        self.output.log_decode()
 
     def stats(self) -> dict:
         """Metrics for the server: requests, token usage, throughput, latencies, cache hit rate, DSpark

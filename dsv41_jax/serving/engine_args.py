@@ -10,7 +10,7 @@ Flags use SGLang's spelling where the meaning is the same (docs/design/spec.md Â
 ``--hicache-ratio``, ``--cpu-memory-budget``, ``--enable-decoder-swa-bounded-replay`` (SGLang's name), ``--impl`` (which
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
 ``--speculative-dspark-block-size`` (DSpark proposals per step, 1..5, at most the checkpoint's block),
-``--speculative-simulate-accept-length`` (performance runs only; env ``DSV41_SIMULATE_ACC_LEN``),
+``--speculative-simulate-accept-length`` (performance runs only),
 ``--warmup-prompt-logprobs`` (the warm-up compiles the prompt-logprobs variant too).
 vLLM's spellings are aliases: ``--max-model-len`` (``--context-length``), ``--tensor-parallel-size``
 (``--tp-size``), ``--max-num-seqs`` (``--max-running-requests``).
@@ -453,7 +453,7 @@ class EngineArgs:
         g.add_argument("--speculative-simulate-accept-length", dest="speculative_simulate_accept_length", type=float,
                        default=None, help="PERFORMANCE RUNS ONLY: every DSpark row commits this many tokens per "
                                           "step (drafts unverified; the text is meaningless), like SGLang's "
-                                          "SGLANG_SIMULATE_ACC_LEN; default: env DSV41_SIMULATE_ACC_LEN, else off")
+                                          "SGLANG_SIMULATE_ACC_LEN; default off")
         g.add_argument("--enable-decoder-swa-bounded-replay", dest="enable_decoder_swa_bounded_replay",
                        action="store_true",
                        help="SWA bounded replay (as SGLang's; off by default): in prefill, the layers after the last "

@@ -1,6 +1,8 @@
 """The output processor: reads launch results and turns tokens into request outputs.
 
-For each processed launch it appends the sampled tokens to their samples — a plain row gives one
+It consumes what the runner returned for a schedule (`messages.StepResult`, one `LaunchResult` per
+launch) with the samples the scheduler planned each launch row for (`scheduler.Planned.seqs`). For
+each processed launch it appends the sampled tokens to their samples — a plain row gives one
 token, a DSpark row gives n_accept + 1 (accepted drafts then the bonus), appended one at a time so
 stop tokens, stop strings, max_tokens, the context length and constraints end the sample at the
 right token and the tokens after it are dropped (they were committed to the cache, which is freed
@@ -51,32 +53,34 @@ class OutputProcessor:
         self._gen_times = collections.deque(maxlen=4096)  # (time, tokens) per processed launch
         # DSpark: per accept count n (0..γ), how many row-steps accepted n drafts (committing n + 1)
         self.spec_hist = [0] * (spec_gamma + 1)
-        self.last_accepts: list = []  # the accept counts of the last processed DSpark launch's rows
 
     # ------------------------------------------------------------------------------------ results
-    def process(self, launches: list) -> None:
+    def process(self, steps: list) -> None:
+        """Read the results of executed schedules: ``steps`` is [(`scheduler.Planned`, `messages.StepResult`)],
+        oldest first; each launch's result goes to the samples of its rows (`Planned.seqs`)."""
+        launches = [(L, seqs, res) for planned, result in steps
+                    for L, seqs, res in zip(planned.schedule.launches, planned.seqs, result.launches)]
         now = None
         n_tok = 0
-        decode = any(L.spec or L.T == 1 for L in launches)
-        for L in launches:
+        decode = any(L.spec or L.T == 1 for L, _, _ in launches)
+        for L, seqs, res in launches:
             self.n_processed += 1
-            if L.plp is not None:
-                self._process_prompt_logprobs(L)
-            if L.tokens is None:
+            if res.plp is not None:
+                self._process_prompt_logprobs(L, seqs, res.plp)
+            if res.tokens is None:
                 continue
             if L.spec:
                 now = time.perf_counter()
-                n_tok += self._process_spec(L, now)
+                n_tok += self._process_spec(L, seqs, res, now)
                 continue
-            toks = np.asarray(L.tokens)
-            lps = np.asarray(L.lp)
-            top_ids = np.asarray(L.top_ids) if L.want_top else None
-            top_vals = np.asarray(L.top_vals) if L.want_top else None
+            toks = np.asarray(res.tokens)
+            lps = np.asarray(res.lp)
+            top_ids = np.asarray(res.top_ids) if L.want_top else None
+            top_vals = np.asarray(res.top_vals) if L.want_top else None
             now = time.perf_counter()
-            for b, r in enumerate(L.rows):
+            for b, (r, s) in enumerate(zip(L.rows, seqs)):
                 if not r.sample:
                     continue
-                s = r.seq
                 s.n_inflight -= 1
                 if s.status != RUNNING:
                     continue
@@ -95,17 +99,15 @@ class OutputProcessor:
             if self.decode_log_interval and self.decode_iters % self.decode_log_interval == 0:
                 self.log_decode()
 
-    def _process_spec(self, L, now: float) -> int:
+    def _process_spec(self, L, seqs, res, now: float) -> int:
         """A DSpark launch: row b committed n_accept[b] + 1 tokens; append them one by one (a stop ends
         the sample there) and count the accept length. Returns the tokens appended."""
-        toks = np.asarray(L.tokens)
-        n_acc = np.asarray(L.n_accept)
+        toks = np.asarray(res.tokens)
+        n_acc = np.asarray(res.n_accept)
         n_tok = 0
-        self.last_accepts = []
-        for b, r in enumerate(L.rows):
-            s, n = r.seq, int(n_acc[b])
+        for b, (r, s) in enumerate(zip(L.rows, seqs)):
+            n = int(n_acc[b])
             self.scheduler.spec_done(s, r.start, n + 1)
-            self.last_accepts.append(n)
             self.spec_hist[n] += 1
             self.metrics.add("spec_verify_steps", 1)
             self.metrics.add("spec_accepted_tokens", n)
@@ -119,12 +121,11 @@ class OutputProcessor:
                 n_tok += 1
         return n_tok
 
-    def _process_prompt_logprobs(self, L) -> None:
+    def _process_prompt_logprobs(self, L, seqs, plp) -> None:
         """Store a launch's prompt logprobs in its samples (position j of a chunk starting at `start`
         scores prompt token start + j + 1); a max_tokens=0 sample ends once it has them all."""
-        lp, ids, vals = (np.asarray(a) for a in L.plp)
-        for b, r in enumerate(L.rows):
-            s = r.seq
+        lp, ids, vals = (np.asarray(a) for a in plp)
+        for b, (r, s) in enumerate(zip(L.rows, seqs)):
             if not s.want_plp or r.sample or r.replay or s.status != RUNNING:
                 continue
             k = s.params.prompt_logprobs

@@ -90,8 +90,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dsv41_jax.model.cache import CacheFullError
+from dsv41_jax.serving.messages import LoadOp, RestoreOp, SaveOp, SpillOp  # the ops it hands the runner
 
-__all__ = ["CacheEntry", "LoadOp", "PrefixCache", "RadixTree", "RestoreOp", "SaveOp", "SpillOp"]
+__all__ = ["CacheEntry", "PrefixCache", "RadixTree"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
@@ -107,48 +108,6 @@ def default_snapshot_rows(max_running_requests: int) -> int:
     shared prompt, and with 16 (4 running requests) the points of three conversations and their cold
     neighbours no longer fit one turn's cycle (scripts/bench_multiturn.py: the third turns missed)."""
     return max(4 * max_running_requests, MIN_SNAPSHOT_ROWS)
-
-
-@dataclass
-class SaveOp:
-    """Copy slot ``slot``'s rows into snapshot row ``row``. A released sample's save runs before the
-    dispatch's slot resets (its slot may have a new owner); an ``in_order`` one (a prompt-end
-    snapshot) runs at its place among the plan's ops, right after the launch that wrote position k−1."""
-
-    slot: int
-    row: int
-    in_order: bool = False
-
-
-@dataclass
-class RestoreOp:
-    """Copy snapshot row ``row`` into slot ``slot``, and pool page ``src_page`` to ``dst_page``
-    (0, 0: none — the prefix ends on a page boundary)."""
-
-    row: int
-    slot: int
-    src_page: int
-    dst_page: int
-
-
-@dataclass
-class SpillOp:
-    """HiCache: copy ``pages`` (pool pages) and snapshot row ``row`` of entry ``key`` to host memory
-    (dispatched first of all: the pages and the row may be reused by the same dispatch)."""
-
-    key: tuple
-    pages: list
-    row: int
-
-
-@dataclass
-class LoadOp:
-    """HiCache: write host entry ``key``'s pages into pool pages ``dst_pages`` and its snapshot into
-    slot ``slot`` (a hit on the host tier; in plan order, like a `RestoreOp`)."""
-
-    key: tuple
-    dst_pages: list
-    slot: int
 
 
 @dataclass(eq=False)
@@ -361,7 +320,7 @@ class PrefixCache:
                 self._drop_host(min(victims, key=lambda h: h.last_use))
         # (an entry whose snapshot save is not dispatched yet is dropped: its spill would run first)
         if demote and self.host_used + n <= self.host_pages and e.key not in self.unsaved:
-            self.pending_spills.append(SpillOp(e.key, list(self.alloc._tables[e.key]), e.row))
+            self.pending_spills.append(SpillOp(e.key, tuple(self.alloc._tables[e.key]), e.row))
             e.tier = "host"
             self.host_entries[e.key] = e
             self.host_used += n
@@ -514,7 +473,7 @@ class PrefixCache:
             self.hits += 1
             self.host_hits += 1
             self.hit_tokens += k
-            return k, LoadOp(e.key, list(self.alloc._tables[rid]), slot)
+            return k, LoadOp(e.key, tuple(self.alloc._tables[rid]), slot)
         n_full = k // ps
         self.alloc.share(e.key, rid, n_full)
         src = dst = 0

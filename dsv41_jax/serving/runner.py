@@ -3,9 +3,9 @@
 It holds the model parameters (loaded or given), the cache pytree (donated through every step; with
 DSpark, plus the draft's rings), the page allocator (`SharedPageAllocator`, host-side: the scheduler
 asks it for room, the runner's launches read its page tables), the per-slot sampling tensors and the
-``last_token`` array the overlap schedule reads decode inputs from. It turns the scheduler's ops into
-device launches, asynchronously (results stay device arrays in the op until the output processor
-reads them):
+``last_token`` array the overlap schedule reads decode inputs from. `Runner.execute` runs one
+`messages.Schedule` (frozen; only read) as device launches, asynchronously, and returns a
+`messages.StepResult` at once (device arrays the output processor reads later):
 
 - `Launch` [B, T]: first-token fill from ``last_token`` (decode rows whose input is still on the
   device), `decode.extend` (with DSpark: `dspark.extend_seeding`, which also writes the draft rings of
@@ -15,7 +15,8 @@ reads them):
   `decode.extend_bounded` instead (layers after the last store layer only on each row's tokens at or
   after ``tail_lo`` = prompt length − sliding_window; one-token launches, i.e. decode, are unchanged).
 - `SpecLaunch` [B, γ+1]: handed to the speculator (`speculator.DSparkSpeculator.launch`: one jitted
-  verify-then-commit step per batch bucket; accept lengths are values). Speculation is behind the
+  verify-then-commit step per batch bucket; accept lengths are values) with the runner's
+  `messages.DeviceState`, which it returns updated with the launch's result. Speculation is behind the
   `speculator.Speculator` seam (`NoSpeculation` without DSpark): it also gives the step plain
   launches run and the per-slot state it keeps in the cache.
 - fork copies (`_fork_slot`), slot resets and sampling-row writes for admitted samples, the
@@ -34,10 +35,9 @@ with a checkpoint without DSpark stages, a block size above the checkpoint's and
 On a mesh (--tp-size / --ep-size > 1) every feature runs: the DSpark rings and the prefix cache's
 snapshot pool are placed by the cache's rules (`parallel.rules.state_shardings`), the DSpark steps
 run the target's forward on the mesh as the plain step does and hold the cache to its shardings.
-``--speculative-simulate-accept-length L`` (env ``DSV41_SIMULATE_ACC_LEN``; performance runs only)
-forces each DSpark row to commit L tokens per step (floor/ceil by a seeded stream around a
-fractional L) whatever the verifier says: the *drafts* are committed as if accepted, so the text is
-garbage and only the timing means anything.
+``--speculative-simulate-accept-length L`` (performance runs only) forces each DSpark row to commit
+L tokens per step (floor/ceil by a seeded stream around a fractional L) whatever the verifier says:
+the *drafts* are committed as if accepted, so the text is garbage and only the timing means anything.
 """
 
 from __future__ import annotations
@@ -57,20 +57,20 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveOp, SpillOp, default_snapshot_rows
 from dsv41_jax.serving.engine_args import EngineArgs
-from dsv41_jax.serving.request import RUNNING, EngineError
+from dsv41_jax.serving.messages import (DeviceState, ForkOp, ImportOp, Launch, LaunchResult, LoadOp, RestoreOp,
+                                        SaveOp, Schedule, SpecLaunch, SpillOp, StepResult)
+from dsv41_jax.serving.prefix_cache import PrefixCache, default_snapshot_rows
+from dsv41_jax.serving.request import EngineError
 from dsv41_jax.serving.sampling import SamplingTensors
-from dsv41_jax.serving.scheduler import ForkOp, ImportOp, Launch, SpecLaunch
 
-__all__ = ["Runner", "SharedPageAllocator", "SIMULATE_ACC_LEN_ENV"]
+__all__ = ["Runner", "SharedPageAllocator"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
 _ADMIT_ROWS = 8  # slot resets / sampling-row updates are dispatched in groups of this many (one shape)
 _CPU_MEM_FRACTION = 0.5
 _ACCEL_MEM_FRACTION = 0.85
-SIMULATE_ACC_LEN_ENV = "DSV41_SIMULATE_ACC_LEN"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -384,19 +384,6 @@ def _bytes_per_device(tree) -> int:
 
 
 
-def resolve_simulated_accept_length(args: EngineArgs) -> Optional[float]:
-    """``--speculative-simulate-accept-length``, else env ``DSV41_SIMULATE_ACC_LEN`` (None: off)."""
-    if args.speculative_simulate_accept_length is not None:
-        return float(args.speculative_simulate_accept_length)
-    env = os.environ.get(SIMULATE_ACC_LEN_ENV)
-    if env:
-        try:
-            return float(env)
-        except ValueError:
-            raise EngineError(f"{SIMULATE_ACC_LEN_ENV}={env!r}: not a number") from None
-    return None
-
-
 class Runner:
     """Device state and launches (see the module docstring). Built by `Engine`; single-threaded."""
 
@@ -422,7 +409,6 @@ class Runner:
         self.speculator = self._make_speculator()
         self._build_cache()
         self._build_features()
-        self.precompiled_shapes: list = []  # the (B, T) extend shapes the warm-up compiled concurrently
         self.launches = 0
         self.memory_by_device = self.memory_per_device()
         for d, m in self.memory_by_device.items():
@@ -483,16 +469,13 @@ class Runner:
 
         self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
         self.spec_gamma = self._check_speculative(cfg)
-        self.simulate_accept_length = resolve_simulated_accept_length(args) if self.spec_gamma else None
+        L = args.speculative_simulate_accept_length  # (EngineArgs refuses it without DSpark)
+        self.simulate_accept_length = float(L) if L is not None and self.spec_gamma else None
         if self.simulate_accept_length is not None:
-            L = self.simulate_accept_length
             if not 1.0 <= L <= self.spec_gamma + 1:
                 raise EngineError(f"simulated accept length {L}: must be in 1..{self.spec_gamma + 1} (γ + 1)")
             log.warning("DSpark: simulated accept length %.2f (PERFORMANCE RUNS ONLY: drafts are committed "
                         "unverified, the text is meaningless)", L)
-        elif args.speculative_simulate_accept_length is None and os.environ.get(SIMULATE_ACC_LEN_ENV) \
-                and not self.spec_gamma:
-            raise EngineError(f"{SIMULATE_ACC_LEN_ENV} is set but --speculative-algorithm is not DSPARK")
         return cfg
 
     def _load_params(self, params):
@@ -638,7 +621,7 @@ class Runner:
         out = np.zeros((B,), np.int32)
         W = self.cfg.sliding_window
         for b, r in enumerate(rows):
-            out[b] = max(0, len(r.seq.prompt_ids) - W)
+            out[b] = max(0, r.prompt_len - W)
         return out
 
     def _check_speculative(self, cfg) -> int:
@@ -737,7 +720,8 @@ class Runner:
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:
-                self.speculator.launch(self, SpecLaunch([], B, self.spec_gamma), warm=True)
+                warm = SpecLaunch((), B, self.spec_gamma)
+                self.device_state, _ = self.speculator.launch(self.params, self.device_state, warm, warm=True)
                 what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
             else:
                 z = np.zeros((B,), np.int32)
@@ -773,7 +757,6 @@ class Runner:
             return
         import concurrent.futures as cf
 
-        self.precompiled_shapes = list(shapes)
 
         P = self.ccfg.max_pages_per_seq
         jobs = []
@@ -800,47 +783,49 @@ class Runner:
             part = part + [self.scratch] * (_ADMIT_ROWS - len(part))
             self.state = _reset_rows(self.state, np.asarray(part, np.int32), np.int32(self.pad_compressed_id))
 
-    def admit_sampling(self, seqs: list, eos_token_ids) -> None:
-        """Write the sampling rows (parameters, prompt mask, counts of already generated tokens) of
-        admitted samples into their slots."""
-        seqs = [s for s in seqs if s.status == RUNNING and s.slot is not None]
-        for i in range(0, len(seqs), _ADMIT_ROWS):
-            part = seqs[i:i + _ADMIT_ROWS]
+    def write_sampling(self, rows: tuple, eos_token_ids) -> None:
+        """Write the sampling rows (`messages.SamplingRow`: parameters, prompt mask, counts of already
+        generated tokens) of admitted samples into their slots."""
+        for i in range(0, len(rows), _ADMIT_ROWS):
+            part = list(rows[i:i + _ADMIT_ROWS])
             pad = _ADMIT_ROWS - len(part)
-            slots = [s.slot for s in part] + [self.scratch] * pad
-            plist = [s.params for s in part] + [None] * pad
-            prompts = [s.prompt_ids for s in part] + [None] * pad
-            outs = [s.output_ids for s in part] + [None] * pad
+            slots = [r.slot for r in part] + [self.scratch] * pad
+            plist = [r.params for r in part] + [None] * pad
+            prompts = [list(r.prompt_ids) for r in part] + [None] * pad
+            outs = [list(r.output_ids) for r in part] + [None] * pad
             self.slot_tensors = self.slot_tensors.update_slots(slots, plist, prompt_token_ids=prompts,
                                                                output_token_ids=outs, eos_token_ids=eos_token_ids)
 
-    # ------------------------------------------------------------------------------------ dispatch
-    def dispatch(self, ops: list, resets: list, admitted: list, eos_token_ids) -> None:
-        """Enqueue one plan: HiCache spills first (their pages and rows may be reused by this dispatch),
-        then the snapshot saves of released samples (before the resets: a released slot may be reset
-        for its next owner), slot resets and sampling rows of admitted samples (device order: after
-        everything already dispatched), then every op in plan order (`_run_op`: one method per op type)."""
+    # ------------------------------------------------------------------------------------ execute
+    def execute(self, schedule: Schedule) -> StepResult:
+        """Enqueue one schedule and return its result at once (device arrays: the overlap schedule reads
+        them later). HiCache spills first (their pages and rows may be reused by this schedule), then the
+        snapshot saves of released samples (before the resets: a released slot may be reset for its next
+        owner), slot resets and sampling rows of admitted samples (device order: after everything
+        already enqueued), then every op in order (`_run_op`: one method per op type). The schedule is
+        only read."""
         self._settle_host()
+        ops = schedule.ops
         for op in ops:
             if isinstance(op, SpillOp):
                 self._spill(op)
         for op in ops:
             if isinstance(op, SaveOp) and not op.in_order:
                 self._save(op)
-        if resets:
-            self.reset_slots(resets)
-        if admitted:
-            self.admit_sampling(admitted, eos_token_ids)
-        for op in ops:
-            self._run_op(op)
+        if schedule.resets:
+            self.reset_slots(list(schedule.resets))
+        if schedule.sampling:
+            self.write_sampling(schedule.sampling, schedule.eos_token_ids)
+        results = [self._run_op(op) for op in ops]
+        return StepResult(tuple(r for op, r in zip(ops, results) if isinstance(op, (Launch, SpecLaunch))))
 
     @functools.singledispatchmethod
-    def _run_op(self, op) -> None:
-        raise TypeError(f"Runner.dispatch: unknown op {type(op).__name__}")
+    def _run_op(self, op) -> Optional[LaunchResult]:
+        raise TypeError(f"Runner.execute: unknown op {type(op).__name__}")
 
     @_run_op.register
     def _(self, op: SpillOp) -> None:
-        pass  # ran first of all (`dispatch`)
+        pass  # ran first of all (`execute`)
 
     @_run_op.register
     def _(self, op: SaveOp) -> None:
@@ -858,7 +843,7 @@ class Runner:
 
     @_run_op.register
     def _(self, op: ImportOp) -> None:
-        self.import_slot({"rows": op.state.rows, "pages": op.state.pages}, op.slot, op.pages)
+        self.import_slot({"rows": op.state.rows, "pages": op.state.pages}, op.slot, list(op.pages))
 
     @_run_op.register
     def _(self, op: RestoreOp) -> None:
@@ -867,21 +852,32 @@ class Runner:
                                        page_size=self.ccfg.page_size, ratios=self._ratios)
 
     @_run_op.register
-    def _(self, op: SpecLaunch) -> None:
-        self.speculator.launch(self, op)
+    def _(self, op: SpecLaunch) -> LaunchResult:
+        dev, res = self.speculator.launch(self.params, self.device_state, op)
+        self.device_state = dev
         self.launches += 1
+        return res
 
     @_run_op.register
-    def _(self, op: Launch) -> None:
-        self._launch(op)
+    def _(self, op: Launch) -> LaunchResult:
+        return self._launch(op)
+
+    @property
+    def device_state(self) -> DeviceState:
+        """The per-slot device state the speculator takes and returns (`messages.DeviceState`)."""
+        return DeviceState(self.state, self.slot_tensors, self.last_token)
+
+    @device_state.setter
+    def device_state(self, dev: DeviceState) -> None:
+        self.state, self.slot_tensors, self.last_token = dev.state, dev.slot_tensors, dev.last_token
 
     def _save(self, op: SaveOp) -> None:
         self.snaps = _save_snapshot(self.snaps, self.state, np.int32(op.slot), np.int32(op.row))
 
-    def _launch(self, L: Launch) -> None:
-        """One [B, T] launch of the plan: rows packed, prompt-logprob targets, `_device_launch`."""
+    def _launch(self, L: Launch) -> LaunchResult:
+        """One [B, T] launch: rows packed, prompt-logprob targets, `_device_launch`."""
         B, T = L.B, L.T
-        hb = dec.pack_rows([{"tokens": r.tokens or (), "n_new": r.n, "start": r.start, "slot": r.seq.slot,
+        hb = dec.pack_rows([{"tokens": r.tokens, "n_new": r.n, "start": r.start, "slot": r.slot,
                              "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
         from_prev = np.zeros((B,), bool)
         sample_mask = np.zeros((B,), bool)
@@ -890,15 +886,14 @@ class Runner:
             from_prev[b] = r.from_prev
             sample_mask[b] = r.sample
             step[b] = r.step
-        L.want_top = any(r.sample and (r.seq.params.logprobs or 0) > 0 for r in L.rows)
         targets = None
-        if any(r.seq.want_plp and not (r.sample or r.replay) for r in L.rows):
+        if L.want_plp:
             targets = np.zeros((B, T), np.int32)
             for b, r in enumerate(L.rows):
-                if r.seq.want_plp and not (r.sample or r.replay):
-                    targets[b, :r.n] = r.seq.tokens(r.start + 1, r.start + r.n + 1)
-        self._device_launch(L, hb["tokens"], hb["start"], hb["n_new"], hb["slot"], hb["page_table"], from_prev,
-                            sample_mask, step, targets=targets, tail_lo=self._tail_lo(L.rows, B))
+                if r.plp_targets is not None:
+                    targets[b, :r.n] = r.plp_targets
+        return self._device_launch(L, hb["tokens"], hb["start"], hb["n_new"], hb["slot"], hb["page_table"],
+                                   from_prev, sample_mask, step, targets=targets, tail_lo=self._tail_lo(L.rows, B))
 
     # ------------------------------------------------------------------------------------ HiCache
     def _spill(self, op: SpillOp) -> None:
@@ -963,11 +958,12 @@ class Runner:
         self.state = _put_snapshot(self.state, row, np.int32(op.slot))
 
     def _device_launch(self, L: Optional[Launch], tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
-                       force_sample: bool = False, targets=None, tail_lo=None) -> None:
-        """Enqueue one launch: first-token fill, extend, sampling. Host inputs stay numpy (the jit
-        fast path transfers them; ``jax.device_put`` costs ~10x more host time) and every call
-        passes the same kinds of arguments, so the warm-up's compilations are the ones reused.
-        tail_lo int32 [B] (`_tail_lo`; None: zeros) is read only by the bounded replay step."""
+                       force_sample: bool = False, targets=None, tail_lo=None) -> LaunchResult:
+        """Enqueue one launch: first-token fill, extend, sampling; returns its result (device arrays; tokens
+        None when no row samples). Host inputs stay numpy (the jit fast path transfers them;
+        ``jax.device_put`` costs ~10x more host time) and every call passes the same kinds of arguments, so
+        the warm-up's compilations are the ones reused. tail_lo int32 [B] (`_tail_lo`; None: zeros) is read
+        only by the bounded replay step. L: the launch (None: a warm-up launch), for its rows' masks."""
         toks = _fill_first_token(tokens, from_prev, slot, self.last_token)
         batch = {"tokens": toks, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
         extend = self._extend_for(tokens.shape[1])
@@ -975,6 +971,7 @@ class Runner:
             if targets is not None:  # Engine.add_request refuses them; never silently approximate
                 raise EngineError("prompt logprobs with --enable-decoder-swa-bounded-replay")
             batch["tail_lo"] = np.zeros((tokens.shape[0],), np.int32) if tail_lo is None else tail_lo
+        plp = None
         if targets is None:
             logits, self.state = extend(self.params, self.state, batch)
         else:  # prompt logprobs: every position's logits, reduced on the device
@@ -984,23 +981,18 @@ class Runner:
                 self._extend_all = self.speculator.extend_step(True)
             all_logits, self.state = self._extend_all(self.params, self.state, batch)
             plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
-            if L is not None:
-                L.plp = plp
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
         self.launches += 1
         if not (force_sample or sample_mask.any()):
-            return
+            return LaunchResult(plp=plp)
         B, V = tokens.shape[0], self.vocab_size
-        rows = L.rows if L is not None else []
-        if any(r.seq.constraint is not None and r.sample for r in rows):
+        rows = L.rows if L is not None else ()
+        if any(r.allowed is not None for r in rows):
             m = np.ones((B, V), bool)
             for b, r in enumerate(rows):
-                if r.sample and r.seq.constraint is not None:
-                    a = r.seq.constraint.allowed_mask()
-                    if a is not None:
-                        a = np.asarray(a, bool).reshape(-1)
-                        m[b, :] = False
-                        m[b, : min(V, a.shape[0])] = a[:V]
+                if r.allowed is not None:
+                    m[b, :] = False
+                    m[b, : min(V, r.allowed.shape[0])] = r.allowed[:V]
             allowed = jax.device_put(m)
         else:
             allowed = self._allow_all.get(B)
@@ -1009,5 +1001,4 @@ class Runner:
         out = _sample_rows(logits, self.slot_tensors, self.last_token, slot, step, sample_mask, allowed,
                            max_logprobs=self.max_logprobs, deterministic=self.deterministic)
         tokens_d, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
-        if L is not None:
-            L.tokens, L.lp, L.top_ids, L.top_vals = tokens_d, lp, top_ids, top_vals
+        return LaunchResult(tokens_d, lp, top_ids, top_vals, plp=plp)

@@ -1,29 +1,30 @@
 """The seam between the engine's host side and its device side: `RunnerProtocol`.
 
 The scheduler and the engine see the runner only through this protocol, so a model-free runner
-(the mocks of tests/test_scheduler.py and tests/test_prefix_cache.py) drives them exactly as the
-device runner (`runner.Runner`) does. What the scheduler may use: the page allocator (a
+(tests/mock_runner.py's `MockRunner`, tests/test_prefix_cache.py's `CheckingRunner`) drives them
+exactly as the device runner (`runner.Runner`) does. What the scheduler may use: the page allocator (a
 `SharedPageAllocator`), the prefix cache's controller (`prefix_cache.PrefixCache`, or None when the
-cache is off), the number of slots and the scratch slot. What the engine adds: the limits it validates requests against, and
-the three calls (`dispatch` a plan, `warmup`, `num_compilations`).
+cache is off), the number of slots and the scratch slot. What the engine adds: the limits it validates
+requests against, and the three calls (`execute` a schedule, `warmup`, `num_compilations`).
 
-`dispatch` gets a plan in the scheduler's order (`Op`: launches, DSpark launches, fork copies and
-the prefix cache's save / restore / spill / load ops), the slots to reset and the samples whose
-sampling rows to write; it fills each launch's result fields (device or host arrays) and returns
-at once (the overlap schedule reads them later).
+The seam is two messages (`messages`): `execute` takes one iteration's `messages.Schedule` — a frozen
+value holding, in run order, launches of rows (`Launch`, DSpark `SpecLaunch`: slots, positions, token
+ids, page tables as ints and tuples), fork copies, the prefix cache's save / restore / spill / load ops
+and handover imports, plus the slots to reset and the sampling rows of admitted samples — and never
+changes it; it returns a frozen `messages.StepResult` (per launch: sampled tokens, logprobs, DSpark
+accept lengths; device arrays it may still be computing) at once, which the engine hands to the output
+processor (the overlap schedule reads it one iteration later). No `request.Seq` crosses the seam: the
+scheduler keeps which sample each row belongs to (`scheduler.Planned`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from dsv41_jax.serving.prefix_cache import LoadOp, PrefixCache, RestoreOp, SaveOp, SpillOp
-    from dsv41_jax.serving.request import Seq
+    from dsv41_jax.serving.messages import Schedule, StepResult
+    from dsv41_jax.serving.prefix_cache import PrefixCache
     from dsv41_jax.serving.runner import SharedPageAllocator
-    from dsv41_jax.serving.scheduler import ForkOp, Launch, SpecLaunch
-
-    Op = Union[Launch, SpecLaunch, ForkOp, SaveOp, RestoreOp, SpillOp, LoadOp]
 
 __all__ = ["RUNNER_MEMBERS", "RunnerProtocol"]
 
@@ -42,9 +43,8 @@ class RunnerProtocol(Protocol):
     spec_gamma: int  # DSpark proposals per speculative step (0: no speculation)
     launches: int  # device launches so far (the engine's "launches" counter adds the difference)
 
-    def dispatch(self, ops: "Sequence[Op]", resets: "list[int]", admitted: "list[Seq]",
-                 eos_token_ids: "tuple[int, ...]") -> None:
-        """Enqueue one plan (see the module docstring)."""
+    def execute(self, schedule: "Schedule") -> "StepResult":
+        """Enqueue one schedule; returns its result at once (see the module docstring)."""
 
     def warmup(self, batch_buckets: "list[int]", token_buckets: "list[int]") -> int:
         """Compile every shape serving will run; returns how many shapes."""
@@ -54,4 +54,4 @@ class RunnerProtocol(Protocol):
 
 
 RUNNER_MEMBERS = ("allocator", "prefix_cache", "max_slots", "scratch", "context_length", "vocab_size", "max_logprobs", "spec_gamma",
-                  "launches", "dispatch", "warmup", "num_compilations")
+                  "launches", "execute", "warmup", "num_compilations")

@@ -24,7 +24,11 @@ verify step) and fork copies. Policy (see engine.py's docstring for the why):
 
 The host state (``num_cached``, ``n_inflight``, page tables) is advanced as if the plan had run, so the
 next plan can be made before this one's tokens are read (the overlap schedule); a preemption needs the
-in-flight tokens first, which `schedule` gets through the ``sync`` callback.
+in-flight tokens first: `schedule` then returns None and the engine reads them and asks again (nothing
+calls back from the scheduler into the engine or the output processor).
+
+The plan leaves as messages (`messages.Schedule`: frozen, no `Seq`); the scheduler keeps, host-side,
+which sample each launch row belongs to (`Planned.seqs`), for reading the launch's result.
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
+
+import numpy as np
 
 from dsv41_jax.model.decode import _bucket
 from dsv41_jax.serving.engine_metrics import EngineMetrics
+from dsv41_jax.serving.messages import ForkOp, ImportOp, Launch, Row, SamplingRow, Schedule, SpecLaunch
 from dsv41_jax.serving.request import PREEMPTION_REASONS, RUNNING, WAITING, Seq
 from dsv41_jax.serving.runner_api import RunnerProtocol
 
-__all__ = ["ForkOp", "ImportOp", "Launch", "Row", "Scheduler", "SpecLaunch"]
+__all__ = ["Planned", "Scheduler"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
@@ -55,7 +62,10 @@ _LPM_WINDOW, _LPM_MAX_SKIPS = 8, 4
 
 
 @dataclass
-class Row:
+class _Row:
+    """A row while the plan is made (host-only: it holds the sample); `_freeze` turns it into a
+    `messages.Row`."""
+
     seq: Seq
     start: int
     n: int
@@ -68,58 +78,49 @@ class Row:
 
 
 @dataclass
-class Launch:
-    """One [B, T] extend step; the runner fills the result fields (device arrays) when it dispatches."""
-
+class _Launch:
     rows: list
     B: int
     T: int
-    tokens: Any = None
-    lp: Any = None
-    top_ids: Any = None
-    top_vals: Any = None
-    want_top: bool = False
-    plp: Any = None  # (lp [B, T], top_ids [B, T, K], top_vals [B, T, K]) on the device (prompt logprobs)
     spec: bool = False
 
 
 @dataclass
-class SpecLaunch:
-    """One DSpark step for B rows (anchor at ``row.start``, ``row.tokens == [anchor]``, ``row.n = γ+1``).
-    The runner fills ``tokens`` [B, γ+1] (committed tokens, −1 padded) and ``n_accept`` [B]."""
-
-    rows: list
-    B: int
-    gamma: int
-    tokens: Any = None
-    n_accept: Any = None
-    plp: Any = None
-    spec: bool = True
-
-    @property
-    def T(self) -> int:
-        return self.gamma + 1
+class _Fork:
+    op: ForkOp
+    seqs: list  # the sibling that gets the copy
 
 
-@dataclass
-class ForkOp:
-    """Copy slot ``src_slot``'s rows to ``dst_slot`` and page ``src_page`` to ``dst_page`` (0, 0: none)."""
+@dataclass(frozen=True)
+class Planned:
+    """One iteration as the engine keeps it (host-only): the `Schedule` the runner executes, and per launch
+    (in `Schedule.launches` order) the samples its rows belong to, which the output processor reads the
+    launch's result into. The runner never sees ``seqs``."""
 
-    src_slot: int
-    dst_slot: int
-    src_page: int
-    dst_page: int
-    seqs: list
+    schedule: Schedule
+    seqs: tuple  # per launch: tuple of `Seq`, one per row
 
 
-@dataclass
-class ImportOp:
-    """Write a prefilled request's state (`handover.PrefilledState`) into slot ``slot`` and pool pages
-    ``pages`` (prefill/decode disaggregation; dispatched before the plan's launches, like a restore)."""
-
-    slot: int
-    pages: list
-    state: Any
+def _row_message(r: _Row, spec: bool) -> Row:
+    """The frozen `messages.Row` of a planned row (``spec``: of a DSpark launch). Made when the plan is
+    complete, i.e. when the runner used to read the sample: a constrained row is planned only after its
+    tokens were read, so its mask is the one for the row's token; a DSpark row gets a snapshot (clone)
+    of its grammar, which the runner walks (on a clone of its own) through the drafts."""
+    s = r.seq
+    plp = None
+    if s.want_plp and not (r.sample or r.replay):
+        plp = tuple(s.tokens(r.start + 1, r.start + r.n + 1))
+    allowed = grammar = None
+    if r.sample and s.constraint is not None:
+        if spec:
+            grammar = s.constraint.clone()
+        else:
+            a = s.constraint.allowed_mask()
+            if a is not None:
+                allowed = np.array(a, bool).reshape(-1)  # a copy: the message's is read-only
+    return Row(s.group.rid, s.index, s.slot, r.start, r.n, tuple(r.tokens), r.from_prev, r.sample, r.step,
+               tuple(r.pages), len(s.prompt_ids), r.replay, int(s.params.logprobs or 0) if r.sample else 0, plp,
+               allowed, grammar)
 
 
 class Scheduler:
@@ -128,14 +129,12 @@ class Scheduler:
     args: `EngineArgs` (max_prefill_tokens, chunked prefill, mixed chunk, prefix sharing); runner: has
     ``allocator``, ``max_slots``, ``scratch``; context_length: per-request token limit; batch_buckets /
     token_buckets: the compiled shapes; spec_gamma: DSpark proposals per step (0: off); metrics: the
-    engine's `EngineMetrics` (counted into); sync: reads the in-flight tokens
-    (called before a preemption and before planning rows whose inputs are still on the device);
-    has_inflight: whether launches are dispatched whose results are not read yet.
+    engine's `EngineMetrics` (counted into); eos_token_ids: for the sampling rows of admitted samples;
+    on_release: sees a sample before its pages and slot are freed.
     """
 
     def __init__(self, args, runner: RunnerProtocol, *, context_length: int, batch_buckets: list, token_buckets: list,
-                 metrics: EngineMetrics, sync: Callable[[], None], spec_gamma: int = 0,
-                 has_inflight: Callable[[], bool] = lambda: False,
+                 metrics: EngineMetrics, spec_gamma: int = 0, eos_token_ids: tuple = (),
                  on_release: Optional[Callable[[Seq], None]] = None):
         self.args, self.runner = args, runner
         self.allocator = runner.allocator
@@ -145,7 +144,7 @@ class Scheduler:
         self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
         self.chunk_cap = token_buckets[-1]
         self.metrics = metrics
-        self.sync = sync
+        self.eos_token_ids = tuple(eos_token_ids)
         self.spec_gamma = int(spec_gamma)
         self.spec_batch_buckets = [b for b in batch_buckets]
         self.on_release = on_release
@@ -156,7 +155,8 @@ class Scheduler:
         self.pending_sampling: list = []  # admitted samples whose sampling rows the runner must write
         self.reserve_ratio = _RESERVE_INIT
         self._room_blocked = False  # this plan: an admitted prefill chunk waits for pages
-        self.has_inflight = has_inflight  # the engine's: launches dispatched whose results are not read yet
+        self._inflight = False  # this plan: launches are dispatched whose results are not read yet
+        self._again = False  # the last `schedule` returned None: the next one goes on with its plan
         self.cache = runner.prefix_cache  # the radix prefix cache's controller (prefix_cache.py), or None
         self.pending_restores: list = []  # this plan's RestoreOps (dispatched before its launches)
         self.pending_imports: list = []  # this plan's ImportOps (prefilled states of admitted samples)
@@ -175,21 +175,49 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len({s.group.rid for s in self.waiting})
 
-    def take_device_work(self) -> tuple:
-        """(slots to reset, samples whose sampling rows to write) since the last call."""
-        r, s = self.pending_resets, self.pending_sampling
-        self.pending_resets, self.pending_sampling = [], []
-        return r, s
-
     # ------------------------------------------------------------------------------------ plan
-    def schedule(self) -> list:
-        """This iteration's ops ([] when nothing can run). With the prefix cache, the snapshot saves
-        of samples released since the last plan and this plan's restores come first (`_cache_ops`)."""
-        if self.cache is not None:
+    def needs_results(self) -> bool:
+        """Whether the next plan needs the tokens in flight first: a constraint mask, a DSpark row's anchor
+        and position depend on them (with DSpark on, the overlap schedule thus only covers rows that never
+        speculate). The engine reads its in-flight results before `schedule` when this holds."""
+        return any((s.constraint is not None and s.n_inflight) or s.spec_inflight
+                   or (self.spec_gamma and s.n_inflight and self._may_speculate(s)) for s in self.running)
+
+    def schedule(self, inflight: bool = False) -> Optional[Planned]:
+        """This iteration's plan (its schedule has no ops when nothing can run), or None when a preemption
+        needs the in-flight tokens first (``inflight``: launches are dispatched whose results are not read
+        yet); the engine then reads them and asks again. With the prefix cache, the snapshot saves of
+        samples released since the last plan and this plan's restores come first (`_cache_ops`). The slot
+        resets and sampling rows of admitted samples go with the first schedule that has ops."""
+        self._inflight = inflight
+        if self.cache is not None and not self._again:
             self.cache.unpin_all()  # the previous plan's restores are dispatched
-        ops = self._schedule()
+        ops = self._plan()
+        self._again = ops is None  # (then what this attempt pinned stays pinned for the next)
+        if ops is None:
+            return None
         imports, self.pending_imports = self.pending_imports, []
-        return self._cache_ops(imports + ops)
+        return self._freeze(self._cache_ops(imports + ops))
+
+    def _freeze(self, ops: list) -> Planned:
+        """The plan as messages: launches of frozen rows, forks without their samples; the slot resets and
+        the sampling rows of admitted samples (those still running: one admitted and preempted in the same
+        plan has no slot) when there are ops to run."""
+        msgs, seqs = [], []
+        for op in ops:
+            if isinstance(op, _Launch):
+                rows = tuple(_row_message(r, op.spec) for r in op.rows)
+                msgs.append(SpecLaunch(rows, op.B, op.T - 1) if op.spec else Launch(rows, op.B, op.T))
+                seqs.append(tuple(r.seq for r in op.rows))
+            else:
+                msgs.append(op.op if isinstance(op, _Fork) else op)
+        resets, sampling = (), ()
+        if msgs:
+            resets = tuple(self.pending_resets)
+            sampling = tuple(SamplingRow(s.slot, s.params, tuple(s.prompt_ids), tuple(s.output_ids))
+                             for s in self.pending_sampling if s.status == RUNNING and s.slot is not None)
+            self.pending_resets, self.pending_sampling = [], []
+        return Planned(Schedule(tuple(msgs), resets, sampling, self.eos_token_ids), tuple(seqs))
 
     def _cache_ops(self, ops: list) -> list:
         if self.cache is None:
@@ -201,20 +229,6 @@ class Scheduler:
         # paused engine then counts every cached page as free)
         self.cache.unpin_all()
         return pre + ops
-
-    def _schedule(self) -> list:
-        if self.has_inflight() and any((s.constraint is not None and s.n_inflight) or s.spec_inflight
-                                       or (self.spec_gamma and s.n_inflight and self._may_speculate(s))
-                                       for s in self.running):
-            # a constraint mask, a DSpark row's anchor and position depend on the tokens in flight (with
-            # DSpark on, the overlap schedule thus only covers rows that never speculate)
-            self.sync()
-        for _ in range(2):
-            ops = self._plan()
-            if ops is not None:
-                return ops
-            self.sync()  # a preemption needs the in-flight tokens first
-        return []
 
     def active(self, s: Seq) -> bool:
         """Running, not waiting for a fork or a DSpark result, and not already at max_tokens / the
@@ -248,7 +262,7 @@ class Scheduler:
         sample = s.num_cached == s.total_len - 1
         from_prev = sample and s.n_inflight > 0
         tok = [] if from_prev else s.tokens(s.num_cached, s.num_cached + 1)
-        return Row(s, s.num_cached, 1, tok, from_prev, sample, s.n_out, self.allocator.pages(s.key), not sample)
+        return _Row(s, s.num_cached, 1, tok, from_prev, sample, s.n_out, self.allocator.pages(s.key), not sample)
 
     def _plan(self) -> Optional[list]:
         """This iteration's device work: launches (and fork copies between them), with the host state
@@ -298,7 +312,7 @@ class Scheduler:
             return self._unblock_prefills()
         ops = self._assemble(pre_rows, cache_saves + fork_ops, dec_rows)
         if spec_rows:
-            ops.append(SpecLaunch(spec_rows, _bucket(len(spec_rows), self.spec_batch_buckets), self.spec_gamma))
+            ops.append(_Launch(spec_rows, _bucket(len(spec_rows), self.spec_batch_buckets), self.spec_gamma + 1, True))
         return ops
 
     def _reserve_decode_pages(self) -> Optional[list]:
@@ -314,7 +328,7 @@ class Scheduler:
             victim = self.pick_victim()
             if victim is None:
                 break  # nothing to preempt (cannot happen with requests that fit): run those that fit
-            if self.has_inflight():
+            if self._inflight:
                 return None
             self.preempt(victim, "decode_pages")
         dec_seqs.sort(key=lambda s: s.priority)
@@ -404,7 +418,7 @@ class Scheduler:
         samples s's next token from a host-known anchor (not a replay, nothing in flight, at least one
         generated token — the first comes from the plain step after the prompt); it asks for no
         logprobs (the verify step returns none); a constraint, if any, can be cloned (the runner walks
-        a clone through the drafts before verifying them, `Runner._grammar_masks`); and the γ+1 verify
+        a clone through the drafts before verifying them, `DSparkSpeculator.grammar_masks`); and the γ+1 verify
         positions fit its context."""
         g = self.spec_gamma
         if g <= 0 or not self._may_speculate(s):
@@ -429,7 +443,7 @@ class Scheduler:
             if alloc.pages_needed(s.key, s.num_cached + g + 1) > alloc.free_pages:
                 continue  # no pages for the verify window: a plain step this iteration
             alloc.ensure(s.key, s.num_cached + g + 1)
-            out.append(Row(s, s.num_cached, g + 1, [s.output_ids[-1]], False, True, s.n_out, alloc.pages(s.key)))
+            out.append(_Row(s, s.num_cached, g + 1, [s.output_ids[-1]], False, True, s.n_out, alloc.pages(s.key)))
             s.spec_inflight = True
         return out
 
@@ -451,7 +465,7 @@ class Scheduler:
         victim = self.pick_victim()
         if victim is None:
             return []
-        if self.has_inflight():
+        if self._inflight:
             return None
         self.preempt(victim, "prefill_pages")
         return self._plan()
@@ -467,10 +481,10 @@ class Scheduler:
             ops.append(self._launch(dec_rows))
         return ops
 
-    def _launch(self, rows: list) -> Launch:
+    def _launch(self, rows: list) -> _Launch:
         T = _bucket(max(r.n for r in rows), self.token_buckets)
         B = _bucket(len(rows), self.batch_buckets)
-        return Launch(rows, B, T)
+        return _Launch(rows, B, T)
 
     def _prefill_row(self, s: Seq, budget: int) -> Optional[Row]:
         """The next chunk of s's prompt (all but its last token), within budget; advances
@@ -488,7 +502,7 @@ class Scheduler:
             self._room_blocked = True
             return None
         alloc.ensure(s.key, s.num_cached + n)
-        row = Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
+        row = _Row(s, s.num_cached, n, s.tokens(s.num_cached, s.num_cached + n), False, False, s.n_out,
                   alloc.pages(s.key))
         s.num_cached += n
         self.metrics.add("computed_prompt_tokens", n)
@@ -570,7 +584,7 @@ class Scheduler:
         n = len(s.prompt_ids)
         self.allocator.ensure(s.key, n)
         pages = self.allocator.pages(s.key)[:-(-n // self.page_size)]
-        self.pending_imports.append(ImportOp(s.slot, pages, s.prefilled))
+        self.pending_imports.append(ImportOp(s.slot, tuple(pages), s.prefilled))
         s.num_cached = n
         self.metrics.add("imported_prompt_tokens", n)
 
@@ -686,7 +700,7 @@ class Scheduler:
             if k % ps:
                 alloc.ensure(q.key, k)
                 src_page, dst_page = src_pages[n_full], alloc.pages(q.key)[n_full]
-            ops.append(ForkOp(src.slot, q.slot, src_page, dst_page, [q]))
+            ops.append(_Fork(ForkOp(src.slot, q.slot, src_page, dst_page), [q]))
             q.num_cached = k
             self.metrics.add("shared_prompt_tokens", k)
             self.metrics.add("num_forks")

@@ -27,45 +27,16 @@ start + n_accept + 1 after it; add the committed tokens to the sampling counts
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dsv41_jax.model import decode, dspark
 from dsv41_jax.parallel.plan import MeshPlan
 from dsv41_jax.serving import sampling
 
 DRAFT_SALT = 0x44535041  # "DSPA": the draft's random stream, apart from the verifier's
-
-
-def make_spec_batch(rows: Sequence[dict], B: Optional[int], ccfg) -> dict:
-    """Host helper: rows of {anchor, start, slot, page_table} -> a padded batch of B rows.
-
-    anchor int32 [B] (the request's last generated token, not yet in the cache), start int32 [B]
-    (tokens in the cache = the anchor's position), slot int32 [B] (scratch for padding), page_table
-    int32 [B, P] (must cover start + γ + 1 tokens), active bool [B] (False for padding rows).
-    """
-    B = B or len(rows)
-    if len(rows) > B:
-        raise ValueError(f"{len(rows)} rows do not fit a batch of {B}")
-    anchor = np.zeros((B,), np.int32)
-    start = np.zeros((B,), np.int32)
-    slot = np.full((B,), ccfg.max_slots, np.int32)
-    pt = np.zeros((B, ccfg.max_pages_per_seq), np.int32)
-    active = np.zeros((B,), bool)
-    for b, r in enumerate(rows):
-        if not 0 <= r["slot"] < ccfg.max_slots:
-            raise ValueError(f"row {b}: slot {r['slot']} is outside 0..{ccfg.max_slots - 1}")
-        if len(r["page_table"]) > ccfg.max_pages_per_seq:
-            raise ValueError(f"row {b}: {len(r['page_table'])} pages exceed max_pages_per_seq={ccfg.max_pages_per_seq}")
-        if r["start"] < 1:
-            raise ValueError(f"row {b}: start {r['start']} — speculation needs a committed prefix (prefill first)")
-        anchor[b], start[b], slot[b], active[b] = r["anchor"], r["start"], r["slot"], True
-        pt[b, : len(r["page_table"])] = r["page_table"]
-    return {"anchor": jnp.asarray(anchor), "start": jnp.asarray(start), "slot": jnp.asarray(slot),
-            "page_table": jnp.asarray(pt), "active": jnp.asarray(active)}
 
 
 def sampling_draw(tensors, step_counter, deterministic: bool = False):
@@ -96,12 +67,15 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
                      gamma: Optional[int] = None, accept_override=None, allowed=None, mesh=None):
     """One DSpark step for B rows (see the module docstring).
 
-    state: the cache pytree with ``"dspark"`` rings (`dspark.with_rings`); batch: `make_spec_batch`.
+    state: the cache pytree with ``"dspark"`` rings (`dspark.with_rings`); batch: {anchor int32 [B] (the
+    request's last generated token, not yet in the cache), start int32 [B] (its position: tokens in the
+    cache), slot int32 [B], page_table int32 [B, P] (covering start + γ + 1 tokens), active bool [B]}
+    (`speculator.DSparkSpeculator.batch`).
     tensors: `sampling.SamplingTensors` of the B rows and step_counter int32 [B] (tokens each request
     has generated, the anchor included), or None for all-greedy rows without penalties.
-    forced_draft: int32 [B, γ] or None — a test/benchmark hook replacing the draft's proposals where
-    >= 0 (q one-hot there; −1 keeps the draft's own); the draft still runs. (A benchmark can force a
-    simulated accept length by forcing the target's tokens, or wrong ones.)
+    forced_draft: int32 [B, γ] or None — drafts the host fixed, replacing the draft's proposals where
+    >= 0 (q one-hot there; −1 keeps the draft's own); the draft still runs. The engine passes a
+    constrained row's grammar-walked drafts here (`speculator.DSparkSpeculator.grammar_masks`).
     accept_override: int32 [B] or None — the simulated-accept-length knob (performance runs only):
     where >= 0, the row commits min(override, γ) drafts *unverified* plus the target's argmax after
     them as the bonus, whatever the verifier decided (−1: verify as usual). The cache stays
@@ -160,14 +134,6 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
 
         new_state = rules.constrain_state(new_state, mesh)
     return toks, n_acc, new_state
-
-
-@functools.lru_cache(maxsize=None)
-def jitted_speculative_step(cfg, ccfg, gamma: Optional[int] = None):
-    """`speculative_step` jitted for (cfg, ccfg, γ) with the cache donated. Called as
-    ``fn(params, state, batch, tensors, step_counter, forced_draft)``; compiles once per batch size
-    and per which of tensors / forced_draft are None."""
-    return jax.jit(functools.partial(speculative_step, cfg=cfg, ccfg=ccfg, gamma=gamma), donate_argnums=(1,))
 
 
 def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):

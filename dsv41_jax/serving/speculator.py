@@ -10,12 +10,14 @@
   runs the draft alone (`_propose_launch`) and walks each row's grammar through the drafts on the
   host (`grammar_masks`): those drafts are the step's ``drafts`` input and the masks its ``allowed``.
 
-The production step's inputs are the launch's own: the host-fixed drafts (−1: the draft's own
-proposal) are a production input (the grammar walk). Nothing test-only is compiled in: a test drafter
-subclasses `DSparkSpeculator` and overrides `fixed_drafts` (an oracle proposing known tokens), which
-feeds the same ``drafts`` input. The simulated accept length (``--speculative-simulate-accept-length``,
-performance runs only) compiles its own step variant (`_spec_launch_simulated`, with the forced accept
-counts as an input) in place of the production one.
+The seam is typed: `Speculator.launch(params, dev, L)` takes the runner's `messages.DeviceState` and a
+`messages.SpecLaunch` and returns the new `DeviceState` and the launch's `messages.LaunchResult`; it
+never writes into the runner. A DSpark launch is three steps, each production's: `batch` (the host
+inputs), `grammar_masks` (the host-fixed drafts and masks of constrained rows) and `verify` (the
+compiled step, whose ``drafts`` input is −1 or a host-fixed draft). Nothing test-only is in here: a
+test drafter (tests/) composes the same three steps with drafts of its own. The simulated accept
+length (``--speculative-simulate-accept-length``, performance runs only) compiles its own step variant
+(`_spec_launch_simulated`, with the forced accept counts as an input) in place of the production one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from dsv41_jax.parallel import plan as mesh_plan
 from dsv41_jax.serving import speculative as spec
-from dsv41_jax.serving.scheduler import SpecLaunch
+from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
 
 __all__ = ["DSparkSpeculator", "NoSpeculation", "Speculator"]
 
@@ -48,8 +50,8 @@ class Speculator(Protocol):
     def extend_step(self, all_logits: bool):
         """The jitted step plain launches run: ``fn(params, state, batch) -> (logits, state)``."""
 
-    def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
-        """Enqueue one speculative launch on the runner's device state; fills ``L.tokens`` / ``L.n_accept``."""
+    def launch(self, params, dev: DeviceState, L: SpecLaunch, warm: bool = False) -> tuple:
+        """One speculative launch on ``dev``: returns (the new `DeviceState`, its `LaunchResult`)."""
 
     def jitted(self) -> list:
         """The jitted functions it owns (for `Runner.num_compilations`)."""
@@ -69,7 +71,7 @@ class NoSpeculation:
     def extend_step(self, all_logits: bool):
         return mesh_plan.jitted_extend(self.cfg, self.ccfg, all_logits, self.mesh, self.engram_host_table)
 
-    def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
+    def launch(self, params, dev: DeviceState, L: SpecLaunch, warm: bool = False) -> tuple:
         raise RuntimeError("a DSpark launch without --speculative-algorithm DSPARK")
 
     def jitted(self) -> list:
@@ -105,7 +107,7 @@ def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, d
     from the rows' slots, `speculative.speculative_step`, then the committed tokens added to the slots'
     penalty counts and each row's bonus token (the next anchor) put in ``last_token[slot]``.
 
-    batch: `speculative.make_spec_batch`-style {anchor, start, slot, page_table, active} (numpy is
+    batch: `DSparkSpeculator.batch`'s {anchor, start, slot, page_table, active} (numpy is
     fine); step_counter int32 [B]: tokens each row has generated (the anchor included); drafts int32
     [B, γ]: −1 (the draft's own proposal) or a draft the host fixed (a constrained row's grammar-walked
     drafts); allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True elsewhere).
@@ -180,10 +182,20 @@ class DSparkSpeculator:
     def jitted(self) -> list:
         return [self._step, self._propose]
 
-    def fixed_drafts(self, L: SpecLaunch) -> Optional[np.ndarray]:
-        """Drafts the host fixes for the rows of L (int32 [len(rows), γ], −1: the draft's own), or None.
-        Production: None (a test drafter overrides this)."""
-        return None
+    def batch(self, L: SpecLaunch) -> tuple:
+        """The verify step's host inputs for the rows of L: ({anchor, start, slot, page_table, active}
+        padded to L.B rows, scratch slot for padding), step_counter int32 [B]."""
+        B, P = L.B, self.ccfg.max_pages_per_seq
+        anchor = np.zeros((B,), np.int32)
+        start = np.zeros((B,), np.int32)
+        slot = np.full((B,), self.ccfg.max_slots, np.int32)
+        pt = np.zeros((B, P), np.int32)
+        active = np.zeros((B,), bool)
+        step = np.zeros((B,), np.int32)
+        for b, r in enumerate(L.rows):
+            anchor[b], start[b], slot[b], active[b], step[b] = r.tokens[0], r.start, r.slot, True, r.step
+            pt[b, :len(r.pages)] = r.pages
+        return {"anchor": anchor, "start": start, "slot": slot, "page_table": pt, "active": active}, step
 
     def accept_override(self, n_rows: int, B: int) -> np.ndarray:
         """int32 [B]: with a simulated accept length L the forced accept count of each row (L − 1
@@ -196,21 +208,24 @@ class DSparkSpeculator:
             out[:n_rows] = np.minimum(base + up.astype(np.int32), self.gamma)
         return out
 
-    def grammar_masks(self, runner, L: SpecLaunch, batch: dict, step, drafts: np.ndarray):
-        """Constrained rows of L: draft on the device, read the drafts, walk a clone of each row's grammar
-        through them. Sets the row's drafts to those drafts (the verify step then checks exactly what the
-        grammar saw) and returns the masks bool [B, γ+1, V] of the verify rows: row j = what the grammar
-        allows after d_0..d_{j−1}, up to the first draft it rejects (later rows: all True; the rejected
-        draft has probability 0 under the masked target, so it and everything after it is rejected).
-        None when no row has a constraint."""
-        rows = [(b, r) for b, r in enumerate(L.rows) if r.seq.constraint is not None]
+    def grammar_masks(self, params, dev: DeviceState, L: SpecLaunch, batch: dict, step, drafts: np.ndarray):
+        """The verify rows' masks bool [B, γ+1, V]. Constrained rows of L (their `Row.grammar`, walked on a
+        clone): draft on the device, read the drafts, walk the grammar through them; the row's
+        drafts become those drafts (the verify step then checks exactly what the grammar saw) and its masks
+        row j = what the grammar allows after d_0..d_{j−1}, up to the first draft it rejects (later rows:
+        all True; the rejected draft has probability 0 under the masked target, so it and everything after
+        it is rejected). All True (one device array per B) when no row has a grammar."""
+        rows = [(b, r) for b, r in enumerate(L.rows) if r.grammar is not None]
+        g, V = self.gamma, self.cfg.vocab_size
         if not rows:
-            return None
-        g, V = self.gamma, runner.vocab_size
-        d = np.asarray(self._propose(runner.params, runner.state, runner.slot_tensors, batch, step))
+            allowed = self._allow_all.get(L.B)
+            if allowed is None:
+                allowed = self._allow_all[L.B] = jax.device_put(np.ones((L.B, g + 1, V), bool))
+            return allowed
+        d = np.asarray(self._propose(params, dev.state, dev.slot_tensors, batch, step))
         m = np.ones((L.B, g + 1, V), bool)
         for b, r in rows:
-            c = r.seq.constraint.clone()
+            c = r.grammar.clone()  # (the schedule's own copy stays as it was given)
             for j in range(g + 1):
                 a = c.allowed_mask()
                 if a is not None:
@@ -228,34 +243,25 @@ class DSparkSpeculator:
                     break  # the request ends with d_j
         return m
 
-    def launch(self, runner, L: SpecLaunch, warm: bool = False) -> None:
-        """Enqueue one DSpark step for the rows of L (row b: anchor ``tokens[0]`` at ``start``, slot, pages
-        covering start + γ + 1 tokens) on the runner's device state. Rows with a constraint get their
-        drafts checked by the grammar first (`grammar_masks`: a draft-only launch and a host round trip).
-        ``warm``: the warm-up's launch (also compiles the draft-only step)."""
-        B, P = L.B, runner.ccfg.max_pages_per_seq
-        anchor = np.zeros((B,), np.int32)
-        start = np.zeros((B,), np.int32)
-        slot = np.full((B,), runner.scratch, np.int32)
-        pt = np.zeros((B, P), np.int32)
-        active = np.zeros((B,), bool)
-        step = np.zeros((B,), np.int32)
-        for b, r in enumerate(L.rows):
-            anchor[b], start[b], slot[b], active[b], step[b] = r.tokens[0], r.start, r.seq.slot, True, r.step
-            pt[b, :len(r.pages)] = r.pages
-        batch = {"anchor": anchor, "start": start, "slot": slot, "page_table": pt, "active": active}
-        drafts = np.full((B, self.gamma), -1, np.int32)  # always passed: one compiled variant
-        fixed = self.fixed_drafts(L) if L.rows else None
-        if fixed is not None:
-            drafts[:len(L.rows)] = np.asarray(fixed, np.int32)
-        if warm:
-            jax.block_until_ready(self._propose(runner.params, runner.state, runner.slot_tensors, batch, step))
-        allowed = self.grammar_masks(runner, L, batch, step, drafts)
-        if allowed is None:
-            allowed = self._allow_all.get(B)
-            if allowed is None:
-                allowed = self._allow_all[B] = jax.device_put(np.ones((B, self.gamma + 1, runner.vocab_size), bool))
-        args = (runner.params, runner.state, runner.slot_tensors, runner.last_token, batch, step, drafts, allowed)
+    def verify(self, params, dev: DeviceState, L: SpecLaunch, batch: dict, step, drafts: np.ndarray,
+               allowed) -> tuple:
+        """Enqueue the verify-then-commit step (`_spec_launch`; with a simulated accept length its variant)
+        for L's rows: drafts int32 [B, γ] (−1: the draft's own proposal), allowed its masks. Returns (the new
+        `DeviceState`, `LaunchResult` with tokens [B, γ+1] and n_accept [B], device arrays)."""
+        args = (params, dev.state, dev.slot_tensors, dev.last_token, batch, step, drafts, allowed)
         if self.simulate_accept_length is not None:
-            args += (self.accept_override(len(L.rows), B),)
-        L.tokens, L.n_accept, runner.slot_tensors, runner.last_token, runner.state = self._step(*args)
+            args += (self.accept_override(len(L.rows), L.B),)
+        toks, n_acc, tensors, last, state = self._step(*args)
+        return DeviceState(state, tensors, last), LaunchResult(tokens=toks, n_accept=n_acc)
+
+    def launch(self, params, dev: DeviceState, L: SpecLaunch, warm: bool = False) -> tuple:
+        """One DSpark step for the rows of L (row b: anchor ``tokens[0]`` at ``start``, slot, pages covering
+        start + γ + 1 tokens) on ``dev``: `batch`, `grammar_masks` (rows with a grammar get their drafts
+        checked first: a draft-only launch and a host round trip), `verify`. ``warm``: the warm-up's launch
+        (also compiles the draft-only step). Returns (the new `DeviceState`, its `LaunchResult`)."""
+        batch, step = self.batch(L)
+        drafts = np.full((L.B, self.gamma), -1, np.int32)  # always passed: one compiled variant
+        if warm:
+            jax.block_until_ready(self._propose(params, dev.state, dev.slot_tensors, batch, step))
+        allowed = self.grammar_masks(params, dev, L, batch, step, drafts)
+        return self.verify(params, dev, L, batch, step, drafts, allowed)
