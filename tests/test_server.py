@@ -168,7 +168,8 @@ def test_logprobs(client):
     r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=3)
     items = r.choices[0].logprobs.content
-    assert len(items) == 6
+    # one item per token of the message: none for an EOS that ended it (issue 49), as OpenAI
+    assert len(items) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
     for it in items:
         assert it.logprob <= 0 and len(it.top_logprobs) == 3
         assert abs(it.top_logprobs[0].logprob - it.logprob) < 1e-4  # greedy: the sampled token is the best
@@ -240,6 +241,8 @@ def test_tool_calls_streaming(client):
         if not ch.choices:
             continue
         d = ch.choices[0].delta
+        indices = [tc.index for tc in d.tool_calls or []]
+        assert len(set(indices)) == len(indices), d  # issue 49: never two entries of one index in a delta
         for tc in d.tool_calls or []:
             slot = calls.setdefault(tc.index, {"name": None, "args": ""})
             if tc.function.name:
@@ -269,6 +272,7 @@ def test_reasoning_content_with_thinking(client, tok):
     assert streamed == c.message.reasoning_content
     assert chunks[-1].model_dump()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 10
     # an effort of "none" turns thinking off
+    assert "reasoning_tokens" not in u and c.message.content is None  # issue 49: as OpenAI (it said "")
     r2 = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, reasoning_effort="none")
     assert getattr(r2.choices[0].message, "reasoning_content", None) is None
 
@@ -327,6 +331,8 @@ def _err(resp, status, param="-", code="-"):
     body = resp.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    # one shape everywhere (issue 49: 404 / 405 carried an integer code)
+    assert all(body["error"][k] is None or isinstance(body["error"][k], str) for k in ("param", "code")), body
     if param != "-":
         assert body["error"]["param"] == param, body
     if code != "-":
@@ -346,6 +352,10 @@ BAD_CHAT = [
     ({"messages": "hi"}, "messages"),
     ({"reasoning_effort": True}, "reasoning_effort"),
     ({"reasoning_effort": 1.5}, "reasoning_effort"),
+    ({"reasoning_effort": "ultra"}, "reasoning_effort"),  # issue 49: 200 with the default effort before
+    ({"messages": MSG + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+        {"role": "tool", "content": "pong"}], "tools": [PING]}, "messages[2].tool_call_id"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]},
      "tools[0].function.parameters"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -384,7 +394,9 @@ def test_other_errors(server, http):
     _err(httpx.get(base + "/metrics"), 401)
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 300_000}]}
     _err(http.post("/v1/chat/completions", json=big), 413, code="request_too_large")
-    _err(http.get("/v1/nothing-here"), 404)
+    _err(http.get("/v1/nothing-here"), 404, None, "not_found")
+    _err(http.get("/v1/chat/completions"), 405, None, "method_not_allowed")
+    _err(http.post("/v1/completions", json={"model": "tiny", "prompt": ""}), 400, "prompt")
     # the server keeps serving
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
