@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import textwrap
+import threading
 import time
 
 from dsv41_jax.serving.engine_args import HelpFormatter  # stdlib-only module: --help stays light
@@ -201,6 +202,49 @@ def _served_name(args) -> str:
     return hub[0] if hub else (os.path.basename(os.path.normpath(args.model)) or args.model)
 
 
+class CompileTimes:
+    """Where a start-up's time went, from JAX's monitoring events while active (a context manager): the
+    number of XLA programs built (compiled, or loaded from the persistent compilation cache) and the
+    seconds spent tracing, lowering and compiling / loading, summed over the threads that built them
+    (the warm-up compiles in threads). A warm start loads every program, yet still traces and lowers
+    each: that, not XLA, is most of its time."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+              "/jax/core/compile/backend_compile_duration": "build"}  # XLA's compile or a cache load
+
+    def __init__(self):
+        self.secs = dict.fromkeys(self.EVENTS.values(), 0.0)
+        self.programs = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
+        what = self.EVENTS.get(event)
+        if what is not None:
+            with self._lock:
+                self.secs[what] += duration_secs
+                self.programs += what == "build"
+
+    def __enter__(self) -> "CompileTimes":
+        from jax import monitoring
+
+        monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax import monitoring
+
+        monitoring.unregister_event_duration_listener(self)
+
+    def summary(self, cache_loads: int) -> str:
+        """'N XLA programs (C compiled, L loaded from the persistent compilation cache); tracing ..."""
+        loads = min(cache_loads, self.programs)
+        s = self.secs
+        return (f"{self.programs} XLA programs ({self.programs - loads} compiled, {loads} loaded from the persistent "
+                f"compilation cache); summed over threads: tracing {s['trace']:.1f}s, lowering {s['lower']:.1f}s, "
+                f"compiling or loading {s['build']:.1f}s")
+
+
 def bind_port(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) but not listening: taken before the model loads, so a port in use
     is refused at once rather than after the compile, and handed to uvicorn, which listens on it once
@@ -302,11 +346,12 @@ def main(argv=None) -> int:
              engine_args.tp_size, engine_args.ep_size)
     from dsv41_jax.parallel.mesh import MeshError
     from dsv41_jax.serving.async_engine import AsyncEngine
-    from dsv41_jax.serving.engine import EngineError, QueueFullError
+    from dsv41_jax.serving.engine import CacheLoads, EngineError, QueueFullError
 
     t0 = time.perf_counter()
     try:
-        engine = AsyncEngine(engine_args)
+        with CacheLoads() as loads, CompileTimes() as times:
+            engine = AsyncEngine(engine_args)
     except (EngineError, MeshError) as e:  # a refused configuration (DSpark without mtp.* weights, a mesh
         print(f"error: {e}", file=sys.stderr)  # these devices cannot hold): one line saying why, no traceback
         return 2
@@ -314,7 +359,7 @@ def main(argv=None) -> int:
         log.exception("engine start failed")
         print(f"error: engine start failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    log.info("engine ready in %.1fs", time.perf_counter() - t0)
+    log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, times.summary(loads.count))
 
     import llguidance
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -543,7 +544,21 @@ def test_help_and_bad_environment():
         assert r.returncode != 0 and "DSV41_" in r.stderr, (env, r.stderr)
 
 
-def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, micro_dir):
+def _startup_programs(log: str) -> tuple:
+    """(programs, compiled, loaded) of the server log's "engine ready" line."""
+    m = re.search(r"engine ready in [\d.]+s: (\d+) XLA programs \((\d+) compiled, (\d+) loaded from the persistent "
+                  r"compilation cache\); summed over threads: tracing [\d.]+s, lowering [\d.]+s, compiling or "
+                  r"loading [\d.]+s", log)
+    assert m, log[-3000:]
+    return tuple(int(x) for x in m.groups())
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(server, tmp_path, jax_cache, micro_dir):
+    """SIGTERM mid-stream: the stream ends normally, the process exits 0. This second start of the same
+    engine (after the module's server) says how it started: issue 49, a warm start that loaded every
+    program from the persistent cache logged only "2 extend shapes compiled in 2 threads: 14.3s"."""
+    first = _startup_programs(server["log"].read_text())
+    assert first[0] > 0 and first[1] + first[2] == first[0]
     flags = _on(micro_dir, ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"])
     proc, base, logf = start_server(flags, tmp_path / "s.log", jax_cache)
     try:
@@ -565,6 +580,11 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, micro_dir):
         if proc.poll() is None:
             proc.kill()
         logf.close()
-    assert rc == 0, open(tmp_path / "s.log").read()[-3000:]
+    log = open(tmp_path / "s.log").read()
+    assert rc == 0, log[-3000:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(base + "/health", timeout=2)
+    programs, compiled, loaded = _startup_programs(log)
+    assert programs == first[0] and compiled + loaded == programs
+    if str(jax_cache).lower() != "none":  # the same engine as the module's server: every program is loaded
+        assert loaded == programs, log[-3000:]
