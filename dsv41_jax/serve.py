@@ -15,8 +15,10 @@ Every engine flag (SGLang spelling: ``--max-running-requests``, ``--chunked-pref
 the server adds its own group (``--help`` lists them all).
 
 Startup order: flags and the environment (``DSV41_DEFAULT_THINKING``, ``DSV41_REASONING_EFFORT``)
-are validated first — a bad value prints a message and exits with status 2 before any model is
-loaded — then the model loads and compiles, then the server listens. SIGTERM / SIGINT: stop
+are validated first and the port is bound (not yet listening: a client is refused, not kept
+waiting, while the model loads) — a bad value, a port in use or a mesh these devices cannot hold
+prints one ``error: ...`` line and exits with status 2 before anything is compiled — then the model
+loads and compiles, then the server listens on the bound port. SIGTERM / SIGINT: stop
 accepting, let in-flight requests finish for ``--graceful-shutdown-timeout`` seconds, abort the
 rest, stop the engine, exit 0.
 """
@@ -27,8 +29,10 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import textwrap
+import threading
 import time
 
 from dsv41_jax.serving.engine_args import HelpFormatter  # stdlib-only module: --help stays light
@@ -114,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $DSV41_API_KEY, else no key)")
     g.add_argument("--served-model-name", default=None,
-                   help="the model id reported by /v1/models and accepted in requests (default: 'tiny' or the "
-                        "model directory's name); the model path is accepted too")
+                   help="the model id reported by /v1/models and accepted in requests (default: the --model "
+                        "name: 'nano', 'tiny', or the model directory's name, its Hugging Face id when the path "
+                        "shows one); the model path and directory name are accepted too")
     g.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="split thinking into reasoning_content: deepseek-v41; auto (the default) = deepseek-v41 "
                         "when the tokenizer has </think> (every V4.1-family model, tiny included); none = "
@@ -197,11 +202,70 @@ def _served_name(args) -> str:
     return hub[0] if hub else (os.path.basename(os.path.normpath(args.model)) or args.model)
 
 
+class CompileTimes:
+    """Where a start-up's time went, from JAX's monitoring events while active (a context manager): the
+    number of XLA programs built (compiled, or loaded from the persistent compilation cache) and the
+    seconds spent tracing, lowering and compiling / loading, summed over the threads that built them
+    (the warm-up compiles in threads). A warm start loads every program, yet still traces and lowers
+    each: that, not XLA, is most of its time."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+              "/jax/core/compile/backend_compile_duration": "build"}  # XLA's compile or a cache load
+
+    def __init__(self):
+        self.secs = dict.fromkeys(self.EVENTS.values(), 0.0)
+        self.programs = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
+        what = self.EVENTS.get(event)
+        if what is not None:
+            with self._lock:
+                self.secs[what] += duration_secs
+                self.programs += what == "build"
+
+    def __enter__(self) -> "CompileTimes":
+        from jax import monitoring
+
+        monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax import monitoring
+
+        monitoring.unregister_event_duration_listener(self)
+
+    def summary(self, cache_loads: int) -> str:
+        """'N XLA programs (C compiled, L loaded from the persistent compilation cache); tracing ..."""
+        loads = min(cache_loads, self.programs)
+        s = self.secs
+        return (f"{self.programs} XLA programs ({self.programs - loads} compiled, {loads} loaded from the persistent "
+                f"compilation cache); summed over threads: tracing {s['trace']:.1f}s, lowering {s['lower']:.1f}s, "
+                f"compiling or loading {s['build']:.1f}s")
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) but not listening: taken before the model loads, so a port in use
+    is refused at once rather than after the compile, and handed to uvicorn, which listens on it once
+    the server is ready (until then a client's connection is refused, not queued). Raises OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse it at once
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    if args.log_level != "debug":  # JAX's "Unable to initialize backend 'tpu' / 'proxy'" on every CPU start: noise
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
     # ---- validate everything cheap before loading the model
     from dsv41_jax.chat_format.encoding import load_wording
@@ -235,6 +299,12 @@ def main(argv=None) -> int:
         except re.error as e:
             print(f"error: --constrained-json-whitespace-pattern: {e}", file=sys.stderr)
             return 2
+    try:
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server there? pick "
+              f"a free port with --port)", file=sys.stderr)
+        return 2
     log.info("chat defaults: thinking %s by default, default effort %d, tiers %s; wording: %s",
              "on" if defaults.default_thinking else "off", defaults.default_effort, dict(defaults.tiers),
              wording.source or "ours")
@@ -274,20 +344,22 @@ def main(argv=None) -> int:
              engine_args.act_dtype, engine_args.kv_cache_dtype, engine_args.page_size,
              engine_args.max_running_requests, engine_args.chunked_prefill_size, engine_args.max_queued_requests,
              engine_args.tp_size, engine_args.ep_size)
+    from dsv41_jax.parallel.mesh import MeshError
     from dsv41_jax.serving.async_engine import AsyncEngine
-    from dsv41_jax.serving.engine import EngineError, QueueFullError
+    from dsv41_jax.serving.engine import CacheLoads, EngineError, QueueFullError
 
     t0 = time.perf_counter()
     try:
-        engine = AsyncEngine(engine_args)
-    except EngineError as e:  # a refused configuration (e.g. DSpark without mtp.* weights): the message says why
-        print(f"error: {e}", file=sys.stderr)
+        with CacheLoads() as loads, CompileTimes() as times:
+            engine = AsyncEngine(engine_args)
+    except (EngineError, MeshError) as e:  # a refused configuration (DSpark without mtp.* weights, a mesh
+        print(f"error: {e}", file=sys.stderr)  # these devices cannot hold): one line saying why, no traceback
         return 2
     except Exception as e:  # noqa: BLE001 - report and exit non-zero
         log.exception("engine start failed")
         print(f"error: engine start failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    log.info("engine ready in %.1fs", time.perf_counter() - t0)
+    log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, times.summary(loads.count))
 
     import llguidance
 
@@ -319,10 +391,11 @@ def main(argv=None) -> int:
              "required" if cfg.api_key else "off", "on /metrics" if cfg.enable_metrics else "off",
              cfg.max_body_bytes)
     log.info("endpoints:\n%s", endpoint_lines(endpoints(engine)))
-    return run_uvicorn(app, args)
+    return run_uvicorn(app, args, sock)
 
 
-def run_uvicorn(app, args) -> int:
+def run_uvicorn(app, args, sock: socket.socket) -> int:
+    """Serve `app` on `sock` (`bind_port`'s) until a signal stops it; the exit status."""
     import uvicorn
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level_http,
@@ -336,7 +409,7 @@ def run_uvicorn(app, args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: received.append(s))
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # a second Ctrl-C
         pass
     if getattr(server, "started", True) is False:

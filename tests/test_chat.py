@@ -536,13 +536,24 @@ def test_top_level_effort_values(value, budget):
     assert (thinking, effort, warnings) == (True, budget, [])
 
 
-@pytest.mark.parametrize("value", ["minimal", "medium", "ultra", ""])
-def test_unmapped_tiers_warn_and_use_default(value, caplog):
-    with caplog.at_level(logging.WARNING):
+@pytest.mark.parametrize("value", ["minimal", "medium", " Medium "])
+def test_unmapped_openai_tiers_warn_once_and_use_default(value, caplog):
+    with caplog.at_level(logging.INFO):
         thinking, effort, warnings = rt({"reasoning_effort": value})
     assert thinking is True and effort == 75 and len(warnings) == 1
-    assert any(value in r.getMessage() for r in caplog.records)
+    assert [r.levelno for r in caplog.records if value in r.getMessage()] == [logging.WARNING]  # logged once
     assert rt({"reasoning_effort": value}, default_effort=33)[1] == 33
+
+
+@pytest.mark.parametrize("param", ["reasoning_effort", "reasoning.effort", "chat_template_kwargs.reasoning_effort"])
+@pytest.mark.parametrize("value", ["ultra", "", "highest"])
+def test_unknown_tier_names_are_400(param, value):
+    """Issue 49: an unknown effort name was accepted with the default effort; OpenAI answers 400."""
+    head, _, tail = param.partition(".")
+    req = {head: {tail: value}} if tail else {head: value}
+    with pytest.raises(ChatError) as e:
+        rt(req)
+    assert e.value.param == param and repr(value) in e.value.message
 
 
 def test_none_turns_thinking_off():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -168,7 +169,8 @@ def test_logprobs(client):
     r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=3)
     items = r.choices[0].logprobs.content
-    assert len(items) == 6
+    # one item per token of the message: none for an EOS that ended it (issue 49), as OpenAI
+    assert len(items) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
     for it in items:
         assert it.logprob <= 0 and len(it.top_logprobs) == 3
         assert abs(it.top_logprobs[0].logprob - it.logprob) < 1e-4  # greedy: the sampled token is the best
@@ -240,6 +242,8 @@ def test_tool_calls_streaming(client):
         if not ch.choices:
             continue
         d = ch.choices[0].delta
+        indices = [tc.index for tc in d.tool_calls or []]
+        assert len(set(indices)) == len(indices), d  # issue 49: never two entries of one index in a delta
         for tc in d.tool_calls or []:
             slot = calls.setdefault(tc.index, {"name": None, "args": ""})
             if tc.function.name:
@@ -269,6 +273,7 @@ def test_reasoning_content_with_thinking(client, tok):
     assert streamed == c.message.reasoning_content
     assert chunks[-1].model_dump()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 10
     # an effort of "none" turns thinking off
+    assert "reasoning_tokens" not in u and c.message.content is None  # issue 49: as OpenAI (it said "")
     r2 = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, reasoning_effort="none")
     assert getattr(r2.choices[0].message, "reasoning_content", None) is None
 
@@ -327,6 +332,8 @@ def _err(resp, status, param="-", code="-"):
     body = resp.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    # one shape everywhere (issue 49: 404 / 405 carried an integer code)
+    assert all(body["error"][k] is None or isinstance(body["error"][k], str) for k in ("param", "code")), body
     if param != "-":
         assert body["error"]["param"] == param, body
     if code != "-":
@@ -346,6 +353,10 @@ BAD_CHAT = [
     ({"messages": "hi"}, "messages"),
     ({"reasoning_effort": True}, "reasoning_effort"),
     ({"reasoning_effort": 1.5}, "reasoning_effort"),
+    ({"reasoning_effort": "ultra"}, "reasoning_effort"),  # issue 49: 200 with the default effort before
+    ({"messages": MSG + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+        {"role": "tool", "content": "pong"}], "tools": [PING]}, "messages[2].tool_call_id"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]},
      "tools[0].function.parameters"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -384,7 +395,9 @@ def test_other_errors(server, http):
     _err(httpx.get(base + "/metrics"), 401)
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 300_000}]}
     _err(http.post("/v1/chat/completions", json=big), 413, code="request_too_large")
-    _err(http.get("/v1/nothing-here"), 404)
+    _err(http.get("/v1/nothing-here"), 404, None, "not_found")
+    _err(http.get("/v1/chat/completions"), 405, None, "method_not_allowed")
+    _err(http.post("/v1/completions", json={"model": "tiny", "prompt": ""}), 400, "prompt")
     # the server keeps serving
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
@@ -531,7 +544,21 @@ def test_help_and_bad_environment():
         assert r.returncode != 0 and "DSV41_" in r.stderr, (env, r.stderr)
 
 
-def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, micro_dir):
+def _startup_programs(log: str) -> tuple:
+    """(programs, compiled, loaded) of the server log's "engine ready" line."""
+    m = re.search(r"engine ready in [\d.]+s: (\d+) XLA programs \((\d+) compiled, (\d+) loaded from the persistent "
+                  r"compilation cache\); summed over threads: tracing [\d.]+s, lowering [\d.]+s, compiling or "
+                  r"loading [\d.]+s", log)
+    assert m, log[-3000:]
+    return tuple(int(x) for x in m.groups())
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(server, tmp_path, jax_cache, micro_dir):
+    """SIGTERM mid-stream: the stream ends normally, the process exits 0. This second start of the same
+    engine (after the module's server) says how it started: issue 49, a warm start that loaded every
+    program from the persistent cache logged only "2 extend shapes compiled in 2 threads: 14.3s"."""
+    first = _startup_programs(server["log"].read_text())
+    assert first[0] > 0 and first[1] + first[2] == first[0]
     flags = _on(micro_dir, ENGINE_FLAGS + ["--graceful-shutdown-timeout", "60"])
     proc, base, logf = start_server(flags, tmp_path / "s.log", jax_cache)
     try:
@@ -553,6 +580,11 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path, jax_cache, micro_dir):
         if proc.poll() is None:
             proc.kill()
         logf.close()
-    assert rc == 0, open(tmp_path / "s.log").read()[-3000:]
+    log = open(tmp_path / "s.log").read()
+    assert rc == 0, log[-3000:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(base + "/health", timeout=2)
+    programs, compiled, loaded = _startup_programs(log)
+    assert programs == first[0] and compiled + loaded == programs
+    if str(jax_cache).lower() != "none":  # the same engine as the module's server: every program is loaded
+        assert loaded == programs, log[-3000:]

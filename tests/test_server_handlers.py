@@ -96,9 +96,12 @@ def events(r) -> list:
 
 
 def error(r, status, param="-", code="-") -> dict:
+    """The error of an OpenAI error body (one shape everywhere: param and code strings or null)."""
     assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"}, r.text
     e = r.json()["error"]
-    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"] and isinstance(e["type"], str)
+    assert all(e[k] is None or isinstance(e[k], str) for k in ("param", "code")), e
     if param != "-":
         assert e["param"] == param, e
     if code != "-":
@@ -139,8 +142,9 @@ def test_chat_json_and_stream_agree(client, rig, tok):
 
 
 def test_chat_n_choices_and_logprobs_shapes(client, rig, tok):
-    """n = 3: three choices with their own scripts, usage summing them; logprobs.content has one item
-    per generated token with top_logprobs of the asked length, bytes and the mock's values."""
+    """n = 3: three choices with their own scripts, usage summing them (the EOS counted); logprobs.content
+    has one item per token of the message (none for the EOS) with top_logprobs of the asked length,
+    bytes and the mock's values."""
     outs = ["one", "two two", "three 好"]
     script(rig[0], tok, *outs)
     r = client().post("/v1/chat/completions", json={
@@ -151,9 +155,9 @@ def test_chat_n_choices_and_logprobs_shapes(client, rig, tok):
     assert d["usage"]["completion_tokens"] == sum(len(tok.encode(o)) + 1 for o in outs)
     for c, o in zip(d["choices"], outs):
         items = c["logprobs"]["content"]
-        ids = tok.encode(o) + [tok.eos_token_ids[0]]
+        ids = tok.encode(o)  # no entry for the EOS that ended the choice (issue 49), as OpenAI
         assert len(items) == len(ids)
-        assert b"".join(bytes(it["bytes"]) for it in items[:-1]) == o.encode("utf-8")  # exact bytes, 好 too
+        assert b"".join(bytes(it["bytes"]) for it in items) == o.encode("utf-8")  # exact bytes, 好 too
         for it, t in zip(items, ids):
             assert set(it) == {"token", "logprob", "bytes", "top_logprobs"}
             assert len(it["top_logprobs"]) == 2 and it["top_logprobs"][0]["bytes"] == list(tok.token_bytes(t))
@@ -177,7 +181,38 @@ def test_chat_streaming_n_and_logprobs(client, rig, tok):
         if c["finish_reason"]:
             fins.append(c["index"])
     assert text == {0: "ab cd", 1: "xy"} and sorted(fins) == [0, 1]
-    assert n_lp == {0: len(tok.encode("ab cd")) + 1, 1: len(tok.encode("xy")) + 1}
+    assert n_lp == {0: len(tok.encode("ab cd")), 1: len(tok.encode("xy"))}  # no entry for the EOS
+
+
+def test_reasoning_cut_by_max_tokens_is_openai_shaped(client, rig, tok):
+    """Issue 49: reasoning cut by max_tokens has ``content: null`` (it was ""), usage carries
+    reasoning_tokens only in completion_tokens_details (it was repeated at the top level), and the
+    logprobs stop where the message does; the same usage streamed."""
+    thk = tok.token_to_id("</think>")
+    script(rig[0], tok, ["mull it over", thk, "42"])
+    c = client()
+    body = {"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": "high", "logprobs": True}
+    cut = c.post("/v1/chat/completions", json={**body, "max_tokens": 2}).json()
+    (ch,) = cut["choices"]
+    assert ch["finish_reason"] == "length" and ch["message"]["content"] is None
+    assert ch["message"]["reasoning_content"] == tok.decode(tok.encode("mull it over")[:2])
+    u = cut["usage"]
+    assert set(u) == {"prompt_tokens", "completion_tokens", "total_tokens", "completion_tokens_details",
+                      "prompt_tokens_details"}, u
+    assert u["completion_tokens_details"] == {"reasoning_tokens": 2} and len(ch["logprobs"]["content"]) == 2
+    whole = c.post("/v1/chat/completions", json=body).json()
+    (ch,) = whole["choices"]
+    assert ch["message"]["content"] == "42" and ch["message"]["reasoning_content"] == "mull it over"
+    n_reason = len(tok.encode("mull it over"))
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": n_reason}
+    n_msg = n_reason + 1 + len(tok.encode("42"))  # reasoning, </think>, the answer; not the EOS
+    assert whole["usage"]["completion_tokens"] == n_msg + 1
+    items = ch["logprobs"]["content"]
+    assert len(items) == n_msg and items[-1]["token"] != tok.id_to_token(tok.eos_token_ids[0])
+    ev = events(c.post("/v1/chat/completions", json={**body, "stream": True,
+                                                     "stream_options": {"include_usage": True}}))
+    assert ev[-1]["usage"] == whole["usage"]
+    assert sum(len((e["choices"][0]["logprobs"] or {}).get("content") or []) for e in ev[:-1]) == n_msg
 
 
 def test_no_think_close_in_content_with_thinking_off_after_a_json_tool_result(client, rig, tok):
@@ -230,9 +265,12 @@ def test_chat_tool_call_stream(client, rig, tok):
     (call,) = ch["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     ev = events(c.post("/v1/chat/completions", json={**body, "stream": True}))
-    deltas = [tc for e in ev for tc in e["choices"][0]["delta"].get("tool_calls", [])]
-    assert deltas[0]["function"]["name"] == "get_weather"
-    assert "".join(d["function"].get("arguments", "") for d in deltas) == '{"city": "Paris"}'
+    per_delta = [e["choices"][0]["delta"]["tool_calls"] for e in ev if "tool_calls" in e["choices"][0]["delta"]]
+    for tcs in per_delta:  # issue 49: never two entries of one index in a delta (it sent name, then arguments)
+        assert len({tc["index"] for tc in tcs}) == len(tcs), tcs
+    (d,) = [tc for tcs in per_delta for tc in tcs]  # one whole entry, as vLLM sends a complete call
+    assert d["index"] == 0 and d["type"] == "function" and d["id"].startswith("call_")
+    assert d["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert ev[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -339,6 +377,16 @@ def test_overlong_prompt_names_its_field(client, tok):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format", None),
     ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", None),  # issue 49: "param" was null
+    ("/v1/completions", {"prompt": ["Q", ""]}, 400, "prompt[1]", None),
+    # issue 49: accepted before (an unknown effort silently took the default; a result without its call's id)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "ultra"}, 400,
+     "reasoning_effort", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"reasoning_effort": "extreme"}}, 400,
+     "chat_template_kwargs.reasoning_effort", None),
+    ("/v1/chat/completions", {"messages": TOOL_ROUND[:2] + [{"role": "tool", "content": "18 C"}]}, 400,
+     "messages[2].tool_call_id", None),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("/tokenize", {"prompt": "x", "messages": []}, 400, "prompt", None),
@@ -359,8 +407,8 @@ def test_routes_auth_size_and_queue(client):
     h = {"Authorization": "Bearer k"}
     assert c.get("/v1/models", headers=h).json()["data"][0]["id"] == "tiny"
     error(c.get("/v1/models/nope", headers=h), 404, "model", "model_not_found")
-    error(c.get("/nope", headers=h), 404)
-    error(c.get("/v1/completions", headers=h), 405)
+    error(c.get("/nope", headers=h), 404, None, "not_found")  # issue 49: an integer code (404) before
+    error(c.get("/v1/completions", headers=h), 405, None, "method_not_allowed")
     error(c.post("/v1/completions", headers=h, content=b"x" * 2000), 413, code="request_too_large")
     e = error(c.post("/v1/completions", headers=h, json={"prompt": "Q"}), 503, code="queue_full")
     assert c.post("/v1/completions", headers=h, json={"prompt": "Q"}).headers["retry-after"] == "1"

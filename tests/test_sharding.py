@@ -507,8 +507,7 @@ def test_collective_bytes_parser():
 
 _WORKER = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = "cpu"  # XLA_FLAGS: from the test (4 devices, this session's compile settings)
 from dsv41_jax.parallel.distributed import initialize
 assert initialize()  # from DSV41_COORDINATOR_ADDRESS / DSV41_NUM_PROCESSES / DSV41_PROCESS_ID
 import jax, numpy as np
@@ -532,11 +531,17 @@ np.save(sys.argv[2] + f".{jax.process_index()}.npy", np.asarray(out.addressable_
 @pytest.mark.slow  # two processes compile the sharded forward
 def test_two_processes_forward(cpu8, xcfg, tiny_params, tokens, tmp_path):
     """jax.distributed over loopback, 2 processes x 4 CPU devices = one tp=2 x ep=4 mesh: the sharded
-    forward agrees with the single-process unsharded forward (exact mode, LOGIT_ATOL)."""
+    forward agrees with the single-process unsharded forward (exact mode, LOGIT_ATOL). The workers compile
+    with this process's XLA settings (`xla_flags.compile_speed_flags`: the suite's -O0 and fusion emitters
+    off on a CPU), as the reference does: at XLA's default level LLVM contracts a*b+c into FMAs, which
+    changes fp32 results in the last bit whatever the mesh (issue 49: on jax 0.12, 3,682 of 4,480 logits
+    parted by up to 7.2e-7 while the workers ran at XLA's defaults and the reference at -O0)."""
     import os
     import socket
     import subprocess
     import sys
+
+    from xla_flags import compile_speed_flags
 
     ref = run_model(xcfg, tiny_params, tokens, None, with_forward=True)["logits"]
     np.save(tmp_path / "toks.npy", tokens)
@@ -546,8 +551,9 @@ def test_two_processes_forward(cpu8, xcfg, tiny_params, tokens, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = []
     for pid in range(2):
+        flags = compile_speed_flags(os.environ.get("XLA_FLAGS", "")) + ["--xla_force_host_platform_device_count=4"]
         env = dict(os.environ, PYTHONPATH=root, DSV41_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   DSV41_NUM_PROCESSES="2", DSV41_PROCESS_ID=str(pid))
+                   DSV41_NUM_PROCESSES="2", DSV41_PROCESS_ID=str(pid), XLA_FLAGS=" ".join(flags))
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / "toks.npy"),
                                        str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

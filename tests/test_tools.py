@@ -133,15 +133,10 @@ def run_stream(chunks, tools=TOOLS):
         if d.calls:
             order.append("calls")
     calls = {}
-    for d in deltas:
-        i = d["index"]
-        if i not in calls:
-            assert set(d) == {"index", "id", "type", "function"} and d["function"]["arguments"] == ""
-            calls[i] = {"id": d["id"], "index": i, "type": d["type"],
-                        "function": {"name": d["function"]["name"], "arguments": ""}}
-        else:
-            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-            calls[i]["function"]["arguments"] += d["function"]["arguments"]
+    for d in deltas:  # one whole entry per call (issue 49: never two entries of one index)
+        assert set(d) == {"index", "id", "type", "function"} and set(d["function"]) == {"name", "arguments"}
+        assert d["index"] not in calls
+        calls[d["index"]] = d
     return content, [calls[i] for i in sorted(calls)], p.warnings, content_deltas
 
 
@@ -181,7 +176,9 @@ def test_streaming_equals_non_streaming_at_every_boundary(name, text, content, e
             assert "<｜" not in d or "<｜DSML" not in text
 
 
-def test_streaming_order_name_first_then_argument_pieces():
+def test_streaming_one_entry_per_call():
+    """Issue 49: a call used to stream as two entries of the same index in one delta (the name with
+    empty arguments, then the arguments); now each call is one entry with its whole arguments."""
     text = "Let me check.\n\n" + BLOCK(INV("search", P("query", "q", True), P("limit", "3", False)), W_BEIJING)
     p = ToolCallStreamParser(TOOLS)
     head = p.feed(text[:20])
@@ -190,12 +187,10 @@ def test_streaming_order_name_first_then_argument_pieces():
     tail = p.finish()
     assert rest.content == "" and not tail
     deltas = rest.calls
-    assert [d["index"] for d in deltas] == [0, 0, 0, 1, 1]
-    assert deltas[0]["function"] == {"name": "search", "arguments": ""}
-    assert [d["function"]["arguments"] for d in deltas[1:3]] == ['{"query": "q"', ', "limit": 3}']
-    assert deltas[3]["function"] == {"name": "get_weather", "arguments": ""}
-    assert deltas[4]["function"]["arguments"] == '{"location": "Beijing"}'
-    assert deltas[0]["id"] != deltas[3]["id"]
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert deltas[0]["function"] == {"name": "search", "arguments": '{"query": "q", "limit": 3}'}
+    assert deltas[1]["function"] == {"name": "get_weather", "arguments": '{"location": "Beijing"}'}
+    assert deltas[0]["id"] != deltas[1]["id"] and all(d["type"] == "function" for d in deltas)
     assert p.has_calls and [c["function"]["name"] for c in p.calls] == ["search", "get_weather"]
 
 
@@ -203,7 +198,7 @@ def test_each_invoke_is_emitted_when_it_closes():
     p = ToolCallStreamParser(TOOLS)
     first = "<｜DSML｜ calls>\n" + W_BEIJING
     assert p.feed(first[:-3]).calls == []
-    assert [d["index"] for d in p.feed(first[-3:]).calls] == [0, 0]
+    assert [d["index"] for d in p.feed(first[-3:]).calls] == [0]
 
 
 def test_content_held_only_while_it_may_be_markup():

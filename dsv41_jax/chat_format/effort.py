@@ -15,10 +15,12 @@ Contract (docs/design/spec.md §10):
   number / numeric string in [0, 0.99] -> ``min(100, max(1, round_half_even(100 * v)))``.
 * ``chat_template_kwargs.reasoning_effort`` replaces the top-level value without switching thinking
   on, and also takes an integer budget 1..100.
-* Booleans and out-of-range values -> :class:`ChatError` (HTTP 400) naming the parameter.
+* Booleans, out-of-range values and unknown tier names -> :class:`ChatError` (HTTP 400) naming the
+  parameter.
 * Tier table: the checkpoint encoder's ``REASONING_EFFORT_MAPPINGS`` when present, else
   low 50 / high 75 / max 100, default ``high``; ``xhigh`` -> the ``high`` tier (75 by default);
-  ``minimal``, ``medium`` and unknown strings log a warning and use the server default.
+  ``minimal`` and ``medium`` (OpenAI tiers without a V4.1 counterpart) log a warning and use the
+  server default; any other string is refused (400), as OpenAI refuses it.
 
 Resolutions of points the SPEC leaves open (documented, tested in tests/test_chat.py):
 
@@ -286,13 +288,12 @@ def _parse_effort(value: Any, param: str, tiers: Mapping[str, int], warnings: li
         b = tier_budget(name, tiers)
         if b is not None:
             return ("budget", b)
-        if name in ("minimal", "medium"):
+        if name in OPENAI_EFFORT_TIERS:  # an OpenAI tier the table lacks (minimal, medium): the default
             msg = f"{param}={value!r} has no DeepSeek-V4.1 counterpart; using the server default effort"
-        else:
-            msg = f"{param}={value!r} is not a known reasoning effort; using the server default effort"
-        log.warning(msg)
-        warnings.append(msg)
-        return ("default", None)
+            log.warning(msg)
+            warnings.append(msg)
+            return ("default", None)
+        raise ChatError(f"{param} must be {what}, got {value!r}", param)  # OpenAI refuses unknown tiers too
     raise ChatError(f"{param} must be {what}, got a {type(value).__name__}", param)
 
 

@@ -38,8 +38,8 @@ Resolutions of points §10 leaves open:
 * ``reasoning`` is read from ``reasoning_content`` (falling back to ``reasoning``); history tool
   calls may carry ``arguments`` as a JSON-object string or as an object; ``""`` and other strings
   that do not decode to an object are refused (400), as §10 requires.
-* Tool results whose ``tool_call_id`` is not among the preceding calls keep their relative order
-  after the known ones.
+* A ``tool`` message without a ``tool_call_id`` is refused (400, as OpenAI); results whose
+  ``tool_call_id`` is not among the preceding calls keep their relative order after the known ones.
 * ``response_format`` is rendered (after the tools section, in the same system message) only when
   passed, which the server does only when asked to (SPEC: optional, off by default).
 """
@@ -524,9 +524,12 @@ def _normalize(messages: Any) -> list[dict]:
                 _check_image_token(to_json(args), f"{q}.function.arguments")
                 calls.append((tc.get("id"), name, args))
             item["calls"] = calls
-        elif role == "tool":
+        elif role == "tool":  # OpenAI requires the id of the call a result answers
             tid = m.get("tool_call_id")
-            item["tool_call_id"] = tid if isinstance(tid, str) else None
+            if not isinstance(tid, str) or not tid:
+                raise ChatError(f"{p}.tool_call_id must be the non-empty id of the tool call this message answers, "
+                                f"got {tid!r}", f"{p}.tool_call_id")
+            item["tool_call_id"] = tid
         out.append(item)
     return out
 
@@ -537,7 +540,7 @@ def _order_tool_results(parts: list, order: Mapping[str, int]) -> list:
         return parts
     tools = [parts[k] for k in tool_slots]
     ranked = sorted(range(len(tools)),
-                    key=lambda n: (order.get(tools[n][1], len(order)) if tools[n][1] is not None else len(order), n))
+                    key=lambda n: (order.get(tools[n][1], len(order)), n))
     out = list(parts)
     for slot, n in zip(tool_slots, ranked):
         out[slot] = tools[n]

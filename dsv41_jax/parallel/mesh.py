@@ -65,8 +65,10 @@ def make_mesh(tp: int = 1, ep: int = 1, dp: int = 1, *, cfg=None, devices: Optio
     n = tp * ep
     devs = list(jax.devices() if devices is None else devices)
     if n > len(devs):
-        raise MeshError(f"tp={tp} x ep={ep} needs {n} devices, only {len(devs)} are available "
-                        f"({devs[0].platform if devs else 'none'})")
+        platform = devs[0].platform if devs else "none"
+        hint = (f"; on a CPU, fake {n} host devices with XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+                if platform == "cpu" else "")
+        raise MeshError(f"tp={tp} x ep={ep} needs {n} devices, only {len(devs)} are available ({platform}){hint}")
     if devices is None and jax.process_count() > 1 and n != len(devs):
         raise MeshError(f"tp={tp} x ep={ep} = {n} devices, but the {jax.process_count()} processes hold "
                         f"{len(devs)}: a multi-process mesh must use every device")

@@ -86,7 +86,7 @@ class APIError(Exception):
     """An HTTP error with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | int | None = None, headers: Mapping[str, str] | None = None):
+                 code: str | None = None, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = int(status)
         self.message = message
@@ -122,7 +122,11 @@ def _default_type(status: int) -> str:
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
+               code: str | None = None) -> dict:
+    """The one error body of every endpoint: ``param`` and ``code`` are strings or null (as OpenAI's)."""
+    for name, v in (("param", param), ("code", code)):
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"error_body: {name} must be a string or None, got {v!r}")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -484,9 +488,8 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int
         "completion_tokens": int(completion_tokens),
         "total_tokens": int(prompt_tokens) + int(completion_tokens),
     }
-    if reasoning_tokens is not None:
+    if reasoning_tokens is not None:  # OpenAI's place for it (no top-level duplicate)
         u["completion_tokens_details"] = {"reasoning_tokens": int(reasoning_tokens)}
-        u["reasoning_tokens"] = int(reasoning_tokens)  # SGLang also reports it at the top level
     if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": int(cached_tokens)}
     return u

@@ -16,8 +16,8 @@ fed the whole text, so the two agree on every chunking):
 * content is the text before the first block with its trailing blank line(s) removed; text after
   a block (leading blanks removed) is appended to content after ``"\\n\\n"``;
 * an invoke is emitted only once its ``</｜DSML｜ invoke>`` has arrived and it parsed and validated:
-  first a delta with ``id``, ``type`` and the name, then the argument JSON in prefix pieces
-  (``{"a": 1`` / ``, "b": 2`` / ``}``) that concatenate to the full ``arguments`` string;
+  one delta with ``id``, ``type``, the name and the whole ``arguments`` JSON string (a call is
+  complete when it is emitted, so there are no argument fragments to stream);
 * an unparsable invoke (bad JSON value, unterminated, unknown tool, arguments failing the tool's
   JSON schema) is skipped with a warning; every other piece of DSML markup is dropped, never
   returned as content, and a dangling partial marker at the end of the text is dropped.
@@ -188,22 +188,13 @@ class _Unparsable(Exception):
     pass
 
 
-def _argument_pieces(args: Mapping[str, Any]) -> list[str]:
-    """Prefix pieces whose concatenation is ``to_json(args)``."""
-    if not args:
-        return ["{}"]
-    items = [f"{to_json(k)}: {to_json(v)}" for k, v in args.items()]
-    pieces = ["{" + items[0]] + [", " + it for it in items[1:]]
-    pieces[-1] += "}"
-    return pieces
-
-
 class ToolCallStreamParser:
     """The ``deepseekv41`` tool-call parser, streaming.
 
-    ``feed(delta)`` and ``finish()`` return a :class:`ToolStreamDelta`; the tool-call deltas are in
-    the OpenAI streaming shape: first ``{"index", "id", "type": "function", "function": {"name",
-    "arguments": ""}}``, then ``{"index", "function": {"arguments": piece}}``. ``warnings``
+    ``feed(delta)`` and ``finish()`` return a :class:`ToolStreamDelta`; a call is emitted when its
+    invoke closes (its arguments are validated whole), as one OpenAI streaming tool-call delta
+    ``{"index", "id", "type": "function", "function": {"name", "arguments"}}`` with the complete
+    arguments: one entry per call, never two entries of one index in a delta (issue 49). ``warnings``
     collects the reasons invokes were skipped or markup was dropped; ``calls`` the finished calls
     (non-streaming shape). With ``emit_calls=False`` the parser only strips DSML from content.
     """
@@ -364,9 +355,7 @@ class ToolCallStreamParser:
         self.calls.append({"id": call_id, "index": index, "type": "function",
                            "function": {"name": name, "arguments": arguments}})
         out.calls.append({"index": index, "id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": ""}})
-        for piece in _argument_pieces(args):
-            out.calls.append({"index": index, "function": {"arguments": piece}})
+                          "function": {"name": name, "arguments": arguments}})
 
 
 def _raw(tok) -> str:

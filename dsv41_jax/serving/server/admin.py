@@ -32,11 +32,12 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/health")
     async def health():
         if state.draining:
-            return JSONResponse(error_body("server is shutting down", "service_unavailable_error", None, 503),
+            return JSONResponse(error_body("server is shutting down", "service_unavailable_error", None,
+                                           "shutting_down"),
                                 status_code=503)
         if getattr(engine, "is_running", True) is False:
             return JSONResponse(error_body("the engine loop is not running", "service_unavailable_error", None,
-                                           503), status_code=503)
+                                           "engine_not_running"), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

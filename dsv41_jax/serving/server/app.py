@@ -30,6 +30,8 @@ __all__ = ["ENDPOINTS", "ServerConfig", "build_app", "endpoints"]
 log = logging.getLogger("dsv41_jax.serve")
 
 _FAMILIES = (chat, completions, tokenize, admin)
+# the string ``code`` of the errors the router itself answers (every error body's code is a string or null)
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def endpoints(engine: Any = None) -> tuple:
@@ -73,13 +75,15 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig, *, grammar: Any
     async def _http_exc(request, exc):
         msg = {404: f"no route {request.method} {request.url.path}",
                405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        code = _HTTP_CODES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request")
         return JSONResponse(error_body(msg, "invalid_request_error" if exc.status_code < 500 else "server_error",
-                                       None, exc.status_code), status_code=exc.status_code)
+                                       None, code), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _any_exc(request, exc):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None, 500),
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None,
+                                       "internal_error"),
                             status_code=500)
 
     for family in _FAMILIES:

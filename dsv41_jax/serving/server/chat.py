@@ -13,7 +13,6 @@ those before ``</think>``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any, AsyncIterator, Mapping
 
@@ -29,8 +28,6 @@ from .responses import Choice, Envelope, GenerationRun, json_response, logprob, 
 
 __all__ = ["ChatChoice", "register"]
 
-log = logging.getLogger("dsv41_jax.serve")
-
 
 class ChatChoice(Choice):
     """A chat choice: the output parser over its text, the reasoning token count, the parsed parts."""
@@ -44,12 +41,20 @@ class ChatChoice(Choice):
         self.reasoning = ""  # the parsed parts so far
         self.content = ""
         self.delta = OutputDelta()  # what the last update parsed into
+        self.ends_with_stop_token = False  # the last token is the stop token (EOS) that ended the choice
+
+    @property
+    def num_text_tokens(self) -> int:
+        """The tokens of the message: all but a stop token (EOS) that ended the choice (it is neither
+        text nor reasoning, and OpenAI's logprobs have no entry for it; usage still counts it)."""
+        return len(self.token_ids) - self.ends_with_stop_token
 
     def add(self, c: Any) -> str:
         """Take one delta output: count reasoning tokens, parse the new text into `delta`."""
         ids = list(c.token_ids)
         if c.finish_reason is not None and isinstance(c.stop_reason, int) and ids and ids[-1] == c.stop_reason:
             ids = ids[:-1]  # the stop token (EOS) that ended the choice is not reasoning
+            self.ends_with_stop_token = True
         if self._reasoning_open:
             for t in ids:
                 if t == self.think_close_id:
@@ -85,10 +90,11 @@ class ChatChoice(Choice):
         return self.parser.finish_reason(self.finish_reason or "stop")
 
 
-def chat_logprobs(tokenizer: Any, ch: Choice, start: int, end: int, top: int) -> list:
-    """``logprobs.content`` items of tokens ``start:end`` (token, logprob, bytes, top_logprobs)."""
+def chat_logprobs(tokenizer: Any, ch: ChatChoice, start: int, end: int, top: int) -> list:
+    """``logprobs.content`` items of tokens ``start:end`` (token, logprob, bytes, top_logprobs); none
+    for the stop token that ended the choice (`ChatChoice.num_text_tokens`)."""
     out = []
-    for j in range(start, min(end, len(ch.logprobs))):
+    for j in range(start, min(end, len(ch.logprobs), ch.num_text_tokens)):
         b = tokenizer.token_bytes(ch.token_ids[j])
         item = {"token": b.decode("utf-8", errors="replace"), "logprob": logprob(ch.logprobs[j]), "bytes": list(b),
                 "top_logprobs": []}
@@ -105,11 +111,13 @@ def choice_body(tokenizer: Any, c: ChatChoice, req: ChatRequest, separated: bool
     """A finished choice of a non-streaming response: the message (content, reasoning_content,
     tool_calls), logprobs, finish_reason, matched_stop."""
     calls = c.parser.tool_calls
-    msg: dict[str, Any] = {"role": "assistant", "content": c.content if (c.content or not calls) else None,
-                           "reasoning_content": (c.reasoning or None) if separated else None}
+    reasoning = (c.reasoning or None) if separated else None
+    # no content beside tool calls or reasoning (cut by max_tokens, say) is null, as OpenAI / vLLM
+    msg: dict[str, Any] = {"role": "assistant", "content": c.content or (None if calls or reasoning else ""),
+                           "reasoning_content": reasoning}
     if calls:
         msg["tool_calls"] = [{"id": tc["id"], "type": "function", "function": tc["function"]} for tc in calls]
-    lp = ({"content": chat_logprobs(tokenizer, c, 0, len(c.token_ids), req.top_logprobs), "refusal": None}
+    lp = ({"content": chat_logprobs(tokenizer, c, 0, c.num_text_tokens, req.top_logprobs), "refusal": None}
           if req.logprobs else None)
     out = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason_out()}
     if c.stop_reason is not None:
@@ -122,7 +130,7 @@ def delta_items(tokenizer: Any, ch: ChatChoice, start: int, end: int, req: ChatR
     tokens' logprobs, then the finish item when the choice is done."""
     items = []
     lp = ({"content": chat_logprobs(tokenizer, ch, start, end, req.top_logprobs), "refusal": None}
-          if req.logprobs and end > start else None)
+          if req.logprobs and min(end, ch.num_text_tokens) > start else None)
     delta = ch.delta
     if delta or lp is not None:
         d: dict[str, Any] = {}
@@ -209,8 +217,6 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         run = GenerationRun(ctx, rid, [prompt_ids], [sp], [constraint], sp.n, make_choice=make_choice,
                             drop_ids=drop_ids, arrival=arrival)
         choices: list[ChatChoice] = run.choices  # type: ignore[assignment]
-        for w in enc.warnings:
-            log.info("%s: %s", rid, w)
 
         def usage() -> dict:
             return run.usage(sum(c.reasoning_tokens for c in choices))

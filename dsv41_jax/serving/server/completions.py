@@ -107,6 +107,10 @@ def prepare_completion(ctx: ServerContext, body: dict):
     if not isinstance(add_special, bool):
         raise APIError.bad_request("add_special_tokens must be a boolean", "add_special_tokens")
     prompts_ids = [ctx.encode(p, add_special) if isinstance(p, str) else list(p) for p in req.prompts]
+    for k, ids in enumerate(prompts_ids):
+        if not ids:  # "" (token-id prompts are checked non-empty by the parser)
+            raise APIError.bad_request("prompt must contain at least one token, got an empty string",
+                                       "prompt" if len(prompts_ids) == 1 else f"prompt[{k}]")
     sps = [check_context(len(ids), req.sampling, cfg.context_length, explicit=req.max_tokens_explicit,
                          param="max_tokens", prompt_param="prompt") for ids in prompts_ids]
     constraints = []

@@ -233,7 +233,8 @@ def sse_response(ctx: ServerContext, run: GenerationRun, events: AsyncIterator[b
             raise
         except Exception as e:  # noqa: BLE001
             log.exception("%s: generation failed", run.rid)
-            yield sse(error_body(f"generation failed: {type(e).__name__}: {e}", "server_error", None, 500))
+            yield sse(error_body(f"generation failed: {type(e).__name__}: {e}", "server_error", None,
+                                 "internal_error"))
             yield DONE
             finished_ok = True
         finally:
