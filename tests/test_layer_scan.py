@@ -305,8 +305,8 @@ def test_one_token_step_writes_the_rings_in_the_window_codes_kernel(cfgs, params
         lg, st, pend, _ = dec.extend_uncommitted(p, s, b, on, CCFG)
         return lg, dec.commit(st, pend, b, b["n_new"], on)
 
-    _, _, pend, _ = jax.eval_shape(lambda p, s, b: dec.extend_uncommitted(p, s, b, on, CCFG, ring_now=True), p, st0, step)
-    assert all(c is None for c in pend["window"])  # every layer wrote its rings itself, scanned ones too
+    _, _, pend, _ = jax.eval_shape(lambda p, s, b: dec.extend_uncommitted(p, s, b, on, CCFG, keep_all=True), p, st0, step)
+    assert all(c is None for c in pend.window)  # every layer wrote its rings itself, scanned ones too
     lg_now, st_now = jax.jit(lambda p, s, b: dec.extend(p, s, b, on, CCFG))(p, st0, step)
     lg_later, st_later = jax.jit(later)(p, st0, step)
     np.testing.assert_array_equal(np.asarray(lg_now), np.asarray(lg_later))

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch, layer_scan, linear, quant, tiling
 from dsv41_jax.model.numerics import einsum_exact, is_exact
+from dsv41_jax.model.plan import StepPlan
 
 
 def softplus_torch(x):
@@ -272,28 +273,28 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
     return combine_slots(routed_slots(ex, xf, idx, w, cfg, dt), idx)
 
 
-def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
+def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None):
     """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
 
-    The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla" | "pallas" |
-    "pallas_interpret", module doc); the
-    gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
-    par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the routed experts
-    expert-parallel (`par.routed_experts`: the grouped path, or the kernel, per expert shard, bitwise the
-    same result as on one device).
+    The routed experts run with the plan's moe implementation ("reference" | "xla" | "pallas" |
+    "pallas_interpret", module doc); the gate and the shared expert use the "linear" seam. Routing: idx int32
+    [..., k], weights fp32 [..., k]. par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the
+    routed experts expert-parallel (`par.routed_experts`: the grouped path, or the kernel, per expert shard,
+    bitwise the same result as on one device). step: the step's `plan.StepPlan` (None: made here for x's
+    tokens), whose forms this follows: the router kernel (`router_kernel`), and at one token the routed sum as
+    the shared expert's w2 epilogue (`combine_in_w2`).
     """
-    impl = dispatch.resolve(cfg, "moe")
-    kernel = impl in ("pallas", "pallas_interpret")
-    kernel_slots = (functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
-                    if kernel else None)
-    if impl not in ("reference", "xla") and not kernel:
-        raise dispatch.ImplError(f"moe: no {impl!r} implementation")
-    dispatch.refuse_kernel_in_f64_mode(cfg, "moe", impl)
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    from_mesh = par is not None and par.axis_size("ep") > 1
+    step = StepPlan.of(cfg, par, (1, xf.shape[0])) if step is None else step
+    impl = step.moe
+    kernel_slots = (functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
+                    if dispatch.is_kernel(impl) else None)
+    if impl not in ("reference", "xla") and kernel_slots is None:
+        raise dispatch.ImplError(f"moe: no {impl!r} implementation")
+    dispatch.refuse_kernel_in_f64_mode(cfg, "moe", impl)
     padded = None
-    if kernel and not from_mesh and (par is None or par.size == 1):
+    if step.router_kernel:
         # the router's top-k as one kernel (scores, selection, weights, the combine's order; the gate matmul stays
         # the linear seam's): its padded outputs ([N, kp], the first top_k lanes used) feed the experts' kernel
         # and the combine as they are (`moe_mxfp4.kernel`'s padded)
@@ -304,25 +305,20 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
         idx, w, order = idx_p[:, :top_k], w_p[:, :top_k], order_p[:, :top_k]
     else:
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
-    N = xf.shape[0]
-    lim = cfg.swiglu_limit
-    # one token with the router kernel's outputs and the linear kernel: the routed sum is the w2 kernel's epilogue
-    fuse_combine = padded is not None and N == 1 and linear.kernel_runs(cfg)
-    if from_mesh:
+    if par is not None and par.axis_size("ep") > 1:
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
         # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
         routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=kernel_slots)
-    elif kernel and fuse_combine:  # one token: its slots go to the shared expert's w2 kernel, which sums them
+    elif step.combine_in_w2:  # one token: its slots go to the shared expert's w2 kernel, which sums them
         slots = kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded, raw=True)
-    elif kernel:  # (top-k ids are distinct: the combine's order needs no sort; the kernel runs fp32 modes only)
+    elif kernel_slots is not None:  # (top-k ids are distinct: the combine's order needs no sort)
         routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded), idx, distinct=True,
                                order=None if padded is None else order)
     else:
         routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
     sh = p["shared_experts"]
-
     lay = {"layer": sh["w1"]["layer"]} if "layer" in sh["w1"] else {}  # a scan run's stacks (`linear.layer_weight`)
 
     # The shared expert (`swiglu_expert` with weight 1): w1 / w3 and the SwiGLU as one linear-seam call
@@ -331,9 +327,9 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
     def sw(name):
         return {"weight": sh[name]["weight"], "scale": sh[name]["scale"], **lay}
 
-    a = linear.fp8_gated(xf, sw("w1"), sw("w3"), functools.partial(_swiglu_act, weight=None, limit=lim, dt=dt), cfg, dt,
-                         "mlp")
-    if fuse_combine:
+    a = linear.fp8_gated(xf, sw("w1"), sw("w3"), functools.partial(_swiglu_act, weight=None, limit=cfg.swiglu_limit,
+                                                                    dt=dt), cfg, dt, "mlp")
+    if step.combine_in_w2:
         out = linear.fp8_combined(a, sw("w2"), slots, order_p, top_k, cfg, dt).reshape(shape)
     else:
         out = (routed + linear.fp8(a, sw("w2"), cfg, dt).astype(jnp.float32)).astype(dt).reshape(shape)
