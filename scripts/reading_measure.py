@@ -14,6 +14,11 @@ counts:
 * files: the model files those functions live in;
 * Pallas entry points: the distinct functions of ``dsv41_jax/pallas/`` called directly from model code.
 
+Reported for the whole of ``model/`` and for the step's *path*: the files that sequence a step and choose
+each operation's form (`STEP_FILES`: decode, transformer, layer_scan, plan, attention, moe, linear, mhc,
+dispatch), as against the arithmetic they call (codecs, quantization, RoPE, norms, tiling, the indexer,
+Engram, the compressor, the cache's stores).
+
     python scripts/reading_measure.py [--impl SPEC] [--json]
 
 Deterministic: the same tree gives the same numbers (tracing is pure Python; nothing is timed).
@@ -29,6 +34,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = "xla,attention=pallas_interpret,mhc=pallas_interpret,moe=pallas_interpret,linear=pallas_interpret"
+STEP_FILES = ("decode", "transformer", "layer_scan", "plan", "attention", "moe", "linear", "mhc", "dispatch")
 BRANCHES = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try) + ((ast.Match,) if hasattr(ast, "Match") else ())
 
 
@@ -133,8 +139,11 @@ def measure(impl: str = KERNELS) -> dict:
                       "branches": _branches(node)})
     funcs.sort(key=lambda f: (f["file"], f["line"]))
     files = sorted({f["file"] for f in funcs})
+    path = [f for f in funcs if os.path.basename(f["file"])[:-3] in STEP_FILES]
     return {"impl": impl, "functions": len(funcs), "lines": sum(f["lines"] for f in funcs),
             "branches": sum(f["branches"] for f in funcs), "files": len(files),
+            "path": {"functions": len(path), "branches": sum(f["branches"] for f in path),
+                     "lines": sum(f["lines"] for f in path), "files": len({f["file"] for f in path})},
             "pallas_entry_points": len(entries), "entry_points": sorted(entries),
             "per_file": {p: {"functions": sum(f["file"] == p for f in funcs),
                              "lines": sum(f["lines"] for f in funcs if f["file"] == p),
@@ -155,6 +164,9 @@ def main(argv=None) -> int:
     print(f"impl {m['impl']}")
     print(f"{m['functions']} functions, {m['branches']} branches, {m['lines']} lines in {m['files']} model files; "
           f"{m['pallas_entry_points']} Pallas entry points")
+    q = m["path"]
+    print(f"the step's path ({', '.join(STEP_FILES)}): {q['functions']} functions, {q['branches']} branches, "
+          f"{q['lines']} lines in {q['files']} files")
     for p, c in m["per_file"].items():
         print(f"  {p}: {c['functions']} functions, {c['branches']} branches, {c['lines']} lines")
     for e in m["entry_points"]:
