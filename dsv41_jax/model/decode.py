@@ -382,13 +382,7 @@ def commit(st, pending, batch, n_commit, cfg):
         r = buf["kv"].shape[2]
         out["partial"][key] = _partial_after(st["partial"][key], buf, start, end, slot, r)
     if pending.restore:
-        out["comp"], out["ikeys"] = dict(st["comp"]), dict(st["ikeys"])
-        for key, sv in pending.restore.items():
-            oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]
-            back = jnp.where(sv["last"] >= end[:, None], sv["dest"], oob)  # incomplete groups are oob already
-            out["comp"][key] = kvc.store_set(st["comp"][key], back, sv["comp"])
-            if "ikeys" in sv:
-                out["ikeys"][key] = kvc.store_set(st["ikeys"][key], back, sv["ikeys"])
+        out["comp"], out["ikeys"] = _put_back(st, pending.restore, end)
     hist = st.get("engram_hist")
     if hist is not None:
         ext = jnp.concatenate([hist[slot], pending.engram_ids], axis=1)  # [B, M−1+T]
@@ -396,6 +390,19 @@ def commit(st, pending, batch, n_commit, cfg):
         take = n_commit[:, None] + jnp.arange(m1)[None, :]
         out["engram_hist"] = _set_row(hist, slot, jnp.take_along_axis(ext, take, axis=1))
     return out
+
+
+def _put_back(st, restore, end):
+    """(comp, ikeys) stores of `st` with the codes of every compressed group that ends at or after `end` (int32
+    [B]) put back as they were before the chunk (a speculative step's rejected groups; `Pending.restore`)."""
+    comp, ikeys = dict(st["comp"]), dict(st["ikeys"])
+    for key, sv in restore.items():
+        oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]
+        back = jnp.where(sv["last"] >= end[:, None], sv["dest"], oob)  # incomplete groups are oob already
+        comp[key] = kvc.store_set(st["comp"][key], back, sv["comp"])
+        if "ikeys" in sv:
+            ikeys[key] = kvc.store_set(st["ikeys"][key], back, sv["ikeys"])
+    return comp, ikeys
 
 
 def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, par=None):

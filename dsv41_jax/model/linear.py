@@ -215,10 +215,16 @@ def fp8(x, p, cfg, dt, row_axis=None):
     layer-scan run where the kernel runs the run's stacks of them with ``"layer"`` (`layer_weight`).
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
-    exact = is_exact(cfg)
     impl = impl_of(cfg)
     if dispatch.is_kernel(impl):
         return _kernel_gemm(x, p, "fp8", cfg, dt, impl)
+    return _fp8_jnp(x, p, cfg, dt, impl, row_axis)
+
+
+def _fp8_jnp(x, p, cfg, dt, impl, row_axis):
+    """`fp8` on the jnp paths: "reference" (`quant.fp8_linear`, or fp64-accumulated in the exact modes) or the
+    xla K-blockwise / bf16-dequant GEMMs (`_quantized_gemm`)."""
+    exact = is_exact(cfg)
     p = layer_weight(p)
     w, s = p["weight"], p["scale"]
     if w.dtype == jnp.uint8:  # a stacked row keeps its storage dtype
@@ -292,6 +298,11 @@ def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
                              "(with 'layer') or both one layer's")
         return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(nw, eps), rope=rope)
+    return _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed)
+
+
+def _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed):
+    """`fp8_normed` as its plain calls: `norm.rmsnorm` (or x_normed), `fp8`, then `rope.apply_rope` if asked."""
     y = fp8(rmsnorm(x, layer_scan.vector_row(pn), eps, dt, is_exact(cfg)) if x_normed is None else x_normed, p, cfg,
             dt, row_axis)
     if rope is None:
