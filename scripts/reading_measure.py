@@ -1,4 +1,4 @@
-"""How much code a reader follows through one decode step (issue 47's reading measure), counted by tracing.
+"""How much code a reader follows through one decode step, counted by tracing.
 
 Traces (does not run) one jitted plain decode step, `decode.extend` at B = 1, T = 1, of a tiny-sized config
 that has every kind of layer — a layer-scan run of window-only layers, a KV + index source with Engram, a run
