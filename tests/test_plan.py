@@ -30,7 +30,7 @@ def cfg():
 
 
 def test_plain_impls_have_no_fused_form(cfg):
-    step = StepPlan.of(cfg.replace(impl="xla"), None, (1, 1), "auto", ring_now=True)
+    step = StepPlan.of(cfg.replace(impl="xla"), None, (1, 1), "auto", keep_all=True)
     fused = [f.name for f in dataclasses.fields(step) if f.name not in ("attention", "mhc", "moe", "linear",
                                                                           "mesh_size", "fused_boundary")]
     assert not any(getattr(step, f) for f in fused), step
@@ -39,23 +39,23 @@ def test_plain_impls_have_no_fused_form(cfg):
 
 
 def test_kernels_fuse_at_one_token(cfg):
-    step = StepPlan.of(cfg, None, (1, 1), "auto", ring_now=True)
+    step = StepPlan.of(cfg, None, (1, 1), "auto", keep_all=True)
     assert (step.window_codes_kernel, step.ring_now, step.linear_kernel, step.attend_partials, step.router_kernel,
             step.combine_in_w2, step.mhc_kernel, step.fused_boundary) == (True,) * 8
 
 
-@pytest.mark.parametrize("shape, mode, ring_now, want", [
+@pytest.mark.parametrize("shape, mode, keep_all, want", [
     ((3, 1), "auto", True, True),     # a batch of one-token rows still writes the rings in the kernel
     ((1, 4), "auto", True, False),    # a chunk: the rings are written at commit, for the kept tokens only
     ((1, 1), "auto", False, False),   # a speculative / DSpark step keeps a prefix: commit writes
     ((1, 1), None, True, False),      # the full forward: no cache
 ])
-def test_rings_are_written_in_the_step_only_where_every_token_is_kept(cfg, shape, mode, ring_now, want):
-    assert StepPlan.of(cfg, None, shape, mode, ring_now=ring_now).ring_now is want
+def test_rings_are_written_in_the_step_only_where_every_token_is_kept(cfg, shape, mode, keep_all, want):
+    assert StepPlan.of(cfg, None, shape, mode, keep_all=keep_all).ring_now is want
 
 
 def test_window_codec_and_numerics_decide_the_window_codes_kernel(cfg):
-    assert not StepPlan.of(cfg, None, (1, 1), "bfloat16", ring_now=True).window_codes_kernel  # bf16 codes
+    assert not StepPlan.of(cfg, None, (1, 1), "bfloat16", keep_all=True).window_codes_kernel  # bf16 codes
     assert not StepPlan.of(cfg.replace(impl="xla"), None, (1, 1), "auto").window_codes_kernel
 
 
@@ -73,7 +73,7 @@ def test_a_mesh_keeps_the_boundary_apart_and_the_one_device_kernels_off(cfg):
 
 
 def test_the_plan_is_built_once(cfg):
-    assert StepPlan.of(cfg, None, (1, 1), "auto", ring_now=True) is StepPlan.of(cfg, None, (1, 1), "auto", True)
+    assert StepPlan.of(cfg, None, (1, 1), "auto", keep_all=True) is StepPlan.of(cfg, None, (1, 1), "auto", True)
     hash(StepPlan.of(cfg, None, (1, 1)))  # static under jit
 
 

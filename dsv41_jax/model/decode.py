@@ -138,20 +138,6 @@ def _partial_after(partial, buf, start, end, slot, r):
     return {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}
 
 
-def _pool_index(page_table, slots_j, ratio, page_size):
-    """Compressed-pool index of slot j: loc(j·ratio) // ratio."""
-    return indexer.pool_index(page_table, slots_j, ratio, page_size)
-
-
-def _with(container, key, value):
-    """A copy of a dict or list with ``[key] = value`` (the argument itself is not modified)."""
-    if isinstance(container, dict):
-        return {**container, key: value}
-    out = list(container)
-    out[key] = value
-    return out
-
-
 def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, ring_trip=None):
     """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec,
     pend'), the primed values being the arguments with this layer's writes (new containers: nothing passed
@@ -194,23 +180,23 @@ def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, cc
             latent, j, complete, buf = _compress_chunk(
                 p["compressor"], x, batch, positions, valid, st["partial"].get(key), r, cfg, dt)
             if buf is not None:
-                pend = pend.replace(partial=_with(pend.partial, key, buf))
+                pend = pend.replace(partial={**pend.partial, key: buf})
             oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
-            dest = jnp.where(complete, _pool_index(pt, j, r, ps), oob)
+            dest = jnp.where(complete, indexer.pool_index(pt, j, r, ps), oob)
             saved = None
             if pend.restore is not None:
                 saved = {"dest": dest, "last": j * r + r - 1, "comp": kvc.store_get(st["comp"][key], dest)}
             rot = compressor.compressed_rot(latent, j * r, freqs, dt)
             written = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
-            st = dict(st, comp=_with(st["comp"], key, written))
+            st = dict(st, comp={**st["comp"], key: written})
             if key in st["ikeys"]:
                 if saved is not None:
                     saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
                 krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
-                st["ikeys"] = _with(st["ikeys"], key, kvc.store_set(st["ikeys"][key], dest,
-                                                                    kvc.encode("ikey", mode, krot)))
+                codes = kvc.encode("ikey", mode, krot)
+                st["ikeys"] = {**st["ikeys"], key: kvc.store_set(st["ikeys"][key], dest, codes)}
             if saved is not None:
-                pend = pend.replace(restore=_with(pend.restore, key, saved))
+                pend = pend.replace(restore={**pend.restore, key: saved})
         if plan.is_index_source:
             ctx, rec = indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx,
                                         st["ikeys"][str(plan.key_owner)], pt, page_size=ps, mode=mode, cfg=cfg, dt=dt,
@@ -331,7 +317,7 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
         B, T = tokens.shape
-        step = StepPlan.of(cfg, par, (B, T), ccfg.kv_cache_dtype, ring_now=keep_all and not restore)
+        step = StepPlan.of(cfg, par, (B, T), ccfg.kv_cache_dtype, keep_all=keep_all and not restore)
         start, n_new = batch["start"], batch["n_new"]
         h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)

@@ -105,12 +105,12 @@ class StepPlan:
     fused_boundary: bool
 
     @staticmethod
-    def of(cfg, par=None, shape: tuple = (0, 0), mode: Optional[str] = None, ring_now: bool = False) -> "StepPlan":
+    def of(cfg, par=None, shape: tuple = (0, 0), mode: Optional[str] = None, keep_all: bool = False) -> "StepPlan":
         """The plan of a step of `cfg` on mesh plan `par` (None: one device) over tokens of `shape` (B, T);
-        mode: the cache's kv_cache_dtype (None: no cache, the full forward); ring_now: the step keeps every
+        mode: the cache's kv_cache_dtype (None: no cache, the full forward); keep_all: the step keeps every
         token (a plain `decode.extend`), so where the window codes kernel runs at T = 1 it writes the rings
-        itself."""
-        return _build(cfg, 1 if par is None else int(par.size), tuple(int(n) for n in shape), mode, bool(ring_now))
+        itself (`ring_now`)."""
+        return _build(cfg, 1 if par is None else int(par.size), tuple(int(n) for n in shape), mode, bool(keep_all))
 
     def in_place(self, cfg, first: int) -> tuple:
         """Paths (tuples of keys) of the parameters a layer-scan run starting at layer `first` hands its kernels
@@ -133,14 +133,14 @@ def linear_kernel(cfg, mesh_size: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _build(cfg, mesh_size: int, shape: tuple, mode, ring_now: bool) -> StepPlan:
+def _build(cfg, mesh_size: int, shape: tuple, mode, keep_all: bool) -> StepPlan:
     impls = {op: dispatch.resolve(cfg, op) for op in ("attention", "moe", "linear")}
     lin = linear_kernel(cfg, mesh_size)
     win = window_codes_kernel(cfg, mode)
     router = dispatch.is_kernel(impls["moe"]) and mesh_size == 1
     mhc = mhc_seam_impl(cfg)
     plan = StepPlan(attention=impls["attention"], mhc=mhc, moe=impls["moe"], linear=impls["linear"],
-                    mesh_size=mesh_size, window_codes_kernel=win, ring_now=ring_now and win and shape[1] == 1,
+                    mesh_size=mesh_size, window_codes_kernel=win, ring_now=keep_all and win and shape[1] == 1,
                     linear_kernel=lin, attend_partials=lin and dispatch.is_kernel(impls["attention"]),
                     router_kernel=router, combine_in_w2=router and lin and shape[0] * shape[1] == 1,
                     mhc_kernel=dispatch.is_kernel(mhc), fused_boundary=mesh_size == 1)
