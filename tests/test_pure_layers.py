@@ -8,6 +8,7 @@ index-key owner, index source) exercises every write.
 """
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +19,15 @@ from dsv41_jax.model import decode as dec
 from dsv41_jax.model import layer_scan
 from dsv41_jax.model import transformer as tr
 from dsv41_jax.model.numerics import act_dtype
+from dsv41_jax.model.plan import StepPlan
 
 CCFG = kvc.CacheConfig(page_size=8, num_pages=9, max_slots=2, max_pages_per_seq=4)
 
 
 def _snapshot(tree):
     """Python containers of `tree` (dicts / lists, nested) with the leaves replaced by their ids."""
+    if dataclasses.is_dataclass(tree):  # `plan.Pending`: frozen, but its dicts could be written
+        return {f.name: _snapshot(getattr(tree, f.name)) for f in dataclasses.fields(tree)}
     if isinstance(tree, dict):
         return {k: _snapshot(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -77,13 +81,14 @@ def test_attention_cached_returns_its_writes(tiny_cfg, tiny_params, source_layer
         _, _, positions, valid, st, pend, _ = dec._step_setup(st, batch, cfg, restore=True)
         ctx = {"topk": {}, "cand": None}
         pend_before, ctx_before = _snapshot(pend), _snapshot(ctx)
-        y, st2, ctx2, rec, pend2 = dec.attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, CCFG, dt,
-                                                          pend)
+        step = StepPlan.of(cfg, None, (B, T), CCFG.kv_cache_dtype)
+        y, st2, ctx2, rec, pend2 = dec.attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, CCFG,
+                                                          dt, pend)
         assert (_snapshot(st), _snapshot(ctx), _snapshot(pend)) == (st_before, ctx_before, pend_before), \
             "attention_cached modified a dict it was given"
         key = str(i)
         assert st2["comp"][key] is not st["comp"][key] and st2["ikeys"][key] is not st["ikeys"][key]
-        assert pend2["window"][i] is not None and key in pend2["restore"] and i in ctx2["topk"] and "topk" in rec
+        assert pend2.window[i] is not None and key in pend2.restore and i in ctx2["topk"] and "topk" in rec
         return y
 
     jax.eval_shape(run, state, jax.ShapeDtypeStruct((B, T, cfg.hidden_size), dt))

@@ -27,6 +27,7 @@ from dsv41_jax.model import dispatch, layer_scan, linear, quant
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import (DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, round_f32,
                                       round_to, x64_scope)
+from dsv41_jax.model.plan import window_codes_kernel
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 
 log = logging.getLogger(__name__)
@@ -96,24 +97,16 @@ def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None, ring=None):
     ring: None, or (store, rows, write, ring_layer, ring_base) (`pallas.window_codes.kernel`'s): where the kernel
     runs it also writes the codes into the cache's window rings in place and this returns (codes, the store);
     elsewhere (codes, None) — the caller writes them later (`decode.commit`)."""
-    impl = dispatch.resolve(cfg, "attention")
-    if impl in ("pallas", "pallas_interpret") and not is_exact(cfg):
-        if window_codes_kernel_runs(cfg, mode):
-            y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
-            nw, layer = layer_scan.vector_operand(p["kv_norm"])
-            return dispatch.kernel("attention", impl, "window_codes")(
-                y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring,
-                interpret=impl == "pallas_interpret")
+    if window_codes_kernel(cfg, mode):
+        y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
+        nw, layer = layer_scan.vector_operand(p["kv_norm"])
+        impl = dispatch.resolve(cfg, "attention")
+        return dispatch.kernel("attention", impl, "window_codes")(
+            y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring, interpret=impl == "pallas_interpret")
+    if dispatch.is_kernel(dispatch.resolve(cfg, "attention")) and not is_exact(cfg):
         _log_window_codec(mode)
     codes = kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=y))
     return codes if ring is None else (codes, None)
-
-
-def window_codes_kernel_runs(cfg, mode: str) -> bool:
-    """Whether `window_codes` runs its kernel for `cfg` and ``kv_cache_dtype`` `mode` (the attention kernel's
-    numerics, the fp8 window codec)."""
-    return (dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret") and not is_exact(cfg)
-            and kvc._codec("win", mode) == "fp8")
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,8 +250,7 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
                      ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
-                     exact: bool = False, key_lo=None, partials_ok: bool = False, ring_layer=None,
-                     ring_base: int = 0):
+                     exact: bool = False, key_lo=None, ring_layer=None, ring_base: int = 0):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -290,21 +282,14 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     Returns [B, T, H, hd] in q.dtype (docs/design/spec.md §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
     A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
-    `interpret`. partials_ok: the kernel may return its unmerged split partials (a dict, see
-    `pallas.sparse_attention.kernel`'s merge) for `output_proj` to merge inside its own kernel; the jnp paths
-    always return the output.
+    `interpret`. (`sparse_attention_partials`: the kernel's unmerged split partials, for the o_proj kernel.)
     """
-    if impl in ("pallas", "pallas_interpret") and exact:
-        raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} implementation (fp64 "
-                                 f"accumulation is for the jnp paths: use impl 'attention=xla' or 'reference')")
-    if impl in ("pallas", "pallas_interpret") and key_lo is not None:
-        raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "
-                                  f"kernel; run the attention op with impl 'xla' or 'reference'")
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
+        _check_kernel_call(impl, exact, key_lo)
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
             page_size=page_size, window=window, mode=mode, ring_layer=ring_layer, ring_base=ring_base,
-            interpret=impl == "pallas_interpret", merge=not partials_ok)
+            interpret=impl == "pallas_interpret")
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
     dt = q.dtype
@@ -321,6 +306,31 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla", exact=exact)
 
 
+def _check_kernel_call(impl: str, exact, key_lo) -> None:
+    """What the attention kernel refuses: the fp64-accumulating modes and SWA bounded replay's window bound."""
+    if exact:
+        raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} implementation (fp64 "
+                                 f"accumulation is for the jnp paths: use impl 'attention=xla' or 'reference')")
+    if key_lo is not None:
+        raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "
+                                  f"kernel; run the attention op with impl 'xla' or 'reference'")
+
+
+def sparse_attention_partials(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
+                              ratio: int, page_size: int, window: int, mode: str, impl: str, exact: bool = False,
+                              key_lo=None, ring_layer=None, ring_base: int = 0):
+    """`sparse_attention` on its kernel, returning the kernel's unmerged split partials (a dict, see
+    `pallas.sparse_attention.kernel`'s merge) for `output_proj`'s o_proj kernel to merge inside itself (the plan's
+    `StepPlan.attend_partials`: where both kernels run). The same arguments; a Pallas `impl` only."""
+    if not dispatch.is_kernel(impl):
+        raise dispatch.ImplError(f"attention: split partials come from the attention kernel, not {impl!r}")
+    _check_kernel_call(impl, exact, key_lo)
+    return dispatch.kernel("attention", impl)(
+        q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
+        page_size=page_size, window=window, mode=mode, ring_layer=ring_layer, ring_base=ring_base,
+        interpret=impl == "pallas_interpret", merge=False)
+
+
 def sink_of(p):
     """The layer's attention sink fp32 [H] (``p["attn_sink"]``, or inside a layer-scan run where the o_proj
     kernel reads it in place {"weight": the run's stack, "layer": k})."""
@@ -334,7 +344,7 @@ def output_proj(p, o, positions, freqs, cfg, dt):
     (fp8 in the file, dequantized to bf16 — exact) applied per group as a plain bf16 matmul; wo_b fp8.
     Where the linear kernel runs (`linear.kernel_runs`), the inverse RoPE and wo_a are one kernel
     (`linear.o_proj`), which also merges the attention kernel's split partials when `o` is them (the
-    dict `sparse_attention(partials_ok=True)` may return).
+    dict `sparse_attention_partials` returns).
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
     if linear.kernel_runs(cfg):

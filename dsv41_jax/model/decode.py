@@ -29,9 +29,10 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, linear, tiling
+from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, tiling
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype, is_exact
+from dsv41_jax.model.plan import Pending, StepPlan
 from dsv41_jax.model.transformer import (block, embed_streams, final_logits, initial_pre, new_aux, record,
                                          scan_blocks, settle)
 
@@ -137,31 +138,21 @@ def _partial_after(partial, buf, start, end, slot, r):
     return {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}
 
 
-def _pool_index(page_table, slots_j, ratio, page_size):
-    """Compressed-pool index of slot j: loc(j·ratio) // ratio."""
-    return indexer.pool_index(page_table, slots_j, ratio, page_size)
-
-
-def _with(container, key, value):
-    """A copy of a dict or list with ``[key] = value`` (the argument itself is not modified)."""
-    if isinstance(container, dict):
-        return {**container, key: value}
-    out = list(container)
-    out[key] = value
-    return out
-
-
-def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, ring_trip=None):
+def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, ring_trip=None):
     """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec,
-    pend'), the primed values being the arguments with this layer's writes (new dicts: nothing passed
-    in is modified) and rec its aux record (`transformer.record`).
+    pend'), the primed values being the arguments with this layer's writes (new containers: nothing passed
+    in is modified) and rec its aux record (`transformer.record`). step: the `plan.StepPlan`; pend: the
+    step's `plan.Pending`.
 
     Completed compressed groups and index keys are written to `st` before they are read (this chunk's
     later queries see them); the window codes and the partial-group buffers only go to `pend`, and
     `commit` writes them for the tokens that are kept (the ring is read as it was before the chunk,
-    the chunk's own keys come from `new`). With ``pend["restore"]`` set (a speculative step), the
+    the chunk's own keys come from `new`) — except where the plan writes the rings now (`StepPlan.ring_now`:
+    a plain one-token step, the window codes kernel writes them; the entry it overwrites, position p − W, is
+    invisible to the query at p). With ``pend.restore`` set (a speculative step), the
     codes each compressed write overwrites are kept so `commit` can put back those of rejected groups.
-    Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention`, both on
+    Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention` (or, where the plan
+    merges the attention kernel's partials in the o_proj kernel, `attention.sparse_attention_partials`), both on
     stored codes + page table. ``batch["key_lo"]`` (int32 [B], SWA bounded replay's late layers only)
     hides window keys below that position. ring_trip: in a layer-scan run, (k, first): this layer's rings
     are layer first + k's (k the run's traced trip index); None: layer `plan.layer_id`'s.
@@ -173,16 +164,13 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
     ps = ccfg.page_size
     pt = batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
-    # A plain one-token step (pend["ring_now"]) writes the codes into the rings now, in the window codes
-    # kernel: the entry it overwrites, position p − W, is invisible to the query at p (a key at q is
-    # visible iff p − W < q ≤ p), so reading the rings after the write changes nothing.
     ring_req = ((st["window"], batch["slot"][:, None], batch["n_new"][:, None], ring_layer, ring_base)
-                if pend.get("ring_now") else None)
+                if step.ring_now else None)
     qr, q, win_codes, written = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode, ring=ring_req)
-    if written is not None:  # `commit` has nothing left to write for this layer
+    if step.ring_now:  # `commit` has nothing left to write for this layer
         st = dict(st, window=written)
     else:
-        pend = dict(pend, window=_with(pend["window"], lid, win_codes))
+        pend = pend.with_window(lid, win_codes)
     ring = st["window"]  # every layer's rings; this layer's are read in place (`ring_layer`)
     r = plan.compress_ratio
     comp, sel, rec = None, None, {}
@@ -192,79 +180,71 @@ def attention_cached(p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt
             latent, j, complete, buf = _compress_chunk(
                 p["compressor"], x, batch, positions, valid, st["partial"].get(key), r, cfg, dt)
             if buf is not None:
-                pend["partial"] = _with(pend["partial"], key, buf)
+                pend = pend.replace(partial={**pend.partial, key: buf})
             oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
-            dest = jnp.where(complete, _pool_index(pt, j, r, ps), oob)
+            dest = jnp.where(complete, indexer.pool_index(pt, j, r, ps), oob)
             saved = None
-            if pend["restore"] is not None:
+            if pend.restore is not None:
                 saved = {"dest": dest, "last": j * r + r - 1, "comp": kvc.store_get(st["comp"][key], dest)}
             rot = compressor.compressed_rot(latent, j * r, freqs, dt)
             written = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
-            st = dict(st, comp=_with(st["comp"], key, written))
+            st = dict(st, comp={**st["comp"], key: written})
             if key in st["ikeys"]:
                 if saved is not None:
                     saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
                 krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
-                st["ikeys"] = _with(st["ikeys"], key, kvc.store_set(st["ikeys"][key], dest,
-                                                                    kvc.encode("ikey", mode, krot)))
+                codes = kvc.encode("ikey", mode, krot)
+                st["ikeys"] = {**st["ikeys"], key: kvc.store_set(st["ikeys"][key], dest, codes)}
             if saved is not None:
-                pend["restore"] = _with(pend["restore"], key, saved)
+                pend = pend.replace(restore={**pend.restore, key: saved})
         if plan.is_index_source:
             ctx, rec = indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx,
                                         st["ikeys"][str(plan.key_owner)], pt, page_size=ps, mode=mode, cfg=cfg, dt=dt,
                                         retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = st["comp"][str(plan.kv_source)]
-    o = attn_mod.sparse_attention(q, attn_mod.sink_of(p), ring, batch["slot"], win_codes,
-                                  batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
-                                  window=cfg.sliding_window, mode=mode, impl=dispatch.resolve(cfg, "attention"),
-                                  exact=is_exact(cfg), key_lo=batch.get("key_lo"),
-                                  partials_ok=linear.kernel_runs(cfg), ring_layer=ring_layer, ring_base=ring_base)
+    attend = attn_mod.sparse_attention_partials if step.attend_partials else attn_mod.sparse_attention
+    o = attend(q, attn_mod.sink_of(p), ring, batch["slot"], win_codes, batch["start"], positions, valid, comp, pt, sel,
+               ratio=max(r, 1), page_size=ps, window=cfg.sliding_window, mode=mode, impl=step.attention,
+               exact=is_exact(cfg), key_lo=batch.get("key_lo"), ring_layer=ring_layer, ring_base=ring_base)
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
 
 
-def _scan_run_cached(params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux, pend,
-                     par):
+def _scan_run_cached(step, params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux,
+                     pend, par):
     """Layers first..first+n-1 (a `layer_scan` run: consumers or window-only layers, which write no
     store) as one scan. The body is `attention_cached` with layer first + k's rings read in place from
     the cache's stacked ``state["window"]`` (a per-layer slice or gather would be an XLA copy per layer
     before the attention kernel, which does not fuse with it). The window codes each layer leaves for
-    `commit` come back stacked and go to ``pend["window"]`` per layer; in a plain one-token step
-    (``pend["ring_now"]``) where the window codes kernel writes them into the rings itself, the rings are
-    the scan's carry instead (no per-layer output to stack: two small copies per layer fewer). Returns
-    (h, pre, st', aux', pend') (new dicts)."""
+    `commit` come back stacked and go to ``pend.window`` per layer; where the plan writes the rings now
+    (`StepPlan.ring_now`), the rings are the scan's carry instead (no per-layer output to stack: two small
+    copies per layer fewer). Returns (h, pre, st', aux', pend') (new containers)."""
     lid = plan.layer_id
     # valid as the attention kernel reads it (int32), made once: converted in the body it is a launch per trip
-    valid_k = valid.astype(jnp.int32) if dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret") else valid
-    ring_now = bool(pend.get("ring_now"))
+    valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
+    empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
 
-    def attn_run(p, x, _row, k, win=None):
+    def attn_run(p, x, _row, k, win):
         st_l = {"window": st["window"] if win is None else win, "comp": st["comp"], "ikeys": st["ikeys"],
                 "partial": st["partial"]}
-        pend_l = {"window": {}, "partial": {}, "restore": None, "ring_now": ring_now}
-        y, st_out, ctx_out, rec, pend_out = attention_cached(p, x, plan, st_l, ctx, batch, positions, valid_k,
-                                                             cfg, ccfg, dt, pend_l, ring_trip=(k, first))
-        if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out["partial"]:
+        y, st_out, ctx_out, rec, pend_out = attention_cached(step, p, x, plan, st_l, ctx, batch, positions, valid_k,
+                                                             cfg, ccfg, dt, empty, ring_trip=(k, first))
+        if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out.partial:
             raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
-        out = {"window": pend_out["window"][lid]} if lid in pend_out["window"] else {}
-        return (y, out) if win is None else (y, (out, st_out["window"]))
+        out = {} if step.ring_now else {"window": pend_out.window[lid]}
+        return y, (out, st_out["window"] if step.ring_now else None)
 
-    written = ring_now and attn_mod.window_codes_kernel_runs(cfg, ccfg.kv_cache_dtype)  # the layers write the rings
-    got = scan_blocks(layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt, aux, first,
-                      cfg.num_experts_per_tok, attn_run, par=par, carry=st["window"] if written else None)
-    if written:
-        h, pre, aux, outs, win = got
-        st = dict(st, window=win)
-    else:
-        h, pre, aux, outs = got
-    window = list(pend["window"])
-    if "window" in outs:
-        for k in range(n):
-            window[first + k] = jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"])
-    return h, pre, st, aux, dict(pend, window=window)
+    h, pre, aux, outs, win = scan_blocks(step, layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt,
+                                         aux, first, cfg.num_experts_per_tok, attn_run, par=par,
+                                         carry=st["window"] if step.ring_now else None)
+    if step.ring_now:
+        return h, pre, dict(st, window=win), aux, pend
+    for k in range(n):
+        pend = pend.with_window(first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"]))
+    return h, pre, st, aux, pend
 
 
-def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
+def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
                 par, cols=None):
     """The layers of `runs` ((first, n) from `layer_scan.layer_runs`, in order) on h [B, T', n, D] /
     pre fp32 [B, T', n]: returns (h, pre, st, ctx, aux, pend), the last four with the layers' writes
@@ -278,8 +258,8 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
     for i, n in runs:
         plan = cfg.layer_plan(i)
         if n > 1:
-            h, pre, st, aux, pend = _scan_run_cached(params, i, n, plan, h, pre, st, ctx, batch, positions, valid,
-                                                     cfg, ccfg, dt, aux, pend, par)
+            h, pre, st, aux, pend = _scan_run_cached(step, params, i, n, plan, h, pre, st, ctx, batch, positions,
+                                                     valid, cfg, ccfg, dt, aux, pend, par)
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None
@@ -289,11 +269,12 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
                 rows = jnp.take_along_axis(rows, cols[:, :, None], axis=1)
 
         def attn_fn(x, lp=lp, plan=plan, st=st, ctx=ctx, pend=pend):
-            y, *out = attention_cached(lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend)
+            y, *out = attention_cached(step, lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt,
+                                       pend)
             return y, out
 
-        h, pre, rec, (st, ctx, arec, pend) = block(lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
-                                                   par=par, defer=True)
+        h, pre, rec, (st, ctx, arec, pend) = block(step, lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn,
+                                                   rows, par=par)
         aux = record(aux, i, rec, arec)
     return settle(h, cfg, dt, par), pre, st, ctx, aux, pend
 
@@ -301,20 +282,20 @@ def _run_layers(params, runs, h, pre, st, ctx, batch, positions, valid, tokens, 
 def _step_setup(state, batch, cfg, restore: bool):
     """What every cached step starts from: (act dtype, tokens int32 [B, T], positions int32 [B, T],
     valid bool [B, T], the cache (the layers return new containers with their writes; it is never
-    modified), the empty `pending` record (restore data kept iff `restore`), the Engram history or None)."""
+    modified), the empty `plan.Pending` record (restore data kept iff `restore`), the Engram history or None)."""
     dt = act_dtype(cfg)
     tokens = batch["tokens"].astype(jnp.int32)
     T = tokens.shape[1]
     start, n_new = batch["start"], batch["n_new"]
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T)[None, :] < n_new[:, None]
-    pend = {"positions": positions, "window": [None] * cfg.num_hidden_layers, "partial": {},
-            "restore": {} if restore else None}
+    pend = Pending(positions=positions, window=(None,) * cfg.num_hidden_layers, partial={},
+                   restore={} if restore else None)
     return dt, tokens, positions, valid, state, pend, state.get("engram_hist")
 
 
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
-                       par=None, ring_now: bool = False):
+                       par=None, keep_all: bool = False):
     """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
 
     Returns (logits, st, pending, aux):
@@ -322,28 +303,27 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
       st      the cache with the chunk's completed compressed groups and index keys written (the
               chunk's own queries read them); window rings, partial groups and Engram history as
               before the chunk;
-      pending what `commit` needs to keep any prefix of each row: {"positions" int32 [B, T],
-              "window" [per layer: codes of [B, T, hd]], "partial" {src: fp32 buffers [B, G, r, hd]},
-              "restore" {src: overwritten codes, dest, last position of each group} (only with
-              `restore`, else None), "engram_ids" int32 [B, T] (Engram configs)};
+      pending what `commit` needs to keep any prefix of each row (a `plan.Pending`: the positions, each
+              layer's window codes, the partial groups, restore data (only with `restore`), the Engram ids);
       aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
               [B, T, n, D] per layer) and "hidden" (final normed x).
     par: optional mesh plan (`parallel.plan.MeshPlan`): MoE and the row-split tables run its
     `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
-    ring_now (`extend`: every real token is kept): in a one-token step (T = 1) the window codes kernel, where
-    it runs, writes each layer's codes into the rings itself (`attention_cached`), and those layers leave
-    no codes in `pending` (padded rows write to the scratch row).
+    keep_all (`extend`: every real token is kept, so `commit` keeps them all): the step's plan may write the
+    rings now (`StepPlan.ring_now`: in a one-token step where the window codes kernel runs, it writes each
+    layer's codes into the rings itself, and those layers leave no codes in `pending`; padded rows write to
+    the scratch row).
     """
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
-        pend["ring_now"] = ring_now and tokens.shape[1] == 1 and not restore
         B, T = tokens.shape
+        step = StepPlan.of(cfg, par, (B, T), ccfg.kv_cache_dtype, keep_all=keep_all and not restore)
         start, n_new = batch["start"], batch["n_new"]
         h = embed_streams(params, tokens, cfg, dt, par)
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
-        h, pre, st, ctx, aux, pend = _run_layers(params, layer_scan.layer_runs(cfg), h, pre, st, ctx, batch, positions,
-                                                 valid, tokens, hist, cfg, ccfg, dt, new_aux(), pend, par)
+        h, pre, st, ctx, aux, pend = _run_layers(step, params, layer_scan.layer_runs(cfg), h, pre, st, ctx, batch,
+                                                 positions, valid, tokens, hist, cfg, ccfg, dt, new_aux(), pend, par)
         if not all_logits:
             last = jnp.maximum(n_new - 1, 0)
             h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
@@ -352,7 +332,7 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
         if not all_logits:
             logits = logits[:, 0]
         if hist is not None:
-            pend = dict(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
+            pend = pend.replace(engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
         return logits, st, pend, dict(aux, hidden=x)
 
 
@@ -370,7 +350,7 @@ def commit(st, pending, batch, n_commit, cfg):
     out = dict(st)
     # every run of consecutive layers with codes in one update per array (all layers, in the plain step); a
     # layer with codes None wrote nothing here (SWA bounded replay writes its late layers itself)
-    win, codes = st["window"], pending["window"]
+    win, codes = st["window"], pending.window
     i = 0
     while i < len(codes):
         if codes[i] is None:
@@ -380,28 +360,35 @@ def commit(st, pending, batch, n_commit, cfg):
         while j < len(codes) and codes[j] is not None:
             j += 1
         stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *codes[i:j])  # [j − i, B, T, ...]
-        win = _window_write(win, slot, pending["positions"], n_commit, stacked, cfg.sliding_window, layer=i)
+        win = _window_write(win, slot, pending.positions, n_commit, stacked, cfg.sliding_window, layer=i)
         i = j
     out["window"] = win
     out["partial"] = dict(st["partial"])
-    for key, buf in pending["partial"].items():
+    for key, buf in pending.partial.items():
         r = buf["kv"].shape[2]
         out["partial"][key] = _partial_after(st["partial"][key], buf, start, end, slot, r)
-    if pending["restore"]:
-        out["comp"], out["ikeys"] = dict(st["comp"]), dict(st["ikeys"])
-        for key, sv in pending["restore"].items():
-            oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]
-            back = jnp.where(sv["last"] >= end[:, None], sv["dest"], oob)  # incomplete groups are oob already
-            out["comp"][key] = kvc.store_set(st["comp"][key], back, sv["comp"])
-            if "ikeys" in sv:
-                out["ikeys"][key] = kvc.store_set(st["ikeys"][key], back, sv["ikeys"])
+    if pending.restore:
+        out["comp"], out["ikeys"] = _put_back(st, pending.restore, end)
     hist = st.get("engram_hist")
     if hist is not None:
-        ext = jnp.concatenate([hist[slot], pending["engram_ids"]], axis=1)  # [B, M−1+T]
+        ext = jnp.concatenate([hist[slot], pending.engram_ids], axis=1)  # [B, M−1+T]
         m1 = hist.shape[1]
         take = n_commit[:, None] + jnp.arange(m1)[None, :]
         out["engram_hist"] = _set_row(hist, slot, jnp.take_along_axis(ext, take, axis=1))
     return out
+
+
+def _put_back(st, restore, end):
+    """(comp, ikeys) stores of `st` with the codes of every compressed group that ends at or after `end` (int32
+    [B]) put back as they were before the chunk (a speculative step's rejected groups; `Pending.restore`)."""
+    comp, ikeys = dict(st["comp"]), dict(st["ikeys"])
+    for key, sv in restore.items():
+        oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]
+        back = jnp.where(sv["last"] >= end[:, None], sv["dest"], oob)  # incomplete groups are oob already
+        comp[key] = kvc.store_set(st["comp"][key], back, sv["comp"])
+        if "ikeys" in sv:
+            ikeys[key] = kvc.store_set(st["ikeys"][key], back, sv["ikeys"])
+    return comp, ikeys
 
 
 def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, par=None):
@@ -411,7 +398,7 @@ def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux
     step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. par: see
     `extend_uncommitted`.
     """
-    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par, ring_now=True)
+    logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par, keep_all=True)
     new_state = commit(st, pend, batch, batch["n_new"], cfg)
     if return_aux:
         return logits, new_state, aux
@@ -498,8 +485,10 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
         pre = initial_pre((B, T), cfg)
         ctx = {"topk": {}, "cand": None}
         early, late = split_runs(cfg)
-        h, pre, st, ctx, aux, pend = _run_layers(params, early, h, pre, st, ctx, batch, positions, valid, tokens,
-                                                 hist, cfg, ccfg, dt, new_aux(), pend, par)
+        mode = ccfg.kv_cache_dtype
+        h, pre, st, ctx, aux, pend = _run_layers(StepPlan.of(cfg, par, (B, T), mode), params, early, h, pre, st, ctx,
+                                                 batch, positions, valid, tokens, hist, cfg, ccfg, dt, new_aux(), pend,
+                                                 par)
         # the late sub-batch: each row's tail tokens, gathered to [B, tail]
         tail = min(T, late_tail)
         cols, count = tail_columns(start, n_new, batch["tail_lo"], tail)
@@ -511,20 +500,21 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
                "cand": None if ctx["cand"] is None else _gather_cols(ctx["cand"], colc)}
         # `start` stays the chunk's: the ring holds positions < start (window_keys places its entries by it)
         sub_batch = dict(batch, n_new=count, key_lo=batch["tail_lo"])
-        late_pend = {"window": [None] * cfg.num_hidden_layers, "partial": {}, "restore": None}
-        h, pre, st, ctx, aux, late_pend = _run_layers(params, late, h, pre, st, ctx, sub_batch, sub_pos, sub_valid,
-                                                      tokens, hist, cfg, ccfg, dt, aux, late_pend, par, cols=colc)
+        late_pend = Pending(positions=sub_pos, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
+        h, pre, st, ctx, aux, late_pend = _run_layers(StepPlan.of(cfg, par, (B, tail), mode), params, late, h, pre, st,
+                                                      ctx, sub_batch, sub_pos, sub_valid, tokens, hist, cfg, ccfg, dt,
+                                                      aux, late_pend, par, cols=colc)
         last = jnp.maximum(count - 1, 0)
         h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)
         pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)
         logits, _ = final_logits(params, h, pre, cfg, dt)
         logits = jnp.where(count[:, None] > 0, logits[:, 0], 0.0)
         if hist is not None:
-            pend = dict(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
+            pend = pend.replace(engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
         new_state = commit(st, pend, batch, n_new, cfg)
         if late:  # the late layers (the last ones, contiguous): their rings for the tail tokens, in one update
             lo, hi = late[0][0], late[-1][0] + late[-1][1]
-            stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *late_pend["window"][lo:hi])
+            stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *late_pend.window[lo:hi])
             new_state["window"] = _window_write(new_state["window"], batch["slot"], sub_pos, count, stacked,
                                                 cfg.sliding_window, layer=lo)
         if return_aux:

@@ -38,7 +38,8 @@ from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.rope import apply_rope
-from dsv41_jax.model.transformer import block, embed_streams, initial_pre
+from dsv41_jax.model.plan import StepPlan
+from dsv41_jax.model.transformer import block, embed_streams, initial_pre, settle
 
 
 def _require(cfg):
@@ -110,7 +111,7 @@ def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False, pa
     logits, st, pend, aux = decode.extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par)
     new_state = decode.commit(st, pend, batch, batch["n_new"], cfg)
     new_state["dspark"] = write_rings(params, state["dspark"], aux["layer_inputs"], batch["slot"],
-                                      pend["positions"], batch["n_new"], cfg, ccfg)
+                                      pend.positions, batch["n_new"], cfg, ccfg)
     return logits, new_state
 
 
@@ -175,13 +176,15 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
     positions = start[:, None].astype(jnp.int32) + jnp.arange(G, dtype=jnp.int32)[None, :]
     h = embed_streams(params, ids, cfg, dt)
     pre = initial_pre((B, G), cfg)
+    step = StepPlan.of(cfg, None, (B, G))
     for s, sp in enumerate(params["mtp"]):
         plan = _stage_plan(cfg, s)
 
         def attn_fn(x, sp=sp, ring=rings[s], plan=plan):
             return _draft_attention(sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt), None
 
-        h, pre, _, _ = block(sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn)
+        h, pre, _, _ = block(step, sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn)
+        h = settle(h, cfg, dt)
     last = params["mtp"][-1]
     x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
     base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"], cfg,

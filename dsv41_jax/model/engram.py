@@ -104,10 +104,10 @@ def engram(p, h, rows, cfg, dt, par=None):
         return gate(h, kv, p["q_weight"], p["k_weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     impl = dispatch.resolve(cfg, "engram")
     sharded = par is not None and par.size > 1
-    if sharded and impl in ("pallas", "pallas_interpret"):
+    if sharded and dispatch.is_kernel(impl):
         raise dispatch.ImplError("engram: the Pallas gather kernel does not run on a row-split table; use impl "
                                  "'xla' for engram on a mesh")
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         dispatch.refuse_kernel_in_f64_mode(cfg, "engram", impl)
         return dispatch.kernel("engram", impl)(p, h, rows, cfg, dt, interpret=impl == "pallas_interpret")
     if impl not in ("reference", "xla"):

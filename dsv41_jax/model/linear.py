@@ -28,7 +28,7 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
   (`pallas/quant_linear.py`: the activation quant, the weight decode and the GEMM in one launch; the
   same products, fp32 sums in its tile order); the bf16 / fp32 kinds keep the xla path. One device only
   (refused on a mesh); inside a layer-scan run it reads the run's stacked weights in place
-  (`stacked_paths`, `layer_weight`).
+  (`plan.StepPlan.in_place`, `layer_weight`).
 * In the exact and deterministic modes (`numerics.is_exact`) every path accumulates in fp64
   (`numerics.dot_exact`) and rounds once to fp32 (then to `dt`, bf16 in the deterministic bf16 flow), so
   the reference and the xla formulation agree (bit for bit in practice) however they sum.
@@ -71,7 +71,7 @@ def impl_of(cfg) -> str:
     name = dispatch.resolve(cfg, "linear")
     if name not in dispatch.IMPLS:
         raise dispatch.ImplError(f"linear: no {name!r} implementation")
-    if name in ("pallas", "pallas_interpret") and name not in _KERNEL_SCOPE_LOGGED:
+    if dispatch.is_kernel(name) and name not in _KERNEL_SCOPE_LOGGED:
         _KERNEL_SCOPE_LOGGED.add(name)
         log.info("linear=%s: the fp8 / MXFP4 GEMMs run the quant_linear kernel; the bf16 / fp32 matmuls "
                  "(head, MoE gate, wo_a's bf16 copy) run the xla path", name)
@@ -79,26 +79,6 @@ def impl_of(cfg) -> str:
 
 
 # ------------------------------------------------------------------- layer-scan runs (kernel path)
-
-
-def stacked_paths(tree) -> list:
-    """Paths (tuples of keys) of the quantized linears in a layer-scan run's stacked params: dicts of exactly
-    {"weight", "scale"} (fp8 / MXFP4 GEMM weights; not wo_a, whose dict also holds its bf16 copy, nor the
-    routed experts, which the MoE passes whole)."""
-    out = []
-
-    def walk(t, path):
-        if not isinstance(t, dict):
-            return
-        if set(t) == {"weight", "scale"} and getattr(t["weight"], "ndim", 0) == 3:
-            out.append(path)
-            return
-        for k, v in t.items():
-            if k != "experts":
-                walk(v, path + (k,))
-
-    walk(tree, ())
-    return out
 
 
 def layer_weight(p):
@@ -119,7 +99,7 @@ def kernel_runs(cfg) -> bool:
     deterministic modes are refused by the kernels), one device (`tiling.mesh_plan`: the kernels are refused
     on a mesh). What callers that hand a kernel a different operand (the attention's split partials,
     `o_proj`) ask first."""
-    if impl_of(cfg) not in ("pallas", "pallas_interpret") or is_exact(cfg):
+    if not dispatch.is_kernel(impl_of(cfg)) or is_exact(cfg):
         return False
     par = tiling.mesh_plan()
     return par is None or par.mesh.size == 1
@@ -235,10 +215,16 @@ def fp8(x, p, cfg, dt, row_axis=None):
     layer-scan run where the kernel runs the run's stacks of them with ``"layer"`` (`layer_weight`).
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
-    exact = is_exact(cfg)
     impl = impl_of(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         return _kernel_gemm(x, p, "fp8", cfg, dt, impl)
+    return _fp8_jnp(x, p, cfg, dt, impl, row_axis)
+
+
+def _fp8_jnp(x, p, cfg, dt, impl, row_axis):
+    """`fp8` on the jnp paths: "reference" (`quant.fp8_linear`, or fp64-accumulated in the exact modes) or the
+    xla K-blockwise / bf16-dequant GEMMs (`_quantized_gemm`)."""
+    exact = is_exact(cfg)
     p = layer_weight(p)
     w, s = p["weight"], p["scale"]
     if w.dtype == jnp.uint8:  # a stacked row keeps its storage dtype
@@ -270,7 +256,7 @@ def fp8_gated(x, p_gate, p_up, act, cfg, dt, row_axis=None):
     Where the linear kernel runs, one launch (`quant_linear.kernel`'s gated epilogue: the same per-element
     arithmetic); else the two calls and `act`, bit for bit."""
     impl = impl_of(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         return _kernel_gemm(x, p_gate, "fp8", cfg, dt, impl, p_up=p_up, act=act)
     return act(fp8(x, p_gate, cfg, dt, row_axis), fp8(x, p_up, cfg, dt, row_axis))
 
@@ -306,12 +292,17 @@ def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
     rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls (x_normed: that
     norm of x when the caller has it, not made twice)."""
     impl = impl_of(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         nw, layer = layer_scan.vector_operand(pn)
         if (layer is not None) != ("layer" in p):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
                              "(with 'layer') or both one layer's")
         return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(nw, eps), rope=rope)
+    return _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed)
+
+
+def _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed):
+    """`fp8_normed` as its plain calls: `norm.rmsnorm` (or x_normed), `fp8`, then `rope.apply_rope` if asked."""
     y = fp8(rmsnorm(x, layer_scan.vector_row(pn), eps, dt, is_exact(cfg)) if x_normed is None else x_normed, p, cfg,
             dt, row_axis)
     if rope is None:
@@ -328,7 +319,7 @@ def mxfp4(x, p, cfg, dt):
     """
     exact = is_exact(cfg)
     impl = impl_of(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         return _kernel_gemm(x, p, "mxfp4", cfg, dt, impl)
     p = layer_weight(p)
     w, s = p["weight"], p["scale"]

@@ -278,17 +278,12 @@ def hc_post(
     return out.astype(out_dtype)
 
 
-def kernel_runs(cfg) -> bool:
-    """Whether the mhc seam runs its Pallas kernel for `cfg` (what `sublayer_enter` will call)."""
-    return _seam_impl(cfg) in ("pallas", "pallas_interpret")
-
-
 def _seam_impl(cfg) -> str:
     """The mhc implementation for the seams. The Pallas kernels compute the mix projection in fp32,
     so in the exact numerics mode (fp64-accumulated projection) "auto" means "xla" there (logged
     once); an explicit "pallas" in the exact mode is an error (raised by the kernel module)."""
     impl = dispatch.resolve(cfg, "mhc")
-    if impl in ("pallas", "pallas_interpret") and is_exact(cfg) and dispatch.parse_impl(cfg.impl)["mhc"] == "auto":
+    if dispatch.is_kernel(impl) and is_exact(cfg) and dispatch.parse_impl(cfg.impl)["mhc"] == "auto":
         _log_exact_auto(cfg.impl)
         return "xla"
     return impl
@@ -321,7 +316,7 @@ def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weigh
       calls (bitwise today's numbers); Pallas: one fused pass over h (`dsv41_jax.pallas.mhc_mix`).
     """
     impl = _seam_impl(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt, interpret=impl == "pallas_interpret",
                                             layer=layer, norm_weight=norm_weight)
     if layer is not None:
@@ -341,7 +336,7 @@ def sublayer_exit(y, h, post, comb, cfg, dt):
     comb: fp32 [..., n, n]. Returns [..., n, D] in `dt`.
     """
     impl = _seam_impl(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         return dispatch.kernel("mhc", impl, "sublayer_exit")(y, h, post, comb, cfg, dt,
                                                             interpret=impl == "pallas_interpret")
     if impl not in ("reference", "xla"):
@@ -356,7 +351,7 @@ def sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, la
     exactly those two calls; Pallas: one kernel pass (`mhc_mix.exit_enter`: each chunk of h' is written
     once and used from registers, one launch fewer)."""
     impl = _seam_impl(cfg)
-    if impl in ("pallas", "pallas_interpret"):
+    if dispatch.is_kernel(impl):
         return dispatch.kernel("mhc", impl, "sublayer_exit_enter")(
             y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, interpret=impl == "pallas_interpret", layer=layer,
             norm_weight=norm_weight)

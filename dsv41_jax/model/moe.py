@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch, layer_scan, linear, quant, tiling
 from dsv41_jax.model.numerics import einsum_exact, is_exact
+from dsv41_jax.model.plan import StepPlan
 
 
 def softplus_torch(x):
@@ -272,71 +273,95 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
     return combine_slots(routed_slots(ex, xf, idx, w, cfg, dt), idx)
 
 
-def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None):
+def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None):
     """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
 
-    The routed experts run with `dispatch.resolve(cfg, "moe")` ("reference" | "xla" | "pallas" |
-    "pallas_interpret", module doc); the
-    gate and the shared expert use the "linear" seam. Routing: idx int32 [..., k], weights fp32 [..., k].
-    par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the routed experts
-    expert-parallel (`par.routed_experts`: the grouped path, or the kernel, per expert shard, bitwise the
-    same result as on one device).
+    The routed experts run with the plan's moe implementation ("reference" | "xla" | "pallas" |
+    "pallas_interpret", module doc); the gate and the shared expert use the "linear" seam. Routing: idx int32
+    [..., k], weights fp32 [..., k]. par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the
+    routed experts expert-parallel (`par.routed_experts`: the grouped path, or the kernel, per expert shard,
+    bitwise the same result as on one device). step: the step's `plan.StepPlan` (None: made here for x's
+    tokens), which picks the form: at one token with the router, experts and linear kernels the routed sum is
+    the shared expert's w2 epilogue (`_one_token_fused`, `StepPlan.combine_in_w2`), else `_routed_plus_shared`.
     """
-    impl = dispatch.resolve(cfg, "moe")
-    kernel = impl in ("pallas", "pallas_interpret")
-    kernel_slots = (functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
-                    if kernel else None)
-    if impl not in ("reference", "xla") and not kernel:
-        raise dispatch.ImplError(f"moe: no {impl!r} implementation")
-    dispatch.refuse_kernel_in_f64_mode(cfg, "moe", impl)
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    from_mesh = par is not None and par.axis_size("ep") > 1
-    padded = None
-    if kernel and not from_mesh and (par is None or par.size == 1):
-        # the router's top-k as one kernel (scores, selection, weights, the combine's order; the gate matmul stays
-        # the linear seam's): its padded outputs ([N, kp], the first top_k lanes used) feed the experts' kernel
-        # and the combine as they are (`moe_mxfp4.kernel`'s padded)
-        bias, layer = layer_scan.vector_operand(p["gate"]["bias"])
-        idx_p, w_p, order_p = dispatch.kernel("moe", impl, "route")(
-            linear.f32(xf, p["gate"]["weight"], cfg), bias, top_k, cfg, layer=layer, interpret=impl == "pallas_interpret")
+    step = StepPlan.of(cfg, par, (1, xf.shape[0])) if step is None else step
+    dispatch.refuse_kernel_in_f64_mode(cfg, "moe", step.moe)
+    form = _one_token_fused if step.combine_in_w2 else _routed_plus_shared
+    out, idx, w = form(p, xf, top_k, cfg, dt, par, step)
+    out = out.reshape(shape)
+    if return_routing:
+        return out, (idx.reshape(shape[:-1] + (top_k,)), w.reshape(shape[:-1] + (top_k,)))
+    return out
+
+
+def _one_token_fused(p, xf, top_k, cfg, dt, par, step):
+    """One token, the router / experts / linear kernels (`StepPlan.combine_in_w2`): the experts' kernel hands
+    its raw slots and the router's order to the shared expert's w2 kernel, which sums them in ascending expert id
+    as its epilogue (`linear.fp8_combined`: one launch fewer). Returns (out [1, D] in `dt`, idx, w)."""
+    idx_p, w_p, order_p = _route_kernel(p["gate"], xf, top_k, cfg, step.moe)
+    idx, w = idx_p[:, :top_k], w_p[:, :top_k]
+    slots = _experts_kernel(step.moe)(p["experts"], xf, idx, w, cfg, dt, padded=(idx_p, w_p), raw=True)
+    a = _shared_gated(p["shared_experts"], xf, cfg, dt)
+    return linear.fp8_combined(a, _shared(p["shared_experts"], "w2"), slots, order_p, top_k, cfg, dt), idx, w
+
+
+def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step):
+    """The routed experts' fp32 sum (`_routed`) + the shared expert, rounded to `dt`: (out [N, D], idx, w)."""
+    padded = order = None
+    if step.router_kernel:  # the padded outputs feed the experts' kernel and the combine as they are
+        idx_p, w_p, order_p = _route_kernel(p["gate"], xf, top_k, cfg, step.moe)
         padded = (idx_p, w_p)
         idx, w, order = idx_p[:, :top_k], w_p[:, :top_k], order_p[:, :top_k]
     else:
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
-    N = xf.shape[0]
-    lim = cfg.swiglu_limit
-    # one token with the router kernel's outputs and the linear kernel: the routed sum is the w2 kernel's epilogue
-    fuse_combine = padded is not None and N == 1 and linear.kernel_runs(cfg)
-    if from_mesh:
+    routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order)
+    a = _shared_gated(p["shared_experts"], xf, cfg, dt)
+    return (routed + linear.fp8(a, _shared(p["shared_experts"], "w2"), cfg, dt).astype(jnp.float32)).astype(dt), idx, w
+
+
+def _route_kernel(p_gate, xf, top_k, cfg, impl):
+    """The router's top-k as one kernel (scores, selection, weights, the combine's order; the gate matmul stays
+    the linear seam's): (idx, w, order) padded to [N, kp], the first top_k lanes used (`moe_mxfp4.kernel`'s
+    padded)."""
+    bias, layer = layer_scan.vector_operand(p_gate["bias"])
+    return dispatch.kernel("moe", impl, "route")(linear.f32(xf, p_gate["weight"], cfg), bias, top_k, cfg,
+                                                 layer=layer, interpret=impl == "pallas_interpret")
+
+
+def _experts_kernel(impl):
+    """The routed experts' kernel (per-assignment slots, `moe_mxfp4.kernel`), or None for the jnp impls."""
+    if not dispatch.is_kernel(impl):
+        return None
+    return functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
+
+
+def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order):
+    """fp32 [N, D]: the routed experts' outputs summed per token in ascending expert id, by implementation:
+    expert-parallel on an "ep" mesh (`par.routed_experts`, the kernel per expert shard where it runs), the kernel
+    (its slots combined; top-k ids are distinct, so the combine's order needs no sort), the grouped xla path or
+    the reference."""
+    kernel = _experts_kernel(impl)
+    if par is not None and par.axis_size("ep") > 1:
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
-        # the kernel runs per expert shard as the xla path does (its first_expert: the shard's first id)
-        routed = par.routed_experts(p["experts"], xf, idx, w, cfg, dt, slots=kernel_slots)
-    elif kernel and fuse_combine:  # one token: its slots go to the shared expert's w2 kernel, which sums them
-        slots = kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded, raw=True)
-    elif kernel:  # (top-k ids are distinct: the combine's order needs no sort; the kernel runs fp32 modes only)
-        routed = combine_slots(kernel_slots(p["experts"], xf, idx, w, cfg, dt, padded=padded), idx, distinct=True,
-                               order=None if padded is None else order)
-    else:
-        routed = (_routed_reference if impl == "reference" else _routed_grouped)(p["experts"], xf, idx, w, cfg, dt)
-    sh = p["shared_experts"]
+        return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=kernel)
+    if kernel is not None:
+        return combine_slots(kernel(ex, xf, idx, w, cfg, dt, padded=padded), idx, distinct=True, order=order)
+    return (_routed_reference if impl == "reference" else _routed_grouped)(ex, xf, idx, w, cfg, dt)
 
-    lay = {"layer": sh["w1"]["layer"]} if "layer" in sh["w1"] else {}  # a scan run's stacks (`linear.layer_weight`)
 
-    # The shared expert (`swiglu_expert` with weight 1): w1 / w3 and the SwiGLU as one linear-seam call
-    # (`linear.fp8_gated`: one launch where the linear kernel runs, the same values as the separate calls),
-    # then w2. w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh); w2's rows are the hidden size.
-    def sw(name):
-        return {"weight": sh[name]["weight"], "scale": sh[name]["scale"], **lay}
+def _shared(sh, name):
+    """The shared expert's `name` weight, with the layer of a scan run's stacks (`linear.layer_weight`)."""
+    lay = {"layer": sh["w1"]["layer"]} if "layer" in sh["w1"] else {}
+    return {"weight": sh[name]["weight"], "scale": sh[name]["scale"], **lay}
 
-    a = linear.fp8_gated(xf, sw("w1"), sw("w3"), functools.partial(_swiglu_act, weight=None, limit=lim, dt=dt), cfg, dt,
-                         "mlp")
-    if fuse_combine:
-        out = linear.fp8_combined(a, sw("w2"), slots, order_p, top_k, cfg, dt).reshape(shape)
-    else:
-        out = (routed + linear.fp8(a, sw("w2"), cfg, dt).astype(jnp.float32)).astype(dt).reshape(shape)
-    if return_routing:
-        return out, (idx.reshape(shape[:-1] + (top_k,)), w.reshape(shape[:-1] + (top_k,)))
-    return out
+
+def _shared_gated(sh, xf, cfg, dt):
+    """The shared expert (`swiglu_expert` with weight 1) up to w2's input: w1 / w3 and the SwiGLU as one
+    linear-seam call (`linear.fp8_gated`: one launch where the linear kernel runs, the same values as the separate
+    calls). w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh)."""
+    act = functools.partial(_swiglu_act, weight=None, limit=cfg.swiglu_limit, dt=dt)
+    return linear.fp8_gated(xf, _shared(sh, "w1"), _shared(sh, "w3"), act, cfg, dt, "mlp")

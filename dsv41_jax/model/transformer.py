@@ -20,13 +20,13 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, linear, tiling
+from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit, sublayer_exit_enter
-from dsv41_jax.model.mhc import kernel_runs as mhc_kernel_runs
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
+from dsv41_jax.model.plan import DeferredExit, StepPlan
 
 
 def _sub_weights(layer_p, sub: str):
@@ -35,26 +35,22 @@ def _sub_weights(layer_p, sub: str):
         layer_p[f"{sub}_norm"]["weight"]
 
 
-def enter(layer_p, sub: str, h, pre_prev, cfg, dt):
-    """Entering sublayer `sub` ("attn" | "ffn") with streams h [.., n, D]: (x = the sublayer's RMSNorm of
-    hc_pre(h, pre_prev), in `dt`, and the pre / post / comb mixes of h), through the mhc seam
-    (`mhc.sublayer_enter`, which fuses the norm where its kernel runs)."""
-    w, norm_w = _sub_weights(layer_p, sub)
-    return sublayer_enter(h, pre_prev, *w, cfg, dt, layer=layer_p.get("hc_layer"), norm_weight=norm_w)
+def enter(step, layer_p, sub: str, h, pre_prev, cfg, dt, par=None):
+    """Enter sublayer `sub` ("attn" | "ffn") from h: the streams [.., n, D], or the previous sublayer's
+    `DeferredExit`, applied first. Returns (h, (x, pre, post, comb)): the streams entering the sublayer, its
+    input x = its RMSNorm of hc_pre(h, pre_prev) in `dt`, and its mixes (`mhc.sublayer_enter`).
 
-
-def exit_enter(layer_p, sub: str, y, h, post, comb, pre, cfg, dt, par=None):
-    """Leave a sublayer (output y, its post / comb / pre) and enter sublayer `sub`: (h', `enter`'s result).
-    One mhc seam call (`mhc.sublayer_exit_enter`: one kernel where the mhc kernel runs); on a mesh of more
-    than one device the two stay apart, so h' is pinned replicated (`replicated`) before the enter sums over it."""
-    y = replicated(y, par)
-    if par is not None and par.size > 1:
-        h = replicated(sublayer_exit(y, h, post, comb, cfg, dt), par)
-        return h, enter(layer_p, sub, h, pre, cfg, dt)
+    A deferred exit runs fused with the enter where the plan says so (`StepPlan.fused_boundary`:
+    `mhc.sublayer_exit_enter`, one kernel where the mhc kernel runs); on a mesh of more than one device the two
+    stay apart and the streams are pinned replicated (`replicated`) before the enter sums over them."""
     w, norm_w = _sub_weights(layer_p, sub)
-    h, entered = sublayer_exit_enter(y, h, post, comb, pre, *w, cfg, dt, layer=layer_p.get("hc_layer"),
-                                     norm_weight=norm_w)
-    return replicated(h, par), entered
+    layer = layer_p.get("hc_layer")
+    if isinstance(h, DeferredExit) and step.fused_boundary:
+        h, entered = sublayer_exit_enter(replicated(h.y, par), h.h, h.post, h.comb, pre_prev, *w, cfg, dt,
+                                         layer=layer, norm_weight=norm_w)
+        return replicated(h, par), entered
+    h = settle(h, cfg, dt, par)
+    return h, sublayer_enter(h, pre_prev, *w, cfg, dt, layer=layer, norm_weight=norm_w)
 
 
 def embed_streams(params, tokens, cfg, dt, par=None):
@@ -140,85 +136,58 @@ def replicated(x, par):
 
 
 def settle(h, cfg, dt, par=None):
-    """The streams as an array: `h` itself, or — `h` a deferred exit (h_in, y, post, comb), what `block` with
-    ``defer=True`` hands on — ``sublayer_exit(y, h_in, post, comb)``."""
-    if not isinstance(h, tuple):
+    """The streams as an array: `h` itself, or — `h` a `DeferredExit` — ``sublayer_exit(y, h, post, comb)``."""
+    if not isinstance(h, DeferredExit):
         return h
-    h_in, y, post, comb = h
-    return replicated(sublayer_exit(replicated(y, par), h_in, post, comb, cfg, dt), par)
+    return replicated(sublayer_exit(replicated(h.y, par), h.h, h.post, h.comb, cfg, dt), par)
 
 
-def block(lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=None, defer: bool = False):
-    """One layer (any attention implementation): returns (h, pre for the next sublayer, rec, out).
+def block(step, lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=None):
+    """One layer (any attention implementation): returns (the layer's ffn exit as a `DeferredExit`, pre for the
+    next sublayer, rec, out).
 
-    h: the streams [B, T, n, D], or the previous layer's deferred exit (a tuple, see `settle`): its exit then
-    runs fused with this layer's attention enter (`exit_enter`: one mHC kernel launch fewer per layer
-    boundary), or alone before an Engram layer. defer: return this layer's own ffn exit deferred, as
-    ``(h entering the ffn, y, post, comb)``, for the next layer (or `settle`) to apply.
-
-    lp: the layer's params; pre_prev fp32 [B, T, n]; attn_fn(x) -> (y, out) maps the
-    normed attention input [B, T, D] to the sublayer output y and whatever else the attention returns
-    (`out`, handed back untouched: stores for later layers, cache writes); engram_rows int32 [B, T, R]
-    for Engram layers; par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts
-    run its sharded forms). rec: this layer's aux record {"layer_inputs": h after Engram [B, T, n, D],
-    "experts": int32 [B, T, top_k]} (`record`).
+    step: the `plan.StepPlan`; lp: the layer's params; h: the streams [B, T, n, D] or the previous layer's
+    `DeferredExit` (applied by `enter`); pre_prev fp32 [B, T, n]; plan: the layer's `LayerPlan`; attn_fn(x) ->
+    (y, out) maps the normed attention input [B, T, D] to the sublayer output y and whatever else the attention
+    returns (`out`, handed back untouched: stores for later layers, cache writes); engram_rows int32 [B, T, R]
+    for Engram layers; par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts run its
+    sharded forms). rec: this layer's aux record {"layer_inputs": h after Engram [B, T, n, D], "experts": int32
+    [B, T, top_k]} (`record`). The exit is left deferred for the next layer's enter to fuse (`settle` applies it).
     """
     if plan.is_engram:
         h = replicated(engram(lp["engram"], settle(h, cfg, dt, par), engram_rows, cfg, dt, par=par), par)
-    # The mixes of each sublayer come from its own input h, its hc_pre uses the previous pre.
-    if isinstance(h, tuple):  # the previous layer's ffn exit, fused with this enter
-        h_in, y_prev, post_prev, comb_prev = h
-        h, (x, a_pre, a_post, a_comb) = exit_enter(lp, "attn", y_prev, h_in, post_prev, comb_prev, pre_prev, cfg, dt,
-                                                   par)
-    else:
-        x, a_pre, a_post, a_comb = enter(lp, "attn", h, pre_prev, cfg, dt)
+    h, (x, a_pre, a_post, a_comb) = enter(step, lp, "attn", h, pre_prev, cfg, dt, par)
     rec = {"layer_inputs": h}
     y, out = attn_fn(x)
-    h, (x, f_pre, f_post, f_comb) = exit_enter(lp, "ffn", y, h, a_post, a_comb, a_pre, cfg, dt, par)
-    y, (eidx, _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par)
-    rec["experts"] = eidx
-    h = (h, y, f_post, f_comb) if defer else settle((h, y, f_post, f_comb), cfg, dt, par)
-    return h, f_pre, rec, out
+    h, (x, f_pre, f_post, f_comb) = enter(step, lp, "ffn", DeferredExit(h, y, a_post, a_comb), a_pre, cfg, dt, par)
+    y, (rec["experts"], _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par, step=step)
+    return DeferredExit(h, y, f_post, f_comb), f_pre, rec, out
 
 
-def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None, carry=None):
+def scan_blocks(step, stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None, carry=None):
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
-    stacked: the run's layer params with a leading axis n, in storage dtypes (`layer_scan.run_params`); h [B, T, n_hc, D]
-    and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan
-    (the run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs
-    with a leading axis n (or None). attn_fn(p, x, xs_row, k) -> (y, out) is the attention sublayer of one
-    layer (p its ``attn`` params, k int32 its index within the run); `out` is a pytree of per-layer arrays. Returns (h, pre, aux', outs):
-    aux' is `aux` with each layer's ``layer_inputs`` / ``experts`` under its own layer id (a new dict),
-    `outs` the layers' `out` stacked over the run (leading axis n). carry: None, or a pytree the layers thread
-    through (attn_fn(p, x, xs_row, k, carry) -> (y, (out, carry')): the cache's window rings, which each layer
-    writes in place); then returns (h, pre, aux', outs, the last carry)."""
+    step: the `plan.StepPlan`; stacked: the run's layer params with a leading axis n, in storage dtypes
+    (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the scan's carry keeps the form it
+    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan (the
+    run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs with a leading
+    axis n (or None); carry: a pytree the layers thread through (the cache's window rings where each layer writes
+    its own in place, `StepPlan.ring_now`), or None. attn_fn(p, x, xs_row, k, carry) -> (y, (out, carry')) is
+    the attention sublayer of one layer (p its ``attn`` params, k int32 its index within the run); `out` is a
+    pytree of per-layer arrays. Returns (h, pre, aux', outs, carry'): aux' is `aux` with each layer's
+    ``layer_inputs`` / ``experts`` under its own layer id (a new dict), `outs` the layers' `out` stacked over
+    the run (leading axis n).
+
+    The weights the plan's kernels read in place (`StepPlan.in_place`) are not sliced per layer: the body hands
+    them to the kernels as the run's stacks with the layer (XLA would copy a sliced operand of a Pallas call per
+    layer); nor are the routed experts (`moe.layer_slice`: only the selected (layer, expert) rows are gathered;
+    a dynamic slice would copy all of a layer's experts every step, flash: 6.4 GB per layer)."""
     like = layer_scan.layer_decl(cfg, first)
-    # The routed experts are not sliced per layer: the body gathers only the selected (layer, expert)
-    # rows out of the run's stacks (`moe.layer_slice`); a dynamic slice would copy all of a layer's
-    # experts every step (flash: 6.4 GB per layer).
     experts = stacked["ffn"]["experts"]
     rest = dict(stacked, ffn={k: v for k, v in stacked["ffn"].items() if k != "experts"})
     like = dict(like, ffn={k: v for k, v in like["ffn"].items() if k != "experts"})
     n = jax.tree_util.tree_leaves(experts)[0].shape[0]
-    # The same for the fp8 / MXFP4 linears when they run the Pallas kernel: a kernel's operand cannot be
-    # fused with the scan's dynamic slice, so XLA would copy each weight per layer (flash at B=1: 420
-    # weight copies, 3.9 GB per step, in the H200-target compile); the kernel reads the layer's rows out
-    # of the run's stacks instead (`linear.layer_weight`). The xla path keeps the slice, which fuses.
-    in_place = linear.stacked_paths(rest) if linear.impl_of(cfg) in ("pallas", "pallas_interpret") else []
-    if in_place:  # q_norm runs in wq_b's kernel (`linear.fp8_normed`)
-        in_place.append(("attn", "q_norm"))
-    if dispatch.resolve(cfg, "attention") in ("pallas", "pallas_interpret"):  # kv_norm: `attention.window_codes`
-        in_place.append(("attn", "kv_norm"))
-    if linear.kernel_runs(cfg):  # wo_a's fp8 pair and the sink: the o_proj kernel (`attention.output_proj`)
-        in_place += [("attn", "wo_a"), ("attn", "attn_sink")]
-    if dispatch.resolve(cfg, "moe") in ("pallas", "pallas_interpret") and (par is None or par.size == 1):
-        in_place.append(("ffn", "gate", "bias"))  # the router kernel's (`moe.moe`)
-    # and the mHC mixes' fn / base / scale and the sublayer norms' weights when the mhc kernel runs
-    # (`mhc.sublayer_enter`'s layer)
-    if mhc_kernel_runs(cfg):
-        in_place += [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
-        in_place += [(f"{sub}_norm", "weight") for sub in ("attn", "ffn")]  # its tail runs the norms
+    in_place = step.in_place(cfg, first)
     stacks = {path: layer_scan.get_path(rest, path) for path in in_place}
     # a norm's whole stack back to its declared dtype (bf16 is stored as uint16: `layer_scan.storage_dtype`); the
     # linears' dicts stay in storage dtypes (`linear.layer_weight`)
@@ -230,33 +199,30 @@ def scan_blocks(stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=N
     for path in in_place:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
         like = layer_scan.set_path(like, path, None)
+    streams_in = not isinstance(h, DeferredExit)
 
-    def body(carry, inp):
+    def body(c, inp):
         # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
         # dynamic slice that XLA:GPU rematerializes as one small launch per consumer (the routed experts
         # and each stacked linear read it)
-        h, pre, k, extra = carry
+        h, pre, k, extra = c
         lp, row = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
         for path, st in stacks.items():
             lp = layer_scan.set_path(lp, path, dict(st, layer=k) if isinstance(st, dict) else st)
-        if mhc_kernel_runs(cfg):
+        if step.mhc_kernel:
             lp = dict(lp, hc_layer=k)
-        fn = ((lambda x: attn_fn(lp["attn"], x, row, k)) if extra is None else
-              (lambda x: attn_fn(lp["attn"], x, row, k, extra)))
-        h, pre, rec, out = block(lp, h, pre, plan, cfg, dt, top_k, fn, None, par=par, defer=defer)
-        if extra is not None:
-            out, extra = out
+        h, pre, rec, (out, extra) = block(step, lp, h, pre, plan, cfg, dt, top_k,
+                                          lambda x: attn_fn(lp["attn"], x, row, k, extra), None, par=par)
+        if streams_in:  # streams in, streams out: the carry keeps one form
+            h = settle(h, cfg, dt, par)
         return (h, pre, k + 1, extra), (rec, out)
 
-    # a deferred exit in (`block`) stays deferred through the run (one fixed carry); streams in stay streams
-
-    defer = isinstance(h, tuple)
     (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), (rest, xs), length=n)
     for k in range(n):
         aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
-    return (h, pre, aux, outs) if carry is None else (h, pre, aux, outs, carry)
+    return h, pre, aux, outs, carry
 
 
 def final_logits(params, h, pre, cfg, dt):
@@ -305,17 +271,18 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
         pre = initial_pre((B, T), cfg)
         ctx = {"comp": {}, "keys": {}, "topk": {}, "cand": None}
         aux = new_aux()
+        step = StepPlan.of(cfg, par, (B, T))
         for i, n in layer_scan.layer_runs(cfg):
             plan = cfg.layer_plan(i)
             if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-                def attn_run(p, x, _row, _k, plan=plan, ctx=ctx):
+                def attn_run(p, x, _row, _k, carry, plan=plan, ctx=ctx):
                     y, ctx_out, rec = attention_full(p, x, positions, plan, ctx, cfg, dt)
                     if ctx_out is not ctx or rec:
                         raise RuntimeError(f"layer {plan.layer_id}: a scanned run's layers must not store anything")
-                    return y, {}
+                    return y, ({}, carry)
 
-                h, pre, aux, _ = scan_blocks(layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt, aux,
-                                             i, cfg.num_experts_per_tok, attn_run, par=par)
+                h, pre, aux, _, _ = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt,
+                                                aux, i, cfg.num_experts_per_tok, attn_run, par=par)
                 continue
             lp = layer_scan.layer_params(params, i, cfg)
             rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
@@ -324,8 +291,8 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
                 y, ctx_out, rec = attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt)
                 return y, (ctx_out, rec)
 
-            h, pre, rec, (ctx, arec) = block(lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
-                                             par=par, defer=True)
+            h, pre, rec, (ctx, arec) = block(step, lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
+                                             par=par)
             aux = record(aux, i, rec, arec)
         logits, x = final_logits(params, settle(h, cfg, dt, par), pre, cfg, dt)
         if return_aux:

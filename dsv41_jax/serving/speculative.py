@@ -127,7 +127,7 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     toks = jnp.where(active[:, None], toks, -1)
     n_commit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     new_state = decode.commit(st, pend, vb, n_commit, cfg)
-    new_state["dspark"] = dspark.write_rings(params, state["dspark"], aux["layer_inputs"], slot, pend["positions"],
+    new_state["dspark"] = dspark.write_rings(params, state["dspark"], aux["layer_inputs"], slot, pend.positions,
                                              n_commit, cfg, ccfg)
     if mesh is not None:
         from dsv41_jax.parallel import rules
