@@ -182,3 +182,15 @@ def test_v4_validation():
         t.replace(hash_layer_ids=(1, 0))
     with pytest.raises(ConfigError, match="rope_scaling.type"):
         t.replace(rope_scaling=RopeScaling(type="linear"))
+
+
+def test_legacy_rate_keys_and_default_schedule():
+    """transformers' legacy top-level compress_rate_csa / compress_rate_hca fold into the ratios; with neither
+    layer_types nor compress_ratios, transformers' default schedule (2 HCA, then HCA / CSA alternating)."""
+    d = json.load(open(os.path.join(DATA, "release_style", "config.json")))
+    d.update(compress_rate_hca=64, compress_ratios=[0, 0, 4, 64, 4, 0])
+    cfg = ModelConfig.from_dict(d)
+    assert (cfg.hca_compress_ratio, cfg.attention_kinds[3], cfg.compress_ratios) == (64, "hca", (0, 0, 4, 64, 4, 0))
+    del d["compress_ratios"], d["compress_rate_hca"]
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.attention_kinds == ("hca", "hca", "hca", "csa", "hca")

@@ -52,3 +52,11 @@ def test_transformers_reads_our_v4_config(preset, tmp_path):
 def test_transformers_and_we_read_the_fixtures_alike(fixture):
     d = os.path.join(DATA, fixture)
     assert _theirs(d) == _ours(ModelConfig.from_pretrained(d))
+
+
+def test_default_schedule_matches(tmp_path):
+    """A config.json with neither layer_types nor compress_ratios: both read transformers' default schedule."""
+    d = json.load(open(os.path.join(DATA, "release_style", "config.json")))
+    del d["compress_ratios"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert _theirs(str(tmp_path)) == _ours(ModelConfig.from_pretrained(str(tmp_path)))
