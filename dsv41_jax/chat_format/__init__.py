@@ -5,7 +5,9 @@
 * `effort` — the thinking switch and ``reasoning_effort`` (`resolve_thinking`, `ServerDefaults`),
   and `ChatError`, the chat layer's 400;
 * `dsml` — the tool-call markup as written (`render_calls_block`), the JSON style, and the
-  ``tools`` / ``tool_choice`` checks.
+  ``tools`` / ``tool_choice`` checks;
+* `encoding_v4` — the earlier DeepSeek-V4 checkpoints' encoding (unspaced DSML, Non-think / Think High /
+  Think Max), built from the pieces above; `registry.chat_encoder` picks V4.1's or V4's by model family.
 
 Nothing here imports the rest of dsv41_jax: `serving` (the server, `LLM.chat`) and `training` (the
 nano corpus) both build on it, so training never imports `serving`. The model-output side (the

@@ -44,6 +44,7 @@ __all__ = [
     "CALLS_CLOSE",
     "INVOKE_CLOSE",
     "PARAMETER_CLOSE",
+    "V41_TAG_NAMES",
     "decode_arguments",
     "make_validator",
     "new_call_id",
@@ -106,16 +107,22 @@ def decode_arguments(arguments: Any) -> dict:
     raise ValueError(f"arguments must be a JSON object string, got {type(arguments).__name__}")
 
 
-def render_parameter(key: str, value: Any) -> str:
+# The tag names after ｜DSML｜: (calls block, invoke, parameter). V4.1 spaces them; DeepSeek-V4 writes
+# (`tool_calls`, `invoke`, `parameter`) unspaced (`encoding_v4.V4_TAG_NAMES`).
+V41_TAG_NAMES = (CALLS_NAME, INVOKE_NAME, PARAMETER_NAME)
+
+
+def render_parameter(key: str, value: Any, names: Sequence[str] = V41_TAG_NAMES) -> str:
+    tag = names[2]
     if isinstance(value, str):
-        return f'<{DSML}{PARAMETER_NAME} name="{key}" string="true">{value}{PARAMETER_CLOSE}'
-    return f'<{DSML}{PARAMETER_NAME} name="{key}" string="false">{to_json(value)}{PARAMETER_CLOSE}'
+        return f'<{DSML}{tag} name="{key}" string="true">{value}</{DSML}{tag}>'
+    return f'<{DSML}{tag} name="{key}" string="false">{to_json(value)}</{DSML}{tag}>'
 
 
-def render_invoke(name: str, arguments: Mapping[str, Any]) -> str:
+def render_invoke(name: str, arguments: Mapping[str, Any], names: Sequence[str] = V41_TAG_NAMES) -> str:
     """One invoke; no arguments gives the open tag, two newlines, the close tag."""
-    params = "\n".join(render_parameter(k, v) for k, v in arguments.items())
-    return f'<{DSML}{INVOKE_NAME} name="{name}">\n{params}\n{INVOKE_CLOSE}'
+    params = "\n".join(render_parameter(k, v, names) for k, v in arguments.items())
+    return f'<{DSML}{names[1]} name="{name}">\n{params}\n</{DSML}{names[1]}>'
 
 
 def _call_name_args(call: Mapping[str, Any]) -> tuple[str, dict]:
@@ -123,12 +130,13 @@ def _call_name_args(call: Mapping[str, Any]) -> tuple[str, dict]:
     return fn["name"], decode_arguments(fn.get("arguments", {}))
 
 
-def render_calls_block(calls: Iterable[Mapping[str, Any] | tuple[str, Mapping[str, Any]]]) -> str:
+def render_calls_block(calls: Iterable[Mapping[str, Any] | tuple[str, Mapping[str, Any]]],
+                       names: Sequence[str] = V41_TAG_NAMES) -> str:
     """``<｜DSML｜ calls>\\n`` + invokes joined by ``\\n`` + ``\\n</｜DSML｜ calls>``.
 
     ``calls`` are OpenAI tool calls (``{"function": {"name", "arguments"}}``), ``{"name",
     "arguments"}`` dicts or ``(name, arguments)`` pairs; string arguments must decode to an object.
-    The chat encoder adds the leading ``"\\n\\n"`` and the EOS.
+    The chat encoder adds the leading ``"\\n\\n"`` and the EOS. ``names``: the tag names (V4.1's by default).
     """
     invokes = []
     for c in calls:
@@ -136,8 +144,8 @@ def render_calls_block(calls: Iterable[Mapping[str, Any] | tuple[str, Mapping[st
             name, args = c[0], decode_arguments(c[1])
         else:
             name, args = _call_name_args(c)
-        invokes.append(render_invoke(name, args))
-    return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+        invokes.append(render_invoke(name, args, names))
+    return f"<{DSML}{names[0]}>\n" + "\n".join(invokes) + f"\n</{DSML}{names[0]}>"
 
 
 # ------------------------------------------------------------------------------- JSON schemas

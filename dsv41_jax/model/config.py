@@ -202,6 +202,17 @@ class ModelConfig:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 128
     dspark_num_experts_per_tok: int = 3
+    # --- DeepSeek-V4 variants (docs/design/v4.md; read from a `deepseek_v4` config.json by config_v4.py).
+    # The defaults are V4.1's: a V4.1 config never sets them (validate() keeps them at these values).
+    model_family: str = "deepseek_v41"  # "deepseek_v4": the earlier V4 Flash / Pro checkpoints
+    csa_compress_ratio: int = 0  # V4: the compress_ratios value of CSA layers (4); 0 = none (V4.1)
+    hca_compress_ratio: int = 0  # V4: the compress_ratios value of HCA layers (128); 0 = none (V4.1)
+    hash_layer_ids: tuple = ()  # V4: MoE layers that route by tid2eid[input_ids] instead of the gate's top-k
+    mhc_variant: str = "lagged"  # "lagged" (V4.1: pre from the previous sublayer) | "pre_mix" (V4: own pre, hc_head)
+    q_head_norm: bool = False  # V4: an unweighted RMSNorm of each query head after wq_b
+    weight_block_size: tuple = (32, 32)  # fp8 dense weight blocks (V4: 128x128); () = unquantized weights
+    expert_dtype: str = "fp4"  # routed experts in the checkpoint: "fp4" (MXFP4), "fp8" or "bf16"
+    draft_kind: str = "dspark"  # what the num_nextn_predict_layers draft stages are: "dspark" | "mtp" (V4 original)
     # --- ours (not in the HF file)
     # "bfloat16" = the reference dtype flow; "float32" = fp32 activations; "exact" = fp32 activations with
     # fp64-accumulated matmuls, for equivalence tests (model/numerics.py)
@@ -221,7 +232,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ construction
     def __post_init__(self):
         for f in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
-                  "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
+                  "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids", "hash_layer_ids",
+                  "weight_block_size"):
             v = getattr(self, f)
             if not isinstance(v, tuple):
                 object.__setattr__(self, f, tuple(int(x) for x in v))
@@ -235,18 +247,29 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """``"flash"``: the real V4.1 Flash values. ``"tiny"``: a small config with every mechanism.
-        ``"nano"``: tiny's layout at a trainable width (scripts/train_nano.py)."""
+        ``"nano"``: tiny's layout at a trainable width (scripts/train_nano.py). ``"tiny-v4"`` / ``"flash-v4"`` /
+        ``"pro-v4"``: DeepSeek-V4 layouts (config_v4.py), which the model refuses to run until V4 is implemented."""
+        from dsv41_jax.model import config_v4
+
+        if name in config_v4.PRESETS:
+            return config_v4.PRESETS[name](cls)
         if name == "flash":
             return cls(name="flash")
         if name == "tiny":
             return _tiny()
         if name == "nano":
             return _nano()
-        raise ConfigError(f"unknown preset {name!r}; known presets: 'flash', 'tiny', 'nano'")
+        raise ConfigError(f"unknown preset {name!r}; known presets: 'flash', 'tiny', 'nano', "
+                          f"{', '.join(repr(p) for p in config_v4.PRESETS)}")
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<dict>") -> "ModelConfig":
-        """Build from an HF ``config.json`` dict (top level + text_config) or a flat reference dict."""
+        """Build from an HF ``config.json`` dict (top level + text_config) or a flat reference dict; a
+        ``deepseek_v4`` one goes to `config_v4.from_v4_dict`."""
+        from dsv41_jax.model import config_v4
+
+        if config_v4.is_v4_dict(d):
+            return config_v4.from_v4_dict(cls, d, source=source)
         d = dict(d)
         mt = d.get("model_type")
         if mt is not None and mt not in MODEL_TYPES:
@@ -269,7 +292,7 @@ class ModelConfig:
                     rope.update(v)
                 continue
             key = _ALIASES.get(k, k)
-            if key in names and key not in ("name",):
+            if key in names and key not in ("name",) and key not in config_v4.V4_ONLY_FIELDS:
                 kw[key] = v
             elif key not in _IGNORED_KEYS:
                 unknown.append(k)
@@ -298,7 +321,7 @@ class ModelConfig:
 
         ``"tiny"`` / ``"flash"`` name the presets, ``"nano"`` the bundled trained checkpoint (`resolve_model`).
         """
-        if path in ("tiny", "flash"):
+        if path in ("tiny", "flash", "tiny-v4", "flash-v4", "pro-v4"):
             return cls.preset(path)
         path = resolve_model(path)
         if os.path.isdir(path):
@@ -321,10 +344,15 @@ class ModelConfig:
         return cls.from_dict(d, source=path)
 
     def to_hf_dict(self) -> dict:
-        """The HF ``config.json`` form (top level with ``text_config`` and ``quantization_config``)."""
+        """The HF ``config.json`` form (top level with ``text_config`` and ``quantization_config``); a V4
+        config gets the release-style V4 file (`config_v4.to_v4_dict`)."""
+        from dsv41_jax.model import config_v4
+
+        if self.model_family != "deepseek_v41":
+            return config_v4.to_v4_dict(self)
         text = {}
         for f in dataclasses.fields(self):
-            if f.name in ("act_dtype", "deterministic", "impl", "layer_scan", "name"):
+            if f.name in ("act_dtype", "deterministic", "impl", "layer_scan", "name") or f.name in config_v4.V4_ONLY_FIELDS:
                 continue
             v = getattr(self, f.name)
             if isinstance(v, RopeScaling):
@@ -369,7 +397,16 @@ class ModelConfig:
         """KV sources that are also index sources own index keys."""
         return tuple(i for i in self.kv_source_layer_ids if i in self.index_source_layer_ids)
 
+    @property
+    def attention_kinds(self) -> tuple:
+        """Per target layer: "window" | "compressed" (V4.1), "sliding" | "csa" | "hca" (V4)."""
+        from dsv41_jax.model.config_v4 import attention_kinds
+
+        return attention_kinds(self)
+
     def layer_plan(self, layer_id: int) -> LayerPlan:
+        """What layer ``layer_id`` reads and writes. Raises NotImplementedError for a config the model cannot
+        run (a DeepSeek-V4 one): every params / forward / decode builder asks this first."""
         return _layer_plans(self)[layer_id]
 
     def layer_plans(self) -> tuple:
@@ -381,6 +418,10 @@ class ModelConfig:
             raise ConfigError(f"{fieldname}: {msg}")
 
         L, S = self.num_hidden_layers, self.num_nextn_predict_layers
+        from dsv41_jax.model.config_v4 import validate_family
+
+        validate_family(self, err)
+        v41 = self.model_family == "deepseek_v41"
         if L < 1:
             err("num_hidden_layers", f"must be >= 1, got {L}")
         if S < 0:
@@ -435,8 +476,9 @@ class ModelConfig:
             err("sliding_window", f"= {self.sliding_window} must be >= 1")
         if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
             err("hc_mult/hc_sinkhorn_iters", "must be >= 1")
-        if self.rope_scaling.type != "yarn":
-            err("rope_scaling.type", f"= {self.rope_scaling.type!r}; only 'yarn' is implemented")
+        if self.rope_scaling.type != "yarn" and (v41 or self.rope_scaling.type != "default"):
+            err("rope_scaling.type", f"= {self.rope_scaling.type!r}; only 'yarn' is implemented"
+                + ("" if v41 else " (and 'default', no YaRN, for V4)"))
         if self.index_topk < 1:
             err("index_topk", f"= {self.index_topk} must be >= 1")
         if self.candidate_block_size < 1 or self.candidate_topk_blocks < 1:
@@ -479,7 +521,7 @@ class ModelConfig:
             if self.compress_ratios[owners[-1]] != self.compress_ratios[i]:
                 err("index_source_layer_ids", f"index source {i} (ratio {self.compress_ratios[i]}) would score the "
                     f"keys of layer {owners[-1]} (ratio {self.compress_ratios[owners[-1]]}); ratios must match")
-        for i in range(L):
+        for i in range(L if v41 else 0):  # V4 has no sources: each compressed layer compresses for itself
             r = self.compress_ratios[i]
             if r == 0:
                 continue
@@ -511,7 +553,7 @@ class ModelConfig:
                     err("engram_num_embeddings", f"layer {lid} has {got} rows but the primes rule (engram_vocab_size="
                         f"{self.engram_vocab_size}, {self.engram_n_heads} heads, orders 2..{self.engram_max_ngram_size})"
                         f" gives {exp}")
-        if S:
+        if S and self.draft_kind == "dspark":
             if len(self.dspark_target_layer_ids) < 1:
                 err("dspark_target_layer_ids", "needs at least one layer when DSpark stages exist")
             if self.dspark_block_size < 1:
@@ -543,6 +585,10 @@ def _engram_rows(layer_ids, max_ngram, n_heads, vocab) -> list:
 
 @functools.lru_cache(maxsize=64)
 def _layer_plans(cfg: ModelConfig) -> tuple:
+    if cfg.model_family != "deepseek_v41":
+        from dsv41_jax.model.config_v4 import refusal
+
+        raise NotImplementedError(refusal(cfg))
     plans = []
     L = cfg.num_hidden_layers
     for i in range(cfg.num_layers_total):
