@@ -126,6 +126,29 @@ def test_mesh_matrix_equals_single_device(cpu8, cfg, params, ref, ref_more, mesh
         assert all((m["snapshots"] > 0) == radix and (m["draft_params"] > 0) == dspark for m in mem.values())
 
 
+def test_exact_logprobs_on_the_mesh_equal_single_device(cpu8, cfg, params, ref_engine):
+    """Issue 49: ``--dtype exact`` alone (no deterministic mode) promises results independent of the mesh;
+    on tp=2 × ep=4 with DSpark and the radix cache + HiCache, the logprobs and top logprobs of the
+    requests that hit the prefix cache parted from the single-device plain engine's by one fp32 ulp (the
+    sampler's vocabulary sums were fp32, in whatever order XLA's program for each mesh gave them). Exact
+    mode now sums them in fp64, as the deterministic mode does: the same bits."""
+    def go(eng):
+        out = []
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"lp{i}", p, SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=2))
+            (o,) = [o for o in eng.run_until_done() if o.finished]
+            c = o.outputs[0]
+            out.append((list(c.token_ids), list(c.logprobs), [list(map(tuple, t)) for t in c.top_logprobs],
+                        o.num_cached_tokens))
+        return out
+
+    want = go(ref_engine)
+    got = go(Engine(EngineArgs(**KW, **MESHES["tp2_ep4"], speculative_algorithm="DSPARK",
+                               enable_hierarchical_cache=True), cfg=cfg, params=params))
+    assert [g[3] for g in got] == [0, 8, 8] and [w[3] for w in want] == [0, 0, 0]
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+
+
 @pytest.mark.slow  # a smaller pool and the all-logits step: their own compiles on the mesh and on one device
 def test_mesh_preemption_and_prompt_logprobs_equal_single_device(cpu8, cfg, params):
     """tp=2 × ep=4 with DSpark and the radix cache: two requests that do not fit the pool together (one is
@@ -153,9 +176,8 @@ def test_mesh_preemption_and_prompt_logprobs_equal_single_device(cpu8, cfg, para
 
 # ------------------------------------------------------------------------------------------- server
 
-# --dtype exact makes the model order-independent; --enable-deterministic-inference also the sampler's
-# vocabulary sums (fp64), without which a logprob may differ in its last fp32 bit between the programs XLA
-# builds for one device and for the mesh (seen: one ulp, tokens equal)
+# --dtype exact makes the model and the sampler's vocabulary sums (fp64) order-independent; with
+# --enable-deterministic-inference too, the deterministic mode's numerics are checked on the mesh as well
 SERVE_FLAGS = ["--served-model-name", "mm", "--dtype", "exact", "--enable-deterministic-inference", "--max-running-requests", "2", "--batch-buckets", "2",
                "--chunked-prefill-size", "1", "--page-size", "8", "--context-length", "48", "--max-total-tokens", "192",
                "--decode-log-interval", "1000", "--enable-metrics"]

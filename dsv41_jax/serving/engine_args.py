@@ -347,8 +347,8 @@ class EngineArgs:
         g.add_argument("--dtype", default=d["dtype"].default, choices=sorted(DTYPES),
                        help="activation dtype: auto/bfloat16 = the reference bf16 flow; float32 = the full-fp32 "
                             "equivalence mode, in which greedy outputs do not depend on batch composition; "
-                            "exact = fp32 with fp64-accumulated matmuls (slower): outputs independent of "
-                            "summation order, e.g. of --tp / --ep")
+                            "exact = fp32 with fp64-accumulated matmuls and sampler sums (slower): tokens and "
+                            "logprobs independent of summation order, e.g. of the batch, --tp / --ep")
         g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=sorted(KV_CACHE_DTYPE_CHOICES),
                        help="KV storage: auto (fp8 window, fp4 compressed latents / index keys: lossless), "
                             "fp8_e4m3 (all fp8, lossy), bfloat16 / float32 (debugging)")

@@ -453,7 +453,10 @@ class Runner:
         except ValueError as e:
             raise EngineError(f"--impl {args.impl!r}: {e}") from None
         log.info("impl %r: %s", args.impl, ", ".join(f"{op}={name}" for op, name in chosen.items()))
-        self.deterministic = bool(cfg.deterministic)  # the sampler's fp64 sums (static in its jits)
+        # the sampler's fp64 vocabulary sums (static in its jits): in the deterministic mode and in exact mode,
+        # whose logprobs would otherwise part in the last fp32 bit between the programs XLA builds for one
+        # device and for a mesh (issue 49: prefix-cache hits on --tp 2 --ep 4 with DSpark, 1 ulp)
+        self.deterministic = bool(cfg.deterministic) or cfg.act_dtype == "exact"
         if cfg.deterministic:
             log.warning("deterministic inference ON (--enable-deterministic-inference): numerics %s — activations "
                         "rounded as in the %s flow, every order-sensitive sum accumulated in fp64, Pallas kernels "
