@@ -28,10 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.model import quant, quant_np
+from dsv41_jax.model.codec import E8M0, FP8
 from dsv41_jax.model.config import ModelConfig
 
-FP8 = jnp.float8_e4m3fn
-E8M0 = jnp.float8_e8m0fnu
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 U8 = jnp.uint8
