@@ -59,7 +59,7 @@ def test_impossible_mesh_refused_at_startup(cpu8, tiny_cfg, capsys):
         Engine(EngineArgs(**KW, ep_size=16), cfg=tiny_cfg)
     from dsv41_jax.serve import main
 
-    assert main(["--model", "tiny", "--tp", "2", "--ep", "8", "--port", "18123"]) == 1
+    assert main(["--model", "tiny", "--tp", "2", "--ep", "8", "--port", "18123"]) == 2
     assert "more expert shards than experts" in capsys.readouterr().err
 
 
