@@ -485,3 +485,28 @@ def test_validation_accepts_the_presets_and_equivalent_variants(tiny):
     # consistent engram change (rows recomputed by the primes rule) is accepted
     rows = primes_rule_rows((1, 4), 4, 2, 60)
     tiny.replace(engram_vocab_size=60, engram_num_embeddings=tuple(rows))
+
+
+def test_rank_blocks_partition_slots_and_pages():
+    """dp rank blocks: dp=1 is the single-rank layout; dp>1 gives disjoint contiguous blocks, each with its
+    own scratch row (last) and null page (first), and totals that do not divide are refused."""
+    from dsv41_jax.model import cache as kvc
+    one = kvc.CacheConfig(max_slots=8, num_pages=16)
+    assert kvc.slot_rows(one) == 9 and list(kvc.rank_slots(one, 0)) == list(range(8))
+    assert kvc.scratch_slot(one) == 8 and kvc.rank_pages(one, 0) == range(0, 16)
+    four = kvc.CacheConfig(max_slots=8, num_pages=16, dp=4)
+    assert kvc.slot_rows(four) == 12
+    seen = []
+    for r in range(4):
+        rows = list(kvc.rank_slots(four, r)) + [kvc.scratch_slot(four, r)]
+        assert rows == list(range(3 * r, 3 * r + 3))
+        assert kvc.rank_pages(four, r) == range(4 * r, 4 * r + 4)
+        seen += rows
+    assert sorted(seen) == list(range(12))
+    cfg = ModelConfig.preset("tiny")
+    for bad, msg in ((dict(max_slots=6, num_pages=16, dp=4), "max_slots"),
+                     (dict(max_slots=8, num_pages=18, dp=4), "num_pages"),
+                     (dict(max_slots=8, num_pages=4, dp=4), "fewer than 2 pages"),
+                     (dict(dp=0), "dp")):
+        with pytest.raises(ValueError, match=msg):
+            kvc.CacheConfig(**{"page_size": 64, **bad}).validate(cfg)

@@ -56,6 +56,10 @@ class CacheConfig:
     max_slots: requests that can hold per-request state (window rings, partial groups) at once.
     max_pages_per_seq: page-table width (max context = max_pages_per_seq · page_size).
     kv_cache_dtype: one of KV_CACHE_DTYPES.
+    dp: data-parallel attention ranks. ``max_slots`` and ``num_pages`` are totals over the ranks and
+        divide by ``dp``; each rank owns one contiguous block of slots (its own scratch row last) and of
+        pages (its own null page first): `rank_slots`, `scratch_slot`, `rank_pages`. dp = 1 is the
+        single-rank layout (slots 0..max_slots−1, scratch max_slots; null page 0).
     retrieval_block: compressed slots scored per step of the bounded retrieval loop (the "xla" indexer,
         `indexer.topk`); rounded up to a multiple of candidate_block_size. Small values exercise the
         multi-step merge in tests; it changes speed only, never a selection.
@@ -67,6 +71,7 @@ class CacheConfig:
     max_pages_per_seq: int = 16
     kv_cache_dtype: str = "auto"
     retrieval_block: int = 512
+    dp: int = 1
 
     def validate(self, cfg: ModelConfig) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -74,6 +79,13 @@ class CacheConfig:
         for f in ("page_size", "num_pages", "max_slots", "max_pages_per_seq", "retrieval_block"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f}: must be >= 1, got {getattr(self, f)}")
+        if self.dp < 1:
+            raise ValueError(f"dp: must be >= 1, got {self.dp}")
+        for f in ("max_slots", "num_pages"):
+            if getattr(self, f) % self.dp:
+                raise ValueError(f"{f}: {getattr(self, f)} is not divisible by dp={self.dp} (each rank owns an equal block)")
+        if self.num_pages // self.dp < 2:
+            raise ValueError(f"num_pages: {self.num_pages} leaves fewer than 2 pages per dp rank (each rank reserves a null page)")
         for r in set(cfg.compress_ratios):
             if r > 0 and self.page_size % r:
                 raise ValueError(f"page_size: {self.page_size} must be a multiple of every compress ratio ({r})")
@@ -84,6 +96,35 @@ class CacheConfig:
 
     def replace(self, **kw) -> "CacheConfig":
         return dataclasses.replace(self, **kw)
+
+
+# ------------------------------------------------------------------------------------- rank blocks
+# Every host-chosen index into a per-slot or per-page device array lives in its dp rank's block, so a
+# schedule's ids are global and valid on one device, while a dp mesh can hold each block on its rank's
+# devices (docs/design: DP attention).
+
+
+def slot_rows(ccfg: CacheConfig) -> int:
+    """Rows of every per-slot array: each rank's slots plus its scratch row (max_slots + dp)."""
+    return ccfg.max_slots + ccfg.dp
+
+
+def rank_slots(ccfg: CacheConfig, r: int) -> range:
+    """Rank r's real slots (global ids), its scratch row excluded."""
+    per = ccfg.max_slots // ccfg.dp
+    return range(r * (per + 1), r * (per + 1) + per)
+
+
+def scratch_slot(ccfg: CacheConfig, r: int = 0) -> int:
+    """Rank r's scratch row: where its padded batch rows read and write (never a request's)."""
+    per = ccfg.max_slots // ccfg.dp
+    return r * (per + 1) + per
+
+
+def rank_pages(ccfg: CacheConfig, r: int) -> range:
+    """Rank r's pool pages (global ids); the first is its null page (page-table padding, never read)."""
+    per = ccfg.num_pages // ccfg.dp
+    return range(r * per, (r + 1) * per)
 
 
 # ----------------------------------------------------------------------------------------- codecs
@@ -182,7 +223,7 @@ def init_cache(cfg: ModelConfig, ccfg: CacheConfig) -> dict:
     """A zeroed cache pytree for `cfg` (target layers; DSpark rings live with the draft state)."""
     ccfg.validate(cfg)
     mode = ccfg.kv_cache_dtype
-    rows = ccfg.max_slots + 1
+    rows = slot_rows(ccfg)
     hd, W = cfg.head_dim, cfg.sliding_window
     # every layer's rings in one store, row (request) first: a step writes them all with one update per array
     state = {"window": empty_store("win", mode, (rows, cfg.num_hidden_layers, W), hd),
