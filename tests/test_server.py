@@ -586,5 +586,12 @@ def test_sigterm_finishes_in_flight_and_exits_0(server, tmp_path, jax_cache, mic
         httpx.get(base + "/health", timeout=2)
     programs, compiled, loaded = _startup_programs(log)
     assert programs == first[0] and compiled + loaded == programs
+    # the concurrent warm-up compile says what it compiled and what it loaded (not "compiled" for both)
+    m = re.search(r"warm-up: (\d+) extend shapes prepared in \d+ threads in [\d.]+s \((\d+) compiled, (\d+) loaded "
+                  r"from the compilation cache\)", log)
+    assert m, log[-3000:]
+    shapes, w_compiled, w_loaded = (int(x) for x in m.groups())
+    assert shapes >= 2 and w_compiled + w_loaded == shapes
     if str(jax_cache).lower() != "none":  # the same engine as the module's server: every program is loaded
         assert loaded == programs, log[-3000:]
+        assert (w_compiled, w_loaded) == (0, shapes), m.group(0)

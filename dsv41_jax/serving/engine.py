@@ -122,14 +122,11 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from typing import Optional, Sequence, Union
 
-from jax import monitoring
-
 from dsv41_jax.serving.engine_args import EngineArgs
-from dsv41_jax.serving.engine_metrics import EngineMetrics
+from dsv41_jax.serving.engine_metrics import CacheLoads, EngineMetrics  # noqa: F401  (CacheLoads: engine.CacheLoads)
 from dsv41_jax.serving.output import OutputProcessor
 from dsv41_jax.serving.request import (FINISHED, PREEMPTION_REASONS, RUNNING, WAITING, CompletionOutput,  # noqa: F401
                                        EngineError, EngineInternalError, Group, QueueFullError, RequestOutput, Seq)
@@ -151,29 +148,6 @@ __all__ = ["BOUNDED_REPLAY_PLP_REFUSAL", "CompletionOutput", "Engine", "EngineEr
 
 log = logging.getLogger("dsv41_jax.engine")
 
-
-class CacheLoads:
-    """Counts, while active, the executables JAX loads from the persistent compilation cache instead of
-    compiling them (its ``/jax/compilation_cache/cache_hits`` monitoring event; thread-safe, since the
-    warm-up compiles in threads). A context manager: the listener is removed on exit."""
-
-    EVENT = "/jax/compilation_cache/cache_hits"
-
-    def __init__(self):
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, event: str, **kwargs) -> None:
-        if event == self.EVENT:
-            with self._lock:
-                self.count += 1
-
-    def __enter__(self) -> "CacheLoads":
-        monitoring.register_event_listener(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        monitoring.unregister_event_listener(self)
 
 class Engine:
     """The engine front (see the module docstring). Single-threaded: call `add_request`,

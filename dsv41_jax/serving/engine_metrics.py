@@ -9,9 +9,13 @@ Counters are named up front: adding to an unknown name is an error, not a new co
 
 from __future__ import annotations
 
+import threading
+
+from jax import monitoring
+
 from dsv41_jax.serving.request import PREEMPTION_REASONS
 
-__all__ = ["COUNTERS", "EngineMetrics"]
+__all__ = ["COUNTERS", "CacheLoads", "EngineMetrics"]
 
 COUNTERS = ("num_preemptions", "replayed_tokens", "requests_failed", "prompt_tokens", "generation_tokens",
             "requests_finished", "requests_aborted", "shared_prompt_tokens", "computed_prompt_tokens", "num_forks",
@@ -47,3 +51,27 @@ class EngineMetrics:
     def snapshot(self) -> dict:
         """A copy of the counters (for `Engine.stats`)."""
         return dict(self._counts)
+
+
+class CacheLoads:
+    """Counts, while active, the executables JAX loads from the persistent compilation cache instead of
+    compiling them (its ``/jax/compilation_cache/cache_hits`` monitoring event; thread-safe, since the
+    warm-up compiles in threads). A context manager: the listener is removed on exit."""
+
+    EVENT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **kwargs) -> None:
+        if event == self.EVENT:
+            with self._lock:
+                self.count += 1
+
+    def __enter__(self) -> "CacheLoads":
+        monitoring.register_event_listener(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        monitoring.unregister_event_listener(self)
