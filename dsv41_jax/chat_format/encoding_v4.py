@@ -48,6 +48,7 @@ from .effort import ChatError, _explicit_bool
 from .encoding import (
     ASSISTANT,
     BOS,
+    DEFAULT_TOOLS_TEMPLATE,
     EOS,
     THINK_CLOSE,
     THINK_OPEN,
@@ -69,32 +70,13 @@ log = logging.getLogger(__name__)
 V4_TAG_NAMES = ("tool_calls", "invoke", "parameter")
 V4_EFFORTS = ("high", "max")  # what the V4 encoder renders (Think High / Think Max)
 
-# Our wording of V4's tools-section rules (a checkpoint's encoder file replaces it). Format fields:
-# {dsml_token}, {thinking_start_token}, {thinking_end_token}, {tool_schemas}.
-DEFAULT_V4_TOOLS_TEMPLATE = """## Tools
-
-You can use the tools listed below. To call one or more of them, write a "<{dsml_token}tool_calls>" block in exactly this form:
-
-<{dsml_token}tool_calls>
-<{dsml_token}invoke name="$TOOL_NAME">
-<{dsml_token}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml_token}parameter>
-...
-</{dsml_token}invoke>
-<{dsml_token}invoke name="$TOOL_NAME2">
-...
-</{dsml_token}invoke>
-</{dsml_token}tool_calls>
-
-Write a string parameter's value as plain text and mark it `string="true"`. Write every other value (numbers, booleans, arrays, objects) as JSON and mark it `string="false"`.
-
-In thinking mode (the reply opens with {thinking_start_token}), put your complete reasoning inside {thinking_start_token}...{thinking_end_token} before any tool call or answer. Otherwise, give the tool calls or the answer directly after {thinking_end_token}.
-
-### Available Tool Schemas
-
-{tool_schemas}
-
-Call tools only by the exact names above, with arguments that follow their parameter schemas.
-"""
+# Our wording of V4's tools-section rules (a checkpoint's encoder file replaces it): V4.1's wording with
+# V4's fixed DSML tag names filled in. Format fields left: {dsml_token}, {thinking_start_token},
+# {thinking_end_token}, {tool_schemas}.
+DEFAULT_V4_TOOLS_TEMPLATE = DEFAULT_TOOLS_TEMPLATE
+for _field, _name in zip(("tc_block_name", "tool_call_tag_name", "tool_parameter_tag_name"), V4_TAG_NAMES):
+    DEFAULT_V4_TOOLS_TEMPLATE = DEFAULT_V4_TOOLS_TEMPLATE.replace("{" + _field + "}", _name)
+del _field, _name
 
 # Our wording of the Think Max instruction (the checkpoint's REASONING_EFFORT_MAX replaces it).
 DEFAULT_MAX_EFFORT_TEXT = (
