@@ -275,7 +275,8 @@ def main(argv=None) -> int:
     try:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.resolved_impl()  # --impl: refused here if this backend cannot honour it (and logged)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, NotImplementedError) as e:  # NotImplementedError: a checkpoint family
+        # the model cannot run yet (a DeepSeek-V4 config, issue 48), found while sizing the model
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.model = engine_args.model  # "nano" resolved to its bundled directory
@@ -352,8 +353,10 @@ def main(argv=None) -> int:
     try:
         with CacheLoads() as loads, CompileTimes() as times:
             engine = AsyncEngine(engine_args)
-    except (EngineError, MeshError) as e:  # a refused configuration (DSpark without mtp.* weights, a mesh
-        print(f"error: {e}", file=sys.stderr)  # these devices cannot hold): one line saying why, no traceback
+    except (EngineError, MeshError, NotImplementedError) as e:  # a refused configuration (DSpark without
+        # mtp.* weights, a mesh these devices cannot hold, a checkpoint family the model cannot run yet):
+        # one line saying why, no traceback
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - report and exit non-zero
         log.exception("engine start failed")
