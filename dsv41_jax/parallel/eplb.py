@@ -1,0 +1,153 @@
+"""Redundant experts (EPLB): where each routed expert's copies live, from a recorded routing distribution.
+
+SGLang's ``--ep-num-redundant-experts R`` / ``--init-expert-location FILE`` and DeepSeek's EPLB: with
+``E`` logical experts per MoE layer spread over ``G`` devices, a few experts receive far more tokens
+than the rest, and the device holding them sets the step's time. Giving the hottest experts extra
+copies (``E + R`` physical experts, ``(E + R) / G`` per device) and splitting a replicated expert's
+tokens evenly over its copies flattens the per-device load. Every copy holds the same weights, so
+which copy a token visits does not change its result (the MoE combines per token in ascending
+logical expert id).
+
+Host-side numpy, per layer, deterministic (ties go to the lower expert id / device index):
+
+1. **replicate**: start with one copy of each expert; R times, give one more copy to the expert with
+   the highest load per copy that has fewer copies than devices (`replicate`);
+2. **pack**: sort the physical experts by load per copy, heaviest first, and put each on the least
+   loaded device that has a free place and does not hold a copy of the same expert yet (if every
+   device with a free place holds one, the least loaded of those) (`pack`).
+
+`plan_placement` does both for every layer; `device_loads` gives the expected tokens per device of a
+placement for a routing distribution (what `scripts/eplb_report.py` reports). The distribution file
+(`save_distribution` / `load_distribution`, JSON) is what ``--expert-distribution-recorder`` writes and
+``--init-expert-location`` reads: ``{"format": "dsv41-expert-distribution/1", "num_experts": E,
+"layers": {layer_id: [tokens routed to expert 0, ..., E-1]}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+__all__ = ["FORMAT", "LayerPlacement", "device_loads", "load_distribution", "pack", "plan_placement", "replicate",
+           "save_distribution"]
+
+FORMAT = "dsv41-expert-distribution/1"
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """One MoE layer's physical experts: ``physical[d]`` the logical expert ids on device d (each device
+    holds ``(E + R) / G`` of them, in placement order); ``copies[e]`` how many copies expert e has."""
+
+    physical: tuple
+    copies: tuple
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.physical)
+
+    def owners(self, expert: int) -> tuple:
+        """The devices holding a copy of ``expert`` (ascending; one entry per copy)."""
+        return tuple(d for d, held in enumerate(self.physical) for e in held if e == expert)
+
+
+def replicate(load, num_redundant: int, max_copies: int = 0) -> np.ndarray:
+    """Copies per expert (int [E], sum E + num_redundant): each extra copy goes to the expert with the
+    highest load per copy (ties: the lower expert id) among those with fewer than ``max_copies`` (the
+    device count: a second copy on one device balances nothing; 0 = no cap)."""
+    load = np.asarray(load, np.float64)
+    if load.ndim != 1 or load.size == 0:
+        raise ValueError(f"load: expected a non-empty vector of per-expert token counts, got shape {load.shape}")
+    if np.any(load < 0):
+        raise ValueError("load: token counts must be >= 0")
+    if num_redundant < 0:
+        raise ValueError(f"num_redundant: must be >= 0, got {num_redundant}")
+    if max_copies and num_redundant > load.size * (max_copies - 1):
+        raise ValueError(f"{num_redundant} redundant copies do not fit {load.size} experts at <= {max_copies} copies each")
+    copies = np.ones(load.size, np.int64)
+    for _ in range(num_redundant):
+        per_copy = np.where(copies < max_copies, load / copies, -1.0) if max_copies else load / copies
+        copies[int(np.argmax(per_copy))] += 1  # argmax: the first (lowest id) of equal maxima
+    return copies
+
+
+def pack(load, copies, num_devices: int) -> LayerPlacement:
+    """Place each expert's copies on ``num_devices`` devices, (E + R) / G per device, balancing the load."""
+    load = np.asarray(load, np.float64)
+    copies = np.asarray(copies, np.int64)
+    total = int(copies.sum())
+    if num_devices < 1 or total % num_devices:
+        raise ValueError(f"{total} physical experts cannot be split evenly over {num_devices} devices")
+    per_dev = total // num_devices
+    per_copy = load / copies
+    items = sorted(((-per_copy[e], e) for e in range(load.size) for _ in range(copies[e])))
+    dev_load = np.zeros(num_devices, np.float64)
+    held = [[] for _ in range(num_devices)]
+    for neg, e in items:
+        free = [d for d in range(num_devices) if len(held[d]) < per_dev]
+        fresh = [d for d in free if e not in held[d]] or free
+        d = min(fresh, key=lambda d: (dev_load[d], d))
+        held[d].append(e)
+        dev_load[d] -= neg
+    return LayerPlacement(physical=tuple(tuple(h) for h in held), copies=tuple(int(c) for c in copies))
+
+
+def plan_placement(distribution: Mapping[int, "np.ndarray"], num_devices: int, num_redundant: int) -> dict:
+    """{layer_id: LayerPlacement} for every layer of a routing distribution ({layer_id: load [E]}).
+
+    Refuses (ValueError, one line) what cannot be placed: ``E + R`` not divisible by the devices, or more
+    copies of one expert than devices (R > E · (G − 1) leaves no placement without a device holding two
+    copies, which would balance nothing)."""
+    out = {}
+    for lid, load in sorted(distribution.items()):
+        load = np.asarray(load)
+        E = load.size
+        if (E + num_redundant) % num_devices:
+            raise ValueError(f"--ep-num-redundant-experts {num_redundant}: {E} experts + {num_redundant} copies "
+                             f"do not divide evenly over {num_devices} devices")
+        if num_redundant > E * (num_devices - 1):
+            raise ValueError(f"--ep-num-redundant-experts {num_redundant}: more copies than the {num_devices} "
+                             f"devices can hold apart ({E} experts)")
+        out[int(lid)] = pack(load, replicate(load, num_redundant, max_copies=num_devices), num_devices)
+    return out
+
+
+def device_loads(load, placement: LayerPlacement) -> np.ndarray:
+    """Expected tokens per device (fp64 [G]): each expert's load split evenly over its copies."""
+    load = np.asarray(load, np.float64)
+    per_copy = load / np.asarray(placement.copies, np.float64)
+    return np.array([sum(per_copy[e] for e in held) for held in placement.physical], np.float64)
+
+
+def save_distribution(path: str, distribution: Mapping[int, "np.ndarray"]) -> None:
+    """Write {layer_id: tokens per expert} as the distribution file (module docstring)."""
+    layers = {str(int(k)): [int(x) for x in np.asarray(v)] for k, v in sorted(distribution.items())}
+    sizes = {len(v) for v in layers.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every layer needs the same number of experts, got {sorted(sizes)}")
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT, "num_experts": sizes.pop(), "layers": layers}, f, indent=1)
+
+
+def load_distribution(path: str) -> dict:
+    """{layer_id: int64 [E]} from a distribution file; ValueError naming what is wrong with it."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--init-expert-location {path!r}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ValueError(f"--init-expert-location {path!r}: not an expert distribution (format {FORMAT!r})")
+    E = d.get("num_experts")
+    out = {}
+    for k, v in (d.get("layers") or {}).items():
+        a = np.asarray(v)
+        if a.shape != (E,) or not np.issubdtype(a.dtype, np.integer) or np.any(a < 0):
+            raise ValueError(f"--init-expert-location {path!r}: layer {k}: expected {E} non-negative token counts")
+        out[int(k)] = a.astype(np.int64)
+    if not out:
+        raise ValueError(f"--init-expert-location {path!r}: no layers")
+    return out
