@@ -180,9 +180,12 @@ def from_v4_dict(cls, d: dict, *, source: str):
     if isinstance(qc, dict):
         kw["weight_block_size"] = tuple(int(x) for x in qc.get("weight_block_size", (128, 128)))
         kw["expert_dtype"] = str(m.get("expert_dtype", qc.get("expert_dtype", "fp4")))
-    else:  # no quantization_config: plain (bf16 / fp32) weights, as transformers writes them
-        kw["weight_block_size"] = ()
-        kw["expert_dtype"] = str(m.get("expert_dtype", "bf16"))
+    else:  # no quantization_config: plain (bf16 / fp32) weights, as transformers writes them (experts too:
+        kw["weight_block_size"] = ()  # a release config's expert_dtype carried over names what is no longer stored)
+        if m.get("expert_dtype", "bf16") != "bf16":
+            log.info("%s: expert_dtype %r without a quantization_config: the experts are read as plain weights",
+                     source, m["expert_dtype"])
+        kw["expert_dtype"] = "bf16"
 
     eos = m.get("eos_token_id")
     if isinstance(eos, list):
