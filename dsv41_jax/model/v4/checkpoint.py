@@ -116,3 +116,58 @@ def _unflatten(node, flat: dict, prefix: str):
     if isinstance(node, list):
         return [_unflatten(v, flat, f"{prefix}{i}.") for i, v in enumerate(node)]
     return flat[prefix[:-1]]
+
+
+def file_tensors(params: dict, cfg, scale_format: str = "e8m0") -> dict:
+    """{release name: numpy array} of a V4 parameter tree: routed experts one tensor per expert, e8m0 scales as
+    F8_E8M0 ("e8m0", as the release) or their bits as U8 ("u8")."""
+    if scale_format not in ("e8m0", "u8"):
+        raise ValueError(f"scale_format must be 'e8m0' or 'u8', got {scale_format!r}")
+    out = {}
+    for name, a in flatten_names(params).items():
+        a = np.asarray(a)
+        if a.dtype == np.dtype(E8M0) and scale_format == "u8":
+            a = a.view(np.uint8)
+        m = _STACKED.match(name)
+        if m:
+            for e in range(a.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}"] = np.ascontiguousarray(a[e])
+        else:
+            out[name] = np.ascontiguousarray(a)
+    return out
+
+
+def save_checkpoint(params: dict, cfg, out_dir: str, *, shards: int = 1, tokenizer_dir=None,
+                    scale_format: str = "e8m0") -> dict:
+    """Write `params` as a V4 release-layout directory: config.json (`config_v4.to_v4_dict`), `shards`
+    safetensors files with their index, the tokenizer files. Returns the index dict."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from dsv41_jax.model.checkpoint import INDEX_FILE, TOKENIZER_FILES
+    from dsv41_jax.model.config import TINY_DIR
+
+    tensors = file_tensors(params, cfg, scale_format)
+    names = list(tensors)
+    shards = max(1, min(int(shards), len(names)))
+    os.makedirs(out_dir, exist_ok=True)
+    weight_map = {}
+    for k in range(shards):
+        fn = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[k * len(names) // shards:(k + 1) * len(names) // shards]}
+        save_file(part, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in part})
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    tdir = tokenizer_dir or TINY_DIR
+    for fn in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(tdir, fn)):
+            shutil.copyfile(os.path.join(tdir, fn), os.path.join(out_dir, fn))
+    return index
