@@ -7,7 +7,7 @@ The shared latent-MQA core with V4's variants:
   fake-quant of the window K=V (V4's KV-cache quantization is not simulated).
 * compressed entries: every CSA / HCA layer compresses for itself (`v4.compressor.compress`; no KV sources);
   HCA attends every causal entry (w < (t+1) // r); CSA attends the top-k entries of its own Lightning indexer
-  (`index_topk`: its own compressor's keys, the shared `indexer.index_scores` / `indexer.select_topk`).
+  (`index_select`: its own compressor's keys, the shared `indexer.index_scores` / `indexer.select_topk`).
 * `attention.attend` (one softmax over window keys and entries with the per-head sink), then the inverse
   RoPE, the grouped wo_a and wo_b (`output_proj`).
 
@@ -61,20 +61,31 @@ def project_kv(p, x, positions, freqs, cfg, dt):
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
-def index_topk(p, qr, x, positions, freqs, ratio: int, cfg, dt):
-    """CSA's Lightning indexer: top-`index_topk` entries of each query over the layer's own index keys.
+def index_select(p, qr, x, positions, freqs, keys, ratio: int, cfg, dt):
+    """CSA's Lightning indexer: the top-`index_topk` entries of each query over the layer's own index keys.
 
-    p: the layer's ``indexer`` params (``wq_b`` [nI·dI, q_lora], ``weights_proj`` [nI, D], ``compressor``);
-    qr [B, T, q_lora]; x [B, T, D]. score(t, w) = Σ_h w_h · ReLU(q_h · k_w) with w = weights_proj·x ·
-    (dI·nI)^−½; entries w ≥ (t+1) // ratio are −inf. Returns int32 [B, T, min(k, S)], ascending, −1 for
-    picks at −inf (`indexer.select_topk`)."""
+    p: the layer's ``indexer`` params (``wq_b`` [nI·dI, q_lora], ``weights_proj`` [nI, D]); qr [B, T, q_lora];
+    x [B, T, D]; keys [B, S, dI] (its compressor's entries: `index_keys`, or the cached pool's). score(t, w) =
+    Σ_h w_h · ReLU(q_h · k_w) with w = weights_proj·x · (dI·nI)^−½; entries w ≥ (t+1) // ratio are −inf.
+    Returns int32 [B, T, min(k, S)], ascending, −1 for picks at −inf (`indexer.select_topk`)."""
     nI, dI = cfg.index_n_heads, cfg.index_head_dim
-    keys = compress(p["compressor"], x, ratio, True, freqs, cfg, dt)  # [B, S, dI]
     q = dense(qr, p["wq_b"], cfg, dt)
     q = apply_rope(q.reshape(q.shape[:-1] + (nI, dI)), positions[..., None], freqs, out_dtype=dt)
     w = dense(x, p["weights_proj"], cfg, jnp.float32) * ((dI ** -0.5) * (nI ** -0.5))
     scores = indexer.index_scores(q, w.astype(dt), keys, (positions + 1) // ratio, dt, is_exact(cfg))
     return indexer.select_topk(scores, cfg.index_topk)
+
+
+def compressed_view(entries, positions, ratio: int, sel=None):
+    """What a query attends of the layer's compressed entries [B, S, hd]: (comp [B, T, K, hd], mask [B, T, K]) —
+    CSA: the picks `sel` [B, T, K] (−1 = none); HCA (`sel` None): every entry w < (t+1) // ratio."""
+    B, S, hd = entries.shape
+    if sel is not None:
+        comp = jnp.take_along_axis(entries[:, None], jnp.maximum(sel, 0)[..., None], axis=2)
+        return comp, sel >= 0
+    T = positions.shape[1]
+    comp = jnp.broadcast_to(entries[:, None], (B, T, S, hd))
+    return comp, jnp.arange(S)[None, None, :] < ((positions + 1) // ratio)[..., None]
 
 
 def output_proj(p, o, positions, freqs, cfg, dt):
@@ -113,13 +124,10 @@ def attention_full(p, x, positions, kind: str, ratio: int, cfg, dt):
             rec["topk"] = jnp.zeros((B, T, 0), jnp.int32)
     else:
         entries = compress(p["compressor"], x, ratio, kind == "csa", freqs, cfg, dt)  # [B, S, hd]
+        sel = None
         if kind == "csa":
-            sel = index_topk(p["indexer"], qr, x, positions, freqs, ratio, cfg, dt)  # [B, T, K]
-            comp = jnp.take_along_axis(entries[:, None], jnp.maximum(sel, 0)[..., None], axis=2)
-            comp_mask = sel >= 0
-            rec["topk"] = sel
-        else:  # HCA: every causal entry
-            comp = jnp.broadcast_to(entries[:, None], (B, T, S, cfg.head_dim))
-            comp_mask = jnp.arange(S)[None, None, :] < ((positions + 1) // ratio)[..., None]
+            keys = compress(p["indexer"]["compressor"], x, ratio, True, freqs, cfg, dt)  # [B, S, dI]
+            rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, keys, ratio, cfg, dt)
+        comp, comp_mask = compressed_view(entries, positions, ratio, sel)
     o = attend(q, kv, win_mask, comp, comp_mask, sink_of(p), dt, exact=is_exact(cfg))
     return output_proj(p, o, positions, freqs, cfg, dt), rec

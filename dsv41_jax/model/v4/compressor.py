@@ -21,30 +21,56 @@ from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.model.v4.linear import dense_f32
 
 
-def window_slots(kv, score, ape, ratio: int, overlap: bool):
-    """Per-token fp32 kv / gate scores [B, T, w·d] -> the pooling slots of each closed window.
+def window_slots(kv, score, ape, ratio: int, overlap: bool, windows=None, base=None):
+    """Per-position fp32 kv / gate scores [B, N, w·d] -> the pooling slots of windows `windows`.
 
-    Returns (kv, score) fp32 [B, S, r, d] (HCA) or [B, S, 2r, d] (CSA, `overlap`), S = T // ratio, with ``ape``
-    [r, w·d] added to the scores; the absent Ca half of CSA's entry 0 is kv 0 / score −inf."""
-    B, T, W = kv.shape
-    S = T // ratio
-    kv = kv[:, :S * ratio].reshape(B, S, ratio, W)
-    score = score[:, :S * ratio].reshape(B, S, ratio, W) + ape.astype(jnp.float32)
+    windows: int32 [B, M] window ids (default: every window closed in the N positions, 0 .. N // ratio − 1);
+    base: int32 [B], the position of index 0 of kv / score (default 0: a sequence from position 0; a decode
+    chunk passes its buffer of the last 2·ratio cached positions + the chunk). Returns (kv, score) fp32
+    [B, M, r, d] (HCA) or [B, M, 2r, d] (CSA, `overlap`) with ``ape`` [r, w·d] added to the scores; the absent
+    Ca half of CSA's entry 0 is kv 0 / score −inf. Window ids whose positions lie outside the buffer give
+    clamped (meaningless) slots: callers drop those windows."""
+    B, N, W = kv.shape
+    if windows is None:
+        windows = jnp.broadcast_to(jnp.arange(N // ratio, dtype=jnp.int32), (B, N // ratio))
+    base = jnp.zeros((B,), jnp.int32) if base is None else base
+    i = jnp.arange(ratio, dtype=jnp.int32)
+    ape = ape.astype(jnp.float32)
+
+    def at(first):  # [B, M, r, W]: positions first[b, m] + i of the buffer
+        idx = jnp.clip(first[..., None] + i - base[:, None, None], 0, N - 1).reshape(B, -1)
+        return tuple(jnp.take_along_axis(a, idx[..., None], axis=1).reshape(idx.shape[0], -1, ratio, W)
+                     for a in (kv, score))
+
+    cur_kv, cur_sc = at(windows * ratio)
+    cur_sc = cur_sc + ape
     if not overlap:
-        return kv, score
+        return cur_kv, cur_sc
     d = W // 2
-    prev_kv = jnp.concatenate([jnp.zeros((B, 1, ratio, d), kv.dtype), kv[:, :-1, :, :d]], axis=1)
-    prev_sc = jnp.concatenate([jnp.full((B, 1, ratio, d), -jnp.inf, score.dtype), score[:, :-1, :, :d]], axis=1)
-    return (jnp.concatenate([prev_kv, kv[..., d:]], axis=2), jnp.concatenate([prev_sc, score[..., d:]], axis=2))
+    prev_kv, prev_sc = at((windows - 1) * ratio)
+    first = (windows == 0)[..., None, None]
+    prev_kv = jnp.where(first, 0.0, prev_kv[..., :d])
+    prev_sc = jnp.where(first, -jnp.inf, prev_sc[..., :d] + ape[:, :d])
+    return (jnp.concatenate([prev_kv, cur_kv[..., d:]], axis=2),
+            jnp.concatenate([prev_sc, cur_sc[..., d:]], axis=2))
+
+
+def pool(p, kv, score, windows, ratio: int, freqs, cfg, dt):
+    """Slots (`window_slots`) [B, M, slots, d] of windows int32 [B, M] -> the entries [B, M, d] in `dt`:
+    `compressor.pool_groups` (softmax over the slots, weighted sum, kv norm), RoPE'd at w·ratio."""
+    latent = comp41.pool_groups(kv, score, p, cfg.rms_norm_eps, dt, is_exact(cfg))
+    return comp41.compressed_rot(latent, windows * ratio, freqs, dt)
+
+
+def project(p, x, cfg):
+    """Per-token fp32 (kv, gate score) [B, T, w·d] of the compressor's wkv / wgate."""
+    return dense_f32(x, p["wkv"], cfg), dense_f32(x, p["wgate"], cfg)
 
 
 def compress(p, x, ratio: int, overlap: bool, freqs, cfg, dt):
     """The compressed entries of a sequence starting at position 0: x [B, T, D] (the layer's normed attention
     input) -> [B, T // ratio, d] in `dt`, normed and RoPE'd at w·ratio."""
     B, T, _ = x.shape
-    S = T // ratio
-    kv, score = dense_f32(x, p["wkv"], cfg), dense_f32(x, p["wgate"], cfg)
-    kv, score = window_slots(kv, score, p["ape"], ratio, overlap)
-    latent = comp41.pool_groups(kv, score, p, cfg.rms_norm_eps, dt, is_exact(cfg))
-    slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * ratio, (B, S))
-    return comp41.compressed_rot(latent, slot_pos, freqs, dt)
+    kv, score = project(p, x, cfg)
+    windows = jnp.broadcast_to(jnp.arange(T // ratio, dtype=jnp.int32), (B, T // ratio))
+    return pool(p, *window_slots(kv, score, p["ape"], ratio, overlap, windows), windows, ratio, freqs, cfg, dt)
