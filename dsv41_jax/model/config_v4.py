@@ -22,9 +22,9 @@ transformers folds in (``compress_rate_csa`` / ``compress_rate_hca``). The flat 
 names of `config._ALIASES` map as for V4.1.
 
 The model runs a V4 config's full-sequence forward (`model.v4`); the V4.1 layer plan does not apply to it:
-`ModelConfig.layer_plan` raises `refusal` (what is missing: the paged decode step and what builds on it, the
-draft layers, the mesh rules, the kernels) as NotImplementedError, so a decode step for a V4 config fails
-there instead of running it as V4.1.
+`ModelConfig.layer_plan` raises `refusal` (what is missing: the engine's decode path and what builds on it,
+the draft layers, the mesh rules, the kernels) as NotImplementedError, so V4.1's decode step for a V4 config
+fails there instead of running it as V4.1 (V4's own step: `model.v4.decode`).
 """
 
 from __future__ import annotations
@@ -305,13 +305,14 @@ def refusal(cfg) -> str:
     kinds = attention_kinds(cfg)
     csa = [i for i, k in enumerate(kinds) if k == "csa"]
     hca = [i for i, k in enumerate(kinds) if k == "hca"]
-    missing = [f"the paged decode step, chunked prefill and prefix cache (V4's per-layer compressor state: CSA "
-               f"layers {csa}, HCA layers {hca})"]
+    missing = [f"the engine's paged decode step, prefix cache and scheduling (`model.decode` / `cache.init_cache`; V4's "
+               f"own step with its per-layer compressor state, CSA layers {csa} and HCA layers {hca}, is "
+               f"`model.v4.decode.extend`, not wired into the engine)"]
     if cfg.num_nextn_predict_layers:
         missing.append("the MTP draft layer" if cfg.draft_kind == "mtp" else "V4's DSpark head")
     missing.append("the mesh rules and the Pallas kernels for V4")
-    return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward runs it (the "
-            f"full-sequence reference: CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "
+    return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward and "
+            f"model.v4.decode.extend run it (CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "
             f"norm, fp8 {'x'.join(map(str, cfg.weight_block_size)) or 'plain'} weights), but not the V4.1 layer "
             f"plan; missing: {'; '.join(missing)} (docs/design/v4.md, issue 48)")
 

@@ -17,9 +17,10 @@ calls the shared op it varies (nothing of V4.1 is copied):
   `hc_pre` / `sublayer_exit`, and the model-level ``hc_head`` collapse;
 * `params` — the declaration (release tensor names) and random init; `checkpoint` — reading a V4 directory
   (the release names and what transformers' ``save_pretrained`` writes);
-* `transformer` — the full-sequence reference forward.
+* `transformer` — the full-sequence reference forward; `decode` — the paged incremental step (prefill chunks
+  and decode tokens) with V4's per-layer compressor state, ≡ the forward in the exact mode.
 
-Not here yet (refused with NotImplementedError where reached, `config_v4.refusal`): the paged decode step,
-chunked prefill and prefix cache (per-layer compressor state), MTP and V4's DSpark head, the mesh rules, the
-Pallas fast paths, the release's activation / KV-cache quantization simulation.
+Not here yet (refused with NotImplementedError where reached, `config_v4.refusal`): the engine's use of the
+step (V4.1's `decode` / `cache` / serving paths, the prefix cache), MTP and V4's DSpark head, the mesh rules,
+the Pallas fast paths, the release's activation / KV-cache quantization simulation.
 """
