@@ -3,7 +3,9 @@ default run; needs the `v4check` extra: torch + transformers >= 5.8). They fail,
 
 transformers reads the config.json our V4 presets write (`ModelConfig.to_hf_dict`) and the fixtures under
 tests/data/v4/ into the same attention schedule, hash-routed layers, compression ratios, rope width, MTP
-count and RoPE parameters as `ModelConfig.from_pretrained` does.
+count and RoPE parameters as `ModelConfig.from_pretrained` does; and our forward (model/v4) equals its
+`DeepseekV4ForCausalLM` on tiny random models it saves (`test_forward_matches_transformers`, recorded in
+docs/benchmarks.md).
 """
 
 import json
