@@ -41,7 +41,7 @@ def _run_cached(params, tokens, chunks):
     dec = {"topk": {}, "experts": {}}
     k = 0
     while any(d < n for d, n in zip(done, LENS)):
-        T = chunks[min(k, len(chunks) - 1)] if k < len(chunks) else chunks[1 + (k - 1) % (len(chunks) - 1)]
+        T = chunks[k] if k < len(chunks) else chunks[1 + (k - 1) % (len(chunks) - 1)]  # the first once, then cycle
         k += 1
         n_new = np.array([min(T, n - d) for d, n in zip(done, LENS)], np.int32)
         chunk = np.zeros((2, T), np.int32)
@@ -56,7 +56,8 @@ def _run_cached(params, tokens, chunks):
             logits[b, sl] = lg[b, :n_new[b]]
             for kind in dec:
                 for lid, v in aux[kind].items():
-                    dec[kind].setdefault(lid, np.full((2, max(LENS), v.shape[-1]), -7, np.int32))[b, sl] = v[b, :n_new[b]]
+                    out = dec[kind].setdefault(lid, np.full((2, max(LENS), v.shape[-1]), -7, np.int32))
+                    out[b, sl] = v[b, :n_new[b]]
             done[b] += int(n_new[b])
     return logits, dec
 
