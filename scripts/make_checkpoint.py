@@ -3,6 +3,7 @@
 
     python scripts/make_checkpoint.py --preset tiny --out DIR [--seed N] [--shards K]
     python scripts/make_checkpoint.py --config my_config.json --out DIR   # any (small) config
+    python scripts/make_checkpoint.py --preset tiny-v4 --out DIR   # DeepSeek-V4 (`model.v4.checkpoint`)
 
 Writes DIR/config.json (HF form: text_config + quantization_config), DIR/model.safetensors.index.json,
 K shards DIR/model-0000i-of-0000K.safetensors with the release's tensor names and dtypes (F8_E4M3
@@ -22,7 +23,7 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", help="config preset (tiny; flash is far too large to write)")
+    ap.add_argument("--preset", default="tiny", help="config preset (tiny, tiny-v4; flash is far too large to write)")
     ap.add_argument("--config", default=None,
                     help="config.json (HF or flat form) to use instead of --preset")
     ap.add_argument("--out", required=True, help="output directory (created; must be empty or absent)")
@@ -64,6 +65,18 @@ def main(argv=None) -> int:
         return 2
     tdir = args.tokenizer_dir or TINY_DIR
     t0 = time.time()
+    if cfg.model_family == "deepseek_v4":  # DeepSeek-V4 (e.g. --preset tiny-v4): V4's release layout
+        if args.markov_names != "embed_head" or args.text_only:
+            print("error: --markov-names / --text-only are V4.1 options (V4 has no Markov head or vision tensors)",
+                  file=sys.stderr)
+            return 2
+        from dsv41_jax.model.v4.checkpoint import save_checkpoint
+
+        index = save_checkpoint(init_params(cfg, jax.random.key(args.seed)), cfg, args.out, shards=args.shards,
+                                tokenizer_dir=tdir, scale_format=args.scale_format)
+        print(f"wrote {args.out}: {len(index['weight_map'])} tensors, {index['metadata']['total_size']:,} bytes "
+              f"(DeepSeek-V4 layout, {time.time() - t0:.1f} s)")
+        return 0
     params = init_params(cfg, jax.random.key(args.seed), tokenizer=os.path.join(tdir, "tokenizer.json"))
     index = save_hf_checkpoint(params, cfg, args.out, shards=args.shards, tokenizer_dir=tdir,
                                scale_format=args.scale_format, markov_names=args.markov_names,

@@ -126,14 +126,13 @@ def test_flash_v4_and_pro_v4_shapes():
 
 @pytest.mark.parametrize("name", ["tiny-v4", "flash-v4"])
 def test_v4_is_refused_where_it_would_run(name):
-    """Building params (and so any forward / decode step) for a V4 config raises, naming what is missing;
-    it is never run as V4.1."""
-    from dsv41_jax.model.params import param_shapes
+    """V4 params are declared and sized (model.v4), but the V4.1 layer plan — which every cached / paged path
+    asks first — raises, naming what is missing; V4 is never run as V4.1."""
+    from dsv41_jax.model.params import param_shapes, param_stats
 
     cfg = ModelConfig.preset(name)
-    with pytest.raises(NotImplementedError, match=r"CSA attention.*HCA attention.*hash-routed MoE.*pre-mix mHC"):
-        param_shapes(cfg)
-    with pytest.raises(NotImplementedError, match="MTP draft"):
+    assert len(param_shapes(cfg)["layers"]) == cfg.num_hidden_layers and param_stats(cfg)["bytes"] > 0
+    with pytest.raises(NotImplementedError, match=r"paged decode step.*MTP draft"):
         cfg.layer_plans()
 
 

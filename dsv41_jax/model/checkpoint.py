@@ -733,6 +733,13 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
     kind = checkpoint_kind(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
+    if cfg.model_family == "deepseek_v4":
+        if kind != "hf" or par is not None:
+            raise NotImplementedError("DeepSeek-V4: only safetensors directories on one device are read (no Orbax "
+                                      "conversion or mesh placement for V4 yet)")
+        from dsv41_jax.model.v4 import checkpoint as v4  # lazy: it reads with this module's safetensors I/O
+
+        return v4.load_params(path, cfg)
     place, host = _keeping_host(_placer(cfg, par, _engram_table_names(cfg) if host_engram
                                         else frozenset()), _dequant_sources(cfg))
     params = _skeleton(cfg)

@@ -21,9 +21,10 @@ Both spellings load: the release's ``config.json`` names (``compress_ratios``, `
 transformers folds in (``compress_rate_csa`` / ``compress_rate_hca``). The flat ``inference/config.json``
 names of `config._ALIASES` map as for V4.1.
 
-The model cannot run V4 yet: `refusal` names the missing mechanisms, and `ModelConfig.layer_plan`
-raises it as NotImplementedError, so building params, a forward or a decode step for a V4 config
-fails there instead of running it as V4.1.
+The model runs a V4 config's full-sequence forward (`model.v4`); the V4.1 layer plan does not apply to it:
+`ModelConfig.layer_plan` raises `refusal` (what is missing: the engine's decode path and what builds on it,
+the draft layers, the mesh rules, the kernels) as NotImplementedError, so V4.1's decode step for a V4 config
+fails there instead of running it as V4.1 (V4's own step: `model.v4.decode`).
 """
 
 from __future__ import annotations
@@ -179,9 +180,12 @@ def from_v4_dict(cls, d: dict, *, source: str):
     if isinstance(qc, dict):
         kw["weight_block_size"] = tuple(int(x) for x in qc.get("weight_block_size", (128, 128)))
         kw["expert_dtype"] = str(m.get("expert_dtype", qc.get("expert_dtype", "fp4")))
-    else:  # no quantization_config: plain (bf16 / fp32) weights, as transformers writes them
-        kw["weight_block_size"] = ()
-        kw["expert_dtype"] = str(m.get("expert_dtype", "bf16"))
+    else:  # no quantization_config: plain (bf16 / fp32) weights, as transformers writes them (experts too:
+        kw["weight_block_size"] = ()  # a release config's expert_dtype carried over names what is no longer stored)
+        if m.get("expert_dtype", "bf16") != "bf16":
+            log.info("%s: expert_dtype %r without a quantization_config: the experts are read as plain weights",
+                     source, m["expert_dtype"])
+        kw["expert_dtype"] = "bf16"
 
     eos = m.get("eos_token_id")
     if isinstance(eos, list):
@@ -295,29 +299,22 @@ def validate_family(cfg, err) -> None:
 
 
 def refusal(cfg) -> str:
-    """Why the model cannot run this config yet: the V4 mechanisms it declares that model/ lacks."""
+    """Why the V4.1 machinery cannot run this V4 config: what model/ runs of it (the full-sequence forward,
+    `v4.transformer`) and what it lacks. Raised by `ModelConfig.layer_plan`, which every cached / paged path asks
+    first, so those fail there instead of running V4 as V4.1."""
     kinds = attention_kinds(cfg)
-    missing = []
     csa = [i for i, k in enumerate(kinds) if k == "csa"]
     hca = [i for i, k in enumerate(kinds) if k == "hca"]
-    if csa:
-        missing.append(f"CSA attention (per-layer overlapping-window compressor with `ape` and its own Lightning "
-                       f"indexer, ratio {cfg.csa_compress_ratio}; layers {csa})")
-    if hca:
-        missing.append(f"HCA attention (per-layer compressor, ratio {cfg.hca_compress_ratio}, no indexer; "
-                       f"layers {hca})")
-    if cfg.hash_layer_ids:
-        missing.append(f"hash-routed MoE via tid2eid (layers {list(cfg.hash_layer_ids)})")
-    if cfg.mhc_variant == "pre_mix":
-        missing.append("pre-mix mHC with the hc_head collapse")
-    if cfg.q_head_norm:
-        missing.append("per-head q RMS norm")
-    if cfg.weight_block_size and tuple(cfg.weight_block_size) != (32, 32):
-        missing.append(f"{cfg.weight_block_size[0]}x{cfg.weight_block_size[1]} fp8 weight blocks")
+    missing = [f"the engine's paged decode step, prefix cache and scheduling (`model.decode` / `cache.init_cache`; V4's "
+               f"own step with its per-layer compressor state, CSA layers {csa} and HCA layers {hca}, is "
+               f"`model.v4.decode.extend`, not wired into the engine)"]
     if cfg.num_nextn_predict_layers:
         missing.append("the MTP draft layer" if cfg.draft_kind == "mtp" else "V4's DSpark head")
-    return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): the model cannot run it yet; "
-            f"missing mechanisms: {'; '.join(missing) or 'the V4 layer layout'} (docs/design/v4.md, issue 48)")
+    missing.append("the mesh rules and the Pallas kernels for V4")
+    return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward and "
+            f"model.v4.decode.extend run it (CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "
+            f"norm, fp8 {'x'.join(map(str, cfg.weight_block_size)) or 'plain'} weights), but not the V4.1 layer "
+            f"plan; missing: {'; '.join(missing)} (docs/design/v4.md, issue 48)")
 
 
 # ------------------------------------------------------------------------------------------------ presets

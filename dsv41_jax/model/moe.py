@@ -42,17 +42,21 @@ def softplus_torch(x):
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def route(p_gate, x, top_k: int, cfg):
+def route(p_gate, x, top_k: int, cfg, idx=None):
     """Gate: x [N, D] -> (idx int32 [N, k], weights fp32 [N, k], scores fp32 [N, E]).
 
     s = sqrt(softplus(x·Wᵀ / gate_temp)) in fp32; the bias ranks but does not weight; ties go to the
     lower expert id; weights = s[idx] / (Σ + 1e-20) · routed_scaling_factor (normalized only when
     norm_topk_prob and k > 1).
+
+    Variant (DeepSeek-V4's hash-routed layers, docs/design/v4.md): `idx` int32 [N, k] given — the experts come
+    from a table (``tid2eid[token]``) instead of the top-k, the weights from s as above.
     """
     logits = linear.f32(x, p_gate["weight"], cfg) / cfg.gate_temp
     s = jnp.sqrt(softplus_torch(logits))
-    bias = layer_scan.vector_row(p_gate["bias"])  # (a run's stack + layer where the router kernel reads it in place)
-    _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), top_k)
+    if idx is None:
+        bias = layer_scan.vector_row(p_gate["bias"])  # (a run's stack + layer where the router kernel reads it)
+        _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), top_k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and top_k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)

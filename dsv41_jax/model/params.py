@@ -180,7 +180,11 @@ def _block_decl(cfg: ModelConfig, layer_id: int) -> dict:
 
 
 def declare_params(cfg: ModelConfig) -> dict:
-    """The whole declaration tree (leaves are `P`)."""
+    """The whole declaration tree (leaves are `P`); a DeepSeek-V4 config's is `v4.params.declare_params`."""
+    if cfg.model_family == "deepseek_v4":
+        from dsv41_jax.model.v4 import params as v4  # lazy: it builds on this module's declarations
+
+        return v4.declare_params(cfg)
     V, D = cfg.vocab_size, cfg.hidden_size
     tree: dict = {
         "embed": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0)},
@@ -376,6 +380,10 @@ def engram_token_map_for(cfg: ModelConfig, tokenizer=None) -> np.ndarray:
 
 def init_params(cfg: ModelConfig, key, *, tokenizer=None, engram_token_map=None) -> dict:
     """Random parameters in the checkpoint's dtypes (quantized from scaled normals), for tests/tiny."""
+    if cfg.model_family == "deepseek_v4":
+        from dsv41_jax.model.v4 import params as v4
+
+        return v4.init_params(cfg, key)
     decl = declare_params(cfg)
     token_map = engram_token_map
     if cfg.engram_layer_ids and token_map is None:

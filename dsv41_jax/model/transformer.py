@@ -261,7 +261,13 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
     par: optional mesh plan (`parallel.plan.MeshPlan.of(mesh)`; params placed on the mesh by
     `parallel.rules.shard_params`). Call under ``jax.jit`` (static cfg, par): MoE and the row-split
     tables run the plan's `shard_map` forms, the rest is partitioned by XLA from the parameter shardings.
+
+    A DeepSeek-V4 config (``model_family`` "deepseek_v4") runs V4's forward (`v4.transformer.forward`).
     """
+    if cfg.model_family == "deepseek_v4":
+        from dsv41_jax.model.v4 import transformer as v4  # lazy: it builds on this module's pieces
+
+        return v4.forward(params, tokens, cfg, return_aux, par)
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt = act_dtype(cfg)
         tokens = jnp.asarray(tokens, jnp.int32)

@@ -1,0 +1,26 @@
+"""DeepSeek-V4 (the earlier Flash / Pro checkpoints) beside V4.1: its variants of the shared operations.
+
+docs/design/v4.md has the difference table and the mechanisms. Each module here is a V4 variant that
+calls the shared op it varies (nothing of V4.1 is copied):
+
+* `linear` — V4's weight kinds on the shared matmul kinds: plain (bf16 / fp32, as transformers saves them)
+  or fp8 with ``weight_block_size`` blocks (`quant.dequantize_fp8_block`'s ``block``), MXFP4 experts
+  through `model.linear.mxfp4`;
+* `compressor` — every CSA / HCA layer's own compressor: the learned position bias ``ape`` on the scores and
+  (CSA) overlapping windows, pooled by the shared `compressor.pool_groups`;
+* `attention` — the attention sublayer of sliding / CSA / HCA layers: per-head q RMS norm (``q_head_norm``),
+  CSA's Lightning indexer on its own keys (shared `indexer.index_scores` / `select_topk`), the shared
+  `attention.attend` (window + compressed entries + sink);
+* `moe` — hash routing (``tid2eid[input_ids]``) as the index source of the shared `moe.route`; experts and
+  the shared expert by the shared `moe.swiglu_expert`;
+* `mhc` — the pre-mix ordering (each sublayer collapsed with its own pre) on the shared `mhc.hc_mixes` /
+  `hc_pre` / `sublayer_exit`, and the model-level ``hc_head`` collapse;
+* `params` — the declaration (release tensor names) and random init; `checkpoint` — reading a V4 directory
+  (the release names and what transformers' ``save_pretrained`` writes);
+* `transformer` — the full-sequence reference forward; `decode` — the paged incremental step (prefill chunks
+  and decode tokens) with V4's per-layer compressor state, ≡ the forward in the exact mode.
+
+Not here yet (refused with NotImplementedError where reached, `config_v4.refusal`): the engine's use of the
+step (V4.1's `decode` / `cache` / serving paths, the prefix cache), MTP and V4's DSpark head, the mesh rules,
+the Pallas fast paths, the release's activation / KV-cache quantization simulation.
+"""

@@ -1,0 +1,157 @@
+"""V4's paged incremental step: B rows x T new tokens against a per-layer cache (docs/design/v4.md).
+
+The batch is V4.1's (`decode` module doc): tokens int32 [B, T], start [B], n_new [B], slot [B], page_table
+[B, P] over `cache.CacheConfig`'s pages (page 0 the null page). The state (`init_state`) holds, per layer:
+
+* ``window[L]`` [R, W, hd]: the layer's ring of window K=V (position p at p mod W), R = `cache.slot_rows`;
+* per CSA / HCA layer ``comp[L]``: ``pool`` [pages·page_size / r, hd] — its compressed entries, entry w of a
+  request at `indexer.pool_index`(page_table, w) — and ``proj`` {"kv", "score"} [R, 2r, w·hd] fp32: the
+  compressor's per-token projections of the last 2r positions (position p at p mod 2r). That is V4's per-layer
+  compressor state: the open window's tokens and, for CSA, the previous window's Ca half, which the next
+  entry pools (`v4.compressor.window_slots`); CSA layers also ``ipool`` / ``iproj`` for the indexer's own keys.
+
+A step writes the chunk's window K=V and projections, closes the windows that end inside the chunk (pooled
+from the buffer [last 2r positions, the chunk] as the forward pools them), writes their entries, then attends
+over the ring + the chunk's keys and the visible entries (HCA) or the indexer's picks (CSA). Every number is
+the forward's (`v4.transformer`) for the same prefix: the same functions on the same values; in the exact
+mode (fp64-accumulated sums, independent of how keys are laid out) bit for bit (tests/test_v4_decode.py).
+V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others, a dp
+layout, the prefix cache and the engine's scheduling are not wired for V4 (NotImplementedError / not used).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model.attention import attend, sink_of, window_keys
+from dsv41_jax.model.config_v4 import attention_kinds
+from dsv41_jax.model.decode import _window_write
+from dsv41_jax.model.indexer import pool_index
+from dsv41_jax.model.mhc import hc_post
+from dsv41_jax.model.numerics import act_dtype, is_exact
+from dsv41_jax.model.transformer import embed_streams, new_aux, record
+from dsv41_jax.model.v4 import compressor as comp4
+from dsv41_jax.model.v4 import mhc as mhc4
+from dsv41_jax.model.v4.attention import (compressed_view, index_select, layer_freqs, output_proj, project_kv,
+                                          project_q)
+from dsv41_jax.model.v4.moe import moe
+from dsv41_jax.model.v4.transformer import final_logits, layer_ratio, refuse_unsupported
+
+
+def _check(cfg, ccfg) -> None:
+    ccfg.validate(cfg)
+    if ccfg.kv_cache_dtype != "auto":
+        raise NotImplementedError(f"DeepSeek-V4: kv_cache_dtype {ccfg.kv_cache_dtype!r}: V4's cache stores "
+                                  "unquantized values ('auto'); its KV quantization is not simulated")
+    if ccfg.dp != 1:
+        raise NotImplementedError("DeepSeek-V4: no data-parallel attention layout (dp must be 1)")
+
+
+def init_state(cfg, ccfg) -> dict:
+    """A zeroed V4 cache for `cfg` / `ccfg` (module doc)."""
+    _check(cfg, ccfg)
+    R, dt, tokens = kvc.slot_rows(ccfg), act_dtype(cfg), ccfg.num_pages * ccfg.page_size
+    hd, dI = cfg.head_dim, cfg.index_head_dim
+    state = {"window": [jnp.zeros((R, cfg.sliding_window, hd), dt) for _ in range(cfg.num_hidden_layers)],
+             "comp": {}}
+    for i, kind in enumerate(attention_kinds(cfg)):
+        if kind == "sliding":
+            continue
+        r, w = layer_ratio(cfg, kind), 2 if kind == "csa" else 1
+
+        def proj(d):
+            return {"kv": jnp.zeros((R, 2 * r, w * d), jnp.float32), "score": jnp.zeros((R, 2 * r, w * d), jnp.float32)}
+
+        st = {"pool": jnp.zeros((tokens // r, hd), dt), "proj": proj(hd)}
+        if kind == "csa":
+            st.update(ipool=jnp.zeros((tokens // r, dI), dt), iproj=proj(dI))
+        state["comp"][str(i)] = st
+    return state
+
+
+def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_size, cfg, dt):
+    """Close the windows that end in this chunk: (pool', proj', the entries [B, S, d] the page table addresses).
+
+    The chunk's projections join the last 2r cached ones (a buffer from position start − 2r); window j closes
+    here iff start ≤ (j+1)·r − 1 < start + n_new; its entry goes to pool row `pool_index`(page_table, j)."""
+    start, n, slot, pt = batch["start"], batch["n_new"], batch["slot"], batch["page_table"]
+    B, T = positions.shape
+    kv, score = comp4.project(p, x, cfg)
+    ring_idx = jnp.mod(start[:, None] - 2 * r + jnp.arange(2 * r), 2 * r)  # buffer order: positions start-2r ..
+    buf = [jnp.concatenate([jnp.take_along_axis(proj[k][slot], ring_idx[..., None], axis=1), new], axis=1)
+           for k, new in (("kv", kv), ("score", score))]
+    windows = start[:, None] // r + jnp.arange(T // r + 1, dtype=jnp.int32)  # [B, M] candidates
+    last = (windows + 1) * r - 1
+    closes = (last < (start + n)[:, None]) & (last >= start[:, None])
+    entries = comp4.pool(p, *comp4.window_slots(*buf, p["ape"], r, overlap, windows, base=start - 2 * r), windows, r,
+                         freqs, cfg, dt)
+    rows = jnp.where(closes, pool_index(pt, windows, r, page_size), pool.shape[0])  # out of range: dropped
+    pool = pool.at[rows].set(entries.astype(pool.dtype), mode="drop")
+    proj = {k: _window_write({"v": proj[k]}, slot, positions, n, {"v": v}, 2 * r)["v"]
+            for k, v in (("kv", kv), ("score", score))}
+    S = pt.shape[1] * page_size // r
+    jj = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    return pool, proj, pool[pool_index(pt, jj, r, page_size)].astype(dt)
+
+
+def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, ccfg, dt):
+    """One layer's attention sublayer on the cache: (y [B, T, D], window ring', compressor state', rec)."""
+    r = layer_ratio(cfg, kind)
+    freqs = layer_freqs(cfg, kind)
+    qr, q = project_q(p, x, positions, freqs, cfg, dt)
+    kv = project_kv(p, x, positions, freqs, cfg, dt)
+    slot, start, n = batch["slot"], batch["start"], batch["n_new"]
+    keys, win_mask = window_keys({"v": st_win}, slot, {"v": kv}, start, positions, valid, cfg.sliding_window,
+                                 "float32", dt)  # the "float32" codec decodes {"v"} as it is: no quantization
+    st_win = _window_write({"v": st_win}, slot, positions, n, {"v": kv}, cfg.sliding_window)["v"]
+    rec: dict = {}
+    B, T = positions.shape
+    if kind == "sliding":
+        comp, comp_mask = jnp.zeros((B, T, 0, cfg.head_dim), dt), jnp.zeros((B, T, 0), bool)
+    else:
+        ps = ccfg.page_size
+        pool, proj, entries = _compress_chunk(p["compressor"], x, st_comp["proj"], st_comp["pool"], batch,
+                                              positions, r, kind == "csa", freqs, ps, cfg, dt)
+        st_comp = dict(st_comp, pool=pool, proj=proj)
+        sel = None
+        if kind == "csa":
+            ipool, iproj, ikeys = _compress_chunk(p["indexer"]["compressor"], x, st_comp["iproj"], st_comp["ipool"],
+                                                  batch, positions, r, True, freqs, ps, cfg, dt)
+            st_comp = dict(st_comp, ipool=ipool, iproj=iproj)
+            rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, ikeys, r, cfg, dt)
+        comp, comp_mask = compressed_view(entries, positions, r, sel)
+    o = attend(q, keys, win_mask, comp, comp_mask, sink_of(p), dt, exact=is_exact(cfg))
+    return output_proj(p, o, positions, freqs, cfg, dt), st_win, st_comp, rec
+
+
+def extend(params, state, batch, cfg, ccfg, return_aux: bool = False):
+    """Run the batch's new tokens through every layer against the cache. Returns (logits fp32 [B, T, vocab],
+    state') and with `return_aux` the forward's aux ({"topk", "experts", "layer_inputs"}, per layer) too.
+    Jittable with static cfg / ccfg / return_aux; tokens past n_new[b] are padding (masked, never written)."""
+    refuse_unsupported(cfg)
+    _check(cfg, ccfg)
+    dt = act_dtype(cfg)
+    tokens = jnp.asarray(batch["tokens"], jnp.int32)
+    B, T = tokens.shape
+    positions = batch["start"][:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(T)[None, :] < batch["n_new"][:, None]
+    h = embed_streams(params, tokens, cfg, dt)
+    aux = new_aux()
+    windows, comps = list(state["window"]), dict(state["comp"])
+    for i, kind in enumerate(attention_kinds(cfg)):
+        lp = params["layers"][i]
+        rec = {"layer_inputs": h}
+        x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
+        y, windows[i], st, arec = attention_cached(lp["attn"], x, windows[i], comps.get(str(i)), batch, positions,
+                                                   valid, kind, cfg, ccfg, dt)
+        if st is not None:
+            comps[str(i)] = st
+        h = hc_post(y, h, post, comb, dt)
+        x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
+        y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, i in cfg.hash_layer_ids, cfg, dt)
+        h = hc_post(y, h, post, comb, dt)
+        aux = record(aux, i, rec, arec)
+    logits, x = final_logits(params, h, cfg, dt)
+    state = {"window": windows, "comp": comps}
+    return (logits, state, dict(aux, hidden=x)) if return_aux else (logits, state)
