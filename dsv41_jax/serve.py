@@ -283,6 +283,18 @@ def main(argv=None) -> int:
     if args.model != "tiny" and not os.path.exists(args.model):
         print(f"error: --model {args.model!r}: no such directory (use 'nano', 'tiny' or a model directory)", file=sys.stderr)
         return 2
+    if os.path.isdir(args.model):  # a checkpoint family the engine cannot serve yet: before anything loads
+        from dsv41_jax.model.config import ConfigError, ModelConfig
+        from dsv41_jax.model.config_v4 import refusal
+
+        try:
+            mcfg = ModelConfig.from_pretrained(args.model)
+        except (ConfigError, OSError) as e:
+            print(f"error: --model {args.model!r}: {e}", file=sys.stderr)
+            return 2
+        if mcfg.model_family == "deepseek_v4":
+            print(f"error: the engine does not serve DeepSeek-V4 checkpoints yet: {refusal(mcfg)}", file=sys.stderr)
+            return 2
     if not (0 < args.port < 65536):
         print(f"error: --port must be 1..65535, got {args.port}", file=sys.stderr)
         return 2
