@@ -298,6 +298,17 @@ class EngineArgs:
             raise ValueError(f"max_total_tokens: {self.max_total_tokens} tokens leave less than one page per dp rank "
                              f"(dp_size={D}, page_size={self.page_size})")
 
+    def check_devices(self, n_devices: int, platform: str = "") -> None:
+        """The server's start-up check that the devices asked for exist: dp_size x tp_size (attention TP-split
+        inside each data-parallel rank) must not exceed ``n_devices`` (ValueError naming both). The engine
+        itself runs any number of ranks on whatever mesh it is given (one device included: tests)."""
+        need = self.dp_size * self.tp_size
+        if self.dp_size > 1 and need > n_devices:
+            hint = (f"; on a CPU, fake {need} host devices with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+                    if platform == "cpu" else "")
+            raise ValueError(f"dp_size: --dp-size {self.dp_size} x --tp-size {self.tp_size} needs {need} devices, "
+                             f"only {n_devices} are available{f' ({platform})' if platform else ''}{hint}")
+
     @property
     def resolved_load_balance_method(self) -> str:
         return self.load_balance_method or "cache_aware"
