@@ -20,7 +20,7 @@ import configs
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.serving.async_engine import AsyncEngine
 from dsv41_jax.serving.dp_controller import merge
-from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.messages import Launch
 from dsv41_jax.serving.metrics import ServerMetrics
@@ -29,7 +29,8 @@ from dsv41_jax.serving.server import ServerConfig, build_app
 from servers import free_port, serve_cmd, user_env
 
 KW = dict(model="tiny", page_size=16, context_length=64, max_running_requests=8, max_total_tokens=512,
-          chunked_prefill_size=16, batch_buckets=[8], token_buckets=[16], decode_log_interval=1000)
+          chunked_prefill_size=16, batch_buckets=[8], token_buckets=[16], decode_log_interval=1000,
+          enable_hierarchical_cache=True)
 DP = dict(enable_dp_attention=True, dp_size=4)
 MODES = {"exact": dict(dtype="exact"), "deterministic": dict(enable_deterministic_inference=True)}
 _ids = itertools.count()
@@ -65,9 +66,9 @@ class AllowSet:
         return AllowSet(self.allowed, self.vocab)
 
 
-def _workload():
+def _workload(plp: bool = False):
     """(prompts, params, constraint index): a shared 24-token system prompt (3 requests), ragged others,
-    greedy / seeded sampling with logprobs, n = 2, one constrained."""
+    greedy / seeded sampling with logprobs, n = 2, one constrained; ``plp``: one asks for prompt logprobs."""
     rng = np.random.default_rng(46)
     system = rng.integers(3, 300, 24).tolist()
     prompts = [system + rng.integers(3, 300, int(n)).tolist() for n in (5, 9, 3)]
@@ -76,6 +77,8 @@ def _workload():
            SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True, logprobs=2)
            for i in range(len(prompts))]
     sps[4] = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=10, ignore_eos=True, logprobs=2)
+    if plp:
+        sps[5] = sps[5].replace(prompt_logprobs=2)
     return prompts, sps, 6
 
 
@@ -91,13 +94,13 @@ def _run(eng, prompts, sps, constrained=None):
 
 
 def _result(out):
-    return [(c.token_ids, c.logprobs, c.top_logprobs) for c in out.outputs]
+    return [(c.token_ids, c.logprobs, c.top_logprobs) for c in out.outputs], out.prompt_logprobs
 
 
-def _session(eng, hog_pages: int = 0):
+def _session(eng, hog_pages: int = 0, plp: bool = False):
     """The workload, then a second turn of the first conversation (its prompt + answer + a question),
     with every rank's pool cut to ``hog_pages`` free pages while the workload runs (0: not cut)."""
-    prompts, sps, con = _workload()
+    prompts, sps, con = _workload(plp)
     hogs = []
     if hog_pages:
         for r, a in enumerate(eng.runner.allocators):
@@ -121,13 +124,15 @@ def _session(eng, hog_pages: int = 0):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_dp4_equals_dp1(mode, exact4):
-    """Each request's tokens and logprobs with dp = 4 (one device; pools cut so samples preempt) equal
-    dp = 1's, in the exact and the deterministic mode."""
-    ref, _ = _session(_engine(mode, False))
+    """Each request's tokens and logprobs with dp = 4 (one device; pools cut so samples preempt and the
+    radix caches spill to their host tiers) equal dp = 1's, in the exact and the deterministic mode (in
+    the exact one, prompt logprobs too: one more compiled variant)."""
+    plp = mode == "exact"
+    ref, _ = _session(_engine(mode, False), plp=plp)
     eng = exact4 if mode == "exact" else _engine(mode, True)
     before = list(eng.scheduler.assigned)
-    got, preempted = _session(eng, hog_pages=5)
-    assert preempted > 0
+    got, preempted = _session(eng, hog_pages=5, plp=plp)
+    assert preempted > 0 and eng.stats()["prefix_cache_spills"] > 0
     assert got == ref
     assert all(n > b for n, b in zip(eng.scheduler.assigned, before))  # every rank served some
 
@@ -252,7 +257,10 @@ def test_refusals():
     with pytest.raises(ValueError, match="must be one of"):
         EngineArgs(**dict(KW, **DP, load_balance_method="random"))
     with pytest.raises(ValueError, match="not implemented with --dp-size"):
-        EngineArgs(**dict(KW, **DP, enable_decoder_swa_bounded_replay=True, disable_radix_cache=True))
+        EngineArgs(**dict(KW, **DP, enable_decoder_swa_bounded_replay=True, disable_radix_cache=True,
+                          enable_hierarchical_cache=False))
+    with pytest.raises(EngineError, match="DSPARK with --dp-size 4: its per-slot rows number 9, not the 12"):
+        Engine(EngineArgs(**KW, **DP, speculative_algorithm="DSPARK"), cfg=configs.micro())  # (until the model side)
     with pytest.raises(ValueError, match="needs 8 devices, only 4"):
         EngineArgs(**dict(KW, **DP, tp_size=2)).check_devices(4)
     assert EngineArgs(**KW, **DP).resolved_load_balance_method == "cache_aware"

@@ -546,6 +546,7 @@ class Runner:
 
             state = rules.init_cache(cfg, ccfg, self.mesh)
         self.state = self.speculator.seed_state(state)
+        self._check_rank_blocks()
         rows = kvc.slot_rows(ccfg)  # every rank's slots and its scratch row (dp = 1: max_slots + 1)
         self.reset_slots(list(range(rows)))
         self.slot_tensors = SamplingTensors.from_params([None] * rows, self.vocab_size)
@@ -560,6 +561,18 @@ class Runner:
             self.slot_tensors, self.last_token = jax.device_put((self.slot_tensors, self.last_token), rep)
         self._allow_all: dict = {}
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
+
+    def _check_rank_blocks(self) -> None:
+        """Every per-slot array of the cache has the rank blocks' rows (`cache.slot_rows`): with dp ranks a
+        shorter one (the DSpark rings, until the model side sizes them by the blocks) would drop the
+        writes of the last ranks' slots. Refused at start-up (EngineError) rather than served wrong."""
+        want = kvc.slot_rows(self.ccfg)
+        for k in _SLOT_ROW_KEYS:
+            for x in jax.tree_util.tree_leaves(self.state.get(k)):
+                if x.shape[0] != want:
+                    what = "--speculative-algorithm DSPARK" if k == "dspark" else f"the cache's {k!r} state"
+                    raise EngineError(f"{what} with --dp-size {self.ccfg.dp}: its per-slot rows number {x.shape[0]}, "
+                                      f"not the {want} of the dp rank blocks (not implemented on the model side yet)")
 
     def _build_features(self) -> None:
         """The steps plain launches run (the speculator's; SWA bounded replay when on) and the page
