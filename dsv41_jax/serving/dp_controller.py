@@ -17,7 +17,8 @@ Routing (`--load-balance-method`): a new request (all its samples) goes to one r
   longest prefix with the prompt (at least a page; SGLang's router keeps the same kind of per-worker
   tree of routed prompts, so a burst of requests with one system prompt lands together before the
   first has been cached); else, or when that rank already has a rank's worth of requests more than the
-  least loaded one, the least loaded rank;
+  least loaded one, the least loaded rank (on a tie, the one caching the fewest pages, then the one
+  given the fewest requests: unshared prompts spread out instead of evicting a rank's shared prefixes);
 - ``round_robin``: ranks in turn;
 - ``shortest_queue``: the rank with the fewest requests (running + waiting), the lowest on a tie.
 
@@ -181,9 +182,11 @@ class DPController:
         if self.method == "round_robin":
             return next(self._rr) % D
         loads = [self.load(r) for r in range(D)]
-        least = min(range(D), key=lambda r: (loads[r], r))
         if self.method == "shortest_queue":
-            return least
+            return min(range(D), key=lambda r: (loads[r], r))
+        # least loaded; on a tie the rank caching the least (then the one given the fewest requests), so
+        # prompts nobody shares spread over the ranks instead of evicting the shared prefixes of rank 0
+        least = min(range(D), key=lambda r: (loads[r], self._cached_pages(r), self.assigned[r], r))
         query = tuple(prompt_ids[:-1])
         match = [max(self._routed[r].shared_len(query),
                      self.views[r].prefix_cache.tree.shared_len(query) if self.views[r].prefix_cache else 0)
@@ -193,6 +196,10 @@ class DPController:
         if match[best] >= self.page_size and loads[best] < loads[least] + per_rank:
             return best
         return least
+
+    def _cached_pages(self, r: int) -> int:
+        c = self.views[r].prefix_cache
+        return c.cached_pages if c is not None else 0
 
     def _remember(self, r: int, prompt_ids) -> None:
         """Rank r's routing tree learns a routed prompt (cache_aware), forgetting its oldest past the cap."""
