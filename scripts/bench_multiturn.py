@@ -27,7 +27,7 @@ JSON report and a PNG plot (TTFT per turn)::
 
 Several servers in one run: repeat ``--base-url`` (and ``--label``, one per server); the same workload
 (same seed) runs against each in turn and the report compares their hit rates. E.g. data-parallel
-attention's routing, the cache-aware default against round robin (issue 46)::
+attention's routing, the cache-aware default against round robin::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m dsv41_jax.serve --model tiny --port 30001 \
         --enable-dp-attention --dp-size 4 &

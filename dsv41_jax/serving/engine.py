@@ -112,6 +112,12 @@ state (window rings, partial compressor groups, Engram history) is copied by one
 `_fork_slot`; then each sample feeds the last prompt token itself and samples with its own seed
 (``seed + j``). If the pool has no page for the copy, that sample prefills the prompt itself.
 
+Data-parallel attention (``--enable-dp-attention --dp-size D``): the runner splits the slots, the KV
+pool, the snapshot rows and the prefix cache into D rank blocks, and the scheduler is a
+`dp_controller.DPController` — one `Scheduler` per rank, a request routed to one rank
+(``--load-balance-method``), each step's rank plans merged into rank-major launches of D x a rank's
+batch bucket. Everything above works per rank; ``stats()`` adds ``dp_ranks`` (per-rank load).
+
 Constraints (for grammar-constrained decoding): any object with ``allowed_mask() -> bool [V] |
 None`` (None = unconstrained this step), ``accept(token_id)`` and ``is_done() -> bool``; with n > 1
 it must also have ``clone()``. The mask is applied on the device; ``is_done()`` ends the request
