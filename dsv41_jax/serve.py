@@ -352,11 +352,16 @@ def main(argv=None) -> int:
     devs = jax.devices()
     log.info("JAX %s, backend %s: %d device(s) (%s)", jax.__version__, jax.default_backend(), len(devs),
              devs[0].device_kind if devs else "?")
+    try:
+        engine_args.check_devices(len(devs), devs[0].platform if devs else "none")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     log.info("engine: model=%s dtype=%s (activations %s) kv_cache_dtype=%s page_size=%d max_running_requests=%d "
-             "chunked_prefill_size=%d max_queued_requests=%s tp=%d ep=%d", engine_args.model, engine_args.dtype,
+             "chunked_prefill_size=%d max_queued_requests=%s tp=%d ep=%d dp=%d", engine_args.model, engine_args.dtype,
              engine_args.act_dtype, engine_args.kv_cache_dtype, engine_args.page_size,
              engine_args.max_running_requests, engine_args.chunked_prefill_size, engine_args.max_queued_requests,
-             engine_args.tp_size, engine_args.ep_size)
+             engine_args.tp_size, engine_args.ep_size, engine_args.dp_size)
     from dsv41_jax.parallel.mesh import MeshError
     from dsv41_jax.serving.async_engine import AsyncEngine
     from dsv41_jax.serving.engine import CacheLoads, EngineError, QueueFullError

@@ -24,6 +24,20 @@ JSON report and a PNG plot (TTFT per turn)::
 
     python -m dsv41_jax.serve --model tiny --port 30000 &
     python scripts/bench_multiturn.py --base-url http://127.0.0.1:30000 --output-json mt.json --output-png mt.png
+
+Several servers in one run: repeat ``--base-url`` (and ``--label``, one per server); the same workload
+(same seed) runs against each in turn and the report compares their hit rates. E.g. data-parallel
+attention's routing, the cache-aware default against round robin::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m dsv41_jax.serve --model tiny --port 30001 \
+        --enable-dp-attention --dp-size 4 &
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m dsv41_jax.serve --model tiny --port 30002 \
+        --enable-dp-attention --dp-size 4 --load-balance-method round_robin &
+    python scripts/bench_multiturn.py --base-url http://127.0.0.1:30001 --label cache_aware \
+        --base-url http://127.0.0.1:30002 --label round_robin --output-json mt_dp.json
+
+The JSON keeps the first server's ``summary`` and ``records`` at the top, the others under ``compare``,
+and ``hit_rates`` {label: hit rate of the cached turns} for all.
 """
 
 from __future__ import annotations
@@ -85,7 +99,8 @@ def scrape_hit_rate(client: httpx.Client):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base-url", default="http://127.0.0.1:30000")
+    ap.add_argument("--base-url", action="append", default=None,
+                    help="server URL (default http://127.0.0.1:30000); repeat to run the workload against several")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--conversations", type=int, default=3)
@@ -94,13 +109,36 @@ def main(argv=None) -> int:
     ap.add_argument("--user-words", type=int, default=20, help="words of each user message")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--label", default="on", help="a name for this server setting in the report")
+    ap.add_argument("--label", action="append", default=None,
+                    help="a name for the server setting in the report (default 'on'); one per --base-url")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--output-png", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args(argv)
     if a.conversations < 1 or a.turns < 2:
         ap.error("need --conversations >= 1 and --turns >= 2 (turn 1 is always cold)")
+    urls = a.base_url or ["http://127.0.0.1:30000"]
+    labels = a.label or (["on"] if len(urls) == 1 else [f"server{i}" for i in range(len(urls))])
+    if len(labels) != len(urls):
+        ap.error(f"give one --label per --base-url ({len(urls)} URLs, {len(labels)} labels)")
+    runs = [_run(a, url, label) for url, label in zip(urls, labels)]
+    summary, records = runs[0]
+    hit_rates = {s["label"]: s["hit_rate_cached_turns"] for s, _ in runs}
+    if len(runs) > 1:
+        print(json.dumps({"hit_rates": hit_rates}, indent=1))
+    if a.output_json:
+        out = {"args": vars(a), "summary": summary, "records": records, "hit_rates": hit_rates}
+        if len(runs) > 1:
+            out["compare"] = [{"summary": s, "records": r} for s, r in runs[1:]]
+        with open(a.output_json, "w") as f:
+            json.dump(out, f, indent=1)
+    if a.output_png:
+        _plot(summary, a.output_png)
+    return 0
+
+
+def _run(a, base_url: str, label: str) -> tuple:
+    """The workload (seeded by --seed: the same for every server) against one server: (summary, records)."""
     rng = random.Random(a.seed)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     system = _words(rng, a.system_words)
@@ -108,7 +146,7 @@ def main(argv=None) -> int:
     records = []
     t_start = time.perf_counter()
     gen_tokens = 0
-    with httpx.Client(base_url=a.base_url, headers=headers, timeout=a.timeout) as client:
+    with httpx.Client(base_url=base_url, headers=headers, timeout=a.timeout) as client:
         for t in range(1, a.turns + 1):
             for i, msgs in enumerate(convs):
                 msgs.append({"role": "user", "content": _words(rng, a.user_words)})
@@ -122,7 +160,7 @@ def main(argv=None) -> int:
                     res_c = chat_once(client, a.model, cold_msgs, a.max_tokens)
                     records.append({"conversation": i, "turn": t, "kind": "cold", **res_c})
                     gen_tokens += res_c["completion_tokens"] or 0
-                print(f"turn {t} conv {i}: ttft {res['ttft_s'] * 1e3:.1f} ms, cached {res['cached_tokens']}"
+                print(f"[{label}] turn {t} conv {i}: ttft {res['ttft_s'] * 1e3:.1f} ms, cached {res['cached_tokens']}"
                       f"/{res['prompt_tokens']}" + (f"; cold control {res_c['ttft_s'] * 1e3:.1f} ms" if t > 1 else ""),
                       file=sys.stderr)
         server_hit_rate = scrape_hit_rate(client)
@@ -138,7 +176,7 @@ def main(argv=None) -> int:
     ctoks = sum(r["cached_tokens"] or 0 for r in cached)
     per_turn = [{"turn": t, "ttft_cached_s": med("cached", t) if t > 1 else med("first", 1),
                  "ttft_cold_s": med("cold", t) if t > 1 else med("first", 1)} for t in range(1, a.turns + 1)]
-    summary = {"label": a.label, "conversations": a.conversations, "turns": a.turns,
+    summary = {"label": label, "conversations": a.conversations, "turns": a.turns,
                "ttft_first_turn_median_s": med("first"), "ttft_cached_median_s": med("cached"),
                "ttft_cold_median_s": med("cold"),
                "ttft_cold_over_cached": (med("cold") / med("cached")) if med("cached") else None,
@@ -148,27 +186,28 @@ def main(argv=None) -> int:
                "first_turn_ttft_s": [r["ttft_s"] for r in firsts], "server_cache_hit_rate": server_hit_rate,
                "gen_tokens_per_s": gen_tokens / wall, "wall_s": wall, "per_turn": per_turn}
     print(json.dumps({k: v for k, v in summary.items() if k != "per_turn"}, indent=1))
-    if a.output_json:
-        with open(a.output_json, "w") as f:
-            json.dump({"args": vars(a), "summary": summary, "records": records}, f, indent=1)
-    if a.output_png:
-        import matplotlib
+    return summary, records
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        turns = [p["turn"] for p in per_turn]
-        ax.plot(turns, [p["ttft_cold_s"] * 1e3 for p in per_turn], "o-", label="cold (no reusable prefix)")
-        ax.plot(turns, [p["ttft_cached_s"] * 1e3 for p in per_turn], "s-", label=f"cached (cache {a.label})")
-        ax.set_xlabel("turn")
-        ax.set_ylabel("median TTFT (ms)")
-        hr = summary["hit_rate_cached_turns"]
-        ax.set_title(f"multi-turn TTFT, hit rate {hr:.2f}" if hr is not None else "multi-turn TTFT")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(a.output_png, dpi=100)
-    return 0
+def _plot(summary: dict, path: str) -> None:
+    """TTFT per turn, cached vs cold (the first server's run)."""
+    per_turn = summary["per_turn"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    turns = [p["turn"] for p in per_turn]
+    ax.plot(turns, [p["ttft_cold_s"] * 1e3 for p in per_turn], "o-", label="cold (no reusable prefix)")
+    ax.plot(turns, [p["ttft_cached_s"] * 1e3 for p in per_turn], "s-", label=f"cached (cache {summary['label']})")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("median TTFT (ms)")
+    hr = summary["hit_rate_cached_turns"]
+    ax.set_title(f"multi-turn TTFT, hit rate {hr:.2f}" if hr is not None else "multi-turn TTFT")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -159,7 +160,7 @@ def engine_class():
             self.args = args
             self.engine_args = engine_args
             self.engine = None  # AsyncEngine, built in start()
-            self.blocks = None  # KvBlockEvents
+            self.blocks: dict = {}  # dp rank -> its prefix cache's KvBlockEvents
             self.loop: Optional[asyncio.AbstractEventLoop] = None
             self.requests = 0
             self.mode = args.disaggregation_mode
@@ -210,9 +211,16 @@ def engine_class():
                 log.info("KV events: off (%s)", "--no-kv-events" if not self.args.kv_events else
                          "decode role: the router places prefills" if self.mode == "decode" else "no radix cache")
                 return []
-            return [PushSource(on_ready=self._kv_ready, dp_rank=0)]
+            # one source per data-parallel attention rank: each rank's prefix cache publishes its own blocks
+            return [PushSource(on_ready=functools.partial(self._kv_ready, r), dp_rank=r)
+                    for r in range(len(self._prefix_caches()))]
 
-        def _kv_ready(self, publisher) -> None:
+        def _prefix_caches(self) -> list:
+            """The engine's prefix caches, one per dp rank (rank r's at index r)."""
+            runner = self.engine.engine.runner
+            return list(getattr(runner, "prefix_caches", [runner.prefix_cache]))
+
+        def _kv_ready(self, rank: int, publisher) -> None:
             from dsv41_jax.dynamo.kv_events import KvBlockEvents
 
             loop = self.loop
@@ -225,9 +233,10 @@ def engine_class():
                     loop.call_soon_threadsafe(lambda: publisher.publish_removed(ev[1]))
 
             ps = self.engine.engine.allocator.page_size
-            self.blocks = KvBlockEvents(ps, send)
-            self.engine.engine.prefix_cache.on_tree_event = self.blocks.on_tree_event
-            log.info("KV events: the prefix cache publishes its blocks (%d tokens each)", ps)
+            self.blocks[rank] = KvBlockEvents(ps, send)
+            self._prefix_caches()[rank].on_tree_event = self.blocks[rank].on_tree_event
+            log.info("KV events: the prefix cache%s publishes its blocks (%d tokens each)",
+                     f" of dp rank {rank}" if len(self._prefix_caches()) > 1 else "", ps)
 
         # -------------------------------------------------------------------------- requests
         @staticmethod
@@ -331,8 +340,9 @@ def engine_class():
 
         async def cleanup(self):
             if self.engine is not None:
-                if self.engine.engine.prefix_cache is not None:
-                    self.engine.engine.prefix_cache.on_tree_event = None
+                for c in self._prefix_caches():
+                    if c is not None:
+                        c.on_tree_event = None
                 await asyncio.to_thread(self.engine.shutdown)
                 self.engine = None
             if self.transport is not None:
@@ -356,10 +366,11 @@ def engine_class():
             out["disaggregation_mode"] = self.mode
             if self.transport is not None:
                 out.update(self.transport.stats(), transfer_seconds=self.transfer_seconds)
-            out["kv_blocks_published"] = self.blocks.num_blocks if self.blocks is not None else None
+            b = list(self.blocks.values())  # (over the dp ranks)
+            out["kv_blocks_published"] = sum(x.num_blocks for x in b) if b else None
             # events handed to the publisher (the router's `kv_cache_events_applied` counts them in)
-            out["kv_stored_events"] = self.blocks.stored_events if self.blocks is not None else 0
-            out["kv_removed_events"] = self.blocks.removed_events if self.blocks is not None else 0
+            out["kv_stored_events"] = sum(x.stored_events for x in b)
+            out["kv_removed_events"] = sum(x.removed_events for x in b)
             return {"status": "ok", "stats": out}
 
     return _DsvEngine

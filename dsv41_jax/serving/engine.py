@@ -112,6 +112,12 @@ state (window rings, partial compressor groups, Engram history) is copied by one
 `_fork_slot`; then each sample feeds the last prompt token itself and samples with its own seed
 (``seed + j``). If the pool has no page for the copy, that sample prefills the prompt itself.
 
+Data-parallel attention (``--enable-dp-attention --dp-size D``): the runner splits the slots, the KV
+pool, the snapshot rows and the prefix cache into D rank blocks, and the scheduler is a
+`dp_controller.DPController` — one `Scheduler` per rank, a request routed to one rank
+(``--load-balance-method``), each step's rank plans merged into rank-major launches of D x a rank's
+batch bucket. Everything above works per rank; ``stats()`` adds ``dp_ranks`` (per-rank load).
+
 Constraints (for grammar-constrained decoding): any object with ``allowed_mask() -> bool [V] |
 None`` (None = unconstrained this step), ``accept(token_id)`` and ``is_done() -> bool``; with n > 1
 it must also have ``clone()``. The mask is applied on the device; ``is_done()`` ends the request
@@ -181,18 +187,32 @@ class Engine:
         self.context_length = r.context_length
         self.vocab_size = r.vocab_size
         self.max_logprobs = r.max_logprobs
-        self.batch_buckets = args.resolved_batch_buckets()
+        # data-parallel attention (`dp_controller`): the runner's ranks; launches hold dp x a rank's rows
+        self.dp = getattr(getattr(r, "ccfg", None), "dp", 1)
+        if self.dp != args.dp_size:
+            raise EngineError(f"the runner has {self.dp} dp ranks, the arguments ask for dp_size={args.dp_size}")
+        rank_buckets = args.rank_batch_buckets() if self.dp > 1 else args.resolved_batch_buckets()
+        self.batch_buckets = [self.dp * b for b in rank_buckets]  # (dp = 1: resolved_batch_buckets)
         self.token_buckets = args.resolved_token_buckets()
         self.overlap = not args.disable_overlap_schedule
         self.spec_gamma = r.spec_gamma
 
         self.metrics = EngineMetrics()  # the one owner of the counters (scheduler, output and engine count into it)
         self._pending: list = []  # [(Planned, StepResult)] executed, results not read yet (the overlap schedule)
-        self.scheduler = Scheduler(args, r, context_length=self.context_length, batch_buckets=self.batch_buckets,
-                                   token_buckets=self.token_buckets, metrics=self.metrics,
-                                   spec_gamma=self.spec_gamma, eos_token_ids=self.eos_token_ids,
-                                   on_release=self._on_release)
-        self.output = OutputProcessor(self.scheduler, r.allocator, page_size=r.allocator.page_size,
+        sched_kw = dict(context_length=self.context_length, batch_buckets=rank_buckets,
+                        token_buckets=self.token_buckets, metrics=self.metrics, spec_gamma=self.spec_gamma,
+                        eos_token_ids=self.eos_token_ids, on_release=self._on_release)
+        if self.dp > 1:  # one scheduler per rank behind the DP controller (routing, rank-major launches)
+            from dsv41_jax.serving.dp_controller import DPController, PoolTotals
+
+            self._pool = PoolTotals(r.allocators)
+            self.scheduler = DPController(args, r, method=args.resolved_load_balance_method, **sched_kw)
+            log.info("data-parallel attention: %d ranks of %d slots, load balance %s", self.dp,
+                     r.max_slots // self.dp, args.resolved_load_balance_method)
+        else:
+            self._pool = r.allocator
+            self.scheduler = Scheduler(args, r, **sched_kw)
+        self.output = OutputProcessor(self.scheduler, self._pool, page_size=r.allocator.page_size,
                                       context_length=self.context_length, eos_token_ids=self.eos_token_ids,
                                       metrics=self.metrics, decode_log_interval=args.decode_log_interval,
                                       spec_gamma=self.spec_gamma)
@@ -218,7 +238,12 @@ class Engine:
 
     @property
     def allocator(self):
-        return self.runner.allocator
+        """The page allocator (with dp ranks: `dp_controller.PoolTotals`, the ranks' pools as one)."""
+        return self._pool
+
+    def _allocator_of(self, s: Seq):
+        """The page allocator of s's dp rank."""
+        return getattr(self.runner, "allocators", [self.runner.allocator])[s.group.dp_rank]
 
     @property
     def prefix_cache(self):
@@ -367,7 +392,7 @@ class Engine:
         from dsv41_jax.serving.handover import PrefilledState
 
         n = len(s.prompt_ids)
-        pages = self.allocator.pages(s.key)[:-(-n // self.allocator.page_size)]
+        pages = self._allocator_of(s).pages(s.key)[:-(-n // self.allocator.page_size)]
         if s.num_cached < n or len(pages) * self.allocator.page_size < n:
             return  # (cannot happen: the first token is sampled after the whole prompt) no state: no handover
         data = self.runner.export_slot(s.slot, pages)
@@ -444,7 +469,7 @@ class Engine:
                                                 if not (r.sample or r.replay)),
                           "replay_rows": sum(1 for L in launches for r in L.rows if r.replay),
                           "decode_rows": sum(1 for L in launches for r in L.rows if r.sample),
-                          "spec_rows": sum(len(L.rows) for L in launches if L.spec)}
+                          "spec_rows": sum(1 for L in launches if L.spec for r in L.rows if r.n)}
         if self.overlap:
             done, self._pending = self._pending, done
         self.output.process(done)
@@ -516,8 +541,13 @@ class Engine:
         }
         if self.spec_gamma:
             out.update(self.output.spec_summary(), spec_gamma=self.spec_gamma)
-        c = self.prefix_cache
-        if c is not None:  # the radix prefix cache (and its host tier)
-            out.update(prefix_cache_entries=len(c.entries), prefix_cache_host_entries=len(c.host_entries),
-                       prefix_cache_hits=c.hits, prefix_cache_host_hits=c.host_hits, prefix_cache_spills=c.spills)
+        caches = [c for c in getattr(self.runner, "prefix_caches", [self.prefix_cache]) if c is not None]
+        if caches:  # the radix prefix cache (and its host tier; with dp ranks: summed over them)
+            out.update(prefix_cache_entries=sum(len(c.entries) for c in caches),
+                       prefix_cache_host_entries=sum(len(c.host_entries) for c in caches),
+                       prefix_cache_hits=sum(c.hits for c in caches),
+                       prefix_cache_host_hits=sum(c.host_hits for c in caches),
+                       prefix_cache_spills=sum(c.spills for c in caches))
+        if self.dp > 1:  # per rank (the /metrics gauges with a dp_rank label)
+            out["dp_ranks"] = self.scheduler.rank_stats()
         return out

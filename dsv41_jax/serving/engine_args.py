@@ -5,7 +5,8 @@ Flags use SGLang's spelling where the meaning is the same (docs/design/spec.md ย
 ``--context-length``, ``--kv-cache-dtype``, ``--max-total-tokens``, ``--tp-size``/``--tp``,
 ``--ep-size``/``--ep``, ``--dtype``, ``--random-seed``/``--seed``, ``--decode-log-interval``,
 ``--max-queued-requests``, ``--enable-mixed-chunk``, ``--disable-overlap-schedule``,
-``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK), ``--enable-deterministic-inference``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
+``--skip-server-warmup``, ``--speculative-algorithm`` (DSPARK), ``--enable-deterministic-inference``,
+``--enable-dp-attention`` / ``--dp-size`` (vLLM's ``--data-parallel-size`` an alias), ``--load-balance-method``. Ours: ``--batch-buckets``, ``--token-buckets``, ``--shape-buckets``,
 ``--max-logprobs``, ``--disable-prefix-sharing``, ``--disable-radix-cache``, ``--radix-cache-snapshots``, ``--enable-hierarchical-cache``,
 ``--hicache-ratio``, ``--cpu-memory-budget``, ``--enable-decoder-swa-bounded-replay`` (SGLang's name), ``--impl`` (which
 implementation each op with a fast path runs, `dsv41_jax.model.dispatch`; default "auto"),
@@ -42,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES", "SHAPE_BUCKETS", "SMALL_MODEL_BYTES", "model_is_small"]
+__all__ = ["EngineArgs", "DTYPES", "KV_CACHE_DTYPE_CHOICES", "LOAD_BALANCE_METHODS", "SHAPE_BUCKETS", "SMALL_MODEL_BYTES", "model_is_small"]
 
 # --dtype: the activation dtype of the model (weights keep their checkpoint formats).
 DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
@@ -52,6 +53,8 @@ KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "b
 
 
 SHAPE_BUCKETS = ("auto", "compact", "full")
+# --load-balance-method: how the DP controller picks a new request's rank (serving/dp_controller.py)
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 SPECULATIVE_ALGORITHMS = ("DSPARK",)
 DSPARK_MAX_BLOCK = 5  # docs/design/spec.md ยง7: the largest DSpark block (V4.1 Flash ships 5)
 SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
@@ -143,6 +146,11 @@ class EngineArgs:
     # SGLang's flag: the deterministic numerics mode (`ModelConfig.deterministic`, model/numerics.py) and a
     # batch-invariant sampler: results independent of batch, chunking, mesh, kernels and speculation.
     enable_deterministic_inference: bool = False
+    # data-parallel attention (issue 46): dp_size ranks, each with its own slots, pages, prefix cache and
+    # scheduler; a DP controller assigns each request to a rank (load_balance_method; None: cache_aware)
+    enable_dp_attention: bool = False
+    dp_size: int = 1
+    load_balance_method: Optional[str] = None
 
     def __post_init__(self):
         self.validate()
@@ -190,7 +198,7 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             bad("kv_cache_dtype", f"must be one of {sorted(KV_CACHE_DTYPE_CHOICES)}")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
-                     "max_logprobs", "decode_log_interval", "tp_size", "ep_size"):
+                     "max_logprobs", "decode_log_interval", "tp_size", "ep_size", "dp_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "max_logprobs" else 1):
                 bad(name, "must be a positive integer")
@@ -230,6 +238,7 @@ class EngineArgs:
                 bad("speculative_simulate_accept_length", f"must be a number in 1..{DSPARK_MAX_BLOCK + 1}")
             if self.speculative_algorithm is None:
                 bad("speculative_simulate_accept_length", "needs --speculative-algorithm DSPARK")
+        self._validate_dp()
         if self.warmup_prompt_logprobs and self.skip_server_warmup:
             bad("warmup_prompt_logprobs", "has nothing to add to with --skip-server-warmup (no warm-up runs)")
         if self.warmup_prompt_logprobs and self.enable_decoder_swa_bounded_replay:
@@ -263,6 +272,52 @@ class EngineArgs:
                 bad(flag, "cannot be combined with --enable-decoder-swa-bounded-replay (its late layers see only "
                           "each prompt's tail, so a request's result depends on how its prompt was scheduled)")
         return self
+
+    def _validate_dp(self) -> None:
+        """Data-parallel attention: the combinations it cannot serve, refused before anything loads."""
+        D = self.dp_size
+        if D > 1 and not self.enable_dp_attention:
+            raise ValueError(f"dp_size: {D} ranks need --enable-dp-attention (data-parallel engine replicas "
+                             "without DP attention are not implemented)")
+        if self.load_balance_method is not None:
+            if self.load_balance_method not in LOAD_BALANCE_METHODS:
+                raise ValueError(f"load_balance_method: must be one of {list(LOAD_BALANCE_METHODS)}, "
+                                 f"got {self.load_balance_method!r}")
+            if D == 1:
+                raise ValueError(f"load_balance_method: {self.load_balance_method!r} has no effect without "
+                                 "--dp-size > 1 (one rank takes every request)")
+        if D == 1:
+            return
+        if self.max_running_requests % D:
+            raise ValueError(f"dp_size: max_running_requests={self.max_running_requests} is not divisible by "
+                             f"dp_size={D} (each rank owns an equal share of the request slots)")
+        if self.enable_decoder_swa_bounded_replay:
+            raise ValueError("enable_decoder_swa_bounded_replay: not implemented with --dp-size > 1 (refused, as "
+                             "SGLang does: its prefill is approximate and per-rank exactness is not shown)")
+        if self.max_total_tokens is not None and self.max_total_tokens < D * self.page_size:
+            raise ValueError(f"max_total_tokens: {self.max_total_tokens} tokens leave less than one page per dp rank "
+                             f"(dp_size={D}, page_size={self.page_size})")
+
+    def check_devices(self, n_devices: int, platform: str = "") -> None:
+        """The server's start-up check that the devices asked for exist: dp_size x tp_size (attention TP-split
+        inside each data-parallel rank) must not exceed ``n_devices`` (ValueError naming both). The engine
+        itself runs any number of ranks on whatever mesh it is given (one device included: tests)."""
+        need = self.dp_size * self.tp_size
+        if self.dp_size > 1 and need > n_devices:
+            hint = (f"; on a CPU, fake {need} host devices with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+                    if platform == "cpu" else "")
+            raise ValueError(f"dp_size: --dp-size {self.dp_size} x --tp-size {self.tp_size} needs {need} devices, "
+                             f"only {n_devices} are available{f' ({platform})' if platform else ''}{hint}")
+
+    @property
+    def resolved_load_balance_method(self) -> str:
+        return self.load_balance_method or "cache_aware"
+
+    def rank_batch_buckets(self) -> list:
+        """Batch sizes of one dp rank's share of a launch (a launch has dp_size x as many rows, rank-major):
+        each compiled batch size split over the ranks, rounded up. dp = 1: `resolved_batch_buckets`."""
+        D = self.dp_size
+        return sorted(set(-(-b // D) for b in self.resolved_batch_buckets()))
 
     @property
     def fp64_accumulation(self) -> bool:
@@ -470,6 +525,20 @@ class EngineArgs:
                             "tokens and logprobs do not depend on what else is batched, prefill chunking, the radix "
                             "cache, preemption, DSpark or --tp/--ep (model/numerics.py); Pallas kernels off ('auto' "
                             "runs 'xla'; an explicit Pallas --impl is refused). Cost: docs/benchmarks.md")
+        g.add_argument("--enable-dp-attention", dest="enable_dp_attention", action="store_true",
+                       help="data-parallel attention (SGLang's flag): the request state (KV pages, window rings, "
+                            "compressor and Engram history, snapshot rows, DSpark rings, radix cache and host tier) "
+                            "is split into --dp-size ranks, each serving its own requests; one step runs every "
+                            "rank's rows together (rank-major). Needs --dp-size")
+        g.add_argument("--dp-size", "--dp", "--data-parallel-size", dest="dp_size", type=int, default=1,
+                       help="data-parallel attention ranks (with --enable-dp-attention): must divide "
+                            "--max-running-requests; the KV pool and the prefix cache's snapshot rows are split "
+                            "equally; dp x tp devices are needed (refused at start-up otherwise)")
+        g.add_argument("--load-balance-method", dest="load_balance_method", default=None, choices=LOAD_BALANCE_METHODS,
+                       help="how a new request's dp rank is chosen (with --dp-size > 1): cache_aware (default: the "
+                            "rank whose radix cache holds the longest prefix of the prompt, else the least loaded), "
+                            "round_robin (ranks in turn), shortest_queue (the rank with the fewest running and "
+                            "waiting requests, lowest rank on a tie)")
         return parser
 
     @classmethod

@@ -18,8 +18,9 @@ The ops of a schedule, in the order the runner runs them (`Schedule.ops`):
 - `ImportOp`: a state prefilled by another engine (`handover`) written into a slot and its pages.
 
 A schedule also carries the slots to reset and the sampling rows (`SamplingRow`) of the samples it
-admitted. A `Schedule` is one rank's: ``rank`` is 0 on a single engine, and a data-parallel step
-(issue 46) is one schedule per rank, executed together.
+admitted. ``rank`` is the data-parallel rank that planned it (0 on a single engine); a data-parallel
+step (issue 46, `dp_controller.merge`) merges the ranks' schedules into one whose launches hold every
+rank's rows, rank-major, each rank padded with its own padding rows (n = 0), with rank −1.
 
 The speculator's seam is typed too: `speculator.Speculator.launch` takes the runner's `DeviceState`
 (cache pytree, per-slot sampling tensors, ``last_token``) and a `SpecLaunch`, and returns the new
@@ -267,7 +268,7 @@ class StepResult:
 class DeviceState:
     """The runner's per-slot device state, as the speculator takes and returns it: the cache pytree
     (``state``, with the DSpark rings), the per-slot sampling tensors (`sampling.SamplingTensors`) and
-    ``last_token`` int32 [max_slots + 1] (each slot's newest sampled token)."""
+    ``last_token`` int32 [`cache.slot_rows`] (each slot's newest sampled token; max_slots + 1 without dp)."""
 
     state: Any
     slot_tensors: Any

@@ -33,6 +33,11 @@ Names follow SGLang's (``sglang:num_running_reqs`` …) under our own ``dsv41:``
 ``dsv41:http_requests_total``               counter    labels ``endpoint``, ``status``
 ==========================================  =========  =================================================
 
+With data-parallel attention (``--dp-size D > 1``; the engine's stats carry ``dp_ranks``) the four
+load gauges ``num_running_reqs``, ``num_queue_reqs``, ``num_used_tokens`` and ``token_usage`` carry a
+``dp_rank`` label, one series per rank (``sum(dsv41:num_running_reqs)`` is the engine's total; the
+rank's token_usage is of its own KV pool); with one rank they have no label, as before.
+
 Each :class:`ServerMetrics` has its own ``CollectorRegistry`` (several servers in one process, as in
 tests, do not clash). Engine gauges are refreshed from ``engine.stats()`` at scrape time; the engine's
 cumulative counts (preemptions, DSpark steps / accepts and the accept-length histogram) are mirrored
@@ -156,6 +161,7 @@ class ServerMetrics:
         self.info = Gauge(PREFIX + "model_info", "Served model", ["model"], registry=r)
         self._r = r
         self._spec = None  # DSpark series, made on the first scrape whose stats have them
+        self._per_rank = False  # the load gauges carry dp_rank (made on the first scrape with dp_ranks)
         self._spec_seen: dict = {}
         if model_name:
             self.info.labels(model=model_name).set(1)
@@ -213,9 +219,14 @@ class ServerMetrics:
                 stats = {}
         if not isinstance(stats, Mapping):
             stats = getattr(stats, "__dict__", {}) or {}
+        ranks = stats.get("dp_ranks")
+        if isinstance(ranks, (list, tuple)) and ranks:
+            self._set_per_rank(ranks)
         for name, gauge in (("num_running_reqs", self.num_running), ("num_queue_reqs", self.num_queue),
                             ("num_used_tokens", self.num_used_tokens), ("token_usage", self.token_usage),
                             ("cache_hit_rate", self.cache_hit_rate)):
+            if self._per_rank and name != "cache_hit_rate":
+                continue
             v = _stat(stats, name)
             if v is not None:
                 gauge.set(v)
@@ -223,6 +234,25 @@ class ServerMetrics:
         self.gen_throughput.set(v if v is not None else self.own_throughput())
         self._mirror_preemptions(stats.get("preemptions_by_reason"))
         self._mirror_spec(stats)
+
+    _RANK_GAUGES = (("num_running", "num_running_reqs"), ("num_queue", "num_queue_reqs"),
+                    ("num_used_tokens", "num_used_tokens"), ("token_usage", "token_usage"))
+
+    def _set_per_rank(self, ranks) -> None:
+        """The load gauges per dp rank (``ranks``: the engine's ``dp_ranks``, one dict per rank); on the first
+        call the unlabelled gauges are replaced by ones with a ``dp_rank`` label (same names)."""
+        if not self._per_rank:
+            for attr, _ in self._RANK_GAUGES:
+                old = getattr(self, attr)
+                self._r.unregister(old)
+                setattr(self, attr, Gauge(old._name, old._documentation + " (per data-parallel rank)", ["dp_rank"],
+                                          registry=self._r))
+            self._per_rank = True
+        for rs in ranks:
+            for attr, key in self._RANK_GAUGES:
+                v = rs.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    getattr(self, attr).labels(dp_rank=str(rs.get("dp_rank", 0))).set(float(v))
 
     def _mirror_spec(self, stats: Mapping[str, Any]) -> None:
         """DSpark counters / gauges / histogram from the engine's cumulative figures."""

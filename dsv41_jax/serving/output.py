@@ -106,6 +106,8 @@ class OutputProcessor:
         n_acc = np.asarray(res.n_accept)
         n_tok = 0
         for b, (r, s) in enumerate(zip(L.rows, seqs)):
+            if s is None:
+                continue  # a dp rank's padding row
             n = int(n_acc[b])
             self.scheduler.spec_done(s, r.start, n + 1)
             self.spec_hist[n] += 1
@@ -126,7 +128,7 @@ class OutputProcessor:
         scores prompt token start + j + 1); a max_tokens=0 sample ends once it has them all."""
         lp, ids, vals = (np.asarray(a) for a in plp)
         for b, (r, s) in enumerate(zip(L.rows, seqs)):
-            if not s.want_plp or r.sample or r.replay or s.status != RUNNING:
+            if s is None or not s.want_plp or r.sample or r.replay or s.status != RUNNING:
                 continue
             k = s.params.prompt_logprobs
             for j in range(r.n):

@@ -242,7 +242,7 @@ class PrefixCache:
     `reclaim`, which evicts the least recently used leaf entries (`_victim`), so the scheduler's page
     accounting is unchanged."""
 
-    def __init__(self, allocator, num_rows: int, host_pages: int = 0):
+    def __init__(self, allocator, num_rows: int, host_pages: int = 0, first_row: int = 0):
         self.alloc = allocator
         self.page_size = allocator.page_size
         self.tree = RadixTree()
@@ -256,7 +256,8 @@ class PrefixCache:
         self.pending_spills: list = []
         self.unsaved: set = set()  # entries whose SaveOp is not handed to the runner yet
         self.spills = self.host_hits = 0
-        self.free_rows = list(range(num_rows - 1, -1, -1))
+        # snapshot rows first_row .. first_row + num_rows − 1 (a dp rank's block of the pool; 0: all of it)
+        self.free_rows = list(range(first_row + num_rows - 1, first_row - 1, -1))
         self.num_rows = num_rows
         # segmented LRU (`_victim`): the rows unhit chunk-end points may hold before they are the
         # first to go (with none, a long prompt's own points evicted each other)

@@ -118,6 +118,7 @@ class Group:
         self.sent_plp = False
         self.handover = False  # a prefill engine's request: export its state when it finishes (`handover`)
         self.handover_state = None  # ... the exported `handover.PrefilledState`
+        self.dp_rank = 0  # data-parallel attention: the rank serving every sample of it (`dp_controller`)
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,7 @@ import numpy as np
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
+from dsv41_jax.serving import dp_layout
 from dsv41_jax.serving import sampling as smp
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.engine_metrics import CacheLoads
@@ -88,10 +89,17 @@ class SharedPageAllocator(kvc.PageAllocator):
     ``reclaimer`` (None, or the prefix cache's controller `prefix_cache.PrefixCache`, which sets itself):
     pages it could give back count as free (`free_pages`), an `ensure` short of free-list pages asks
     it to ``reclaim`` them first, and every change of the page references is reported to it
-    (``touch``)."""
+    (``touch``).
 
-    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+    ``first_page``: the pages it hands out are ``first_page + 1 .. first_page + num_pages − 1`` (a dp
+    rank's block, `cache.rank_pages`; ``first_page`` itself is the rank's null page, never handed out).
+    0: the whole pool, page 0 null (dp = 1)."""
+
+    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int, first_page: int = 0):
         super().__init__(num_pages, page_size, max_pages_per_seq)
+        self.first_page = first_page
+        if first_page:
+            self._free = [p + first_page for p in self._free]
         self._refs: dict = {}
         self.reclaimer = None
 
@@ -156,8 +164,11 @@ class SharedPageAllocator(kvc.PageAllocator):
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("free list has duplicates")
-        if 0 in free or 0 in counts:
-            raise AssertionError("the null page 0 was handed out")
+        null = self.first_page
+        if null in free or null in counts:
+            raise AssertionError(f"the null page {null} was handed out")
+        if any(not null < p < null + self.num_pages for p in set(counts) | free):
+            raise AssertionError(f"a page outside {null + 1}..{null + self.num_pages - 1} was handed out")
         if set(counts) & free:
             raise AssertionError(f"pages both live and free: {sorted(set(counts) & free)}")
         if len(counts) + len(free) != self.capacity:
@@ -404,8 +415,9 @@ class Runner:
         self.load_time = time.perf_counter() - t0
         self.ccfg, self.memory_plan = self._plan_memory()
         self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
+        self.dp = self.ccfg.dp  # data-parallel attention ranks (--dp-size; 1: off)
         self.max_slots = self.ccfg.max_slots
-        self.scratch = self.ccfg.max_slots
+        self.scratch = kvc.scratch_slot(self.ccfg, 0)  # (dp = 1: max_slots)
         self.max_logprobs = min(args.max_logprobs, self.vocab_size)
         self.speculator = self._make_speculator()
         self._build_cache()
@@ -429,7 +441,7 @@ class Runner:
         snaps = _bytes_by_device(self.snaps) if self.snaps is not None else {}
         # (one host copy: the cache is replicated, so every device's shards are the same bytes; each host
         # entry also keeps its snapshot row, one row's bytes per entry, not counted here)
-        host = int(self.host_pages * self.ccfg.page_size * self.memory_plan["bytes_per_token"])
+        host = int(self.dp * self.host_pages * self.ccfg.page_size * self.memory_plan["bytes_per_token"])
         return {d: {"params": params.get(d, 0), "draft_params": draft.get(d, 0), "kv": kv.get(d, 0),
                     "draft_rings": rings.get(d, 0), "snapshots": snaps.get(d, 0), "host_tier": host}
                 for d in sorted(set(params) | set(kv), key=str)}
@@ -535,9 +547,11 @@ class Runner:
 
             state = rules.init_cache(cfg, ccfg, self.mesh)
         self.state = self.speculator.seed_state(state)
-        self.reset_slots(list(range(self.max_slots + 1)))
-        self.slot_tensors = SamplingTensors.from_params([None] * (self.max_slots + 1), self.vocab_size)
-        self.last_token = jnp.zeros((self.max_slots + 1,), jnp.int32)
+        self._check_rank_blocks()
+        rows = kvc.slot_rows(ccfg)  # every rank's slots and its scratch row (dp = 1: max_slots + 1)
+        self.reset_slots(list(range(rows)))
+        self.slot_tensors = SamplingTensors.from_params([None] * rows, self.vocab_size)
+        self.last_token = jnp.zeros((rows,), jnp.int32)
         if self.mesh is not None:
             # replicated on the mesh from the start, as every launch returns them: otherwise the first
             # launches (and the warm-up's precompile) see other input shardings than the later ones, and
@@ -548,6 +562,18 @@ class Runner:
             self.slot_tensors, self.last_token = jax.device_put((self.slot_tensors, self.last_token), rep)
         self._allow_all: dict = {}
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
+
+    def _check_rank_blocks(self) -> None:
+        """Every per-slot array of the cache has the rank blocks' rows (`cache.slot_rows`): with dp ranks a
+        shorter one (the DSpark rings, until the model side sizes them by the blocks) would drop the
+        writes of the last ranks' slots. Refused at start-up (EngineError) rather than served wrong."""
+        want = kvc.slot_rows(self.ccfg)
+        for k in _SLOT_ROW_KEYS:
+            for x in jax.tree_util.tree_leaves(self.state.get(k)):
+                if x.shape[0] != want:
+                    what = "--speculative-algorithm DSPARK" if k == "dspark" else f"the cache's {k!r} state"
+                    raise EngineError(f"{what} with --dp-size {self.ccfg.dp}: its per-slot rows number {x.shape[0]}, "
+                                      f"not the {want} of the dp rank blocks (not implemented on the model side yet)")
 
     def _build_features(self) -> None:
         """The steps plain launches run (the speculator's; SWA bounded replay when on) and the page
@@ -560,17 +586,25 @@ class Runner:
         self.snapshot_rows = getattr(self, "_planned_snapshot_rows", None)
         if self.snapshot_rows is None:
             self.snapshot_rows = self._snapshot_rows()
-        self.host_pages = 0
+        D, P_r = ccfg.dp, ccfg.num_pages // ccfg.dp
+        self.host_pages = 0  # per rank
         if self.snapshot_rows and args.enable_hierarchical_cache:  # HiCache L2: R x the device pool, on the host
-            self.host_pages = int(args.resolved_hicache_ratio() * (ccfg.num_pages - 1))
-            log.info("hierarchical cache: host pool of %d pages (%.1f x the device pool)", self.host_pages,
-                     args.resolved_hicache_ratio())
-        self._host_unsettled: list = []  # host-store keys whose device-to-host copies are in flight
-        self.allocator = SharedPageAllocator(ccfg.num_pages, ccfg.page_size, ccfg.max_pages_per_seq)
+            self.host_pages = int(args.resolved_hicache_ratio() * (P_r - 1))
+            log.info("hierarchical cache: host pool of %d pages%s (%.1f x the device pool)", self.host_pages,
+                     f" per dp rank ({D} ranks)" if D > 1 else "", args.resolved_hicache_ratio())
+        self._host_unsettled: list = []  # (rank, host-store key) whose device-to-host copies are in flight
+        # one page allocator (and prefix cache, host tier, snapshot rows) per dp rank, over its own block
+        self.allocators = [SharedPageAllocator(P_r, ccfg.page_size, ccfg.max_pages_per_seq,
+                                               first_page=kvc.rank_pages(ccfg, r)[0]) for r in range(D)]
+        self.allocator = self.allocators[0]
         if not self.snapshot_rows:
+            self.prefix_caches = [None] * D
             self.prefix_cache = self.snaps = None
             return
-        self.prefix_cache = PrefixCache(self.allocator, self.snapshot_rows, self.host_pages)
+        R_r = self.snapshot_rows // D
+        self.prefix_caches = [PrefixCache(a, R_r, self.host_pages, first_row=r * R_r)
+                              for r, a in enumerate(self.allocators)]
+        self.prefix_cache = self.prefix_caches[0]
         self.snaps = empty_snapshots(self.state, self.snapshot_rows, self.mesh)
         log.info("radix prefix cache: %d snapshot rows (%.1f MiB per device)", self.snapshot_rows,
                  _bytes_per_device(self.snaps) / 2**20)
@@ -590,7 +624,9 @@ class Runner:
         64: `prefix_cache.default_snapshot_rows`); 0 (off) with --disable-radix-cache."""
         if self.args.disable_radix_cache:
             return 0
-        return self.args.radix_cache_snapshots or default_snapshot_rows(self.args.max_running_requests)
+        rows = self.args.radix_cache_snapshots or default_snapshot_rows(self.args.max_running_requests)
+        D = self.args.dp_size
+        return -(-rows // D) * D  # rank blocks of equal size (dp = 1: as asked)
 
     def _bounded_replay(self, cfg, ccfg):
         """The SWA bounded replay step (`decode.extend_bounded`, late_tail = sliding_window) used for launches of
@@ -650,14 +686,15 @@ class Runner:
     def _plan_memory(self):
         args, cfg = self.args, self.cfg
         ps, S = args.page_size, args.max_running_requests
+        D = args.dp_size  # data-parallel attention: the pool and the slots split into D equal rank blocks
         mode = args.cache_dtype
         want_ctx = args.context_length or cfg.max_position_embeddings
         ctx = -(-want_ctx // ps) * ps
         b = kvc.kv_bytes_per_token(cfg, mode)
         info = {"page_size": ps, "max_running_requests": S, "bytes_per_token": b["per_token"],
-                "window_bytes": (S + 1) * b["window_per_request"]}
+                "window_bytes": (S + D) * b["window_per_request"]}
         if args.max_total_tokens:
-            num_pages = -(-args.max_total_tokens // ps) + 1
+            num_pages = (-(-(-(-args.max_total_tokens // ps)) // D) + 1) * D  # (D = 1: ceil(tokens / ps) + 1)
             info["source"] = "--max-total-tokens"
         else:
             total, source, default_frac = _device_memory_bytes(args)
@@ -670,27 +707,37 @@ class Runner:
             per_row = b["window_per_request"] + (b["dspark_window_per_request"] if self.spec_gamma else 0)
             if rows and self.args.radix_cache_snapshots is None:
                 rows = min(rows, max(0, int(budget * 0.25 // per_row)))
+                rows -= rows % D
                 if rows < self._snapshot_rows():
                     log.info("radix prefix cache: %d snapshot rows fit a quarter of the KV budget", rows)
             self._planned_snapshot_rows = rows
             budget -= int(rows * per_row)
             plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode)
-            num_pages = min(plan["num_pages"], S * (ctx // ps) + 1)
+            num_pages = min(plan["num_pages"] // D, (S // D) * (ctx // ps) + 1) * D
             info.update(source=f"{frac:.2f} x {source} ({total / 2**30:.1f} GiB) - weights {weights / 2**20:.1f} MiB",
                         budget_bytes=budget)
-        num_pages = max(num_pages, 2)
-        ctx = min(ctx, (num_pages - 1) * ps)
+        num_pages = max(num_pages, 2 * D)
+        ctx = min(ctx, (num_pages // D - 1) * ps)  # a request lives in one rank's pool
         if min(ctx, want_ctx) < 2:
             raise EngineError("the KV pool is too small for a single request")
         ccfg = kvc.CacheConfig(page_size=ps, num_pages=num_pages, max_slots=S, max_pages_per_seq=ctx // ps,
-                               kv_cache_dtype=mode)
-        ccfg.validate(cfg)
-        info.update(num_pages=num_pages, pool_tokens=(num_pages - 1) * ps, context_length=min(ctx, want_ctx),
-                    pool_bytes=int(num_pages * ps * b["per_token"]))
+                               kv_cache_dtype=mode, dp=D)
+        try:
+            ccfg.validate(cfg)
+        except ValueError as e:
+            raise EngineError(f"KV cache layout: {e}") from None
+        info.update(num_pages=num_pages, pool_tokens=(num_pages - D) * ps, context_length=min(ctx, want_ctx),
+                    pool_bytes=int(num_pages * ps * b["per_token"]), dp=D)
         log.info("KV cache (%s): page_size=%d, %d pages = %d tokens, pools %.1f MiB (%.0f B/token), window rings "
                  "%.1f MiB for %d slots, context_length=%d, kv_cache_dtype=%s, act dtype=%s", info["source"], ps,
-                 num_pages - 1, info["pool_tokens"], info["pool_bytes"] / 2**20, b["per_token"],
+                 num_pages - D, info["pool_tokens"], info["pool_bytes"] / 2**20, b["per_token"],
                  info["window_bytes"] / 2**20, S, info["context_length"], mode, cfg.act_dtype)
+        if D > 1:  # each rank's share of the KV / state memory (on a dp mesh: what each rank's devices hold)
+            for r in range(D):
+                log.info("dp rank %d: slots %d..%d (scratch %d), pages %d..%d (%d tokens), KV pool %.1f MiB + window "
+                         "rings %.1f MiB", r, kvc.rank_slots(ccfg, r)[0], kvc.rank_slots(ccfg, r)[-1],
+                         kvc.scratch_slot(ccfg, r), kvc.rank_pages(ccfg, r)[0], kvc.rank_pages(ccfg, r)[-1],
+                         (num_pages // D - 1) * ps, info["pool_bytes"] / D / 2**20, info["window_bytes"] / D / 2**20)
         return ccfg, info
 
 
@@ -717,7 +764,6 @@ class Runner:
         shapes = [(B, T) for T in token_buckets for B in batch_buckets]
         if self.spec_gamma:
             shapes += [(B, -1) for B in batch_buckets]  # T = −1: the DSpark verify step
-        P = self.ccfg.max_pages_per_seq
         self._precompile_extend([(B, T) for B, T in shapes if T >= 0])
         if prompt_logprobs and self._extend_all is None:
             self._extend_all = self.speculator.extend_step(True)
@@ -729,13 +775,13 @@ class Runner:
                 what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
             else:
                 z = np.zeros((B,), np.int32)
-                self._device_launch(None, np.zeros((B, T), np.int32), z, z, np.full((B,), self.scratch, np.int32),
-                                    np.zeros((B, P), np.int32), np.zeros((B,), bool), np.zeros((B,), bool), z,
-                                    force_sample=(T == token_buckets[0]))
+                pad_slot, pad_pt = dp_layout.pad_slots(self.ccfg, B), dp_layout.pad_pages(self.ccfg, B)
+                self._device_launch(None, np.zeros((B, T), np.int32), z, z, pad_slot, pad_pt, np.zeros((B,), bool),
+                                    np.zeros((B,), bool), z, force_sample=(T == token_buckets[0]))
                 what = f"tokens={T}"
                 if prompt_logprobs:  # a prompt-logprobs launch whose rows also sample (every program it runs)
-                    self._device_launch(None, np.zeros((B, T), np.int32), z, z, np.full((B,), self.scratch, np.int32),
-                                        np.zeros((B, P), np.int32), np.zeros((B,), bool), np.ones((B,), bool), z,
+                    self._device_launch(None, np.zeros((B, T), np.int32), z, z, pad_slot, pad_pt,
+                                        np.zeros((B,), bool), np.ones((B,), bool), z,
                                         targets=np.zeros((B, T), np.int32))
                     what += " (+ prompt logprobs)"
             jax.block_until_ready(self.state)
@@ -761,15 +807,13 @@ class Runner:
             return
         import concurrent.futures as cf
 
-
-        P = self.ccfg.max_pages_per_seq
         jobs = []
         for B, T in shapes:
             z = np.zeros((B,), np.int32)
-            toks = _fill_first_token(np.zeros((B, T), np.int32), np.zeros((B,), bool),
-                                     np.full((B,), self.scratch, np.int32), self.last_token)
-            batch = {"tokens": toks, "start": z, "n_new": z, "slot": np.full((B,), self.scratch, np.int32),
-                     "page_table": np.zeros((B, P), np.int32)}
+            pad_slot = dp_layout.pad_slots(self.ccfg, B)
+            toks = _fill_first_token(np.zeros((B, T), np.int32), np.zeros((B,), bool), pad_slot, self.last_token)
+            batch = {"tokens": toks, "start": z, "n_new": z, "slot": pad_slot,
+                     "page_table": dp_layout.pad_pages(self.ccfg, B)}
             if self._extend_for(T) is self._extend_bounded:
                 batch["tail_lo"] = z
             jobs.append(batch)
@@ -883,8 +927,8 @@ class Runner:
     def _launch(self, L: Launch) -> LaunchResult:
         """One [B, T] launch: rows packed, prompt-logprob targets, `_device_launch`."""
         B, T = L.B, L.T
-        hb = dec.pack_rows([{"tokens": r.tokens, "n_new": r.n, "start": r.start, "slot": r.slot,
-                             "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
+        hb = dp_layout.pack_launch([{"tokens": r.tokens, "n_new": r.n, "start": r.start, "slot": r.slot,
+                                     "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
         from_prev = np.zeros((B,), bool)
         sample_mask = np.zeros((B,), bool)
         step = np.zeros((B,), np.int32)
@@ -905,7 +949,7 @@ class Runner:
     def _spill(self, op: SpillOp) -> None:
         """Copy an evicted entry's pages and snapshot row out of the device pools (async: the copies
         are device arrays whose host transfer starts now; `_settle_host` makes them numpy)."""
-        cache = self.prefix_cache
+        cache = self._cache_of_row(op.row)
         if op.key not in cache.host_entries:
             return  # dropped from the host tier before its spill ran
         kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
@@ -914,7 +958,7 @@ class Runner:
         for x in jax.tree_util.tree_leaves((blocks, row)):
             x.copy_to_host_async()
         cache.host_store[op.key] = (blocks, row)
-        self._host_unsettled.append(op.key)
+        self._host_unsettled.append((cache, op.key))
 
     # ------------------------------------------------------------------------------------ state transfer
     def export_slot(self, slot: int, pages: list) -> dict:
@@ -949,15 +993,18 @@ class Runner:
 
     def _settle_host(self) -> None:
         """Spilled copies into host memory (numpy), releasing their device buffers."""
-        store = self.prefix_cache.host_store if self.prefix_cache is not None else None
-        for key in self._host_unsettled:
-            if store is not None and key in store:
-                store[key] = jax.tree.map(np.asarray, store[key])
+        for cache, key in self._host_unsettled:
+            if key in cache.host_store:
+                cache.host_store[key] = jax.tree.map(np.asarray, cache.host_store[key])
         self._host_unsettled = []
+
+    def _cache_of_row(self, row: int) -> PrefixCache:
+        """The prefix cache (dp rank) owning snapshot row ``row``."""
+        return self.prefix_caches[dp_layout.rank_of_row(self.snapshot_rows, self.dp, row)]
 
     def _load(self, op: LoadOp) -> None:
         """A host-tier hit: the entry's pages into the request's fresh pages, its snapshot into the slot."""
-        blocks, row = self.prefix_cache.host_store[op.key]
+        blocks, row = self.prefix_caches[dp_layout.rank_of_slot(self.ccfg, op.slot)].host_store[op.key]
         kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
         for p, blk in zip(op.dst_pages, blocks):
             self.state = _scatter_page(self.state, blk, np.int32(p), **kw)

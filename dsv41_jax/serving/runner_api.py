@@ -15,6 +15,10 @@ changes it; it returns a frozen `messages.StepResult` (per launch: sampled token
 accept lengths; device arrays it may still be computing) at once, which the engine hands to the output
 processor (the overlap schedule reads it one iteration later). No `request.Seq` crosses the seam: the
 scheduler keeps which sample each row belongs to (`scheduler.Planned`).
+
+With data-parallel attention the runner also has ``allocators`` / ``prefix_caches`` (one per dp rank) and
+``ccfg.dp``; each rank's scheduler sees a `dp_controller.RankView` (its allocator, cache and ``slots``,
+the global ids of its slot block), which the scheduler reads in place of ``range(max_slots)``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class RunnerProtocol(Protocol):
     allocator: "SharedPageAllocator"  # pages: the scheduler asks it for room; launches read its tables
     prefix_cache: "Optional[PrefixCache]"  # the radix prefix cache (tree, snapshot rows, host tier), or None
     max_slots: int  # request slots (rows of the per-slot cache state)
-    scratch: int  # the extra slot padding rows point at (== max_slots)
+    scratch: int  # the extra slot padding rows point at (== max_slots; with dp ranks: rank 0's, `cache.scratch_slot`)
     context_length: int  # tokens per request (prompt + output), from the memory plan
     vocab_size: int
     max_logprobs: int  # top logprobs computed per sampled token

@@ -150,7 +150,10 @@ class Scheduler:
         self.on_release = on_release
         self.waiting: collections.deque = collections.deque()
         self.running: list = []
-        self.free_slots = list(range(runner.max_slots - 1, -1, -1))
+        # the slots it hands out: the runner's ``slots`` (a dp rank's block, `cache.rank_slots`), else all
+        self.slots = list(getattr(runner, "slots", None) or range(runner.max_slots))
+        self.rank = getattr(runner, "rank", 0)  # the dp rank it schedules (0: the only one)
+        self.free_slots = self.slots[::-1]
         self.pending_resets: list = []  # slots to reset on the device before the next launches
         self.pending_sampling: list = []  # admitted samples whose sampling rows the runner must write
         self.reserve_ratio = _RESERVE_INIT
@@ -217,7 +220,7 @@ class Scheduler:
             sampling = tuple(SamplingRow(s.slot, s.params, tuple(s.prompt_ids), tuple(s.output_ids))
                              for s in self.pending_sampling if s.status == RUNNING and s.slot is not None)
             self.pending_resets, self.pending_sampling = [], []
-        return Planned(Schedule(tuple(msgs), resets, sampling, self.eos_token_ids), tuple(seqs))
+        return Planned(Schedule(tuple(msgs), resets, sampling, self.eos_token_ids, self.rank), tuple(seqs))
 
     def _cache_ops(self, ops: list) -> list:
         if self.cache is None:
@@ -514,7 +517,7 @@ class Scheduler:
         sibling would not fit the pool even when empty)."""
         g = s.group
         if (g.n < 2 or s.index != 0 or s.ever_admitted or self.args.disable_prefix_sharing or s.want_plp
-                or len(g.prompt_ids) < 2 or g.n > self.runner.max_slots
+                or len(g.prompt_ids) < 2 or g.n > len(self.slots)
                 or self.allocator.pages_needed(None, len(g.prompt_ids)) + g.n - 1 > self.allocator.capacity):
             return None
         if not all(q.status == WAITING and not q.ever_admitted for q in g.seqs):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.parallel import plan as mesh_plan
+from dsv41_jax.serving import dp_layout
 from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
 
@@ -184,17 +185,21 @@ class DSparkSpeculator:
 
     def batch(self, L: SpecLaunch) -> tuple:
         """The verify step's host inputs for the rows of L: ({anchor, start, slot, page_table, active}
-        padded to L.B rows, scratch slot for padding), step_counter int32 [B]."""
-        B, P = L.B, self.ccfg.max_pages_per_seq
+        padded to L.B rows, scratch slot for padding), step_counter int32 [B]. With dp ranks the rows are
+        rank-major and padded per rank (`dp_layout.pad_row`: n = 0, inactive; the rest: each row's rank's
+        scratch slot and null page)."""
+        B = L.B
         anchor = np.zeros((B,), np.int32)
         start = np.zeros((B,), np.int32)
-        slot = np.full((B,), self.ccfg.max_slots, np.int32)
-        pt = np.zeros((B, P), np.int32)
+        slot = dp_layout.pad_slots(self.ccfg, B)
+        pt = dp_layout.pad_pages(self.ccfg, B)
         active = np.zeros((B,), bool)
         step = np.zeros((B,), np.int32)
         for b, r in enumerate(L.rows):
-            anchor[b], start[b], slot[b], active[b], step[b] = r.tokens[0], r.start, r.slot, True, r.step
+            slot[b] = r.slot
             pt[b, :len(r.pages)] = r.pages
+            if r.n:  # (a padding row stays inactive)
+                anchor[b], start[b], active[b], step[b] = r.tokens[0], r.start, True, r.step
         return {"anchor": anchor, "start": start, "slot": slot, "page_table": pt, "active": active}, step
 
     def accept_override(self, n_rows: int, B: int) -> np.ndarray:
