@@ -11,7 +11,7 @@ target's embedding and LM head. Pieces, all pure:
 * `ring_codes` / `write_rings` — each stage's window ring holds, for every committed target position
   p, fp8-fake-quant(RoPE_p(kv_norm(wkv_stage(main_x_p)))) at slot p mod sliding_window. The rings live
   in the cache pytree under ``state["dspark"]`` (`init_rings`, `with_rings`): a list over stages of
-  window stores [max_slots + 1, W, head_dim] (same codec as the target's window rings).
+  window stores [slot_rows, W, head_dim] (`cache.slot_rows`; same codec as the target's window rings).
 * `propose` — one bidirectional pass over the block [anchor, noise × (block_size − 1)] at positions
   s+1..s+block_size (s = last committed position), attending to the committed positions
   max(0, s − W + 1)..s of the stage's ring plus every block row; then the Markov fix-up, sequential
@@ -48,9 +48,10 @@ def _require(cfg):
 
 
 def init_rings(cfg, ccfg) -> list:
-    """Zeroed draft rings: one window store per stage, codes of [max_slots + 1, W, head_dim]."""
+    """Zeroed draft rings: one window store per stage, codes of [slot_rows, W, head_dim] (`cache.slot_rows`:
+    every dp rank's slots and scratch row, as the target's rings)."""
     _require(cfg)
-    rows = ccfg.max_slots + 1
+    rows = kvc.slot_rows(ccfg)
     return [kvc.empty_store("win", ccfg.kv_cache_dtype, (rows, cfg.sliding_window), cfg.head_dim)
             for _ in range(cfg.num_nextn_predict_layers)]
 
