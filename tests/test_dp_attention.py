@@ -9,6 +9,8 @@ mesh and mode). Plus: the mesh refusals, the rules' dp shardings and per-device 
 the host-side rank checks of `decode.pack_rows`.
 """
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import configs
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
+from dsv41_jax.model import dspark
 from dsv41_jax.model.params import init_params
 from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import MeshError, make_mesh
@@ -211,3 +214,44 @@ def test_pack_rows_rank_blocks():
         dec.pack_rows([], 1, 6, ccfg)
     one = dec.pack_rows([{"tokens": [5], "start": 0, "slot": 0, "page_table": [1]}], 1, 2, _ccfg(1))
     assert one["slot"].tolist() == [0, MAX_SLOTS] and one["page_table"][1].tolist() == [0, 0]  # dp=1: today
+
+
+def _dspark_run(cfg, params, ccfg, mesh):
+    """The schedule through `dspark.extend_seeding` (target cache + draft rings), then one `dspark.propose` at
+    every row's next position; both as one program per dp rank on `mesh` (`MeshPlan.rank_step`)."""
+    par = MeshPlan.of(mesh)
+    state = dspark.with_rings(_fresh_state(cfg, ccfg, params, mesh), cfg, ccfg)
+    p = params
+    if mesh is not None:
+        state = rules.place_state(state, mesh)
+        p = rules.shard_params(params, cfg, mesh)
+
+    def propose(params, state, batch, ccfg, par):
+        return dspark.propose(params, state["dspark"], batch["anchor"], batch["start"], batch["slot"], cfg, ccfg,
+                              par=par)
+
+    def wrap(fn):
+        return jax.jit(par.rank_step(fn, cfg, ccfg) if par else functools.partial(fn, ccfg=ccfg, par=None))
+
+    seed = wrap(functools.partial(dspark.extend_seeding, cfg=cfg))
+    logits = []
+    sched = _schedule(ccfg)
+    for bt in sched:
+        lg, state = seed(p, state, bt)
+        logits.append(np.asarray(lg))
+    last = sched[-1]
+    pb = {"anchor": np.full((B,), 7, np.int32), "start": last["start"] + last["n_new"], "slot": last["slot"]}
+    prop = wrap(propose)(p, state, pb)
+    return logits, jax.tree_util.tree_map(np.asarray, state), jax.tree_util.tree_map(np.asarray, prop)
+
+
+def test_dp_dspark_equals_one_device(cpu8, cfg, params):
+    """DSpark on dp=4 x tp=2 (deterministic mode): the seeding steps (target cache and draft rings) and a
+    block proposal (tokens, q, logits, confidence) equal one device bitwise."""
+    c = _mode_cfg(cfg, "deterministic")
+    ccfg = _ccfg(4)
+    want = _dspark_run(c, params, ccfg, None)
+    got = _dspark_run(c, params, ccfg, make_mesh(tp=2, dp=4, cfg=c))
+    for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
+    assert want[2]["tokens"].shape == (B, c.dspark_block_size)

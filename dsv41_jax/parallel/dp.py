@@ -5,7 +5,9 @@ On a mesh with a "dp" axis of size D (`mesh.make_mesh(dp=D)`), a launch's batch 
 over "dp" in the blocks of `model.cache.rank_slots` / `rank_pages` (`rules.DP_RULES`). The batch's ids
 are GLOBAL (docs: the DP contract), so the same schedule runs on one device as it is.
 
-`rank_step` wraps a step ``fn(params, state, batch, ccfg=, par=)`` in a `jax.shard_map` manual over
+`rank_step` wraps a step ``fn(params, state, batch, ccfg=, par=)`` (`decode.extend`, `dspark.extend_seeding`,
+a DSpark proposal or verify step given its inputs as batch keys: every batch leaf leads with the batch
+rows, every state leaf with its slot / page axis) in a `jax.shard_map` manual over
 "dp" only (tp stays automatic inside a rank): each rank's program receives its B/D rows, its block of
 every state array and the parameters as they are placed (its block of the routed experts and the
 Engram rows, everything else whole), translates the batch's slot and page ids to its block
@@ -42,16 +44,21 @@ def local_ccfg(ccfg):
 def to_local(batch: dict, ccfg) -> dict:
     """The batch's global slot and page ids as ids into this rank's blocks (inside the rank's program).
 
-    slot int32 [B_r] -> minus the block start r·(S_r + 1); page_table int32 [B_r, P] -> minus r·P_r.
+    slot int32 [B_r] -> minus the block start r·(S_r + 1); page_table int32 [B_r, P] -> minus r·P_r (each
+    when the batch has it; other keys pass through).
     An id outside the rank's block (never in a valid schedule: `decode.pack_rows` refuses them) becomes
     the rank's scratch row / null page, so no rank ever writes another's block."""
     r = jax.lax.axis_index(AXIS)
     s_r = ccfg.max_slots // ccfg.dp
     p_r = ccfg.num_pages // ccfg.dp
-    slot = batch["slot"] - r * (s_r + 1)
-    pt = batch["page_table"] - r * p_r
-    return dict(batch, slot=jnp.where((slot >= 0) & (slot <= s_r), slot, s_r).astype(jnp.int32),
-                page_table=jnp.where((pt >= 0) & (pt < p_r), pt, 0).astype(jnp.int32))
+    out = dict(batch)
+    if "slot" in batch:
+        slot = batch["slot"] - r * (s_r + 1)
+        out["slot"] = jnp.where((slot >= 0) & (slot <= s_r), slot, s_r).astype(jnp.int32)
+    if "page_table" in batch:
+        pt = batch["page_table"] - r * p_r
+        out["page_table"] = jnp.where((pt >= 0) & (pt < p_r), pt, 0).astype(jnp.int32)
+    return out
 
 
 def rank_spec(spec) -> P:
