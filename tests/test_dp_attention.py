@@ -3,8 +3,9 @@ each rank's program on its own rows and state blocks, global ids translated insi
 dispatched to the experts on all devices (`parallel.dp`, `parallel.moe_dispatch`) — equals the
 one-device run of the same global-id schedule: BITWISE in the deterministic mode (logits of every row
 and every cache array, each slot row and pool page) for dp=8 and dp=4 x tp=2; in the exact mode the
-cache bitwise and the logits to the last fp32 ulp (`EXACT_LOGIT_ATOL` says why). The schedule: 5 requests with ragged prompt lengths on batch rows that leave some ranks with
-only padding rows, prefill chunks then decode steps, all in one [B, T] step shape (one compile per
+cache bitwise and the logits to the last fp32 ulp (`EXACT_LOGIT_ATOL` says why); the DSpark seeding steps
+and a block proposal bitwise. The schedule: 5 requests with ragged prompt lengths on batch rows that leave
+some ranks with only padding rows, prefill chunks then decode steps, all in one [B, T] step shape (one compile per
 mesh and mode). Plus: the mesh refusals, the rules' dp shardings and per-device state bytes / D, and
 the host-side rank checks of `decode.pack_rows`.
 """

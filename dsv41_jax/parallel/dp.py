@@ -73,7 +73,7 @@ def rank_spec(spec) -> P:
     return P(*out)
 
 
-def rank_step(fn, plan, cfg, ccfg, param_shardings):
+def rank_step(fn, plan, ccfg, param_shardings):
     """``fn(params, state, batch, ccfg=, par=)`` as one program per dp rank (module doc), for `plan`
     (a `MeshPlan`) and the global `ccfg`; param_shardings: the params' `NamedSharding`s as the step
     receives them (`rules.step_shardings`). Returns ``(params, state, batch) -> fn's outputs``, to be

@@ -9,7 +9,9 @@ scheme plugs in as another object with the same methods.
 
 Entry points for callers holding a `jax.sharding.Mesh`: `MeshPlan.of(mesh)` (None stays None),
 `jitted_extend` (the jitted decode step with its shardings) and `load_params` (a checkpoint straight
-onto the mesh, Engram tables optionally on the host).
+onto the mesh, Engram tables optionally on the host). On a data-parallel mesh ("dp" > 1) a step runs as one
+program per rank: `MeshPlan.rank_step` (`parallel.dp`), which `model.decode.jitted_extend` calls; a caller
+jitting another step (DSpark seeding, proposal, verify) wraps it the same way.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class MeshPlan:
         """``fn(params, state, batch, ccfg=, par=)`` as the step on this mesh: one program per dp rank on a
         data-parallel mesh (`parallel.dp.rank_step`), else ``fn`` with ccfg and this plan bound."""
         ps = self.step_shardings(cfg, ccfg, False, engram_host_table)[0][0] if self.axis_size("dp") > 1 else None
-        return dp.rank_step(fn, self, cfg, ccfg, ps)
+        return dp.rank_step(fn, self, ccfg, ps)
 
     def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):
         """((params, state, batch), (logits, state)) shardings of the decode step (`rules.step_shardings`)."""
