@@ -199,6 +199,10 @@ def test_dp_mesh_and_rules(cpu8, cfg):
     with pytest.raises(ValueError, match="moe-a2a-backend none"):
         MeshPlan(m, "none")
     assert MeshPlan.of(m).moe_a2a_backend == "all_to_all"
+    with pytest.raises(ValueError, match="laid out for dp=1 ranks, the mesh has dp=4"):
+        dec.jitted_extend(cfg, _ccfg(1), par=MeshPlan.of(m))
+    with pytest.raises(NotImplementedError, match="host Engram tables"):
+        dec.jitted_extend(cfg, _ccfg(4), par=MeshPlan.of(m), engram_host_table=True)
 
 
 def test_pack_rows_rank_blocks():

@@ -87,7 +87,7 @@ def make_mesh(tp: int = 1, ep: int = 1, dp: int = 1, *, cfg=None, devices: Optio
         raise MeshError(f"{what} = {n} devices, but the {jax.process_count()} processes hold "
                         f"{len(devs)}: a multi-process mesh must use every device")
     mesh = Mesh(np.asarray(devs[:n], dtype=object).reshape(shape), axes)
-    log.info("mesh: %s over %d %s devices", what, n, devs[0].platform)
+    log.info("mesh: %s over %d %s devices", " x ".join(f"{a}={k}" for a, k in zip(axes, shape)), n, devs[0].platform)
     return mesh
 
 
