@@ -5,9 +5,9 @@ one-device run of the same global-id schedule: BITWISE in the deterministic mode
 and every cache array, each slot row and pool page) for dp=8 and dp=4 x tp=2; in the exact mode the
 cache bitwise and the logits to the last fp32 ulp (`EXACT_LOGIT_ATOL` says why); the DSpark seeding steps
 and a block proposal bitwise. The schedule: 5 requests with ragged prompt lengths on batch rows that leave
-some ranks with only padding rows, prefill chunks then decode steps, all in one [B, T] step shape (one compile per
-mesh and mode). Plus: the mesh refusals, the rules' dp shardings and per-device state bytes / D, and
-the host-side rank checks of `decode.pack_rows`.
+some ranks with only padding rows, prefill chunks then decode steps, all in one [B, T] step shape (one
+compile per mesh and mode; the exact-mode case is in the ``-m slow`` tier). Plus: the mesh refusals, the
+rules' dp shardings and per-device state bytes / D, and the host-side rank checks of `decode.pack_rows`.
 """
 
 import functools
@@ -126,7 +126,8 @@ EXACT_LOGIT_ATOL = 1e-6
 
 
 @pytest.mark.parametrize("layout,mode", [("dp8", "deterministic"), ("dp4xtp2", "deterministic"),
-                                         ("dp4xtp2", "exact")])
+                                         # two more compiles (~55 s on the 2-core VM): the slow tier
+                                         pytest.param("dp4xtp2", "exact", marks=pytest.mark.slow)])
 def test_dp_step_equals_one_device(cpu8, cfg, params, layout, mode):
     dp, tp = MESHES[layout]
     c = _mode_cfg(cfg, mode)
