@@ -2,9 +2,12 @@
 """Lower and compile the decode step of the full model for a real mesh, allocating no weights.
 
     python scripts/aot_flash.py --tp 2 --ep 4 [--engram-host-table] [--batch 64 --context 65536]
+    python scripts/aot_flash.py --dp 8 [--tp T] [--moe-a2a-backend all_to_all]   # data-parallel attention
 
 The mesh is made of fake host CPU devices (``--xla_force_host_platform_device_count``, set here
-before JAX starts; ``--devices`` defaults to tp x ep). Parameters are `jax.ShapeDtypeStruct`s with
+before JAX starts; ``--devices`` defaults to tp x ep, or dp x tp with ``--dp``: data-parallel attention,
+`parallel.dp`: the batch's requests and their whole state split over the dp ranks, experts and Engram
+rows over all devices, the MoE dispatched by ``--moe-a2a-backend``). Parameters are `jax.ShapeDtypeStruct`s with
 the rules' shardings (`parallel.rules.param_shapes`), the cache is `eval_shape`d for ``--batch``
 requests of ``--context`` tokens, and `decode.jitted_extend` (B rows x T tokens, the serving step) is
 lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--out``):
@@ -12,7 +15,9 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
 * parameter bytes: checkpoint total (`param_stats`), the placed tree's global total of checkpoint tensors
   (with Engram row padding) and of the load-time derived copies (``wo_a.bf16``), per device (max / min
   over devices, everything placed), and the host-table bytes with ``--engram-host-table``;
-* cache bytes per device (replicated, see `parallel.rules`) for the batch and context;
+* cache bytes per device (replicated, see `parallel.rules`; split over the ranks with ``--dp``) for the batch
+  and context, and how many requests of ``--context`` tokens fit next to the parameters (``fit_requests``);
+* the MoE's collective bytes per device and step by backend, from shapes (`moe_dispatch.moe_collective_bytes`);
 * the prefix cache's snapshot pool per device (``--radix-cache-snapshots`` rows, default 4 x batch and at
   least 64, as the server's default; placed by the cache's rules) and what one point costs, and the DSpark draft per device:
   its parameters (the ``mtp`` stages, part of the parameter totals) and its rings for the batch's slots;
@@ -351,8 +356,10 @@ def run(args) -> dict:
         cfg = cfg.replace(impl=args.impl)
     if args.keep_layers:
         cfg = keep_layers(cfg, [int(i) for i in args.keep_layers.split(",")])
-    devices = gpu_target_devices(args.gpu_target, args.tp * args.ep) if args.gpu_target else jax.devices("cpu")
-    mesh = make_mesh(args.tp, args.ep, cfg=cfg, devices=devices)
+    n_dev = _mesh_devices(args)
+    devices = gpu_target_devices(args.gpu_target, n_dev) if args.gpu_target else jax.devices("cpu")
+    mesh = make_mesh(args.tp, args.ep, args.dp, cfg=cfg, devices=devices)
+    par = mesh_plan.MeshPlan.of(mesh, args.moe_a2a_backend)
     params = rules.param_shapes(cfg, mesh)
     host_bytes = 0
     if args.engram_host_table:
@@ -371,8 +378,10 @@ def run(args) -> dict:
     params = layer_scan.prepare(params, cfg)  # as the engine holds them (runs stacked at load)
     ps = args.page_size
     per_seq = -(-args.context // ps)
-    ccfg = kvc.CacheConfig(page_size=ps, num_pages=args.batch * per_seq + 1, max_slots=args.batch,
-                           max_pages_per_seq=per_seq)
+    # every rank its requests' pages plus its null page (`cache.rank_pages`)
+    ccfg = kvc.CacheConfig(page_size=ps, num_pages=args.batch * per_seq + args.dp, max_slots=args.batch,
+                           max_pages_per_seq=per_seq, dp=args.dp)
+    ccfg.validate(cfg)
     cache_sh = rules.cache_shardings(cfg, ccfg, mesh)
     cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                    jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg)), cache_sh)
@@ -388,7 +397,8 @@ def run(args) -> dict:
     placed, derived = placed_bytes(cfg, params)
     rep = {
         "config": cfg.name, "keep_layers": args.keep_layers, "act_dtype": cfg.act_dtype, "tp": args.tp, "ep": args.ep,
-        "devices": args.tp * args.ep, "engram_host_table": bool(args.engram_host_table), "batch": args.batch,
+        "dp": args.dp, "moe_a2a_backend": par.moe_a2a_backend,
+        "devices": n_dev, "engram_host_table": bool(args.engram_host_table), "batch": args.batch,
         "tokens": args.tokens, "context": args.context, "page_size": ps,
         "param_bytes_checkpoint": stats["bytes"],
         "param_bytes_placed_global": placed - derived + host_bytes,  # checkpoint tensors as placed (+ row padding)
@@ -397,8 +407,10 @@ def run(args) -> dict:
         "engram_host_bytes": host_bytes,
         "cache_bytes_per_device": max(cache_dev.values()),
         **extra,
+        "moe_collective_bytes": moe_bytes(cfg, args, n_dev, par.moe_a2a_backend),
     }
     budget = (args.hbm_gib - args.reserve_gib) * 2**30
+    rep["fit_requests"] = fit_requests(rep, budget, args)
     if args.memory_only:
         need = (rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"]
                 + rep["snapshot_pool_bytes_per_device"] + rep["dspark_rings_bytes_per_device"])
@@ -407,7 +419,7 @@ def run(args) -> dict:
                        "without": "XLA temporaries (compile to see them)"}
         return rep
     t0 = time.perf_counter()
-    step = mesh_plan.jitted_extend(cfg, ccfg, False, mesh, args.engram_host_table)
+    step = mesh_plan.jitted_extend(cfg, ccfg, False, par, args.engram_host_table)
     with _traced_as("gpu" if args.gpu_target else None):
         lowered = step.lower(params, cache, batch)
     t1 = time.perf_counter()
@@ -430,6 +442,35 @@ def run(args) -> dict:
     return rep
 
 
+def _mesh_devices(args) -> int:
+    """Devices of the mesh asked for: dp x tp under data-parallel attention, else tp x ep."""
+    return args.dp * args.tp if args.dp > 1 else args.tp * args.ep
+
+
+def moe_bytes(cfg, args, n_dev: int, backend: str) -> dict:
+    """{backend: the routed experts' collective bytes per device and step} for today's psum ("none": the
+    whole batch replicated, experts over ep) and the backend in use, from shapes
+    (`moe_dispatch.moe_collective_bytes`; tokens per device = the step's B·T split over all devices)."""
+    from dsv41_jax.parallel import moe_dispatch
+
+    tokens = args.batch * args.tokens
+    out = {}
+    for b in dict.fromkeys(("none", backend)):
+        per = tokens // n_dev if b != "none" else -(-tokens // n_dev)
+        out[b] = moe_dispatch.moe_collective_bytes(cfg, max(per, 1), n_dev, b)["total"]
+    return out
+
+
+def fit_requests(rep: dict, budget: float, args) -> int:
+    """Requests of ``--context`` tokens whose KV / state (cache, DSpark rings and snapshot pool scaled per
+    request) fit the device budget next to the parameters, over the whole mesh: per device the state of
+    B/dp requests is what `cache_bytes_per_device` etc. measured for the batch."""
+    per_req = (rep["cache_bytes_per_device"] + rep["dspark_rings_bytes_per_device"]
+               + rep["snapshot_pool_bytes_per_device"]) / (args.batch / args.dp)
+    left = budget - rep["param_bytes_per_device_max"]
+    return max(0, int(left // per_req)) * args.dp if per_req else 0
+
+
 def _snapshot_and_draft(cfg, ccfg, mesh, params, args) -> dict:
     """Per device: the prefix cache's snapshot pool (its rows: the cache's per-slot rows, placed by the
     cache's rules as the engine places them) and one point; the DSpark draft's parameters and rings."""
@@ -449,6 +490,7 @@ def _snapshot_and_draft(cfg, ccfg, mesh, params, args) -> dict:
     from dsv41_jax.serving.prefix_cache import default_snapshot_rows
 
     n = args.radix_cache_snapshots if args.radix_cache_snapshots is not None else default_snapshot_rows(args.batch)
+    n = -(-n // args.dp) * args.dp  # whole rank blocks (`cache.rank_*`: every rank the same share)
 
     def sharded(tree, lead):
         shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((lead,) + a.shape[1:], a.dtype), tree)
@@ -459,17 +501,18 @@ def _snapshot_and_draft(cfg, ccfg, mesh, params, args) -> dict:
         d = rules.param_bytes_per_device(tree)
         return max(d.values()) if d else 0
 
-    point = per_device(sharded(rows, 1))
-    rings = per_device(sharded({"dspark": state["dspark"]}, ccfg.max_slots + 1)) if draft else 0
-    return {"snapshot_rows": n, "snapshot_point_bytes_per_device": point,
-            "snapshot_pool_bytes_per_device": n * point, "dspark": draft,
+    pool = per_device(sharded(rows, n))
+    rings = per_device(sharded({"dspark": state["dspark"]}, kvc.slot_rows(ccfg))) if draft else 0
+    return {"snapshot_rows": n, "snapshot_point_bytes_per_device": pool // n,
+            "snapshot_pool_bytes_per_device": pool, "dspark": draft,
             "dspark_param_bytes_per_device": per_device(params.get("mtp") or []) if draft else 0,
             "dspark_rings_bytes_per_device": rings}
 
 
 def _table(rep: dict) -> str:
     g = 2**30
-    rows = [("mesh", f"tp={rep['tp']} x ep={rep['ep']} ({rep['devices']} devices)"
+    mesh = (f"dp={rep['dp']} x tp={rep['tp']}" if rep["dp"] > 1 else f"tp={rep['tp']} x ep={rep['ep']}")
+    rows = [("mesh", f"{mesh} ({rep['devices']} devices), MoE {rep['moe_a2a_backend']}"
              + (", Engram host table" if rep["engram_host_table"] else "")),
             ("step", f"B={rep['batch']} x T={rep['tokens']}, context {rep['context']}, {rep['act_dtype']}"),
             ("params: checkpoint", f"{rep['param_bytes_checkpoint'] / g:10.2f} GiB"),
@@ -477,6 +520,7 @@ def _table(rep: dict) -> str:
             ("params: per device max", f"{rep['param_bytes_per_device_max'] / g:10.2f} GiB"),
             ("Engram on host", f"{rep['engram_host_bytes'] / g:10.2f} GiB"),
             ("cache per device", f"{rep['cache_bytes_per_device'] / g:10.2f} GiB"),
+            (f"requests of {rep['context']} tokens that fit", f"{rep['fit_requests']}"),
             (f"snapshot pool per device ({rep['snapshot_rows']} rows)",
              f"{rep['snapshot_pool_bytes_per_device'] / g:10.2f} GiB ({rep['snapshot_point_bytes_per_device'] / 2**20:.2f} "
              "MiB a point)")]
@@ -487,6 +531,8 @@ def _table(rep: dict) -> str:
         rows.append((f"XLA {k.replace('_size_in_bytes', '')}", f"{v / g:10.3f} GiB"))
     for k, v in rep.get("cost_analysis", {}).items():
         rows.append((f"cost: {k}", f"{v:.4g}"))
+    for k, v in rep["moe_collective_bytes"].items():
+        rows.append((f"MoE collectives ({k}, shapes)", f"{v / 2**20:10.3f} MiB/step"))
     for k, v in sorted(rep.get("collective_bytes", {}).items()):
         rows.append((f"collective {k}", f"{v / 2**20:10.3f} MiB/step"))
     for src in rep.get("collective_sources", [])[:6]:
@@ -514,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (dp x tp devices)")
+    ap.add_argument("--moe-a2a-backend", default=None, choices=("none", "all_to_all", "ragged"),
+                    help="MoE token dispatch (default: none, all_to_all with --dp)")
     ap.add_argument("--engram-host-table", action="store_true")
     ap.add_argument("--config", default="flash", help="preset (flash, tiny) or a model directory")
     ap.add_argument("--keep-layers", default=None,
@@ -530,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--hbm-gib", type=float, default=141 * 1e9 / 2**30, help="device memory (H200: 141 GB)")
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="kept free (runtime, NCCL, fragmentation)")
-    ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (default tp x ep)")
+    ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (default tp x ep, or dp x tp)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--radix-cache-snapshots", type=int, default=None,
                     help="prefix-cache snapshot rows (default 4 x --batch and at least 64, the server's default)")
@@ -563,7 +612,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() +
                                            [f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text"])
     if "jax" not in sys.modules:  # the device count must be set before JAX starts
-        _set_devices(args.devices or args.tp * args.ep)
+        _set_devices(args.devices or _mesh_devices(args))
     from dsv41_jax.parallel.distributed import initialize_from
     from dsv41_jax.parallel.mesh import MeshError
 

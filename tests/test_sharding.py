@@ -159,8 +159,10 @@ def test_mesh_refuses_impossible_combinations(cpu8, tiny_cfg):
         make_mesh(ep=8, cfg=tiny_cfg)
     with pytest.raises(MeshError, match="needs 16 devices, only 8"):
         make_mesh(tp=4, ep=4, cfg=tiny_cfg)
-    with pytest.raises(MeshError, match="dp=2: data-parallel"):
-        make_mesh(tp=2, dp=2, cfg=tiny_cfg)
+    with pytest.raises(MeshError, match="ep=2 with dp=2"):  # DP attention: experts over all devices
+        make_mesh(tp=2, ep=2, dp=2, cfg=tiny_cfg)
+    with pytest.raises(MeshError, match="dp=4 x tp=2: more expert shards than experts"):
+        make_mesh(tp=2, dp=4, cfg=tiny_cfg)
     with pytest.raises(MeshError, match="positive integer"):
         make_mesh(tp=0)
     m = make_mesh(tp=2, ep=4, cfg=tiny_cfg)

@@ -11,7 +11,7 @@ The batch (host-built, small int arrays):
   start      int32 [B]      position of tokens[:, 0] (= tokens already in the cache for the request)
   n_new      int32 [B]      real tokens in the row
   slot       int32 [B]      per-request state row (window rings, partial group, Engram history);
-                            padded rows use ccfg.max_slots (scratch)
+                            padded rows use their dp rank's scratch row (`cache.scratch_slot`)
   page_table int32 [B, P]   the request's pages (P = ccfg.max_pages_per_seq)
 
 Every number equals what `forward` computes for the same prefix: same functions, same order; only
@@ -552,10 +552,11 @@ def _jitted_bounded(cfg, ccfg, late_tail):
 
 @functools.lru_cache(maxsize=None)
 def _jitted_extend(cfg, ccfg, all_logits, par, engram_host_table):
-    fn = functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=par)
     if par is None:
-        return jax.jit(fn, donate_argnums=(1,))
+        return jax.jit(functools.partial(extend, cfg=cfg, ccfg=ccfg, all_logits=all_logits), donate_argnums=(1,))
     ins, outs = par.step_shardings(cfg, ccfg, all_logits, engram_host_table)
+    # on a data-parallel mesh, one program per dp rank (`parallel.dp`); else `extend` with ccfg and par bound
+    fn = par.rank_step(functools.partial(extend, cfg=cfg, all_logits=all_logits), cfg, ccfg, engram_host_table)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=(1,))
 
 
@@ -570,28 +571,35 @@ def pack_rows(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
     page_table int32 [B, max_pages_per_seq].
 
     ``n_new`` defaults to ``len(tokens)``; a row may give more (its first token supplied on the device,
-    as the engine does for a token it sampled but has not read back). Padded rows get n_new = 0 and the
-    scratch slot (``ccfg.max_slots``); padded tokens are 0 (masked). The engine's runner calls this per
-    launch (numpy in: jit transfers it, cheaper than `jax.device_put` on the host); `make_batch` puts it
-    on the device.
+    as the engine does for a token it sampled but has not read back). Padded rows get n_new = 0 and their
+    rank's scratch slot (`cache.scratch_slot`); padded tokens are 0 (masked); unused page-table entries
+    point at the rank's null page. With ``ccfg.dp`` = D > 1 the batch is rank-major (B divides by D; rows
+    ``[r·B/D, (r+1)·B/D)`` are rank r's, and their slots and pages must lie in rank r's blocks:
+    `cache.rank_slots`, `cache.rank_pages`; ids stay global). The engine's runner calls this per launch
+    (numpy in: jit transfers it, cheaper than `jax.device_put` on the host); `make_batch` puts it on the
+    device.
     """
     B = B or len(rows)
     if len(rows) > B:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {B}")
+    D = ccfg.dp
+    if B % D:
+        raise ValueError(f"a batch of {B} rows does not split into dp={D} equal rank blocks")
+    per = B // D
     tokens = np.zeros((B, T), np.int32)
     start = np.zeros((B,), np.int32)
     n_new = np.zeros((B,), np.int32)
-    slot = np.full((B,), ccfg.max_slots, np.int32)
-    pt = np.zeros((B, ccfg.max_pages_per_seq), np.int32)
+    slot = np.repeat(np.array([kvc.scratch_slot(ccfg, r) for r in range(D)], np.int32), per)
+    pt = np.repeat(np.array([kvc.rank_pages(ccfg, r)[0] for r in range(D)], np.int32), per)[:, None]
+    pt = np.repeat(pt, ccfg.max_pages_per_seq, axis=1)
     for b, r in enumerate(rows):
         t = r["tokens"]
         n = r.get("n_new", len(t))
         if len(t) > n or n > T:
             raise ValueError(f"row {b}: {len(t)} tokens, n_new={n}: need len(tokens) <= n_new <= T={T}")
-        if not 0 <= r["slot"] <= ccfg.max_slots:
-            raise ValueError(f"row {b}: slot {r['slot']} is outside 0..{ccfg.max_slots} (max_slots = scratch)")
         if len(r["page_table"]) > ccfg.max_pages_per_seq:
             raise ValueError(f"row {b}: {len(r['page_table'])} pages exceed max_pages_per_seq={ccfg.max_pages_per_seq}")
+        _check_rank_ids(b, b // per, r, ccfg)
         if len(t):
             tokens[b, : len(t)] = t
         start[b] = r["start"]
@@ -599,6 +607,20 @@ def pack_rows(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
         slot[b] = r["slot"]
         pt[b, : len(r["page_table"])] = r["page_table"]
     return {"tokens": tokens, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
+
+
+def _check_rank_ids(b: int, rank: int, row: dict, ccfg) -> None:
+    """Row b's slot and pages lie in its dp rank's blocks (ValueError naming them otherwise)."""
+    slots = kvc.rank_slots(ccfg, rank)
+    s = row["slot"]
+    if not (s in slots or s == kvc.scratch_slot(ccfg, rank)):
+        where = f"rank {rank}'s " if ccfg.dp > 1 else ""
+        raise ValueError(f"row {b}: slot {s} is outside {where}slots {slots.start}..{slots.stop - 1} "
+                         f"(scratch {kvc.scratch_slot(ccfg, rank)})")
+    pages = kvc.rank_pages(ccfg, rank)
+    if ccfg.dp > 1 and len(row["page_table"]) and not all(p in pages for p in row["page_table"]):
+        raise ValueError(f"row {b}: page table {list(row['page_table'])} leaves rank {rank}'s pages "
+                         f"{pages.start}..{pages.stop - 1}")
 
 
 def make_batch(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
@@ -645,6 +667,8 @@ def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     token ids (any lengths ≥ 1). Returns a list of generated token lists (and, with `return_logits`,
     a list of fp32 [n_generated, V] arrays of the logits each token was chosen from).
     """
+    if ccfg is not None and ccfg.dp > 1:
+        raise ValueError(f"generate: a one-rank helper; ccfg.dp={ccfg.dp} needs a rank-major schedule (the engine's)")
     if isinstance(params, str):  # a model path (HF or converted Orbax directory) or "tiny"
         from dsv41_jax.model.checkpoint import load_params, load_model
 
@@ -672,7 +696,7 @@ def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     state = kvc.init_cache(cfg, ccfg)
     if "engram_hist" in state:
         pad = int(np.asarray(params["derived"]["engram_token_map"])[cfg.engram_pad_token_id])
-        state = kvc.reset_slots(state, np.arange(ccfg.max_slots + 1), pad)
+        state = kvc.reset_slots(state, np.arange(kvc.slot_rows(ccfg)), pad)
     # Prefill: all prompts together, chunk by chunk (rows whose prompt ended carry n_new = 0).
     lens = [len(p) for p in prompts]
     last_logits = [None] * n
@@ -682,7 +706,7 @@ def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         for i in range(n):
             chunk = list(prompts[i][pos[i]: pos[i] + chunk_size])
             alloc.ensure(i, pos[i] + len(chunk))
-            rows.append({"tokens": chunk, "start": pos[i], "slot": i if chunk else ccfg.max_slots,
+            rows.append({"tokens": chunk, "start": pos[i], "slot": i if chunk else kvc.scratch_slot(ccfg),
                          "page_table": alloc.pages(i)})
         batch = make_batch(rows, chunk_size, B, ccfg)
         logits, state = decode_step(params, state, batch, cfg, ccfg)
@@ -706,7 +730,7 @@ def generate(params, cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 if (eos_token_id is not None and tok == eos_token_id) or len(outs[i]) >= max_new_tokens:
                     done[i] = True
             if done[i]:
-                rows.append({"tokens": [], "start": 0, "slot": ccfg.max_slots, "page_table": []})
+                rows.append({"tokens": [], "start": 0, "slot": kvc.scratch_slot(ccfg), "page_table": []})
             else:
                 alloc.ensure(i, pos[i] + 1)
                 rows.append({"tokens": [outs[i][-1]], "start": pos[i], "slot": i, "page_table": alloc.pages(i)})

@@ -11,7 +11,7 @@ target's embedding and LM head. Pieces, all pure:
 * `ring_codes` / `write_rings` — each stage's window ring holds, for every committed target position
   p, fp8-fake-quant(RoPE_p(kv_norm(wkv_stage(main_x_p)))) at slot p mod sliding_window. The rings live
   in the cache pytree under ``state["dspark"]`` (`init_rings`, `with_rings`): a list over stages of
-  window stores [max_slots + 1, W, head_dim] (same codec as the target's window rings).
+  window stores [slot_rows, W, head_dim] (`cache.slot_rows`; same codec as the target's window rings).
 * `propose` — one bidirectional pass over the block [anchor, noise × (block_size − 1)] at positions
   s+1..s+block_size (s = last committed position), attending to the committed positions
   max(0, s − W + 1)..s of the stage's ring plus every block row; then the Markov fix-up, sequential
@@ -48,9 +48,10 @@ def _require(cfg):
 
 
 def init_rings(cfg, ccfg) -> list:
-    """Zeroed draft rings: one window store per stage, codes of [max_slots + 1, W, head_dim]."""
+    """Zeroed draft rings: one window store per stage, codes of [slot_rows, W, head_dim] (`cache.slot_rows`:
+    every dp rank's slots and scratch row, as the target's rings)."""
     _require(cfg)
-    rows = ccfg.max_slots + 1
+    rows = kvc.slot_rows(ccfg)
     return [kvc.empty_store("win", ccfg.kv_cache_dtype, (rows, cfg.sliding_window), cfg.head_dim)
             for _ in range(cfg.num_nextn_predict_layers)]
 
@@ -147,7 +148,7 @@ def greedy_draw(k, logits):
 
 
 def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional[int] = None,
-            draw: Callable = greedy_draw, *, detach_confidence: bool = False) -> dict:
+            draw: Callable = greedy_draw, *, detach_confidence: bool = False, par=None) -> dict:
     """One DSpark block proposal (docs/design/spec.md §7).
 
     anchor int32 [B]: the token the target just produced, at position start[b] (= s + 1, the number of
@@ -160,6 +161,10 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
     detach_confidence (training only, `training.dspark_train`): the confidence head's input
     [x_k ; m_k] is `stop_gradient`-ed, so a loss on c_k trains the head alone and not the stages or
     the Markov embedding; the values computed are the same.
+
+    par: a mesh plan for the stages' MoE and the embedding (as `decode.extend`'s; None: the draft's
+    weights as the compiler splits them). Inside one dp rank's program (`parallel.dp`) it is required:
+    the rank holds only its block of the draft's experts.
 
     Returns {"tokens" int32 [B, γ] (d_k proposes the token at position s + k + 2), "probs" q fp32
     [B, γ, V], "logits" fp32 [B, γ, V] (after the Markov term), "confidence" fp32 [B, γ] (raw)}.
@@ -174,17 +179,17 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
     B = anchor.shape[0]
     ids = jnp.concatenate([anchor[:, None], jnp.full((B, G - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
     positions = start[:, None].astype(jnp.int32) + jnp.arange(G, dtype=jnp.int32)[None, :]
-    h = embed_streams(params, ids, cfg, dt)
+    h = embed_streams(params, ids, cfg, dt, par)
     pre = initial_pre((B, G), cfg)
-    step = StepPlan.of(cfg, None, (B, G))
+    step = StepPlan.of(cfg, par, (B, G))
     for s, sp in enumerate(params["mtp"]):
         plan = _stage_plan(cfg, s)
 
         def attn_fn(x, sp=sp, ring=rings[s], plan=plan):
             return _draft_attention(sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt), None
 
-        h, pre, _, _ = block(step, sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn)
-        h = settle(h, cfg, dt)
+        h, pre, _, _ = block(step, sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn, par=par)
+        h = settle(h, cfg, dt, par)
     last = params["mtp"][-1]
     x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
     base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"], cfg,

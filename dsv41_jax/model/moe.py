@@ -347,7 +347,7 @@ def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order):
     (its slots combined; top-k ids are distinct, so the combine's order needs no sort), the grouped xla path or
     the reference."""
     kernel = _experts_kernel(impl)
-    if par is not None and par.axis_size("ep") > 1:
+    if par is not None and par.expert_parallel:
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")

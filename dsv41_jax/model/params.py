@@ -42,6 +42,7 @@ DEFAULT_LOGICAL_RULES = (
     ("o_in", "tp"),          # wo_b input (group-major)
     ("mlp", "tp"),           # shared expert intermediate
     ("experts", "ep"),
+    ("experts_gate", "ep"),  # the router's rows (one per expert; replicated under DP attention: parallel/rules.py)
     ("engram_rows", "tp"),   # Engram tables are row-sharded across TP (docs/design/spec.md §5)
     ("embed", None),
     ("q_lora", None),
@@ -155,9 +156,9 @@ def _block_decl(cfg: ModelConfig, layer_id: int) -> dict:
     E = cfg.dspark_n_routed_experts if plan.is_dspark else cfg.n_routed_experts
     I = cfg.moe_intermediate_size
     d["ffn"] = {
-        "gate": {"weight": P((E, D), BF16, ("experts", "embed"), "normal", 1.0 / math.sqrt(D)),
-                 "bias": P((E,), F32, ("experts",), "normal", 0.1),
-                 "bias_vl": P((E,), F32, ("experts",), "zeros", vision_only=True)},
+        "gate": {"weight": P((E, D), BF16, ("experts_gate", "embed"), "normal", 1.0 / math.sqrt(D)),
+                 "bias": P((E,), F32, ("experts_gate",), "normal", 0.1),
+                 "bias_vl": P((E,), F32, ("experts_gate",), "zeros", vision_only=True)},
         "experts": {"w1": mxfp4_experts_decl(E, I, D, "expert_mlp", "embed"),
                     "w3": mxfp4_experts_decl(E, I, D, "expert_mlp", "embed"),
                     "w2": mxfp4_experts_decl(E, D, I, "embed", "expert_mlp")},

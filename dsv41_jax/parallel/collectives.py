@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dsv41_jax.model import moe
 from dsv41_jax.model.engram import gather_rows
 from dsv41_jax.parallel import rules
-from dsv41_jax.parallel.mesh import axis_size
+from dsv41_jax.parallel.mesh import axis_size, manual_axes, shard_map
 
 
 def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
@@ -65,8 +65,8 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
     # check_vma=False: the grouped GEMM may run its weight tiles inside `lax.cond` (`model.tiling`, on
     # CPU), whose never-taken zeros branch is not marked as varying over `axis` like the taken one; the
     # output is replicated by the psum, as out_specs says.
-    y = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, P(), P(), P(), P()), out_specs=P(),
-                      check_vma=False)(ex, xf, idx, w, layer)
+    y = shard_map(local, mesh, in_specs=(ex_specs, P(), P(), P(), P()), out_specs=P(),
+                  check_vma=False)(ex, xf, idx, w, layer)
     return moe.combine_slots(y, idx)
 
 
@@ -81,23 +81,37 @@ def row_gather(table, tscale, rows, dt, mesh, axis=None):
     table float8_e4m3fn [N, de] / tscale E8M0 [N, de/32]; rows int32 [..., R]; axis: a mesh axis name
     or tuple of names (default: the rules' split of "engram_rows" for this shape; a table that is not
     split is gathered directly). Returns [..., R·de] in `dt`, bitwise `gather_rows`.
+
+    Inside one dp rank's program (manual over "dp", `parallel.dp`; `axis` then names the table's split
+    on the whole mesh, e.g. ("dp", "tp"), and `table` is the rank's block): every rank asks for its own
+    tokens' rows, so the ids are all-gathered over the manual axes, each device gathers the rows it
+    holds for all of them (zeros for the others), and a psum over the rest + a psum-scatter over the
+    manual axes hands each rank its own tokens' rows (still one non-zero contributor per value: exact).
     """
     if axis is None:
         axis = row_axes(table.shape, "engram_rows", mesh)
     if axis is None:
         return gather_rows(table, tscale, rows, dt)
     de = table.shape[-1]
+    names = axis if isinstance(axis, tuple) else (axis,)
+    man = manual_axes()
+    outer = tuple(a for a in names if a in man)  # tokens differ over these: each rank's own
+    inner = tuple(a for a in names if a not in man)
 
     def local(t, s, r):
         nl = t.shape[0]
-        loc = r - jax.lax.axis_index(axis) * nl
+        if outer:
+            r = jax.lax.all_gather(r, outer)  # [ranks, ..., R]
+        loc = r - jax.lax.axis_index(names) * nl
         ok = (loc >= 0) & (loc < nl)
         emb = gather_rows(t, s, jnp.clip(loc, 0, nl - 1), dt).reshape(r.shape + (de,))
         emb = jnp.where(ok[..., None], emb, jnp.zeros((), emb.dtype)).reshape(r.shape[:-1] + (r.shape[-1] * de,))
-        return jax.lax.psum(emb, axis)
+        if inner:
+            emb = jax.lax.psum(emb, inner)
+        return jax.lax.psum_scatter(emb, outer, scatter_dimension=0) if outer else emb
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis, None), P(axis, None), P()),
-                         out_specs=P())(table, tscale, rows)
+    sp = None if not inner else (inner[0] if len(inner) == 1 else inner)
+    return shard_map(local, mesh, in_specs=(P(sp, None), P(sp, None), P()), out_specs=P())(table, tscale, rows)
 
 
 def embed_gather(table, ids, dt, mesh, axis=None):
@@ -116,4 +130,4 @@ def embed_gather(table, ids, dt, mesh, axis=None):
         e = t[jnp.clip(loc, 0, nl - 1)].astype(dt)
         return jax.lax.psum(jnp.where(ok[..., None], e, jnp.zeros((), dt)), axis)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis, None), P()), out_specs=P())(table, ids)
+    return shard_map(local, mesh, in_specs=(P(axis, None), P()), out_specs=P())(table, ids)

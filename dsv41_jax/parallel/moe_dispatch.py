@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsv41_jax.model import moe
 from dsv41_jax.model.numerics import act_dtype
-from dsv41_jax.parallel.mesh import axis_size
+from dsv41_jax.parallel.mesh import axis_size, manual_axes, shard_map
 
 BACKENDS = ("none", "all_to_all", "ragged")
 # Local (token, slot) assignments up to which the dense buffer per destination is the worst case (all of them:
@@ -198,6 +198,9 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
     divide the devices (rows are padded, then dropped). Equals `moe._routed_grouped` on one device,
     bitwise in the exact and deterministic modes. Raises ValueError for an unknown backend, experts
     not dividing `expert_axes`, or "ragged" on a platform that cannot run it.
+
+    Inside a program already manual over some of these axes (one dp rank's, `parallel.dp`): xf / idx / w
+    are the rank's own tokens, `ex` the rank's block of experts, and only the other axes are split here.
     """
     check_backend(backend)
     if backend == "none":
@@ -216,12 +219,13 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
     if N * k == 0:
         return jnp.zeros((N, D), jnp.float32)
     ex, layer = moe.layer_slice(ex)
-    E = ex["w1"]["weight"].shape[-3]
+    man = manual_axes()
+    E = ex["w1"]["weight"].shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))
     n_e = _size(mesh, expert_axes)
     if E % n_e:
         raise ValueError(f"moe dispatch: {E} routed experts do not split evenly over {'x'.join(expert_axes)}={n_e}")
     E_l = E // n_e
-    n_t = _size(mesh, token_axes)
+    n_t = _size(mesh, tuple(a for a in token_axes if a not in man))  # (manual ones: already the rank's rows)
     sub = tuple(a for a in expert_axes if a not in token_axes and axis_size(mesh, a) > 1)
     m = _size(mesh, sub)
     # rows padded so that every device of a token shard gets whole rows (pad rows: not valid, dropped after)
@@ -258,11 +262,11 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
         return jax.lax.all_gather(out, sub, tiled=True) if m > 1 else out
 
     lead = () if layer is None else (None,)
-    ex_specs = jax.tree_util.tree_map(lambda _: P(*lead, _spec(expert_axes)), ex)
-    tok_spec = P(_spec(token_axes))
+    ex_specs = jax.tree_util.tree_map(lambda _: P(*lead, _spec(tuple(a for a in expert_axes if a not in man))), ex)
+    tok_spec = P(_spec(tuple(a for a in token_axes if a not in man)))
     # check_vma=False as in `collectives.routed_experts` (the CPU weight tiles' `lax.cond`).
-    out = jax.shard_map(local, mesh=mesh, in_specs=(ex_specs, tok_spec, tok_spec, tok_spec, tok_spec, P()),
-                        out_specs=tok_spec, check_vma=False)(ex, xf, idx, w, v, layer)
+    out = shard_map(local, mesh, in_specs=(ex_specs, tok_spec, tok_spec, tok_spec, tok_spec, P()),
+                    out_specs=tok_spec, check_vma=False)(ex, xf, idx, w, v, layer)
     return out[:N]
 
 

@@ -9,7 +9,9 @@ scheme plugs in as another object with the same methods.
 
 Entry points for callers holding a `jax.sharding.Mesh`: `MeshPlan.of(mesh)` (None stays None),
 `jitted_extend` (the jitted decode step with its shardings) and `load_params` (a checkpoint straight
-onto the mesh, Engram tables optionally on the host).
+onto the mesh, Engram tables optionally on the host). On a data-parallel mesh ("dp" > 1) a step runs as one
+program per rank: `MeshPlan.rank_step` (`parallel.dp`), which `model.decode.jitted_extend` calls; a caller
+jitting another step (DSpark seeding, proposal, verify) wraps it the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax
 from dsv41_jax.model import checkpoint
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.params import flatten_names
-from dsv41_jax.parallel import collectives, moe_dispatch, rules
+from dsv41_jax.parallel import collectives, dp, moe_dispatch, rules
 from dsv41_jax.parallel.host_table import offload_engram
 
 
@@ -37,24 +39,46 @@ class MeshPlan:
     request axis under data-parallel attention; none today: replicated tokens are then split over the
     expert axis inside the collective) and experts over the rules' "experts" axes.
     moe_a2a_capacity: the dense buffer's rows per destination and round (None: `moe_dispatch.capacity_for`).
+    On a data-parallel mesh ("dp" > 1, `parallel.dp`) the tokens differ per rank, so "none" is refused and
+    "all_to_all" is the default.
+    in_rank: the plan as one dp rank's program sees it (`in_rank_plan`, inside `parallel.dp.rank_step`):
+    constraints and row splits without "dp" (`rules.RANK_RULES`); the collectives still span all devices.
     """
 
     mesh: jax.sharding.Mesh
     moe_a2a_backend: str = "none"
     moe_a2a_capacity: Optional[int] = None
+    in_rank: bool = False
 
     def __post_init__(self):
         moe_dispatch.check_backend(self.moe_a2a_backend)
+        if self.axis_size("dp") > 1 and self.moe_a2a_backend == "none":
+            raise ValueError("--moe-a2a-backend none: data-parallel attention splits the tokens over dp ranks, "
+                             "so they must be dispatched to their experts; use all_to_all (or ragged on GPU)")
 
     @classmethod
     def of(cls, mesh, moe_a2a_backend: Optional[str] = None) -> Optional["MeshPlan"]:
-        """`mesh` as a plan (backend `moe_a2a_backend`, default "none"); None (one device) stays None, a
-        plan is returned as is (with the backend replaced when one is given)."""
+        """`mesh` as a plan (backend `moe_a2a_backend`, default "none", "all_to_all" on a dp mesh); None (one
+        device) stays None, a plan is returned as is (with the backend replaced when one is given)."""
         if mesh is None:
             return None
         if isinstance(mesh, MeshPlan):
             return mesh if moe_a2a_backend is None else dataclasses.replace(mesh, moe_a2a_backend=moe_a2a_backend)
-        return cls(mesh, moe_a2a_backend or "none")
+        return cls(mesh, moe_a2a_backend or ("all_to_all" if dict(mesh.shape).get("dp", 1) > 1 else "none"))
+
+    def in_rank_plan(self) -> "MeshPlan":
+        """This plan as one dp rank's program uses it (`parallel.dp.rank_step`)."""
+        return dataclasses.replace(self, in_rank=True)
+
+    @property
+    def rules(self) -> dict:
+        """The rules table of the code being traced: the mesh's (`rules.rules_for`), or a rank's."""
+        return rules.RANK_RULES if self.in_rank else rules.rules_for(self.mesh)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the routed experts are split over devices (ep > 1, or any data-parallel mesh)."""
+        return rules.mesh_axis("experts", self.mesh) is not None
 
     @property
     def size(self) -> int:
@@ -69,7 +93,7 @@ class MeshPlan:
         devices in whole `align` blocks, else None (`model.tiling.row_split`)."""
         if logical is None:
             return None
-        ax = rules.mesh_axis(logical, self.mesh)
+        ax = rules.mesh_axis(logical, self.mesh, self.rules)
         k = rules.mesh_axes_size(ax, self.mesh)
         if k == 1 or n_rows % (k * align):
             return None
@@ -77,15 +101,20 @@ class MeshPlan:
 
     def replicated(self, x):
         """Pin per-token activation `x` [B, T, ..., D] replicated (`rules`: activations are not split)."""
-        return rules.constrain(x, ("batch", "seq") + (None,) * (x.ndim - 3) + ("act_embed",), self.mesh)
+        return rules.constrain(x, ("batch", "seq") + (None,) * (x.ndim - 3) + ("act_embed",), self.mesh, self.rules)
 
     def embed_gather(self, table, ids, dt):
         """table[ids] in `dt` with the rows split over "vocab" (`collectives.embed_gather`)."""
         return collectives.embed_gather(table, ids, dt, self.mesh)
 
     def engram_gather(self, table, tscale, rows, dt):
-        """`engram.gather_rows` on a row-split table (`collectives.row_gather`)."""
-        return collectives.row_gather(table, tscale, rows, dt, self.mesh)
+        """`engram.gather_rows` on a row-split table (`collectives.row_gather`; in a rank's program `table` is
+        the rank's block of rows, split as the whole table is on the mesh)."""
+        axis = None
+        if self.in_rank:
+            axis = collectives.row_axes((table.shape[0] * self.axis_size("dp"),) + table.shape[1:], "engram_rows",
+                                        self.mesh)
+        return collectives.row_gather(table, tscale, rows, dt, self.mesh, axis)
 
     def routed_experts(self, ex, xf, idx, w, cfg, dt, slots=None):
         """The routed experts expert-parallel: over "ep" with a psum (`collectives.routed_experts`, backend
@@ -101,6 +130,12 @@ class MeshPlan:
             ex, xf, idx, w, cfg, dt, self.mesh, backend=self.moe_a2a_backend,
             token_axes=rules.mesh_axis("batch", self.mesh), expert_axes=expert_axes,
             capacity=self.moe_a2a_capacity, slots=slots)
+
+    def rank_step(self, fn, cfg, ccfg, engram_host_table: bool = False):
+        """``fn(params, state, batch, ccfg=, par=)`` as the step on this mesh: one program per dp rank on a
+        data-parallel mesh (`parallel.dp.rank_step`), else ``fn`` with ccfg and this plan bound."""
+        ps = self.step_shardings(cfg, ccfg, False, engram_host_table)[0][0] if self.axis_size("dp") > 1 else None
+        return dp.rank_step(fn, self, ccfg, ps)
 
     def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):
         """((params, state, batch), (logits, state)) shardings of the decode step (`rules.step_shardings`)."""

@@ -13,7 +13,7 @@ Parameters
   - the shared expert's intermediate over tp (w1/w3 rows, w2 input): same pattern, one all-reduce.
   - the embedding and the head over tp along the vocabulary (embedding rows are gathered locally and
     summed with one all-reduce, `collectives.row_gather`; logits are all-gathered once at the end).
-  - routed experts over ep (stacked expert axis; the gate's rows too). The MoE runs under `shard_map`
+  - routed experts over ep (stacked expert axis; the gate's rows too, "experts_gate"). The MoE runs under `shard_map`
     (`collectives.routed_experts`): expert weights never move, each shard multiplies the assignments
     of its own experts, one all-reduce combines (see there).
   - Engram table rows over every device, ep x tp (`engram_rows`; ~189 GiB for flash, the largest
@@ -31,13 +31,23 @@ dims would put a collective inside every attention/indexer read (an all-reduce o
 per layer and step). Their total is small next to the weights (~890 B/token beyond the window, SPEC
 §9), so each tp/ep shard keeps a full copy and computes the latent K=V itself (``wkv`` is replicated,
 so all shards write the same values: no communication). This is also SGLang's MLA layout under TP.
-Sharding the cache needs data-parallel attention (rows/pages split over a ``dp`` axis), not done yet.
+Sharding the cache needs data-parallel attention: `DP_RULES` below.
 
 Activations: the residual streams, norms and everything per token are replicated ("batch", "seq",
 "act_embed" -> None; "batch" is also the axis the token-dispatch MoE splits tokens over,
 `moe_dispatch`, and "experts" the axes it sends them to: a data-parallel mesh maps "batch" to its
 request axis and "experts" to all devices); attention activations are split over tp along heads ("act_heads"); the step's
 batch (small int arrays) and its logits are replicated.
+
+Data-parallel attention (a mesh with a "dp" axis > 1, `mesh.make_mesh(dp=D)`): `DP_RULES`, chosen by
+`rules_for(mesh)` wherever no table is given. The step's batch rows ("batch") and every rank-blocked
+state axis — slot rows ("cache_slots": window rings, partial groups, Engram history, DSpark rings) and
+pool pages ("cache_pool": compressed latents, index keys) — split over "dp" (the blocks of
+`model.cache.rank_slots` / `rank_pages`: contiguous, rank r's on mesh row r); attention heads, the
+shared expert and the vocabulary stay over tp inside a rank; the routed experts and the Engram rows
+over ALL devices (("dp", "tp"), dp major); the gate ("experts_gate", small) replicated, since every
+rank routes its own tokens. Inside a rank's program (`parallel.dp`: manual over "dp"), constraints use
+`RANK_RULES`: the same table without "dp".
 """
 
 from __future__ import annotations
@@ -60,7 +70,8 @@ RULES = {
     "heads": "tp",          # q heads (wq_b out, attn_sink), o groups (wo_a out)
     "o_in": "tp",           # wo_b input (group-major, follows the heads)
     "mlp": "tp",            # shared expert intermediate
-    "experts": "ep",        # routed experts (stacked axis), gate rows and biases
+    "experts": "ep",        # routed experts (stacked axis)
+    "experts_gate": "ep",   # the gate's rows and biases (one per expert)
     "engram_rows": ("ep", "tp"),  # Engram table rows over EVERY device (padded to a multiple of ep·tp)
     "embed": None,          # hidden size
     "q_lora": None,
@@ -84,6 +95,36 @@ RULES = {
     "cache_ngram": None,
 }
 
+# Data-parallel attention (module doc): requests and their state over "dp", experts and Engram rows over all.
+DP_RULES = {**RULES,
+            "experts": ("dp", "tp"),
+            "experts_gate": None,
+            "engram_rows": ("dp", "tp"),
+            "batch": "dp",
+            "cache_slots": "dp",
+            "cache_pool": "dp"}
+
+
+def _without(table: dict, axis: str) -> dict:
+    """`table` with mesh axis `axis` dropped from every entry (what a program manual over `axis` sees)."""
+    def drop(ax):
+        if isinstance(ax, tuple):
+            ax = tuple(a for a in ax if a != axis)
+            return None if not ax else (ax[0] if len(ax) == 1 else ax)
+        return None if ax == axis else ax
+
+    return {k: drop(v) for k, v in table.items()}
+
+
+# Inside one dp rank's program (manual over "dp"): the rest of the mesh, as DP_RULES places it.
+RANK_RULES = _without(DP_RULES, "dp")
+
+
+def rules_for(mesh) -> dict:
+    """The rules table of `mesh`: `DP_RULES` on a mesh with a "dp" axis > 1, else `RULES`."""
+    return DP_RULES if axis_size(mesh, "dp") > 1 else RULES
+
+
 # Logical axes whose dims are padded up to a multiple of their mesh axis instead of being replicated.
 PAD_AXES = ("engram_rows",)
 
@@ -99,7 +140,7 @@ def mesh_axis(logical: Optional[str], mesh, rules=None):
     first), or None (replicated; also when every named axis has size 1 here). Unknown names raise."""
     if logical is None:
         return None
-    table = RULES if rules is None else rules
+    table = rules_for(mesh) if rules is None else rules
     if logical not in table:
         raise KeyError(f"logical axis {logical!r} is not in the sharding rules table (parallel/rules.py RULES)")
     ax = table[logical]
