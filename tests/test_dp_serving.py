@@ -20,7 +20,7 @@ import configs
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.serving.async_engine import AsyncEngine
 from dsv41_jax.serving.dp_controller import merge
-from dsv41_jax.serving.engine import Engine, EngineError
+from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.messages import Launch
 from dsv41_jax.serving.metrics import ServerMetrics
