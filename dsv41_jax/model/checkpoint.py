@@ -521,7 +521,14 @@ def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: 
         for n in tensors:
             weight_map[n] = fn
         del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return write_index_and_config(out_dir, weight_map, total, cfg, tokenizer_dir)
+
+
+def write_index_and_config(out_dir: str, weight_map: dict, total_size: int, cfg, tokenizer_dir=None) -> dict:
+    """The rest of a release-layout directory once its shards are written: the safetensors index
+    ({tensor name: shard file}, total bytes), config.json (`cfg.to_hf_dict()`) and the tokenizer files
+    (from `tokenizer_dir`, default tiny's). Returns the index."""
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:

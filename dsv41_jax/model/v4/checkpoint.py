@@ -141,14 +141,11 @@ def save_checkpoint(params: dict, cfg, out_dir: str, *, shards: int = 1, tokeniz
                     scale_format: str = "e8m0") -> dict:
     """Write `params` as a V4 release-layout directory: config.json (`config_v4.to_v4_dict`), `shards`
     safetensors files with their index, the tokenizer files. Returns the index dict."""
-    import json
     import os
-    import shutil
 
     from safetensors.numpy import save_file
 
-    from dsv41_jax.model.checkpoint import INDEX_FILE, TOKENIZER_FILES
-    from dsv41_jax.model.config import TINY_DIR
+    from dsv41_jax.model.checkpoint import write_index_and_config
 
     tensors = file_tensors(params, cfg, scale_format)
     names = list(tensors)
@@ -160,14 +157,4 @@ def save_checkpoint(params: dict, cfg, out_dir: str, *, shards: int = 1, tokeniz
         part = {n: tensors[n] for n in names[k * len(names) // shards:(k + 1) * len(names) // shards]}
         save_file(part, os.path.join(out_dir, fn), metadata={"format": "pt"})
         weight_map.update({n: fn for n in part})
-    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-             "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=2)
-    tdir = tokenizer_dir or TINY_DIR
-    for fn in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(tdir, fn)):
-            shutil.copyfile(os.path.join(tdir, fn), os.path.join(out_dir, fn))
-    return index
+    return write_index_and_config(out_dir, weight_map, sum(a.nbytes for a in tensors.values()), cfg, tokenizer_dir)
