@@ -164,16 +164,17 @@ def block(step, lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None
     return DeferredExit(h, y, f_post, f_comb), f_pre, rec, out
 
 
-def scan_blocks(step, stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None, carry=None):
+def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, attn_fn, par=None):
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
     step: the `plan.StepPlan`; stacked: the run's layer params with a leading axis n, in storage dtypes
     (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the scan's carry keeps the form it
-    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan (the
-    run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs with a leading
-    axis n (or None); carry: a pytree the layers thread through (the cache's window rings where each layer writes
-    its own in place, `StepPlan.ring_now`), or None. attn_fn(p, x, xs_row, k, carry) -> (y, (out, carry')) is
-    the attention sublayer of one layer (p its ``attn`` params, k int32 its index within the run); `out` is a
+    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: the attention's state the
+    layers thread through (a pytree: the cache's window rings where each layer writes its own in place,
+    `StepPlan.ring_now`; None where the attention writes nothing); plan: the run's first layer's plan (the
+    run's layers differ only in layer_id, which no consumer's body reads). attn_fn(p, x, k, carry) ->
+    (y, (out, carry')) is the attention sublayer of one layer (p its ``attn`` params, k int32 its index within
+    the run); `out` is a
     pytree of per-layer arrays. Returns (h, pre, aux', outs, carry'): aux' is `aux` with each layer's
     ``layer_inputs`` / ``experts`` under its own layer id (a new dict), `outs` the layers' `out` stacked over
     the run (leading axis n).
@@ -201,12 +202,11 @@ def scan_blocks(step, stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn
         like = layer_scan.set_path(like, path, None)
     streams_in = not isinstance(h, DeferredExit)
 
-    def body(c, inp):
+    def body(c, lp):
         # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
         # dynamic slice that XLA:GPU rematerializes as one small launch per consumer (the routed experts
         # and each stacked linear read it)
         h, pre, k, extra = c
-        lp, row = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
         for path, st in stacks.items():
@@ -214,12 +214,12 @@ def scan_blocks(step, stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn
         if step.mhc_kernel:
             lp = dict(lp, hc_layer=k)
         h, pre, rec, (out, extra) = block(step, lp, h, pre, plan, cfg, dt, top_k,
-                                          lambda x: attn_fn(lp["attn"], x, row, k, extra), None, par=par)
+                                          lambda x: attn_fn(lp["attn"], x, k, extra), None, par=par)
         if streams_in:  # streams in, streams out: the carry keeps one form
             h = settle(h, cfg, dt, par)
         return (h, pre, k + 1, extra), (rec, out)
 
-    (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), (rest, xs), length=n)
+    (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), rest, length=n)
     for k in range(n):
         aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
     return h, pre, aux, outs, carry
@@ -275,14 +275,14 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
         for i, n in layer_scan.layer_runs(cfg):
             plan = cfg.layer_plan(i)
             if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-                def attn_run(p, x, _row, _k, carry, plan=plan, ctx=ctx):
+                def attn_run(p, x, _k, carry, plan=plan, ctx=ctx):
                     y, ctx_out, rec = attention_full(p, x, positions, plan, ctx, cfg, dt)
                     if ctx_out is not ctx or rec:
                         raise RuntimeError(f"layer {plan.layer_id}: a scanned run's layers must not store anything")
                     return y, ({}, carry)
 
-                h, pre, aux, _, _ = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt,
-                                                aux, i, cfg.num_experts_per_tok, attn_run, par=par)
+                h, pre, aux, _, _ = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, None, plan, cfg,
+                                                dt, aux, i, cfg.num_experts_per_tok, attn_run, par=par)
                 continue
             lp = layer_scan.layer_params(params, i, cfg)
             rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
