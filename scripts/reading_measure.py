@@ -16,9 +16,9 @@ counts:
 
 The kernel registry is filled before the trace (`dispatch.registry()`, as a server's start-up does when it
 resolves its implementations): registering each kernel (`dispatch.register`, run once per process when
-``dsv41_jax.pallas`` is imported) is not part of a step, though until issue 47's second session this script
-counted it (three functions, 24 lines, 6 branches of `dispatch.py` on the path); ``--cold`` counts it as before,
-for comparison with those numbers.
+``dsv41_jax.pallas`` is imported) is not part of a step, though an earlier version of this script counted
+it (`dispatch.register`: one function, 14 lines, 5 branches on the path); ``--cold`` counts it as
+before, for comparison with those numbers.
 
 Reported for the whole of ``model/`` and for the step's *path*: the files that sequence a step and choose
 each operation's form (`STEP_FILES`: decode, transformer, layer_scan, plan, attention, moe, linear, mhc,
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default=KERNELS, help="ModelConfig.impl of the traced step (default: every op on "
                                                     "its kernel, interpreted)")
     ap.add_argument("--cold", action="store_true", help="fill the kernel registry during the trace (this script's "
-                                                        "count before issue 47's second session)")
+                                                        "earlier count)")
     ap.add_argument("--json", action="store_true", help="print the whole result, per function, as JSON")
     args = ap.parse_args(argv)
     m = measure(args.impl, args.cold)
