@@ -57,6 +57,7 @@ def run(args) -> dict:
 
     from dsv41_jax.model.config import ModelConfig
     from dsv41_jax.model.numerics import act_dtype
+    from dsv41_jax.model.params import P as PDecl
     from dsv41_jax.model.params import mxfp4_experts_decl
     from dsv41_jax.parallel import moe_dispatch as md
 
@@ -71,8 +72,9 @@ def run(args) -> dict:
     D, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     split = NamedSharding(mesh, P("dp"))
 
-    def abstract(decl):
-        return {name: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=split) for name, p in decl.items()}
+    def abstract(decl):  # a `weights.Mxfp4` of declarations -> of sharded abstract arrays
+        return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=split), decl,
+                                      is_leaf=lambda x: isinstance(x, PDecl))
 
     ex = {"w1": abstract(mxfp4_experts_decl(E, I, D)), "w3": abstract(mxfp4_experts_decl(E, I, D)),
           "w2": abstract(mxfp4_experts_decl(E, D, I))}

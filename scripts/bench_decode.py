@@ -497,6 +497,7 @@ def random_stored_params(cfg, seed: int = 0) -> dict:
 
     from dsv41_jax.model import quant
     from dsv41_jax.model.params import P, declare_params
+    from dsv41_jax.model.weights import Fp8, Mxfp4
 
     key = jax.random.key(seed, impl="rbg")
     counter = [0]
@@ -524,11 +525,14 @@ def random_stored_params(cfg, seed: int = 0) -> dict:
     def walk(node):
         if isinstance(node, P):
             return make(nxt(), tuple(node.shape), jnp.dtype(node.dtype).name, node.init, float(node.std or 0.0))
+        if isinstance(node, Fp8):
+            w, s = walk(node.weight), walk(node.scale)
+            # `fp8_linear_bf16_decl`: the exact dequantized copy of the pair
+            return Fp8(w, s, None if node.bf16 is None else quant.dequantize_fp8_block(w, s, out_dtype=jnp.bfloat16))
+        if isinstance(node, Mxfp4):
+            return Mxfp4(walk(node.weight), walk(node.scale))
         if isinstance(node, dict):
-            out = {k: walk(v) for k, v in node.items() if k != "bf16"}
-            if "bf16" in node:  # `fp8_linear_bf16_decl`: the exact dequantized copy of the pair
-                out["bf16"] = quant.dequantize_fp8_block(out["weight"], out["scale"], out_dtype=jnp.bfloat16)
-            return out
+            return {k: walk(v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v) for v in node]
         return node

@@ -2,6 +2,7 @@
 docs/design/spec.md §8 rules written out here from the config alone, and `load_params` from HF and Orbax directories
 (round trip to bitwise-equal logits, byte-for-byte fp8/fp4, mesh placement, error reporting)."""
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -323,16 +324,20 @@ def test_fp8_fp4_bytes_survive_conversion(hf_dir, orbax_dir):
 def test_orbax_dir_is_a_standard_orbax_checkpoint(hf_dir, orbax_dir, cfg):
     import orbax.checkpoint as ocp
 
-    from dsv41_jax.model.params import param_shapes
+    from dsv41_jax.model.params import children, is_node, param_shapes
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     def checkpoint_only(tree):  # drop what load_params derives (token map, load-time bf16 copies)
         tree.pop("derived")
         for lp in tree["layers"] + tree["mtp"]:
-            lp["attn"]["wo_a"].pop("bf16")
+            lp["attn"]["wo_a"] = dataclasses.replace(lp["attn"]["wo_a"], bf16=None)
         return tree
 
-    target = checkpoint_only(param_shapes(cfg))
+    def plain(node):  # the typed nodes (`weights.Fp8` ...) as the dicts a reader without our types restores into
+        got = [(k, plain(v)) for k, v in children(node)]
+        return node if not is_node(node) else [v for _, v in got] if isinstance(node, list) else dict(got)
+
+    target = plain(checkpoint_only(param_shapes(cfg)))
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), target)
     restored = ocp.StandardCheckpointer().restore(os.path.join(orbax_dir, "params"), target)
     p = checkpoint_only(ck.load_params(hf_dir, cfg))
@@ -349,9 +354,9 @@ def test_wo_a_dequantized_once_at_load(hf_dir, orbax_dir, cfg):
         p = ck.load_params(path, cfg)
         for lp in p["layers"] + p["mtp"]:
             wa = lp["attn"]["wo_a"]
-            assert wa["bf16"].dtype == jnp.bfloat16 and wa["weight"].dtype == jnp.float8_e4m3fn
-            want = ck.dequant_fp8_block_np(np.asarray(wa["weight"]), np.asarray(wa["scale"]))
-            np.testing.assert_array_equal(np.asarray(wa["bf16"].astype(jnp.float32)), want)
+            assert wa.bf16.dtype == jnp.bfloat16 and wa.weight.dtype == jnp.float8_e4m3fn
+            want = ck.dequant_fp8_block_np(np.asarray(wa.weight), np.asarray(wa.scale))
+            np.testing.assert_array_equal(np.asarray(wa.bf16.astype(jnp.float32)), want)
     assert "layers.0.attn.wo_a.bf16" not in ck.expected_tensors(cfg)  # never written to a file
 
 
@@ -408,7 +413,7 @@ def test_load_onto_mesh(kind, hf_dir, orbax_dir, cfg, cpu8, monkeypatch):
     assert isinstance(t, HostTable)
     np.testing.assert_array_equal(t.weight.view(np.uint8),
                                   np.asarray(got["layers.1.engram.embed.weight"]).view(np.uint8))
-    assert h["layers"][2]["attn"]["wq_b"]["weight"].sharding.is_equivalent_to(want["layers.2.attn.wq_b.weight"], 2)
+    assert h["layers"][2]["attn"]["wq_b"].weight.sharding.is_equivalent_to(want["layers.2.attn.wq_b.weight"], 2)
 
 
 def test_load_without_cfg_and_load_model(orbax_dir, hf_dir, cfg):

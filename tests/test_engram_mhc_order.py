@@ -8,6 +8,7 @@ import configs
 
 from dsv41_jax.model import forward, init_params, quant
 from dsv41_jax.model.engram import engram
+from dsv41_jax.model.weights import Fp8
 
 
 def test_engram_gate_by_hand():
@@ -19,7 +20,7 @@ def test_engram_gate_by_hand():
          "q_weight": jnp.asarray(rng.uniform(0.5, 1.5, (n, D)), jnp.bfloat16),
          "k_weight": jnp.asarray(rng.uniform(0.5, 1.5, (n, D)), jnp.bfloat16)}
     wkv = rng.standard_normal((n * D + D, R * de)).astype(np.float32) / 8
-    p["wkv"] = dict(zip(("weight", "scale"), quant.quantize_fp8_block(jnp.asarray(wkv))))
+    p["wkv"] = Fp8(*quant.quantize_fp8_block(jnp.asarray(wkv)))
     h = rng.standard_normal((1, 1, n, D)).astype(np.float32)
     rows = jnp.array([[[0, 3, 5, 7, 9, 2]]], jnp.int32)
     class C:  # the fields engram() reads: eps, the implementation switch, the numerics mode
@@ -29,7 +30,7 @@ def test_engram_gate_by_hand():
     out = np.asarray(engram(p, jnp.asarray(h), rows, C, jnp.float32))
     # Independent computation: gather, fp8 GEMM (quantized input), gate per stream.
     emb = np.asarray(tq.astype(np.float32))[np.asarray(rows)[0, 0]].reshape(-1)
-    kv = np.asarray(quant.fp8_linear(jnp.asarray(emb)[None], p["wkv"]["weight"], p["wkv"]["scale"],
+    kv = np.asarray(quant.fp8_linear(jnp.asarray(emb)[None], p["wkv"].weight, p["wkv"].scale,
                                      out_dtype=jnp.float32))[0]
     keys, value = kv[: n * D].reshape(n, D), kv[n * D:]
     w = np.asarray(p["q_weight"], np.float32) * np.asarray(p["k_weight"], np.float32)

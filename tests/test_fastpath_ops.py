@@ -32,6 +32,7 @@ import configs
 import goldens
 from dsv41_jax.model import forward, init_params, linear, mhc, quant
 from dsv41_jax.model import moe as moe_mod
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "reference_tiny_golden.npz"
 FWD = jax.jit(forward, static_argnames=("cfg", "return_aux"))
@@ -81,7 +82,7 @@ def lin_weights():
     w = rng.standard_normal((80, 96)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (80, 1)))
     wq, ws = quant.quantize_fp8_block(jnp.asarray(w))
     pk, ps = quant.quantize_mxfp4(jnp.asarray(w))
-    return {"fp8": {"weight": wq, "scale": ws}, "mxfp4": {"weight": pk, "scale": ps}}
+    return {"fp8": Fp8(weight=wq, scale=ws), "mxfp4": Mxfp4(weight=pk, scale=ps)}
 
 
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
@@ -103,8 +104,8 @@ def test_quantized_linear_xla_vs_reference(kind, M, lin_weights, tiny_cfg):
     # fp32 out: the same exact products summed in another fp32 order -> within a few fp32 ulps of
     # sum |terms| (the exact value's magnitude bound).
     xd = np.asarray(quant.fake_quant_fp8(x, out_dtype=jnp.float32), np.float64)
-    wd = np.asarray(quant.dequantize_fp8_block(p["weight"], p["scale"]) if kind == "fp8"
-                    else quant.dequantize_mxfp4(p["weight"], p["scale"]), np.float64)
+    wd = np.asarray(quant.dequantize_fp8_block(p.weight, p.scale) if kind == "fp8"
+                    else quant.dequantize_mxfp4(p.weight, p.scale), np.float64)
     absterms = np.abs(xd) @ np.abs(wd).T
     r32 = np.asarray(_lin(kind, x, p, tiny_cfg.replace(act_dtype="float32", impl="reference"), jnp.float32))
     g32 = np.asarray(_lin(kind, x, p, tiny_cfg.replace(act_dtype="float32", impl="xla"), jnp.float32))
@@ -132,8 +133,8 @@ def test_f32_kind_and_wo_a_xla(tiny_cfg, tiny_params):
     # wo_a: init_params holds the load-time bf16 copy (docs/design/spec.md §3), exactly the dequantized fp8 pair; the
     # xla path multiplies it as it is and never reads the fp8 pair, and gives the reference's numbers.
     pa = tiny_params["layers"][0]["attn"]["wo_a"]
-    np.testing.assert_array_equal(np.asarray(pa["bf16"].astype(jnp.float32)),
-                                  np.asarray(quant.dequantize_fp8_block(pa["weight"], pa["scale"])))
+    np.testing.assert_array_equal(np.asarray(pa.bf16.astype(jnp.float32)),
+                                  np.asarray(quant.dequantize_fp8_block(pa.weight, pa.scale)))
     cfg = tiny_cfg
     o = jnp.asarray(rng.standard_normal((1, 2, cfg.o_groups, cfg.o_group_in)), jnp.bfloat16)
     g = jax.jit(linear.wo_a, static_argnums=(2, 3))
@@ -142,7 +143,7 @@ def test_f32_kind_and_wo_a_xla(tiny_cfg, tiny_params):
     np.testing.assert_array_equal(a, b)
     jaxpr = jax.make_jaxpr(lambda o, p: linear.wo_a(o, p, cfg.replace(impl="xla"), jnp.bfloat16))(o, pa).jaxpr
     used = {id(v) for e in jaxpr.eqns for v in e.invars}
-    ins = dict(zip(("o", "bf16", "scale", "weight"), jaxpr.invars))  # pytree order: sorted keys
+    ins = dict(zip(("o", "bf16", "scale", "weight"), jaxpr.invars))  # pytree order (`weights.Fp8`'s fields)
     assert id(ins["bf16"]) in used and id(ins["weight"]) not in used and id(ins["scale"]) not in used
 
 

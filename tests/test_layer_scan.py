@@ -70,8 +70,8 @@ def test_stacked_layout_round_trip(cfgs, params):
     st = layer_scan.stack_layers(params, on)
     assert st["layers"][0] is None and st["layers"][4] is None and st["layers"][2] is not None
     assert sorted(st["layer_stacks"]) == ["0", "3"]
-    w = st["layer_stacks"]["3"]["attn"]["wq_b"]["weight"]
-    assert w.shape == (2,) + params["layers"][3]["attn"]["wq_b"]["weight"].shape
+    w = st["layer_stacks"]["3"]["attn"]["wq_b"].weight
+    assert w.shape == (2,) + params["layers"][3]["attn"]["wq_b"].weight.shape
     back = layer_scan.unstack_layers(st, on)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
@@ -82,7 +82,7 @@ def test_stacked_layout_round_trip(cfgs, params):
     shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), layer_scan.stack_layers(param_shapes(on), on))
     assert shapes == jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), st)
     decl = layer_scan.stack_layers(declare_params(on), on)
-    assert decl["layer_stacks"]["0"]["attn"]["wq_b"]["weight"].axes == (None, "heads", "q_lora")
+    assert decl["layer_stacks"]["0"]["attn"]["wq_b"].weight.axes == (None, "heads", "q_lora")
 
 
 def _scan_lengths(jaxpr) -> list:
@@ -212,10 +212,10 @@ def test_extend_scan_on_mesh(cfgs, params, unrolled_extend, cpu8):
     on, _ = cfgs
     mesh = make_mesh(2, 2, cfg=on, devices=cpu8[:4])
     sp = layer_scan.prepare(rules.shard_params(params, on, mesh), on)
-    w1 = sp["layer_stacks"]["3"]["ffn"]["experts"]["w1"]["weight"]
+    w1 = sp["layer_stacks"]["3"]["ffn"]["experts"]["w1"].weight
     assert w1.sharding.spec == PS(None, "ep", None, None)
     want = rules.step_shardings(on, CCFG, mesh)[0][0]
-    assert want["layer_stacks"]["3"]["ffn"]["experts"]["w1"]["weight"].spec == w1.sharding.spec
+    assert want["layer_stacks"]["3"]["ffn"]["experts"]["w1"].weight.spec == w1.sharding.spec
     _same_steps(_run_extend(sp, on, params, mesh), unrolled_extend, logit_atol=1e-4)
 
 

@@ -137,7 +137,7 @@ def test_swiglu_clamps_and_weight_before_w2():
     def lin(a, which):
         return {"g": g, "u": u}.get(which, a)
 
-    out = moe.swiglu_expert(jnp.zeros((1, 3)), ("g",), ("u",), ("id",), jnp.array([0.5]), 10.0, jnp.float32, lin)
+    out = moe.swiglu_expert(jnp.zeros((1, 3)), "g", "u", "id", jnp.array([0.5]), 10.0, jnp.float32, lin)
     gc = np.minimum(np.asarray(g), 10.0)
     uc = np.clip(np.asarray(u), -10, 10)
     expected = gc / (1 + np.exp(-gc)) * uc * 0.5

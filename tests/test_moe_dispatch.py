@@ -24,6 +24,7 @@ import pytest
 from jax.sharding import Mesh
 
 from dsv41_jax.model import moe
+from dsv41_jax.model.weights import Stacked
 from dsv41_jax.parallel import moe_dispatch as md
 from dsv41_jax.parallel.plan import MeshPlan
 
@@ -154,7 +155,7 @@ def test_prefill_chunk_default_buffer(cpu8, tiny_cfg, ex):
 
 
 def test_layer_scan_stacks(cpu8, tiny_cfg, tiny_params, ex):
-    """Experts given as a scan run's stacks [n, E, ...] with the layer (`moe.layer_slice`; scales stored as
+    """Experts given as a scan run's stacks [n, E, ...] with the layer (`weights.Stacked`; scales stored as
     uint8, `layer_scan.storage_dtype`): only that layer's experts are read, bitwise the plain layer."""
     cfg, dt = _mode(tiny_cfg, "exact")
     mesh, tok, exp = _meshes(cpu8, "dp8")
@@ -164,8 +165,7 @@ def test_layer_scan_stacks(cpu8, tiny_cfg, tiny_params, ex):
         a, b = (jax.lax.bitcast_convert_type(t, jnp.uint8) if t.dtype != jnp.uint8 else t for t in (a, b))
         return jnp.stack([a, b])
 
-    stacked = jax.tree_util.tree_map(stack, other, ex)
-    stacked["layer"] = jnp.int32(1)
+    stacked = Stacked(jax.tree_util.tree_map(stack, other, ex), jnp.int32(1))
     x, idx, w = _routings(N, cfg.n_routed_experts, cfg.num_experts_per_tok, np.random.default_rng(SEED + 4))["random"]
     x = jnp.asarray(x, dt)
     _check(_dispatched(stacked, cfg, dt, mesh, tok, exp)(stacked, x, idx, w), _ref(ex, cfg, dt)(ex, x, idx, w), "stacks")

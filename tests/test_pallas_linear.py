@@ -27,6 +27,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, codec, dispatch, linear, quant, tiling
 from dsv41_jax.model.rope import apply_rope, rope_freqs
+from dsv41_jax.model.weights import Fp8, Mxfp4, Stacked
 from dsv41_jax.pallas import costs
 from dsv41_jax.pallas import quant_linear as ql
 from dsv41_jax.parallel.plan import MeshPlan
@@ -62,7 +63,7 @@ def _weight(rng, fmt, N, K, order_free):
         w = jnp.asarray(codes)
         srows = N
     s = jax.lax.bitcast_convert_type(jnp.asarray(rng.integers(122, 128, (srows, K // 32)).astype(np.uint8)), quant.E8M0)
-    return {"weight": w, "scale": s}
+    return (Fp8 if fmt == "fp8" else Mxfp4)(weight=w, scale=s)
 
 
 _xla = jax.jit(lambda x, p, fmt, mode, dt: ql.ref_linear(x, p, fmt, dt, _CFG[mode]), static_argnums=(2, 3, 4))
@@ -113,9 +114,9 @@ def _exact(x, p, fmt):
     """(fp64 x̂·ŵᵀ, fp64 |x̂|·|ŵ|ᵀ) on the host from the quantized operands."""
     xd = np.asarray(quant.fake_quant_fp8(x.astype(jnp.float32), out_dtype=jnp.float32), np.float64)
     if fmt == "fp8":
-        wd = quant.dequantize_fp8_block(p["weight"], p["scale"], jnp.float32)
+        wd = quant.dequantize_fp8_block(p.weight, p.scale, jnp.float32)
     else:
-        wd = quant.dequantize_mxfp4(p["weight"], p["scale"], jnp.float32)
+        wd = quant.dequantize_mxfp4(p.weight, p.scale, jnp.float32)
     wd = np.asarray(wd, np.float64)
     return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
 
@@ -157,8 +158,8 @@ def test_in_kernel_activation_quant_edges(pallas_impl):
     # weight row n holds code 0x38 (1.0) at column n only, scale 2^0: output [m, n] = x̂[m, n]
     codes = np.zeros((K, K), np.uint8)
     codes[np.arange(K), np.arange(K)] = 0x38
-    p = {"weight": jax.lax.bitcast_convert_type(jnp.asarray(codes), quant.FP8),
-         "scale": jax.lax.bitcast_convert_type(jnp.full((2, 2), 127, jnp.uint8), quant.E8M0)}
+    p = Fp8(weight=jax.lax.bitcast_convert_type(jnp.asarray(codes), quant.FP8),
+            scale=jax.lax.bitcast_convert_type(jnp.full((2, 2), 127, jnp.uint8), quant.E8M0))
     got = _kern(pallas_impl)(jnp.asarray(x), p, "fp8", "float32", F32)
     # + 0.0: a GEMM output is a sum that includes +0 products, so a quantized −0 comes out as +0
     want = np.asarray(quant.fake_quant_fp8(jnp.asarray(x), out_dtype=jnp.float32)) + np.float32(0.0)
@@ -168,13 +169,13 @@ def test_in_kernel_activation_quant_edges(pallas_impl):
 def test_shapes_the_tiles_cannot_cover_are_refused():
     x = jnp.zeros((1, 96), jnp.float32)
     with pytest.raises(NotImplementedError, match="block_n"):  # N = 24: no power-of-two tile >= 16 divides it
-        ql.kernel(x, {"weight": jnp.zeros((24, 96), quant.FP8), "scale": jnp.zeros((1, 3), quant.E8M0)}, "fp8", F32,
+        ql.kernel(x, Fp8(weight=jnp.zeros((24, 96), quant.FP8), scale=jnp.zeros((1, 3), quant.E8M0)), "fp8", F32,
                   interpret=True)
     with pytest.raises(ValueError, match="K = 64"):
-        ql.kernel(x, {"weight": jnp.zeros((32, 64), quant.FP8), "scale": jnp.zeros((1, 2), quant.E8M0)}, "fp8", F32,
+        ql.kernel(x, Fp8(weight=jnp.zeros((32, 64), quant.FP8), scale=jnp.zeros((1, 2), quant.E8M0)), "fp8", F32,
                   interpret=True)
-    empty = ql.kernel(jnp.zeros((0, 64), jnp.float32), {"weight": jnp.zeros((32, 64), quant.FP8),
-                                                       "scale": jnp.zeros((1, 2), quant.E8M0)}, "fp8", BF16)
+    empty = ql.kernel(jnp.zeros((0, 64), jnp.float32), Fp8(weight=jnp.zeros((32, 64), quant.FP8),
+                                                          scale=jnp.zeros((1, 2), quant.E8M0)), "fp8", BF16)
     assert empty.shape == (0, 32) and empty.dtype == BF16
 
 
@@ -216,7 +217,7 @@ def test_gated_pair_bitwise_on_order_free_weights(pallas_impl, name):
     reads its layer in place."""
     x, p1, fmt = _case(name, True)
     rng = np.random.default_rng(11)
-    N, K = p1["weight"].shape
+    N, K = p1.weight.shape
     p3 = _weight(rng, fmt, N, K, True)
     for mode in ("bfloat16", "float32"):
         dt = BF16 if mode == "bfloat16" else F32
@@ -234,10 +235,9 @@ def test_gated_pair_bitwise_on_order_free_weights(pallas_impl, name):
         assert clamped.any() and (~clamped).any()
         assert got.dtype == want.dtype == dt and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)), err_msg=f"{name} {mode}")
-    st = {k: jnp.stack([jnp.zeros_like(p1[k]), p1[k]]) for k in p1}
-    st3 = {k: jnp.stack([jnp.zeros_like(p3[k]), p3[k]]) for k in p3}
-    kern = ql.kernel(x, dict(st, layer=jnp.int32(1)), fmt, F32, interpret=pallas_impl == "pallas_interpret",
-                     p_up=dict(st3, layer=jnp.int32(1)), act=_swiglu(F32))
+    st, st3 = (jax.tree_util.tree_map(lambda a: jnp.stack([jnp.zeros_like(a), a]), q) for q in (p1, p3))
+    kern = ql.kernel(x, Stacked(st, jnp.int32(1)), fmt, F32, interpret=pallas_impl == "pallas_interpret",
+                     p_up=Stacked(st3, jnp.int32(1)), act=_swiglu(F32))
     np.testing.assert_array_equal(np.asarray(kern), np.asarray(ql.kernel(x, p1, fmt, F32, p_up=p3, act=_swiglu(F32),
                                                                           interpret=pallas_impl == "pallas_interpret")))
     with pytest.raises(ValueError, match="go together"):
@@ -258,7 +258,7 @@ def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
     seed, _, xs, N, K = CASES[name]
     rng = np.random.default_rng(seed + 100)
     x = jnp.asarray(rng.integers(-6, 7, xs).astype(np.float32))
-    nw = {"weight": jnp.asarray(rng.uniform(0.5, 2.0, K), BF16)}
+    nw = jnp.asarray(rng.uniform(0.5, 2.0, K), BF16)
     interp = pallas_impl == "pallas_interpret"
     for mode in ("bfloat16", "float32"):
         dt = BF16 if mode == "bfloat16" else F32
@@ -266,7 +266,7 @@ def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
         xin = x.astype(dt)
         got = jax.jit(lambda x, nw, p: linear.fp8_normed(x, nw, 1e-6, p, kcfg, dt))(xin, nw, p)
         want = jax.jit(lambda x, nw, p: linear.fp8_normed(x, nw, 1e-6, p, _CFG[mode], dt))(xin, nw, p)
-        oracle = _xla(norm.rmsnorm(xin, nw["weight"], 1e-6, dt), p, fmt, mode, dt)
+        oracle = _xla(norm.rmsnorm(xin, nw, 1e-6, dt), p, fmt, mode, dt)
         np.testing.assert_array_equal(np.asarray(want.astype(F32)), np.asarray(oracle.astype(F32)))
         assert got.dtype == dt and got.shape == want.shape
         assert np.abs(np.asarray(want.astype(F32))).max() > 0
@@ -283,16 +283,16 @@ def test_normed_input_equals_the_norm_then_the_gemm(pallas_impl, name):
         assert (np.asarray(want_r.astype(F32)) != np.asarray(want.astype(F32))).any()  # the rotation did something
         np.testing.assert_array_equal(np.asarray(got_r.astype(F32)), np.asarray(want_r.astype(F32)),
                                       err_msg=f"rope {mode}")
-    st = {k: jnp.stack([jnp.zeros_like(p[k]), p[k]]) for k in p}
-    nst = jnp.stack([jnp.ones_like(nw["weight"]), nw["weight"]])
-    one = ql.kernel(x, p, fmt, F32, norm=(nw["weight"], 1e-6), interpret=interp)
-    stacked = ql.kernel(x, dict(st, layer=jnp.int32(1)), fmt, F32, norm=(nst, 1e-6), interpret=interp)
+    st = jax.tree_util.tree_map(lambda a: jnp.stack([jnp.zeros_like(a), a]), p)
+    nst = jnp.stack([jnp.ones_like(nw), nw])
+    one = ql.kernel(x, p, fmt, F32, norm=(nw, 1e-6), interpret=interp)
+    stacked = ql.kernel(x, Stacked(st, jnp.int32(1)), fmt, F32, norm=(nst, 1e-6), interpret=interp)
     np.testing.assert_array_equal(np.asarray(stacked), np.asarray(one))
     with pytest.raises(ValueError, match="both be a run's stacks"):
-        linear.fp8_normed(x, nw, 1e-6, dict(st, layer=jnp.int32(1)), _CFG["float32"].replace(
+        linear.fp8_normed(x, nw, 1e-6, Stacked(st, jnp.int32(1)), _CFG["float32"].replace(
             impl=f"xla,linear={pallas_impl}"), F32)
     with pytest.raises(ValueError, match="norm weight of shape"):
-        ql.kernel(x, p, fmt, F32, norm=(nw["weight"][:-1], 1e-6))
+        ql.kernel(x, p, fmt, F32, norm=(nw[:-1], 1e-6))
 
 
 def test_dual_gemm_bitwise_the_two_calls(pallas_impl):
@@ -316,8 +316,8 @@ def test_dual_gemm_bitwise_the_two_calls(pallas_impl):
         x1, x2 = linear.fp8_dual(x.astype(dt), p1, p2, _CFG[mode], dt)
         np.testing.assert_array_equal(np.asarray(x1.astype(F32)), np.asarray(_xla(x.astype(dt), p1, "fp8", mode, dt)
                                                                            .astype(F32)))
-    st = [{k: jnp.stack([jnp.zeros_like(p[k]), p[k]]) for k in p} for p in (p1, p2)]
-    s1, s2 = ql.kernel_dual(x, dict(st[0], layer=jnp.int32(1)), dict(st[1], layer=jnp.int32(1)), "fp8", F32,
+    st = [jax.tree_util.tree_map(lambda a: jnp.stack([jnp.zeros_like(a), a]), p) for p in (p1, p2)]
+    s1, s2 = ql.kernel_dual(x, Stacked(st[0], jnp.int32(1)), Stacked(st[1], jnp.int32(1)), "fp8", F32,
                             interpret=interp)
     u1, u2 = ql.kernel_dual(x, p1, p2, "fp8", F32, interpret=interp)
     np.testing.assert_array_equal(np.asarray(s1), np.asarray(u1))
@@ -325,7 +325,7 @@ def test_dual_gemm_bitwise_the_two_calls(pallas_impl):
     with pytest.raises(ValueError, match="both N multiples"):
         ql.kernel_dual(x, p1, _weight(rng, "fp8", 48, 320, False), "fp8", F32)
     with pytest.raises(ValueError, match="stacks"):
-        ql.kernel_dual(x, dict(st[0], layer=jnp.int32(1)), p2, "fp8", F32)
+        ql.kernel_dual(x, Stacked(st[0], jnp.int32(1)), p2, "fp8", F32)
 
 
 def test_combine_epilogue_is_the_moe_sum(pallas_impl):
@@ -336,7 +336,7 @@ def test_combine_epilogue_is_the_moe_sum(pallas_impl):
     from dsv41_jax.model import moe
 
     x, p, fmt = _case("fp8_b1", False)
-    N = p["weight"].shape[0]
+    N = p.weight.shape[0]
     rng = np.random.default_rng(31)
     k = 6
     idx = jnp.asarray(rng.choice(384, (1, k), replace=False).astype(np.int32))
@@ -363,9 +363,9 @@ def _flash_args(M: int, fmt: str = "fp8", shape=FLASH_WQ_B):
     N, K = shape
     sds = jax.ShapeDtypeStruct
     if fmt == "fp8":
-        p = {"weight": sds((N, K), quant.FP8), "scale": sds((N // 32, K // 32), quant.E8M0)}
+        p = Fp8(weight=sds((N, K), quant.FP8), scale=sds((N // 32, K // 32), quant.E8M0))
     else:
-        p = {"weight": sds((N, K // 2), jnp.uint8), "scale": sds((N, K // 32), quant.E8M0)}
+        p = Mxfp4(weight=sds((N, K // 2), jnp.uint8), scale=sds((N, K // 32), quant.E8M0))
     return sds((M, K), BF16), p
 
 
@@ -411,7 +411,7 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
     assert [k["name"] for k in ks] == ["quant_linear_fp8_normed_rope_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]
     # wq_a and wkv in one launch (1280 and 512 rows of 5120)
     sds = jax.ShapeDtypeStruct
-    pa, pk = ({"weight": sds((n, 5120), quant.FP8), "scale": sds((n // 32, 160), quant.E8M0)} for n in (1280, 512))
+    pa, pk = (Fp8(weight=sds((n, 5120), quant.FP8), scale=sds((n // 32, 160), quant.E8M0)) for n in (1280, 512))
     ks = capture_kernels(lambda x, a, b: ql.kernel_dual(x, a, b, "fp8", BF16), sds((1, 5120), BF16), pa, pk)
     assert [k["name"] for k in ks] == ["quant_linear_fp8_dual_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]
     # the gated pair at flash's shared-expert shape (w1 / w3: 2048 x 5120 with the SwiGLU)

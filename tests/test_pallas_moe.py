@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import ModelConfig, dispatch, moe, quant
+from dsv41_jax.model.weights import Mxfp4, Stacked
 from dsv41_jax.pallas import common, costs
 from dsv41_jax.pallas import moe_mxfp4 as mk
 from dsv41_jax.parallel.plan import MeshPlan
@@ -55,7 +56,7 @@ def _experts(rng, E, D, I, order_free):
         else:
             packed = rng.integers(0, 256, (E, o, i // 2)).astype(np.uint8)
         sb = rng.integers(122, 128, (E, o, i // 32)).astype(np.uint8)
-        return {"weight": jnp.asarray(packed), "scale": jax.lax.bitcast_convert_type(jnp.asarray(sb), quant.E8M0)}
+        return Mxfp4(weight=jnp.asarray(packed), scale=jax.lax.bitcast_convert_type(jnp.asarray(sb), quant.E8M0))
 
     return {"w1": mx(I, D), "w3": mx(I, D), "w2": mx(D, I)}
 
@@ -156,10 +157,9 @@ def test_kernel_reads_a_layer_of_a_scanned_stack(pallas_impl):
     ex0, x, idx, w = _case(8, NARROW, 8, 3, 6, "random", True)
     ex1 = _case(9, NARROW, 8, 3, 6, "random", True)[0]
     run = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), ex0, ex1)
-    run = {n: {"weight": v["weight"], "scale": jax.lax.bitcast_convert_type(v["scale"], jnp.uint8)}
-           for n, v in run.items()}
+    run = {n: Mxfp4(weight=v.weight, scale=jax.lax.bitcast_convert_type(v.scale, jnp.uint8)) for n, v in run.items()}
     for layer, ex in ((0, ex0), (1, ex1)):
-        stacked = dict(run, layer=jnp.int32(layer))
+        stacked = Stacked(run, jnp.int32(layer))
         got, _ = _run(pallas_impl, stacked, x, idx, w, "bfloat16")
         _, want = _run(pallas_impl, ex, x, idx, w, "bfloat16")
         np.testing.assert_array_equal(got, want)
@@ -180,7 +180,7 @@ def test_kernel_at_flash_widths(pallas_impl, n_tok):
 def _flash_args(N: int, k: int = 6):
     """Abstract kernel arguments (nothing allocated): flash's 384 experts of (5120, 2304), N tokens, top-k."""
     (D, I), E, sds = FLASH, 384, jax.ShapeDtypeStruct
-    ex = {n: {"weight": sds((E, o, i // 2), jnp.uint8), "scale": sds((E, o, i // 32), quant.E8M0)}
+    ex = {n: Mxfp4(weight=sds((E, o, i // 2), jnp.uint8), scale=sds((E, o, i // 32), quant.E8M0))
           for n, o, i in (("w1", I, D), ("w3", I, D), ("w2", D, I))}
     return ex, sds((N, D), BF16), sds((N, k), jnp.int32), sds((N, k), jnp.float32)
 

@@ -24,6 +24,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, attention, quant
 from dsv41_jax.model.rope import rope_freqs
+from dsv41_jax.model.weights import Fp8
 from dsv41_jax.pallas import common, costs
 from dsv41_jax.pallas import o_proj as op
 
@@ -41,7 +42,7 @@ def _wo_a(rng, order_free: bool):
             keep[r, rng.choice(I, 2, replace=False)] = True
         w = np.where(keep, w, 0.0)
     q, s = quant.quantize_fp8_block(jnp.asarray(w))
-    return {"weight": q, "scale": s}
+    return Fp8(weight=q, scale=s)
 
 
 def _partials(rng, S, B, T, hp, exact_merge: bool = False):
@@ -91,7 +92,7 @@ def _bound(o_merged, w):
     d = np.arange(HD)
     rope = d >= HD - RD
     xm = np.where(rope, o + o[..., np.where(rope, d ^ 1, d)], o).reshape(*o.shape[:2], G, I)
-    wd = np.abs(np.asarray(quant.dequantize_fp8_block(w["weight"], w["scale"], F32), np.float64)).reshape(G, R, I)
+    wd = np.abs(np.asarray(quant.dequantize_fp8_block(w.weight, w.scale, F32), np.float64)).reshape(G, R, I)
     return (I + 8) * 2.0 ** -24 * np.einsum("btgi,gri->btgr", xm, wd).reshape(*o.shape[:2], G * R)
 
 
@@ -113,7 +114,7 @@ def test_stacked_weight_and_sink_read_at_the_layer(pallas_impl):
     parts = _partials(rng, 3, 2, 1, 16)
     interp = pallas_impl == "pallas_interpret"
     one = op.kernel(parts, w, pos, fr, G, R, BF16, sink=sink, interpret=interp)
-    st = {k: jnp.stack([jnp.zeros_like(v), v]) for k, v in w.items()}
+    st = jax.tree_util.tree_map(lambda v: jnp.stack([jnp.zeros_like(v), v]), w)
     two = op.kernel(parts, st, pos, fr, G, R, BF16, sink=jnp.stack([jnp.zeros_like(sink), sink]),
                     layer=jnp.int32(1), interpret=interp)
     np.testing.assert_array_equal(np.asarray(two.astype(F32)), np.asarray(one.astype(F32)))
@@ -165,7 +166,7 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
     c = ModelConfig.preset("flash")
     Gf, Rf, Hf, hd = c.o_groups, c.o_lora_rank, c.num_attention_heads, c.head_dim
     sds = jax.ShapeDtypeStruct
-    w = {"weight": sds((Gf * Rf, c.o_group_in), quant.FP8), "scale": sds((Gf * Rf // 32, c.o_group_in // 32), quant.E8M0)}
+    w = Fp8(weight=sds((Gf * Rf, c.o_group_in), quant.FP8), scale=sds((Gf * Rf // 32, c.o_group_in // 32), quant.E8M0))
     fr = rope_freqs(c.qk_rope_head_dim, c.rope_theta)
     parts = {"acc": sds((11, 1, 1, Hf, hd), F32), "m": sds((11, 1, 1, Hf), F32), "l": sds((11, 1, 1, Hf), F32)}
     ks = capture_kernels(lambda o, w, p, s: op.kernel(o, w, p, fr, Gf, Rf, BF16, sink=s), parts, w,

@@ -86,9 +86,9 @@ def test_in_place_names_each_kernels_weights():
     hc = {(f"hc_{s}_{leaf}",) for s in ("attn", "ffn") for leaf in ("fn", "base", "scale")}
     norms = {("attn_norm", "weight"), ("ffn_norm", "weight")}
     assert set(StepPlan.of(on.replace(impl=f"xla,mhc={K}")).in_place(on, first)) == hc | norms
-    assert set(StepPlan.of(on.replace(impl=f"xla,attention={K}")).in_place(on, first)) == {("attn", "kv_norm")}
+    assert set(StepPlan.of(on.replace(impl=f"xla,attention={K}")).in_place(on, first)) == {("attn", "kv_norm", "weight")}
     lin = set(StepPlan.of(on.replace(impl=f"xla,linear={K}")).in_place(on, first))
-    assert {("attn", "wq_a"), ("attn", "wq_b"), ("attn", "wkv"), ("attn", "wo_b"), ("attn", "q_norm"),
+    assert {("attn", "wq_a"), ("attn", "wq_b"), ("attn", "wkv"), ("attn", "wo_b"), ("attn", "q_norm", "weight"),
             ("attn", "wo_a"), ("attn", "attn_sink"), ("ffn", "shared_experts", "w2")} <= lin
     assert not any("experts" in p for p in lin)  # the routed experts: gathered per (layer, expert) by the MoE
     assert set(StepPlan.of(on.replace(impl=f"xla,moe={K}")).in_place(on, first)) == {("ffn", "gate", "bias")}

@@ -192,14 +192,14 @@ def test_param_shardings_and_bytes_shrink(cpu8, tiny_cfg):
         specs[(tp, ep)] = ab
     ab = specs[(2, 4)]
     lay = ab["layers"][2]
-    assert lay["attn"]["wq_b"]["weight"].sharding.spec == P("tp", None)
-    assert lay["attn"]["wo_b"]["weight"].sharding.spec == P(None, "tp")
+    assert lay["attn"]["wq_b"].weight.sharding.spec == P("tp", None)
+    assert lay["attn"]["wo_b"].weight.sharding.spec == P(None, "tp")
     assert lay["attn"]["attn_sink"].sharding.spec == P("tp")
-    assert lay["attn"]["wkv"]["weight"].sharding.spec == P(None, None)
+    assert lay["attn"]["wkv"].weight.sharding.spec == P(None, None)
     for w in ("w1", "w2", "w3"):
         for k in ("weight", "scale"):
-            assert lay["ffn"]["experts"][w][k].sharding.spec == P("ep", None, None)
-    assert lay["ffn"]["shared_experts"]["w1"]["weight"].sharding.spec == P("tp", None)
+            assert getattr(lay["ffn"]["experts"][w], k).sharding.spec == P("ep", None, None)
+    assert lay["ffn"]["shared_experts"]["w1"].weight.sharding.spec == P("tp", None)
     assert ab["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P(("ep", "tp"), None)  # all devices
     assert specs[(2, 1)]["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P("tp", None)
     assert ab["embed"]["weight"].sharding.spec == P("tp", None)

@@ -46,7 +46,7 @@ def test_tp2_ep2_engine_matches_unsharded(cpu8, tiny_cfg, tiny_params, host_tabl
     ref = _REF["ref"]
     eng = Engine(EngineArgs(**KW, tp_size=2, ep_size=2, engram_host_table=host_table), cfg=cfg, params=tiny_params)
     assert dict(eng.runner.mesh.shape) == {"ep": 2, "tp": 2} and eng.runner.engram_host_table == host_table
-    w = eng.params["layers"][3]["ffn"]["experts"]["w1"]["weight"]
+    w = eng.params["layers"][3]["ffn"]["experts"]["w1"].weight
     assert w.sharding.spec[0] == "ep" and len(w.sharding.device_set) == 4
     got = _greedy(eng, prompts, 5)
     assert got == ref and all(len(t) == 5 for t in got)

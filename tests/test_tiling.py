@@ -17,6 +17,7 @@ import pytest
 
 from dsv41_jax.model import linear, quant, tiling
 from dsv41_jax.model import moe as moe_mod
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 
 def test_policy_tiles():
@@ -45,7 +46,7 @@ def _weights(rng, n, k):
     w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-2, 2, (n, 1)))
     wq, ws = quant.quantize_fp8_block(jnp.asarray(w))
     pk, ps = quant.quantize_mxfp4(jnp.asarray(w))
-    return {"fp8": {"weight": wq, "scale": ws}, "mxfp4": {"weight": pk, "scale": ps}, "bf16": jnp.asarray(w, jnp.bfloat16)}
+    return {"fp8": Fp8(weight=wq, scale=ws), "mxfp4": Mxfp4(weight=pk, scale=ps), "bf16": jnp.asarray(w, jnp.bfloat16)}
 
 
 def _run_all(cfg, x1, x24, W, o, pa):
@@ -71,7 +72,7 @@ def test_tiles_change_no_number(tiny_cfg, small_tiles, monkeypatch):
     G, R, I = cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in
     wa = rng.standard_normal((G * R, I)).astype(np.float32)
     qa, sa = quant.quantize_fp8_block(jnp.asarray(wa))
-    pa = {"weight": qa, "scale": sa}
+    pa = Fp8(weight=qa, scale=sa)
     o = jnp.asarray(rng.standard_normal((2, 3, G, I)), jnp.bfloat16)
     assert tiling.n_tiles(256, 128, align=32) > 1 and tiling.n_tiles(G, R * I) == G
     tiled = _run_all(cfg, x1, x24, W, o, pa)
@@ -118,7 +119,7 @@ def test_scoping_bounds_cpu_temporaries(tiny_cfg, monkeypatch):
     assert jax.default_backend() == "cpu"
     cfg = tiny_cfg.replace(impl="xla")
     n = 512
-    ws = [{"weight": jax.ShapeDtypeStruct((n, n), quant.FP8), "scale": jax.ShapeDtypeStruct((n // 32, n // 32), quant.E8M0)}
+    ws = [Fp8(weight=jax.ShapeDtypeStruct((n, n), quant.FP8), scale=jax.ShapeDtypeStruct((n // 32, n // 32), quant.E8M0))
           for _ in range(4)]
     x = jax.ShapeDtypeStruct((1, n), jnp.float32)
 

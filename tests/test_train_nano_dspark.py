@@ -144,7 +144,7 @@ def test_train_steps_lower_the_loss_and_change_only_the_draft(trained):
     changed = {k for k in before if not np.array_equal(np.asarray(before[k]), np.asarray(after[k]))}
     assert changed and all(k.startswith("['mtp']") for k in changed), sorted(changed)[:5]
     # the ring path and the confidence head receive gradient (wkv only reaches the loss through the rings)
-    assert "['mtp'][1]['attn']['wkv']['weight']" in changed and "['mtp'][0]['main_norm']['weight']" in changed
+    assert "['mtp'][1]['attn']['wkv'].weight" in changed and "['mtp'][0]['main_norm']['weight']" in changed
     assert "['mtp'][1]['confidence_head']['proj']['weight']" in changed
 
 
@@ -170,14 +170,14 @@ def test_export_writes_the_quantized_draft_and_loads(trained, tmp_path):
     # the draft's fp8 weights are the trained masters' quantization, its bf16 leaves their rounding
     w = np.asarray(train["mtp.0.attn.wkv.weight"], np.float32)
     q, s = requantize_np("fp8", w)
-    np.testing.assert_array_equal(np.asarray(back["['mtp'][0]['attn']['wkv']['weight']"]).view(np.uint8),
+    np.testing.assert_array_equal(np.asarray(back["['mtp'][0]['attn']['wkv'].weight"]).view(np.uint8),
                                   np.asarray(q).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(back["['mtp'][0]['attn']['wkv']['scale']"]).view(np.uint8),
+    np.testing.assert_array_equal(np.asarray(back["['mtp'][0]['attn']['wkv'].scale"]).view(np.uint8),
                                   np.asarray(s).view(np.uint8))
     mk = np.asarray(train["mtp.1.markov_head.embed.weight"]).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(back["['mtp'][1]['markov_head']['embed']['weight']"]), mk)
-    assert not np.array_equal(np.asarray(back["['mtp'][0]['attn']['wkv']['weight']"]).view(np.uint8),
-                              np.asarray(template["mtp"][0]["attn"]["wkv"]["weight"]).view(np.uint8))
+    assert not np.array_equal(np.asarray(back["['mtp'][0]['attn']['wkv'].weight"]).view(np.uint8),
+                              np.asarray(template["mtp"][0]["attn"]["wkv"].weight).view(np.uint8))
     # the default export still keeps the template's draft
     keep = _flat(trainer.to_release_params(*trainer.split(trainer.to_master(template)), template))
     np.testing.assert_array_equal(np.asarray(keep["['mtp'][1]['markov_head']['embed']['weight']"]),

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import dispatch, layer_scan, linear, quant
+from dsv41_jax.model import dispatch, linear, quant, weights
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import (DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, round_f32,
                                       round_to, x64_scope)
@@ -55,23 +55,23 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
 
 
 def project_q(p, x, positions, freqs, cfg, dt, qa=None):
-    """`project_q_kv`'s (qr, q). Inside a layer-scan run where the linear kernel runs, ``p["q_norm"]`` may
-    be the run's stack with its layer (`layer_scan.vector_operand`). qa: wq_a(x) when the caller has it already
+    """`project_q_kv`'s (qr, q). Inside a layer-scan run where the linear kernel runs, ``p["q_norm"]["weight"]``
+    may be the run's stack with its layer (`weights.Stacked`). qa: wq_a(x) when the caller has it already
     (`project_q_codes`)."""
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     qa = linear.fp8(x, p["wq_a"], cfg, dt) if qa is None else qa
-    qr = rmsnorm(qa, layer_scan.vector_row(p["q_norm"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
+    qr = rmsnorm(qa, weights.row(p["q_norm"]["weight"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
     # = apply_rope(fp8(qr, wq_b) as [.., H, hd]): one launch where the linear kernel runs
-    q = linear.fp8_normed(qa, p["q_norm"], eps, p["wq_b"], cfg, dt, row_axis="heads", rope=(positions, freqs, hd),
+    q = linear.fp8_normed(qa, p["q_norm"]["weight"], eps, p["wq_b"], cfg, dt, row_axis="heads", rope=(positions, freqs, hd),
                           x_normed=qr)
     return qr, q.reshape(q.shape[:-1] + (H, hd))
 
 
 def project_kv(p, x, positions, freqs, cfg, dt, y=None):
-    """`project_q_kv`'s kv_rot [B, T, hd]: kv_norm(wkv(x)), RoPE'd, in `dt` (``p["kv_norm"]`` may be a run's
-    stack with its layer, `layer_scan.vector_operand`); y: wkv(x) if the caller has it."""
+    """`project_q_kv`'s kv_rot [B, T, hd]: kv_norm(wkv(x)), RoPE'd, in `dt` (``p["kv_norm"]["weight"]`` may be a
+    run's stack with its layer, `weights.Stacked`); y: wkv(x) if the caller has it."""
     y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
-    kv = rmsnorm(y, layer_scan.vector_row(p["kv_norm"]), cfg.rms_norm_eps, dt, is_exact(cfg))
+    kv = rmsnorm(y, weights.row(p["kv_norm"]["weight"]), cfg.rms_norm_eps, dt, is_exact(cfg))
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
@@ -99,7 +99,7 @@ def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None, ring=None):
     elsewhere (codes, None) — the caller writes them later (`decode.commit`)."""
     if window_codes_kernel(cfg, mode):
         y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
-        nw, layer = layer_scan.vector_operand(p["kv_norm"])
+        nw, layer = weights.split(p["kv_norm"]["weight"])
         impl = dispatch.resolve(cfg, "attention")
         return dispatch.kernel("attention", impl, "window_codes")(
             y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring, interpret=impl == "pallas_interpret")
@@ -333,8 +333,8 @@ def sparse_attention_partials(q, sink, ring, ring_rows, new, start, positions, v
 
 def sink_of(p):
     """The layer's attention sink fp32 [H] (``p["attn_sink"]``, or inside a layer-scan run where the o_proj
-    kernel reads it in place {"weight": the run's stack, "layer": k})."""
-    return layer_scan.vector_row(p["attn_sink"]).astype(jnp.float32)
+    kernel reads it in place the run's stack with the layer, `weights.Stacked`)."""
+    return weights.row(p["attn_sink"]).astype(jnp.float32)
 
 
 def output_proj(p, o, positions, freqs, cfg, dt):

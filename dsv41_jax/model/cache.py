@@ -84,7 +84,7 @@ class CacheConfig:
         for f in ("max_slots", "num_pages"):
             if getattr(self, f) % self.dp:
                 raise ValueError(f"{f}: {getattr(self, f)} is not divisible by dp={self.dp} (each rank owns an equal block)")
-        if self.num_pages // self.dp < 2:
+        if self.dp > 1 and self.num_pages // self.dp < 2:
             raise ValueError(f"num_pages: {self.num_pages} leaves fewer than 2 pages per dp rank (each rank reserves a null page)")
         for r in set(cfg.compress_ratios):
             if r > 0 and self.page_size % r:

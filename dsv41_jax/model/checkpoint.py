@@ -245,7 +245,7 @@ class ParamLeaf:
 
 def param_leaves(cfg: ModelConfig, *, include_derived: bool = False) -> list:
     """Every declared parameter leaf in declaration order (checkpoint leaves unless include_derived)."""
-    from dsv41_jax.model.params import P, declare_params
+    from dsv41_jax.model.params import P, children, declare_params
 
     out = []
 
@@ -253,12 +253,8 @@ def param_leaves(cfg: ModelConfig, *, include_derived: bool = False) -> list:
         if isinstance(node, P):
             if node.in_checkpoint or include_derived:
                 out.append(ParamLeaf(path, ".".join(str(k) for k in path), node))
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, path + (k,))
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, path + (i,))
+        for k, v in children(node):
+            walk(v, path + (k,))
 
     walk(declare_params(cfg), ())
     return out
@@ -476,6 +472,8 @@ def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: 
     """
     from safetensors.numpy import save_file
 
+    from dsv41_jax.model.params import child
+
     if scale_format not in ("e8m0", "u8"):
         raise ValueError(f"scale_format must be 'e8m0' or 'u8', got {scale_format!r}")
     if markov_names not in ("embed_head", "w1_w2"):
@@ -487,7 +485,7 @@ def save_hf_checkpoint(params: dict, cfg: ModelConfig, out_dir: str, *, shards: 
     def get(spec: TensorSpec) -> np.ndarray:
         node = params
         for k in flat[spec.param].path:
-            node = node[k]
+            node = child(node, k)
         a = np.asarray(node if spec.expert is None else node[spec.expert])
         if a.shape != spec.shape or a.dtype != spec.dtype:
             raise ValueError(f"params[{spec.param}]{'' if spec.expert is None else f'[{spec.expert}]'} has "
@@ -671,25 +669,29 @@ def _engram_table_names(cfg: ModelConfig) -> frozenset:
     return frozenset(f"layers.{i}.engram.embed.{k}" for i in cfg.engram_layer_ids for k in ("weight", "scale"))
 
 
-def _set(tree: dict, path: tuple, value) -> None:
-    node = tree
-    for k in path[:-1]:
-        node = node[k]
-    node[path[-1]] = value
+def _set(loaded: dict, path: tuple, value) -> None:
+    """Record a loaded leaf by its declaration path (`_assemble` builds the tree once all are in)."""
+    loaded[path] = value
 
 
-def _skeleton(cfg: ModelConfig) -> dict:
-    """The params tree structure with None leaves (declaration order kept, as `init_params`)."""
-    from dsv41_jax.model.params import declare_params
+def _assemble(cfg: ModelConfig, loaded: dict):
+    """The parameter tree of `params.declare_params(cfg)` — its dicts, lists and typed nodes, in declaration
+    order (as `init_params`) — with each leaf the one `_set` recorded at its path."""
+    from dsv41_jax.model.params import P, children, declare_params
 
-    def walk(node):
+    def build(node, path):
+        if isinstance(node, P):
+            if path not in loaded:
+                raise CheckpointError(f"{'.'.join(map(str, path))}: declared but not loaded")
+            return loaded[path]
+        got = [(k, build(v, path + (k,))) for k, v in children(node)]
         if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
+            return dict(got)
         if isinstance(node, (list, tuple)):
-            return [walk(v) for v in node]
-        return None
+            return [v for _, v in got]
+        return type(node)(**dict(got))  # a typed node (`weights.Fp8` / `weights.Mxfp4`)
 
-    return walk(declare_params(cfg))
+    return build(declare_params(cfg), ())
 
 
 def _read_hf_leaf(plan: HFPlan, leaf: ParamLeaf, specs_by_param: dict) -> np.ndarray:
@@ -728,13 +730,12 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
     if path == "tiny" and not os.path.isdir(path):  # the preset's random model (= make_checkpoint --seed 0)
         import jax
 
-        from dsv41_jax.model.params import init_params
+        from dsv41_jax.model.params import init_params, key_name
 
         cfg = cfg or ModelConfig.preset("tiny")
         place = _placer(cfg, par, _engram_table_names(cfg) if host_engram else frozenset())
         p = init_params(cfg, jax.random.key(0), tokenizer=tokenizer, engram_token_map=engram_token_map)
-        p = jax.tree_util.tree_map_with_path(
-            lambda kp, x: place(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp), np.asarray(x)), p)
+        p = jax.tree_util.tree_map_with_path(lambda kp, x: place(".".join(key_name(k) for k in kp), np.asarray(x)), p)
         return p
     path = resolve_model(path)  # "nano": the bundled checkpoint
     kind = checkpoint_kind(path)
@@ -749,7 +750,7 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
         return v4.load_params(path, cfg)
     place, host = _keeping_host(_placer(cfg, par, _engram_table_names(cfg) if host_engram
                                         else frozenset()), _dequant_sources(cfg))
-    params = _skeleton(cfg)
+    params: dict = {}  # {declaration path: leaf}, assembled into the tree at the end
     if kind == "hf":
         plan = scan_hf(path, cfg)
         report_extras(plan)
@@ -769,8 +770,8 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
         tm = np.asarray(tm, np.int32)
         if tm.shape != (cfg.vocab_size,):
             raise CheckpointError(f"engram token map has shape {tm.shape}, expected ({cfg.vocab_size},)")
-        params["derived"]["engram_token_map"] = place("derived.engram_token_map", tm)
-    return params
+        _set(params, ("derived", "engram_token_map"), place("derived.engram_token_map", tm))
+    return _assemble(cfg, params)
 
 
 def _dequant_sources(cfg: ModelConfig) -> frozenset:

@@ -79,3 +79,54 @@ def compressed_kv(latent, slot_pos, freqs, dt):
 def compressed_rot(latent, slot_pos, freqs, dt):
     """A compressed latent RoPE'd at its slot position j·ratio, before the fp4 fake-quant."""
     return apply_rope(latent, slot_pos, freqs, out_dtype=dt)
+
+
+def compress_chunk(p, x, start, n_new, slot, positions, valid, partial, ratio: int, eps, dt, exact: bool = False):
+    """Latents of the groups a cached step's chunk completes (`decode.attention_cached`, a KV source): x [B, T, D]
+    normed input; start, n_new, slot int32 [B] (the batch's); positions int32 / valid bool [B, T]; partial: the
+    cache's partial groups {"kv", "score"} fp32 [R, r, hd] (None at ratio 1).
+
+    Returns (latent [B, G, hd] in dt, slot j int32 [B, G], complete bool [B, G], group buffers).
+    ratio 1: G = T, one latent per real token, no buffers (None). ratio r > 1: the chunk's tokens are
+    placed in the groups they belong to (G = T // r + 2 covers any alignment), the first group seeded
+    with the request's partial group; complete groups are pooled exactly as the full forward pools
+    them. The buffers {"kv", "score"} fp32 [B, G, r, hd] let `partial_after` derive the partial group
+    after any prefix of the chunk (the whole chunk, or only its accepted tokens).
+    """
+    if ratio == 1:
+        return compress(p, x, 1, eps, dt, exact), positions, valid, None
+    B, T, _ = x.shape
+    r = ratio
+    G = T // r + 2
+    kv, score = group_kv_scores(p, x, exact)  # fp32 [B, T, hd]
+    hd = kv.shape[-1]
+    g0 = start // r
+    rel = positions // r - g0[:, None]  # group of each token, relative to g0
+    qpos = positions % r
+    pk = partial["kv"][slot]  # [B, r, hd]
+    ps = partial["score"][slot]
+    buf_kv = jnp.zeros((B, G, r, hd), jnp.float32).at[:, 0].set(pk)
+    buf_sc = jnp.full((B, G, r, hd), -jnp.inf, jnp.float32).at[:, 0].set(ps)
+    bi = jnp.arange(B)[:, None]
+    gi = jnp.where(valid, rel, G)  # padding tokens -> out of range (dropped)
+    buf_kv = buf_kv.at[bi, gi, qpos].set(kv, mode="drop")
+    buf_sc = buf_sc.at[bi, gi, qpos].set(score, mode="drop")
+    latent = pool_groups(buf_kv, buf_sc, p, eps, dt, exact)  # [B, G, hd]
+    j = g0[:, None] + jnp.arange(G)[None, :]
+    end = start + n_new
+    complete = (j * r + r - 1) < end[:, None]
+    return latent, j.astype(jnp.int32), complete, {"kv": buf_kv, "score": buf_sc}
+
+
+def partial_after(partial, buf, start, end, slot, r: int):
+    """The partial-group state once positions < `end` are in: the group holding position `end` (its
+    entries for positions >= end cleared: kv 0, score −inf), or a cleared group when `end` starts a
+    fresh one. partial: {"kv", "score"} fp32 [R, r, hd]; buf: `compress_chunk`'s buffers; start, end,
+    slot int32 [B]."""
+    gl = end // r - start // r
+    keep_kv = jnp.take_along_axis(buf["kv"], gl[:, None, None, None], axis=1)[:, 0]  # [B, r, hd]
+    keep_sc = jnp.take_along_axis(buf["score"], gl[:, None, None, None], axis=1)[:, 0]
+    have = (jnp.arange(r)[None, :] < (end % r)[:, None])[:, :, None]  # empty when end % r == 0
+    keep_kv = jnp.where(have, keep_kv, 0.0)
+    keep_sc = jnp.where(have, keep_sc, -jnp.inf)
+    return {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}

@@ -86,59 +86,7 @@ def _window_write(st_win, rows, positions, n, codes, window: int, layer: Optiona
             for k in st_win}
 
 
-def _compress_chunk(p, x, batch, positions, valid, partial, ratio, cfg, dt):
-    """Latents of the groups this chunk completes.
-
-    Returns (latent [B, G, hd] in dt, slot j int32 [B, G], complete bool [B, G], group buffers).
-    ratio 1: G = T, one latent per real token, no buffers (None). ratio r > 1: the chunk's tokens are
-    placed in the groups they belong to (G = T // r + 2 covers any alignment), the first group seeded
-    with the request's partial group; complete groups are pooled exactly as the full forward pools
-    them. The buffers {"kv", "score"} fp32 [B, G, r, hd] let `_partial_after` derive the partial group
-    after any prefix of the chunk (the whole chunk, or only its accepted tokens).
-    """
-    start, n_new, slot = batch["start"], batch["n_new"], batch["slot"]
-    eps = cfg.rms_norm_eps
-    exact = is_exact(cfg)
-    if ratio == 1:
-        return compressor.compress(p, x, 1, eps, dt, exact), positions, valid, None
-    B, T, _ = x.shape
-    r = ratio
-    G = T // r + 2
-    kv, score = compressor.group_kv_scores(p, x, exact)  # fp32 [B, T, hd]
-    hd = kv.shape[-1]
-    g0 = start // r
-    rel = positions // r - g0[:, None]  # group of each token, relative to g0
-    qpos = positions % r
-    pk = partial["kv"][slot]  # [B, r, hd]
-    ps = partial["score"][slot]
-    buf_kv = jnp.zeros((B, G, r, hd), jnp.float32).at[:, 0].set(pk)
-    buf_sc = jnp.full((B, G, r, hd), -jnp.inf, jnp.float32).at[:, 0].set(ps)
-    bi = jnp.arange(B)[:, None]
-    gi = jnp.where(valid, rel, G)  # padding tokens -> out of range (dropped)
-    buf_kv = buf_kv.at[bi, gi, qpos].set(kv, mode="drop")
-    buf_sc = buf_sc.at[bi, gi, qpos].set(score, mode="drop")
-    latent = compressor.pool_groups(buf_kv, buf_sc, p, eps, dt, exact)  # [B, G, hd]
-    j = g0[:, None] + jnp.arange(G)[None, :]
-    end = start + n_new
-    complete = (j * r + r - 1) < end[:, None]
-    return latent, j.astype(jnp.int32), complete, {"kv": buf_kv, "score": buf_sc}
-
-
-def _partial_after(partial, buf, start, end, slot, r):
-    """The partial-group state once positions < `end` are in: the group holding position `end` (its
-    entries for positions >= end cleared: kv 0, score −inf), or a cleared group when `end` starts a
-    fresh one. partial: {"kv", "score"} fp32 [R, r, hd]; buf: `_compress_chunk`'s buffers; start, end,
-    slot int32 [B]."""
-    gl = end // r - start // r
-    keep_kv = jnp.take_along_axis(buf["kv"], gl[:, None, None, None], axis=1)[:, 0]  # [B, r, hd]
-    keep_sc = jnp.take_along_axis(buf["score"], gl[:, None, None, None], axis=1)[:, 0]
-    have = (jnp.arange(r)[None, :] < (end % r)[:, None])[:, :, None]  # empty when end % r == 0
-    keep_kv = jnp.where(have, keep_kv, 0.0)
-    keep_sc = jnp.where(have, keep_sc, -jnp.inf)
-    return {"kv": partial["kv"].at[slot].set(keep_kv), "score": partial["score"].at[slot].set(keep_sc)}
-
-
-def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, ring_trip=None):
+def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, k=0):
     """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec,
     pend'), the primed values being the arguments with this layer's writes (new containers: nothing passed
     in is modified) and rec its aux record (`transformer.record`). step: the `plan.StepPlan`; pend: the
@@ -154,31 +102,32 @@ def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, cc
     Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention` (or, where the plan
     merges the attention kernel's partials in the o_proj kernel, `attention.sparse_attention_partials`), both on
     stored codes + page table. ``batch["key_lo"]`` (int32 [B], SWA bounded replay's late layers only)
-    hides window keys below that position. ring_trip: in a layer-scan run, (k, first): this layer's rings
-    are layer first + k's (k the run's traced trip index); None: layer `plan.layer_id`'s.
+    hides window keys below that position. k: the layer's index within its layer-scan run (the run's int32
+    trip counter; 0 outside a run), whose `plan` is the run's first layer's: the layer's rings in the cache's
+    stacked ``state["window"]`` are layer ``plan.layer_id + k``'s, read (and written) in place.
     """
     lid = plan.layer_id
-    ring_layer, ring_base = (lid, 0) if ring_trip is None else ring_trip
     mode = ccfg.kv_cache_dtype
     eps = cfg.rms_norm_eps
     ps = ccfg.page_size
     pt = batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
-    ring_req = ((st["window"], batch["slot"][:, None], batch["n_new"][:, None], ring_layer, ring_base)
+    ring_req = ((st["window"], batch["slot"][:, None], batch["n_new"][:, None], k, lid)
                 if step.ring_now else None)
     qr, q, win_codes, written = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode, ring=ring_req)
     if step.ring_now:  # `commit` has nothing left to write for this layer
         st = dict(st, window=written)
     else:
         pend = pend.with_window(lid, win_codes)
-    ring = st["window"]  # every layer's rings; this layer's are read in place (`ring_layer`)
+    ring = st["window"]  # every layer's rings; this layer's (lid + k) are read in place
     r = plan.compress_ratio
     comp, sel, rec = None, None, {}
     if r > 0:
         if plan.is_kv_source:
             key = str(lid)
-            latent, j, complete, buf = _compress_chunk(
-                p["compressor"], x, batch, positions, valid, st["partial"].get(key), r, cfg, dt)
+            latent, j, complete, buf = compressor.compress_chunk(
+                p["compressor"], x, batch["start"], batch["n_new"], batch["slot"], positions, valid,
+                st["partial"].get(key), r, cfg.rms_norm_eps, dt, is_exact(cfg))
             if buf is not None:
                 pend = pend.replace(partial={**pend.partial, key: buf})
             oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
@@ -206,7 +155,7 @@ def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, cc
     attend = attn_mod.sparse_attention_partials if step.attend_partials else attn_mod.sparse_attention
     o = attend(q, attn_mod.sink_of(p), ring, batch["slot"], win_codes, batch["start"], positions, valid, comp, pt, sel,
                ratio=max(r, 1), page_size=ps, window=cfg.sliding_window, mode=mode, impl=step.attention,
-               exact=is_exact(cfg), key_lo=batch.get("key_lo"), ring_layer=ring_layer, ring_base=ring_base)
+               exact=is_exact(cfg), key_lo=batch.get("key_lo"), ring_layer=k, ring_base=lid)
     return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
 
 
@@ -224,19 +173,19 @@ def _scan_run_cached(step, params, first, n, plan, h, pre, st, ctx, batch, posit
     valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
     empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
 
-    def attn_run(p, x, _row, k, win):
+    def attn_run(p, x, k, win):
         st_l = {"window": st["window"] if win is None else win, "comp": st["comp"], "ikeys": st["ikeys"],
                 "partial": st["partial"]}
         y, st_out, ctx_out, rec, pend_out = attention_cached(step, p, x, plan, st_l, ctx, batch, positions, valid_k,
-                                                             cfg, ccfg, dt, empty, ring_trip=(k, first))
+                                                             cfg, ccfg, dt, empty, k)
         if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out.partial:
             raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
         out = {} if step.ring_now else {"window": pend_out.window[lid]}
         return y, (out, st_out["window"] if step.ring_now else None)
 
-    h, pre, aux, outs, win = scan_blocks(step, layer_scan.run_params(params, first, n, cfg), h, pre, plan, cfg, dt,
-                                         aux, first, cfg.num_experts_per_tok, attn_run, par=par,
-                                         carry=st["window"] if step.ring_now else None)
+    h, pre, aux, outs, win = scan_blocks(step, layer_scan.run_params(params, first, n, cfg), h, pre,
+                                         st["window"] if step.ring_now else None, plan, cfg, dt, aux, first,
+                                         cfg.num_experts_per_tok, attn_run, par=par)
     if step.ring_now:
         return h, pre, dict(st, window=win), aux, pend
     for k in range(n):
@@ -366,7 +315,7 @@ def commit(st, pending, batch, n_commit, cfg):
     out["partial"] = dict(st["partial"])
     for key, buf in pending.partial.items():
         r = buf["kv"].shape[2]
-        out["partial"][key] = _partial_after(st["partial"][key], buf, start, end, slot, r)
+        out["partial"][key] = compressor.partial_after(st["partial"][key], buf, start, end, slot, r)
     if pending.restore:
         out["comp"], out["ikeys"] = _put_back(st, pending.restore, end)
     hist = st.get("engram_hist")

@@ -207,21 +207,6 @@ def set_path(tree, path, value):
     return dict(tree, **{path[0]: set_path(tree[path[0]], path[1:], value)})
 
 
-def vector_operand(v):
-    """A per-layer vector parameter (a norm's {"weight": [K]}, the attention sink, the gate bias: arrays) as a
-    kernel takes it: (the array — or, inside a layer-scan run where a kernel reads it in place, v =
-    {"weight": the run's stack [n, K], "layer": k} and this is the stack —, the layer or None)."""
-    if not isinstance(v, dict):
-        return v, None
-    return v["weight"], v.get("layer")
-
-
-def vector_row(v):
-    """The layer's row of such a parameter (`vector_operand`), for the jnp paths."""
-    a, layer = vector_operand(v)
-    return a if layer is None else a[layer]
-
-
 def is_stacked(params) -> bool:
     return STACKS in params
 

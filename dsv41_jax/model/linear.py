@@ -28,12 +28,13 @@ Every model matmul on a stored weight goes through here with the config, so `Mod
   (`pallas/quant_linear.py`: the activation quant, the weight decode and the GEMM in one launch; the
   same products, fp32 sums in its tile order); the bf16 / fp32 kinds keep the xla path. One device only
   (refused on a mesh); inside a layer-scan run it reads the run's stacked weights in place
-  (`plan.StepPlan.in_place`, `layer_weight`).
+  (`plan.StepPlan.in_place`: a `weights.Stacked` weight).
 * In the exact and deterministic modes (`numerics.is_exact`) every path accumulates in fp64
   (`numerics.dot_exact`) and rounds once to fp32 (then to `dt`, bf16 in the deterministic bf16 flow), so
   the reference and the xla formulation agree (bit for bit in practice) however they sum.
 
-Shapes: x [..., K] with K % 32 == 0; weights [N, K] (MXFP4: packed [N, K/2]); outputs [..., N].
+Shapes: x [..., K] with K % 32 == 0; weights `weights.Fp8` [N, K] (MXFP4: `weights.Mxfp4`, packed [N, K/2]), or
+inside a layer-scan run a `weights.Stacked` of them; outputs [..., N].
 
 ``row_axis`` (fp8, f32, wo_a): the logical axis of the weight's rows ("heads", "mlp", "vocab"; None
 for rows that are never split). It changes no arithmetic: on a mesh, where the rows are split over
@@ -47,7 +48,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from dsv41_jax.model import codec, dispatch, layer_scan, quant, tiling
+from dsv41_jax.model import codec, dispatch, quant, tiling, weights
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
@@ -78,22 +79,6 @@ def impl_of(cfg) -> str:
     return name
 
 
-# ------------------------------------------------------------------- layer-scan runs (kernel path)
-
-
-def layer_weight(p):
-    """A linear's params inside a layer-scan run: `p` as it is, or — with ``"layer"`` (the scan counter),
-    where the kernel runs — the run's stacks [n, ...] in storage dtypes (uint8), sliced here to the layer's
-    weight for the jnp paths (the slice fuses into their consumers) with its dtypes restored."""
-    if "layer" not in p:
-        return p
-    k = p["layer"]
-    w, s = p["weight"][k], p["scale"][k]
-    if s.dtype == jnp.uint8:
-        s = jax.lax.bitcast_convert_type(s, quant.E8M0)
-    return {"weight": w, "scale": s}
-
-
 def kernel_runs(cfg) -> bool:
     """Whether the linear seam's kernels run for `cfg` here: a Pallas impl, the fp32 numerics (the exact /
     deterministic modes are refused by the kernels), one device (`tiling.mesh_plan`: the kernels are refused
@@ -108,20 +93,21 @@ def kernel_runs(cfg) -> bool:
 def o_proj(o, p, positions, freqs, sink, cfg, dt):
     """The grouped wo_a projection of the attention output with its inverse RoPE, on the kernel
     (`pallas/o_proj.py`: also the split-K merge when `o` is the attention kernel's partials): [B, T, G·R] in
-    `dt`, as `attention.output_proj`'s inverse RoPE + `wo_a` compute it. p: wo_a's params (the fp8 pair is
-    read; the bf16 copy is not), or a run's stacks with ``"layer"``; sink: fp32 [H], or with wo_a stacked
-    {"weight": the run's stack, "layer"} (`layer_scan.vector_operand`). Only where `kernel_runs`."""
+    `dt`, as `attention.output_proj`'s inverse RoPE + `wo_a` compute it. p: wo_a's `weights.Fp8` (the fp8 pair is
+    read; the bf16 copy is not), or a run's stack of it (`weights.Stacked`); sink: fp32 [H], or with wo_a stacked
+    the run's stack of it. Only where `kernel_runs`."""
     impl = impl_of(cfg)
     dispatch.refuse_kernel_in_f64_mode(cfg, "linear", impl)
     if not kernel_runs(cfg):
         raise dispatch.ImplError(f"linear.o_proj: the o_proj kernel does not run for impl {impl!r} here "
                                  "(linear.kernel_runs)")
-    sink, sink_layer = layer_scan.vector_operand(sink)
-    if ("layer" in p) != (sink_layer is not None):
-        raise ValueError("linear.o_proj: wo_a and the sink must both be a run's stacks (with 'layer') or neither")
+    sink, sink_layer = weights.split(sink)
+    w, layer = weights.split(p)
+    if (layer is None) != (sink_layer is None):
+        raise ValueError("linear.o_proj: wo_a and the sink must both be a run's stacks (weights.Stacked) or neither")
     k = dispatch.kernel("linear", impl, "o_proj")
-    return k(o, {"weight": p["weight"], "scale": p["scale"]}, positions, freqs, cfg.o_groups, cfg.o_lora_rank, dt,
-             sink=sink, layer=p.get("layer"), interpret=impl == "pallas_interpret")
+    return k(o, w, positions, freqs, cfg.o_groups, cfg.o_lora_rank, dt, sink=sink, layer=layer,
+             interpret=impl == "pallas_interpret")
 
 
 def _kernel_gemm(x, p, fmt, cfg, dt, name, **epilogue):
@@ -211,8 +197,8 @@ def _fp8_row_scales(scale, n):
 def fp8(x, p, cfg, dt, row_axis=None):
     """GEMM with a 32x32-block fp8 weight and fp8-quantized input (docs/design/spec.md §6).
 
-    x [..., K] float; p {"weight": float8_e4m3fn [N, K], "scale": E8M0 [ceil(N/32), K/32]}, or inside a
-    layer-scan run where the kernel runs the run's stacks of them with ``"layer"`` (`layer_weight`).
+    x [..., K] float; p a `weights.Fp8` (float8_e4m3fn [N, K], E8M0 [ceil(N/32), K/32]), or inside a layer-scan
+    run where the kernel runs the run's stack of it (`weights.Stacked`).
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
     impl = impl_of(cfg)
@@ -225,10 +211,8 @@ def _fp8_jnp(x, p, cfg, dt, impl, row_axis):
     """`fp8` on the jnp paths: "reference" (`quant.fp8_linear`, or fp64-accumulated in the exact modes) or the
     xla K-blockwise / bf16-dequant GEMMs (`_quantized_gemm`)."""
     exact = is_exact(cfg)
-    p = layer_weight(p)
-    w, s = p["weight"], p["scale"]
-    if w.dtype == jnp.uint8:  # a stacked row keeps its storage dtype
-        w = jax.lax.bitcast_convert_type(w, quant.FP8)
+    p = weights.row(p)
+    w, s = p.weight, p.scale
     if impl == "reference":
         if not exact:
             return quant.fp8_linear(x, w, s, out_dtype=dt)
@@ -265,7 +249,8 @@ def fp8_dual(x, p1, p2, cfg, dt):
     """``(fp8(x, p1), fp8(x, p2))``: two fp8 GEMMs of one input (a layer's wq_a and wkv). Where the linear kernel
     runs and both output widths are multiples of 64, one launch (`quant_linear.kernel_dual`: the same values);
     else the two calls."""
-    if kernel_runs(cfg) and p1["weight"].shape[-2] % 64 == 0 and p2["weight"].shape[-2] % 64 == 0:
+    n1, n2 = (weights.split(p)[0].weight.shape[-2] for p in (p1, p2))
+    if kernel_runs(cfg) and n1 % 64 == 0 and n2 % 64 == 0:
         impl = impl_of(cfg)
         return dispatch.kernel("linear", impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg,
                                                               interpret=impl == "pallas_interpret")
@@ -285,26 +270,26 @@ def fp8_combined(x, p, slots, order, k: int, cfg, dt):
 
 
 def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
-    """``fp8(norm.rmsnorm(x, layer_scan.vector_row(pn), eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's
-    q_norm before wq_b), optionally RoPE'd: ``rope=(positions int32 [...], freqs, head_dim)`` returns the
+    """``fp8(norm.rmsnorm(x, pn, eps, dt), p)``: an fp8 GEMM of an RMSNormed input (the q latent's q_norm before
+    wq_b; pn the norm weight [K], or a run's stack of it, `weights.Stacked`, with p stacked too), optionally RoPE'd: ``rope=(positions int32 [...], freqs, head_dim)`` returns the
     output [..., N] as ``rope.apply_rope`` of its [..., N / head_dim, head_dim] view at positions[..., None].
     Where the linear kernel runs, the norm and the RoPE run in the kernel (`quant_linear.kernel`'s norm and
     rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls (x_normed: that
     norm of x when the caller has it, not made twice)."""
     impl = impl_of(cfg)
     if dispatch.is_kernel(impl):
-        nw, layer = layer_scan.vector_operand(pn)
-        if (layer is not None) != ("layer" in p):
+        nw, layer = weights.split(pn)
+        if (layer is None) != (weights.split(p)[1] is None):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
-                             "(with 'layer') or both one layer's")
+                             "(weights.Stacked) or both one layer's")
         return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(nw, eps), rope=rope)
     return _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed)
 
 
 def _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed):
     """`fp8_normed` as its plain calls: `norm.rmsnorm` (or x_normed), `fp8`, then `rope.apply_rope` if asked."""
-    y = fp8(rmsnorm(x, layer_scan.vector_row(pn), eps, dt, is_exact(cfg)) if x_normed is None else x_normed, p, cfg,
-            dt, row_axis)
+    y = fp8(rmsnorm(x, weights.row(pn), eps, dt, is_exact(cfg)) if x_normed is None else x_normed, p, cfg, dt,
+            row_axis)
     if rope is None:
         return y
     positions, freqs, hd = rope
@@ -315,14 +300,14 @@ def _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed):
 def mxfp4(x, p, cfg, dt):
     """GEMM with an MXFP4 weight and fp8-quantized input (docs/design/spec.md §6).
 
-    x [..., K] float; p {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]}. Returns [..., N] in `dt`.
+    x [..., K] float; p a `weights.Mxfp4` (uint8 [N, K/2], E8M0 [N, K/32]). Returns [..., N] in `dt`.
     """
     exact = is_exact(cfg)
     impl = impl_of(cfg)
     if dispatch.is_kernel(impl):
         return _kernel_gemm(x, p, "mxfp4", cfg, dt, impl)
-    p = layer_weight(p)
-    w, s = p["weight"], p["scale"]
+    p = weights.row(p)
+    w, s = p.weight, p.scale
     if impl == "reference":
         if not exact:
             return quant.mxfp4_linear(x, w, s, out_dtype=dt)
@@ -375,16 +360,16 @@ def f32(x, w, cfg, row_axis=None):
 def wo_a(o, p, cfg, dt, row_axis=None):
     """The grouped wo_a projection (docs/design/spec.md §3): o [B, T, G, I] -> [B, T, G, R] in `dt`.
 
-    p: the ``wo_a`` params {"weight": e4m3 [G·R, I], "scale", "bf16": [G·R, I]}: "bf16" is the load-time
+    p: the ``wo_a`` `weights.Fp8` (e4m3 [G·R, I], its scale, bf16 [G·R, I]): bf16 is the load-time
     dequantized copy (docs/design/spec.md §3; `params.fp8_linear_bf16_decl`, built by `init_params` / `load_params`),
-    which "xla" multiplies as it is (without it, e.g. a hand-built dict, "xla" dequantizes per call).
+    which "xla" multiplies as it is (without it, None, e.g. a hand-built weight, "xla" dequantizes per call).
     "reference" is today's code: it dequantizes the fp8 pair on every call. The weight is exactly
     bf16-representable, so every path computes the same products.
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
     exact = is_exact(cfg)
     if exact:
-        w = quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=jnp.float32).reshape(G, R, -1)
+        w = quant.dequantize_fp8_block(p.weight, p.scale, out_dtype=jnp.float32).reshape(G, R, -1)
         with x64_scope():
             y = jnp.einsum("btgi,gri->btgr", o.astype(jnp.float64), w.astype(jnp.float64), precision=HIGHEST,
                            preferred_element_type=jnp.float64)
@@ -400,22 +385,22 @@ def wo_a(o, p, cfg, dt, row_axis=None):
         return y.astype(dt)
 
     if impl_of(cfg) == "reference":
-        return groups(o, quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=wdt))
+        return groups(o, quant.dequantize_fp8_block(p.weight, p.scale, out_dtype=wdt))
     # xla: the load-time bf16 copy when present; on backends that widen outside the GEMM, scoped row
     # tiles of whole groups (`tiling`), each tile's weight dequantized inside its scope.
     B, T = o.shape[:2]
     I = o.shape[-1]
     tg, split = tiling.plan(G, R * I, 1, row_axis)
-    if not (R % 32 == 0 or "bf16" in p):
+    if not (R % 32 == 0 or p.bf16 is not None):
         tg = min(1, tg)
 
     def tile(g0, ng):
         o_t = tiling.rows(o, g0, ng, axis=2)  # [B, T, k·ng, I] inside a split tile (`tiling.rows`)
-        if "bf16" in p:
-            w = tiling.rows(p["bf16"], g0 * R, ng * R)
+        if p.bf16 is not None:
+            w = tiling.rows(p.bf16, g0 * R, ng * R)
         else:  # R % 32 == 0 here (else at most one tile), so a group is whole 32-row scale blocks
-            w = quant.dequantize_fp8_block(tiling.rows(p["weight"], g0 * R, ng * R),
-                                           tiling.rows(p["scale"], g0 * R // 32, ng * R // 32), out_dtype=wdt)
+            w = quant.dequantize_fp8_block(tiling.rows(p.weight, g0 * R, ng * R),
+                                           tiling.rows(p.scale, g0 * R // 32, ng * R // 32), out_dtype=wdt)
         return groups(o_t, w).reshape(B, T, o_t.shape[2] * R)
 
     return tiling.over_rows(o, G, tg, tile, split).reshape(B, T, G, R)

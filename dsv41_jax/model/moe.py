@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import dispatch, layer_scan, linear, quant, tiling
+from dsv41_jax.model import dispatch, linear, quant, tiling, weights
 from dsv41_jax.model.numerics import einsum_exact, is_exact
 from dsv41_jax.model.plan import StepPlan
 
@@ -55,7 +55,7 @@ def route(p_gate, x, top_k: int, cfg, idx=None):
     logits = linear.f32(x, p_gate["weight"], cfg) / cfg.gate_temp
     s = jnp.sqrt(softplus_torch(logits))
     if idx is None:
-        bias = layer_scan.vector_row(p_gate["bias"])  # (a run's stack + layer where the router kernel reads it)
+        bias = weights.row(p_gate["bias"])  # (a run's stack + layer where the router kernel reads it in place)
         _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), top_k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and top_k > 1:
@@ -75,53 +75,31 @@ def _swiglu_act(g, u, weight, limit, dt):
 
 
 def swiglu_expert(x, w1, w3, w2, weight, limit, dt, linear):
-    """One SwiGLU expert with clamps. x [N, K]; weight fp32 [N] (routing weight, applied before w2).
+    """One SwiGLU expert with clamps. x [N, K]; w1 / w3 / w2 its weights, as ``linear(x, w)`` takes them; weight
+    fp32 [N] (routing weight, applied before w2).
 
     g = w1·x, u = w3·x (outputs rounded to `dt`, widened to fp32); u ∈ [−limit, limit]; g ≤ limit;
     a = silu(g)·u·weight (fp32) → `dt` → w2 (fp8-quantized input) → `dt`.
     """
-    a = _swiglu_act(linear(x, *w1), linear(x, *w3), weight, limit, dt)
-    return linear(a, *w2)
-
-
-def layer_slice(ex):
-    """Split a routed-experts tree into (weights, layer): `ex` is a layer's stacked experts, or — inside
-    a scan over a run of layers (`layer_scan`) — the whole run's stacks [n, E, ...] with ``"layer"`` (an
-    int32 scalar, the scan counter), so that only the selected experts are gathered out of the stack
-    instead of a dynamic slice copying the layer's every expert per step."""
-    if "layer" not in ex:
-        return ex, None
-    return {k: v for k, v in ex.items() if k != "layer"}, ex["layer"]
-
-
-def _one_layer(ex, layer):
-    """The layer's experts as plain arrays (a dynamic slice of each stack; the scale bitcast back to
-    E8M0 from its stored uint8, `layer_scan.storage_dtype`)."""
-    if layer is None:
-        return ex
-    return {k: {"weight": v["weight"][layer], "scale": _e8m0(v["scale"][layer])} for k, v in ex.items()}
-
-
-def _e8m0(s):
-    """Scales stacked by `layer_scan` are stored as their uint8 bit patterns."""
-    return jax.lax.bitcast_convert_type(s, quant.E8M0) if s.dtype == jnp.uint8 else s
+    a = _swiglu_act(linear(x, w1), linear(x, w3), weight, limit, dt)
+    return linear(a, w2)
 
 
 def _routed_reference(ex, xf, idx, w, cfg, dt):
-    """fp32 [N, D]: every expert on every token, summed in ascending expert id (see module doc)."""
-    ex = _one_layer(*layer_slice(ex))  # the oracle: a plain copy of the layer's experts is fine
+    """fp32 [N, D]: every expert on every token, summed in ascending expert id (see module doc). ex: the layer's
+    experts {w1, w3, w2: `weights.Mxfp4`}, or a run's stacks (`weights.Stacked`: the oracle slices the layer's)."""
+    ex = weights.row(ex)
     N, D = xf.shape
-    E = ex["w1"]["weight"].shape[0]
+    E = ex["w1"].weight.shape[0]
     dense_w = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].set(w)
     lim = cfg.swiglu_limit
 
-    def mx(a, wt, sc):
-        return linear.mxfp4(a, {"weight": wt, "scale": sc}, cfg, dt)
+    def mx(a, we):
+        return linear.mxfp4(a, we, cfg, dt)
 
     def body(acc, e):
         pe = jax.tree_util.tree_map(lambda t: t[e], ex)
-        y = swiglu_expert(xf, (pe["w1"]["weight"], pe["w1"]["scale"]), (pe["w3"]["weight"], pe["w3"]["scale"]),
-                          (pe["w2"]["weight"], pe["w2"]["scale"]), dense_w[:, e], lim, dt, mx)
+        y = swiglu_expert(xf, pe["w1"], pe["w3"], pe["w2"], dense_w[:, e], lim, dt, mx)
         return acc + y.astype(jnp.float32), None
 
     # Sequential scan: the fp32 sum runs in ascending expert id, as the spec requires.
@@ -142,7 +120,7 @@ def _grouped_mxfp4(xs, wp, ws, gexp, sizes, dt, exact, layer=None):
 
     Only the groups' experts are read (a gather at stored width); on backends that widen dot operands
     outside the GEMM, in scoped row tiles of the experts' output rows (`tiling`). layer: with wp / ws
-    a run's stacks [n, E, ...] (`layer_slice`), the layer to read (the gather takes (layer, expert)
+    a run's stacks [n, E, ...] (`weights.Stacked`), the layer to read (the gather takes (layer, expert)
     pairs: no copy of the layer's experts)."""
     E, N, Kh = wp.shape[-3:]
     K = 2 * Kh
@@ -219,23 +197,24 @@ def unsort_slots(y_sorted, order, held, N: int, k: int):
 def routed_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     """Per-assignment outputs of the grouped routed experts: [N, k, D] in `dt` (fp32 in exact mode).
 
-    ex: stacked experts holding the E_l experts ``first_expert .. first_expert + E_l − 1`` (or a run's
-    stacks with ``"layer"``, `layer_slice`; all E unsharded; one expert shard's slice under expert parallelism, `first_expert` may be traced);
+    ex: stacked experts {w1, w3, w2: `weights.Mxfp4`} holding the E_l experts ``first_expert .. first_expert +
+    E_l − 1`` (or a run's stacks, `weights.Stacked`: only the selected (layer, expert) rows are gathered, where a
+    dynamic slice would copy the layer's every expert per step; all E unsharded; one expert shard's slice under expert parallelism, `first_expert` may be traced);
     xf [N, D]; idx int32 [N, k] global expert ids; w fp32 [N, k] routing weights. Slot (n, j) holds
     expert idx[n, j]'s output for token n, or exact zeros when that expert is not among `ex`.
     Only the assignments of the held experts are multiplied (see the module doc).
     """
-    ex, layer = layer_slice(ex)
+    ex, layer = weights.split(ex)
     N, D = xf.shape
     k = idx.shape[1]
-    E = ex["w1"]["weight"].shape[-3]
+    E = ex["w1"].weight.shape[-3]
     order, held, gexp, sizes = sort_assignments(idx, E, first_expert)
     xs = jnp.take(xf, order // k, axis=0)  # [A, D] token rows, sorted by expert
     ws = jnp.take(w.reshape(N * k), order)
     exact = is_exact(cfg)
 
     def proj(a, name):
-        return _grouped_mxfp4(a, ex[name]["weight"], ex[name]["scale"], gexp, sizes, dt, exact, layer)
+        return _grouped_mxfp4(a, ex[name].weight, ex[name].scale, gexp, sizes, dt, exact, layer)
 
     act = _swiglu_act(proj(xs, "w1"), proj(xs, "w3"), ws, cfg.swiglu_limit, dt)
     return unsort_slots(proj(act, "w2"), order, held, N, k)  # [A, D] in dt -> [N, k, D]
@@ -308,7 +287,7 @@ def _one_token_fused(p, xf, top_k, cfg, dt, par, step):
     idx, w = idx_p[:, :top_k], w_p[:, :top_k]
     slots = _experts_kernel(step.moe)(p["experts"], xf, idx, w, cfg, dt, padded=(idx_p, w_p), raw=True)
     a = _shared_gated(p["shared_experts"], xf, cfg, dt)
-    return linear.fp8_combined(a, _shared(p["shared_experts"], "w2"), slots, order_p, top_k, cfg, dt), idx, w
+    return linear.fp8_combined(a, p["shared_experts"]["w2"], slots, order_p, top_k, cfg, dt), idx, w
 
 
 def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step):
@@ -322,14 +301,14 @@ def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step):
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
     routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order)
     a = _shared_gated(p["shared_experts"], xf, cfg, dt)
-    return (routed + linear.fp8(a, _shared(p["shared_experts"], "w2"), cfg, dt).astype(jnp.float32)).astype(dt), idx, w
+    return (routed + linear.fp8(a, p["shared_experts"]["w2"], cfg, dt).astype(jnp.float32)).astype(dt), idx, w
 
 
 def _route_kernel(p_gate, xf, top_k, cfg, impl):
     """The router's top-k as one kernel (scores, selection, weights, the combine's order; the gate matmul stays
     the linear seam's): (idx, w, order) padded to [N, kp], the first top_k lanes used (`moe_mxfp4.kernel`'s
     padded)."""
-    bias, layer = layer_scan.vector_operand(p_gate["bias"])
+    bias, layer = weights.split(p_gate["bias"])
     return dispatch.kernel("moe", impl, "route")(linear.f32(xf, p_gate["weight"], cfg), bias, top_k, cfg,
                                                  layer=layer, interpret=impl == "pallas_interpret")
 
@@ -357,15 +336,9 @@ def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order):
     return (_routed_reference if impl == "reference" else _routed_grouped)(ex, xf, idx, w, cfg, dt)
 
 
-def _shared(sh, name):
-    """The shared expert's `name` weight, with the layer of a scan run's stacks (`linear.layer_weight`)."""
-    lay = {"layer": sh["w1"]["layer"]} if "layer" in sh["w1"] else {}
-    return {"weight": sh[name]["weight"], "scale": sh[name]["scale"], **lay}
-
-
 def _shared_gated(sh, xf, cfg, dt):
     """The shared expert (`swiglu_expert` with weight 1) up to w2's input: w1 / w3 and the SwiGLU as one
     linear-seam call (`linear.fp8_gated`: one launch where the linear kernel runs, the same values as the separate
     calls). w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh)."""
     act = functools.partial(_swiglu_act, weight=None, limit=cfg.swiglu_limit, dt=dt)
-    return linear.fp8_gated(xf, _shared(sh, "w1"), _shared(sh, "w3"), act, cfg, dt, "mlp")
+    return linear.fp8_gated(xf, sh["w1"], sh["w3"], act, cfg, dt, "mlp")

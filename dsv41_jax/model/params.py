@@ -1,9 +1,9 @@
 """Parameter declarations: every tensor once, with shape, dtype, logical axes and initializer.
 
 The parameter pytree mirrors the checkpoint's names (docs/design/spec.md §8): ``layers.L.attn.wq_a.weight`` lives at
-``params["layers"][L]["attn"]["wq_a"]["weight"]``. Two differences from the file, both lossless:
+``params["layers"][L]["attn"]["wq_a"].weight``. Two differences from the file, both lossless:
 routed experts are stacked along a leading expert axis (``ffn.experts.E.w1.weight`` is
-``params[...]["ffn"]["experts"]["w1"]["weight"][E]``), and ``params["derived"]`` holds tables derived
+``params[...]["ffn"]["experts"]["w1"].weight[E]``), and ``params["derived"]`` holds tables derived
 from the tokenizer (the Engram token map), which the checkpoint does not store. One addition, also not
 in the checkpoint: ``attn.wo_a.bf16``, the load-time bf16 dequantization of ``wo_a`` (docs/design/spec.md §3; built
 by `init_params` and `checkpoint.load_params` beside the fp8 pair, which the reference still reads).
@@ -12,22 +12,25 @@ Dtypes follow the checkpoint: fp8 e4m3 + e8m0 32×32 block scales for dense weig
 (uint8, low nibble = even element) + e8m0 per-32 scales for routed experts, bf16 / fp32 as docs/design/spec.md §6.
 
 Sharding is declared with logical axis names and mapped to a mesh with Flax Linen's logical-axis
-rules (`flax.linen.logical_to_mesh_sharding`); the params themselves are plain dict pytrees so the
-forward pass stays a pure function (no Module objects).
+rules (`flax.linen.logical_to_mesh_sharding`); the params themselves are plain pytrees so the forward
+pass stays a pure function (no Module objects): dicts, except that a quantized weight is a typed node
+(`weights.Fp8`, `weights.Mxfp4`: fields named as the checkpoint's ``weight`` / ``scale``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.model import quant, quant_np
+from dsv41_jax.model.weights import Fp8, Mxfp4
 from dsv41_jax.model.codec import E8M0, FP8
 from dsv41_jax.model.config import ModelConfig
 
@@ -83,10 +86,8 @@ def _cdiv(a, b):
 def fp8_linear_decl(out_dim, in_dim, out_axis=None, in_axis=None):
     """fp8 e4m3 [out, in] weight with its e8m0 [ceil(out/32), ceil(in/32)] block scale."""
     std = 1.0 / math.sqrt(in_dim)
-    return {
-        "weight": P((out_dim, in_dim), FP8, (out_axis, in_axis), "fp8", std),
-        "scale": P((_cdiv(out_dim, 32), _cdiv(in_dim, 32)), E8M0, (out_axis, in_axis), "fp8_scale"),
-    }
+    return Fp8(weight=P((out_dim, in_dim), FP8, (out_axis, in_axis), "fp8", std),
+               scale=P((_cdiv(out_dim, 32), _cdiv(in_dim, 32)), E8M0, (out_axis, in_axis), "fp8_scale"))
 
 
 def fp8_linear_bf16_decl(out_dim, in_dim, out_axis=None, in_axis=None):
@@ -94,17 +95,15 @@ def fp8_linear_bf16_decl(out_dim, in_dim, out_axis=None, in_axis=None):
     and block scale, plus ``"bf16"`` [out, in], their exact product (not in the checkpoint; built by
     `init_params` and `checkpoint.load_params`). The reference path keeps reading the fp8 pair."""
     d = fp8_linear_decl(out_dim, in_dim, out_axis, in_axis)
-    d["bf16"] = P((out_dim, in_dim), BF16, (out_axis, in_axis), "dequant_fp8", in_checkpoint=False)
-    return d
+    return dataclasses.replace(d, bf16=P((out_dim, in_dim), BF16, (out_axis, in_axis), "dequant_fp8",
+                                         in_checkpoint=False))
 
 
 def mxfp4_experts_decl(n_experts, out_dim, in_dim, out_axis=None, in_axis=None):
     """Stacked MXFP4 experts: uint8 [E, out, in/2] (2 e2m1 per byte) + e8m0 [E, out, in/32]."""
     std = 1.0 / math.sqrt(in_dim)
-    return {
-        "weight": P((n_experts, out_dim, in_dim // 2), U8, ("experts", out_axis, in_axis), "mxfp4", std),
-        "scale": P((n_experts, out_dim, in_dim // 32), E8M0, ("experts", out_axis, in_axis), "mxfp4_scale"),
-    }
+    return Mxfp4(weight=P((n_experts, out_dim, in_dim // 2), U8, ("experts", out_axis, in_axis), "mxfp4", std),
+                 scale=P((n_experts, out_dim, in_dim // 32), E8M0, ("experts", out_axis, in_axis), "mxfp4_scale"))
 
 
 def _norm(dim, axis=None):
@@ -247,17 +246,40 @@ def mesh_shardings(cfg: ModelConfig, mesh, rules=DEFAULT_LOGICAL_RULES) -> dict:
     return jax.tree_util.tree_map(one, declare_params(cfg), is_leaf=_is_decl)
 
 
+def children(node) -> list:
+    """[(key, child)] of a tree node: a dict's items, a list's (index, item), a typed node's (`weights.Fp8`,
+    `weights.Mxfp4`) fields that are set, named as in the checkpoint; [] for a leaf."""
+    if isinstance(node, dict):
+        return list(node.items())
+    if isinstance(node, (list, tuple)):
+        return list(enumerate(node))
+    if isinstance(node, (Fp8, Mxfp4)):
+        return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node) if getattr(node, f.name) is not None]
+    return []
+
+
+def child(node, k):
+    """`node`'s child `k` (a dict key, a list index, a typed node's field name)."""
+    return getattr(node, k) if isinstance(node, (Fp8, Mxfp4)) else node[k]
+
+
+def is_node(x) -> bool:
+    """Whether `x` is an inner node of a parameter tree (dict, list, typed node), not a leaf."""
+    return isinstance(x, (dict, list, tuple, Fp8, Mxfp4))
+
+
+def key_name(k) -> str:
+    """A `jax.tree_util` key path entry as the checkpoint names it (dict key, list index, typed node field)."""
+    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+
+
 def flatten_names(tree: dict, prefix: str = "") -> dict:
     """{dotted checkpoint-style name: leaf} for a declaration or parameter tree (experts stacked)."""
+    if not is_node(tree):
+        return {prefix[:-1]: tree}
     out = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(flatten_names(v, f"{prefix}{k}."))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            out.update(flatten_names(v, f"{prefix}{i}."))
-    else:
-        out[prefix[:-1]] = tree
+    for k, v in children(tree):
+        out.update(flatten_names(v, f"{prefix}{k}."))
     return out
 
 
@@ -300,9 +322,10 @@ def _rng(key, name: str) -> np.random.Generator:
     return np.random.default_rng([zlib.crc32(name.encode())] + [int(x) & 0xFFFFFFFF for x in kd])
 
 
-def _init_group(name: str, node: dict, key, cfg: ModelConfig, token_map) -> Optional[dict]:
-    """Initialize a quantized (weight, scale) pair together; None if `node` is not such a pair."""
-    w = node.get("weight") if isinstance(node, dict) else None
+def _init_group(name: str, node, key, cfg: ModelConfig, token_map):
+    """Initialize a quantized (weight, scale) pair together (a `weights.Fp8` / `weights.Mxfp4`, or the Engram
+    table's {"weight", "scale"} rows); None if `node` is not such a pair."""
+    w = node.weight if isinstance(node, (Fp8, Mxfp4)) else node.get("weight") if isinstance(node, dict) else None
     if not isinstance(w, P) or w.init not in ("fp8", "mxfp4", "fp8_rows"):
         return None
     g = _rng(key, name)
@@ -313,10 +336,13 @@ def _init_group(name: str, node: dict, key, cfg: ModelConfig, token_map) -> Opti
     else:
         E, out_dim, half = w.shape
         q, s = quant_np.quantize_mxfp4_np(g.standard_normal((E, out_dim, 2 * half), np.float32) * w.std)
-    out = {"weight": jax.device_put(q), "scale": jax.device_put(s)}
-    if "bf16" in node:  # the load-time dequantized copy (`fp8_linear_bf16_decl`)
-        out["bf16"] = quant.dequantize_fp8_block(out["weight"], out["scale"], out_dtype=BF16)
-    return out
+    q, s = jax.device_put(q), jax.device_put(s)
+    if isinstance(node, Mxfp4):
+        return Mxfp4(weight=q, scale=s)
+    if isinstance(node, Fp8):  # with wo_a's load-time dequantized copy (`fp8_linear_bf16_decl`)
+        return Fp8(weight=q, scale=s, bf16=None if node.bf16 is None else
+                   quant.dequantize_fp8_block(q, s, out_dtype=BF16))
+    return {"weight": q, "scale": s}
 
 
 def _init_leaf(name: str, p: P, key, cfg: ModelConfig, token_map):

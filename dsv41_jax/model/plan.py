@@ -30,6 +30,7 @@ import jax
 from dsv41_jax.model import dispatch
 from dsv41_jax.model.mhc import _seam_impl as mhc_seam_impl
 from dsv41_jax.model.numerics import is_exact
+from dsv41_jax.model.weights import Fp8
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,14 @@ def _build(cfg, mesh_size: int, shape: tuple, mode, keep_all: bool) -> StepPlan:
 
 
 def _quantized_linears(tree, path=()) -> list:
-    """Paths of the fp8 / MXFP4 GEMM weights in a layer's declaration tree: dicts of exactly {"weight", "scale"}
-    (not wo_a, whose dict also holds its bf16 copy, nor the routed experts, which the MoE reads whole)."""
+    """Paths of the fp8 GEMM weights (`weights.Fp8`) in a layer's declaration tree, but wo_a (the one with a bf16
+    copy, which the o_proj kernel reads: `_in_place` adds it with that kernel); the routed experts
+    (`weights.Mxfp4`) are read whole by the MoE (`moe.routed_slots`)."""
+    if isinstance(tree, Fp8):
+        return [path] if tree.bf16 is None else []
     if not isinstance(tree, dict):
         return []
-    if set(tree) == {"weight", "scale"} and len(tree["weight"].shape) == 2:
-        return [path]
-    return [q for k, v in tree.items() if k != "experts" for q in _quantized_linears(v, path + (k,))]
+    return [q for k, v in tree.items() for q in _quantized_linears(v, path + (k,))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,9 +169,9 @@ def _in_place(plan: StepPlan, cfg, first: int) -> tuple:
 
     paths = []
     if dispatch.is_kernel(plan.linear):  # the GEMMs, and q_norm, which runs in wq_b's kernel (`linear.fp8_normed`)
-        paths += _quantized_linears(layer_scan.layer_decl(cfg, first)) + [("attn", "q_norm")]
+        paths += _quantized_linears(layer_scan.layer_decl(cfg, first)) + [("attn", "q_norm", "weight")]
     if dispatch.is_kernel(plan.attention):  # kv_norm: the window codes kernel (`attention.window_codes`)
-        paths.append(("attn", "kv_norm"))
+        paths.append(("attn", "kv_norm", "weight"))
     if plan.linear_kernel:  # wo_a's fp8 pair and the sink: the o_proj kernel (`attention.output_proj`)
         paths += [("attn", "wo_a"), ("attn", "attn_sink")]
     if plan.router_kernel:  # the gate's bias: the router kernel (`moe.moe`)

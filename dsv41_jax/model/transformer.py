@@ -20,19 +20,23 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling
+from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling, weights
 from dsv41_jax.model.engram import engram, hash_rows
 from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit, sublayer_exit_enter
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.plan import DeferredExit, StepPlan
+from dsv41_jax.model.weights import Fp8, Stacked
 
 
 def _sub_weights(layer_p, sub: str):
-    """Sublayer `sub`'s mHC fn / base / scale and its RMSNorm weight (``attn_norm`` / ``ffn_norm``)."""
-    return (layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"]), \
-        layer_p[f"{sub}_norm"]["weight"]
+    """Sublayer `sub`'s mHC fn / base / scale and its RMSNorm weight (``attn_norm`` / ``ffn_norm``), and the layer
+    to read them at: None, or inside a layer-scan run where the mhc kernel reads them in place (each a
+    `weights.Stacked`), the run's stacks and the layer."""
+    got = [weights.split(v) for v in (layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"],
+                                      layer_p[f"{sub}_norm"]["weight"])]
+    return [w for w, _ in got], got[0][1]
 
 
 def enter(step, layer_p, sub: str, h, pre_prev, cfg, dt, par=None):
@@ -43,14 +47,13 @@ def enter(step, layer_p, sub: str, h, pre_prev, cfg, dt, par=None):
     A deferred exit runs fused with the enter where the plan says so (`StepPlan.fused_boundary`:
     `mhc.sublayer_exit_enter`, one kernel where the mhc kernel runs); on a mesh of more than one device the two
     stay apart and the streams are pinned replicated (`replicated`) before the enter sums over them."""
-    w, norm_w = _sub_weights(layer_p, sub)
-    layer = layer_p.get("hc_layer")
+    (fn, base, scale, norm_w), layer = _sub_weights(layer_p, sub)
     if isinstance(h, DeferredExit) and step.fused_boundary:
-        h, entered = sublayer_exit_enter(replicated(h.y, par), h.h, h.post, h.comb, pre_prev, *w, cfg, dt,
-                                         layer=layer, norm_weight=norm_w)
+        h, entered = sublayer_exit_enter(replicated(h.y, par), h.h, h.post, h.comb, pre_prev, fn, base, scale, cfg,
+                                         dt, layer=layer, norm_weight=norm_w)
         return replicated(h, par), entered
     h = settle(h, cfg, dt, par)
-    return h, sublayer_enter(h, pre_prev, *w, cfg, dt, layer=layer, norm_weight=norm_w)
+    return h, sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=layer, norm_weight=norm_w)
 
 
 def embed_streams(params, tokens, cfg, dt, par=None):
@@ -164,62 +167,54 @@ def block(step, lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None
     return DeferredExit(h, y, f_post, f_comb), f_pre, rec, out
 
 
-def scan_blocks(step, stacked, h, pre, plan, cfg, dt, aux, first, top_k, attn_fn, xs=None, par=None, carry=None):
+def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, attn_fn, par=None):
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
     step: the `plan.StepPlan`; stacked: the run's layer params with a leading axis n, in storage dtypes
     (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the scan's carry keeps the form it
-    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); plan: the run's first layer's plan (the
-    run's layers differ only in layer_id, which no consumer's body reads); xs: per-layer inputs with a leading
-    axis n (or None); carry: a pytree the layers thread through (the cache's window rings where each layer writes
-    its own in place, `StepPlan.ring_now`), or None. attn_fn(p, x, xs_row, k, carry) -> (y, (out, carry')) is
-    the attention sublayer of one layer (p its ``attn`` params, k int32 its index within the run); `out` is a
+    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: the attention's state the
+    layers thread through (a pytree: the cache's window rings where each layer writes its own in place,
+    `StepPlan.ring_now`; None where the attention writes nothing); plan: the run's first layer's plan (the
+    run's layers differ only in layer_id, which no consumer's body reads). attn_fn(p, x, k, carry) ->
+    (y, (out, carry')) is the attention sublayer of one layer (p its ``attn`` params, k int32 its index within
+    the run); `out` is a
     pytree of per-layer arrays. Returns (h, pre, aux', outs, carry'): aux' is `aux` with each layer's
     ``layer_inputs`` / ``experts`` under its own layer id (a new dict), `outs` the layers' `out` stacked over
     the run (leading axis n).
 
     The weights the plan's kernels read in place (`StepPlan.in_place`) are not sliced per layer: the body hands
-    them to the kernels as the run's stacks with the layer (XLA would copy a sliced operand of a Pallas call per
-    layer); nor are the routed experts (`moe.layer_slice`: only the selected (layer, expert) rows are gathered;
-    a dynamic slice would copy all of a layer's experts every step, flash: 6.4 GB per layer)."""
+    them to the kernels as the run's stacks with the layer (`weights.Stacked`; XLA would copy a sliced operand of
+    a Pallas call per layer); nor are the routed experts (`moe.routed_slots`: only the selected (layer, expert)
+    rows are gathered; a dynamic slice would copy all of a layer's experts every step, flash: 6.4 GB per layer)."""
     like = layer_scan.layer_decl(cfg, first)
-    experts = stacked["ffn"]["experts"]
-    rest = dict(stacked, ffn={k: v for k, v in stacked["ffn"].items() if k != "experts"})
-    like = dict(like, ffn={k: v for k, v in like["ffn"].items() if k != "experts"})
-    n = jax.tree_util.tree_leaves(experts)[0].shape[0]
-    in_place = step.in_place(cfg, first)
-    stacks = {path: layer_scan.get_path(rest, path) for path in in_place}
-    # a norm's whole stack back to its declared dtype (bf16 is stored as uint16: `layer_scan.storage_dtype`); the
-    # linears' dicts stay in storage dtypes (`linear.layer_weight`)
-    stacks = {path: layer_scan.load_row(st, layer_scan.get_path(like, path))
-              if not isinstance(st, dict) or set(st) == {"weight"} else st for path, st in stacks.items()}
-    for path in (("attn", "attn_sink"), ("ffn", "gate", "bias")):  # vector params read in place: {"weight": stack,
-        if path in stacks:                                             # "layer"} (`attention.sink_of`, `moe.route`)
-            stacks[path] = {"weight": stacks[path]}
-    for path in in_place:  # not scanned over: the body gets them whole
+    n = jax.tree_util.tree_leaves(stacked["ffn"]["experts"])[0].shape[0]
+    whole = step.in_place(cfg, first) + (("ffn", "experts"),)
+    # a vector's whole stack back to its declared dtype (bf16 is stored as uint16: `layer_scan.storage_dtype`); a
+    # quantized weight's stays in its storage bits (`weights.Stacked.row` restores the layer's slice)
+    stacks = {path: layer_scan.get_path(stacked, path) for path in whole}
+    stacks = {path: st if isinstance(st, (Fp8, dict)) else layer_scan.load_row(st, layer_scan.get_path(like, path))
+              for path, st in stacks.items()}
+    rest = stacked
+    for path in whole:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
         like = layer_scan.set_path(like, path, None)
     streams_in = not isinstance(h, DeferredExit)
 
-    def body(c, inp):
+    def body(c, lp):
         # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
         # dynamic slice that XLA:GPU rematerializes as one small launch per consumer (the routed experts
         # and each stacked linear read it)
         h, pre, k, extra = c
-        lp, row = inp
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
-        lp = dict(lp, ffn=dict(lp["ffn"], experts=dict(experts, layer=k)))
         for path, st in stacks.items():
-            lp = layer_scan.set_path(lp, path, dict(st, layer=k) if isinstance(st, dict) else st)
-        if step.mhc_kernel:
-            lp = dict(lp, hc_layer=k)
+            lp = layer_scan.set_path(lp, path, Stacked(st, k))
         h, pre, rec, (out, extra) = block(step, lp, h, pre, plan, cfg, dt, top_k,
-                                          lambda x: attn_fn(lp["attn"], x, row, k, extra), None, par=par)
+                                          lambda x: attn_fn(lp["attn"], x, k, extra), None, par=par)
         if streams_in:  # streams in, streams out: the carry keeps one form
             h = settle(h, cfg, dt, par)
         return (h, pre, k + 1, extra), (rec, out)
 
-    (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), (rest, xs), length=n)
+    (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), rest, length=n)
     for k in range(n):
         aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
     return h, pre, aux, outs, carry
@@ -281,14 +276,14 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
         for i, n in layer_scan.layer_runs(cfg):
             plan = cfg.layer_plan(i)
             if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-                def attn_run(p, x, _row, _k, carry, plan=plan, ctx=ctx):
+                def attn_run(p, x, _k, carry, plan=plan, ctx=ctx):
                     y, ctx_out, rec = attention_full(p, x, positions, plan, ctx, cfg, dt)
                     if ctx_out is not ctx or rec:
                         raise RuntimeError(f"layer {plan.layer_id}: a scanned run's layers must not store anything")
                     return y, ({}, carry)
 
-                h, pre, aux, _, _ = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, plan, cfg, dt,
-                                                aux, i, cfg.num_experts_per_tok, attn_run, par=par)
+                h, pre, aux, _, _ = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, None, plan, cfg,
+                                                dt, aux, i, cfg.num_experts_per_tok, attn_run, par=par)
                 continue
             lp = layer_scan.layer_params(params, i, cfg)
             rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)

@@ -25,6 +25,7 @@ from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import engram, mhc, quant
 from dsv41_jax.model.config import ModelConfig
 from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 MOE_NAME = "moe_mxfp4"  # the MoE kernel's pallas_call names start with it (`moe_call_geometry` reads them)
 MOE_PARTS = ("gate_up", "down")
@@ -407,9 +408,9 @@ def _moe_inputs(key, tokens: int, E: int, D: int, I: int, k: int):
     ks = jax.random.split(key, 9)
 
     def mx(kw, ksc, o, i):
-        return {"weight": jax.random.bits(kw, (E, o, i // 2), jnp.uint8),
-                "scale": lax.bitcast_convert_type(jax.random.randint(ksc, (E, o, i // 32), 118, 124).astype(jnp.uint8),
-                                                  quant.E8M0)}
+        return Mxfp4(weight=jax.random.bits(kw, (E, o, i // 2), jnp.uint8),
+                     scale=lax.bitcast_convert_type(jax.random.randint(ksc, (E, o, i // 32), 118, 124).astype(jnp.uint8),
+                                                    quant.E8M0))
 
     ex = {"w1": mx(ks[0], ks[1], I, D), "w3": mx(ks[2], ks[3], I, D), "w2": mx(ks[4], ks[5], D, I)}
     x = jax.random.normal(ks[6], (tokens, D), jnp.float32).astype(jnp.bfloat16)
@@ -430,7 +431,7 @@ def moe_bench_inputs(tokens: int, *, seed: int = 0, dims: tuple | None = None):
 
 def moe_routed_bytes(ex, x, idx, w, dt=jnp.bfloat16) -> int:
     """`moe_bytes_moved` of both calls for this routing (the distinct experts it selects, host-side)."""
-    E, I, D = ex["w1"]["weight"].shape[0], ex["w1"]["weight"].shape[1], x.shape[1]
+    E, I, D = ex["w1"].weight.shape[0], ex["w1"].weight.shape[1], x.shape[1]
     N, k = idx.shape
     A, G = N * k, min(N * k, E)
     active = len(np.unique(np.asarray(idx)))
@@ -480,7 +481,7 @@ def _linear_inputs(key, fmt: str, M: int, N: int, K: int):
         srows = N
     s = lax.bitcast_convert_type(jax.random.randint(k2, (srows, K // 32), 118, 124).astype(jnp.uint8), quant.E8M0)
     x = jax.random.normal(k3, (M, K), jnp.float32).astype(jnp.bfloat16)
-    return x, {"weight": w, "scale": s}
+    return x, (Fp8 if fmt == "fp8" else Mxfp4)(weight=w, scale=s)
 
 
 def linear_bench_inputs(fmt: str, M: int, N: int, K: int, *, seed: int = 0):

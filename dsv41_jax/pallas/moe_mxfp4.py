@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec, dispatch, moe
+from dsv41_jax.model import codec, dispatch, moe, weights
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common, costs
 
@@ -238,8 +238,8 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
            block_k2: int | None = None, num_warps: int = 4, num_stages: int = 2, padded=None, raw: bool = False):
     """The grouped routed experts (arguments and result of `moe.routed_slots`): [N, k, D] in `dt`.
 
-    ex: the layer's stacked experts {w1, w3, w2: {weight uint8 [E, out, in/2], scale E8M0 [E, out, in/32]}}
-    (or a layer run's stacks [n, E, ...] with ``"layer"``, `moe.layer_slice`); xf [N, D] (bf16 | fp32);
+    ex: the layer's stacked experts {w1, w3, w2: `weights.Mxfp4` (uint8 [E, out, in/2], E8M0 [E, out, in/32])}
+    (or a `weights.Stacked` of a layer run's stacks [n, E, ...] and the layer); xf [N, D] (bf16 | fp32);
     idx int32 [N, k] global expert ids; w fp32 [N, k] routing weights; first_expert: the global id of
     ex's expert 0. Knobs (static): block_m rows per block, block_n / block_n2 output tile of gate/up (I)
     / down (D), block_k / block_k2 K chunk of gate/up (D) / down (I), num_warps / num_stages (Triton).
@@ -253,11 +253,11 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
         raise NotImplementedError("moe_mxfp4 kernel: the exact / deterministic numerics modes accumulate in fp64, "
                                   "which this kernel does not; run the moe op with impl 'xla' or 'reference'")
     dt = jnp.dtype(dt)
-    ex, layer = moe.layer_slice(ex)
+    ex, layer = weights.split(ex)
     N, D = xf.shape
     k = idx.shape[1]
     A = N * k
-    E, I = ex["w1"]["weight"].shape[-3], ex["w1"]["weight"].shape[-2]
+    E, I = ex["w1"].weight.shape[-3], ex["w1"].weight.shape[-2]
     if A == 0:
         return jnp.zeros((N, k, D), dt)
     one = N == 1
@@ -289,7 +289,8 @@ def kernel(ex, xf, idx, w, cfg, dt, first_expert=0, *, interpret: bool = False, 
     else:
         meta = [gexp, (jnp.cumsum(sizes) - sizes).astype(jnp.int32), sizes.astype(jnp.int32), lay]
         rows_in = [jnp.pad(order // k, (0, bm)), jnp.pad(jnp.take(wts, order), (0, bm))]
-    wt = {n: (common.flat(ex[n]["weight"], pairs=True, kernel=NAME), common.flat(ex[n]["scale"], kernel=NAME)) for n in ("w1", "w3", "w2")}
+    wt = {n: (common.flat(ex[n].weight, pairs=True, kernel=NAME), common.flat(ex[n].scale, kernel=NAME))
+          for n in ("w1", "w3", "w2")}
     c = dict(E=E, D=D, I=I, A=A, dt=dt, limit=float(cfg.swiglu_limit), one_token=one, all_rows=sizes is None)
     params = common.triton_params(num_warps=num_warps, num_stages=num_stages)
     common.log_choice(NAME, interpret, block_m=bm, block_n=p["bn"], block_n2=p["bn2"], block_k=p["bk"],

@@ -55,7 +55,7 @@ _MIN_DOT = common.MIN_DOT
 def ref_o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, sink=None):
     """The oracle: (merge,) inverse RoPE and wo_a as the jnp chain does them. o: [B, T, H, hd] in dt, or the
     attention kernel's partials {"acc": fp32 [S, B, T, hp, hd], "m", "l": fp32 [S, B, T, hp]} with `sink` fp32
-    [H]; wo_a: {"weight": e4m3 [G·R, I], "scale": E8M0 [G·R/32, I/32]}. Returns [B, T, G·R] in dt."""
+    [H]; wo_a: a `weights.Fp8` (e4m3 [G·R, I], E8M0 [G·R/32, I/32]). Returns [B, T, G·R] in dt."""
     from dsv41_jax.model import quant
     from dsv41_jax.model.rope import apply_rope
 
@@ -67,7 +67,7 @@ def ref_o_proj(o, wo_a, positions, freqs, G: int, R: int, dt, sink=None):
     B, T, H, hd = o.shape
     o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt).reshape(B, T, G, H * hd // G)
     wdt = jnp.float32 if dt == jnp.float32 else jnp.bfloat16
-    w = quant.dequantize_fp8_block(wo_a["weight"], wo_a["scale"], out_dtype=wdt).reshape(G, R, -1)
+    w = quant.dequantize_fp8_block(wo_a.weight, wo_a.scale, out_dtype=wdt).reshape(G, R, -1)
     if dt == jnp.float32:
         y = jnp.einsum("btgi,gri->btgr", o, w, precision=lax.Precision.HIGHEST)
     else:
@@ -173,8 +173,8 @@ def _u8(a):
 def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=None, interpret: bool = False,
            block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 2):
     """`ref_o_proj` in one launch. o: [B, T, H, hd] in dt, or the attention kernel's partials dict (then `sink`:
-    fp32 [H], or with `layer` a run's stack [n, H]); wo_a: {"weight": e4m3 [G·R, I], "scale": E8M0 [G·R/32,
-    I/32]} (their uint8 bits too), or with `layer` the run's stacks; positions int32 [B, T]; freqs the layer's
+    fp32 [H], or with `layer` a run's stack [n, H]); wo_a: a `weights.Fp8` (e4m3 [G·R, I], E8M0 [G·R/32,
+    I/32], their uint8 bits too), or with `layer` the run's stacks; positions int32 [B, T]; freqs the layer's
     RoPE frequencies [rd/2]. Returns [B, T, G·R] in dt. Knobs: block_n (R tile), block_k (I chunk, dividing
     head_dim), Triton's num_warps / num_stages."""
     dt = jnp.dtype(dt)
@@ -189,7 +189,7 @@ def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=No
         S, hp = 1, H
     rd = 2 * int(np.shape(freqs)[-1])
     I = H * hd // G
-    w, s = wo_a["weight"], wo_a["scale"]
+    w, s = wo_a.weight, wo_a.scale
     stacked = layer is not None
     if w.shape[-2:] != (G * R, I) or (w.ndim == 3) != stacked or (partials and (sink.ndim == 2) != stacked):
         raise ValueError(f"o_proj kernel: wo_a {w.shape} (sink {None if sink is None else sink.shape}) does not fit "

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.model import codec, dispatch, linear
+from dsv41_jax.model import codec, dispatch, linear, weights
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.pallas import common, costs
 
@@ -265,11 +265,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
            p_up=None, act=None, norm=None, rope=None, combine=None):
     """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
 
-    p: fp8 {"weight": float8_e4m3fn [N, K], "scale": E8M0 [⌈N/32⌉, K/32]} (``fmt="fp8"``) or MXFP4
-    {"weight": uint8 [N, K/2], "scale": E8M0 [N, K/32]} (``fmt="mxfp4"``); codes and scales may be their
-    uint8 bits; or, inside a layer-scan run, the run's stacks [n, ...] of these with ``"layer"`` (int32
-    scalar): the kernel reads that layer's rows in place (a slice would be copied by XLA: a Pallas
-    operand does not fuse with it).
+    p: fp8 `weights.Fp8` (float8_e4m3fn [N, K], E8M0 [⌈N/32⌉, K/32]) (``fmt="fp8"``) or MXFP4 `weights.Mxfp4`
+    (uint8 [N, K/2], E8M0 [N, K/32]) (``fmt="mxfp4"``); codes and scales may be their uint8 bits; or, inside a
+    layer-scan run, a `weights.Stacked` of the run's stacks [n, ...] of these and the layer (int32 scalar): the
+    kernel reads that layer's rows in place (a slice would be copied by XLA: a Pallas operand does not fuse
+    with it).
     cfg: the model config (its exact / deterministic modes are refused). Knobs (static): block_m rows per
     program, block_n output columns per program, block_k K chunk, num_warps / num_stages (Triton).
 
@@ -299,8 +299,8 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     dt = jnp.dtype(dt)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quant_linear kernel: x must be bf16 or fp32, got {x.dtype}")
-    w, s = p["weight"], p["scale"]
-    layer = p.get("layer")  # inside a layer-scan run: the run's stacks [n, ...] and the layer to read
+    p, layer = weights.split(p)  # inside a layer-scan run: the run's stacks [n, ...] and the layer to read
+    w, s = p.weight, p.scale
     if w.ndim != (2 if layer is None else 3):
         raise ValueError(f"quant_linear: weight of shape {w.shape} " + ("without" if layer is None else "with") +
                          " a layer index")
@@ -313,10 +313,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     gated = p_up is not None
     if gated != (act is not None):
         raise ValueError("quant_linear: p_up and act go together")
-    if gated and (p_up["weight"].shape != w.shape or p_up["scale"].shape != s.shape
-                  or (p_up.get("layer") is None) != (layer is None)):
-        raise ValueError(f"quant_linear: the gated pair's weights differ: {w.shape} / {s.shape} vs "
-                         f"{p_up['weight'].shape} / {p_up['scale'].shape}")
+    if gated:
+        p_up, up_layer = weights.split(p_up)
+        if p_up.weight.shape != w.shape or p_up.scale.shape != s.shape or (up_layer is None) != (layer is None):
+            raise ValueError(f"quant_linear: the gated pair's weights differ: {w.shape} / {s.shape} vs "
+                             f"{p_up.weight.shape} / {p_up.scale.shape}")
     if norm is not None and norm[0].shape != ((K,) if layer is None else (w.shape[0], K)):
         raise ValueError(f"quant_linear: norm weight of shape {norm[0].shape} for K = {K}"
                          + ("" if layer is None else f" and {w.shape[0]} stacked layers"))
@@ -353,7 +354,7 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     out = jax.ShapeDtypeStruct((M, N), dt)
     operands = [lay, x2, wb, sb]
     if gated:
-        operands += [common.flat(p_up["weight"], pairs=fmt == "mxfp4", kernel=NAME), common.flat(p_up["scale"], kernel=NAME)]
+        operands += [common.flat(p_up.weight, pairs=fmt == "mxfp4", kernel=NAME), common.flat(p_up.scale, kernel=NAME)]
     if norm is not None:
         operands.append(norm[0].reshape(-1))
     if rope is not None:
@@ -381,8 +382,8 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
 def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, block_k: int | None = None,
                 num_warps: int = 4, num_stages: int = 3):
     """Two fp8 GEMMs of one activation in one launch: (`kernel`(x, p1), `kernel`(x, p2)) — e.g. a layer's wq_a and
-    wkv, both of the normed attention input. p1 / p2: fp8 weights [N1, K] / [N2, K] (or a run's stacks, both
-    with the same ``"layer"``); N1, N2 multiples of 64. Programs over N1/64 + N2/64 tiles; each quantizes its
+    wkv, both of the normed attention input. p1 / p2: `weights.Fp8` [N1, K] / [N2, K] (or both a run's stacks,
+    `weights.Stacked` at the same layer); N1, N2 multiples of 64. Programs over N1/64 + N2/64 tiles; each quantizes its
     activation chunks in-kernel as `kernel` does (the same values, bitwise the two calls)."""
     if cfg is not None and is_exact(cfg):
         raise NotImplementedError("quant_linear kernel: the exact / deterministic numerics modes accumulate in fp64, "
@@ -390,13 +391,13 @@ def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, b
     if fmt != "fp8":
         raise NotImplementedError(f"quant_linear.kernel_dual: fp8 weights only, got {fmt!r}")
     dt = jnp.dtype(dt)
-    layer = p1.get("layer")
-    if (layer is None) != (p2.get("layer") is None):
-        raise ValueError("quant_linear.kernel_dual: both weights must be a run's stacks (with 'layer') or neither")
-    (N1, K), (N2, K2) = p1["weight"].shape[-2:], p2["weight"].shape[-2:]
+    (p1, layer), (p2, layer2) = weights.split(p1), weights.split(p2)
+    if (layer is None) != (layer2 is None):
+        raise ValueError("quant_linear.kernel_dual: both weights must be a run's stacks (weights.Stacked) or neither")
+    (N1, K), (N2, K2) = p1.weight.shape[-2:], p2.weight.shape[-2:]
     bn = 64
     if K != K2 or x.shape[-1] != K or N1 % bn or N2 % bn or K % 32:
-        raise ValueError(f"quant_linear.kernel_dual: weights {p1['weight'].shape} / {p2['weight'].shape} for x {x.shape}"
+        raise ValueError(f"quant_linear.kernel_dual: weights {p1.weight.shape} / {p2.weight.shape} for x {x.shape}"
                          f" (both N multiples of {bn}, one K)")
     lead = x.shape[:-1]
     M = math.prod(lead)
@@ -405,8 +406,8 @@ def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, b
     bk = _plan(M, N1, K, None, bn, block_k)["bk"]
     bm = min(64, max(_MIN_DOT, common.next_pow2(M)))
     lay = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    ops = [lay, x.reshape(M, K)] + [a for p in (p1, p2) for a in (common.flat(p["weight"], kernel=NAME),
-                                                                 common.flat(p["scale"], kernel=NAME))]
+    ops = [lay, x.reshape(M, K)] + [a for p in (p1, p2) for a in (common.flat(p.weight, kernel=NAME),
+                                                                 common.flat(p.scale, kernel=NAME))]
     common.log_choice(NAME + "_dual", interpret, block_m=bm, block_n=bn, block_k=bk)
 
     def whole(a):

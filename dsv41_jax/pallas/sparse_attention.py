@@ -371,6 +371,8 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
         sel_p = jnp.pad(sel.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - K)), constant_values=-1)
         ins += [page_table.astype(jnp.int32), sel_p]
     ring_in, n_layers = [], 1
+    if isinstance(ring_layer, int):  # a static layer is one static index (no operand to add at run time)
+        ring_layer, ring_base = ring_layer + ring_base, 0
     if ring is not None:
         lead = jax.tree_util.tree_leaves(ring)[0].shape[:-1]
         if len(lead) != (2 if ring_layer is None else 3) or lead[-1] != W:

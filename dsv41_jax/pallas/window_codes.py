@@ -164,6 +164,8 @@ def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None
     aliases = {}
     if ring is not None:
         store, rows, write, ring_layer, ring_base = ring
+        if isinstance(ring_layer, int):  # a static layer is one static index (no operand to add at run time)
+            ring_layer, ring_base = ring_layer + ring_base, 0
         R, L, W = store["q"].shape[:3]
         if store["q"].shape != (R, L, W, hd) or store["s"].shape != (R, L, W, hd // 32):
             raise ValueError(f"window_codes kernel: ring store {store['q'].shape} / {store['s'].shape}, expected "

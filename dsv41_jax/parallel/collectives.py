@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv41_jax.model import moe
+from dsv41_jax.model import moe, weights
 from dsv41_jax.model.engram import gather_rows
 from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import axis_size, manual_axes, shard_map
@@ -47,17 +47,17 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
     N, D = xf.shape
     if N * idx.shape[1] == 0:
         return jnp.zeros((N, D), jnp.float32)
-    ex, layer = moe.layer_slice(ex)  # inside a layer scan: the run's stacks [n, E, ...] + the layer
-    E = ex["w1"]["weight"].shape[-3]
+    ex, layer = weights.split(ex)  # inside a layer scan: the run's stacks [n, E, ...] + the layer
+    E = ex["w1"].weight.shape[-3]
     n = axis_size(mesh, axis)
     if E % n:
         raise ValueError(f"routed_experts: {E} experts do not split over {axis}={n}")
     lead = () if layer is None else (None,)
 
     def local(ex_l, xf, idx, w, layer):
-        first = jax.lax.axis_index(axis) * ex_l["w1"]["weight"].shape[-3]
+        first = jax.lax.axis_index(axis) * ex_l["w1"].weight.shape[-3]
         if layer is not None:
-            ex_l = dict(ex_l, layer=layer)
+            ex_l = weights.Stacked(ex_l, layer)
         y = slots(ex_l, xf, idx, w, cfg, dt, first_expert=first)  # [N, k, D], zeros elsewhere
         return jax.lax.psum(y, axis)
 

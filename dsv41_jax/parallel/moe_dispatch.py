@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv41_jax.model import moe
+from dsv41_jax.model import moe, weights
 from dsv41_jax.model.numerics import act_dtype
 from dsv41_jax.parallel.mesh import axis_size, manual_axes, shard_map
 
@@ -188,7 +188,7 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
                             expert_axes=("ep",), capacity: Optional[int] = None, slots=None, valid=None):
     """fp32 [N, D]: the routed experts' sum for tokens xf [N, D], the tokens dispatched to their experts.
 
-    ex: the stacked routed experts (or a run's stacks with "layer", `moe.layer_slice`), the expert axis
+    ex: the stacked routed experts (or a run's stacks, `weights.Stacked`), the expert axis
     split over `expert_axes` (a name or tuple: today "ep"; all devices under DP attention); xf [N, D]
     in `dt`, idx int32 [N, k] global expert ids, w fp32 [N, k]: split over `token_axes` (None:
     replicated); valid bool [N] or None: rows marked False (padding) are not dispatched and give
@@ -218,9 +218,9 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
     k = idx.shape[1]
     if N * k == 0:
         return jnp.zeros((N, D), jnp.float32)
-    ex, layer = moe.layer_slice(ex)
+    ex, layer = weights.split(ex)
     man = manual_axes()
-    E = ex["w1"]["weight"].shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))
+    E = ex["w1"].weight.shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))
     n_e = _size(mesh, expert_axes)
     if E % n_e:
         raise ValueError(f"moe dispatch: {E} routed experts do not split evenly over {'x'.join(expert_axes)}={n_e}")
@@ -242,7 +242,7 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
 
     def local(ex_l, x, i, ww, vv, layer):
         if layer is not None:
-            ex_l = dict(ex_l, layer=layer)
+            ex_l = weights.Stacked(ex_l, layer)
         if m > 1:  # tokens replicated over `sub`: each device takes its share
             s = jax.lax.axis_index(sub)
             x, i, ww, vv = (jax.lax.dynamic_slice_in_dim(t, s * q, q, 0) for t in (x, i, ww, vv))

@@ -255,7 +255,7 @@ class EngineArgs:
                           "layers' hidden states of every prompt token)")
             if self.tp_size != 1 or self.ep_size != 1:
                 bad(flag, "is not implemented with --tp-size / --ep-size > 1 (its step is not sharded)")
-        from dsv41_jax.model.dispatch import ImplError, parse_impl
+        from dsv41_jax.model.dispatch import ImplError, is_kernel, parse_impl
 
         try:
             chosen = parse_impl(self.impl)
@@ -263,7 +263,7 @@ class EngineArgs:
             raise ValueError(str(e)) from None
         if self.enable_deterministic_inference:
             flag = "enable_deterministic_inference"
-            kernels = sorted(op for op, name in chosen.items() if name in ("pallas", "pallas_interpret"))
+            kernels = sorted(op for op, name in chosen.items() if is_kernel(name))
             if kernels:
                 raise ValueError(f"{flag}: --impl {self.impl!r} asks for Pallas kernels for {', '.join(kernels)}, "
                                  "which accumulate in fp32 in their own tile order and cannot give batch-invariant "

@@ -639,7 +639,7 @@ class Runner:
         from dsv41_jax.model import dispatch
 
         impl = dispatch.resolve(cfg, "attention")
-        if impl in ("pallas", "pallas_interpret"):
+        if dispatch.is_kernel(impl):
             raise EngineError(f"--enable-decoder-swa-bounded-replay: the attention op resolves to {impl!r}, which has "
                               "no kernel for the replay's window bound; pass e.g. --impl 'auto,attention=xla'")
         S = dec.last_store_layer(cfg)

@@ -33,7 +33,9 @@ import optax
 
 from dsv41_jax.model import quant
 from dsv41_jax.model.config import ModelConfig
+from dsv41_jax.model.params import key_name
 from dsv41_jax.model.transformer import forward
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +49,21 @@ def train_config(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(act_dtype="float32", impl="reference", layer_scan=False)
 
 
-def _key_name(k) -> str:
-    return str(getattr(k, "key", getattr(k, "idx", k)))
-
-
 def _path_names(path) -> tuple:
-    return tuple(_key_name(k) for k in path)
+    return tuple(key_name(k) for k in path)
+
+
+def _quantized(node) -> bool:
+    """Whether `node` is a quantized (weight, scale) pair: a `weights.Fp8` / `weights.Mxfp4`, or the Engram
+    table's {"weight": fp8 rows, "scale"} dict."""
+    if isinstance(node, (Fp8, Mxfp4)):
+        return node.weight.dtype in (quant.FP8, jnp.uint8)
+    return isinstance(node, dict) and set(node) >= {"weight", "scale"} and node["weight"].dtype == quant.FP8
+
+
+def _pair(node) -> tuple:
+    """(weight, scale) of a `_quantized` node."""
+    return (node.weight, node.scale) if isinstance(node, (Fp8, Mxfp4)) else (node["weight"], node["scale"])
 
 
 def is_trainable(names: tuple) -> bool:
@@ -65,17 +76,18 @@ def to_master(params: dict) -> dict:
     weight dequantized to fp32 with unit scales, bf16 leaves widened to fp32."""
 
     def conv(node, name=""):
+        if _quantized(node):
+            w, s = _pair(node)
+            one = jnp.ones(s.shape, quant.E8M0)
+            if isinstance(node, Mxfp4):  # MXFP4 experts [E, N, K/2]
+                return Mxfp4(jax.vmap(lambda a, b: quant.dequantize_mxfp4(a, b, jnp.float32))(w, s), one)
+            if isinstance(node, Fp8):
+                return dataclasses.replace(node, weight=quant.dequantize_fp8_block(w, s, jnp.float32), scale=one)
+            # the Engram table: per-row scales [N, de/32]
+            return dict(node, weight=w.astype(jnp.float32) * jnp.repeat(quant.e8m0_to_f32(s), 32, axis=1), scale=one)
+        if isinstance(node, (Fp8, Mxfp4)):  # already masters
+            return jax.tree_util.tree_map(conv, node)
         if isinstance(node, dict):
-            if set(node) >= {"weight", "scale"} and node["weight"].dtype in (quant.FP8, jnp.uint8):
-                w, s = node["weight"], node["scale"]
-                if w.dtype == jnp.uint8:  # MXFP4 experts [E, N, K/2]
-                    wf = jax.vmap(lambda a, b: quant.dequantize_mxfp4(a, b, jnp.float32))(w, s)
-                elif name.endswith("engram/embed"):  # the Engram table: per-row scales [N, de/32]
-                    wf = w.astype(jnp.float32) * jnp.repeat(quant.e8m0_to_f32(s), 32, axis=1)
-                else:
-                    wf = quant.dequantize_fp8_block(w, s, jnp.float32)
-                out = dict(node, weight=wf, scale=jnp.ones(s.shape, quant.E8M0))
-                return out
             return {k: conv(v, f"{name}/{k}") for k, v in node.items()}
         if isinstance(node, list):
             return [conv(v, f"{name}/{i}") for i, v in enumerate(node)]
@@ -333,24 +345,27 @@ def to_release_params(train: dict, params: dict, template: dict, *, trained_mtp:
     full = merge(train, params)
 
     def conv(node, tmpl, name=""):
+        if _quantized(tmpl):
+            if name.split("/")[1] == "mtp" and not trained_mtp:  # DSpark stages: not trained here
+                return tmpl
+            w = np.asarray(_pair(node)[0], np.float32)
+            if isinstance(tmpl, Mxfp4):
+                qs = [requantize_np("mxfp4", w[e]) for e in range(w.shape[0])]
+                q, s = np.stack([a for a, _ in qs]), np.stack([b for _, b in qs])
+            else:
+                q, s = requantize_np("fp8" if isinstance(tmpl, Fp8) else "fp8_rows", w)
+            q, s = jnp.asarray(q), jnp.asarray(s)
+            for k, got, want in zip(("weight", "scale"), (q, s), _pair(tmpl)):
+                if got.shape != want.shape or got.dtype != want.dtype:
+                    raise ValueError(f"{name}/{k}: exported {got.shape} {got.dtype}, the checkpoint "
+                                     f"declares {want.shape} {want.dtype}")
+            if isinstance(tmpl, Mxfp4):
+                return Mxfp4(q, s)
+            if isinstance(tmpl, Fp8):  # wo_a's bf16 copy rebuilt from the quantized pair
+                return Fp8(q, s, None if tmpl.bf16 is None else
+                           jnp.asarray(dequant_fp8_block_np(np.asarray(q), np.asarray(s)).astype(jnp.bfloat16)))
+            return dict(tmpl, weight=q, scale=s)
         if isinstance(node, dict):
-            if set(node) >= {"weight", "scale"} and tmpl["weight"].dtype in (quant.FP8, jnp.uint8):
-                if name.split("/")[1] == "mtp" and not trained_mtp:  # DSpark stages: not trained here
-                    return tmpl
-                w = np.asarray(node["weight"], np.float32)
-                if tmpl["weight"].dtype == jnp.uint8:
-                    qs = [requantize_np("mxfp4", w[e]) for e in range(w.shape[0])]
-                    q, s = np.stack([a for a, _ in qs]), np.stack([b for _, b in qs])
-                else:
-                    q, s = requantize_np("fp8_rows" if name.endswith("engram/embed") else "fp8", w)
-                out = dict(tmpl, weight=jnp.asarray(q), scale=jnp.asarray(s))
-                if "bf16" in tmpl:
-                    out["bf16"] = jnp.asarray(dequant_fp8_block_np(np.asarray(q), np.asarray(s)).astype(jnp.bfloat16))
-                for k in ("weight", "scale"):
-                    if out[k].shape != tmpl[k].shape or out[k].dtype != tmpl[k].dtype:
-                        raise ValueError(f"{name}/{k}: exported {out[k].shape} {out[k].dtype}, the checkpoint "
-                                         f"declares {tmpl[k].shape} {tmpl[k].dtype}")
-                return out
             return {k: conv(node[k], tmpl[k], f"{name}/{k}") for k in tmpl}
         if isinstance(node, list):
             return [conv(a, b, f"{name}/{i}") for i, (a, b) in enumerate(zip(node, tmpl))]

@@ -24,7 +24,8 @@ import numpy as np
 
 from dsv41_jax.model.checkpoint import BF16, CheckpointError, _hf_files, read_safetensors_header, read_tensor
 from dsv41_jax.model.codec import E8M0
-from dsv41_jax.model.params import P, flatten_names
+from dsv41_jax.model.params import P, children, flatten_names
+from dsv41_jax.model.weights import Fp8, Mxfp4
 from dsv41_jax.model.v4.params import declare_params
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ def load_params(path: str, cfg) -> dict:
 
 
 def _unflatten(node, flat: dict, prefix: str):
+    if isinstance(node, (Fp8, Mxfp4)):
+        return type(node)(**{k: _unflatten(v, flat, f"{prefix}{k}.") for k, v in children(node)})
     if isinstance(node, dict):
         return {k: _unflatten(v, flat, f"{prefix}{k}.") for k, v in node.items()}
     if isinstance(node, list):

@@ -15,16 +15,17 @@ import jax.numpy as jnp
 from dsv41_jax.model import linear as linear41
 from dsv41_jax.model import quant
 from dsv41_jax.model.numerics import is_exact, linear_f32
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 
 def weight(p, cfg):
     """The dense weight [N, K] as a float array: plain as stored, fp8 blocks dequantized to fp32 (exact)."""
-    if "scale" not in p:
+    if not isinstance(p, Fp8):
         return p["weight"]
     bs = cfg.weight_block_size
     if len(bs) != 2 or bs[0] != bs[1]:
         raise NotImplementedError(f"fp8 weight blocks {tuple(bs)}: only square blocks are implemented")
-    return quant.dequantize_fp8_block(p["weight"], p["scale"], out_dtype=jnp.float32, block=int(bs[0]))
+    return quant.dequantize_fp8_block(p.weight, p.scale, out_dtype=jnp.float32, block=int(bs[0]))
 
 
 def dense(x, p, cfg, dt):
@@ -39,7 +40,7 @@ def dense_f32(x, p, cfg):
 
 def is_mxfp4(p) -> bool:
     """Whether a (stacked or one expert's) weight is packed MXFP4 (uint8 codes + e8m0 scales)."""
-    return "scale" in p and p["weight"].dtype == jnp.uint8
+    return isinstance(p, Mxfp4)
 
 
 def expert(x, p, cfg, dt):

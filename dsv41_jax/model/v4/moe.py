@@ -25,7 +25,7 @@ def routed_reference(ex, xf, idx, w, cfg, dt):
     """fp32 [N, D]: every expert on every token, weighted (0 where unselected), summed in ascending expert id.
     ex: stacked experts {"w1", "w3", "w2"} (plain [E, out, in] or MXFP4)."""
     N, D = xf.shape
-    E = ex["w1"]["weight"].shape[0]
+    E = jax.tree_util.tree_leaves(ex["w1"])[0].shape[0]
     # .add, not .set: a hash table row may name one expert twice (its weight then counts twice, as in
     # transformers' gather of the scores)
     dense_w = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].add(w)
@@ -33,7 +33,7 @@ def routed_reference(ex, xf, idx, w, cfg, dt):
 
     def body(acc, e):
         pe = jax.tree_util.tree_map(lambda t: t[e], ex)
-        y = moe41.swiglu_expert(xf, (pe["w1"],), (pe["w3"],), (pe["w2"],), dense_w[:, e], cfg.swiglu_limit, dt, lin)
+        y = moe41.swiglu_expert(xf, pe["w1"], pe["w3"], pe["w2"], dense_w[:, e], cfg.swiglu_limit, dt, lin)
         return acc + y.astype(jnp.float32), None
 
     routed, _ = jax.lax.scan(body, jnp.zeros((N, D), jnp.float32), jnp.arange(E))
@@ -54,7 +54,7 @@ def routed(ex, xf, idx, w, cfg, dt):
 def shared_expert(sh, xf, cfg, dt):
     """The shared expert: `moe.swiglu_expert` with weight 1 on V4's dense weights -> [N, D] in `dt`."""
     lin = functools.partial(dense, cfg=cfg, dt=dt)
-    return moe41.swiglu_expert(xf, (sh["w1"],), (sh["w3"],), (sh["w2"],), None, cfg.swiglu_limit, dt, lin)
+    return moe41.swiglu_expert(xf, sh["w1"], sh["w3"], sh["w2"], None, cfg.swiglu_limit, dt, lin)
 
 
 def moe(p, x, token_ids, hashed: bool, cfg, dt):

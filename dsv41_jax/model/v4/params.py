@@ -25,6 +25,7 @@ from dsv41_jax.model import quant_np
 from dsv41_jax.model.codec import E8M0, FP8
 from dsv41_jax.model.config_v4 import attention_kinds
 from dsv41_jax.model.params import P, mxfp4_experts_decl
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -35,8 +36,8 @@ def dense_decl(cfg, out_dim, in_dim, out_axis=None, in_axis=None):
     bs = cfg.weight_block_size
     if not bs:
         return {"weight": P((out_dim, in_dim), BF16, (out_axis, in_axis), "normal", std)}
-    return {"weight": P((out_dim, in_dim), FP8, (out_axis, in_axis), "fp8_v4", std),
-            "scale": P((-(-out_dim // bs[0]), -(-in_dim // bs[1])), E8M0, (out_axis, in_axis), "fp8_scale")}
+    return Fp8(weight=P((out_dim, in_dim), FP8, (out_axis, in_axis), "fp8_v4", std),
+               scale=P((-(-out_dim // bs[0]), -(-in_dim // bs[1])), E8M0, (out_axis, in_axis), "fp8_scale"))
 
 
 def _norm(dim):
@@ -125,17 +126,17 @@ def _init(name: str, node, key, cfg):
     """Random values for one declaration node (a quantized pair is made together, host-side)."""
     if isinstance(node, list):
         return [_init(f"{name}.{i}", v, key, cfg) for i, v in enumerate(node)]
+    if isinstance(node, (Fp8, Mxfp4)):  # a quantized pair, typed as V4.1's (`weights`)
+        w = node.weight
+        g = _rng(key, name)
+        if isinstance(node, Fp8):
+            q, s = quant_np.quantize_fp8_block_np(g.standard_normal(w.shape, np.float32) * w.std,
+                                                  block=int(cfg.weight_block_size[0]))
+        else:
+            E, o, half = w.shape
+            q, s = quant_np.quantize_mxfp4_np(g.standard_normal((E, o, 2 * half), np.float32) * w.std)
+        return type(node)(weight=jax.device_put(q), scale=jax.device_put(s))
     if isinstance(node, dict):
-        w = node.get("weight")
-        if isinstance(w, P) and w.init in ("fp8_v4", "mxfp4"):
-            g = _rng(key, name)
-            if w.init == "fp8_v4":
-                q, s = quant_np.quantize_fp8_block_np(g.standard_normal(w.shape, np.float32) * w.std,
-                                                      block=int(cfg.weight_block_size[0]))
-            else:
-                E, o, half = w.shape
-                q, s = quant_np.quantize_mxfp4_np(g.standard_normal((E, o, 2 * half), np.float32) * w.std)
-            return {"weight": jax.device_put(q), "scale": jax.device_put(s)}
         return {k: _init(f"{name}.{k}" if name else k, v, key, cfg) for k, v in node.items()}
     g = _rng(key, name)
     if node.init == "ones":
