@@ -190,9 +190,9 @@ def test_dp_mesh_and_rules(cpu8, cfg):
         make_mesh(tp=1, dp=8, cfg=cfg.replace(dspark_n_routed_experts=4))
     ab = rules.param_shapes(cfg, m)
     lay = ab["layers"][2]
-    assert lay["ffn"]["experts"]["w1"]["weight"].sharding.spec == P(("dp", "tp"), None, None)
+    assert lay["ffn"]["experts"]["w1"].weight.sharding.spec == P(("dp", "tp"), None, None)
     assert lay["ffn"]["gate"]["weight"].sharding.spec == P(None, None)  # every rank routes its own tokens
-    assert lay["attn"]["wq_b"]["weight"].sharding.spec == P("tp", None)
+    assert lay["attn"]["wq_b"].weight.sharding.spec == P("tp", None)
     assert ab["layers"][1]["engram"]["embed"]["weight"].sharding.spec == P(("dp", "tp"), None)
     (_, cs, bs), (lg, _) = rules.step_shardings(cfg, _ccfg(4), m)
     assert cs["window"]["q"].spec[0] == "dp" and cs["comp"]["1"]["q"].spec[0] == "dp"
