@@ -44,13 +44,25 @@ class LLM:
     """An engine plus a tokenizer, driven synchronously."""
 
     def __init__(self, model: str = "tiny", *, tokenizer: Optional[str] = None, cfg=None, params=None,
-                 engine: Optional[Engine] = None, **engine_args):
+                 engine: Optional[Engine] = None, chat_format=None, **engine_args):
         if engine is not None:
             self.engine = engine
         else:
             args = EngineArgs.from_kwargs(model=model, tokenizer=tokenizer, **engine_args)
             self.engine = Engine(args, cfg=cfg, params=params)
         self._ids = itertools.count()
+        self._chat_format = chat_format
+
+    @property
+    def chat_format(self):
+        """The `chat_format.registry.ChatFormat` `chat` encodes with: the one given, else the model family's
+        encoding with its built-in wording and defaults (thinking off unless asked)."""
+        if self._chat_format is None:
+            from dsv41_jax.chat_format.registry import ChatFormat
+
+            mcfg = getattr(getattr(self.engine, "runner", None), "cfg", None)
+            self._chat_format = ChatFormat(family=getattr(mcfg, "model_family", "deepseek_v41"))
+        return self._chat_format
 
     @property
     def tokenizer(self):
@@ -158,14 +170,13 @@ class LLM:
              tool_choice: Any = None, chat_template_kwargs: Optional[dict] = None, use_tqdm: bool = False) -> list:
         """Chat completions for one conversation (a list of OpenAI messages) or a list of them.
 
-        The prompt is built by `dsv41_jax.chat_format.encoding.encode_chat_request` (thinking switch and
-        effort resolved as the server does; ``thinking=True/False`` sets
+        The prompt is built by `chat_format` (the model family's encoding: V4.1's `encode_chat_request`,
+        DeepSeek-V4's `encode_chat_request_v4`; thinking switch and effort resolved as the server does; ``thinking=True/False`` sets
         ``chat_template_kwargs.thinking``); the output is split by `reasoning.parse_chat_output`
         into ``outputs[i].reasoning_content``, ``.content`` and ``.tool_calls`` (``.text`` stays the
         raw completion the parsers read, as the server's: the markers they need kept, ``｜DSML｜``
         with tools and ``<think>`` / ``</think>`` while thinking, other special tokens left out;
         `reasoning.chat_text_specials`)."""
-        from dsv41_jax.chat_format.encoding import encode_chat_request
         from dsv41_jax.serving.reasoning import chat_text_specials, parse_chat_output
 
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
@@ -181,7 +192,7 @@ class LLM:
                 req["tools"] = tools
             if tool_choice is not None:
                 req["tool_choice"] = tool_choice
-            encoded.append(encode_chat_request(req))
+            encoded.append(self.chat_format.encode(req))
         if sampling_params is None:
             sampling_params = SamplingParams()
         plist = [sampling_params] * len(convs) if isinstance(sampling_params, SamplingParams) else list(sampling_params)

@@ -268,8 +268,8 @@ def main(argv=None) -> int:
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
     # ---- validate everything cheap before loading the model
-    from dsv41_jax.chat_format.encoding import load_wording
-    from dsv41_jax.chat_format.effort import ConfigError, ServerDefaults, parse_tier_table
+    from dsv41_jax.chat_format.effort import ConfigError, parse_tier_table
+    from dsv41_jax.chat_format.registry import ChatFormat
     from dsv41_jax.serving.engine_args import EngineArgs
 
     try:
@@ -298,10 +298,10 @@ def main(argv=None) -> int:
     if not (0 < args.port < 65536):
         print(f"error: --port must be 1..65535, got {args.port}", file=sys.stderr)
         return 2
-    wording = load_wording(args.model if os.path.isdir(args.model) else None)
-    try:
+    model_dir = args.model if os.path.isdir(args.model) else None
+    try:  # the chat encoding of the checkpoint's family, its wording and the defaults: chosen once, here
         tiers = parse_tier_table(args.reasoning_effort_tiers) if args.reasoning_effort_tiers else None
-        defaults = ServerDefaults.from_env(wording=wording, tiers=tiers)
+        chat_format = ChatFormat.for_model(model_dir, tiers=tiers)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -318,9 +318,7 @@ def main(argv=None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server there? pick "
               f"a free port with --port)", file=sys.stderr)
         return 2
-    log.info("chat defaults: thinking %s by default, default effort %d, tiers %s; wording: %s",
-             "on" if defaults.default_thinking else "off", defaults.default_effort, dict(defaults.tiers),
-             wording.source or "ours")
+    log.info("chat: %s", chat_format.describe())
 
     # ---- the engine (loads and compiles the model)
     import jax
@@ -402,7 +400,7 @@ def main(argv=None) -> int:
         context_length=inner.context_length, vocab_size=vocab,
         max_body_bytes=args.max_body_size, max_queued_requests=engine_args.max_queued_requests,
         max_running_requests=engine_args.max_running_requests, reasoning_parser=reasoning_parser,
-        tool_call_parser=tool_parser, server_defaults=defaults, wording=wording, enable_metrics=args.enable_metrics,
+        tool_call_parser=tool_parser, chat_format=chat_format, enable_metrics=args.enable_metrics,
         render_response_format=args.render_response_format, max_n=args.max_n)
     app = build_app(engine, tokenizer, cfg, grammar=grammar, on_shutdown=engine.shutdown,
                     queue_full_errors=(QueueFullError,), bad_request_errors=(EngineError,))

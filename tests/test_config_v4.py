@@ -132,7 +132,7 @@ def test_v4_is_refused_where_it_would_run(name):
 
     cfg = ModelConfig.preset(name)
     assert len(param_shapes(cfg)["layers"]) == cfg.num_hidden_layers and param_stats(cfg)["bytes"] > 0
-    with pytest.raises(NotImplementedError, match=r"paged decode step.*MTP draft"):
+    with pytest.raises(NotImplementedError, match=r"paged decode step.*MTP speculation"):
         cfg.layer_plans()
 
 

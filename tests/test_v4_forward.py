@@ -57,7 +57,8 @@ def test_make_checkpoint_tiny_v4_round_trip(tmp_path):
     names = set(__import__("json").load(open(tmp_path / "ck" / "model.safetensors.index.json"))["weight_map"])
     assert {"hc_head_fn", "layers.0.ffn.gate.tid2eid", "layers.2.attn.indexer.compressor.ape",
             "layers.3.attn.compressor.wgate.weight", "layers.2.ffn.experts.7.w2.scale",
-            "layers.2.attn.wq_b.scale"} <= names and "layers.0.ffn.gate.bias" not in names
+            "layers.2.attn.wq_b.scale", "mtp.0.e_proj.scale", "mtp.0.hnorm.weight", "mtp.0.hc_head_fn",
+            "mtp.0.ffn.experts.7.w1.weight", "mtp.0.ffn.gate.bias"} <= names and "layers.0.ffn.gate.bias" not in names
 
 
 def test_forward_is_causal_and_finite():

@@ -7,7 +7,9 @@
 * `dsml` — the tool-call markup as written (`render_calls_block`), the JSON style, and the
   ``tools`` / ``tool_choice`` checks;
 * `encoding_v4` — the earlier DeepSeek-V4 checkpoints' encoding (unspaced DSML, Non-think / Think High /
-  Think Max), built from the pieces above; `registry.chat_encoder` picks V4.1's or V4's by model family.
+  Think Max), built from the pieces above;
+* `registry` — `ChatFormat`: the encoding a checkpoint uses (its model family), with its wording and the server's
+  thinking / effort defaults, chosen once (`ChatFormat.for_model`) and passed to the server and `LLM.chat`.
 
 Nothing here imports the rest of dsv41_jax: `serving` (the server, `LLM.chat`) and `training` (the
 nano corpus) both build on it, so training never imports `serving`. The model-output side (the

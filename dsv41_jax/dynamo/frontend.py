@@ -286,8 +286,8 @@ class ChatEngineFactory:
         from dynamo.llm import PythonAsyncEngine
 
         from dsv41_jax.serve import resolve_parser
-        from dsv41_jax.chat_format.encoding import load_wording
-        from dsv41_jax.chat_format.effort import ServerDefaults, parse_tier_table
+        from dsv41_jax.chat_format.effort import parse_tier_table
+        from dsv41_jax.chat_format.registry import ChatFormat
         from dsv41_jax.serving.engine import EngineError
         from dsv41_jax.serving.server import ServerConfig, build_app
         from dsv41_jax.serving.tokenizer import load_tokenizer
@@ -297,21 +297,20 @@ class ChatEngineFactory:
         local_dir = mdc.local_dir()
         card = json.loads(mdc.to_json_str())
         tokenizer = load_tokenizer(local_dir)
-        wording = load_wording(local_dir)
         tiers = parse_tier_table(self.args.reasoning_effort_tiers) if self.args.reasoning_effort_tiers else None
-        defaults = ServerDefaults.from_env(wording=wording, tiers=tiers)
+        chat_format = ChatFormat.for_model(local_dir, tiers=tiers)  # the checkpoint's family picks the encoding
         name = mdc.name()
         ctx_len = card.get("context_length") or (card.get("runtime_config") or {}).get("context_length") or 4096
         cfg = ServerConfig(
             model_name=name, context_length=int(ctx_len), vocab_size=tokenizer.vocab_size,
             reasoning_parser=resolve_parser(self.args.reasoning_parser, "reasoning", tokenizer),
             tool_call_parser=resolve_parser(self.args.tool_call_parser, "tool", tokenizer),
-            server_defaults=defaults, wording=wording, enable_metrics=False,
+            chat_format=chat_format, enable_metrics=False,
             render_response_format=self.args.render_response_format, max_n=1)
         engine = RoutedEngine(routed_engine, name, tokenizer.eos_token_ids)
         app = build_app(engine, tokenizer, cfg, grammar=None, bad_request_errors=(EngineError,))
-        log.info("chat processor for %r (%s): our chat encoding (wording: %s), reasoning parser %s, tool-call "
-                 "parser %s, context_length %d", name, local_dir, wording.source or "ours",
+        log.info("chat processor for %r (%s): %s, reasoning parser %s, tool-call "
+                 "parser %s, context_length %d", name, local_dir, chat_format.describe(),
                  cfg.reasoning_parser or "none", cfg.tool_call_parser or "none", cfg.context_length)
         return PythonAsyncEngine(ChatProcessor(app).generator, asyncio.get_running_loop())
 

@@ -264,6 +264,13 @@ def attention_kinds(cfg) -> tuple:
     return tuple(kind[r] for r in cfg.compress_ratios[:L])
 
 
+def draft_kinds(cfg) -> tuple:
+    """Per V4 draft layer (``compress_ratios[L:]``): "sliding" | "csa" | "hca" (the released MTP layer: sliding)."""
+    L = cfg.num_hidden_layers
+    kind = {0: "sliding", cfg.csa_compress_ratio: "csa", cfg.hca_compress_ratio: "hca"}
+    return tuple(kind[r] for r in cfg.compress_ratios[L:L + cfg.num_nextn_predict_layers])
+
+
 def validate_family(cfg, err) -> None:
     """The model_family rules: V4.1 keeps every V4 variant field at its V4.1 value; V4 its own checks."""
     if cfg.model_family not in FAMILIES:
@@ -309,7 +316,8 @@ def refusal(cfg) -> str:
                f"own step with its per-layer compressor state, CSA layers {csa} and HCA layers {hca}, is "
                f"`model.v4.decode.extend`, not wired into the engine)"]
     if cfg.num_nextn_predict_layers:
-        missing.append("the MTP draft layer" if cfg.draft_kind == "mtp" else "V4's DSpark head")
+        missing.append("the engine's MTP speculation (model level: `model.v4.speculative.greedy_mtp`)"
+                       if cfg.draft_kind == "mtp" else "V4's DSpark head")
     missing.append("the mesh rules and the Pallas kernels for V4")
     return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward and "
             f"model.v4.decode.extend run it (CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "

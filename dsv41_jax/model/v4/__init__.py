@@ -18,9 +18,12 @@ calls the shared op it varies (nothing of V4.1 is copied):
 * `params` — the declaration (release tensor names) and random init; `checkpoint` — reading a V4 directory
   (the release names and what transformers' ``save_pretrained`` writes);
 * `transformer` — the full-sequence reference forward; `decode` — the paged incremental step (prefill chunks
-  and decode tokens) with V4's per-layer compressor state, ≡ the forward in the exact mode.
+  and decode tokens) with V4's per-layer compressor state, ≡ the forward in the exact mode;
+* `mtp` — the original releases' MTP draft layer (``draft_kind`` "mtp": V4's layer on mixed embedding / target
+  streams, its own hc_head), reference and paged; `speculative` — model-level greedy decoding, plain and with
+  MTP speculation verified by `decode.extend` (== plain greedy in the exact mode).
 
 Not here yet (refused with NotImplementedError where reached, `config_v4.refusal`): the engine's use of the
-step (V4.1's `decode` / `cache` / serving paths, the prefix cache), MTP and V4's DSpark head, the mesh rules,
-the Pallas fast paths, the release's activation / KV-cache quantization simulation.
+step (V4.1's `decode` / `cache` / serving paths, the prefix cache), V4's DSpark head, the mesh rules,
+the engine's use of MTP, the Pallas fast paths, the release's activation / KV-cache quantization simulation.
 """

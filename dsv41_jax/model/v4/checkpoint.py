@@ -5,8 +5,8 @@ Tensor names: the release's (docs/design/v4.md, "Reading the checkpoint": ``embe
 transformers' ``DeepseekV4ForCausalLM.save_pretrained`` writes — its reverse renames of the same tensors, with
 a ``model.`` prefix that keeps three of them from being reversed (``model.embed_tokens.weight``,
 ``model.hc_head.hc_fn`` / ``hc_base`` / ``hc_scale``) and the attention's kv_norm written ``attn.norm``
-(`canonical_name`). ``mtp.*`` tensors (the MTP draft layer) are skipped with one log line: MTP is not
-implemented (transformers ignores them too).
+(`canonical_name`). ``mtp.S.*`` tensors are the MTP draft layers (`v4.params.mtp_decl`); a directory without
+any (transformers' ``save_pretrained``: it builds no MTP layer) loads without the draft, with one log line.
 
 Dtypes: a quantized declaration (fp8 + e8m0 block scales, MXFP4, int tables) needs that dtype in the file (e8m0
 scales also as U8, int tables any integer width); a float declaration takes the file's float tensor as stored
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
             "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.")
-_STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123]\.(?:weight|scale))$")  # ours -> E file tensors
+_STACKED = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(w[123]\.(?:weight|scale))$")  # ours -> E file tensors
 
 
 def canonical_name(name: str) -> str:
@@ -44,20 +44,14 @@ def canonical_name(name: str) -> str:
 
 
 def _entries(path: str) -> dict:
-    """{release name: STEntry} over the directory's safetensors files (``mtp.*`` dropped, logged)."""
-    out, skipped = {}, []
+    """{release name: STEntry} over the directory's safetensors files."""
+    out = {}
     for f in _hf_files(path)[0]:
         for name, e in read_safetensors_header(f)[0].items():
             c = canonical_name(name)
-            if c.startswith("mtp."):
-                skipped.append(name)
-                continue
             if c in out:
                 raise CheckpointError(f"{path}: tensor {c!r} appears twice ({out[c].name!r} and {name!r})")
             out[c] = e
-    if skipped:
-        log.info("%s: skipping %d mtp.* tensors (the MTP draft layer is not implemented for DeepSeek-V4)", path,
-                 len(skipped))
     return out
 
 
@@ -104,6 +98,9 @@ def load_params(path: str, cfg) -> dict:
         return _read(entries, name, decl, decl.shape)
 
     decl = declare_params(cfg)
+    if decl["mtp"] and not any(n.startswith("mtp.") for n in entries):
+        log.info("%s: no mtp.* tensors: loaded without the MTP draft layer (no MTP speculation)", path)
+        decl["mtp"] = []
     flat = {n: jax.device_put(leaf(n, d)) for n, d in flatten_names(decl).items()}
     extra = sorted(set(entries) - used)
     if extra:

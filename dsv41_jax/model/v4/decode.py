@@ -51,23 +51,31 @@ def _check(cfg, ccfg) -> None:
 def init_state(cfg, ccfg) -> dict:
     """A zeroed V4 cache for `cfg` / `ccfg` (module doc)."""
     _check(cfg, ccfg)
+    state = {"window": [window_state(cfg, ccfg) for _ in range(cfg.num_hidden_layers)], "comp": {}}
+    for i, kind in enumerate(attention_kinds(cfg)):
+        if kind != "sliding":
+            state["comp"][str(i)] = comp_state(kind, cfg, ccfg)
+    return state
+
+
+def window_state(cfg, ccfg):
+    """A zeroed window ring [R, W, hd] in the activation dtype."""
+    return jnp.zeros((kvc.slot_rows(ccfg), cfg.sliding_window, cfg.head_dim), act_dtype(cfg))
+
+
+def comp_state(kind: str, cfg, ccfg) -> dict:
+    """A zeroed compressor state of a CSA / HCA layer (module doc)."""
     R, dt, tokens = kvc.slot_rows(ccfg), act_dtype(cfg), ccfg.num_pages * ccfg.page_size
     hd, dI = cfg.head_dim, cfg.index_head_dim
-    state = {"window": [jnp.zeros((R, cfg.sliding_window, hd), dt) for _ in range(cfg.num_hidden_layers)],
-             "comp": {}}
-    for i, kind in enumerate(attention_kinds(cfg)):
-        if kind == "sliding":
-            continue
-        r, w = layer_ratio(cfg, kind), 2 if kind == "csa" else 1
+    r, w = layer_ratio(cfg, kind), 2 if kind == "csa" else 1
 
-        def proj(d):
-            return {"kv": jnp.zeros((R, 2 * r, w * d), jnp.float32), "score": jnp.zeros((R, 2 * r, w * d), jnp.float32)}
+    def proj(d):
+        return {"kv": jnp.zeros((R, 2 * r, w * d), jnp.float32), "score": jnp.zeros((R, 2 * r, w * d), jnp.float32)}
 
-        st = {"pool": jnp.zeros((tokens // r, hd), dt), "proj": proj(hd)}
-        if kind == "csa":
-            st.update(ipool=jnp.zeros((tokens // r, dI), dt), iproj=proj(dI))
-        state["comp"][str(i)] = st
-    return state
+    st = {"pool": jnp.zeros((tokens // r, hd), dt), "proj": proj(hd)}
+    if kind == "csa":
+        st.update(ipool=jnp.zeros((tokens // r, dI), dt), iproj=proj(dI))
+    return st
 
 
 def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_size, cfg, dt):
@@ -127,7 +135,8 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
 
 def extend(params, state, batch, cfg, ccfg, return_aux: bool = False):
     """Run the batch's new tokens through every layer against the cache. Returns (logits fp32 [B, T, vocab],
-    state') and with `return_aux` the forward's aux ({"topk", "experts", "layer_inputs"}, per layer) too.
+    state') and with `return_aux` the forward's aux ({"topk", "experts", "layer_inputs"} per layer, "hidden",
+    "streams": the last layer's output streams [B, T, n, D]) too.
     Jittable with static cfg / ccfg / return_aux; tokens past n_new[b] are padding (masked, never written)."""
     refuse_unsupported(cfg)
     _check(cfg, ccfg)
@@ -140,18 +149,24 @@ def extend(params, state, batch, cfg, ccfg, return_aux: bool = False):
     aux = new_aux()
     windows, comps = list(state["window"]), dict(state["comp"])
     for i, kind in enumerate(attention_kinds(cfg)):
-        lp = params["layers"][i]
-        rec = {"layer_inputs": h}
-        x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
-        y, windows[i], st, arec = attention_cached(lp["attn"], x, windows[i], comps.get(str(i)), batch, positions,
-                                                   valid, kind, cfg, ccfg, dt)
+        h, windows[i], st, rec = layer_step(params["layers"][i], h, tokens, windows[i], comps.get(str(i)), batch,
+                                            positions, valid, kind, i in cfg.hash_layer_ids, cfg, ccfg, dt)
         if st is not None:
             comps[str(i)] = st
-        h = hc_post(y, h, post, comb, dt)
-        x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
-        y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, i in cfg.hash_layer_ids, cfg, dt)
-        h = hc_post(y, h, post, comb, dt)
-        aux = record(aux, i, rec, arec)
+        aux = record(aux, i, *rec)
     logits, x = final_logits(params, h, cfg, dt)
     state = {"window": windows, "comp": comps}
-    return (logits, state, dict(aux, hidden=x)) if return_aux else (logits, state)
+    return (logits, state, dict(aux, hidden=x, streams=h)) if return_aux else (logits, state)
+
+
+def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, hashed: bool, cfg, ccfg, dt):
+    """One V4 layer on the cache (a target layer, or an MTP layer on its own input streams; `v4.transformer.
+    layer_forward` for a sequence from 0): h [B, T, n, D] -> (h', window ring', compressor state' (None at a
+    sliding layer), (rec {"layer_inputs", "experts"}, attention rec {"topk"} at CSA))."""
+    rec = {"layer_inputs": h}
+    x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
+    y, win, comp, arec = attention_cached(lp["attn"], x, win, comp, batch, positions, valid, kind, cfg, ccfg, dt)
+    h = hc_post(y, h, post, comb, dt)
+    x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
+    y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
+    return hc_post(y, h, post, comb, dt), win, comp, (rec, arec)

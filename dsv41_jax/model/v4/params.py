@@ -23,7 +23,7 @@ import numpy as np
 
 from dsv41_jax.model import quant_np
 from dsv41_jax.model.codec import E8M0, FP8
-from dsv41_jax.model.config_v4 import attention_kinds
+from dsv41_jax.model.config_v4 import attention_kinds, draft_kinds
 from dsv41_jax.model.params import P, mxfp4_experts_decl
 from dsv41_jax.model.weights import Fp8, Mxfp4
 
@@ -55,12 +55,12 @@ def compressor_decl(cfg, ratio: int, width: int, d: int):
             "ape": P((ratio, width * d), F32, (None, "kv"), "normal", 0.5), "norm": _norm(d)}
 
 
-def layer_decl(cfg, i: int) -> dict:
-    """Declarations of target layer `i`."""
+def layer_decl(cfg, i: int, kind=None) -> dict:
+    """Declarations of layer `i` (a target layer; a draft layer passes its `kind`, `config_v4.draft_kinds`)."""
     D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     n, mix = cfg.hc_mult, cfg.hc_mix_dim
     G, R = cfg.o_groups, cfg.o_lora_rank
-    kind = attention_kinds(cfg)[i]
+    kind = kind or attention_kinds(cfg)[i]
     d: dict = {"attn_norm": _norm(D), "ffn_norm": _norm(D)}
     for s in ("attn", "ffn"):
         d[f"hc_{s}_fn"] = P((mix, n * D), F32, ("hc", "embed"), "normal", 1.0 / math.sqrt(n * D))
@@ -104,17 +104,36 @@ def layer_decl(cfg, i: int) -> dict:
     return d
 
 
-def declare_params(cfg) -> dict:
-    """The whole V4 declaration tree (leaves `params.P`). The draft layers (``mtp``) are not declared: MTP /
-    V4's DSpark head are not implemented (`config_v4.refusal`)."""
-    V, D, n = cfg.vocab_size, cfg.hidden_size, cfg.hc_mult
-    return {"embed": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0)},
-            "head": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0 / math.sqrt(D))},
-            "norm": _norm(D),
+def head_decl(cfg) -> dict:
+    """An output head's own tensors: ``norm`` and the ``hc_head`` collapse (the vocab projection is shared)."""
+    D, n = cfg.hidden_size, cfg.hc_mult
+    return {"norm": _norm(D),
             "hc_head_fn": P((n, n * D), F32, ("hc", "embed"), "normal", 1.0 / math.sqrt(n * D)),
             "hc_head_base": P((n,), F32, ("hc",), "normal", 0.5),
-            "hc_head_scale": P((1,), F32, (None,), "normal_one", 0.5),
-            "layers": [layer_decl(cfg, i) for i in range(cfg.num_hidden_layers)], "mtp": []}
+            "hc_head_scale": P((1,), F32, (None,), "normal_one", 0.5)}
+
+
+def mtp_decl(cfg, s: int) -> dict:
+    """MTP layer `s` (``mtp.s.*``, docs/design/v4.md "MTP"): a full V4 layer (layer id L + s, its attention kind
+    from ``compress_ratios[L + s]``, learned routing) plus ``enorm`` / ``hnorm``, ``e_proj`` / ``h_proj`` [D, D]
+    and its own head tensors (`head_decl`); embedding and vocab projection are the target's."""
+    D, L = cfg.hidden_size, cfg.num_hidden_layers
+    d = layer_decl(cfg, L + s, draft_kinds(cfg)[s])
+    d.update(enorm=_norm(D), hnorm=_norm(D), e_proj=dense_decl(cfg, D, D, None, "embed"),
+             h_proj=dense_decl(cfg, D, D, None, "embed"), **head_decl(cfg))
+    return d
+
+
+def declare_params(cfg) -> dict:
+    """The whole V4 declaration tree (leaves `params.P`); ``mtp`` holds the MTP layers of a ``draft_kind`` "mtp"
+    config (V4's DSpark head, ``draft_kind`` "dspark", is not implemented: no layers declared)."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    S = cfg.num_nextn_predict_layers if cfg.draft_kind == "mtp" else 0
+    return {"embed": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0)},
+            "head": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0 / math.sqrt(D))},
+            **head_decl(cfg),
+            "layers": [layer_decl(cfg, i) for i in range(cfg.num_hidden_layers)],
+            "mtp": [mtp_decl(cfg, s) for s in range(S)]}
 
 
 def _rng(key, name: str) -> np.random.Generator:

@@ -39,17 +39,33 @@ def refuse_unsupported(cfg, par=None) -> None:
                                   f"{explicit}")
 
 
-def final_logits(params, h, cfg, dt):
-    """hc_head collapse -> norm -> head -> fp32 logits. Returns (logits [.., vocab], normed x [.., D])."""
-    x = mhc4.head_collapse(h, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"], cfg, dt)
-    x = rmsnorm(x, params["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+def final_logits(params, h, cfg, dt, head=None):
+    """hc_head collapse -> norm -> head -> fp32 logits. Returns (logits [.., vocab], normed x [.., D]).
+    head: the params holding ``hc_head_*`` and ``norm`` (default the target's; an MTP layer passes its own) — the
+    vocab projection is always the target's ``head``."""
+    hp = params if head is None else head
+    x = mhc4.head_collapse(h, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], cfg, dt)
+    x = rmsnorm(x, hp["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     return linear.f32(x, params["head"]["weight"], cfg), x
+
+
+def layer_forward(lp, h, tokens, positions, kind: str, hashed: bool, cfg, dt):
+    """One V4 layer over a sequence from position 0 (a target layer, or an MTP layer on its own input streams):
+    h [B, T, n, D] -> (h' [B, T, n, D], rec {"layer_inputs", "experts"}, attention rec {"topk"} at CSA)."""
+    rec = {"layer_inputs": h}
+    x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
+    y, arec = attention_full(lp["attn"], x, positions, kind, layer_ratio(cfg, kind), cfg, dt)
+    h = hc_post(y, h, post, comb, dt)
+    x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
+    y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
+    return hc_post(y, h, post, comb, dt), rec, arec
 
 
 def forward(params, tokens, cfg, return_aux: bool = False, par=None):
     """Reference forward of a V4 target model (`transformer.forward`'s contract: logits fp32 [B, T, vocab];
     with `return_aux` also {"topk": {CSA layer: int32 [B, T, k']}, "experts": {layer: int32 [B, T, top_k]},
-    "layer_inputs": {layer: streams [B, T, n, D]}, "cand": {}, "hidden": [B, T, D]})."""
+    "layer_inputs": {layer: streams [B, T, n, D]}, "cand": {}, "hidden": [B, T, D], "streams": the last layer's
+    output streams [B, T, n, D], before hc_head (what the MTP layer reads)})."""
     refuse_unsupported(cfg, par)
     dt = act_dtype(cfg)
     tokens = jnp.asarray(tokens, jnp.int32)
@@ -58,14 +74,7 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
     h = embed_streams(params, tokens, cfg, dt)
     aux = new_aux()
     for i, kind in enumerate(attention_kinds(cfg)):
-        lp = params["layers"][i]
-        rec = {"layer_inputs": h}
-        x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
-        y, arec = attention_full(lp["attn"], x, positions, kind, layer_ratio(cfg, kind), cfg, dt)
-        h = hc_post(y, h, post, comb, dt)
-        x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
-        y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, i in cfg.hash_layer_ids, cfg, dt)
-        h = hc_post(y, h, post, comb, dt)
+        h, rec, arec = layer_forward(params["layers"][i], h, tokens, positions, kind, i in cfg.hash_layer_ids, cfg, dt)
         aux = record(aux, i, rec, arec)
     logits, x = final_logits(params, h, cfg, dt)
-    return (logits, dict(aux, hidden=x)) if return_aux else logits
+    return (logits, dict(aux, hidden=x, streams=h)) if return_aux else logits

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Mapping
 from fastapi import FastAPI, Request
 
 from dsv41_jax.chat_format.effort import ChatError
-from dsv41_jax.chat_format.encoding import EncodedChat, encode_chat_request
+from dsv41_jax.chat_format.encoding import EncodedChat
 from dsv41_jax.serving.protocol import APIError, ChatRequest, check_context, parse_chat_request
 from dsv41_jax.serving.reasoning import ChatOutputParser, OutputDelta, chat_text_specials
 
@@ -164,8 +164,7 @@ def prepare_chat(ctx: ServerContext, body: dict) -> tuple[ChatRequest, EncodedCh
     req = parse_chat_request(body, vocab_size=ctx.vocab, max_n=cfg.max_n)
     ctx.check_model(req.model)
     try:
-        enc = encode_chat_request(body, wording=cfg.wording, server_defaults=cfg.server_defaults,
-                                  render_response_format=cfg.render_response_format)
+        enc = cfg.chat_format.encode(body, render_response_format=cfg.render_response_format)
     except ChatError as e:
         raise APIError.from_chat_error(e) from None
     prompt_ids = ctx.tokenizer.encode(enc.prompt)

@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from dsv41_jax.chat_format.effort import ServerDefaults
+from dsv41_jax.chat_format.registry import ChatFormat
 from dsv41_jax.serving.metrics import ServerMetrics
 from dsv41_jax.serving.protocol import APIError, parse_json_body
 from dsv41_jax.serving.request import EngineError, EngineInternalError, QueueFullError, RequestOutput
@@ -46,8 +47,8 @@ class ServerConfig:
     max_running_requests: Optional[int] = None
     reasoning_parser: Optional[str] = "deepseek-v41"  # None: everything is content
     tool_call_parser: Optional[str] = "deepseekv41"  # None: no tool parsing
-    server_defaults: ServerDefaults = field(default_factory=ServerDefaults)
-    wording: Any = None
+    # the model's chat encoding, wording and thinking / effort defaults (`ChatFormat.for_model`); default: V4.1's
+    chat_format: ChatFormat = field(default_factory=lambda: ChatFormat(server_defaults=ServerDefaults()))
     enable_metrics: bool = False
     render_response_format: bool = False
     max_n: int = 128

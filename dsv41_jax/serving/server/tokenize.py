@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from dsv41_jax.chat_format.effort import ChatError
-from dsv41_jax.chat_format.encoding import encode_chat_request
 from dsv41_jax.serving.protocol import APIError
 
 from .context import ServerContext
@@ -33,8 +32,7 @@ def prepare_tokenize(ctx: ServerContext, body: dict) -> dict:
     else:  # the chat's prompt exactly as /v1/chat/completions encodes it (it carries its own BOS)
         chat_body = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")}
         try:
-            enc = encode_chat_request(chat_body, wording=cfg.wording, server_defaults=cfg.server_defaults,
-                                      render_response_format=cfg.render_response_format)
+            enc = cfg.chat_format.encode(chat_body, render_response_format=cfg.render_response_format)
         except ChatError as e:
             raise APIError.from_chat_error(e) from None
         ids = ctx.encode(enc.prompt, bool(add_special))
