@@ -171,3 +171,32 @@ def test_plan_refusals(cpu8, micro):
         eplb.ExpertLocation.uniform(E, 2, 10, L)
     with pytest.raises(ValueError, match="the model has MoE layers"):
         eplb.ExpertLocation.from_distribution({0: np.ones(E)}, 4, 4, L)
+
+
+# ------------------------------------------------------------------------------------------ flags
+
+
+def test_engine_flags_refuse_impossible_and_unwired(tmp_path):
+    """--ep-num-redundant-experts / --init-expert-location / --expert-distribution-recorder: impossible
+    combinations refused in one line; what the server does not wire yet refused too (never ignored)."""
+    from dsv41_jax.serving.engine_args import EngineArgs
+
+    f = tmp_path / "d.json"
+    eplb.save_distribution(str(f), {0: np.arange(8)})
+    for kw, msg in (({"ep_num_redundant_experts": -1}, "integer >= 0"),
+                    ({"ep_num_redundant_experts": 4}, "need expert parallelism"),
+                    ({"ep_num_redundant_experts": 4, "ep_size": 4}, "need --init-expert-location"),
+                    ({"init_expert_location": str(f), "ep_size": 4}, "no effect without"),
+                    ({"ep_num_redundant_experts": 4, "ep_size": 4, "init_expert_location": str(tmp_path / "x")},
+                     "is not a file"),
+                    ({"ep_num_redundant_experts": 4, "ep_size": 4, "init_expert_location": str(f)},
+                     "not implemented in the server yet"),
+                    ({"expert_distribution_recorder": True}, "not implemented in the server yet")):
+        with pytest.raises(ValueError, match=msg):
+            EngineArgs(model="tiny", **kw)
+    assert EngineArgs(model="tiny").ep_num_redundant_experts == 0
+    import argparse
+
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "tiny", "--ep-num-redundant-experts", "8",
+                                               "--init-expert-location", str(f), "--expert-distribution-recorder"])
+    assert (ns.ep_num_redundant_experts, ns.init_expert_location, ns.expert_distribution_recorder) == (8, str(f), True)
