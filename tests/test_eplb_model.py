@@ -139,11 +139,14 @@ def _steps(cfg, params, plan):
     return out
 
 
-@pytest.mark.parametrize("backend,ep,R", [("all_to_all", 8, 8), ("none", 4, 4)])
-def test_decode_step_with_copies_equals_without(cpu8, micro, backend, ep, R):
+@pytest.mark.parametrize("backend,ep,R,mode", [("all_to_all", 8, 8, "deterministic"), ("none", 4, 4, "deterministic"),
+                                               ("all_to_all", 4, 4, "exact")])
+def test_decode_step_with_copies_equals_without(cpu8, micro, backend, ep, R, mode):
     """The decode step (layer-scanned runs included: the placement is per layer) with R copies on an ep mesh
-    equals R = 0 on the same mesh bit for bit (deterministic mode)."""
+    equals R = 0 on the same mesh bit for bit (deterministic mode; --dtype exact)."""
     cfg, params = micro
+    if mode == "exact":
+        cfg = cfg.replace(act_dtype="exact", deterministic=False)
     mesh = make_mesh(ep=ep, cfg=cfg)
     L = cfg.num_hidden_layers
     rng = np.random.default_rng(SEED)
