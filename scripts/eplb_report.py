@@ -17,6 +17,11 @@ expert's tokens split evenly over its copies); printed per layer and over all la
 tokens per device (1.0 = perfectly balanced). R = 0 is the plain split (expert e on device
 e // (E / G)) only when the placement keeps it; the packing already balances without copies, so the
 table also shows the contiguous split that EP uses today (``contiguous``).
+
+``--measure-dispatch`` (with a recording) then MEASURES it: the recorded routings go, in steps of
+``--step-tokens``, through the model's all_to_all dispatch (`moe_dispatch.routed_experts_dispatch` with the
+placement's `eplb.ExpertLocation`, nano's experts stored as E + R physical experts) on ``--devices`` fake CPU
+devices, and the rows each device receives are the dispatch's own count (``return_load``).
 """
 
 from __future__ import annotations
@@ -39,11 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", type=int, default=4, help="devices the experts are spread over (default 4)")
     ap.add_argument("--redundant", default="0,4", help="comma-separated redundant-expert counts R (default 0,4)")
     ap.add_argument("--out", default=None, help="write the recorded distribution here (JSON, eplb's format)")
+    ap.add_argument("--measure-dispatch", action="store_true",
+                    help="also MEASURE the load: the recorded tokens' routings go through the model's all_to_all "
+                         "dispatch (moe_dispatch.routed_experts_dispatch, nano's experts, --devices fake CPU "
+                         "devices) in steps of --step-tokens, and the rows each device receives are counted by the "
+                         "dispatch itself (contiguous split vs EPLB with each R; needs a recording, not --distribution)")
+    ap.add_argument("--step-tokens", type=int, default=512, help="tokens per measured step (default 512)")
     return ap
 
 
-def record(n_examples: int, seed: int, max_len: int) -> dict:
-    """{layer_id: tokens per expert} of nano's forward over `n_examples` corpus conversations."""
+def record(n_examples: int, seed: int, max_len: int, routes: dict = None) -> dict:
+    """{layer_id: tokens per expert} of nano's forward over `n_examples` corpus conversations (and, into
+    `routes` when given, {layer_id: [int32 [n, k] of each conversation's real tokens]})."""
     import jax
     import jax.numpy as jnp
 
@@ -70,10 +82,62 @@ def record(n_examples: int, seed: int, max_len: int) -> dict:
         row[0, :len(ids)] = ids
         _, aux = fwd(params, jnp.asarray(row), cfg, return_aux=True)
         for lid, ex in aux["experts"].items():
-            e = np.asarray(ex)[0, :len(ids)].reshape(-1)  # the real tokens only (the row's padding is cut)
+            e = np.asarray(ex)[0, :len(ids)]  # the real tokens only (the row's padding is cut)
+            if routes is not None:
+                routes.setdefault(int(lid), []).append(e.astype(np.int32))
+            e = e.reshape(-1)
             c = counts.setdefault(int(lid), np.zeros(cfg.n_routed_experts, np.int64))
             np.add.at(c, e, 1)
     return counts
+
+
+def measure(routes: dict, dist: dict, G: int, Rs, step_tokens: int) -> list:
+    """[(name, over-all-layers max/mean)]: each layer's recorded routings through the all_to_all dispatch on G
+    fake CPU devices in steps of `step_tokens` tokens, the rows per device as the dispatch counts them; per step
+    the busiest device counts, so the figure is Σ_steps,layers max / Σ mean (the contiguous split, then each R)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from dsv41_jax.model.checkpoint import load_params
+    from dsv41_jax.model.config import NANO_DIR, ModelConfig
+    from dsv41_jax.parallel import eplb
+    from dsv41_jax.parallel import moe_dispatch as md
+
+    if len(jax.devices()) < G:
+        raise SystemExit(f"error: --measure-dispatch: {G} devices needed, {len(jax.devices())} present")
+    cfg = ModelConfig.from_pretrained(NANO_DIR).replace(deterministic=True)
+    params = load_params(NANO_DIR, cfg)
+    mesh = Mesh(np.array(jax.devices()[:G]), ("ep",))
+    D, k = cfg.hidden_size, cfg.num_experts_per_tok
+
+    def run(ex, idx, loc_t):
+        f = jax.jit(lambda e, x, i, w, t: md.routed_experts_dispatch(
+            e, x, i, w, cfg, jnp.bfloat16, mesh, token_axes="ep", expert_axes="ep", location=t, return_load=True)[1])
+        return np.asarray(f(ex, jnp.zeros((idx.shape[0], D), jnp.bfloat16), idx, np.ones(idx.shape, np.float32), loc_t))
+
+    out = []
+    for R in [None] + list(Rs):
+        loc = None if R is None else eplb.ExpertLocation.from_distribution(dist, G, R, len(dist))
+        mx = mean = 0.0
+        for lid in sorted(routes):
+            ex = params["layers"][lid]["ffn"]["experts"]
+            t = None
+            if loc is not None:
+                ids = jnp.asarray(loc.physical_ids(lid))
+                ex = jax.tree_util.tree_map(lambda a: jnp.take(a, ids, axis=0), ex)
+                slot, copies = loc.tables()
+                t = (jnp.asarray(slot[lid]), jnp.asarray(copies[lid]))
+            idx = np.concatenate(routes[lid])
+            n = -(-idx.shape[0] // step_tokens) * step_tokens
+            valid_pad = np.full((n - idx.shape[0], k), -1, np.int32)  # past the trace: no expert (not dispatched)
+            idx = np.concatenate([idx, valid_pad])
+            for s in range(0, n, step_tokens):
+                load = run(ex, idx[s:s + step_tokens], t)
+                mx += load.max()
+                mean += load.mean()
+        out.append(("contiguous (today's EP)" if R is None else f"EPLB R={R}", mx / mean))
+    return out
 
 
 def contiguous(E: int, G: int):
@@ -93,6 +157,9 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --redundant {args.redundant!r}: expected comma-separated integers", file=sys.stderr)
         return 2
+    if args.measure_dispatch and args.distribution:
+        print("error: --measure-dispatch needs a recording (the tokens' routings), not --distribution", file=sys.stderr)
+        return 2
     if args.distribution:
         try:
             dist = eplb.load_distribution(args.distribution)
@@ -101,7 +168,11 @@ def main(argv=None) -> int:
             return 2
         source = args.distribution
     else:
-        dist = record(args.examples, args.seed, args.max_len)
+        if args.measure_dispatch and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                       f" --xla_force_host_platform_device_count={args.devices}").strip()
+        routes = {} if args.measure_dispatch else None
+        dist = record(args.examples, args.seed, args.max_len, routes)
         source = f"nano, {args.examples} corpus conversations (seed {args.seed}, <= {args.max_len} tokens each)"
         if args.out:
             eplb.save_distribution(args.out, dist)
@@ -128,6 +199,13 @@ def main(argv=None) -> int:
         # over all layers: the step waits for the slowest device of each layer, so sum the per-layer maxima
         worst = sum(lo.max() for lo in per_layer) / sum(lo.mean() for lo in per_layer)
         print(f"| {name} | " + " | ".join(ratios) + f" | {worst:.2f} |")
+    if args.measure_dispatch:
+        print(f"\nmeasured by the all_to_all dispatch ({G} fake CPU devices, steps of {args.step_tokens} tokens): "
+              "Σ per-step max / Σ per-step mean rows per device, all layers")
+        print("| placement | measured max/mean |")
+        print("|---|---|")
+        for name, r in measure(routes, dist, G, Rs, args.step_tokens):
+            print(f"| {name} | {r:.2f} |")
     return 0
 
 

@@ -92,3 +92,6 @@ def test_report_script_on_a_distribution_file(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eplb_report.py"), "--distribution", str(f),
                         "--devices", "4", "--redundant", "3"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eplb_report.py"), "--distribution", str(f),
+                        "--measure-dispatch"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "needs a recording" in r.stderr and not r.stdout, r.stderr

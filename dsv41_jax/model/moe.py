@@ -256,7 +256,7 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
     return combine_slots(routed_slots(ex, xf, idx, w, cfg, dt), idx)
 
 
-def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None):
+def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None, layer_id=None):
     """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
 
     The routed experts run with the plan's moe implementation ("reference" | "xla" | "pallas" |
@@ -266,20 +266,21 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None)
     bitwise the same result as on one device). step: the step's `plan.StepPlan` (None: made here for x's
     tokens), which picks the form: at one token with the router, experts and linear kernels the routed sum is
     the shared expert's w2 epilogue (`_one_token_fused`, `StepPlan.combine_in_w2`), else `_routed_plus_shared`.
+    layer_id: the layer (inside a layer scan: the run's first), for the mesh plan's redundant-expert placement.
     """
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     step = StepPlan.of(cfg, par, (1, xf.shape[0])) if step is None else step
     dispatch.refuse_kernel_in_f64_mode(cfg, "moe", step.moe)
     form = _one_token_fused if step.combine_in_w2 else _routed_plus_shared
-    out, idx, w = form(p, xf, top_k, cfg, dt, par, step)
+    out, idx, w = form(p, xf, top_k, cfg, dt, par, step, layer_id)
     out = out.reshape(shape)
     if return_routing:
         return out, (idx.reshape(shape[:-1] + (top_k,)), w.reshape(shape[:-1] + (top_k,)))
     return out
 
 
-def _one_token_fused(p, xf, top_k, cfg, dt, par, step):
+def _one_token_fused(p, xf, top_k, cfg, dt, par, step, layer_id=None):
     """One token, the router / experts / linear kernels (`StepPlan.combine_in_w2`): the experts' kernel hands
     its raw slots and the router's order to the shared expert's w2 kernel, which sums them in ascending expert id
     as its epilogue (`linear.fp8_combined`: one launch fewer). Returns (out [1, D] in `dt`, idx, w)."""
@@ -290,7 +291,7 @@ def _one_token_fused(p, xf, top_k, cfg, dt, par, step):
     return linear.fp8_combined(a, p["shared_experts"]["w2"], slots, order_p, top_k, cfg, dt), idx, w
 
 
-def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step):
+def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step, layer_id=None):
     """The routed experts' fp32 sum (`_routed`) + the shared expert, rounded to `dt`: (out [N, D], idx, w)."""
     padded = order = None
     if step.router_kernel:  # the padded outputs feed the experts' kernel and the combine as they are
@@ -299,7 +300,7 @@ def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step):
         idx, w, order = idx_p[:, :top_k], w_p[:, :top_k], order_p[:, :top_k]
     else:
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
-    routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order)
+    routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order, layer_id)
     a = _shared_gated(p["shared_experts"], xf, cfg, dt)
     return (routed + linear.fp8(a, p["shared_experts"]["w2"], cfg, dt).astype(jnp.float32)).astype(dt), idx, w
 
@@ -320,7 +321,7 @@ def _experts_kernel(impl):
     return functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
 
 
-def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order):
+def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order, layer_id=None):
     """fp32 [N, D]: the routed experts' outputs summed per token in ascending expert id, by implementation:
     expert-parallel on an "ep" mesh (`par.routed_experts`, the kernel per expert shard where it runs), the kernel
     (its slots combined; top-k ids are distinct, so the combine's order needs no sort), the grouped xla path or
@@ -330,7 +331,7 @@ def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order):
         if impl == "reference":
             raise dispatch.ImplError("moe: the reference implementation runs every expert on every token and "
                                      "cannot run expert-parallel; use impl 'xla' (or 'auto') for moe on an ep mesh")
-        return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=kernel)
+        return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=kernel, layer_id=layer_id)
     if kernel is not None:
         return combine_slots(kernel(ex, xf, idx, w, cfg, dt, padded=padded), idx, distinct=True, order=order)
     return (_routed_reference if impl == "reference" else _routed_grouped)(ex, xf, idx, w, cfg, dt)

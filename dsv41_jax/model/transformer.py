@@ -163,7 +163,8 @@ def block(step, lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None
     rec = {"layer_inputs": h}
     y, out = attn_fn(x)
     h, (x, f_pre, f_post, f_comb) = enter(step, lp, "ffn", DeferredExit(h, y, a_post, a_comb), a_pre, cfg, dt, par)
-    y, (rec["experts"], _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par, step=step)
+    y, (rec["experts"], _) = moe(lp["ffn"], x, top_k, cfg, dt, return_routing=True, par=par, step=step,
+                               layer_id=plan.layer_id)
     return DeferredExit(h, y, f_post, f_comb), f_pre, rec, out
 
 

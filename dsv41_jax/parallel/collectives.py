@@ -34,7 +34,7 @@ from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import axis_size, manual_axes, shard_map
 
 
-def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
+def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None, location=None):
     """fp32 [N, D]: the routed experts' sum for tokens xf [N, D], expert-parallel over mesh `axis`.
 
     ex: stacked routed experts (leading expert axis split over `axis`); idx int32 [N, k] global expert
@@ -42,6 +42,10 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
     `moe.routed_slots`'s signature (default that xla path; the MoE kernel, `pallas.moe_mxfp4.kernel`, has
     the same). Equals the same computation on one device bitwise (each slot is computed on the one
     shard holding its expert, zeros elsewhere, then summed).
+
+    location: redundant experts, (slot int32 [E, C], copies int32 [E]) of this layer with `ex` holding the
+    E + R physical experts (`moe_dispatch.routed_experts_dispatch`): token n's assignment to logical expert
+    e is computed by copy n mod copies[e]; the combine stays in ascending logical id.
     """
     slots = slots or moe.routed_slots
     N, D = xf.shape
@@ -65,8 +69,13 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None):
     # check_vma=False: the grouped GEMM may run its weight tiles inside `lax.cond` (`model.tiling`, on
     # CPU), whose never-taken zeros branch is not marked as varying over `axis` like the taken one; the
     # output is replicated by the psum, as out_specs says.
+    phys = idx
+    if location is not None:  # each assignment to one copy of its expert (tokens are replicated: a global row)
+        slot_t, copies_t = location
+        es = jnp.clip(idx, 0, slot_t.shape[0] - 1)
+        phys = slot_t[es, jnp.arange(N, dtype=jnp.int32)[:, None] % copies_t[es]]
     y = shard_map(local, mesh, in_specs=(ex_specs, P(), P(), P(), P()), out_specs=P(),
-                  check_vma=False)(ex, xf, idx, w, layer)
+                  check_vma=False)(ex, xf, phys, w, layer)
     return moe.combine_slots(y, idx)
 
 

@@ -31,8 +31,8 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["FORMAT", "LayerPlacement", "device_loads", "load_distribution", "pack", "plan_placement", "replicate",
-           "save_distribution"]
+__all__ = ["FORMAT", "ExpertLocation", "LayerPlacement", "device_loads", "expand_params", "load_distribution", "pack",
+           "plan_placement", "replicate", "save_distribution"]
 
 FORMAT = "dsv41-expert-distribution/1"
 
@@ -150,4 +150,122 @@ def load_distribution(path: str) -> dict:
         out[int(k)] = a.astype(np.int64)
     if not out:
         raise ValueError(f"--init-expert-location {path!r}: no layers")
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertLocation:
+    """Where every MoE layer's physical experts live: the static, hashable part of a `MeshPlan`
+    (``MeshPlan.expert_location``) that the routed experts' dispatch reads.
+
+    layers: ((layer_id, LayerPlacement), ...) ascending, one per MoE layer of the model (the DSpark
+    draft's layers have none: they keep their E experts in the plain split). num_redundant: R. With a
+    location, each layer's routed-expert weights are stored as E + R physical experts in placement order
+    (device 0's, then device 1's, ...: `physical_ids`; `expand_params` makes them from the logical E) and
+    a (token, logical expert) assignment goes to copy ``row mod copies[e]`` of its expert (`tables`).
+    """
+
+    layers: tuple
+    num_redundant: int
+
+    @classmethod
+    def from_distribution(cls, distribution: Mapping[int, "np.ndarray"], num_devices: int, num_redundant: int,
+                          num_layers: int) -> "ExpertLocation":
+        """`plan_placement` of a recorded distribution for layers 0 .. num_layers − 1 (ValueError, one line,
+        when the file misses one of them or holds others)."""
+        have = sorted(int(k) for k in distribution)
+        if have != list(range(num_layers)):
+            raise ValueError(f"--init-expert-location: the distribution holds layers {have[:4]}{'...' if len(have) > 4 else ''}"
+                             f", the model has MoE layers 0..{num_layers - 1}")
+        plan = plan_placement(distribution, num_devices, num_redundant)
+        return cls(layers=tuple(sorted(plan.items())), num_redundant=int(num_redundant))
+
+    @classmethod
+    def uniform(cls, num_experts: int, num_devices: int, num_redundant: int, num_layers: int) -> "ExpertLocation":
+        """The placement of an all-equal load (no recorded distribution): copies to the lowest ids."""
+        return cls.from_distribution({i: np.ones(num_experts, np.int64) for i in range(num_layers)}, num_devices,
+                                     num_redundant, num_layers)
+
+    @property
+    def num_devices(self) -> int:
+        return self.layers[0][1].num_devices
+
+    @property
+    def num_physical(self) -> int:
+        return sum(len(h) for h in self.layers[0][1].physical)
+
+    def placement(self, layer_id: int) -> "LayerPlacement | None":
+        for lid, p in self.layers:
+            if lid == layer_id:
+                return p
+        return None
+
+    def physical_ids(self, layer_id: int) -> np.ndarray:
+        """int32 [E + R]: the logical expert of each physical expert of the layer (device-major order)."""
+        return np.array([e for held in self.placement(layer_id).physical for e in held], np.int32)
+
+    def tables(self):
+        """(slot int32 [L, E, C], copies int32 [L, E]) over the layers 0 .. L − 1: slot[l, e, c] the physical
+        index of copy c of expert e (ascending device; entries c >= copies[l, e] repeat copy 0)."""
+        L = len(self.layers)
+        E = len(self.layers[0][1].copies)
+        C = max(max(p.copies) for _, p in self.layers)
+        slot = np.zeros((L, E, C), np.int32)
+        copies = np.zeros((L, E), np.int32)
+        for lid, _ in self.layers:
+            ids = self.physical_ids(lid)
+            for e in range(E):
+                at = np.flatnonzero(ids == e)
+                slot[lid, e, :] = at[0]
+                slot[lid, e, :at.size] = at
+                copies[lid, e] = at.size
+        return slot, copies
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        most = max(max(p.copies) for _, p in self.layers)
+        return (f"redundant experts (EPLB): R={self.num_redundant}, {self.num_physical} physical experts over "
+                f"{self.num_devices} devices ({self.num_physical // self.num_devices} each), {len(self.layers)} "
+                f"MoE layers, at most {most} copies of one expert")
+
+
+def expand_params(params: dict, location: ExpertLocation) -> dict:
+    """`params` with every MoE layer's routed experts [E, ...] stored as the E + R physical experts of
+    `location` (``[logical][physical_ids]``: the copies are the same bytes), on the logical stack's sharding.
+    Takes the per-layer layout (``params["layers"][i]``) and the layer-scan stacks (`layer_scan.STACKS`,
+    [n, E, ...] per run)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.model import layer_scan
+
+    def take(a, ids, axis):
+        sh = getattr(a, "sharding", None)
+        f = jax.jit(lambda a: jnp.take(a, ids, axis=axis), out_shardings=sh if isinstance(
+            sh, jax.sharding.NamedSharding) else None)
+        return f(a)
+
+    layers = list(params["layers"])
+    for i, lp in enumerate(layers):
+        if lp is None or location.placement(i) is None:
+            continue
+        ids = jnp.asarray(location.physical_ids(i))
+        ex = jax.tree_util.tree_map(lambda a: take(a, ids, 0), lp["ffn"]["experts"])
+        layers[i] = dict(lp, ffn=dict(lp["ffn"], experts=ex))
+    out = dict(params, layers=layers)
+    stacks = params.get(layer_scan.STACKS)
+    if stacks:
+        new = {}
+        for first, st in stacks.items():
+            n = jax.tree_util.tree_leaves(st["ffn"]["experts"])[0].shape[0]
+            ids = jnp.asarray(np.stack([location.physical_ids(int(first) + j) for j in range(n)]))  # [n, E + R]
+
+            def take2(a, ids=ids):
+                sh = getattr(a, "sharding", None)
+                f = jax.jit(lambda a: jnp.take_along_axis(a, ids.reshape(ids.shape + (1,) * (a.ndim - 2)), axis=1),
+                            out_shardings=sh if isinstance(sh, jax.sharding.NamedSharding) else None)
+                return f(a)
+
+            new[first] = dict(st, ffn=dict(st["ffn"], experts=jax.tree_util.tree_map(take2, st["ffn"]["experts"])))
+        out[layer_scan.STACKS] = new
     return out

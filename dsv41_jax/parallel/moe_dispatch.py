@@ -185,7 +185,8 @@ def _ragged_slots(run, x, e_glob, dest, wf, tok, axes, n_e, E_l):
 
 
 def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "all_to_all", token_axes=None,
-                            expert_axes=("ep",), capacity: Optional[int] = None, slots=None, valid=None):
+                            expert_axes=("ep",), capacity: Optional[int] = None, slots=None, valid=None,
+                            location=None, return_load: bool = False):
     """fp32 [N, D]: the routed experts' sum for tokens xf [N, D], the tokens dispatched to their experts.
 
     ex: the stacked routed experts (or a run's stacks, `weights.Stacked`), the expert axis
@@ -198,6 +199,15 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
     divide the devices (rows are padded, then dropped). Equals `moe._routed_grouped` on one device,
     bitwise in the exact and deterministic modes. Raises ValueError for an unknown backend, experts
     not dividing `expert_axes`, or "ragged" on a platform that cannot run it.
+
+    location: redundant experts (`parallel.eplb`): (slot int32 [E, C], copies int32 [E]) of this layer
+    (`eplb.ExpertLocation.tables`, the layer's row; may be traced), with `ex` holding the E + R physical
+    experts in placement order. Assignment (row r of device d's q rows, logical expert e) goes to copy
+    (d·q + r) mod copies[e] — deterministic, and a replicated expert's tokens spread over its copies —
+    and the combine stays in ascending LOGICAL id (idx), so the result is the same bits as without copies.
+
+    return_load: also return int32 [n_e], the (token, slot) rows each expert device received from the
+    dispatch (summed over all senders: what sets the grouped GEMM's work per device; `scripts/eplb_report.py`).
 
     Inside a program already manual over some of these axes (one dp rank's, `parallel.dp`): xf / idx / w
     are the rank's own tokens, `ex` the rank's block of experts, and only the other axes are split here.
@@ -220,11 +230,17 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
         return jnp.zeros((N, D), jnp.float32)
     ex, layer = weights.split(ex)
     man = manual_axes()
-    E = ex["w1"].weight.shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))
+    E = ex["w1"].weight.shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))  # physical
     n_e = _size(mesh, expert_axes)
     if E % n_e:
         raise ValueError(f"moe dispatch: {E} routed experts do not split evenly over {'x'.join(expert_axes)}={n_e}")
     E_l = E // n_e
+    if location is None:
+        slot_t = copies_t = None
+        E_log = E
+    else:
+        slot_t, copies_t = location
+        E_log = slot_t.shape[0]
     n_t = _size(mesh, tuple(a for a in token_axes if a not in man))  # (manual ones: already the rank's rows)
     sub = tuple(a for a in expert_axes if a not in token_axes and axis_size(mesh, a) > 1)
     m = _size(mesh, sub)
@@ -240,16 +256,20 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
     A = q * k
     C = capacity_for(A, n_e, capacity)
 
-    def local(ex_l, x, i, ww, vv, layer):
+    def local(ex_l, x, i, ww, vv, layer, slot_t, copies_t):
         if layer is not None:
             ex_l = weights.Stacked(ex_l, layer)
         if m > 1:  # tokens replicated over `sub`: each device takes its share
             s = jax.lax.axis_index(sub)
             x, i, ww, vv = (jax.lax.dynamic_slice_in_dim(t, s * q, q, 0) for t in (x, i, ww, vv))
         e_glob = i.reshape(A)
-        ok = jnp.repeat(vv, k) & (e_glob >= 0) & (e_glob < E)
-        dest = jnp.where(ok, e_glob // E_l, n_e).astype(jnp.int32)
+        ok = jnp.repeat(vv, k) & (e_glob >= 0) & (e_glob < E_log)
         tok = jnp.arange(A, dtype=jnp.int32) // k
+        if slot_t is not None:  # the logical expert's copy for this row: physical id (module doc of eplb)
+            es = jnp.clip(e_glob, 0, E_log - 1)
+            row = jax.lax.axis_index(expert_axes) * q + tok
+            e_glob = slot_t[es, row % copies_t[es]]
+        dest = jnp.where(ok, e_glob // E_l, n_e).astype(jnp.int32)
 
         def run(rx, re, rw):  # the received rows through the grouped experts: [R, D]
             return slots(ex_l, rx, re[:, None], rw[:, None], cfg, dt, first_expert=0)[:, 0]
@@ -259,15 +279,18 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
         else:
             y = _ragged_slots(run, x, e_glob, dest, ww.reshape(A), tok, expert_axes, n_e, E_l)
         out = moe.combine_slots(y.reshape(q, k, D), i)  # [q, D] fp32, ascending expert id
-        return jax.lax.all_gather(out, sub, tiled=True) if m > 1 else out
+        out = jax.lax.all_gather(out, sub, tiled=True) if m > 1 else out
+        sent = jnp.zeros((n_e + 1,), jnp.int32).at[dest].add(1)[:n_e]
+        return out, jax.lax.psum(sent, all_axes)  # every sending device's rows counted once
 
     lead = () if layer is None else (None,)
     ex_specs = jax.tree_util.tree_map(lambda _: P(*lead, _spec(tuple(a for a in expert_axes if a not in man))), ex)
     tok_spec = P(_spec(tuple(a for a in token_axes if a not in man)))
     # check_vma=False as in `collectives.routed_experts` (the CPU weight tiles' `lax.cond`).
-    out = shard_map(local, mesh, in_specs=(ex_specs, tok_spec, tok_spec, tok_spec, tok_spec, P()),
-                    out_specs=tok_spec, check_vma=False)(ex, xf, idx, w, v, layer)
-    return out[:N]
+    all_axes = tuple(dict.fromkeys(a for a in token_axes + expert_axes if a not in man))
+    out, load = shard_map(local, mesh, in_specs=(ex_specs, tok_spec, tok_spec, tok_spec, tok_spec, P(), P(), P()),
+                          out_specs=(tok_spec, P()), check_vma=False)(ex, xf, idx, w, v, layer, slot_t, copies_t)
+    return (out[:N], load) if return_load else out[:N]
 
 
 def moe_collective_bytes(cfg, tokens_per_device: int, devices: int, backend: str,

@@ -17,6 +17,8 @@ jitting another step (DSpark seeding, proposal, verify) wraps it the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Optional
 
 import jax
@@ -24,7 +26,7 @@ import jax
 from dsv41_jax.model import checkpoint
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.params import flatten_names
-from dsv41_jax.parallel import collectives, dp, moe_dispatch, rules
+from dsv41_jax.parallel import collectives, dp, eplb, moe_dispatch, rules
 from dsv41_jax.parallel.host_table import offload_engram
 
 
@@ -49,9 +51,20 @@ class MeshPlan:
     moe_a2a_backend: str = "none"
     moe_a2a_capacity: Optional[int] = None
     in_rank: bool = False
+    expert_location: Optional[eplb.ExpertLocation] = None
 
     def __post_init__(self):
         moe_dispatch.check_backend(self.moe_a2a_backend)
+        loc = self.expert_location
+        if loc is not None:
+            G = self.expert_devices
+            if G < 2:
+                raise ValueError(f"--ep-num-redundant-experts {loc.num_redundant}: the routed experts are not split "
+                                 "over devices on this mesh (no expert parallelism): there is nothing to balance")
+            if loc.num_devices != G:
+                raise ValueError(f"--ep-num-redundant-experts {loc.num_redundant}: the placement is for "
+                                 f"{loc.num_devices} devices, the experts are split over {G}")
+            _log_location(loc)
         if self.axis_size("dp") > 1 and self.moe_a2a_backend == "none":
             raise ValueError("--moe-a2a-backend none: data-parallel attention splits the tokens over dp ranks, "
                              "so they must be dispatched to their experts; use all_to_all (or ragged on GPU)")
@@ -79,6 +92,26 @@ class MeshPlan:
     def expert_parallel(self) -> bool:
         """Whether the routed experts are split over devices (ep > 1, or any data-parallel mesh)."""
         return rules.mesh_axis("experts", self.mesh) is not None
+
+    @property
+    def expert_devices(self) -> int:
+        """The devices the routed experts are split over (1: not split)."""
+        if self.moe_a2a_backend == "none":
+            return self.axis_size("ep")
+        return rules.mesh_axes_size(rules.mesh_axis("experts", self.mesh), self.mesh)
+
+    def expert_tables(self, ex, layer_id: Optional[int]):
+        """(slot int32 [E, C], copies int32 [E]) of MoE layer `layer_id` under redundant experts
+        (`eplb.ExpertLocation.tables`; inside a layer scan, `layer_id` is the run's first layer and ex["layer"] the
+        traced offset), or None: no redundancy here (no location, or a layer it does not place: the draft's)."""
+        loc = self.expert_location
+        if loc is None or layer_id is None or loc.placement(layer_id) is None:
+            return None
+        slot, copies = _tables(loc)
+        k = ex.get("layer")
+        if k is None:
+            return jax.numpy.asarray(slot[layer_id]), jax.numpy.asarray(copies[layer_id])
+        return jax.numpy.asarray(slot)[layer_id + k], jax.numpy.asarray(copies)[layer_id + k]
 
     @property
     def size(self) -> int:
@@ -116,12 +149,14 @@ class MeshPlan:
                                         self.mesh)
         return collectives.row_gather(table, tscale, rows, dt, self.mesh, axis)
 
-    def routed_experts(self, ex, xf, idx, w, cfg, dt, slots=None):
+    def routed_experts(self, ex, xf, idx, w, cfg, dt, slots=None, layer_id: Optional[int] = None):
         """The routed experts expert-parallel: over "ep" with a psum (`collectives.routed_experts`, backend
         "none"), or with the tokens dispatched to their experts (`moe_dispatch`); slots: the per-device
-        grouped computation, default the xla path."""
+        grouped computation, default the xla path; layer_id: the MoE layer (its redundant-expert placement,
+        `expert_tables`; None: none)."""
+        location = self.expert_tables(ex, layer_id)
         if self.moe_a2a_backend == "none":
-            return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh, slots=slots)
+            return collectives.routed_experts(ex, xf, idx, w, cfg, dt, self.mesh, slots=slots, location=location)
         expert_axes = rules.mesh_axis("experts", self.mesh)
         if expert_axes is None:
             raise ValueError(f"--moe-a2a-backend {self.moe_a2a_backend}: the routed experts are not split over "
@@ -129,7 +164,7 @@ class MeshPlan:
         return moe_dispatch.routed_experts_dispatch(
             ex, xf, idx, w, cfg, dt, self.mesh, backend=self.moe_a2a_backend,
             token_axes=rules.mesh_axis("batch", self.mesh), expert_axes=expert_axes,
-            capacity=self.moe_a2a_capacity, slots=slots)
+            capacity=self.moe_a2a_capacity, slots=slots, location=location)
 
     def rank_step(self, fn, cfg, ccfg, engram_host_table: bool = False):
         """``fn(params, state, batch, ccfg=, par=)`` as the step on this mesh: one program per dp rank on a
@@ -149,6 +184,16 @@ class MeshPlan:
     def place_host(a, shape, sharding):
         """A host array onto `sharding` as a global array of `shape` (`rules.place_host`)."""
         return rules.place_host(a, shape, sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(loc: eplb.ExpertLocation):
+    return loc.tables()
+
+
+@functools.lru_cache(maxsize=8)
+def _log_location(loc: eplb.ExpertLocation) -> None:
+    logging.getLogger(__name__).info("%s", loc.describe())
 
 
 def jitted_extend(cfg, ccfg, all_logits: bool = False, mesh=None, engram_host_table: bool = False,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -151,6 +152,12 @@ class EngineArgs:
     enable_dp_attention: bool = False
     dp_size: int = 1
     load_balance_method: Optional[str] = None
+    # redundant experts (EPLB, issue 46 item 7; SGLang's flags): R extra expert copies placed from a routing
+    # distribution file; the recorder writes one. The model side is `MeshPlan.expert_location`
+    # (parallel/eplb.py); the engine does not build it yet: refused at start-up (`_validate_eplb`).
+    ep_num_redundant_experts: int = 0
+    init_expert_location: Optional[str] = None
+    expert_distribution_recorder: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -239,6 +246,7 @@ class EngineArgs:
             if self.speculative_algorithm is None:
                 bad("speculative_simulate_accept_length", "needs --speculative-algorithm DSPARK")
         self._validate_dp()
+        self._validate_eplb()
         if self.warmup_prompt_logprobs and self.skip_server_warmup:
             bad("warmup_prompt_logprobs", "has nothing to add to with --skip-server-warmup (no warm-up runs)")
         if self.warmup_prompt_logprobs and self.enable_decoder_swa_bounded_replay:
@@ -272,6 +280,28 @@ class EngineArgs:
                 bad(flag, "cannot be combined with --enable-decoder-swa-bounded-replay (its late layers see only "
                           "each prompt's tail, so a request's result depends on how its prompt was scheduled)")
         return self
+
+    def _validate_eplb(self) -> None:
+        """Redundant experts: the combinations that cannot work, then the honest refusal of what the engine does
+        not wire yet (one line each)."""
+        R = self.ep_num_redundant_experts
+        if not isinstance(R, int) or R < 0:
+            raise ValueError(f"ep_num_redundant_experts: must be an integer >= 0, got {R!r}")
+        if R and self.ep_size == 1 and self.dp_size == 1:
+            raise ValueError(f"ep_num_redundant_experts: {R} copies need expert parallelism (--ep-size > 1 or "
+                             "--dp-size > 1 with --enable-dp-attention): on one expert device there is nothing to balance")
+        if R and self.init_expert_location is None:
+            raise ValueError(f"ep_num_redundant_experts: {R} copies need --init-expert-location FILE (a routing "
+                             "distribution, e.g. from --expert-distribution-recorder or scripts/eplb_report.py --out); "
+                             "no uniform placement is guessed")
+        if self.init_expert_location is not None and not R:
+            raise ValueError("init_expert_location: has no effect without --ep-num-redundant-experts R > 0")
+        if self.init_expert_location is not None and not os.path.isfile(self.init_expert_location):
+            raise ValueError(f"init_expert_location: {self.init_expert_location!r} is not a file")
+        if R or self.expert_distribution_recorder:
+            flag = "--ep-num-redundant-experts" if R else "--expert-distribution-recorder"
+            raise ValueError(f"{flag}: not implemented in the server yet (the model side is parallel/eplb.py + "
+                             "MeshPlan.expert_location; scripts/eplb_report.py records and measures a distribution)")
 
     def _validate_dp(self) -> None:
         """Data-parallel attention: the combinations it cannot serve, refused before anything loads."""
@@ -539,6 +569,19 @@ class EngineArgs:
                             "rank whose radix cache holds the longest prefix of the prompt, else the least loaded), "
                             "round_robin (ranks in turn), shortest_queue (the rank with the fewest running and "
                             "waiting requests, lowest rank on a tie)")
+        g.add_argument("--ep-num-redundant-experts", dest="ep_num_redundant_experts", type=int, default=0,
+                       help="redundant experts (EPLB, SGLang's flag): R extra copies of the hottest routed experts "
+                            "of each MoE layer, placed from --init-expert-location's distribution (E + R must divide "
+                            "the expert devices; at most one copy per device). Outputs stay bitwise equal. Needs "
+                            "--ep-size > 1 or DP attention. Not wired into the server yet: refused at start-up")
+        g.add_argument("--init-expert-location", dest="init_expert_location", default=None, metavar="FILE",
+                       help="the routing distribution (JSON, parallel/eplb.py's format: tokens per expert per "
+                            "layer) the redundant experts are placed from; required with --ep-num-redundant-experts "
+                            "(no uniform placement is guessed)")
+        g.add_argument("--expert-distribution-recorder", dest="expert_distribution_recorder", action="store_true",
+                       help="record how many (token, expert) assignments each expert receives per MoE layer and "
+                            "write the distribution file. Not wired into the server yet: refused at start-up; "
+                            "scripts/eplb_report.py --out records one with nano's forward")
         return parser
 
     @classmethod
