@@ -1,7 +1,8 @@
 """Data-parallel attention, the serving side (issue 46): per-rank schedulers behind the DP controller,
 rank-major launches, routing, per-rank metrics and the start-up refusals.
 
-With ``--dp-size 4`` on ONE device (the contract makes a 4-rank schedule an ordinary schedule there),
+With ``--dp-size 4`` (on the suite's 8 fake devices: a [dp=4, tp=1] mesh; on a one-device machine the
+4-rank schedule runs there as an ordinary schedule, the DP contract),
 a batch of mixed concurrent requests — greedy and seeded sampling with logprobs, a shared system
 prompt, a multi-turn conversation, n = 2, a constrained request, preemption — gives each request
 exactly the tokens and logprobs it gets with dp = 1, in ``--dtype exact`` and in the deterministic

@@ -221,10 +221,20 @@ def _last_logits(logits, n_new):
     return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
 
 
-@jax.jit
-def _fill_first_token(tokens, from_prev, slot, last_token):
+def _first_token(tokens, from_prev, slot, last_token):
     """tokens[:, 0] ← last_token[slot] where from_prev (decode rows whose input is still on device)."""
     return tokens.at[:, 0].set(jnp.where(from_prev, last_token[slot], tokens[:, 0]))
+
+
+_fill_first_token = jax.jit(_first_token)
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_first_token_rows(mesh):
+    """`_first_token` with its tokens split over "dp" (a data-parallel mesh: the step's batch rows are)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(_first_token, out_shardings=NamedSharding(mesh, PartitionSpec("dp")))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -475,12 +485,19 @@ class Runner:
                         "rounded as in the %s flow, every order-sensitive sum accumulated in fp64, Pallas kernels "
                         "off, the sampler's sums in fp64: a request's tokens and logprobs do not depend on the batch, "
                         "chunking, cache hits, preemption, speculation or the mesh", mode_name(cfg), cfg.act_dtype)
-        # --tp / --ep: tp = ep = 1 runs unsharded on the default device
+        # --tp / --ep / --dp-size: tp = ep = dp = 1 runs unsharded on the default device. Data-parallel ranks
+        # run on the [dp, tp] mesh (each rank's rows and state on its own tp group, `parallel.dp`); on a
+        # machine with ONE device and tp = ep = 1 the rank-major schedule runs there as it is (the DP
+        # contract: an ordinary schedule, the same results; the server refuses that, `check_devices`)
         self.mesh = None
-        if args.tp_size != 1 or args.ep_size != 1:
+        D = args.dp_size
+        one_device = D > 1 and args.tp_size == args.ep_size == 1 and len(jax.devices()) == 1
+        if (args.tp_size != 1 or args.ep_size != 1 or D > 1) and not one_device:
             from dsv41_jax.parallel.mesh import make_mesh
 
-            self.mesh = make_mesh(args.tp_size, args.ep_size, cfg=cfg)
+            self.mesh = make_mesh(args.tp_size, args.ep_size, dp=D, cfg=cfg)
+        elif one_device:
+            log.info("--dp-size %d on one device: the %d ranks' schedules run there (no dp mesh)", D, D)
         from dsv41_jax.parallel.host_table import host_table_requested
 
         self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
@@ -558,8 +575,15 @@ class Runner:
             # jit traces and compiles each extend shape twice
             from dsv41_jax.parallel import rules
 
-            rep = rules.replicated(self.mesh)
+            if self.dp > 1:  # per-slot rows: rank blocks over "dp", as the cache's slot axis
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                rep = NamedSharding(self.mesh, PartitionSpec("dp"))
+            else:
+                rep = rules.replicated(self.mesh)
             self.slot_tensors, self.last_token = jax.device_put((self.slot_tensors, self.last_token), rep)
+        # the first-token fill of a launch, its tokens placed as the step's batch takes them
+        self._fill = _fill_first_token_rows(self.mesh) if self.dp > 1 and self.mesh is not None else _fill_first_token
         self._allow_all: dict = {}
         self._ratios = tuple((k, cfg.compress_ratios[int(k)]) for k in sorted(self.state["comp"]))
 
@@ -742,7 +766,7 @@ class Runner:
 
 
     def _jitted(self) -> list:
-        fns = [self._extend, _sample_rows, _fill_first_token, _reset_rows, _fork_slot, smp._scatter_rows,
+        fns = [self._extend, _sample_rows, self._fill, _reset_rows, _fork_slot, smp._scatter_rows,
                _save_snapshot, _restore_snapshot, _gather_page, _scatter_page, _get_snapshot, _put_snapshot,
                _get_slot_rows]
         fns += self.speculator.jitted()
@@ -811,7 +835,7 @@ class Runner:
         for B, T in shapes:
             z = np.zeros((B,), np.int32)
             pad_slot = dp_layout.pad_slots(self.ccfg, B)
-            toks = _fill_first_token(np.zeros((B, T), np.int32), np.zeros((B,), bool), pad_slot, self.last_token)
+            toks = self._fill(np.zeros((B, T), np.int32), np.zeros((B,), bool), pad_slot, self.last_token)
             batch = {"tokens": toks, "start": z, "n_new": z, "slot": pad_slot,
                      "page_table": dp_layout.pad_pages(self.ccfg, B)}
             if self._extend_for(T) is self._extend_bounded:
@@ -927,7 +951,7 @@ class Runner:
     def _launch(self, L: Launch) -> LaunchResult:
         """One [B, T] launch: rows packed, prompt-logprob targets, `_device_launch`."""
         B, T = L.B, L.T
-        hb = dp_layout.pack_launch([{"tokens": r.tokens, "n_new": r.n, "start": r.start, "slot": r.slot,
+        hb = dec.pack_rows([{"tokens": r.tokens, "n_new": r.n, "start": r.start, "slot": r.slot,
                                      "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
         from_prev = np.zeros((B,), bool)
         sample_mask = np.zeros((B,), bool)
@@ -1017,7 +1041,7 @@ class Runner:
         ``jax.device_put`` costs ~10x more host time) and every call passes the same kinds of arguments, so
         the warm-up's compilations are the ones reused. tail_lo int32 [B] (`_tail_lo`; None: zeros) is read
         only by the bounded replay step. L: the launch (None: a warm-up launch), for its rows' masks."""
-        toks = _fill_first_token(tokens, from_prev, slot, self.last_token)
+        toks = self._fill(tokens, from_prev, slot, self.last_token)
         batch = {"tokens": toks, "start": start, "n_new": n_new, "slot": slot, "page_table": pt}
         extend = self._extend_for(tokens.shape[1])
         if extend is self._extend_bounded:

@@ -85,9 +85,11 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     drafts; rows after the first draft it rejects are all True and never reached: that draft has
     probability 0 under the masked target, so verification rejects it and the bonus is drawn from the
     masked distribution — lossless for greedy and sampled rows).
-    mesh: the verify forward runs as `decode.extend` on the mesh (MoE, row-split tables); the draft's
-    small stages run on their parameters' shardings as the compiler splits them; the new state is
-    held to the cache's shardings (`rules.constrain_state`).
+    mesh: a `jax.sharding.Mesh` or a `MeshPlan` (None: one device): the verify forward runs as
+    `decode.extend` on the mesh (MoE, row-split tables); the draft's small stages run on their parameters'
+    shardings as the compiler splits them; the new state is held to the cache's shardings
+    (`rules.constrain_state`) — except inside one dp rank's program (``mesh.in_rank``, `MeshPlan.rank_step`:
+    its state is the rank's block, reassembled over "dp" by the rank step).
     Returns (tokens int32 [B, γ+1]: the n_accept + 1 committed tokens then −1; n_accept int32 [B];
     the new state). Inactive rows: tokens −1, n_accept 0, nothing written.
     """
@@ -105,8 +107,9 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     vb = {"tokens": jnp.concatenate([anchor[:, None].astype(jnp.int32), d], axis=1), "start": start,
           "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
           "page_table": batch["page_table"]}
+    par = MeshPlan.of(mesh)
     logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True,
-                                                      par=MeshPlan.of(mesh))
+                                                      par=par)
     if allowed is not None:
         logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
     if tensors is None:
@@ -129,22 +132,27 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     new_state = decode.commit(st, pend, vb, n_commit, cfg)
     new_state["dspark"] = dspark.write_rings(params, state["dspark"], aux["layer_inputs"], slot, pend.positions,
                                              n_commit, cfg, ccfg)
-    if mesh is not None:
+    if par is not None and not par.in_rank:
         from dsv41_jax.parallel import rules
 
-        new_state = rules.constrain_state(new_state, mesh)
+        new_state = rules.constrain_state(new_state, par.mesh)
     return toks, n_acc, new_state
 
 
 def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):
     """`dspark.extend_seeding` jitted (cache donated): prefill chunks and plain steps with DSpark on.
-    On a mesh the new state is held to the cache's shardings (`rules.constrain_state`)."""
+    On a mesh the new state is held to the cache's shardings (`rules.constrain_state`); on a data-parallel
+    mesh the step runs as one program per dp rank (`MeshPlan.rank_step`, as `decode.jitted_extend`)."""
     return _jitted_extend_seeding(cfg, ccfg, bool(all_logits), mesh)
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted_extend_seeding(cfg, ccfg, all_logits, mesh):
-    fn = functools.partial(dspark.extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=MeshPlan.of(mesh))
+    par = MeshPlan.of(mesh)
+    seeding = functools.partial(dspark.extend_seeding, cfg=cfg, all_logits=all_logits)
+    if par is not None and par.axis_size("dp") > 1:
+        return jax.jit(par.rank_step(seeding, cfg, ccfg), donate_argnums=(1,))
+    fn = functools.partial(seeding, ccfg=ccfg, par=par)
     if mesh is not None:
         from dsv41_jax.parallel import rules
 

@@ -140,16 +140,58 @@ def _propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, cc
     return prop["tokens"]
 
 
+def _dp_plan(mesh):
+    """The `MeshPlan` of a data-parallel mesh ("dp" > 1), else None (the launches run as one program)."""
+    par = mesh_plan.MeshPlan.of(mesh)
+    return par if par is not None and par.axis_size("dp") > 1 else None
+
+
+def _per_rank(launch, par, cfg, ccfg, n_extra: int, **kw):
+    """``launch(params, state, slot_tensors, last_token, batch, step_counter, *extra, cfg=, ccfg=, mesh=, **kw)``
+    (`_spec_launch`, `_propose_rank`) as one program per dp rank (`MeshPlan.rank_step`): the per-slot arrays
+    (cache, sampling tensors, ``last_token``; a ``None`` one left out) travel as the rank step's state, every
+    batch-leading input (the batch dict, step_counter, the ``n_extra`` extras) as its batch, ids global (the
+    rank step translates ``slot`` / ``page_table``). Returns the same signature (less the keywords), to jit."""
+    names = ("step",) + tuple(f"extra{i}" for i in range(n_extra))
+
+    def in_rank(params, st, b, *, ccfg, par):
+        batch = {k: v for k, v in b.items() if k not in names}
+        return launch(params, st["state"], st.get("slot_tensors"), st.get("last_token"), batch,
+                      *(b[k] for k in names), cfg=cfg, ccfg=ccfg, mesh=par, **kw)
+
+    step = par.rank_step(in_rank, cfg, ccfg)
+
+    def fn(params, state, slot_tensors, last_token, batch, step_counter, *extra):
+        st = {k: v for k, v in (("state", state), ("slot_tensors", slot_tensors), ("last_token", last_token))
+              if v is not None}
+        return step(params, st, dict(batch, **dict(zip(names, (step_counter,) + extra))))
+
+    return fn
+
+
+def _propose_rank(params, state, slot_tensors, last_token, batch, step_counter, *, cfg, ccfg, gamma, mesh):
+    """`_propose_launch` in `_per_rank`'s signature (``last_token`` unused; the draft runs no mesh op)."""
+    return _propose_launch(params, state, slot_tensors, batch, step_counter, cfg=cfg, ccfg=ccfg, gamma=gamma)
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted_propose_launch(cfg, ccfg, gamma: int):
-    return jax.jit(functools.partial(_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
+def _jitted_propose_launch(cfg, ccfg, gamma: int, mesh=None):
+    par = _dp_plan(mesh)
+    if par is None:
+        return jax.jit(functools.partial(_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
+    fn = _per_rank(_propose_rank, par, cfg, ccfg, 0, gamma=gamma)
+    return jax.jit(lambda params, state, slot_tensors, batch, step: fn(params, state, slot_tensors, None, batch, step))
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_spec_launch(cfg, ccfg, gamma: int, mesh=None, simulated: bool = False):
     """`_spec_launch` (or with ``simulated`` `_spec_launch_simulated`) jitted per (cfg, ccfg, γ, mesh), cache /
-    tensors / last_token donated; compiles once per batch bucket."""
+    tensors / last_token donated; compiles once per batch bucket. On a data-parallel mesh one program per
+    dp rank (`_per_rank`)."""
     fn = _spec_launch_simulated if simulated else _spec_launch
+    par = _dp_plan(mesh)
+    if par is not None:
+        return jax.jit(_per_rank(fn, par, cfg, ccfg, 3 if simulated else 2, gamma=gamma), donate_argnums=(1, 2, 3))
     return jax.jit(functools.partial(fn, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh), donate_argnums=(1, 2, 3))
 
 
@@ -164,7 +206,7 @@ class DSparkSpeculator:
         self.simulate_accept_length = simulate_accept_length
         self._sim_rng = np.random.default_rng(seed)
         self._step = jitted_spec_launch(cfg, ccfg, self.gamma, mesh, simulate_accept_length is not None)
-        self._propose = _jitted_propose_launch(cfg, ccfg, self.gamma)
+        self._propose = _jitted_propose_launch(cfg, ccfg, self.gamma, mesh)
         self._allow_all: dict = {}
 
     def seed_state(self, state: dict) -> dict:
