@@ -127,6 +127,22 @@ def rank_pages(ccfg: CacheConfig, r: int) -> range:
     return range(r * per, (r + 1) * per)
 
 
+def slot_rank(ccfg: CacheConfig, slot: int) -> int:
+    """The dp rank whose block holds slot ``slot`` (its scratch row included)."""
+    return slot // (ccfg.max_slots // ccfg.dp + 1)
+
+
+def padding_slots(ccfg: CacheConfig, B: int) -> np.ndarray:
+    """int32 [B]: the scratch slot of each row's rank in a rank-major batch of B rows (dp = 1: max_slots)."""
+    return np.repeat(np.array([scratch_slot(ccfg, r) for r in range(ccfg.dp)], np.int32), B // ccfg.dp)
+
+
+def padding_pages(ccfg: CacheConfig, B: int) -> np.ndarray:
+    """int32 [B, max_pages_per_seq]: each row's rank's null page in a rank-major batch (dp = 1: zeros)."""
+    null = np.repeat(np.array([rank_pages(ccfg, r)[0] for r in range(ccfg.dp)], np.int32), B // ccfg.dp)
+    return np.repeat(null[:, None], ccfg.max_pages_per_seq, axis=1)
+
+
 # ----------------------------------------------------------------------------------------- codecs
 # kind: "win" (fp8 pow2/32, window K=V), "comp" (fp4 e4m3/16, compressed latent), "ikey" (fp4 pow2/32).
 

@@ -538,9 +538,8 @@ def pack_rows(rows: Sequence[dict], T: int, B: Optional[int], ccfg) -> dict:
     tokens = np.zeros((B, T), np.int32)
     start = np.zeros((B,), np.int32)
     n_new = np.zeros((B,), np.int32)
-    slot = np.repeat(np.array([kvc.scratch_slot(ccfg, r) for r in range(D)], np.int32), per)
-    pt = np.repeat(np.array([kvc.rank_pages(ccfg, r)[0] for r in range(D)], np.int32), per)[:, None]
-    pt = np.repeat(pt, ccfg.max_pages_per_seq, axis=1)
+    slot = kvc.padding_slots(ccfg, B)
+    pt = kvc.padding_pages(ccfg, B)
     for b, r in enumerate(rows):
         t = r["tokens"]
         n = r.get("n_new", len(t))

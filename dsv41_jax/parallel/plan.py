@@ -25,6 +25,7 @@ import jax
 
 from dsv41_jax.model import checkpoint
 from dsv41_jax.model import decode as dec
+from dsv41_jax.model import weights
 from dsv41_jax.model.params import flatten_names
 from dsv41_jax.parallel import collectives, dp, eplb, moe_dispatch, rules
 from dsv41_jax.parallel.host_table import offload_engram
@@ -102,13 +103,13 @@ class MeshPlan:
 
     def expert_tables(self, ex, layer_id: Optional[int]):
         """(slot int32 [E, C], copies int32 [E]) of MoE layer `layer_id` under redundant experts
-        (`eplb.ExpertLocation.tables`; inside a layer scan, `layer_id` is the run's first layer and ex["layer"] the
-        traced offset), or None: no redundancy here (no location, or a layer it does not place: the draft's)."""
+        (`eplb.ExpertLocation.tables`; inside a layer scan, `layer_id` is the run's first layer and the
+        traced offset of a `weights.Stacked`), or None: no redundancy here (no location, or a layer it does not place: the draft's)."""
         loc = self.expert_location
         if loc is None or layer_id is None or loc.placement(layer_id) is None:
             return None
         slot, copies = _tables(loc)
-        k = ex.get("layer")
+        _, k = weights.split(ex)  # a layer-scan run's stack: the traced offset of its layer
         if k is None:
             return jax.numpy.asarray(slot[layer_id]), jax.numpy.asarray(copies[layer_id])
         return jax.numpy.asarray(slot)[layer_id + k], jax.numpy.asarray(copies)[layer_id + k]

@@ -589,15 +589,14 @@ class Runner:
 
     def _check_rank_blocks(self) -> None:
         """Every per-slot array of the cache has the rank blocks' rows (`cache.slot_rows`): with dp ranks a
-        shorter one (the DSpark rings, until the model side sizes them by the blocks) would drop the
-        writes of the last ranks' slots. Refused at start-up (EngineError) rather than served wrong."""
+        shorter one would drop the writes of the last ranks' slots. Refused at start-up (EngineError) rather than served wrong."""
         want = kvc.slot_rows(self.ccfg)
         for k in _SLOT_ROW_KEYS:
             for x in jax.tree_util.tree_leaves(self.state.get(k)):
                 if x.shape[0] != want:
                     what = "--speculative-algorithm DSPARK" if k == "dspark" else f"the cache's {k!r} state"
                     raise EngineError(f"{what} with --dp-size {self.ccfg.dp}: its per-slot rows number {x.shape[0]}, "
-                                      f"not the {want} of the dp rank blocks (not implemented on the model side yet)")
+                                      f"not the {want} of the dp rank blocks")
 
     def _build_features(self) -> None:
         """The steps plain launches run (the speculator's; SWA bounded replay when on) and the page
@@ -718,7 +717,8 @@ class Runner:
         info = {"page_size": ps, "max_running_requests": S, "bytes_per_token": b["per_token"],
                 "window_bytes": (S + D) * b["window_per_request"]}
         if args.max_total_tokens:
-            num_pages = (-(-(-(-args.max_total_tokens // ps)) // D) + 1) * D  # (D = 1: ceil(tokens / ps) + 1)
+            pages = -(-args.max_total_tokens // ps)
+            num_pages = (-(-pages // D) + 1) * D  # each rank: its share of the pages + its null page (D = 1: pages + 1)
             info["source"] = "--max-total-tokens"
         else:
             total, source, default_frac = _device_memory_bytes(args)
@@ -799,7 +799,7 @@ class Runner:
                 what = f"DSpark draft + verify (tokens {self.spec_gamma + 1})"
             else:
                 z = np.zeros((B,), np.int32)
-                pad_slot, pad_pt = dp_layout.pad_slots(self.ccfg, B), dp_layout.pad_pages(self.ccfg, B)
+                pad_slot, pad_pt = kvc.padding_slots(self.ccfg, B), kvc.padding_pages(self.ccfg, B)
                 self._device_launch(None, np.zeros((B, T), np.int32), z, z, pad_slot, pad_pt, np.zeros((B,), bool),
                                     np.zeros((B,), bool), z, force_sample=(T == token_buckets[0]))
                 what = f"tokens={T}"
@@ -834,10 +834,10 @@ class Runner:
         jobs = []
         for B, T in shapes:
             z = np.zeros((B,), np.int32)
-            pad_slot = dp_layout.pad_slots(self.ccfg, B)
+            pad_slot = kvc.padding_slots(self.ccfg, B)
             toks = self._fill(np.zeros((B, T), np.int32), np.zeros((B,), bool), pad_slot, self.last_token)
             batch = {"tokens": toks, "start": z, "n_new": z, "slot": pad_slot,
-                     "page_table": dp_layout.pad_pages(self.ccfg, B)}
+                     "page_table": kvc.padding_pages(self.ccfg, B)}
             if self._extend_for(T) is self._extend_bounded:
                 batch["tail_lo"] = z
             jobs.append(batch)
@@ -952,7 +952,7 @@ class Runner:
         """One [B, T] launch: rows packed, prompt-logprob targets, `_device_launch`."""
         B, T = L.B, L.T
         hb = dec.pack_rows([{"tokens": r.tokens, "n_new": r.n, "start": r.start, "slot": r.slot,
-                                     "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
+                             "page_table": r.pages} for r in L.rows], T, B, self.ccfg)
         from_prev = np.zeros((B,), bool)
         sample_mask = np.zeros((B,), bool)
         step = np.zeros((B,), np.int32)
@@ -1028,7 +1028,7 @@ class Runner:
 
     def _load(self, op: LoadOp) -> None:
         """A host-tier hit: the entry's pages into the request's fresh pages, its snapshot into the slot."""
-        blocks, row = self.prefix_caches[dp_layout.rank_of_slot(self.ccfg, op.slot)].host_store[op.key]
+        blocks, row = self.prefix_caches[kvc.slot_rank(self.ccfg, op.slot)].host_store[op.key]
         kw = dict(page_size=self.ccfg.page_size, ratios=self._ratios)
         for p, blk in zip(op.dst_pages, blocks):
             self.state = _scatter_page(self.state, blk, np.int32(p), **kw)

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.model import cache as kvc
 from dsv41_jax.parallel import plan as mesh_plan
-from dsv41_jax.serving import dp_layout
 from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
 
@@ -233,8 +233,8 @@ class DSparkSpeculator:
         B = L.B
         anchor = np.zeros((B,), np.int32)
         start = np.zeros((B,), np.int32)
-        slot = dp_layout.pad_slots(self.ccfg, B)
-        pt = dp_layout.pad_pages(self.ccfg, B)
+        slot = kvc.padding_slots(self.ccfg, B)
+        pt = kvc.padding_pages(self.ccfg, B)
         active = np.zeros((B,), bool)
         step = np.zeros((B,), np.int32)
         for b, r in enumerate(L.rows):
