@@ -4,7 +4,7 @@ are the SAME BITS as without copies (deterministic mode and --dtype exact), for 
 (all_to_all) and the psum backend (none); a replicated expert's rows are spread over its copies (counted by the
 dispatch itself); the refusals.
 
-8 fake CPU devices; tiny shapes (the tiny config's layer-3 experts for the dispatch, mesh_micro for the decode
+8 fake CPU devices; tiny shapes (the tiny config's layer-3 experts for the dispatch, `eplb_cfg` for the decode
 step), each test one token count so its cases share one compiled program.
 """
 
@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 import configs
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
-from dsv41_jax.model import moe
+from dsv41_jax.model import layer_scan, moe
+from dsv41_jax.model.config import _engram_rows
 from dsv41_jax.model.params import init_params
 from dsv41_jax.parallel import eplb, rules
 from dsv41_jax.parallel import moe_dispatch as md
@@ -112,16 +113,28 @@ B, T = 2, 4
 CCFG = kvc.CacheConfig(page_size=8, num_pages=8, max_slots=2, max_pages_per_seq=2, retrieval_block=4)
 
 
+def eplb_cfg():
+    """`configs.mesh_micro`'s MoE (8 routed, 8 draft experts) on window-only attention: layer 0 with Engram (a
+    run of one) and layers 1-2 one layer-scan run, so the step has an unscanned layer and a scanned run whose
+    layers place their experts differently. What these tests are about is the MoE: the ratio-2 / ratio-1
+    attention layers micro adds only lengthen each compile (the three decode-step cells: 85 -> 67 s in one process)."""
+    return configs.mesh_micro().replace(
+        compress_ratios=(0, 0, 0, 0), kv_source_layer_ids=(), index_source_layer_ids=(),
+        candidate_source_layer_id=None, engram_layer_ids=(0,), engram_num_embeddings=tuple(_engram_rows((0,), 4, 2, 50)),
+        name="eplb_window")
+
+
 @pytest.fixture(scope="module")
 def micro():
-    cfg = configs.mesh_micro().replace(deterministic=True)
+    cfg = eplb_cfg().replace(deterministic=True)
+    assert layer_scan.plan_runs(cfg) == ((0, 1), (1, 2))  # an unscanned layer and a scanned run
     return cfg, init_params(cfg, jax.random.key(0))
 
 
 def _steps(cfg, params, plan):
     """Logits of a 6-token prefill (two chunks) + 2 decode steps of 2 rows on `plan`'s mesh (numpy)."""
     mesh = plan.mesh
-    p = rules.shard_params(params, cfg, mesh)
+    p = layer_scan.stack_layers(rules.shard_params(params, cfg, mesh), cfg)  # the run's layers on one stack
     if plan.expert_location is not None:
         p = eplb.expand_params(p, plan.expert_location)
     step = dec.jitted_extend(cfg, CCFG, all_logits=True, par=plan)
