@@ -60,10 +60,14 @@ def _set_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FLAG}={n}"])
 
 
+_COLLECTIVES = "ragged-all-to-all|all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
+
+
 def collective_bytes(hlo: str) -> dict:
-    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once)."""
+    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once). A
+    ragged-all-to-all's result is its whole receive buffer (sized for the worst case), not the rows sent."""
     out: dict = {}
-    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(" + _COLLECTIVES + r")"
                      r"(-start)?\(")
     for m in pat.finditer(hlo):
         n = 0
@@ -231,7 +235,7 @@ def collective_sources(hlo: str, top: int = 12) -> list:
     """The collectives of an HLO text grouped by (kind, result type, JAX op name from the metadata), the
     largest first: [{"kind", "type", "op_name", "count", "bytes"}] (bytes per step, all instances) — where
     each collective comes from (a `tiling` conditional, a `shard_map` psum, a reshape that reshards, ...)."""
-    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(" + _COLLECTIVES + r")"
                      r"(-start)?\(([^\n]*)")
     groups: dict = {}
     for m in pat.finditer(hlo):
