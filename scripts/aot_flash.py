@@ -63,18 +63,24 @@ def _set_devices(n: int) -> None:
 _COLLECTIVES = "ragged-all-to-all|all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
 
 
+def collectives(hlo: str):
+    """(kind, result type, result bytes, rest of the line) of every collective in an HLO text: an async
+    start once, by its results (a type ``((operands), results)`` without the operands); XLA's ``/*index=N*/``
+    tuple comments dropped first (their "=" would end the type). A ragged-all-to-all's result is its whole
+    receive buffer (sized for the worst case), not the rows sent."""
+    hlo = re.sub(r"/\*.*?\*/", "", hlo)
+    for m in re.finditer(r"=\s*(\(?[^=]*?)\s+(" + _COLLECTIVES + r")(-start)?\(([^\n]*)", hlo):
+        types = re.sub(r"^\(\(.*?\),\s*", "(", m.group(1)) if m.group(3) else m.group(1)
+        n = sum(_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+                for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", types) if dt in _BYTES)
+        yield m.group(2), types, n, m.group(4)
+
+
 def collective_bytes(hlo: str) -> dict:
-    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once). A
-    ragged-all-to-all's result is its whole receive buffer (sized for the worst case), not the rows sent."""
+    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once: `collectives`)."""
     out: dict = {}
-    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(" + _COLLECTIVES + r")"
-                     r"(-start)?\(")
-    for m in pat.finditer(hlo):
-        n = 0
-        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
-            if dt in _BYTES:
-                n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-        out[m.group(2)] = out.get(m.group(2), 0) + n
+    for kind, _, n, _ in collectives(hlo):
+        out[kind] = out.get(kind, 0) + n
     return out
 
 
@@ -235,16 +241,10 @@ def collective_sources(hlo: str, top: int = 12) -> list:
     """The collectives of an HLO text grouped by (kind, result type, JAX op name from the metadata), the
     largest first: [{"kind", "type", "op_name", "count", "bytes"}] (bytes per step, all instances) — where
     each collective comes from (a `tiling` conditional, a `shard_map` psum, a reshape that reshards, ...)."""
-    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(" + _COLLECTIVES + r")"
-                     r"(-start)?\(([^\n]*)")
     groups: dict = {}
-    for m in pat.finditer(hlo):
-        n = 0
-        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
-            if dt in _BYTES:
-                n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-        name = re.search(r'op_name="([^"]*)"', m.group(4))
-        key = (m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1)).strip(), name.group(1) if name else "")
+    for kind, types, n, rest in collectives(hlo):
+        name = re.search(r'op_name="([^"]*)"', rest)
+        key = (kind, re.sub(r"\{[^}]*\}", "", types).strip(), name.group(1) if name else "")
         g = groups.setdefault(key, {"kind": key[0], "type": key[1], "op_name": key[2], "count": 0, "bytes": 0})
         g["count"] += 1
         g["bytes"] += n
@@ -364,6 +364,10 @@ def run(args) -> dict:
     devices = gpu_target_devices(args.gpu_target, n_dev) if args.gpu_target else jax.devices("cpu")
     mesh = make_mesh(args.tp, args.ep, args.dp, cfg=cfg, devices=devices)
     par = mesh_plan.MeshPlan.of(mesh, args.moe_a2a_backend)
+    if par.moe_a2a_backend == "ragged" and not args.gpu_target and not args.memory_only:
+        # refused before tracing (the model would refuse it there too, `moe_dispatch`), never replaced
+        raise ValueError("--moe-a2a-backend ragged: XLA:CPU cannot run ragged_all_to_all; compile it for GPUs "
+                         "with --gpu-target scripts/gpu_specs/h200.txtpb (or use --memory-only / all_to_all)")
     params = rules.param_shapes(cfg, mesh)
     host_bytes = 0
     if args.engram_host_table:
