@@ -419,6 +419,8 @@ def run(args) -> dict:
     }
     budget = (args.hbm_gib - args.reserve_gib) * 2**30
     rep["fit_requests"] = fit_requests(rep, budget, args)
+    if args.attention_cost:
+        rep["attention_cost"] = attention_cost(cfg, args, devices)
     if args.memory_only:
         need = (rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"]
                 + rep["snapshot_pool_bytes_per_device"] + rep["dspark_rings_bytes_per_device"])
@@ -448,6 +450,80 @@ def run(args) -> dict:
     rep["device_bytes_needed"] = need
     rep["fits"] = {"hbm_bytes": int(args.hbm_gib * 2**30), "budget_bytes": int(budget), "fits": need <= budget}
     return rep
+
+
+def attention_layers(params, state, batch, cfg, ccfg, par):
+    """The attention sublayers alone of every layer of `cfg`, on one step's batch: for each layer
+    `decode.attention_cached` (q / kv projections and codes, the compressor and its store writes, the
+    indexer, the sparse attention over window ring + selected compressed entries, the output projection)
+    on the same normed input ``batch["x"]`` [B, T, D] (what the attention sees after mHC's pre-mix, which
+    is not attention work). No Engram, mHC, MoE or head. Returns (each layer's y [B, T, D], the cache with
+    the layers' writes, the window codes and partial groups left for `commit`): every output leads with
+    the batch rows or a cache block (`parallel.dp.rank_step`'s contract), and nothing is dead code."""
+    from dsv41_jax.model import decode as dec
+    from dsv41_jax.model import tiling
+    from dsv41_jax.model.plan import StepPlan
+
+    with tiling.on_mesh(par):
+        dt, tokens, positions, valid, st, pend, _ = dec._step_setup(state, batch, cfg, False)
+        step = StepPlan.of(cfg, par, tokens.shape, ccfg.kv_cache_dtype, keep_all=True)
+        ctx = {"topk": {}, "cand": None}
+        ys = []
+        for i in range(cfg.num_hidden_layers):
+            y, st, ctx, _, pend = dec.attention_cached(step, params["layers"][i]["attn"], batch["x"],
+                                                       cfg.layer_plan(i), st, ctx, batch, positions, valid, cfg,
+                                                       ccfg, dt, pend)
+            ys.append(y)
+    return tuple(ys), st, tuple(w for w in pend.window if w is not None), pend.partial
+
+
+def attention_cost(cfg, args, devices) -> dict:
+    """XLA's cost analysis (per device: the SPMD program is one device's) of `attention_layers` compiled
+    for the step's B x T at ``--context``, twice on the same devices: as this run lays it out (``--dp``:
+    one program per rank, `parallel.dp.rank_step`, each rank its B/D rows and its cache block) and as
+    today's ``--ep <devices>`` does (batch and cache replicated, every device every row). Parameters are
+    the attention sublayers' only, placed by the rules of each mesh. Returns {"layers", "dp": cost,
+    "ep": cost, "ratio": {key: dp / ep}}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.model.numerics import act_dtype
+    from dsv41_jax.parallel import dp as dp_mod
+    from dsv41_jax.parallel import plan as mesh_plan
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    n = len(devices)
+    B, T, per_seq = args.batch, args.tokens, -(-args.context // args.page_size)
+    out = {"layers": cfg.num_hidden_layers}
+    for name, (tp, ep, D) in {"dp": (args.tp, 1, args.dp), "ep": (1, n, 1)}.items():
+        mesh = make_mesh(tp, ep, D, cfg=cfg, devices=devices)
+        par = mesh_plan.MeshPlan.of(mesh, args.moe_a2a_backend if D > 1 else None)
+        ccfg = kvc.CacheConfig(page_size=args.page_size, num_pages=B * per_seq + D, max_slots=B,
+                               max_pages_per_seq=per_seq, dp=D)
+        params = rules.param_shapes(cfg, mesh)
+        params = {"layers": [{"attn": lp["attn"]} for lp in params["layers"]]}
+        cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                       jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg)),
+                                       rules.cache_shardings(cfg, ccfg, mesh))
+        bsh = rules.batch_shardings(mesh)
+        shapes = {"tokens": (B, T), "start": (B,), "n_new": (B,), "slot": (B,), "page_table": (B, per_seq)}
+        batch = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=bsh[k]) for k, v in shapes.items()}
+        rows = bsh["tokens"].spec[0]
+        batch["x"] = jax.ShapeDtypeStruct((B, T, cfg.hidden_size), act_dtype(cfg),
+                                          sharding=NamedSharding(mesh, PartitionSpec(rows, None, None)))
+
+        def fn(params, state, batch, ccfg, par):
+            return attention_layers(params, state, batch, cfg, ccfg, par)
+
+        step = dp_mod.rank_step(fn, par, ccfg, jax.tree_util.tree_map(lambda a: a.sharding, params))
+        with _traced_as("gpu" if args.gpu_target else None):
+            compiled = jax.jit(step).lower(params, cache, batch).compile()
+        out[name] = _cost(compiled)
+    out["ratio"] = {k: out["dp"][k] / out["ep"][k] for k in out["dp"] if out["ep"].get(k)}
+    return out
 
 
 def _mesh_devices(args) -> int:
@@ -539,6 +615,13 @@ def _table(rep: dict) -> str:
         rows.append((f"XLA {k.replace('_size_in_bytes', '')}", f"{v / g:10.3f} GiB"))
     for k, v in rep.get("cost_analysis", {}).items():
         rows.append((f"cost: {k}", f"{v:.4g}"))
+    att = rep.get("attention_cost")
+    if att:
+        for k in ("flops", "bytes accessed"):
+            if k in att["ratio"]:
+                rows.append((f"attention {k} per device ({att['layers']} layers)",
+                             f"{att['dp'][k]:.4g} vs {att['ep'][k]:.4g} with ep={rep['devices']}: "
+                             f"{att['ratio'][k]:.3f}x (1/{1 / att['ratio'][k]:.1f})"))
     for k, v in rep["moe_collective_bytes"].items():
         rows.append((f"MoE collectives ({k}, shapes)", f"{v / 2**20:10.3f} MiB/step"))
     for k, v in sorted(rep.get("collective_bytes", {}).items()):
@@ -593,6 +676,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefix-cache snapshot rows (default 4 x --batch and at least 64, the server's default)")
     ap.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
                     help="count the DSpark draft's rings (and list its parameters); default on")
+    ap.add_argument("--attention-cost", action="store_true",
+                    help="also compile the attention sublayers alone (every layer's projections, compressor, "
+                         "indexer and sparse attention at this B, T and context) on this mesh and on ep over "
+                         "the same devices, and print XLA's per-device FLOPs and bytes of each")
     ap.add_argument("--memory-only", action="store_true",
                     help="the per-device memory table only: no lowering or compiling")
     ap.add_argument("--kernel-table", default=None, metavar="TSV",

@@ -21,6 +21,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import test_dp_attention as dpa
 
@@ -30,11 +31,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"  # XLA_FLAGS from the test: 4 devices, the s
 sys.path.insert(0, sys.argv[1])  # tests/: configs and test_dp_attention's schedule
 from dsv41_jax.parallel.distributed import initialize
 assert initialize()  # DSV41_COORDINATOR_ADDRESS / DSV41_NUM_PROCESSES / DSV41_PROCESS_ID
+import functools
 import jax, numpy as np
 from jax.experimental import multihost_utils
 import test_dp_attention as dpa
-from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
+from dsv41_jax.model import dspark
 from dsv41_jax.model.params import init_params
 from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import make_mesh
@@ -45,24 +47,48 @@ def place(tree, shardings):  # host arrays onto global shardings: each process f
     return jax.tree_util.tree_map(
         lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i, x=np.asarray(x): x[i]), tree, shardings)
 
+def gather(tree, prefix):  # every leaf to every process, as its bits (npz has no bf16 / fp8 dtypes)
+    for j, leaf in enumerate(jax.tree_util.tree_leaves(tree)):
+        x = multihost_utils.process_allgather(leaf, tiled=True)
+        out[f"{prefix}.{j}"] = x.view(f"u{x.dtype.itemsize}")
+
 cfg = dpa._mode_cfg(dpa.configs.mesh_micro(), "deterministic")
 params = init_params(cfg, jax.random.key(0))
-ccfg = dpa._ccfg(8)
-mesh = make_mesh(tp=1, dp=8, cfg=cfg)
+dp, tp = dpa.MESHES[sys.argv[3]]
+ccfg = dpa._ccfg(dp)
+mesh = make_mesh(tp=tp, dp=dp, cfg=cfg)
 assert mesh.devices.flat[0].process_index != mesh.devices.flat[-1].process_index  # ranks on both processes
+par = MeshPlan.of(mesh)
 p = rules.shard_params(params, cfg, mesh)
-host = jax.tree_util.tree_map(np.asarray, dpa._fresh_state(cfg, ccfg, params, None))  # as _run's, on the host
-state = place(host, rules.cache_shardings(cfg, ccfg, mesh))
-step = dec.jitted_extend(cfg, ccfg, all_logits=True, par=MeshPlan.of(mesh))
+host = dpa._fresh_state(cfg, ccfg, params, None)  # as the reference's, built on the host
 bsh = rules.batch_shardings(mesh)
 out = {}
-for i, bt in enumerate(dpa._schedule(ccfg)):
-    lg, state = step(p, state, place(bt, {k: bsh[k] for k in bt}))
-    out[f"logits.{i}"] = multihost_utils.process_allgather(lg, tiled=True)
-for j, leaf in enumerate(jax.tree_util.tree_leaves(state)):
-    assert leaf.sharding.spec[0] == "dp", leaf.sharding
-    x = multihost_utils.process_allgather(leaf, tiled=True)
-    out[f"state.{j}"] = x.view(f"u{x.dtype.itemsize}")  # the bits (npz has no bf16 / fp8 dtypes)
+if sys.argv[4] == "decode":  # test_dp_attention._run
+    state = place(host, rules.cache_shardings(cfg, ccfg, mesh))
+    step = dec.jitted_extend(cfg, ccfg, all_logits=True, par=par)
+    for i, bt in enumerate(dpa._schedule(ccfg)):
+        lg, state = step(p, state, place(bt, {k: bsh[k] for k in bt}))
+        gather(lg, f"logits.{i}")
+    assert all(leaf.sharding.spec[0] == "dp" for leaf in jax.tree_util.tree_leaves(state))
+    gather(state, "state")
+else:  # test_dp_attention._dspark_run: the seeding steps, then one proposal
+    host = dspark.with_rings(host, cfg, ccfg)
+    state = place(host, rules.state_shardings(host, mesh))
+
+    def propose(params, state, batch, ccfg, par):
+        return dspark.propose(params, state["dspark"], batch["anchor"], batch["start"], batch["slot"], cfg, ccfg,
+                              par=par)
+
+    seed = jax.jit(par.rank_step(functools.partial(dspark.extend_seeding, cfg=cfg), cfg, ccfg))
+    sched = dpa._schedule(ccfg)
+    for i, bt in enumerate(sched):
+        lg, state = seed(p, state, place(bt, {k: bsh[k] for k in bt}))
+        gather(lg, f"logits.{i}")
+    last = sched[-1]
+    pb = {"anchor": np.full((dpa.B,), 7, np.int32), "start": last["start"] + last["n_new"], "slot": last["slot"]}
+    prop = jax.jit(par.rank_step(propose, cfg, ccfg))(p, state, place(pb, {k: bsh["slot"] for k in pb}))
+    gather(state, "state")
+    gather(prop, "proposal")
 np.savez(sys.argv[2] + f".{jax.process_index()}.npz", **out)
 """
 
@@ -98,22 +124,40 @@ def run_workers(worker: str, args: list, timeout: float = 600) -> None:
         assert p.returncode == 0, f"process {pid}:\n{lg[-3000:]}"
 
 
-def test_dp8_two_processes_equal_one_process(cpu8, tmp_path):
-    """dp=8 over 2 processes x 4 devices == dp=8 in one process x 8 devices, bitwise (module doc)."""
-    cfg = dpa._mode_cfg(dpa.configs.mesh_micro(), "deterministic")
-    params = dpa.init_params(cfg, jax.random.key(0))
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(f"u{x.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("layout,what", [("dp8", "decode"),
+                                         # two more compiles per process (seeding, proposal): the slow tier
+                                         pytest.param("dp4xtp2", "dspark", marks=pytest.mark.slow)])
+def test_two_processes_equal_one_process(cpu8, tmp_path, layout, what):
+    """The dp step over 2 processes x 4 devices == the same mesh in one process x 8 devices, bitwise: the
+    decode steps (dp=8) or DSpark's seeding steps and a block proposal (dp=4 x tp=2) (module doc)."""
     from dsv41_jax.parallel.mesh import make_mesh
 
-    ref_logits, ref_state, _ = dpa._run(cfg, params, dpa._ccfg(8), make_mesh(tp=1, dp=8, cfg=cfg))
+    cfg = dpa._mode_cfg(dpa.configs.mesh_micro(), "deterministic")
+    params = dpa.init_params(cfg, jax.random.key(0))
+    dp, tp = dpa.MESHES[layout]
+    mesh = make_mesh(tp=tp, dp=dp, cfg=cfg)
+    if what == "decode":
+        ref_logits, ref_state, _ = dpa._run(cfg, params, dpa._ccfg(dp), mesh)
+        ref = {"state": ref_state}
+    else:
+        ref_logits, ref_state, ref_prop = dpa._dspark_run(cfg, params, dpa._ccfg(dp), mesh)
+        ref = {"state": ref_state, "proposal": ref_prop}
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    run_workers(_WORKER, [tests_dir, str(tmp_path / "out")])
-    leaves = jax.tree_util.tree_flatten_with_path(ref_state)[0]
+    run_workers(_WORKER, [tests_dir, str(tmp_path / "out"), layout, what])
+    want = {f"logits.{i}.0": _bits(lg) for i, lg in enumerate(ref_logits)}
+    names = {}
+    for prefix, tree in ref.items():
+        for j, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+            want[f"{prefix}.{j}"] = _bits(leaf)
+            names[f"{prefix}.{j}"] = prefix + jax.tree_util.keystr(path)
     for pid in range(2):
         got = np.load(tmp_path / f"out.{pid}.npz")
-        assert len(got.files) == len(ref_logits) + len(leaves)
-        for i, want in enumerate(ref_logits):
-            np.testing.assert_array_equal(got[f"logits.{i}"], want, err_msg=f"process {pid}: logits, step {i}")
-        for j, (path, want) in enumerate(leaves):
-            np.testing.assert_array_equal(got[f"state.{j}"], want.view(f"u{want.dtype.itemsize}"),
-                                          err_msg=f"process {pid}: cache {jax.tree_util.keystr(path)}")
+        assert sorted(got.files) == sorted(want)
+        for k, w in want.items():
+            np.testing.assert_array_equal(got[k], w, err_msg=f"process {pid}: {names.get(k, k)}")
     assert np.abs(ref_logits[0][0]).max() > 0  # the real rows ran the model
