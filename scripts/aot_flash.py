@@ -483,7 +483,10 @@ def attention_cost(cfg, args, devices) -> dict:
     one program per rank, `parallel.dp.rank_step`, each rank its B/D rows and its cache block) and as
     today's ``--ep <devices>`` does (batch and cache replicated, every device every row). Parameters are
     the attention sublayers' only, placed by the rules of each mesh. Returns {"layers", "dp": cost,
-    "ep": cost, "ratio": {key: dp / ep}}."""
+    "ep": cost, "ratio": {key: dp / ep}}; each cost also carries ``weight_bytes``, the attention weights
+    per device (the part of "bytes accessed" no row split reduces). Fake CPU devices only: XLA:CPU's
+    analysis counts its own lowering (fp8 weights dequantized in row tiles), which inflates the
+    row-independent bytes; the compile-only GPU executable has no cost analysis (refused)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -495,7 +498,8 @@ def attention_cost(cfg, args, devices) -> dict:
     from dsv41_jax.parallel import rules
     from dsv41_jax.parallel.mesh import make_mesh
 
-    n = len(devices)
+    n = _mesh_devices(args)
+    devices = list(devices)[:n]
     B, T, per_seq = args.batch, args.tokens, -(-args.context // args.page_size)
     out = {"layers": cfg.num_hidden_layers}
     for name, (tp, ep, D) in {"dp": (args.tp, 1, args.dp), "ep": (1, n, 1)}.items():
@@ -521,7 +525,13 @@ def attention_cost(cfg, args, devices) -> dict:
         step = dp_mod.rank_step(fn, par, ccfg, jax.tree_util.tree_map(lambda a: a.sharding, params))
         with _traced_as("gpu" if args.gpu_target else None):
             compiled = jax.jit(step).lower(params, cache, batch).compile()
-        out[name] = _cost(compiled)
+        cost = _cost(compiled)
+        if not cost:
+            raise ValueError("--attention-cost: XLA gave no cost analysis for this target (the compile-only GPU "
+                             "executable has none); run it on fake CPU devices")
+        # the attention weights each device holds: read once per step whatever the rows, so DP cannot divide them
+        cost["weight_bytes"] = max(rules.param_bytes_per_device(params).values())
+        out[name] = cost
     out["ratio"] = {k: out["dp"][k] / out["ep"][k] for k in out["dp"] if out["ep"].get(k)}
     return out
 
@@ -622,6 +632,8 @@ def _table(rep: dict) -> str:
                 rows.append((f"attention {k} per device ({att['layers']} layers)",
                              f"{att['dp'][k]:.4g} vs {att['ep'][k]:.4g} with ep={rep['devices']}: "
                              f"{att['ratio'][k]:.3f}x (1/{1 / att['ratio'][k]:.1f})"))
+        rows.append(("attention weights per device", f"{att['dp']['weight_bytes'] / 2**20:.1f} vs "
+                                                     f"{att['ep']['weight_bytes'] / 2**20:.1f} MiB (read whatever the rows)"))
     for k, v in rep["moe_collective_bytes"].items():
         rows.append((f"MoE collectives ({k}, shapes)", f"{v / 2**20:10.3f} MiB/step"))
     for k, v in sorted(rep.get("collective_bytes", {}).items()):
