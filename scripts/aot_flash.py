@@ -468,9 +468,10 @@ def attention_layers(params, state, batch, cfg, ccfg, par):
         dt, tokens, positions, valid, st, pend, _ = dec._step_setup(state, batch, cfg, False)
         step = StepPlan.of(cfg, par, tokens.shape, ccfg.kv_cache_dtype, keep_all=True)
         ctx = {"topk": {}, "cand": None}
+        x = par.replicated(batch["x"]) if par is not None else batch["x"]  # as `transformer.enter` hands it
         ys = []
         for i in range(cfg.num_hidden_layers):
-            y, st, ctx, _, pend = dec.attention_cached(step, params["layers"][i]["attn"], batch["x"],
+            y, st, ctx, _, pend = dec.attention_cached(step, params["layers"][i]["attn"], x,
                                                        cfg.layer_plan(i), st, ctx, batch, positions, valid, cfg,
                                                        ccfg, dt, pend)
             ys.append(y)
@@ -523,8 +524,13 @@ def attention_cost(cfg, args, devices) -> dict:
             return attention_layers(params, state, batch, cfg, ccfg, par)
 
         step = dp_mod.rank_step(fn, par, ccfg, jax.tree_util.tree_map(lambda a: a.sharding, params))
-        with _traced_as("gpu" if args.gpu_target else None):
-            compiled = jax.jit(step).lower(params, cache, batch).compile()
+        try:
+            with _traced_as("gpu" if args.gpu_target else None):
+                compiled = jax.jit(step).lower(params, cache, batch).compile()
+        except jax.errors.JaxRuntimeError as e:  # e.g. dp x tp on fake CPU devices: XLA:CPU's HLO verifier
+            # refuses the weight row tiles' conditionals inside a rank ("Inconsistent conditional sharding")
+            raise ValueError(f"--attention-cost: XLA could not compile the attention layers on the {name} mesh: "
+                             f"{str(e).splitlines()[0][:200]}") from e
         cost = _cost(compiled)
         if not cost:
             raise ValueError("--attention-cost: XLA gave no cost analysis for this target (the compile-only GPU "
