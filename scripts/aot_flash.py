@@ -18,6 +18,15 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
 * cache bytes per device (replicated, see `parallel.rules`; split over the ranks with ``--dp``) for the batch
   and context, and how many requests of ``--context`` tokens fit next to the parameters (``fit_requests``);
 * the MoE's collective bytes per device and step by backend, from shapes (`moe_dispatch.moe_collective_bytes`);
+* with ``--attention-cost``: attention's own per-device FLOPs and bytes, isolated by compiling the attention
+  sublayers alone (`attention_layers`: every layer's projections, compressor, indexer and sparse attention over
+  the window ring and the selected compressed entries, on one normed input; no Engram, mHC, MoE or head) at the
+  step's B x T and ``--context``, on this mesh and as today's ``--ep <devices>`` lays it out on the same
+  devices (batch and cache replicated), and reading XLA's cost analysis of each (`attention_cost`; fake CPU
+  devices only: the compile-only GPU executable has no cost analysis). The attention weights per device are
+  printed beside them: read once per step whatever the rows, they are the part of the bytes no row split divides;
+* ``--moe-a2a-backend ragged`` compiles only for a GPU target (``--gpu-target``): on fake CPU devices it is refused
+  before tracing (XLA:CPU cannot run ``ragged_all_to_all``);
 * the prefix cache's snapshot pool per device (``--radix-cache-snapshots`` rows, default 4 x batch and at
   least 64, as the server's default; placed by the cache's rules) and what one point costs, and the DSpark draft per device:
   its parameters (the ``mtp`` stages, part of the parameter totals) and its rings for the batch's slots;
