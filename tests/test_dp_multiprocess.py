@@ -3,7 +3,9 @@ fake CPU devices = one dp=8 mesh; the decode step (`parallel.dp.rank_step` via `
 MoE dispatched to the experts on all 8 devices with `--moe-a2a-backend all_to_all`, the Engram rows
 gathered across ranks) run on `test_dp_attention`'s schedule equals the one-process 8-device run bit for
 bit: every step's logits and every cache array (each rank's slot rows and pool pages), in the
-deterministic mode.
+deterministic mode. The slow tier does the same for DSpark (`dspark.extend_seeding` steps and a block
+proposal, `test_dp_attention._dspark_run`) on dp=4 x tp=2. The default case costs ~33 s of CPU in all
+(the reference compile and the two workers'), ~70 s wall on the loaded 2-core VM.
 
 Each worker builds the same host inputs (parameters from the same key, the fresh cache, the schedule's
 batches) and places them with `jax.make_array_from_callback` (each process fills its own devices' blocks:
