@@ -18,6 +18,15 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
 * cache bytes per device (replicated, see `parallel.rules`; split over the ranks with ``--dp``) for the batch
   and context, and how many requests of ``--context`` tokens fit next to the parameters (``fit_requests``);
 * the MoE's collective bytes per device and step by backend, from shapes (`moe_dispatch.moe_collective_bytes`);
+* with ``--attention-cost``: attention's own per-device FLOPs and bytes, isolated by compiling the attention
+  sublayers alone (`attention_layers`: every layer's projections, compressor, indexer and sparse attention over
+  the window ring and the selected compressed entries, on one normed input; no Engram, mHC, MoE or head) at the
+  step's B x T and ``--context``, on this mesh and as today's ``--ep <devices>`` lays it out on the same
+  devices (batch and cache replicated), and reading XLA's cost analysis of each (`attention_cost`; fake CPU
+  devices only: the compile-only GPU executable has no cost analysis). The attention weights per device are
+  printed beside them: read once per step whatever the rows, they are the part of the bytes no row split divides;
+* ``--moe-a2a-backend ragged`` compiles only for a GPU target (``--gpu-target``): on fake CPU devices it is refused
+  before tracing (XLA:CPU cannot run ``ragged_all_to_all``);
 * the prefix cache's snapshot pool per device (``--radix-cache-snapshots`` rows, default 4 x batch and at
   least 64, as the server's default; placed by the cache's rules) and what one point costs, and the DSpark draft per device:
   its parameters (the ``mtp`` stages, part of the parameter totals) and its rings for the batch's slots;
@@ -60,17 +69,27 @@ def _set_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FLAG}={n}"])
 
 
+_COLLECTIVES = "ragged-all-to-all|all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
+
+
+def collectives(hlo: str):
+    """(kind, result type, result bytes, rest of the line) of every collective in an HLO text: an async
+    start once, by its results (a type ``((operands), results)`` without the operands); XLA's ``/*index=N*/``
+    tuple comments dropped first (their "=" would end the type). A ragged-all-to-all's result is its whole
+    receive buffer (sized for the worst case), not the rows sent."""
+    hlo = re.sub(r"/\*.*?\*/", "", hlo)
+    for m in re.finditer(r"=\s*(\(?[^=]*?)\s+(" + _COLLECTIVES + r")(-start)?\(([^\n]*)", hlo):
+        types = re.sub(r"^\(\(.*?\),\s*", "(", m.group(1)) if m.group(3) else m.group(1)
+        n = sum(_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+                for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", types) if dt in _BYTES)
+        yield m.group(2), types, n, m.group(4)
+
+
 def collective_bytes(hlo: str) -> dict:
-    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once)."""
+    """{kind: bytes} of the collectives' results in an HLO text (tuples summed; async starts once: `collectives`)."""
     out: dict = {}
-    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
-                     r"(-start)?\(")
-    for m in pat.finditer(hlo):
-        n = 0
-        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
-            if dt in _BYTES:
-                n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-        out[m.group(2)] = out.get(m.group(2), 0) + n
+    for kind, _, n, _ in collectives(hlo):
+        out[kind] = out.get(kind, 0) + n
     return out
 
 
@@ -231,16 +250,10 @@ def collective_sources(hlo: str, top: int = 12) -> list:
     """The collectives of an HLO text grouped by (kind, result type, JAX op name from the metadata), the
     largest first: [{"kind", "type", "op_name", "count", "bytes"}] (bytes per step, all instances) — where
     each collective comes from (a `tiling` conditional, a `shard_map` psum, a reshape that reshards, ...)."""
-    pat = re.compile(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
-                     r"(-start)?\(([^\n]*)")
     groups: dict = {}
-    for m in pat.finditer(hlo):
-        n = 0
-        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
-            if dt in _BYTES:
-                n += _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-        name = re.search(r'op_name="([^"]*)"', m.group(4))
-        key = (m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1)).strip(), name.group(1) if name else "")
+    for kind, types, n, rest in collectives(hlo):
+        name = re.search(r'op_name="([^"]*)"', rest)
+        key = (kind, re.sub(r"\{[^}]*\}", "", types).strip(), name.group(1) if name else "")
         g = groups.setdefault(key, {"kind": key[0], "type": key[1], "op_name": key[2], "count": 0, "bytes": 0})
         g["count"] += 1
         g["bytes"] += n
@@ -360,6 +373,10 @@ def run(args) -> dict:
     devices = gpu_target_devices(args.gpu_target, n_dev) if args.gpu_target else jax.devices("cpu")
     mesh = make_mesh(args.tp, args.ep, args.dp, cfg=cfg, devices=devices)
     par = mesh_plan.MeshPlan.of(mesh, args.moe_a2a_backend)
+    if par.moe_a2a_backend == "ragged" and not args.gpu_target and not args.memory_only:
+        # refused before tracing (the model would refuse it there too, `moe_dispatch`), never replaced
+        raise ValueError("--moe-a2a-backend ragged: XLA:CPU cannot run ragged_all_to_all; compile it for GPUs "
+                         "with --gpu-target scripts/gpu_specs/h200.txtpb (or use --memory-only / all_to_all)")
     params = rules.param_shapes(cfg, mesh)
     host_bytes = 0
     if args.engram_host_table:
@@ -411,6 +428,8 @@ def run(args) -> dict:
     }
     budget = (args.hbm_gib - args.reserve_gib) * 2**30
     rep["fit_requests"] = fit_requests(rep, budget, args)
+    if args.attention_cost:
+        rep["attention_cost"] = attention_cost(cfg, args, devices)
     if args.memory_only:
         need = (rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"]
                 + rep["snapshot_pool_bytes_per_device"] + rep["dspark_rings_bytes_per_device"])
@@ -440,6 +459,96 @@ def run(args) -> dict:
     rep["device_bytes_needed"] = need
     rep["fits"] = {"hbm_bytes": int(args.hbm_gib * 2**30), "budget_bytes": int(budget), "fits": need <= budget}
     return rep
+
+
+def attention_layers(params, state, batch, cfg, ccfg, par):
+    """The attention sublayers alone of every layer of `cfg`, on one step's batch: for each layer
+    `decode.attention_cached` (q / kv projections and codes, the compressor and its store writes, the
+    indexer, the sparse attention over window ring + selected compressed entries, the output projection)
+    on the same normed input ``batch["x"]`` [B, T, D] (what the attention sees after mHC's pre-mix, which
+    is not attention work). No Engram, mHC, MoE or head. Returns (each layer's y [B, T, D], the cache with
+    the layers' writes, the window codes and partial groups left for `commit`): every output leads with
+    the batch rows or a cache block (`parallel.dp.rank_step`'s contract), and nothing is dead code."""
+    from dsv41_jax.model import decode as dec
+    from dsv41_jax.model import tiling
+    from dsv41_jax.model.plan import StepPlan
+
+    with tiling.on_mesh(par):
+        dt, tokens, positions, valid, st, pend, _ = dec._step_setup(state, batch, cfg, False)
+        step = StepPlan.of(cfg, par, tokens.shape, ccfg.kv_cache_dtype, keep_all=True)
+        ctx = {"topk": {}, "cand": None}
+        x = par.replicated(batch["x"]) if par is not None else batch["x"]  # as `transformer.enter` hands it
+        ys = []
+        for i in range(cfg.num_hidden_layers):
+            y, st, ctx, _, pend = dec.attention_cached(step, params["layers"][i]["attn"], x,
+                                                       cfg.layer_plan(i), st, ctx, batch, positions, valid, cfg,
+                                                       ccfg, dt, pend)
+            ys.append(y)
+    return tuple(ys), st, tuple(w for w in pend.window if w is not None), pend.partial
+
+
+def attention_cost(cfg, args, devices) -> dict:
+    """XLA's cost analysis (per device: the SPMD program is one device's) of `attention_layers` compiled
+    for the step's B x T at ``--context``, twice on the same devices: as this run lays it out (``--dp``:
+    one program per rank, `parallel.dp.rank_step`, each rank its B/D rows and its cache block) and as
+    today's ``--ep <devices>`` does (batch and cache replicated, every device every row). Parameters are
+    the attention sublayers' only, placed by the rules of each mesh. Returns {"layers", "dp": cost,
+    "ep": cost, "ratio": {key: dp / ep}}; each cost also carries ``weight_bytes``, the attention weights
+    per device (the part of "bytes accessed" no row split reduces). Fake CPU devices only: XLA:CPU's
+    analysis counts its own lowering (fp8 weights dequantized in row tiles), which inflates the
+    row-independent bytes; the compile-only GPU executable has no cost analysis (refused)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.model.numerics import act_dtype
+    from dsv41_jax.parallel import dp as dp_mod
+    from dsv41_jax.parallel import plan as mesh_plan
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    n = _mesh_devices(args)
+    devices = list(devices)[:n]
+    B, T, per_seq = args.batch, args.tokens, -(-args.context // args.page_size)
+    out = {"layers": cfg.num_hidden_layers}
+    for name, (tp, ep, D) in {"dp": (args.tp, 1, args.dp), "ep": (1, n, 1)}.items():
+        mesh = make_mesh(tp, ep, D, cfg=cfg, devices=devices)
+        par = mesh_plan.MeshPlan.of(mesh, args.moe_a2a_backend if D > 1 else None)
+        ccfg = kvc.CacheConfig(page_size=args.page_size, num_pages=B * per_seq + D, max_slots=B,
+                               max_pages_per_seq=per_seq, dp=D)
+        params = rules.param_shapes(cfg, mesh)
+        params = {"layers": [{"attn": lp["attn"]} for lp in params["layers"]]}
+        cache = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                       jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg)),
+                                       rules.cache_shardings(cfg, ccfg, mesh))
+        bsh = rules.batch_shardings(mesh)
+        shapes = {"tokens": (B, T), "start": (B,), "n_new": (B,), "slot": (B,), "page_table": (B, per_seq)}
+        batch = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=bsh[k]) for k, v in shapes.items()}
+        rows = bsh["tokens"].spec[0]
+        batch["x"] = jax.ShapeDtypeStruct((B, T, cfg.hidden_size), act_dtype(cfg),
+                                          sharding=NamedSharding(mesh, PartitionSpec(rows, None, None)))
+
+        def fn(params, state, batch, ccfg, par):
+            return attention_layers(params, state, batch, cfg, ccfg, par)
+
+        step = dp_mod.rank_step(fn, par, ccfg, jax.tree_util.tree_map(lambda a: a.sharding, params))
+        try:
+            with _traced_as("gpu" if args.gpu_target else None):
+                compiled = jax.jit(step).lower(params, cache, batch).compile()
+        except jax.errors.JaxRuntimeError as e:  # e.g. dp x tp on fake CPU devices: XLA:CPU's HLO verifier
+            # refuses the weight row tiles' conditionals inside a rank ("Inconsistent conditional sharding")
+            raise ValueError(f"--attention-cost: XLA could not compile the attention layers on the {name} mesh: "
+                             f"{str(e).splitlines()[0][:200]}") from e
+        cost = _cost(compiled)
+        if not cost:
+            raise ValueError("--attention-cost: XLA gave no cost analysis for this target (the compile-only GPU "
+                             "executable has none); run it on fake CPU devices")
+        # the attention weights each device holds: read once per step whatever the rows, so DP cannot divide them
+        cost["weight_bytes"] = max(rules.param_bytes_per_device(params).values())
+        out[name] = cost
+    out["ratio"] = {k: out["dp"][k] / out["ep"][k] for k in out["dp"] if out["ep"].get(k)}
+    return out
 
 
 def _mesh_devices(args) -> int:
@@ -531,6 +640,15 @@ def _table(rep: dict) -> str:
         rows.append((f"XLA {k.replace('_size_in_bytes', '')}", f"{v / g:10.3f} GiB"))
     for k, v in rep.get("cost_analysis", {}).items():
         rows.append((f"cost: {k}", f"{v:.4g}"))
+    att = rep.get("attention_cost")
+    if att:
+        for k in ("flops", "bytes accessed"):
+            if k in att["ratio"]:
+                rows.append((f"attention {k} per device ({att['layers']} layers)",
+                             f"{att['dp'][k]:.4g} vs {att['ep'][k]:.4g} with ep={rep['devices']}: "
+                             f"{att['ratio'][k]:.3f}x (1/{1 / att['ratio'][k]:.1f})"))
+        rows.append(("attention weights per device", f"{att['dp']['weight_bytes'] / 2**20:.1f} vs "
+                                                     f"{att['ep']['weight_bytes'] / 2**20:.1f} MiB (read whatever the rows)"))
     for k, v in rep["moe_collective_bytes"].items():
         rows.append((f"MoE collectives ({k}, shapes)", f"{v / 2**20:10.3f} MiB/step"))
     for k, v in sorted(rep.get("collective_bytes", {}).items()):
@@ -585,6 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefix-cache snapshot rows (default 4 x --batch and at least 64, the server's default)")
     ap.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
                     help="count the DSpark draft's rings (and list its parameters); default on")
+    ap.add_argument("--attention-cost", action="store_true",
+                    help="also compile the attention sublayers alone (every layer's projections, compressor, "
+                         "indexer and sparse attention at this B, T and context) on this mesh and on ep over "
+                         "the same devices, and print XLA's per-device FLOPs and bytes of each")
     ap.add_argument("--memory-only", action="store_true",
                     help="the per-device memory table only: no lowering or compiling")
     ap.add_argument("--kernel-table", default=None, metavar="TSV",

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 import time
 
@@ -28,22 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import aot_flash  # noqa: E402  (scripts/: the compile-only devices, the device-count flag, dtype sizes)
 
-_OPS = ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce", "collective-permute", "reduce-scatter")
-_OP_RE = re.compile(r"=\s*(\(?[^=]*?)\s+(" + "|".join(_OPS) + r")(-start)?\(")
-
-
 def hlo_collectives(hlo: str) -> tuple:
-    """({op: count}, {op: result bytes}) of the collectives in an HLO text (an async start once, by its
-    result: its type is ((operands), results))."""
+    """({op: count}, {op: result bytes}) of the collectives in an HLO text (`aot_flash.collectives`: an
+    async start once, by its results)."""
     count: dict = {}
     nbytes: dict = {}
-    hlo = re.sub(r"/\*.*?\*/", "", hlo)  # XLA marks long tuples with /*index=5*/: an "=" inside the type
-    for m in _OP_RE.finditer(hlo):
-        op, types = m.group(2), m.group(1)
-        if m.group(3):
-            types = re.sub(r"^\(\(.*?\),", "(", types)
-        n = sum(aot_flash._BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", types) if dt in aot_flash._BYTES)
+    for op, _, n, _ in aot_flash.collectives(hlo):
         count[op] = count.get(op, 0) + 1
         nbytes[op] = nbytes.get(op, 0) + n
     return count, nbytes

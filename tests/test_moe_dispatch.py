@@ -317,6 +317,45 @@ def test_ragged_compiles_for_h200(tmp_path):
     assert rep["hlo_ops"] == {"ragged-all-to-all": 4, "all-gather": 1}
 
 
+def test_ragged_dp_step_compiles_for_h200(tmp_path):
+    """scripts/aot_flash.py --dp 8 --moe-a2a-backend ragged: the data-parallel decode step (one program per
+    rank, `parallel.dp`) of a one-layer flash cut at B = 64, lowered and compiled for 8 compile-only H200
+    devices, its MoE dispatching through ragged all-to-alls (activations, ids, weights out; outputs back)
+    and the n x n counts all-gathered. ~25 s of XLA's GPU compiler; skipped without JAX's CUDA plugin."""
+    plugin = _plugin_dir()
+    if plugin is None:
+        pytest.skip("JAX's CUDA PJRT plugin is not installed (pip install jax-cuda12-plugin==<jax version>)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(p for p in (plugin, root, os.environ.get("PYTHONPATH", "")) if p))
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "aot_flash.py"), "--dp", "8",
+                        "--moe-a2a-backend", "ragged", "--gpu-target", os.path.join(root, "scripts", "gpu_specs",
+                                                                                    "h200.txtpb"),
+                        "--keep-layers", "0", "--impl", "xla", "--batch", "64", "--context", "4096",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["target"] == "cuda NVIDIA H200" and rep["devices"] == 8 and rep["dp"] == 8
+    ops = rep["kernel_launches"]["by_opcode"]
+    assert ops["ragged-all-to-all-start"] == 4 and ops["all-gather-start"] == 1
+    assert rep["collective_bytes"]["ragged-all-to-all"] > 0 and "all-reduce" not in rep["collective_bytes"]
+
+
+def test_aot_flash_refuses_ragged_on_cpu(cpu8, capsys):
+    """aot_flash --dp 8 --moe-a2a-backend ragged on fake CPU devices: one line, exit 2, before tracing
+    (never silently another backend)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("aot_flash", os.path.join(root, "scripts", "aot_flash.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dp", "8", "--moe-a2a-backend", "ragged", "--keep-layers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --moe-a2a-backend ragged: XLA:CPU cannot run ragged_all_to_all" in err and "--gpu-target" in err
+
+
 # ------------------------------------------------------------------------------------------ sizing
 
 

@@ -635,3 +635,26 @@ def test_split_row_tiles_stay_local(cpu8, tiny_cfg, tiny_params, monkeypatch):
     for g, r in zip(got, ref):
         assert g.sharding.spec[-1] == "tp"  # the output follows the rows' split
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # two more compiles of tiny's attention layers (~15 s alone)
+def test_aot_flash_attention_cost_dp(cpu8, tmp_path):
+    """`aot_flash.py --dp 2 --attention-cost` (tiny): the attention sublayers alone compiled on the dp mesh
+    and on ep over the same 2 devices; per device the dp program does half the rows' work (transcendentals:
+    exactly half; FLOPs and bytes: under ep's, at least half, the weights being read whatever the rows)."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "aot_flash.py")
+    spec = importlib.util.spec_from_file_location("aot_flash", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "att.json"
+    assert mod.main(["--config", "tiny", "--dp", "2", "--batch", "4", "--context", "32", "--page-size", "16",
+                     "--memory-only", "--attention-cost", "--out", str(out)]) == 0
+    att = json.loads(out.read_text())["attention_cost"]
+    assert att["layers"] == 10 and att["dp"]["flops"] > 0
+    assert att["ratio"]["transcendentals"] == 0.5
+    assert 0.5 <= att["ratio"]["flops"] < 1 and 0.5 <= att["ratio"]["bytes accessed"] < 1
+    assert att["dp"]["weight_bytes"] == att["ep"]["weight_bytes"] > 0  # replicated in both (tp=1)

@@ -1,0 +1,165 @@
+"""Data-parallel attention over processes (issue 46, item 8): jax.distributed over loopback, 2 processes x 4
+fake CPU devices = one dp=8 mesh; the decode step (`parallel.dp.rank_step` via `decode.jitted_extend`, the
+MoE dispatched to the experts on all 8 devices with `--moe-a2a-backend all_to_all`, the Engram rows
+gathered across ranks) run on `test_dp_attention`'s schedule equals the one-process 8-device run bit for
+bit: every step's logits and every cache array (each rank's slot rows and pool pages), in the
+deterministic mode. The slow tier does the same for DSpark (`dspark.extend_seeding` steps and a block
+proposal, `test_dp_attention._dspark_run`) on dp=4 x tp=2. The default case costs ~33 s of CPU in all
+(the reference compile and the two workers'), ~70 s wall on the loaded 2-core VM.
+
+Each worker builds the same host inputs (parameters from the same key, the fresh cache, the schedule's
+batches) and places them with `jax.make_array_from_callback` (each process fills its own devices' blocks:
+a numpy argument cannot be handed to a step whose shardings span another process's devices); the outputs
+are gathered to every process with `multihost_utils.process_allgather`. The reference is
+`test_dp_attention._run` (memoized: in one pytest process its dp=8 compile is shared with that module).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import test_dp_attention as dpa
+
+_WORKER = r"""
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"  # XLA_FLAGS from the test: 4 devices, the suite's compile settings
+sys.path.insert(0, sys.argv[1])  # tests/: configs and test_dp_attention's schedule
+from dsv41_jax.parallel.distributed import initialize
+assert initialize()  # DSV41_COORDINATOR_ADDRESS / DSV41_NUM_PROCESSES / DSV41_PROCESS_ID
+import functools
+import jax, numpy as np
+from jax.experimental import multihost_utils
+import test_dp_attention as dpa
+from dsv41_jax.model import decode as dec
+from dsv41_jax.model import dspark
+from dsv41_jax.model.params import init_params
+from dsv41_jax.parallel import rules
+from dsv41_jax.parallel.mesh import make_mesh
+from dsv41_jax.parallel.plan import MeshPlan
+assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+
+def place(tree, shardings):  # host arrays onto global shardings: each process fills its own devices
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i, x=np.asarray(x): x[i]), tree, shardings)
+
+def gather(tree, prefix):  # every leaf to every process, as its bits (npz has no bf16 / fp8 dtypes)
+    for j, leaf in enumerate(jax.tree_util.tree_leaves(tree)):
+        x = multihost_utils.process_allgather(leaf, tiled=True)
+        out[f"{prefix}.{j}"] = x.view(f"u{x.dtype.itemsize}")
+
+cfg = dpa._mode_cfg(dpa.configs.mesh_micro(), "deterministic")
+params = init_params(cfg, jax.random.key(0))
+dp, tp = dpa.MESHES[sys.argv[3]]
+ccfg = dpa._ccfg(dp)
+mesh = make_mesh(tp=tp, dp=dp, cfg=cfg)
+assert mesh.devices.flat[0].process_index != mesh.devices.flat[-1].process_index  # ranks on both processes
+par = MeshPlan.of(mesh)
+p = rules.shard_params(params, cfg, mesh)
+host = dpa._fresh_state(cfg, ccfg, params, None)  # as the reference's, built on the host
+bsh = rules.batch_shardings(mesh)
+out = {}
+if sys.argv[4] == "decode":  # test_dp_attention._run
+    state = place(host, rules.cache_shardings(cfg, ccfg, mesh))
+    step = dec.jitted_extend(cfg, ccfg, all_logits=True, par=par)
+    for i, bt in enumerate(dpa._schedule(ccfg)):
+        lg, state = step(p, state, place(bt, {k: bsh[k] for k in bt}))
+        gather(lg, f"logits.{i}")
+    assert all(leaf.sharding.spec[0] == "dp" for leaf in jax.tree_util.tree_leaves(state))
+    gather(state, "state")
+else:  # test_dp_attention._dspark_run: the seeding steps, then one proposal
+    host = dspark.with_rings(host, cfg, ccfg)
+    state = place(host, rules.state_shardings(host, mesh))
+
+    def propose(params, state, batch, ccfg, par):
+        return dspark.propose(params, state["dspark"], batch["anchor"], batch["start"], batch["slot"], cfg, ccfg,
+                              par=par)
+
+    seed = jax.jit(par.rank_step(functools.partial(dspark.extend_seeding, cfg=cfg), cfg, ccfg))
+    sched = dpa._schedule(ccfg)
+    for i, bt in enumerate(sched):
+        lg, state = seed(p, state, place(bt, {k: bsh[k] for k in bt}))
+        gather(lg, f"logits.{i}")
+    last = sched[-1]
+    pb = {"anchor": np.full((dpa.B,), 7, np.int32), "start": last["start"] + last["n_new"], "slot": last["slot"]}
+    prop = jax.jit(par.rank_step(propose, cfg, ccfg))(p, state, place(pb, {k: bsh["slot"] for k in pb}))
+    gather(state, "state")
+    gather(prop, "proposal")
+np.savez(sys.argv[2] + f".{jax.process_index()}.npz", **out)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(worker: str, args: list, timeout: float = 600) -> None:
+    """`worker` (python source) in 2 processes x 4 CPU devices joined by jax.distributed over loopback, with
+    this process's XLA compile settings (`xla_flags.compile_speed_flags`: fp32 results depend on the XLA
+    level, so workers and reference must compile alike); asserts both exit 0 (their log tail if not)."""
+    from xla_flags import compile_speed_flags
+
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = compile_speed_flags(os.environ.get("XLA_FLAGS", "")) + ["--xla_force_host_platform_device_count=4"]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, PYTHONPATH=root, DSV41_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   DSV41_NUM_PROCESSES="2", DSV41_PROCESS_ID=str(pid), XLA_FLAGS=" ".join(flags))
+        procs.append(subprocess.Popen([sys.executable, "-c", worker, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for pid, (p, lg) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {pid}:\n{lg[-3000:]}"
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(f"u{x.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("layout,what", [("dp8", "decode"),
+                                         # two more compiles per process (seeding, proposal): the slow tier
+                                         pytest.param("dp4xtp2", "dspark", marks=pytest.mark.slow)])
+def test_two_processes_equal_one_process(cpu8, tmp_path, layout, what):
+    """The dp step over 2 processes x 4 devices == the same mesh in one process x 8 devices, bitwise: the
+    decode steps (dp=8) or DSpark's seeding steps and a block proposal (dp=4 x tp=2) (module doc)."""
+    from dsv41_jax.parallel.mesh import make_mesh
+
+    cfg = dpa._mode_cfg(dpa.configs.mesh_micro(), "deterministic")
+    params = dpa.init_params(cfg, jax.random.key(0))
+    dp, tp = dpa.MESHES[layout]
+    mesh = make_mesh(tp=tp, dp=dp, cfg=cfg)
+    if what == "decode":
+        ref_logits, ref_state, _ = dpa._run(cfg, params, dpa._ccfg(dp), mesh)
+        ref = {"state": ref_state}
+    else:
+        ref_logits, ref_state, ref_prop = dpa._dspark_run(cfg, params, dpa._ccfg(dp), mesh)
+        ref = {"state": ref_state, "proposal": ref_prop}
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    run_workers(_WORKER, [tests_dir, str(tmp_path / "out"), layout, what])
+    want = {f"logits.{i}.0": _bits(lg) for i, lg in enumerate(ref_logits)}
+    names = {}
+    for prefix, tree in ref.items():
+        for j, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+            want[f"{prefix}.{j}"] = _bits(leaf)
+            names[f"{prefix}.{j}"] = prefix + jax.tree_util.keystr(path)
+    for pid in range(2):
+        got = np.load(tmp_path / f"out.{pid}.npz")
+        assert sorted(got.files) == sorted(want)
+        for k, w in want.items():
+            np.testing.assert_array_equal(got[k], w, err_msg=f"process {pid}: {names.get(k, k)}")
+    assert np.abs(ref_logits[0][0]).max() > 0  # the real rows ran the model
