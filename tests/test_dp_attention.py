@@ -120,7 +120,10 @@ def _run(cfg, params, ccfg, mesh):
 # (`model.numerics`: XLA:CPU evaluates some fp32 elementwise chains differently per fusion, and a rank's
 # program runs B/D rows where one device runs B). Measured at the suite's XLA flags (-O0, elemental
 # emitters): logits of the rows whose Engram gate (layer 1) lands on such an ulp differ by <= 4.8e-7, every
-# cache code and decision equal; without Engram, or at XLA's default level, bitwise. The deterministic
+# cache code and decision equal; without Engram, or at XLA's default level, bitwise. The op: the gate's two
+# fp32 rsqrts in one loop fusion, fed by library ("ynn_fusion") reductions in the B-row program, come out 1 ulp
+# off XLA's standalone rsqrt (docs/design/serving.md, "Data-parallel attention in the runner", says why a
+# correctly rounded rsqrt is not the fix). The deterministic
 # mode (the bf16 flow, every such chain evaluated order- and fusion-independently) is bitwise.
 EXACT_LOGIT_ATOL = 1e-6
 

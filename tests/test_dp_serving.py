@@ -147,16 +147,19 @@ def _add(eng, prompt, sp) -> tuple:
 
 def test_cache_aware_routes_a_shared_prompt_to_one_rank(exact4):
     """cache_aware: requests sharing a system prompt go to the rank holding it and hit its radix cache
-    from the second on; a burst sharing a prompt nobody cached yet lands on one rank too."""
+    from the second on — three at once on a rank of two slots too (the third waits there for a slot, as
+    SGLang's router keeps a cache match while the loads are balanced); a burst sharing a prompt nobody
+    cached yet lands on one rank too."""
     eng = exact4
     rng = np.random.default_rng(7)
     system = rng.integers(3, 300, 40).tolist()
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     _, r0 = _add(eng, system + [5, 6, 7], sp)
     eng.run_until_done()
-    added = [_add(eng, system + tail, sp) for tail in ([8, 9], [10, 11, 12])]
+    assert len(eng.scheduler.views[r0].slots) == 2  # more sharers than the rank has slots
+    added = [_add(eng, system + tail, sp) for tail in ([8, 9], [10, 11, 12], [13])]
     outs = {o.request_id: o for o in eng.run_until_done()}
-    assert [r for _, r in added] == [r0, r0]
+    assert [r for _, r in added] == [r0, r0, r0]
     assert all(outs[rid].num_cached_tokens > 0 for rid, _ in added)
     # a burst: the routing tree knows a routed prompt before its rank has cached anything
     other = rng.integers(3, 300, 40).tolist()

@@ -583,3 +583,23 @@ def test_spec_verify_mixed_batch():
     np.testing.assert_array_equal(np.asarray(toks), [[5, 6, 7, -1], [2, 3, 4, 5], [1, 2, 3, 4]])
     n, toks = spec_verify(draft, q, logits * 0.3, t, jnp.zeros(3, jnp.int32))
     assert int(n[2]) == 1 and int(toks[2, 1]) == 0  # 1.5 - 2 < 0: argmax moves to id 0
+
+
+def test_deterministic_log_softmax_does_not_depend_on_the_batch_split(cpu8):
+    """The deterministic sampler's log-softmax of a [16, V] batch on one device equals the same batch split over
+    8 devices ([2, V] each, a dp mesh's sampling step) bit for bit. Before `numerics.exp_f32` rounded with a
+    reduce-precision, XLA:CPU gave the one-device normaliser sum to a library fusion that dropped the fp32
+    rounding of the fp64 exps: row 3 here (a constrained row: few allowed tokens) parted by 1 ulp."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv41_jax.serving import sampling as smp
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((16, 512)) * 3).astype(np.float32)
+    allowed = np.ones((16, 512), bool)
+    allowed[3] = False
+    allowed[3, rng.integers(0, 512, rng.integers(1, 40))] = True
+    f = jax.jit(lambda x, a: smp.log_softmax(jnp.where(a, x, -jnp.inf), True))
+    mesh = jax.make_mesh((8,), ("dp",))
+    split = f(jax.device_put(logits, NamedSharding(mesh, PartitionSpec("dp"))), allowed)
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(f(logits, allowed)))

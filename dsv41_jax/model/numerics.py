@@ -172,11 +172,17 @@ def exp_f32(x, exact: int = 0):
     that depends on the shape (measured: 27 of 2560 values 1 ulp apart between a [1, ...] and a [6, ...]
     batch of the same rows), which the bf16 roundings after it turn into different activations; the
     fp64 result rounds to the same fp32 whatever path computed it (unless it lies within an fp64 ulp of
-    an fp32 rounding boundary)."""
+    an fp32 rounding boundary).
+
+    The rounding is a `round_f32` (reduce-precision), not only the convert: a caller summing the result in
+    fp64 (`sum_f32`) makes an f64 -> f32 -> f64 convert chain, which XLA:CPU may drop inside a library
+    fusion (measured: the sampler's normaliser ``sum_f32(exp_f32(x))`` over a [16, V] batch on one device
+    went to a "ynn_fusion" that summed the unrounded fp64 exps, while the [2, V] per-device batch of a dp
+    mesh summed the rounded ones: 1 fp32 ulp apart in one row's log-softmax)."""
     if not exact or exact < DETERMINISTIC:
         return jnp.exp(x)
     with x64_scope():
-        return jnp.exp(x.astype(jnp.float64)).astype(jnp.float32)
+        return round_f32(jnp.exp(x.astype(jnp.float64))).astype(jnp.float32)
 
 
 def round_f32(x):

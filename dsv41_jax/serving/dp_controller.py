@@ -13,12 +13,17 @@ cache work per rank exactly as on a single engine.
 Routing (`--load-balance-method`): a new request (all its samples) goes to one rank for its life
 (a preempted sample resumes on its rank):
 
-- ``cache_aware`` (default): the rank whose prefix cache, or whose requests routed so far, share the
-  longest prefix with the prompt (at least a page; SGLang's router keeps the same kind of per-worker
-  tree of routed prompts, so a burst of requests with one system prompt lands together before the
-  first has been cached); else, or when that rank already has a rank's worth of requests more than the
-  least loaded one, the least loaded rank (on a tie, the one caching the fewest pages, then the one
-  given the fewest requests: unshared prompts spread out instead of evicting a rank's shared prefixes);
+- ``cache_aware`` (default; SGLang router's ``cache_aware`` policy): while the ranks' loads are balanced,
+  the rank whose prefix cache, or whose requests routed so far, share the longest prefix with the
+  prompt (at least a page; SGLang's router keeps the same kind of per-worker tree of routed prompts, so
+  a burst of requests with one system prompt lands together before the first has been cached), even
+  if the request must wait there for a slot; else the least loaded rank (on a tie, the one caching the
+  fewest pages, then the one given the fewest requests: unshared prompts spread out instead of evicting
+  a rank's shared prefixes). The loads are imbalanced, as SGLang's router decides it, when the most
+  loaded rank has more than `BALANCE_ABS_THRESHOLD` requests more than the least loaded AND more than
+  `BALANCE_REL_THRESHOLD` times its load; then every request goes to the least loaded rank. (A cap of a
+  rank's worth of slots instead sent the third of three concurrent sharers on a 2-slot rank to a rank
+  without the prefix: cached_tokens 0, depending on the HTTP arrival order.)
 - ``round_robin``: ranks in turn;
 - ``shortest_queue``: the rank with the fewest requests (running + waiting), the lowest on a tie.
 
@@ -50,6 +55,9 @@ __all__ = ["DPController", "PoolTotals", "RankView", "merge"]
 
 # prompts each rank's routing tree remembers (oldest forgotten first)
 _ROUTED_PROMPTS = 4096
+# cache_aware's load-imbalance test (SGLang router's --balance-abs-threshold / --balance-rel-threshold defaults)
+BALANCE_ABS_THRESHOLD = 64
+BALANCE_REL_THRESHOLD = 1.5
 
 
 @dataclass
@@ -192,8 +200,9 @@ class DPController:
                      self.views[r].prefix_cache.tree.shared_len(query) if self.views[r].prefix_cache else 0)
                  for r in range(D)]
         best = max(range(D), key=lambda r: (match[r], -loads[r], -r))
-        per_rank = len(self.views[0].slots)
-        if match[best] >= self.page_size and loads[best] < loads[least] + per_rank:
+        hi, lo = max(loads), min(loads)
+        imbalanced = hi - lo > BALANCE_ABS_THRESHOLD and hi > BALANCE_REL_THRESHOLD * lo
+        if match[best] >= self.page_size and not imbalanced:
             return best
         return least
 
