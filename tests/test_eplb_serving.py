@@ -120,7 +120,7 @@ def test_round_trip_with_copies_is_bitwise(recorded, plain, cfg, params, caplog)
     shapes = {a.shape[0] for a in jax.tree_util.tree_leaves(eng.runner.params["layers"]) if a.ndim >= 3 and
               a.shape[0] in (E, E + R)}
     assert E + R in shapes
-    assert path in caplog.text and "expected max/mean tokens per device" in caplog.text
+    assert f"R={R} copies placed from {path}" in caplog.text and "expected max/mean tokens per device" in caplog.text
     out = _run(eng)
     assert out == plain_out
     assert rec_out == plain_out
@@ -266,3 +266,16 @@ def test_help_says_where_the_distribution_goes():
     assert "expert_distribution.json" in text and "/dump_expert_distribution_record" in " ".join(text.split())
     assert "refused at start-up" not in " ".join(text.split()).split("--ep-num-redundant-experts")[1][:400]
 
+
+
+@pytest.mark.slow
+def test_dspark_with_copies_is_bitwise(cfg, params, cpu8, tmp_path):
+    """DSpark (seeding and verify steps on the mesh plan carrying the placement; the draft's own experts are not
+    copied) with R = 4 copies: the tokens and logprobs of DSpark without copies (two more DSpark compiles: slow)."""
+    f = str(tmp_path / "d.json")
+    rng = np.random.default_rng(3)
+    eplb.save_distribution(f, {lid: rng.zipf(1.5, cfg.n_routed_experts) for lid in range(cfg.num_hidden_layers)})
+    kw = dict(KW, speculative_algorithm="DSPARK")
+    outs = [_run(Engine(EngineArgs(**kw, **extra), cfg=cfg, params=params))
+            for extra in ({}, dict(ep_num_redundant_experts=R, init_expert_location=f))]
+    assert outs[0] == outs[1]

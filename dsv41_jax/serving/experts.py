@@ -64,10 +64,12 @@ def plan_location(args, cfg, par) -> Optional[eplb.ExpertLocation]:
     try:
         loc = eplb.ExpertLocation.from_distribution(dist, G, R, L)
     except ValueError as e:
-        raise EngineError(f"{e} (--init-expert-location {path!r})") from None
-    log.info("%s, placed from %s", loc.describe(), path)
-    for lid, before, after in eplb.balance_report(dist, loc):
-        log.info("redundant experts: layer %d expected max/mean tokens per device %.2f -> %.2f", lid, before, after)
+        msg = str(e) if "--init-expert-location" in str(e) else f"{e} (--init-expert-location {path!r})"
+        raise EngineError(msg) from None
+    # (the plan logs `loc.describe()` itself)
+    log.info("redundant experts: R=%d copies placed from %s; expected max/mean tokens per device, contiguous split -> "
+             "placed, per layer: %s", R, path, ", ".join(f"{lid}: {b:.2f}->{a:.2f}"
+                                                         for lid, b, a in eplb.balance_report(dist, loc)))
     return loc
 
 
