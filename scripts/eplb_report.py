@@ -140,14 +140,6 @@ def measure(routes: dict, dist: dict, G: int, Rs, step_tokens: int) -> list:
     return out
 
 
-def contiguous(E: int, G: int):
-    """Today's EP split as a placement: expert e on device e // (E / G), one copy each."""
-    from dsv41_jax.parallel.eplb import LayerPlacement
-
-    per = E // G
-    return LayerPlacement(physical=tuple(tuple(range(d * per, (d + 1) * per)) for d in range(G)), copies=(1,) * E)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from dsv41_jax.parallel import eplb
@@ -181,7 +173,7 @@ def main(argv=None) -> int:
     if E % G:
         print(f"error: --devices {G}: {E} experts do not split evenly (today's EP needs E % G == 0)", file=sys.stderr)
         return 2
-    rows = [("contiguous (today's EP)", {lid: contiguous(E, G) for lid in dist})]
+    rows = [("contiguous (today's EP)", {lid: eplb.LayerPlacement.contiguous(E, G) for lid in dist})]
     for R in Rs:
         try:
             rows.append((f"EPLB R={R}", eplb.plan_placement(dist, G, R)))

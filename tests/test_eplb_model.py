@@ -192,9 +192,9 @@ def test_plan_refusals(cpu8, micro):
 # ------------------------------------------------------------------------------------------ flags
 
 
-def test_engine_flags_refuse_impossible_and_unwired(tmp_path):
+def test_engine_flags_refuse_impossible(tmp_path):
     """--ep-num-redundant-experts / --init-expert-location / --expert-distribution-recorder: impossible
-    combinations refused in one line; what the server does not wire yet refused too (never ignored)."""
+    combinations refused in one line (what needs the model and the mesh: tests/test_eplb_serving.py)."""
     from dsv41_jax.serving.engine_args import EngineArgs
 
     f = tmp_path / "d.json"
@@ -204,13 +204,12 @@ def test_engine_flags_refuse_impossible_and_unwired(tmp_path):
                     ({"ep_num_redundant_experts": 4, "ep_size": 4}, "need --init-expert-location"),
                     ({"init_expert_location": str(f), "ep_size": 4}, "no effect without"),
                     ({"ep_num_redundant_experts": 4, "ep_size": 4, "init_expert_location": str(tmp_path / "x")},
-                     "is not a file"),
-                    ({"ep_num_redundant_experts": 4, "ep_size": 4, "init_expert_location": str(f)},
-                     "not implemented in the server yet"),
-                    ({"expert_distribution_recorder": True}, "not implemented in the server yet")):
+                     "is not a file")):
         with pytest.raises(ValueError, match=msg):
             EngineArgs(model="tiny", **kw)
     assert EngineArgs(model="tiny").ep_num_redundant_experts == 0
+    assert EngineArgs(model="tiny", ep_size=4, ep_num_redundant_experts=4, init_expert_location=str(f),
+                      expert_distribution_recorder=True).expert_distribution_recorder
     import argparse
 
     ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "tiny", "--ep-num-redundant-experts", "8",

@@ -31,8 +31,8 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["FORMAT", "ExpertLocation", "LayerPlacement", "device_loads", "expand_params", "load_distribution", "pack",
-           "plan_placement", "replicate", "save_distribution"]
+__all__ = ["FORMAT", "ExpertLocation", "LayerPlacement", "balance_report", "device_loads", "expand_params",
+           "load_distribution", "pack", "plan_placement", "replicate", "save_distribution"]
 
 FORMAT = "dsv41-expert-distribution/1"
 
@@ -48,6 +48,13 @@ class LayerPlacement:
     @property
     def num_devices(self) -> int:
         return len(self.physical)
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_devices: int) -> "LayerPlacement":
+        """The plain expert-parallel split as a placement (no copies): expert e on device e // (E / G)."""
+        per = num_experts // num_devices
+        return cls(physical=tuple(tuple(range(d * per, (d + 1) * per)) for d in range(num_devices)),
+                   copies=(1,) * num_experts)
 
     def owners(self, expert: int) -> tuple:
         """The devices holding a copy of ``expert`` (ascending; one entry per copy)."""
@@ -120,6 +127,22 @@ def device_loads(load, placement: LayerPlacement) -> np.ndarray:
     load = np.asarray(load, np.float64)
     per_copy = load / np.asarray(placement.copies, np.float64)
     return np.array([sum(per_copy[e] for e in held) for held in placement.physical], np.float64)
+
+
+def balance_report(distribution: Mapping[int, "np.ndarray"], location: "ExpertLocation") -> list:
+    """[(layer_id, before, after)]: max / mean expected tokens per device of each layer's recorded load with the
+    plain contiguous split (`LayerPlacement.contiguous`) and with `location`'s placement (1.0 = balanced; a
+    layer with no recorded tokens counts as balanced)."""
+    G = location.num_devices
+    out = []
+    for lid, load in sorted(distribution.items()):
+        load = np.asarray(load)
+        ratios = []
+        for pl in (LayerPlacement.contiguous(load.size, G), location.placement(int(lid))):
+            lo = device_loads(load, pl)
+            ratios.append(float(lo.max() / lo.mean()) if lo.mean() > 0 else 1.0)
+        out.append((int(lid), ratios[0], ratios[1]))
+    return out
 
 
 def save_distribution(path: str, distribution: Mapping[int, "np.ndarray"]) -> None:

@@ -83,6 +83,11 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if getattr(self.engine.runner, "expert_recorder", None) is not None:  # --expert-distribution-recorder
+            try:
+                self.expert_distribution("dump")
+            except EngineError as e:  # (logged: shutdown goes on)
+                log.error("%s", e)
 
     @property
     def is_running(self) -> bool:
@@ -236,6 +241,14 @@ class AsyncEngine:
         self._cmds.put(("resume", steps, ev))
         self._wake.set()
         return ev
+
+    def expert_distribution(self, action: str) -> dict:
+        """The expert distribution recorder (`Engine.start_expert_distribution_record` / ``stop_...`` /
+        ``dump_...``; action "start", "stop" or "dump"), between engine steps. EngineError when it is off."""
+        if action not in ("start", "stop", "dump"):
+            raise ValueError(f"expert_distribution: unknown action {action!r}")
+        with self._lock:
+            return getattr(self.engine, f"{action}_expert_distribution_record")()
 
     @property
     def paused(self) -> bool:

@@ -510,6 +510,31 @@ class Engine:
         self.metrics.add("requests_failed")
         self.output.finish(s, "error")
 
+    # ------------------------------------------------------------------------------------ expert distribution
+    def _expert_recorder(self):
+        rec = getattr(self.runner, "expert_recorder", None)
+        if rec is None:
+            raise EngineError("the expert distribution recorder is off: start the engine with "
+                              "--expert-distribution-recorder")
+        return rec
+
+    def start_expert_distribution_record(self) -> dict:
+        """Clear the routed-expert counts and record from now on (SGLang's /start_expert_distribution_record);
+        EngineError when the recorder is off (as for the other two)."""
+        self._expert_recorder().start()
+        return {"recording": True}
+
+    def stop_expert_distribution_record(self) -> dict:
+        """Record nothing more; the counts so far are kept for the dump."""
+        self._expert_recorder().stop()
+        return {"recording": False}
+
+    def dump_expert_distribution_record(self, path: Optional[str] = None) -> dict:
+        """Write the counts as the distribution file ``--init-expert-location`` reads (`experts.ExpertRecorder.dump`;
+        path None: --expert-distribution-recorder-file). Returns {"path", "num_layers", "num_experts",
+        "assignments"}. Counts the launches dispatched so far (it reads their device results)."""
+        return self._expert_recorder().dump(path)
+
     # ------------------------------------------------------------------------------------ metrics
     def throughput(self, window: float = 10.0) -> float:
         """Generated tokens per second over the last `window` seconds."""

@@ -57,6 +57,7 @@ SHAPE_BUCKETS = ("auto", "compact", "full")
 # --load-balance-method: how the DP controller picks a new request's rank (serving/dp_controller.py)
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 SPECULATIVE_ALGORITHMS = ("DSPARK",)
+DEFAULT_DISTRIBUTION_FILE = "expert_distribution.json"  # --expert-distribution-recorder-file's default
 DSPARK_MAX_BLOCK = 5  # docs/design/spec.md §7: the largest DSpark block (V4.1 Flash ships 5)
 SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
 # (max_running_requests, chunked_prefill_size) defaults: (small model, other)
@@ -153,11 +154,13 @@ class EngineArgs:
     dp_size: int = 1
     load_balance_method: Optional[str] = None
     # redundant experts (EPLB, issue 46 item 7; SGLang's flags): R extra expert copies placed from a routing
-    # distribution file; the recorder writes one. The model side is `MeshPlan.expert_location`
-    # (parallel/eplb.py); the engine does not build it yet: refused at start-up (`_validate_eplb`).
+    # distribution file (the runner builds `MeshPlan.expert_location`, serving/experts.py); the recorder
+    # counts the routed experts of every launch and writes that file (at shutdown, and on the server's
+    # /dump_expert_distribution_record) to expert_distribution_recorder_file (None: DEFAULT_DISTRIBUTION_FILE)
     ep_num_redundant_experts: int = 0
     init_expert_location: Optional[str] = None
     expert_distribution_recorder: bool = False
+    expert_distribution_recorder_file: Optional[str] = None
 
     def __post_init__(self):
         self.validate()
@@ -282,8 +285,9 @@ class EngineArgs:
         return self
 
     def _validate_eplb(self) -> None:
-        """Redundant experts: the combinations that cannot work, then the honest refusal of what the engine does
-        not wire yet (one line each)."""
+        """Redundant experts and the recorder: the combinations that cannot work (one line each; what needs the
+        model's config and the mesh — E + R dividing the expert devices, the file's layers and experts — the
+        runner refuses before any weight is read, `experts.plan_location`)."""
         R = self.ep_num_redundant_experts
         if not isinstance(R, int) or R < 0:
             raise ValueError(f"ep_num_redundant_experts: must be an integer >= 0, got {R!r}")
@@ -298,10 +302,24 @@ class EngineArgs:
             raise ValueError("init_expert_location: has no effect without --ep-num-redundant-experts R > 0")
         if self.init_expert_location is not None and not os.path.isfile(self.init_expert_location):
             raise ValueError(f"init_expert_location: {self.init_expert_location!r} is not a file")
-        if R or self.expert_distribution_recorder:
-            flag = "--ep-num-redundant-experts" if R else "--expert-distribution-recorder"
-            raise ValueError(f"{flag}: not implemented in the server yet (the model side is parallel/eplb.py + "
-                             "MeshPlan.expert_location; scripts/eplb_report.py records and measures a distribution)")
+        if self.expert_distribution_recorder_file is not None and not self.expert_distribution_recorder:
+            raise ValueError("expert_distribution_recorder_file: has no effect without --expert-distribution-recorder")
+        if self.expert_distribution_recorder:
+            # the recording step is the plain one plus its routing; these run other steps, which hand out none yet
+            for on, flag in ((self.speculative_algorithm is not None, "--speculative-algorithm DSPARK"),
+                             (self.enable_decoder_swa_bounded_replay, "--enable-decoder-swa-bounded-replay")):
+                if on:
+                    raise ValueError(f"expert_distribution_recorder: not implemented with {flag} (its steps do not "
+                                     "hand out their routing)")
+            d = os.path.dirname(os.path.abspath(self.resolved_distribution_file))
+            if not os.path.isdir(d):
+                raise ValueError(f"expert_distribution_recorder_file: the directory {d!r} does not exist")
+
+    @property
+    def resolved_distribution_file(self) -> str:
+        """Where the expert distribution recorder writes (--expert-distribution-recorder-file, default
+        DEFAULT_DISTRIBUTION_FILE in the working directory)."""
+        return self.expert_distribution_recorder_file or DEFAULT_DISTRIBUTION_FILE
 
     def _validate_dp(self) -> None:
         """Data-parallel attention: the combinations it cannot serve, refused before anything loads."""
@@ -572,16 +590,25 @@ class EngineArgs:
         g.add_argument("--ep-num-redundant-experts", dest="ep_num_redundant_experts", type=int, default=0,
                        help="redundant experts (EPLB, SGLang's flag): R extra copies of the hottest routed experts "
                             "of each MoE layer, placed from --init-expert-location's distribution (E + R must divide "
-                            "the expert devices; at most one copy per device). Outputs stay bitwise equal. Needs "
-                            "--ep-size > 1 or DP attention. Not wired into the server yet: refused at start-up")
+                            "the expert devices; at most one copy of an expert per device); a replicated expert's "
+                            "tokens are spread over its copies. Outputs stay bitwise equal (--dtype exact, "
+                            "--enable-deterministic-inference). Needs --ep-size > 1 or DP attention; the start-up "
+                            "log gives each layer's expected max/mean tokens per device before and after")
         g.add_argument("--init-expert-location", dest="init_expert_location", default=None, metavar="FILE",
                        help="the routing distribution (JSON, parallel/eplb.py's format: tokens per expert per "
-                            "layer) the redundant experts are placed from; required with --ep-num-redundant-experts "
+                            "layer) the redundant experts are placed from: what --expert-distribution-recorder "
+                            "writes, or scripts/eplb_report.py --out; required with --ep-num-redundant-experts "
                             "(no uniform placement is guessed)")
         g.add_argument("--expert-distribution-recorder", dest="expert_distribution_recorder", action="store_true",
-                       help="record how many (token, expert) assignments each expert receives per MoE layer and "
-                            "write the distribution file. Not wired into the server yet: refused at start-up; "
-                            "scripts/eplb_report.py --out records one with nano's forward")
+                       help="count the (token, expert) assignments each routed expert receives per MoE layer in "
+                            "every step the engine runs, from start-up, and write them as the distribution file "
+                            "--init-expert-location reads: to --expert-distribution-recorder-file when the server "
+                            "shuts down and on POST /dump_expert_distribution_record (POST "
+                            "/start_expert_distribution_record clears the counts, /stop_expert_distribution_record "
+                            "pauses them). Not with DSPARK or --enable-decoder-swa-bounded-replay")
+        g.add_argument("--expert-distribution-recorder-file", dest="expert_distribution_recorder_file", default=None,
+                       metavar="FILE", help="where --expert-distribution-recorder writes the distribution "
+                                            f"(default: {DEFAULT_DISTRIBUTION_FILE} in the working directory)")
         return parser
 
     @classmethod

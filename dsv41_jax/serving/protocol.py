@@ -75,6 +75,9 @@ ENDPOINTS = (
     ("GET", "/metrics", "Prometheus metrics (404 with --disable-metrics)"),
     ("POST", "/pause_generation", "hold the engine between steps"),
     ("POST", "/continue_generation", "run again, or N steps"),
+    ("POST", "/start_expert_distribution_record", "clear the routed-expert counts, record (--expert-distribution-recorder)"),
+    ("POST", "/stop_expert_distribution_record", "stop recording (the counts are kept)"),
+    ("POST", "/dump_expert_distribution_record", "write the counts to --expert-distribution-recorder-file"),
 )
 
 MAX_LOGPROBS = 20

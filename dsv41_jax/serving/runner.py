@@ -43,6 +43,7 @@ the *drafts* are committed as if accepted, so the text is garbage and only the t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -430,6 +431,7 @@ class Runner:
         self.scratch = kvc.scratch_slot(self.ccfg, 0)  # (dp = 1: max_slots)
         self.max_logprobs = min(args.max_logprobs, self.vocab_size)
         self.speculator = self._make_speculator()
+        self.expert_recorder = self._make_recorder()
         self._build_cache()
         self._build_features()
         self.launches = 0
@@ -502,6 +504,7 @@ class Runner:
 
         self.engram_host_table = bool(cfg.engram_layer_ids) and host_table_requested(args.engram_host_table)
         self.spec_gamma = self._check_speculative(cfg)
+        self.par = self._mesh_plan(cfg)
         L = args.speculative_simulate_accept_length  # (EngineArgs refuses it without DSpark)
         self.simulate_accept_length = float(L) if L is not None and self.spec_gamma else None
         if self.simulate_accept_length is not None:
@@ -510,6 +513,27 @@ class Runner:
             log.warning("DSpark: simulated accept length %.2f (PERFORMANCE RUNS ONLY: drafts are committed "
                         "unverified, the text is meaningless)", L)
         return cfg
+
+    def _mesh_plan(self, cfg):
+        """The mesh plan the steps run (None: one device): with --ep-num-redundant-experts R its expert location
+        (`experts.plan_location`: the distribution file read and placed, or EngineError before any weight is
+        read). The steps are handed the plan only then (else the mesh itself, as the jitted steps are keyed)."""
+        from dsv41_jax.parallel.plan import MeshPlan
+        from dsv41_jax.serving import experts
+
+        par = MeshPlan.of(self.mesh)
+        loc = experts.plan_location(self.args, cfg, par)
+        if loc is None:
+            return par
+        try:
+            return dataclasses.replace(par, expert_location=loc)
+        except ValueError as e:  # the plan's own checks (the placement's device count)
+            raise EngineError(str(e)) from None
+
+    @property
+    def step_mesh(self):
+        """What the jitted steps are given: the mesh plan when it carries redundant experts, else the mesh."""
+        return self.par if self.par is not None and self.par.expert_location is not None else self.mesh
 
     def _load_params(self, params):
         """The parameters: given, random for ``--model tiny``, or read from the checkpoint (straight onto
@@ -532,7 +556,8 @@ class Runner:
     def _place(self, params):
         """Parameters onto the mesh by the rules (the DSpark stages too) or the Engram tables to the host;
         runs of plan-identical layers stacked once here, so the step's scans read them in place
-        (stacking inside the step would copy their weights on every call)."""
+        (stacking inside the step would copy their weights on every call); with redundant experts each MoE
+        layer's routed experts stored as its E + R physical experts (`eplb.expand_params`)."""
         from dsv41_jax.model import layer_scan
         from dsv41_jax.parallel.host_table import offload_engram
 
@@ -542,15 +567,31 @@ class Runner:
             params = rules.shard_params(params, self.cfg, self.mesh, engram_host_table=self.engram_host_table)
         elif self.engram_host_table:
             params = offload_engram(params)
-        return layer_scan.prepare(params, self.cfg)
+        params = layer_scan.prepare(params, self.cfg)
+        if self.step_mesh is self.par and self.par is not None:  # redundant experts
+            from dsv41_jax.parallel import eplb
+
+            params = eplb.expand_params(params, self.par.expert_location)
+        return params
+
+    def _make_recorder(self):
+        """`experts.ExpertRecorder` with --expert-distribution-recorder, else None."""
+        if not self.args.expert_distribution_recorder:
+            return None
+        from dsv41_jax.serving.experts import ExpertRecorder
+
+        path = self.args.resolved_distribution_file
+        log.info("expert distribution recorder ON: routed-expert counts of every launch, per MoE layer; written to "
+                 "%s at shutdown and on POST /dump_expert_distribution_record", os.path.abspath(path))
+        return ExpertRecorder(self.cfg.num_hidden_layers, self.cfg.n_routed_experts, path)
 
     def _make_speculator(self):
         """`speculator.DSparkSpeculator` with DSpark on, else `speculator.NoSpeculation`."""
         from dsv41_jax.serving.speculator import DSparkSpeculator, NoSpeculation
 
         if not self.spec_gamma:
-            return NoSpeculation(self.cfg, self.ccfg, self.mesh, self.engram_host_table)
-        return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.mesh, self.simulate_accept_length,
+            return NoSpeculation(self.cfg, self.ccfg, self.step_mesh, self.engram_host_table)
+        return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.step_mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 
     def _build_cache(self) -> None:
@@ -602,7 +643,7 @@ class Runner:
         """The steps plain launches run (the speculator's; SWA bounded replay when on) and the page
         allocator: with the radix prefix cache its snapshot pool (placed as the cache is) and host tier."""
         args, ccfg = self.args, self.ccfg
-        self._extend = self.speculator.extend_step(False)  # with DSpark: also writes the draft rings
+        self._extend = self._extend_step(False)  # with DSpark: also writes the draft rings
         self._extend_all = None  # the all-logits variant (prompt logprobs): made on first use
         self._extend_bounded = self._bounded_replay(self.cfg, ccfg)  # None unless --enable-decoder-swa-bounded-replay
         # the radix prefix cache (prefix_cache.py): one snapshot row per entry
@@ -641,6 +682,18 @@ class Runner:
             blk = _gather_page(self.state, np.int32(0), **kw)
             self.state = _scatter_page(self.state, blk, np.int32(0), **kw)
             self.state = _put_snapshot(self.state, _get_snapshot(self.snaps, np.int32(0)), np.int32(self.scratch))
+
+    def _extend_step(self, all_logits: bool):
+        """The step plain launches run: the speculator's, or with --expert-distribution-recorder the step that
+        also returns its routed-expert counts (`experts.jitted_extend_recording`; EngineArgs refuses the
+        recorder with the speculator's own steps)."""
+        if self.expert_recorder is None:
+            return self.speculator.extend_step(all_logits)
+        from dsv41_jax.parallel.plan import MeshPlan
+        from dsv41_jax.serving import experts
+
+        return experts.jitted_extend_recording(self.cfg, self.ccfg, all_logits, MeshPlan.of(self.step_mesh),
+                                               self.engram_host_table)
 
     def _snapshot_rows(self) -> int:
         """Rows of the prefix cache's snapshot pool (--radix-cache-snapshots, default 4 per slot and at least
@@ -790,7 +843,7 @@ class Runner:
             shapes += [(B, -1) for B in batch_buckets]  # T = −1: the DSpark verify step
         self._precompile_extend([(B, T) for B, T in shapes if T >= 0])
         if prompt_logprobs and self._extend_all is None:
-            self._extend_all = self.speculator.extend_step(True)
+            self._extend_all = self._extend_step(True)
         for i, (B, T) in enumerate(shapes):
             ts = time.perf_counter()
             if T < 0:
@@ -1034,6 +1087,15 @@ class Runner:
             self.state = _scatter_page(self.state, blk, np.int32(p), **kw)
         self.state = _put_snapshot(self.state, row, np.int32(op.slot))
 
+    def _record(self, L: Optional[Launch], out: tuple) -> tuple:
+        """(logits, state) of a step's outputs; the recording step's counts (a third output) go to the recorder
+        (a warm-up launch, L None, records nothing)."""
+        if self.expert_recorder is None:
+            return out
+        if L is not None:
+            self.expert_recorder.add(out[2])
+        return out[:2]
+
     def _device_launch(self, L: Optional[Launch], tokens, start, n_new, slot, pt, from_prev, sample_mask, step,
                        force_sample: bool = False, targets=None, tail_lo=None) -> LaunchResult:
         """Enqueue one launch: first-token fill, extend, sampling; returns its result (device arrays; tokens
@@ -1050,13 +1112,13 @@ class Runner:
             batch["tail_lo"] = np.zeros((tokens.shape[0],), np.int32) if tail_lo is None else tail_lo
         plp = None
         if targets is None:
-            logits, self.state = extend(self.params, self.state, batch)
+            logits, self.state = self._record(L, extend(self.params, self.state, batch))
         else:  # prompt logprobs: every position's logits, reduced on the device
             if self._extend_all is None:
                 log.info("the all-logits extend variant (prompt logprobs) compiles on first use "
                          "(--warmup-prompt-logprobs compiles it in the warm-up)")
-                self._extend_all = self.speculator.extend_step(True)
-            all_logits, self.state = self._extend_all(self.params, self.state, batch)
+                self._extend_all = self._extend_step(True)
+            all_logits, self.state = self._record(L, self._extend_all(self.params, self.state, batch))
             plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
         self.launches += 1

@@ -160,5 +160,5 @@ def _jitted_extend_seeding(cfg, ccfg, all_logits, mesh):
 
         def fn(params, state, batch):
             logits, st = inner(params, state, batch)
-            return logits, rules.constrain_state(st, mesh)
+            return logits, rules.constrain_state(st, par.mesh)
     return jax.jit(fn, donate_argnums=(1,))

@@ -216,7 +216,8 @@ class DSparkSpeculator:
         if self.mesh is not None:  # the draft's rings by the cache's rules
             from dsv41_jax.parallel import rules
 
-            state = dict(state, dspark=rules.place_state({"dspark": state["dspark"]}, self.mesh)["dspark"])
+            mesh = mesh_plan.MeshPlan.of(self.mesh).mesh  # (a mesh, or a plan with redundant experts)
+            state = dict(state, dspark=rules.place_state({"dspark": state["dspark"]}, mesh)["dspark"])
         return state
 
     def extend_step(self, all_logits: bool):

@@ -8,7 +8,7 @@ tokenizer, the chat layer and constrained decoding into these endpoints (`ENDPOI
   response module (`responses`: the engine run, choices, JSON and SSE responses, disconnects);
 * ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (`tokenize`);
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /pause_generation`` /
-  ``/continue_generation`` (`admin`).
+  ``/continue_generation``, ``POST /{start,stop,dump}_expert_distribution_record`` (`admin`).
 
 `context` holds what the routes share (engine calls, admission, errors), `gate` the API key and
 body limit, `app` puts them together. Text comes from the engine's detokenizer (the one

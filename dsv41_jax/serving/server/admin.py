@@ -1,6 +1,8 @@
 """The operational endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (no API
 key), ``GET /metrics`` (Prometheus; a 404 saying how to turn it on when off), and SGLang's
-``POST /pause_generation`` / ``POST /continue_generation`` for an engine that can pause."""
+``POST /pause_generation`` / ``POST /continue_generation`` for an engine that can pause, and SGLang's
+``POST /start_expert_distribution_record`` / ``stop_...`` / ``dump_...`` (``--expert-distribution-recorder``;
+400 without it)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,23 @@ __all__ = ["can_pause", "register"]
 
 def can_pause(engine) -> bool:
     return callable(getattr(engine, "pause", None)) and callable(getattr(engine, "resume", None))
+
+
+def _expert_distribution(ctx: ServerContext, engine, action: str):
+    """The handler of ``POST /{action}_expert_distribution_record`` (SGLang's names): the engine's recorder
+    (`AsyncEngine.expert_distribution`), off the event loop (it waits for the current step); 400 saying how to
+    turn it on when the server runs without --expert-distribution-recorder."""
+
+    async def handler():
+        if not callable(getattr(engine, "expert_distribution", None)):
+            return ctx.err(APIError.bad_request("this engine has no expert distribution recorder"))
+        try:
+            return JSONResponse(await asyncio.to_thread(engine.expert_distribution, action))
+        except ValueError as e:  # EngineError: the recorder is off, or the file cannot be written
+            return ctx.err(APIError(400, str(e), type="invalid_request_error", code="expert_distribution"))
+
+    handler.__name__ = f"{action}_expert_distribution_record"
+    return handler
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
@@ -61,6 +80,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             return ctx.err(APIError(404, "metrics are off on this server: start it without --disable-metrics "
                                          "(python -m dsv41_jax.serve serves /metrics by default)",
                                     type="invalid_request_error", code="metrics_disabled"))
+
+    for action in ("start", "stop", "dump"):
+        app.post(f"/{action}_expert_distribution_record")(_expert_distribution(ctx, engine, action))
 
     if not can_pause(engine):
         return
