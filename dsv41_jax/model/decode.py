@@ -211,12 +211,9 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
               layer's window codes, the partial groups, restore data (only with `restore`), the Engram ids);
       aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
               [B, T, n, D] per layer) and "hidden" (final normed x).
-    par: optional mesh plan (`parallel.plan.MeshPlan`): MoE and the row-split tables run its
-    `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
-    keep_all (`extend`: every real token is kept, so `commit` keeps them all): the step's plan may write the
-    rings now (`StepPlan.ring_now`: in a one-token step where the window codes kernel runs, it writes each
-    layer's codes into the rings itself, and those layers leave no codes in `pending`; padded rows write to
-    the scratch row).
+    par: optional mesh plan (`parallel.plan.MeshPlan`; `transformer.forward`); `jitted_extend` adds the step's
+    shardings. keep_all (`extend`: `commit` keeps every token): the plan may write the rings in the step
+    (`StepPlan.ring_now`; those layers leave no codes in `pending`, padded rows write to the scratch row).
     """
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)

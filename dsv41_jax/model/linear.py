@@ -1,7 +1,9 @@
-"""The "linear" seam: quantized (fp8 / MXFP4) matmuls and the plain-matmul kinds, by implementation.
+"""The "linear" seam: quantized (fp8 / MXFP4) matmuls and the fp32-kind matmuls, by implementation.
 
-Every model matmul on a stored weight goes through here with the config, so `ModelConfig.impl` (op
-``"linear"``, `dispatch.resolve`) and the numerics mode (`numerics.is_exact`) are honoured in one place:
+Every such matmul goes through here with the config, so `ModelConfig.impl` (op ``"linear"``,
+`dispatch.resolve`) and the numerics mode (`numerics.is_exact`) are honoured in one place. (A "plain bf16
+matmul", docs/design/spec.md §1, is one formulation for every implementation: callers use
+`numerics.linear_bf16` directly.)
 
 * ``"reference"`` — today's arithmetic, byte for byte: `quant.fp8_linear` / `quant.mxfp4_linear`
   (both operands dequantized exactly to fp32, one fp32 HIGHEST dot, one rounding) and the
@@ -280,14 +282,6 @@ def mxfp4(x, p, cfg, dt):
         return quant.dequantize_mxfp4(tiling.rows(w, r0, tn), tiling.rows(s, r0, tn), wdt)
 
     return _quantized_gemm(x, N, K, 1, small, large, dt, exact)
-
-
-def plain_bf16(x, w, cfg, dt):
-    """A "plain bf16 matmul" (docs/design/spec.md §1): x [..., K], w bf16 [N, K] -> [..., N] in `dt`.
-
-    The reference formulation is already a bf16 dot with fp32 accumulation (the weight enters at its
-    stored width), so "xla" is the same function."""
-    return linear_bf16(x, w, dt, exact=is_exact(cfg))
 
 
 def f32(x, w, cfg, row_axis=None):

@@ -171,21 +171,17 @@ def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, 
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
     step: the `plan.StepPlan`; stacked: the run's layer params with a leading axis n, in storage dtypes
-    (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the scan's carry keeps the form it
-    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: the attention's state the
-    layers thread through (a pytree: the cache's window rings where each layer writes its own in place,
-    `StepPlan.ring_now`; None where the attention writes nothing); plan: the run's first layer's plan (the
-    run's layers differ only in layer_id, which no consumer's body reads). attn_fn(p, k, carry, x) ->
-    (y, (out, carry')) is the attention sublayer of one layer (p its ``attn`` params, k int32 its index within
-    the run); `out` is a
-    pytree of per-layer arrays. Returns (h, pre, aux', outs, carry'): aux' is `aux` with each layer's
-    ``layer_inputs`` / ``experts`` under its own layer id (a new dict), `outs` the layers' `out` stacked over
-    the run (leading axis n).
+    (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the carry keeps the form it gets)
+    and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: what the attention threads through
+    the layers (the cache's window rings where each layer writes its own, `StepPlan.ring_now`; else None);
+    plan: the run's first layer's (the layers differ only in layer_id, which no consumer's body reads).
+    attn_fn(p, k, carry, x) -> (y, (out, carry')) is one layer's attention (p its ``attn`` params, k int32 its
+    index in the run; `out` a pytree of per-layer arrays). Returns (h, pre, aux', outs, carry'): aux' with each
+    layer's ``layer_inputs`` / ``experts`` under its layer id (a new dict), outs the `out`s stacked (axis n).
 
-    The weights the plan's kernels read in place (`StepPlan.in_place`) are not sliced per layer: the body hands
-    them to the kernels as the run's stacks with the layer (`weights.Stacked`; XLA would copy a sliced operand of
-    a Pallas call per layer); nor are the routed experts (`moe.routed_slots`: only the selected (layer, expert)
-    rows are gathered; a dynamic slice would copy all of a layer's experts every step, flash: 6.4 GB per layer)."""
+    The weights the plan's kernels read in place (`StepPlan.in_place`) and the routed experts are not sliced
+    per layer: the body hands them over as the run's stacks with the layer (`weights.Stacked`): XLA copies a
+    sliced Pallas operand per layer, and a slice of the experts would copy all of a layer's (flash: 6.4 GB)."""
     like = layer_decl(cfg, first)
     n = jax.tree_util.tree_leaves(stacked["ffn"]["experts"])[0].shape[0]
     whole = step.in_place(cfg, first) + (("ffn", "experts"),)
