@@ -25,7 +25,7 @@ each operation's form (`STEP_FILES`: decode, transformer, layer_scan, plan, atte
 dispatch), as against the arithmetic they call (codecs, quantization, RoPE, norms, tiling, the indexer,
 Engram, the compressor, the cache's stores).
 
-    python scripts/reading_measure.py [--impl SPEC] [--cold] [--json]
+    python scripts/reading_measure.py [--impl SPEC] [--cold] [--json] [--verbose]
 
 Deterministic: the same tree gives the same numbers (tracing is pure Python; nothing is timed).
 """
@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true", help="fill the kernel registry during the trace (this script's "
                                                         "earlier count)")
     ap.add_argument("--json", action="store_true", help="print the whole result, per function, as JSON")
+    ap.add_argument("--verbose", action="store_true", help="also list each function counted, with its branches and "
+                                                           "lines (path files marked *)")
     args = ap.parse_args(argv)
     m = measure(args.impl, args.cold)
     if args.json:
@@ -180,6 +182,12 @@ def main(argv=None) -> int:
           f"{q['lines']} lines in {q['files']} files")
     for p, c in m["per_file"].items():
         print(f"  {p}: {c['functions']} functions, {c['branches']} branches, {c['lines']} lines")
+        if args.verbose:
+            star = "*" if os.path.basename(p)[:-3] in STEP_FILES else " "
+            for f in m["detail"]:
+                if f["file"] == p:
+                    print(f"    {star} {f['name']:<32} line {f['line']:>4}: {f['branches']:>3} branches, "
+                          f"{f['lines']:>4} lines")
     for e in m["entry_points"]:
         print(f"  entry {e}")
     return 0

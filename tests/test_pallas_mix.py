@@ -268,13 +268,13 @@ def test_mhc_seams(pallas_impl, tiny_cfg, tiny_params):
                 np.testing.assert_array_equal(_f32(a), _f32(b))
 
 
-def test_mhc_exact_mode_auto_is_xla(pallas_impl, tiny_cfg, monkeypatch):
-    """Exact mode: "auto" resolving to the fp32 Pallas kernels (as on a GPU) runs "xla" instead; an
-    explicit Pallas choice stays what was asked for (and the kernel refuses the exact mode)."""
-    monkeypatch.setattr(dispatch, "resolve", lambda cfg, op: pallas_impl)
-    assert mhc._seam_impl(tiny_cfg.replace(act_dtype="exact", impl="auto")) == "xla"
-    assert mhc._seam_impl(tiny_cfg.replace(act_dtype="exact", impl=f"mhc={pallas_impl}")) == pallas_impl
-    assert mhc._seam_impl(tiny_cfg.replace(impl="auto")) == pallas_impl
+def test_mhc_exact_mode_auto_is_xla(pallas_impl):
+    """Exact mode: "auto" resolving to the fp32 Pallas kernels (as on a GPU) runs "xla" instead (`dispatch.resolve`,
+    which the seams and the step plan read); an explicit Pallas choice stays what was asked for (and the kernel
+    refuses the exact mode)."""
+    assert dispatch._resolve("auto", "mhc", "gpu", True) == "xla"
+    assert dispatch._resolve(f"mhc={pallas_impl}", "mhc", "gpu", True) == pallas_impl
+    assert dispatch._resolve("auto", "mhc", "gpu", False) == "pallas"
 
 
 # ------------------------------------------------------------------------------------------- bench

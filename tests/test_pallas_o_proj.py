@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import ModelConfig, attention, quant
+from dsv41_jax.model.plan import StepPlan
 from dsv41_jax.model.rope import rope_freqs
 from dsv41_jax.model.weights import Fp8
 from dsv41_jax.pallas import common, costs
@@ -125,7 +126,7 @@ def test_stacked_weight_and_sink_read_at_the_layer(pallas_impl):
 
 
 def test_the_attention_kernels_partials_through_o_proj(pallas_impl, tiny_cfg, tiny_params):
-    """What decode runs: `sparse_attention(partials_ok=True)` hands its split partials to `output_proj`, whose
+    """What decode runs: `sparse_attention(merge=False)` hands its split partials to `output_proj`, whose
     o_proj kernel merges them; equal (bf16 flow, bitwise) to the attention kernel's own merge followed by the
     chain; through the seam (o_proj + wo_b on the kernels) within one bf16 ulp of impl "xla"."""
     from dsv41_jax.pallas import sparse_attention as sa
@@ -144,15 +145,17 @@ def test_the_attention_kernels_partials_through_o_proj(pallas_impl, tiny_cfg, ti
     want = op.ref_o_proj(merged, p["wo_a"], positions, fr, G_, R_, q.dtype)
     np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)))
     # the seam: output_proj with the linear kernel (o_proj + wo_b) vs impl "xla", from the merged output
-    kcfg = cfg.replace(impl=f"xla,linear={pallas_impl}")
-    y_k = attention.output_proj(p, parts, positions, fr, kcfg, q.dtype)
-    y_x = attention.output_proj(p, merged, positions, fr, cfg.replace(impl="xla"), q.dtype)
+    kcfg, xcfg = cfg.replace(impl=f"xla,linear={pallas_impl}"), cfg.replace(impl="xla")
+    kstep, xstep = StepPlan.of(kcfg, None, q.shape[:2]), StepPlan.of(xcfg, None, q.shape[:2])
+    assert kstep.linear_kernel and not xstep.linear_kernel
+    y_k = attention.output_proj(kstep, p, parts, positions, fr, kcfg, q.dtype)
+    y_x = attention.output_proj(xstep, p, merged, positions, fr, xcfg, q.dtype)
     # the same wo_b input; wo_b's kernel and xla GEMMs sum in other orders: one bf16 ulp at most (test_pallas_linear)
     a, b = np.asarray(y_k.astype(F32)), np.asarray(y_x.astype(F32))
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), 2.0 ** -126))) - 7)
     assert (np.abs(a - b) <= ulp).all(), float(np.abs(a - b).max())
-    with pytest.raises(ValueError, match="need the linear kernel"):
-        attention.output_proj(p, parts, positions, fr, cfg.replace(impl="xla"), q.dtype)
+    with pytest.raises(ValueError, match="need the o_proj kernel"):
+        attention.output_proj(xstep, p, parts, positions, fr, xcfg, q.dtype)
 
 
 def test_lowers_to_triton_for_cuda_without_a_gpu():

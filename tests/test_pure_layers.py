@@ -54,7 +54,7 @@ def test_attention_full_returns_its_writes(tiny_cfg, tiny_params, source_layer):
     before = copy.deepcopy(ctx)
 
     def run(x):
-        y, ctx_out, rec = tr.attention_full(p, x, positions, plan, ctx, cfg, dt)
+        y, ctx_out, rec = tr.attention_full(StepPlan.of(cfg, None, (B, T)), p, x, positions, plan, ctx, cfg, dt)
         assert ctx == before, "attention_full modified the ctx it was given"
         assert {i} <= set(ctx_out["comp"]) and {i} <= set(ctx_out["keys"]) and {i} <= set(ctx_out["topk"])
         assert set(rec) == ({"topk", "cand"} if plan.is_candidate_source else {"topk"})

@@ -4,20 +4,19 @@ The sublayer is split so the full forward (`transformer.py`) and the cached deco
 piece of arithmetic:
 
 * `project_q_kv` — q latent, RoPE'd queries and this layer's window K=V (RoPE + fp8 fake-quant);
-  `window_codes` — the cached path's window K=V as stored codes (one kernel where the attention kernel runs);
+  `project_q_codes` — the cached path's queries and window K=V as stored codes (one kernel where the plan says);
 * `attend` — one softmax over [window keys ∪ selected compressed slots] with the per-head sink;
 * `output_proj` — inverse RoPE, grouped wo_a (bf16), wo_b (fp8).
 
 `sparse_attention` is the seam (op "attention" of `dispatch`) of the cached path: queries, the window
 ring's and the compressed pool's *stored codes*, the page table, positions and the selection in; the
-attention output out. Implementations: "reference" (decode, gather, `attend`: the reference math),
-"xla" (`attend` with storage-dtype matmuls) and the Pallas kernels.
+attention output out (or, for the o_proj kernel to merge, the attention kernel's split partials).
+Implementations: "reference" (decode, gather, `attend`: the reference math), "xla" (`attend` with
+storage-dtype matmuls) and the Pallas kernels.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +26,7 @@ from dsv41_jax.model import dispatch, linear, quant, weights
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import (DETERMINISTIC, EXACT_SUMS, HIGHEST, einsum_exact, is_exact, round_f32,
                                       round_to, x64_scope)
-from dsv41_jax.model.plan import window_codes_kernel
 from dsv41_jax.model.rope import apply_rope, rope_freqs
-
-log = logging.getLogger(__name__)
 
 
 def layer_freqs(cfg, plan):
@@ -75,44 +71,30 @@ def project_kv(p, x, positions, freqs, cfg, dt, y=None):
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
-def project_q_codes(p, x, positions, freqs, cfg, dt, mode: str, ring=None):
-    """The cached path's projections: (qr, q) as `project_q` and the window codes as `window_codes`, with wq_a
-    and wkv — two GEMMs of the same x — as one call (`linear.fp8_dual`: one launch where the kernel runs).
-    Returns (qr, q, codes, the rings as `window_codes` left them: None without `ring` or where not written)."""
+def project_q_codes(step, p, x, positions, freqs, cfg, dt, mode: str, ring=None):
+    """The cached path's projections: (qr, q) as `project_q` and this layer's window codes
+    ``cache.encode("win", mode, kv_rot)`` [B, T, ...] (kv_rot as `project_kv`), with wq_a and wkv — two GEMMs of
+    the same x — as one call (`linear.fp8_dual`: one launch where the kernel runs). Returns (qr, q, codes, the
+    rings as written, or None).
+
+    Where the plan's `StepPlan.window_codes_kernel` (the attention kernel, fp32 numerics, the fp8 window codec),
+    one kernel makes the codes from wkv's output — kv_norm, RoPE and the codes (`pallas/window_codes.py`: four to
+    five XLA launches fewer per layer; the jnp path's codes, bitwise where the two sum Σx² alike). ring: None, or
+    (store, rows, write, ring_layer, ring_base) (`pallas.window_codes.kernel`'s): the kernel also writes the codes
+    into the cache's window rings in place (`StepPlan.ring_now`); elsewhere the caller writes them later
+    (`decode.commit`)."""
     qa, kvy = linear.fp8_dual(x, p["wq_a"], p["wkv"], cfg, dt)
-    got = window_codes(p, x, positions, freqs, cfg, dt, mode, y=kvy, ring=ring)
-    codes, written = (got, None) if ring is None else got
-    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, written)
-
-
-def window_codes(p, x, positions, freqs, cfg, dt, mode: str, y=None, ring=None):
-    """This layer's new window codes: ``cache.encode("win", mode, project_kv(...))`` [B, T, ...].
-
-    Where the attention kernel runs (`dispatch.resolve(cfg, "attention")` a Pallas impl, fp32 numerics) and
-    the window codec is fp8, the wkv GEMM's output goes through one kernel — kv_norm, RoPE and the codes
-    (`pallas/window_codes.py`, the attention op's ``window_codes`` entry: four to five XLA launches fewer
-    per layer); the codes are the jnp path's (bitwise where the two sum Σx² alike). Other codecs run the
-    jnp path (said once in the log). y: wkv(x) when the caller has it already (`project_q_codes`).
-
-    ring: None, or (store, rows, write, ring_layer, ring_base) (`pallas.window_codes.kernel`'s): where the kernel
-    runs it also writes the codes into the cache's window rings in place and this returns (codes, the store);
-    elsewhere (codes, None) — the caller writes them later (`decode.commit`)."""
-    if window_codes_kernel(cfg, mode):
-        y = linear.fp8(x, p["wkv"], cfg, dt) if y is None else y
+    written = None
+    if step.window_codes_kernel:
         nw, layer = weights.split(p["kv_norm"]["weight"])
-        impl = dispatch.resolve(cfg, "attention")
-        return dispatch.kernel("attention", impl, "window_codes")(
-            y, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring, interpret=impl == "pallas_interpret")
-    if dispatch.is_kernel(dispatch.resolve(cfg, "attention")) and not is_exact(cfg):
-        _log_window_codec(mode)
-    codes = kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=y))
-    return codes if ring is None else (codes, None)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_window_codec(mode: str) -> None:
-    log.info("attention: the window codes of kv_cache_dtype %r (codec %s) have no kernel: kv_norm, RoPE and "
-             "the codes run the jnp path", mode, kvc._codec("win", mode))
+        codes = dispatch.kernel("attention", step.attention, "window_codes")(
+            kvy, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring,
+            interpret=step.attention == "pallas_interpret")
+        if ring is not None:
+            codes, written = codes
+    else:
+        codes = kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=kvy))
+    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, written)
 
 
 def window_kv(kv_rot, dt):
@@ -250,7 +232,7 @@ def window_keys(ring, ring_rows, new, start, positions, valid, window: int, mode
 
 def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
                      ratio: int, page_size: int, window: int, mode: str, impl: str = "reference",
-                     exact: bool = False, key_lo=None, ring_layer=None, ring_base: int = 0):
+                     exact: bool = False, key_lo=None, ring_layer=None, ring_base: int = 0, merge: bool = True):
     """The attention seam: one softmax over [window ∪ selected compressed slots] read from stored codes.
 
     Inputs (B rows, T queries per row, H heads, hd = head_dim, W = sliding_window):
@@ -278,20 +260,38 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
                   an int, or an int32 scalar (a layer-scan run's index; ring_base, static, its first layer:
                   an add of the two would be an XLA launch per trip); the kernel reads it in place
     Static: ratio, page_size, window, mode (kv_cache_dtype), impl, exact (the exact numerics mode:
-    fp64-accumulated sums, `attend`; "reference" and "xla" only).
+    fp64-accumulated sums, `attend`; "reference" and "xla" only), merge (False: the kernel's unmerged split
+    partials, a dict (`pallas.sparse_attention.kernel`'s merge), for `output_proj`'s o_proj kernel to merge
+    inside itself — the plan's `StepPlan.attend_partials`, where both kernels run; a Pallas `impl` only).
     Returns [B, T, H, hd] in q.dtype (docs/design/spec.md §3: fp32 logits, sink in the denominator only, bf16-rounded
     numerator probabilities in the bf16 flow; a query with no valid key gives 0).
-    A Pallas kernel registered for "attention" is called with these arguments (minus `impl`) plus
-    `interpret`. (`sparse_attention_partials`: the kernel's unmerged split partials, for the o_proj kernel.)
+    A Pallas kernel registered for "attention" is called with these arguments (minus `impl`, `exact`, `key_lo`:
+    it refuses the fp64 modes and SWA bounded replay's window bound) plus `interpret`.
     """
     if dispatch.is_kernel(impl):
-        _check_kernel_call(impl, exact, key_lo)
+        if exact:
+            raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} "
+                                     "implementation (fp64 accumulation is for the jnp paths: use impl "
+                                     "'attention=xla' or 'reference')")
+        if key_lo is not None:
+            raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no "
+                                      f"{impl!r} kernel; run the attention op with impl 'xla' or 'reference'")
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
             page_size=page_size, window=window, mode=mode, ring_layer=ring_layer, ring_base=ring_base,
-            interpret=impl == "pallas_interpret")
+            interpret=impl == "pallas_interpret", merge=merge)
+    if not merge:
+        raise dispatch.ImplError(f"attention: split partials come from the attention kernel, not {impl!r}")
     if impl not in ("reference", "xla"):
         raise dispatch.ImplError(f"attention: unknown implementation {impl!r}")
+    return _sparse_attention_jnp(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio,
+                                 page_size, window, mode, impl == "xla", exact, key_lo, ring_layer, ring_base)
+
+
+def _sparse_attention_jnp(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio,
+                          page_size, window, mode, fast, exact, key_lo, ring_layer, ring_base):
+    """`sparse_attention`'s "reference" / "xla" (fast) implementations: the window keys (`window_keys`) and the
+    selected compressed slots decoded from their codes, then `attend`."""
     dt = q.dtype
     B, T = positions.shape
     win_kv, win_mask = window_keys(ring, ring_rows, new, start, positions, valid.astype(bool), window, mode, dt,
@@ -303,32 +303,7 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
         rows = kvc.token_locs(page_table, jnp.maximum(sel, 0) * ratio, page_size) // ratio
         comp_kv = kvc.decode("comp", mode, kvc.store_get(comp, rows), dt)
         comp_mask = sel >= 0
-    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=impl == "xla", exact=exact)
-
-
-def _check_kernel_call(impl: str, exact, key_lo) -> None:
-    """What the attention kernel refuses: the fp64-accumulating modes and SWA bounded replay's window bound."""
-    if exact:
-        raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} implementation (fp64 "
-                                 f"accumulation is for the jnp paths: use impl 'attention=xla' or 'reference')")
-    if key_lo is not None:
-        raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "
-                                  f"kernel; run the attention op with impl 'xla' or 'reference'")
-
-
-def sparse_attention_partials(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *,
-                              ratio: int, page_size: int, window: int, mode: str, impl: str, exact: bool = False,
-                              key_lo=None, ring_layer=None, ring_base: int = 0):
-    """`sparse_attention` on its kernel, returning the kernel's unmerged split partials (a dict, see
-    `pallas.sparse_attention.kernel`'s merge) for `output_proj`'s o_proj kernel to merge inside itself (the plan's
-    `StepPlan.attend_partials`: where both kernels run). The same arguments; a Pallas `impl` only."""
-    if not dispatch.is_kernel(impl):
-        raise dispatch.ImplError(f"attention: split partials come from the attention kernel, not {impl!r}")
-    _check_kernel_call(impl, exact, key_lo)
-    return dispatch.kernel("attention", impl)(
-        q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
-        page_size=page_size, window=window, mode=mode, ring_layer=ring_layer, ring_base=ring_base,
-        interpret=impl == "pallas_interpret", merge=False)
+    return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, dt, fast=fast, exact=exact)
 
 
 def sink_of(p):
@@ -337,21 +312,20 @@ def sink_of(p):
     return weights.row(p["attn_sink"]).astype(jnp.float32)
 
 
-def output_proj(p, o, positions, freqs, cfg, dt):
+def output_proj(step, p, o, positions, freqs, cfg, dt):
     """o [B, T, H, hd] attention output -> [B, T, D].
 
     Inverse RoPE at the query position; heads viewed as o_groups groups of H/o_groups·hd; wo_a
     (fp8 in the file, dequantized to bf16 — exact) applied per group as a plain bf16 matmul; wo_b fp8.
-    Where the linear kernel runs (`linear.kernel_runs`), the inverse RoPE and wo_a are one kernel
-    (`linear.o_proj`), which also merges the attention kernel's split partials when `o` is them (the
-    dict `sparse_attention_partials` returns).
+    Where the plan's `StepPlan.linear_kernel`, the inverse RoPE and wo_a are one kernel (`linear.o_proj`),
+    which also merges the attention kernel's split partials when `o` is them (`sparse_attention`'s merge=False).
     """
     G, R = cfg.o_groups, cfg.o_lora_rank
-    if linear.kernel_runs(cfg):
+    if step.linear_kernel:
         y = linear.o_proj(o, p["wo_a"], positions, freqs, p["attn_sink"], cfg, dt)
         return linear.fp8(y, p["wo_b"], cfg, dt)
     if isinstance(o, dict):
-        raise ValueError("output_proj: split partials need the linear kernel (linear.kernel_runs) to merge them")
+        raise ValueError("output_proj: split partials need the o_proj kernel (StepPlan.linear_kernel) to merge them")
     B, T = o.shape[:2]
     o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt)
     o = o.reshape(B, T, G, cfg.o_group_in)

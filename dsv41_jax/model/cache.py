@@ -221,6 +221,17 @@ def store_set(st: dict, idx, val: dict) -> dict:
     return {k: st[k].at[idx].set(val[k], mode="drop") for k in st}
 
 
+def set_row(arr, rows, val):
+    """arr[rows[b]] = val[b] for rows int32 [B] that are in range (a request's slot, or the scratch one).
+
+    One row (B = 1) is a `dynamic_update_slice`: XLA turns a one-index scatter into one too, but keeps the
+    scatter's out-of-range drop as a select of the old row first — two launches per array on a GPU, one
+    here (decode at B = 1 writes a few of these per layer)."""
+    if rows.shape[0] != 1:
+        return arr.at[rows].set(val)
+    return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), (rows[0],) + (0,) * (arr.ndim - 1))
+
+
 def store_get(st: dict, idx) -> dict:
     """Gather codes at first-axis indices `idx` (clamped; callers mask invalid entries)."""
     return {k: jnp.take(st[k], idx, axis=0, mode="clip") for k in st}

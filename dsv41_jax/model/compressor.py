@@ -13,9 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import quant
+from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import indexer, quant
 from dsv41_jax.model.norm import rmsnorm
-from dsv41_jax.model.numerics import (DETERMINISTIC, linear_bf16, linear_f32, round_f32, softmax_f32, sum_f32,
+from dsv41_jax.model.numerics import (DETERMINISTIC, is_exact, linear_bf16, linear_f32, round_f32, softmax_f32, sum_f32,
                                       x64_scope)
 from dsv41_jax.model.rope import apply_rope
 
@@ -116,6 +117,35 @@ def compress_chunk(p, x, start, n_new, slot, positions, valid, partial, ratio: i
     end = start + n_new
     complete = (j * r + r - 1) < end[:, None]
     return latent, j.astype(jnp.int32), complete, {"kv": buf_kv, "score": buf_sc}
+
+
+def store_chunk(p, x, st, key: str, batch, positions, valid, freqs, ratio: int, cfg, ccfg, dt, keep_old: bool):
+    """A KV source's cache writes for a cached step's chunk (`decode.attention_cached`): the latents of the groups
+    the chunk completes (`compress_chunk`), RoPE'd at their slot positions and encoded, into its compressed pool
+    ``st["comp"][key]`` at the pool rows of the batch's page table (`indexer.pool_index`; incomplete groups go
+    out of range, dropped), and — a source with an indexer — their index keys into ``st["ikeys"][key]`` likewise.
+    p: the layer's ``attn`` params; x [B, T, D] its normed input; batch: the step's batch (start, n_new, slot,
+    page_table); positions int32 / valid bool [B, T].
+
+    Returns (st' (new dicts; `st` is not modified), the group buffers for `partial_after` (None at ratio 1),
+    restore data or None): with `keep_old` (a speculative step) {"dest", "last", "comp"[, "ikeys"]}: where each
+    group went, its last position and the codes it overwrote (`decode.commit` puts back those of rejected
+    groups)."""
+    mode, r = ccfg.kv_cache_dtype, ratio
+    latent, j, complete, buf = compress_chunk(p["compressor"], x, batch["start"], batch["n_new"], batch["slot"],
+                                              positions, valid, st["partial"].get(key), r, cfg.rms_norm_eps, dt,
+                                              is_exact(cfg))
+    oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
+    dest = jnp.where(complete, indexer.pool_index(batch["page_table"], j, r, ccfg.page_size), oob)
+    saved = {"dest": dest, "last": j * r + r - 1, "comp": kvc.store_get(st["comp"][key], dest)} if keep_old else None
+    rot = compressed_rot(latent, j * r, freqs, dt)
+    st = dict(st, comp={**st["comp"], key: kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))})
+    if key in st["ikeys"]:
+        if saved is not None:
+            saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
+        krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, cfg.rms_norm_eps, dt, is_exact(cfg))
+        st["ikeys"] = {**st["ikeys"], key: kvc.store_set(st["ikeys"][key], dest, kvc.encode("ikey", mode, krot))}
+    return st, buf, saved
 
 
 def partial_after(partial, buf, start, end, slot, r: int):

@@ -20,7 +20,9 @@ where keys come from differs (the cache instead of the in-flight sequence).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
 from typing import Optional, Sequence
 
 import jax
@@ -42,17 +44,6 @@ def _row_scatter(store: dict, rows, cols, val: dict) -> dict:
     return {k: store[k].at[rows[:, None], cols].set(val[k], mode="drop") for k in store}
 
 
-def _set_row(arr, rows, val):
-    """arr[rows[b]] = val[b] for rows int32 [B] that are in range (a request's slot, or the scratch one).
-
-    One row (B = 1) is a `dynamic_update_slice`: XLA turns a one-index scatter into one too, but keeps the
-    scatter's out-of-range drop as a select of the old row first — two launches per array on a GPU, one
-    here (decode at B = 1 writes a few of these per layer)."""
-    if rows.shape[0] != 1:
-        return arr.at[rows].set(val)
-    return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), (rows[0],) + (0,) * (arr.ndim - 1))
-
-
 def _window_write(st_win, rows, positions, n, codes, window: int, layer: Optional[int] = None) -> dict:
     """Ring update: the chunk's window codes at ``pos mod W`` for its first ``n[b]`` tokens — only the
     last W of them (earlier ones would be overwritten); later tokens (padding, or rejected drafts) are
@@ -67,7 +58,7 @@ def _window_write(st_win, rows, positions, n, codes, window: int, layer: Optiona
     if layer is not None:
         codes = {k: jnp.moveaxis(v, 0, 2) for k, v in codes.items()}  # [B, T, nl, ...]
     if B * T == 1:
-        # One token: written in place (`_set_row`'s reason); a dropped write goes to the scratch row, which
+        # One token: written in place (`cache.set_row`'s reason); a dropped write goes to the scratch row, which
         # only padded rows read, instead of being dropped.
         scratch = jax.tree_util.tree_leaves(st_win)[0].shape[0] - 1
         row = jnp.where(write[0, 0], rows[0], scratch)
@@ -87,110 +78,53 @@ def _window_write(st_win, rows, positions, n, codes, window: int, layer: Optiona
 
 
 def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, k=0):
-    """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec,
-    pend'), the primed values being the arguments with this layer's writes (new containers: nothing passed
-    in is modified) and rec its aux record (`transformer.record`). step: the `plan.StepPlan`; pend: the
-    step's `plan.Pending`.
+    """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec, pend'), the
+    primed values being the arguments with this layer's writes (new containers: nothing passed in is modified)
+    and rec its aux record (`transformer.record`). step: the `plan.StepPlan`; pend: the step's `plan.Pending`.
 
-    Completed compressed groups and index keys are written to `st` before they are read (this chunk's
-    later queries see them); the window codes and the partial-group buffers only go to `pend`, and
-    `commit` writes them for the tokens that are kept (the ring is read as it was before the chunk,
-    the chunk's own keys come from `new`) — except where the plan writes the rings now (`StepPlan.ring_now`:
-    a plain one-token step, the window codes kernel writes them; the entry it overwrites, position p − W, is
-    invisible to the query at p). With ``pend.restore`` set (a speculative step), the
-    codes each compressed write overwrites are kept so `commit` can put back those of rejected groups.
-    Then the two seams: `indexer.retrieve` (index sources) and `attention.sparse_attention` (or, where the plan
-    merges the attention kernel's partials in the o_proj kernel, `attention.sparse_attention_partials`), both on
-    stored codes + page table. ``batch["key_lo"]`` (int32 [B], SWA bounded replay's late layers only)
-    hides window keys below that position. k: the layer's index within its layer-scan run (the run's int32
-    trip counter; 0 outside a run), whose `plan` is the run's first layer's: the layer's rings in the cache's
-    stacked ``state["window"]`` are layer ``plan.layer_id + k``'s, read (and written) in place.
+    In order: the queries and this chunk's window codes (`attention.project_q_codes`), which wait in `pend` for
+    `commit` — or, where the plan writes the rings now (`StepPlan.ring_now`), are in the rings already; a KV
+    source's completed groups and index keys, written to `st` before they are read (`compressor.store_chunk`;
+    its partial group waits in `pend`, and with ``pend.restore`` set, a speculative step, so do the codes it
+    overwrote); an index source's selection (`indexer.retrieve`); the attention over the window ring and the
+    selected slots (`attention.sparse_attention`) and the output projection. ``batch["key_lo"]`` (int32 [B], SWA
+    bounded replay's late layers only) hides window keys below that position. k: the layer's index within its
+    layer-scan run (the run's int32 trip counter; 0 outside a run), whose `plan` is the run's first layer's: the
+    layer's rings in the cache's stacked ``state["window"]`` are layer ``plan.layer_id + k``'s, read (and
+    written) in place.
     """
-    lid = plan.layer_id
-    mode = ccfg.kv_cache_dtype
-    eps = cfg.rms_norm_eps
-    ps = ccfg.page_size
-    pt = batch["page_table"]
+    lid, mode, ps, pt = plan.layer_id, ccfg.kv_cache_dtype, ccfg.page_size, batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
     ring_req = ((st["window"], batch["slot"][:, None], batch["n_new"][:, None], k, lid)
                 if step.ring_now else None)
-    qr, q, win_codes, written = attn_mod.project_q_codes(p, x, positions, freqs, cfg, dt, mode, ring=ring_req)
+    qr, q, win_codes, written = attn_mod.project_q_codes(step, p, x, positions, freqs, cfg, dt, mode, ring=ring_req)
     if step.ring_now:  # `commit` has nothing left to write for this layer
         st = dict(st, window=written)
     else:
         pend = pend.with_window(lid, win_codes)
-    ring = st["window"]  # every layer's rings; this layer's (lid + k) are read in place
     r = plan.compress_ratio
     comp, sel, rec = None, None, {}
     if r > 0:
         if plan.is_kv_source:
             key = str(lid)
-            latent, j, complete, buf = compressor.compress_chunk(
-                p["compressor"], x, batch["start"], batch["n_new"], batch["slot"], positions, valid,
-                st["partial"].get(key), r, cfg.rms_norm_eps, dt, is_exact(cfg))
+            st, buf, saved = compressor.store_chunk(p, x, st, key, batch, positions, valid, freqs, r, cfg, ccfg, dt,
+                                                    keep_old=pend.restore is not None)
             if buf is not None:
-                pend = pend.replace(partial={**pend.partial, key: buf})
-            oob = jax.tree_util.tree_leaves(st["comp"][key])[0].shape[0]  # out of range: dropped
-            dest = jnp.where(complete, indexer.pool_index(pt, j, r, ps), oob)
-            saved = None
-            if pend.restore is not None:
-                saved = {"dest": dest, "last": j * r + r - 1, "comp": kvc.store_get(st["comp"][key], dest)}
-            rot = compressor.compressed_rot(latent, j * r, freqs, dt)
-            written = kvc.store_set(st["comp"][key], dest, kvc.encode("comp", mode, rot))
-            st = dict(st, comp={**st["comp"], key: written})
-            if key in st["ikeys"]:
-                if saved is not None:
-                    saved["ikeys"] = kvc.store_get(st["ikeys"][key], dest)
-                krot = indexer.index_keys_rot(p["indexer"], latent, j * r, freqs, eps, dt, is_exact(cfg))
-                codes = kvc.encode("ikey", mode, krot)
-                st["ikeys"] = {**st["ikeys"], key: kvc.store_set(st["ikeys"][key], dest, codes)}
+                pend = dataclasses.replace(pend, partial={**pend.partial, key: buf})
             if saved is not None:
-                pend = pend.replace(restore={**pend.restore, key: saved})
+                pend = dataclasses.replace(pend, restore={**pend.restore, key: saved})
         if plan.is_index_source:
             ctx, rec = indexer.retrieve(p["indexer"], qr, x, positions, freqs, plan, ctx,
                                         st["ikeys"][str(plan.key_owner)], pt, page_size=ps, mode=mode, cfg=cfg, dt=dt,
                                         retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = st["comp"][str(plan.kv_source)]
-    attend = attn_mod.sparse_attention_partials if step.attend_partials else attn_mod.sparse_attention
-    o = attend(q, attn_mod.sink_of(p), ring, batch["slot"], win_codes, batch["start"], positions, valid, comp, pt, sel,
-               ratio=max(r, 1), page_size=ps, window=cfg.sliding_window, mode=mode, impl=step.attention,
-               exact=is_exact(cfg), key_lo=batch.get("key_lo"), ring_layer=k, ring_base=lid)
-    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
-
-
-def _scan_run_cached(step, params, first, n, plan, h, pre, st, ctx, batch, positions, valid, cfg, ccfg, dt, aux,
-                     pend, par):
-    """Layers first..first+n-1 (a `layer_scan` run: consumers or window-only layers, which write no
-    store) as one scan. The body is `attention_cached` with layer first + k's rings read in place from
-    the cache's stacked ``state["window"]`` (a per-layer slice or gather would be an XLA copy per layer
-    before the attention kernel, which does not fuse with it). The window codes each layer leaves for
-    `commit` come back stacked and go to ``pend.window`` per layer; where the plan writes the rings now
-    (`StepPlan.ring_now`), the rings are the scan's carry instead (no per-layer output to stack: two small
-    copies per layer fewer). Returns (h, pre, st', aux', pend') (new containers)."""
-    lid = plan.layer_id
-    # valid as the attention kernel reads it (int32), made once: converted in the body it is a launch per trip
-    valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
-    empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
-
-    def attn_run(p, x, k, win):
-        st_l = {"window": st["window"] if win is None else win, "comp": st["comp"], "ikeys": st["ikeys"],
-                "partial": st["partial"]}
-        y, st_out, ctx_out, rec, pend_out = attention_cached(step, p, x, plan, st_l, ctx, batch, positions, valid_k,
-                                                             cfg, ccfg, dt, empty, k)
-        if ctx_out is not ctx or rec or st_out["comp"] is not st["comp"] or pend_out.partial:
-            raise RuntimeError(f"layer {lid}: a scanned run's layers must not store anything")
-        out = {} if step.ring_now else {"window": pend_out.window[lid]}
-        return y, (out, st_out["window"] if step.ring_now else None)
-
-    h, pre, aux, outs, win = scan_blocks(step, layer_scan.run_params(params, first, n, cfg), h, pre,
-                                         st["window"] if step.ring_now else None, plan, cfg, dt, aux, first,
-                                         cfg.num_experts_per_tok, attn_run, par=par)
-    if step.ring_now:
-        return h, pre, dict(st, window=win), aux, pend
-    for k in range(n):
-        pend = pend.with_window(first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], outs["window"]))
-    return h, pre, st, aux, pend
+    o = attn_mod.sparse_attention(q, attn_mod.sink_of(p), st["window"], batch["slot"],
+                                  win_codes, batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1),
+                                  page_size=ps, window=cfg.sliding_window, mode=mode, impl=step.attention,
+                                  exact=is_exact(cfg), key_lo=batch.get("key_lo"), ring_layer=k, ring_base=lid,
+                                  merge=not step.attend_partials)
+    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
 
 
 def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
@@ -203,12 +137,33 @@ def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, to
     Engram hashes need each token's predecessors); cols int32 [B, T'] (SWA bounded replay's late
     layers) says which chunk column each row of h is, so the Engram rows are hashed on the whole chunk
     and then gathered; None: h holds the whole chunk.
+
+    A run of n >= 2 layers (consumers or window-only layers, which write no store) is one scan
+    (`transformer.scan_blocks`) of `attention_cached` with layer first + k's rings read in place from the
+    cache's stacked ``state["window"]`` (a per-layer slice would be an XLA copy per layer before the attention
+    kernel); the window codes each layer leaves for `commit` come back stacked, or, where the plan writes the
+    rings now (`StepPlan.ring_now`), the rings are the scan's carry.
     """
     for i, n in runs:
         plan = cfg.layer_plan(i)
         if n > 1:
-            h, pre, st, aux, pend = _scan_run_cached(step, params, i, n, plan, h, pre, st, ctx, batch, positions,
-                                                     valid, cfg, ccfg, dt, aux, pend, par)
+            # valid as the attention kernel reads it (int32), made once: converted in the body, a launch per trip
+            valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
+            empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
+
+            def attn_run(p, k, win, x, plan=plan, st=st):
+                y, st_out, _, _, pend_out = attention_cached(step, p, x, plan, dict(st, window=st["window"] if win is None else win),
+                                                             ctx, batch, positions, valid_k, cfg, ccfg, dt, empty, k)
+                return y, (pend_out.window[plan.layer_id], st_out["window"] if step.ring_now else None)
+
+            h, pre, aux, codes, win = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre,
+                                                  st["window"] if step.ring_now else None, plan, cfg, dt, aux, i,
+                                                  cfg.num_experts_per_tok, attn_run, par=par)
+            if step.ring_now:
+                st = dict(st, window=win)
+            else:
+                for k in range(n):
+                    pend = pend.with_window(i + k, jax.tree_util.tree_map(operator.itemgetter(k), codes))
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None
@@ -256,12 +211,9 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
               layer's window codes, the partial groups, restore data (only with `restore`), the Engram ids);
       aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
               [B, T, n, D] per layer) and "hidden" (final normed x).
-    par: optional mesh plan (`parallel.plan.MeshPlan`): MoE and the row-split tables run its
-    `shard_map` forms (see `transformer.forward`); `jitted_extend` adds the step's shardings.
-    keep_all (`extend`: every real token is kept, so `commit` keeps them all): the step's plan may write the
-    rings now (`StepPlan.ring_now`: in a one-token step where the window codes kernel runs, it writes each
-    layer's codes into the rings itself, and those layers leave no codes in `pending`; padded rows write to
-    the scratch row).
+    par: optional mesh plan (`parallel.plan.MeshPlan`; `transformer.forward`); `jitted_extend` adds the step's
+    shardings. keep_all (`extend`: `commit` keeps every token): the plan may write the rings in the step
+    (`StepPlan.ring_now`; those layers leave no codes in `pending`, padded rows write to the scratch row).
     """
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
@@ -281,7 +233,7 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
         if not all_logits:
             logits = logits[:, 0]
         if hist is not None:
-            pend = pend.replace(engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
+            pend = dataclasses.replace(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
         return logits, st, pend, dict(aux, hidden=x)
 
 
@@ -297,21 +249,13 @@ def commit(st, pending, batch, n_commit, cfg):
     start, slot = batch["start"], batch["slot"]
     end = start + n_commit
     out = dict(st)
-    # every run of consecutive layers with codes in one update per array (all layers, in the plain step); a
-    # layer with codes None wrote nothing here (SWA bounded replay writes its late layers itself)
-    win, codes = st["window"], pending.window
-    i = 0
-    while i < len(codes):
-        if codes[i] is None:
-            i += 1
-            continue
-        j = i
-        while j < len(codes) and codes[j] is not None:
-            j += 1
-        stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *codes[i:j])  # [j − i, B, T, ...]
-        win = _window_write(win, slot, pending.positions, n_commit, stacked, cfg.sliding_window, layer=i)
-        i = j
-    out["window"] = win
+    # the layers with codes (all, in the plain step; none where the step wrote the rings; a prefix in SWA bounded
+    # replay, which writes its late layers itself) are consecutive: one update per array
+    have = [i for i, c in enumerate(pending.window) if c is not None]
+    if have:
+        stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *pending.window[have[0]: have[-1] + 1])
+        out["window"] = _window_write(st["window"], slot, pending.positions, n_commit, stacked, cfg.sliding_window,
+                                      layer=have[0])
     out["partial"] = dict(st["partial"])
     for key, buf in pending.partial.items():
         r = buf["kv"].shape[2]
@@ -323,7 +267,7 @@ def commit(st, pending, batch, n_commit, cfg):
         ext = jnp.concatenate([hist[slot], pending.engram_ids], axis=1)  # [B, M−1+T]
         m1 = hist.shape[1]
         take = n_commit[:, None] + jnp.arange(m1)[None, :]
-        out["engram_hist"] = _set_row(hist, slot, jnp.take_along_axis(ext, take, axis=1))
+        out["engram_hist"] = kvc.set_row(hist, slot, jnp.take_along_axis(ext, take, axis=1))
     return out
 
 
@@ -459,7 +403,7 @@ def extend_bounded(params, state, batch, cfg, ccfg, late_tail: int, par=None, re
         logits, _ = final_logits(params, h, pre, cfg, dt)
         logits = jnp.where(count[:, None] > 0, logits[:, 0], 0.0)
         if hist is not None:
-            pend = pend.replace(engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
+            pend = dataclasses.replace(pend, engram_ids=compressed_ids(cfg, params["derived"]["engram_token_map"], tokens))
         new_state = commit(st, pend, batch, n_new, cfg)
         if late:  # the late layers (the last ones, contiguous): their rings for the tail tokens, in one update
             lo, hi = late[0][0], late[-1][0] + late[-1][1]

@@ -19,7 +19,7 @@ registers its (op, variant) entries with `register` — the kernel, the plain-jn
 and a `supports` predicate (the model configs it runs). An op may have several variants (mhc: "kernel"
 enters a sublayer, "sublayer_exit" leaves it); `DEFAULT_VARIANT` is the op's main one. ``model/`` never
 imports ``pallas/`` at import time: the registry is filled the first time a kernel implementation is
-resolved (`_load` imports the ``dsv41_jax.pallas`` package, whose modules register themselves). A
+resolved (`registry` imports the ``dsv41_jax.pallas`` package, whose modules register themselves). A
 missing (op, variant) is a clear ImplError, never a silent fallback.
 """
 
@@ -85,17 +85,13 @@ def register(op: str, variant: str, *, kernel: Callable, reference: Callable, su
     return entry
 
 
-def _load() -> None:
-    """Fill the registry: import the kernel package once (its modules call `register`)."""
+def registry() -> types.MappingProxyType:
+    """Every registered kernel, {(op, variant): KernelEntry} (read-only). The first call imports the kernel
+    package, whose modules call `register` (lazy: model/ does not import pallas/ at import time)."""
     if not _loaded:
-        import dsv41_jax.pallas  # noqa: F401  (lazy: model/ does not import pallas/ at import time)
+        import dsv41_jax.pallas  # noqa: F401
 
         _loaded.append(True)
-
-
-def registry() -> types.MappingProxyType:
-    """Every registered kernel, {(op, variant): KernelEntry} (read-only; loads the kernel modules)."""
-    _load()
     return types.MappingProxyType(_REGISTRY)
 
 

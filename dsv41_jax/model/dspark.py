@@ -116,7 +116,7 @@ def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False, pa
     return logits, new_state
 
 
-def _draft_attention(p, x, ring, slot, start, positions, plan, cfg, ccfg, dt):
+def _draft_attention(step, p, x, ring, slot, start, positions, plan, cfg, ccfg, dt):
     """A stage's attention over [its ring's committed positions ∪ the whole block].
 
     x [B, K, D] normed block input at positions int32 [B, K] (= start + k); ring: the stage's ring
@@ -138,7 +138,7 @@ def _draft_attention(p, x, ring, slot, start, positions, plan, cfg, ccfg, dt):
     hd = q.shape[-1]
     o = attn_mod.attend(q, keys, mask, jnp.zeros((B, K, 0, hd), dt), jnp.zeros((B, K, 0), bool),
                         attn_mod.sink_of(p), dt, exact=is_exact(cfg))
-    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt)
+    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt)
 
 
 def greedy_draw(k, logits):
@@ -186,7 +186,7 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
         plan = _stage_plan(cfg, s)
 
         def attn_fn(x, sp=sp, ring=rings[s], plan=plan):
-            return _draft_attention(sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt), None
+            return _draft_attention(step, sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt), None
 
         h, pre, _, _ = block(step, sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn, par=par)
         h = settle(h, cfg, dt, par)

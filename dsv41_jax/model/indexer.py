@@ -49,7 +49,7 @@ def index_query(p, qr, x, positions, freqs, cfg, dt):
     q = q.reshape(q.shape[:-1] + (nI, dI))
     q = apply_rope(q, positions[..., None], freqs, out_dtype=dt)
     q = quant.fake_quant_fp4_pow2(q, block=32, out_dtype=dt)
-    w = linear.plain_bf16(x, p["weights_proj"]["weight"], cfg, dt)
+    w = linear_bf16(x, p["weights_proj"]["weight"], dt, exact=is_exact(cfg))  # a plain bf16 matmul (spec §1)
     w = (w * (dI ** -0.5 * nI ** -0.5)).astype(dt)
     return q, w
 

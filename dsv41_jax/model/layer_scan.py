@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.model.params import P, layer_decl
+
 log = logging.getLogger(__name__)
 
 STACKS = "layer_stacks"
@@ -83,34 +85,27 @@ def plan_runs(cfg) -> tuple:
 
 def _check_shapes(cfg, runs) -> None:
     """Layers of a run must declare identical parameter trees (shapes, dtypes): the scan needs it."""
-    from dsv41_jax.model.params import _block_decl
-
     for f, n in runs:
         if n < 2:
             continue
-        ref = jax.tree_util.tree_map(lambda p: (p.shape, p.dtype), _block_decl(cfg, f))
+        ref = jax.tree_util.tree_map(lambda p: (p.shape, p.dtype), layer_decl(cfg, f))
         for i in range(f + 1, f + n):
-            got = jax.tree_util.tree_map(lambda p: (p.shape, p.dtype), _block_decl(cfg, i))
+            got = jax.tree_util.tree_map(lambda p: (p.shape, p.dtype), layer_decl(cfg, i))
             if got != ref:  # a plan-identical layer with other shapes: the plan misses a distinction
                 raise AssertionError(f"layer_scan: layers {f} and {i} share a plan but not their parameter shapes")
 
 
+@functools.lru_cache(maxsize=64)
 def layer_runs(cfg) -> tuple:
     """The runs the forward / cached step execute: `plan_runs` with the switch on, one run per layer
-    with ``cfg.layer_scan`` False. Logged once per (config, switch)."""
-    runs = plan_runs(cfg) if cfg.layer_scan else tuple((i, 1) for i in range(cfg.num_hidden_layers))
-    _log_once(cfg.layer_scan, runs, cfg.num_hidden_layers)
+    with ``cfg.layer_scan`` False. Logged once per config."""
+    if not cfg.layer_scan:
+        log.info("layer scan: off (ModelConfig.layer_scan=False): %d layers unrolled", cfg.num_hidden_layers)
+        return tuple((i, 1) for i in range(cfg.num_hidden_layers))
+    runs = plan_runs(cfg)
+    log.info("layer scan: on: %d layers traced as %d bodies (scans over %s)", cfg.num_hidden_layers, len(runs),
+             ", ".join(f"{f}-{f + n - 1}" for f, n in runs if n > 1) or "nothing: no run of >= 2 plan-identical layers")
     return runs
-
-
-@functools.lru_cache(maxsize=64)
-def _log_once(on: bool, runs: tuple, L: int) -> None:
-    if not on:
-        log.info("layer scan: off (ModelConfig.layer_scan=False): %d layers unrolled", L)
-        return
-    scanned = [(f, n) for f, n in runs if n > 1]
-    log.info("layer scan: on: %d layers traced as %d bodies (scans over %s)", L, len(runs),
-             ", ".join(f"{f}-{f + n - 1}" for f, n in scanned) or "nothing: no run of >= 2 plan-identical layers")
 
 
 def has_runs(cfg) -> bool:
@@ -151,8 +146,6 @@ def _stack_leaves(*xs):
         sh = x0.sharding
         return jax.ShapeDtypeStruct((len(xs),) + tuple(x0.shape), storage_dtype(x0.dtype),
                                     sharding=_stack_sharding(sh) if isinstance(sh, jax.sharding.NamedSharding) else None)
-    from dsv41_jax.model.params import P
-
     if isinstance(x0, P):
         return dataclasses.replace(x0, shape=(len(xs),) + tuple(x0.shape), axes=(None,) + tuple(x0.axes),
                                    dtype=storage_dtype(x0.dtype))
@@ -169,13 +162,10 @@ def load_row(row, like):
     """A layer's params inside a scan body: `row` (one row of a stack, storage dtypes) bitcast back to
     the dtypes of `like` (a tree of arrays / ShapeDtypeStructs / declarations with the real dtypes)."""
     return jax.tree_util.tree_map(
-        lambda a, d: a if a.dtype == jnp.dtype(d.dtype) else jax.lax.bitcast_convert_type(a, d.dtype), row, like,
-        is_leaf=_is_leaf)
+        lambda a, d: a if a.dtype == jnp.dtype(d.dtype) else jax.lax.bitcast_convert_type(a, d.dtype), row, like)
 
 
 def _is_leaf(x):
-    from dsv41_jax.model.params import P
-
     return isinstance(x, (P, jax.sharding.NamedSharding, jax.ShapeDtypeStruct))
 
 
@@ -191,13 +181,6 @@ def stack_tree(trees, traced: bool = False):
         out = jax.tree_util.tree_map(lambda a: _stack_sharding(a.sharding), trees[0])
         return jax.jit(lambda ts: jax.tree_util.tree_map(_stack_traced, *ts), out_shardings=out)(trees)
     return jax.tree_util.tree_map(_stack_leaves, *trees, is_leaf=_is_leaf)
-
-
-def get_path(tree, path):
-    """tree[path[0]][path[1]]... (a path of dict keys)."""
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def set_path(tree, path, value):
@@ -228,13 +211,6 @@ def stack_layers(params: dict, cfg) -> dict:
         for i in range(f, f + n):
             layers[i] = None
     return dict(params, layers=layers, **{STACKS: stacks})
-
-
-def layer_decl(cfg, i: int) -> dict:
-    """Layer i's declaration tree (`params.P` leaves: the real shapes and dtypes)."""
-    from dsv41_jax.model.params import _block_decl
-
-    return _block_decl(cfg, i)
 
 
 def unstack_layers(params: dict, cfg) -> dict:

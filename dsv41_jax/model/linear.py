@@ -1,7 +1,9 @@
-"""The "linear" seam: quantized (fp8 / MXFP4) matmuls and the plain-matmul kinds, by implementation.
+"""The "linear" seam: quantized (fp8 / MXFP4) matmuls and the fp32-kind matmuls, by implementation.
 
-Every model matmul on a stored weight goes through here with the config, so `ModelConfig.impl` (op
-``"linear"``, `dispatch.resolve`) and the numerics mode (`numerics.is_exact`) are honoured in one place:
+Every such matmul goes through here with the config, so `ModelConfig.impl` (op ``"linear"``,
+`dispatch.resolve`) and the numerics mode (`numerics.is_exact`) are honoured in one place. (A "plain bf16
+matmul", docs/design/spec.md §1, is one formulation for every implementation: callers use
+`numerics.linear_bf16` directly.)
 
 * ``"reference"`` — today's arithmetic, byte for byte: `quant.fp8_linear` / `quant.mxfp4_linear`
   (both operands dequantized exactly to fp32, one fp32 HIGHEST dot, one rounding) and the
@@ -43,7 +45,7 @@ devices, it lets the CPU row tiles follow the split (`tiling`, module doc).
 
 from __future__ import annotations
 
-import logging
+import functools
 import math
 
 import jax
@@ -53,41 +55,21 @@ from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
-log = logging.getLogger(__name__)
-
 # Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
 # stored width, a K/32·M·N fp32 partial-sum temporary); above it the exact-bf16 dequant GEMM.
 BLOCK_M_MAX = 8
 
 
-_KERNEL_SCOPE_LOGGED: set = set()
-
-
-def impl_of(cfg) -> str:
-    """The implementation of the "linear" op for `cfg` (logged once by `dispatch`).
-
-    "pallas" / "pallas_interpret": the fp8 and MXFP4 GEMMs (`fp8`, `mxfp4`) run the fused kernel
-    (`pallas/quant_linear.py`); the matmuls on bf16 weights (`plain_bf16`, `f32`, `wo_a`'s load-time
-    bf16 copy) have no quantized operand to fuse and run the xla path — said once in the log."""
-    name = dispatch.resolve(cfg, "linear")
-    if name not in dispatch.IMPLS:
-        raise dispatch.ImplError(f"linear: no {name!r} implementation")
-    if dispatch.is_kernel(name) and name not in _KERNEL_SCOPE_LOGGED:
-        _KERNEL_SCOPE_LOGGED.add(name)
-        log.info("linear=%s: the fp8 / MXFP4 GEMMs run the quant_linear kernel; the bf16 / fp32 matmuls "
-                 "(head, MoE gate, wo_a's bf16 copy) run the xla path", name)
-    return name
-
-
-def kernel_runs(cfg) -> bool:
-    """Whether the linear seam's kernels run for `cfg` here: a Pallas impl, the fp32 numerics (the exact /
-    deterministic modes are refused by the kernels), one device (`tiling.mesh_plan`: the kernels are refused
-    on a mesh). What callers that hand a kernel a different operand (the attention's split partials,
-    `o_proj`) ask first."""
-    if not dispatch.is_kernel(impl_of(cfg)) or is_exact(cfg):
-        return False
+def _kernel(cfg, name: str, variant: str = "kernel"):
+    """The linear op's registered kernel `variant` (`dispatch.kernel`) with ``interpret`` bound, for the Pallas
+    implementation `name`. Refused in the fp64-accumulating modes and on a mesh of more than one device (the
+    weights are split by the rules there, and a Pallas call would gather them onto every device)."""
+    dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
     par = tiling.mesh_plan()
-    return par is None or par.mesh.size == 1
+    if par is not None and par.mesh.size > 1:
+        raise dispatch.ImplError(f"linear={name}: the quant_linear kernels run on one device, not on a mesh of "
+                                 f"{par.mesh.size}; use 'linear=xla' (or 'auto')")
+    return functools.partial(dispatch.kernel("linear", name, variant), interpret=name == "pallas_interpret")
 
 
 def o_proj(o, p, positions, freqs, sink, cfg, dt):
@@ -95,32 +77,13 @@ def o_proj(o, p, positions, freqs, sink, cfg, dt):
     (`pallas/o_proj.py`: also the split-K merge when `o` is the attention kernel's partials): [B, T, G·R] in
     `dt`, as `attention.output_proj`'s inverse RoPE + `wo_a` compute it. p: wo_a's `weights.Fp8` (the fp8 pair is
     read; the bf16 copy is not), or a run's stack of it (`weights.Stacked`); sink: fp32 [H], or with wo_a stacked
-    the run's stack of it. Only where `kernel_runs`."""
-    impl = impl_of(cfg)
-    dispatch.refuse_kernel_in_f64_mode(cfg, "linear", impl)
-    if not kernel_runs(cfg):
-        raise dispatch.ImplError(f"linear.o_proj: the o_proj kernel does not run for impl {impl!r} here "
-                                 "(linear.kernel_runs)")
+    the run's stack of it. Where the plan's `StepPlan.linear_kernel`."""
     sink, sink_layer = weights.split(sink)
     w, layer = weights.split(p)
     if (layer is None) != (sink_layer is None):
         raise ValueError("linear.o_proj: wo_a and the sink must both be a run's stacks (weights.Stacked) or neither")
-    k = dispatch.kernel("linear", impl, "o_proj")
-    return k(o, w, positions, freqs, cfg.o_groups, cfg.o_lora_rank, dt, sink=sink, layer=layer,
-             interpret=impl == "pallas_interpret")
-
-
-def _kernel_gemm(x, p, fmt, cfg, dt, name, **epilogue):
-    """The quant_linear kernel for an fp8 / MXFP4 GEMM (one device only: see `pallas/quant_linear.py`);
-    `epilogue`: the kernel's gated pair (p_up / act), normed input (norm), RoPE'd output (rope) or combine."""
-    dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
-    par = tiling.mesh_plan()
-    if par is not None and par.mesh.size > 1:
-        raise dispatch.ImplError(f"linear={name}: the quant_linear kernel runs on one device; on a mesh of "
-                                 f"{par.mesh.size} the weights are split by the rules and a Pallas call would "
-                                 "gather them onto every device; use 'linear=xla' (or 'auto')")
-    k = dispatch.kernel("linear", name)
-    return k(x, p, fmt, dt, cfg, interpret=name == "pallas_interpret", **epilogue)
+    return _kernel(cfg, dispatch.resolve(cfg, "linear"), "o_proj")(o, w, positions, freqs, cfg.o_groups,
+                                                                   cfg.o_lora_rank, dt, sink=sink, layer=layer)
 
 
 def _rows(x):
@@ -201,9 +164,9 @@ def fp8(x, p, cfg, dt, row_axis=None):
     run where the kernel runs the run's stack of it (`weights.Stacked`).
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
-    impl = impl_of(cfg)
+    impl = dispatch.resolve(cfg, "linear")
     if dispatch.is_kernel(impl):
-        return _kernel_gemm(x, p, "fp8", cfg, dt, impl)
+        return _kernel(cfg, impl)(x, p, "fp8", dt, cfg)
     return _fp8_jnp(x, p, cfg, dt, impl, row_axis)
 
 
@@ -239,9 +202,9 @@ def fp8_gated(x, p_gate, p_up, act, cfg, dt, row_axis=None):
     outputs (both [..., N] in `dt`; act returns `dt`), e.g. a SwiGLU expert's w1 / w3 and its activation.
     Where the linear kernel runs, one launch (`quant_linear.kernel`'s gated epilogue: the same per-element
     arithmetic); else the two calls and `act`, bit for bit."""
-    impl = impl_of(cfg)
+    impl = dispatch.resolve(cfg, "linear")
     if dispatch.is_kernel(impl):
-        return _kernel_gemm(x, p_gate, "fp8", cfg, dt, impl, p_up=p_up, act=act)
+        return _kernel(cfg, impl)(x, p_gate, "fp8", dt, cfg, p_up=p_up, act=act)
     return act(fp8(x, p_gate, cfg, dt, row_axis), fp8(x, p_up, cfg, dt, row_axis))
 
 
@@ -249,11 +212,10 @@ def fp8_dual(x, p1, p2, cfg, dt):
     """``(fp8(x, p1), fp8(x, p2))``: two fp8 GEMMs of one input (a layer's wq_a and wkv). Where the linear kernel
     runs and both output widths are multiples of 64, one launch (`quant_linear.kernel_dual`: the same values);
     else the two calls."""
+    impl = dispatch.resolve(cfg, "linear")
     n1, n2 = (weights.split(p)[0].weight.shape[-2] for p in (p1, p2))
-    if kernel_runs(cfg) and n1 % 64 == 0 and n2 % 64 == 0:
-        impl = impl_of(cfg)
-        return dispatch.kernel("linear", impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg,
-                                                              interpret=impl == "pallas_interpret")
+    if dispatch.is_kernel(impl) and n1 % 64 == 0 and n2 % 64 == 0:
+        return _kernel(cfg, impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg)
     return fp8(x, p1, cfg, dt), fp8(x, p2, cfg, dt)
 
 
@@ -261,12 +223,9 @@ def fp8_combined(x, p, slots, order, k: int, cfg, dt):
     """``dt(moe.combine_slots(slots) + f32(fp8(x, p)))`` for one token's MoE (the shared expert's w2 and the routed
     experts' sum): slots [≥ M·k, N] in dt (token m's slot j at row m·k + j), order int32 [M, ≥ k] (each row's
     slots in ascending expert id: the router kernel's), the sum as the linear kernel's epilogue
-    (`quant_linear.kernel`'s combine: one launch fewer). Only where `kernel_runs` (`moe.moe` sums in XLA
-    otherwise)."""
-    impl = impl_of(cfg)
-    if not kernel_runs(cfg):
-        raise dispatch.ImplError(f"linear.fp8_combined: the linear kernel does not run for impl {impl!r} here")
-    return _kernel_gemm(x, p, "fp8", cfg, dt, impl, combine=(slots, order, k))
+    (`quant_linear.kernel`'s combine: one launch fewer). A Pallas linear implementation only (the plan's
+    `StepPlan.combine_in_w2`; `moe.moe` sums in XLA otherwise)."""
+    return _kernel(cfg, dispatch.resolve(cfg, "linear"))(x, p, "fp8", dt, cfg, combine=(slots, order, k))
 
 
 def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
@@ -276,13 +235,13 @@ def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
     Where the linear kernel runs, the norm and the RoPE run in the kernel (`quant_linear.kernel`'s norm and
     rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls (x_normed: that
     norm of x when the caller has it, not made twice)."""
-    impl = impl_of(cfg)
+    impl = dispatch.resolve(cfg, "linear")
     if dispatch.is_kernel(impl):
         nw, layer = weights.split(pn)
         if (layer is None) != (weights.split(p)[1] is None):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
                              "(weights.Stacked) or both one layer's")
-        return _kernel_gemm(x, p, "fp8", cfg, dt, impl, norm=(nw, eps), rope=rope)
+        return _kernel(cfg, impl)(x, p, "fp8", dt, cfg, norm=(nw, eps), rope=rope)
     return _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed)
 
 
@@ -303,9 +262,9 @@ def mxfp4(x, p, cfg, dt):
     x [..., K] float; p a `weights.Mxfp4` (uint8 [N, K/2], E8M0 [N, K/32]). Returns [..., N] in `dt`.
     """
     exact = is_exact(cfg)
-    impl = impl_of(cfg)
+    impl = dispatch.resolve(cfg, "linear")
     if dispatch.is_kernel(impl):
-        return _kernel_gemm(x, p, "mxfp4", cfg, dt, impl)
+        return _kernel(cfg, impl)(x, p, "mxfp4", dt, cfg)
     p = weights.row(p)
     w, s = p.weight, p.scale
     if impl == "reference":
@@ -325,14 +284,6 @@ def mxfp4(x, p, cfg, dt):
     return _quantized_gemm(x, N, K, 1, small, large, dt, exact)
 
 
-def plain_bf16(x, w, cfg, dt):
-    """A "plain bf16 matmul" (docs/design/spec.md §1): x [..., K], w bf16 [N, K] -> [..., N] in `dt`.
-
-    The reference formulation is already a bf16 dot with fp32 accumulation (the weight enters at its
-    stored width), so "xla" is the same function."""
-    return linear_bf16(x, w, dt, exact=is_exact(cfg))
-
-
 def f32(x, w, cfg, row_axis=None):
     """An "fp32 matmul on bf16-valued weights" (MoE gate, head, ...): x [..., K], w [N, K] -> fp32 [..., N].
 
@@ -342,7 +293,7 @@ def f32(x, w, cfg, row_axis=None):
     2.6 GB of fp32 per step."""
     if is_exact(cfg):
         return linear_f32(x, w, exact=True)
-    if impl_of(cfg) == "reference":
+    if dispatch.resolve(cfg, "linear") == "reference":
         return linear_f32(x, w)
     dn = (((x.ndim - 1,), (1,)), ((), ()))
     N, K = w.shape
@@ -384,7 +335,7 @@ def wo_a(o, p, cfg, dt, row_axis=None):
                        preferred_element_type=jnp.float32)
         return y.astype(dt)
 
-    if impl_of(cfg) == "reference":
+    if dispatch.resolve(cfg, "linear") == "reference":
         return groups(o, quant.dequantize_fp8_block(p.weight, p.scale, out_dtype=wdt))
     # xla: the load-time bf16 copy when present; on backends that widen outside the GEMM, scoped row
     # tiles of whole groups (`tiling`), each tile's weight dequantized inside its scope.

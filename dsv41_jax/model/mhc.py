@@ -278,23 +278,6 @@ def hc_post(
     return out.astype(out_dtype)
 
 
-def _seam_impl(cfg) -> str:
-    """The mhc implementation for the seams. The Pallas kernels compute the mix projection in fp32,
-    so in the exact numerics mode (fp64-accumulated projection) "auto" means "xla" there (logged
-    once); an explicit "pallas" in the exact mode is an error (raised by the kernel module)."""
-    impl = dispatch.resolve(cfg, "mhc")
-    if dispatch.is_kernel(impl) and is_exact(cfg) and dispatch.parse_impl(cfg.impl)["mhc"] == "auto":
-        _log_exact_auto(cfg.impl)
-        return "xla"
-    return impl
-
-
-@functools.lru_cache(maxsize=None)
-def _log_exact_auto(spec: str) -> None:
-    log.info("mhc: impl spec %r resolves to pallas, but the exact numerics mode has no Pallas mhc kernel: "
-             "using 'xla'", spec)
-
-
 def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weight=None):
     """Everything a sublayer needs from the streams before it runs, by implementation.
 
@@ -315,7 +298,7 @@ def sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=None, norm_weigh
       comb [..., n, n]) with the mixes of :func:`sublayer_mixes` (fp32). "reference" / "xla": exactly those
       calls (bitwise today's numbers); Pallas: one fused pass over h (`dsv41_jax.pallas.mhc_mix`).
     """
-    impl = _seam_impl(cfg)
+    impl = dispatch.resolve(cfg, "mhc")
     if dispatch.is_kernel(impl):
         return dispatch.kernel("mhc", impl)(h, pre_prev, fn, base, scale, cfg, dt, interpret=impl == "pallas_interpret",
                                             layer=layer, norm_weight=norm_weight)
@@ -335,7 +318,7 @@ def sublayer_exit(y, h, post, comb, cfg, dt):
     y: [..., D]; h: [..., n, D] (the streams that entered the sublayer); post: fp32 [..., n];
     comb: fp32 [..., n, n]. Returns [..., n, D] in `dt`.
     """
-    impl = _seam_impl(cfg)
+    impl = dispatch.resolve(cfg, "mhc")
     if dispatch.is_kernel(impl):
         return dispatch.kernel("mhc", impl, "sublayer_exit")(y, h, post, comb, cfg, dt,
                                                             interpret=impl == "pallas_interpret")
@@ -350,7 +333,7 @@ def sublayer_exit_enter(y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, la
     scale, cfg, dt, layer, norm_weight)`` — pre_prev being the exiting sublayer's pre. "reference" / "xla":
     exactly those two calls; Pallas: one kernel pass (`mhc_mix.exit_enter`: each chunk of h' is written
     once and used from registers, one launch fewer)."""
-    impl = _seam_impl(cfg)
+    impl = dispatch.resolve(cfg, "mhc")
     if dispatch.is_kernel(impl):
         return dispatch.kernel("mhc", impl, "sublayer_exit_enter")(
             y, h, post, comb, pre_prev, fn, base, scale, cfg, dt, interpret=impl == "pallas_interpret", layer=layer,

@@ -115,7 +115,7 @@ def _bf16(out_dim, in_dim, out_axis=None, in_axis=None, std=None):
                         std if std is not None else 1.0 / math.sqrt(in_dim))}
 
 
-def _block_decl(cfg: ModelConfig, layer_id: int) -> dict:
+def layer_decl(cfg: ModelConfig, layer_id: int) -> dict:
     """Declarations for one target layer or DSpark stage."""
     plan = cfg.layer_plan(layer_id)
     D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -190,12 +190,12 @@ def declare_params(cfg: ModelConfig) -> dict:
         "embed": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0)},
         "head": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0 / math.sqrt(D))},
         "norm": _norm(D),
-        "layers": [_block_decl(cfg, i) for i in range(cfg.num_hidden_layers)],
+        "layers": [layer_decl(cfg, i) for i in range(cfg.num_hidden_layers)],
         "mtp": [],
     }
     S = cfg.num_nextn_predict_layers
     for s in range(S):
-        st = _block_decl(cfg, cfg.num_hidden_layers + s)
+        st = layer_decl(cfg, cfg.num_hidden_layers + s)
         if s == 0:
             st["main_proj"] = fp8_linear_decl(D, len(cfg.dspark_target_layer_ids) * D, "embed", None)
             st["main_norm"] = _norm(D)

@@ -27,8 +27,8 @@ from typing import Any, Optional
 
 import jax
 
+from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import dispatch
-from dsv41_jax.model.mhc import _seam_impl as mhc_seam_impl
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.model.weights import Fp8
 
@@ -63,14 +63,11 @@ class Pending:
     restore: Optional[dict]
     engram_ids: Any = None
 
-    def replace(self, **kw) -> "Pending":
-        return dataclasses.replace(self, **kw)
-
     def with_window(self, layer: int, codes) -> "Pending":
         """This record with layer `layer`'s window codes set (a new record)."""
         window = list(self.window)
         window[layer] = codes
-        return self.replace(window=tuple(window))
+        return dataclasses.replace(self, window=tuple(window))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +76,7 @@ class StepPlan:
 
     attention / mhc / moe / linear: the resolved implementation of each op (`dispatch.resolve`).
     Fused forms (each True only where its kernels run, and then the values are the plain form's):
-      window_codes_kernel: kv_norm, RoPE and the window codes in one kernel (`attention.window_codes`);
+      window_codes_kernel: kv_norm, RoPE and the window codes in one kernel (`attention.project_q_codes`);
       ring_now: that kernel also writes the codes into the cache's rings (a plain one-token step: nothing
         is left for `commit`; the entry overwritten, position p − W, is invisible to the query at p);
       linear_kernel: the fp8 / MXFP4 GEMMs and their epilogues run `quant_linear` (one device, fp32 numerics);
@@ -113,38 +110,41 @@ class StepPlan:
         itself (`ring_now`)."""
         return _build(cfg, 1 if par is None else int(par.size), tuple(int(n) for n in shape), mode, bool(keep_all))
 
+    @functools.lru_cache(maxsize=None)
     def in_place(self, cfg, first: int) -> tuple:
         """Paths (tuples of keys) of the parameters a layer-scan run starting at layer `first` hands its kernels
         whole — the run's stacks with the layer (`transformer.scan_blocks`): a sliced operand of a Pallas call is
         copied per layer by XLA (flash at B=1: 3.9 GB of linear weights per step). Empty where no kernel runs."""
-        return _in_place(self, cfg, first)
+        from dsv41_jax.model.params import layer_decl
 
-
-def window_codes_kernel(cfg, mode: Optional[str]) -> bool:
-    """Whether the window codes kernel runs: the attention kernel, fp32 numerics, the fp8 window codec."""
-    from dsv41_jax.model import cache as kvc
-
-    return (mode is not None and dispatch.is_kernel(dispatch.resolve(cfg, "attention")) and not is_exact(cfg)
-            and kvc._codec("win", mode) == "fp8")
-
-
-def linear_kernel(cfg, mesh_size: int) -> bool:
-    """Whether the linear kernels run: a kernel impl, fp32 numerics, one device (refused on a mesh)."""
-    return dispatch.is_kernel(dispatch.resolve(cfg, "linear")) and not is_exact(cfg) and mesh_size == 1
+        paths = []
+        if dispatch.is_kernel(self.linear):  # the GEMMs, and q_norm, which runs in wq_b's kernel (`linear.fp8_normed`)
+            paths += _quantized_linears(layer_decl(cfg, first)) + [("attn", "q_norm", "weight")]
+        if dispatch.is_kernel(self.attention):  # kv_norm: the window codes kernel (`attention.project_q_codes`)
+            paths.append(("attn", "kv_norm", "weight"))
+        if self.linear_kernel:  # wo_a's fp8 pair and the sink: the o_proj kernel (`attention.output_proj`)
+            paths += [("attn", "wo_a"), ("attn", "attn_sink")]
+        if self.router_kernel:  # the gate's bias: the router kernel (`moe.moe`)
+            paths.append(("ffn", "gate", "bias"))
+        if self.mhc_kernel:  # the mixes' fn / base / scale and the sublayer norms (the kernel's tail runs the norm)
+            paths += [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
+            paths += [(f"{sub}_norm", "weight") for sub in ("attn", "ffn")]
+        return tuple(paths)
 
 
 @functools.lru_cache(maxsize=None)
 def _build(cfg, mesh_size: int, shape: tuple, mode, keep_all: bool) -> StepPlan:
-    impls = {op: dispatch.resolve(cfg, op) for op in ("attention", "moe", "linear")}
-    lin = linear_kernel(cfg, mesh_size)
-    win = window_codes_kernel(cfg, mode)
+    impls = {op: dispatch.resolve(cfg, op) for op in ("attention", "mhc", "moe", "linear")}
+    # the kernels' refusals: the fp64 modes (all), a mesh (linear), a codec other than fp8 (the window codes)
+    lin = dispatch.is_kernel(impls["linear"]) and not is_exact(cfg) and mesh_size == 1
+    win = (mode is not None and dispatch.is_kernel(impls["attention"]) and not is_exact(cfg)
+           and kvc._codec("win", mode) == "fp8")
     router = dispatch.is_kernel(impls["moe"]) and mesh_size == 1
-    mhc = mhc_seam_impl(cfg)
-    plan = StepPlan(attention=impls["attention"], mhc=mhc, moe=impls["moe"], linear=impls["linear"],
+    plan = StepPlan(attention=impls["attention"], mhc=impls["mhc"], moe=impls["moe"], linear=impls["linear"],
                     mesh_size=mesh_size, window_codes_kernel=win, ring_now=keep_all and win and shape[1] == 1,
                     linear_kernel=lin, attend_partials=lin and dispatch.is_kernel(impls["attention"]),
                     router_kernel=router, combine_in_w2=router and lin and shape[0] * shape[1] == 1,
-                    mhc_kernel=dispatch.is_kernel(mhc), fused_boundary=mesh_size == 1)
+                    mhc_kernel=dispatch.is_kernel(impls["mhc"]), fused_boundary=mesh_size == 1)
     fused = [f.name for f in dataclasses.fields(plan) if f.type in ("bool", bool) and getattr(plan, f.name)]
     log.info("step plan (%s, %d device(s), %s tokens, kv %s): %s; fused forms: %s", cfg.impl, mesh_size, shape,
              mode, ", ".join(f"{op}={getattr(plan, op)}" for op in ("attention", "mhc", "moe", "linear")),
@@ -154,29 +154,10 @@ def _build(cfg, mesh_size: int, shape: tuple, mode, keep_all: bool) -> StepPlan:
 
 def _quantized_linears(tree, path=()) -> list:
     """Paths of the fp8 GEMM weights (`weights.Fp8`) in a layer's declaration tree, but wo_a (the one with a bf16
-    copy, which the o_proj kernel reads: `_in_place` adds it with that kernel); the routed experts
+    copy, which the o_proj kernel reads: `StepPlan.in_place` adds it with that kernel); the routed experts
     (`weights.Mxfp4`) are read whole by the MoE (`moe.routed_slots`)."""
     if isinstance(tree, Fp8):
         return [path] if tree.bf16 is None else []
     if not isinstance(tree, dict):
         return []
     return [q for k, v in tree.items() for q in _quantized_linears(v, path + (k,))]
-
-
-@functools.lru_cache(maxsize=None)
-def _in_place(plan: StepPlan, cfg, first: int) -> tuple:
-    from dsv41_jax.model import layer_scan
-
-    paths = []
-    if dispatch.is_kernel(plan.linear):  # the GEMMs, and q_norm, which runs in wq_b's kernel (`linear.fp8_normed`)
-        paths += _quantized_linears(layer_scan.layer_decl(cfg, first)) + [("attn", "q_norm", "weight")]
-    if dispatch.is_kernel(plan.attention):  # kv_norm: the window codes kernel (`attention.window_codes`)
-        paths.append(("attn", "kv_norm", "weight"))
-    if plan.linear_kernel:  # wo_a's fp8 pair and the sink: the o_proj kernel (`attention.output_proj`)
-        paths += [("attn", "wo_a"), ("attn", "attn_sink")]
-    if plan.router_kernel:  # the gate's bias: the router kernel (`moe.moe`)
-        paths.append(("ffn", "gate", "bias"))
-    if plan.mhc_kernel:  # the mixes' fn / base / scale and the sublayer norms (the kernel's tail runs the norm)
-        paths += [(f"hc_{sub}_{leaf}",) for sub in ("attn", "ffn") for leaf in ("fn", "base", "scale")]
-        paths += [(f"{sub}_norm", "weight") for sub in ("attn", "ffn")]
-    return tuple(paths)

@@ -15,6 +15,9 @@ Per layer L (V4.1's "pre from previous sublayer" ordering, docs/design/spec.md Â
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -26,17 +29,9 @@ from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit, sublayer_
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
+from dsv41_jax.model.params import layer_decl
 from dsv41_jax.model.plan import DeferredExit, StepPlan
 from dsv41_jax.model.weights import Fp8, Stacked
-
-
-def _sub_weights(layer_p, sub: str):
-    """Sublayer `sub`'s mHC fn / base / scale and its RMSNorm weight (``attn_norm`` / ``ffn_norm``), and the layer
-    to read them at: None, or inside a layer-scan run where the mhc kernel reads them in place (each a
-    `weights.Stacked`), the run's stacks and the layer."""
-    got = [weights.split(v) for v in (layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"],
-                                      layer_p[f"{sub}_norm"]["weight"])]
-    return [w for w, _ in got], got[0][1]
 
 
 def enter(step, layer_p, sub: str, h, pre_prev, cfg, dt, par=None):
@@ -46,8 +41,12 @@ def enter(step, layer_p, sub: str, h, pre_prev, cfg, dt, par=None):
 
     A deferred exit runs fused with the enter where the plan says so (`StepPlan.fused_boundary`:
     `mhc.sublayer_exit_enter`, one kernel where the mhc kernel runs); on a mesh of more than one device the two
-    stay apart and the streams are pinned replicated (`replicated`) before the enter sums over them."""
-    (fn, base, scale, norm_w), layer = _sub_weights(layer_p, sub)
+    stay apart and the streams are pinned replicated (`replicated`) before the enter sums over them. The
+    sublayer's mHC fn / base / scale and norm weight are read at `layer`: None, or inside a layer-scan run where
+    the mhc kernel reads them in place (each a `weights.Stacked`), the run's layer."""
+    got = [weights.split(v) for v in (layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"],
+                                      layer_p[f"{sub}_norm"]["weight"])]
+    (fn, layer), (base, _), (scale, _), (norm_w, _) = got
     if isinstance(h, DeferredExit) and step.fused_boundary:
         h, entered = sublayer_exit_enter(replicated(h.y, par), h.h, h.post, h.comb, pre_prev, fn, base, scale, cfg,
                                          dt, layer=layer, norm_weight=norm_w)
@@ -72,7 +71,7 @@ def initial_pre(shape_bt, cfg):
     return jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32), tuple(shape_bt) + (cfg.hc_mult,))
 
 
-def attention_full(p, x, positions, plan, ctx, cfg, dt):
+def attention_full(step, p, x, positions, plan, ctx, cfg, dt):
     """The attention sublayer over a whole sequence starting at position 0.
 
     p: the layer's ``attn`` params; x [B, T, D] normed input; ctx: dict of stores written by earlier
@@ -126,7 +125,7 @@ def attention_full(p, x, positions, plan, ctx, cfg, dt):
         comp_mask = sel >= 0
     o = attn_mod.attend(q, kv, win_mask, comp, comp_mask, attn_mod.sink_of(p), dt,
                         exact=is_exact(cfg))
-    return attn_mod.output_proj(p, o, positions, freqs, cfg, dt), ctx, rec
+    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt), ctx, rec
 
 
 def replicated(x, par):
@@ -172,29 +171,25 @@ def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, 
     """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
 
     step: the `plan.StepPlan`; stacked: the run's layer params with a leading axis n, in storage dtypes
-    (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the scan's carry keeps the form it
-    gets) and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: the attention's state the
-    layers thread through (a pytree: the cache's window rings where each layer writes its own in place,
-    `StepPlan.ring_now`; None where the attention writes nothing); plan: the run's first layer's plan (the
-    run's layers differ only in layer_id, which no consumer's body reads). attn_fn(p, x, k, carry) ->
-    (y, (out, carry')) is the attention sublayer of one layer (p its ``attn`` params, k int32 its index within
-    the run); `out` is a
-    pytree of per-layer arrays. Returns (h, pre, aux', outs, carry'): aux' is `aux` with each layer's
-    ``layer_inputs`` / ``experts`` under its own layer id (a new dict), `outs` the layers' `out` stacked over
-    the run (leading axis n).
+    (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the carry keeps the form it gets)
+    and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: what the attention threads through
+    the layers (the cache's window rings where each layer writes its own, `StepPlan.ring_now`; else None);
+    plan: the run's first layer's (the layers differ only in layer_id, which no consumer's body reads).
+    attn_fn(p, k, carry, x) -> (y, (out, carry')) is one layer's attention (p its ``attn`` params, k int32 its
+    index in the run; `out` a pytree of per-layer arrays). Returns (h, pre, aux', outs, carry'): aux' with each
+    layer's ``layer_inputs`` / ``experts`` under its layer id (a new dict), outs the `out`s stacked (axis n).
 
-    The weights the plan's kernels read in place (`StepPlan.in_place`) are not sliced per layer: the body hands
-    them to the kernels as the run's stacks with the layer (`weights.Stacked`; XLA would copy a sliced operand of
-    a Pallas call per layer); nor are the routed experts (`moe.routed_slots`: only the selected (layer, expert)
-    rows are gathered; a dynamic slice would copy all of a layer's experts every step, flash: 6.4 GB per layer)."""
-    like = layer_scan.layer_decl(cfg, first)
+    The weights the plan's kernels read in place (`StepPlan.in_place`) and the routed experts are not sliced
+    per layer: the body hands them over as the run's stacks with the layer (`weights.Stacked`): XLA copies a
+    sliced Pallas operand per layer, and a slice of the experts would copy all of a layer's (flash: 6.4 GB)."""
+    like = layer_decl(cfg, first)
     n = jax.tree_util.tree_leaves(stacked["ffn"]["experts"])[0].shape[0]
     whole = step.in_place(cfg, first) + (("ffn", "experts"),)
     # a vector's whole stack back to its declared dtype (bf16 is stored as uint16: `layer_scan.storage_dtype`); a
     # quantized weight's stays in its storage bits (`weights.Stacked.row` restores the layer's slice)
-    stacks = {path: layer_scan.get_path(stacked, path) for path in whole}
-    stacks = {path: st if isinstance(st, (Fp8, dict)) else layer_scan.load_row(st, layer_scan.get_path(like, path))
-              for path, st in stacks.items()}
+    stacks = {path: functools.reduce(operator.getitem, path, stacked) for path in whole}
+    stacks = {path: st if isinstance(st, (Fp8, dict)) else
+              layer_scan.load_row(st, functools.reduce(operator.getitem, path, like)) for path, st in stacks.items()}
     rest = stacked
     for path in whole:  # not scanned over: the body gets them whole
         rest = layer_scan.set_path(rest, path, None)
@@ -210,14 +205,14 @@ def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, 
         for path, st in stacks.items():
             lp = layer_scan.set_path(lp, path, Stacked(st, k))
         h, pre, rec, (out, extra) = block(step, lp, h, pre, plan, cfg, dt, top_k,
-                                          lambda x: attn_fn(lp["attn"], x, k, extra), None, par=par)
+                                          functools.partial(attn_fn, lp["attn"], k, extra), None, par=par)
         if streams_in:  # streams in, streams out: the carry keeps one form
             h = settle(h, cfg, dt, par)
         return (h, pre, k + 1, extra), (rec, out)
 
     (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), rest, length=n)
     for k in range(n):
-        aux = record(aux, first + k, jax.tree_util.tree_map(lambda a, k=k: a[k], recs))
+        aux = record(aux, first + k, jax.tree_util.tree_map(operator.itemgetter(k), recs))
     return h, pre, aux, outs, carry
 
 
@@ -277,11 +272,8 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
         for i, n in layer_scan.layer_runs(cfg):
             plan = cfg.layer_plan(i)
             if n > 1:  # consumers / window-only layers: one body for the run, reading only shared stores
-                def attn_run(p, x, _k, carry, plan=plan, ctx=ctx):
-                    y, ctx_out, rec = attention_full(p, x, positions, plan, ctx, cfg, dt)
-                    if ctx_out is not ctx or rec:
-                        raise RuntimeError(f"layer {plan.layer_id}: a scanned run's layers must not store anything")
-                    return y, ({}, carry)
+                def attn_run(p, _k, carry, x, plan=plan, ctx=ctx):
+                    return attention_full(step, p, x, positions, plan, ctx, cfg, dt)[0], (None, carry)
 
                 h, pre, aux, _, _ = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, None, plan, cfg,
                                                 dt, aux, i, cfg.num_experts_per_tok, attn_run, par=par)
@@ -290,7 +282,7 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
             rows = (hash_rows(cfg, i, params["derived"]["engram_token_map"], tokens) if plan.is_engram else None)
 
             def attn_fn(x, lp=lp, plan=plan, ctx=ctx):
-                y, ctx_out, rec = attention_full(lp["attn"], x, positions, plan, ctx, cfg, dt)
+                y, ctx_out, rec = attention_full(step, lp["attn"], x, positions, plan, ctx, cfg, dt)
                 return y, (ctx_out, rec)
 
             h, pre, rec, (ctx, arec) = block(step, lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,

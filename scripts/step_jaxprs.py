@@ -1,0 +1,116 @@
+"""Hashes of the jaxprs of the model's jitted steps, for checking that a restructuring changed no program.
+
+Traces (does not compile or run) `decode.extend` (one token and a ragged chunk), `decode.extend_uncommitted`
+with restore data + `commit` (a DSpark verify step), `decode.extend_bounded`, `transformer.forward` and
+`dspark.propose`, for the configs of `scripts/reading_measure.py` and tests/configs.py and tiny, in the fp32 /
+bf16 / exact flows, with the "xla", "reference", every-op-on-its-kernel ("pallas_interpret") and the reading
+measure's mixed implementation specs, and prints one line per step: its sha256 (of the jaxpr's text) and name.
+
+    python scripts/step_jaxprs.py [--out FILE] [--quick]
+
+Run it before and after a change and diff the outputs: equal hashes = the same programs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+IMPLS = ("xla", "reference", "pallas_interpret",
+         "xla,attention=pallas_interpret,mhc=pallas_interpret,moe=pallas_interpret,linear=pallas_interpret")
+
+
+def _configs(quick: bool):
+    import configs as tc
+    import reading_measure
+
+    from dsv41_jax.model import ModelConfig
+
+    out = {"tiny_runs": reading_measure._config(), "micro": tc.micro(), "mini": tc.mini()}
+    if not quick:
+        out.update({"tiny": ModelConfig.preset("tiny"), "e64": tc.e64()})
+    return out
+
+
+def _steps(cfg, name):
+    """(label, fn, args) of each traced step of `cfg` (abstract arguments)."""
+    import jax
+
+    from dsv41_jax.model import cache as kvc
+    from dsv41_jax.model import decode as dec
+    from dsv41_jax.model import dspark, layer_scan
+    from dsv41_jax.model import transformer
+    from dsv41_jax.model.params import param_shapes
+
+    ccfg = kvc.CacheConfig(page_size=8, num_pages=12, max_slots=2, max_pages_per_seq=4)
+    params = layer_scan.prepare(param_shapes(cfg), cfg)
+    state = jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg))
+    i32 = "int32"
+
+    def batch(B, T, bounded=False):
+        b = {"tokens": jax.ShapeDtypeStruct((B, T), i32), "start": jax.ShapeDtypeStruct((B,), i32),
+             "n_new": jax.ShapeDtypeStruct((B,), i32), "slot": jax.ShapeDtypeStruct((B,), i32),
+             "page_table": jax.ShapeDtypeStruct((B, ccfg.max_pages_per_seq), i32)}
+        if bounded:
+            b["tail_lo"] = jax.ShapeDtypeStruct((B,), i32)
+        return b
+
+    def verify(p, s, b):
+        logits, st, pend, _ = dec.extend_uncommitted(p, s, b, cfg, ccfg, all_logits=True, restore=True)
+        return logits, dec.commit(st, pend, b, b["n_new"] - 1, cfg)
+
+    out = [("extend B1 T1", lambda p, s, b: dec.extend(p, s, b, cfg, ccfg), (params, state, batch(1, 1))),
+           ("extend B2 T3 all", lambda p, s, b: dec.extend(p, s, b, cfg, ccfg, all_logits=True),
+            (params, state, batch(2, 3))),
+           ("verify B1 T3", verify, (params, state, batch(1, 3))),
+           ("forward B1 T4", lambda p, t: transformer.forward(p, t, cfg, return_aux=True),
+            (params, jax.ShapeDtypeStruct((1, 4), i32)))]
+    if cfg.sliding_window >= 2:
+        out.append(("bounded B1 T3", lambda p, s, b: dec.extend_bounded(p, s, b, cfg, ccfg, late_tail=2),
+                    (params, state, batch(1, 3, True))))
+    if cfg.num_nextn_predict_layers and name == "micro":
+        rstate = jax.eval_shape(lambda: dspark.with_rings(kvc.init_cache(cfg, ccfg), cfg, ccfg))
+        rings = rstate["dspark"]
+        a = jax.ShapeDtypeStruct((1,), i32)
+        out.append(("dspark propose B1", lambda p, r, an, st, sl: dspark.propose(p, r, an, st, sl, cfg, ccfg),
+                    (params, rings, a, a, a)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="also write the lines to this file")
+    ap.add_argument("--quick", action="store_true", help="three configs (tiny_runs, micro, mini), not five")
+    args = ap.parse_args(argv)
+    import jax
+
+    lines = []
+    for cname, base in _configs(args.quick).items():
+        for dtype in ("float32", "bfloat16", "exact"):
+            for impl in IMPLS:
+                if dtype == "exact" and impl != "xla":
+                    continue  # the kernels refuse the fp64 modes
+                cfg = base.replace(act_dtype=dtype, impl=impl)
+                for label, fn, fargs in _steps(cfg, cname):
+                    try:
+                        text = str(jax.make_jaxpr(fn)(*fargs))
+                        h = hashlib.sha256(text.encode()).hexdigest()[:16]
+                    except Exception as e:  # a refused combination: its message is what must not change
+                        h = "error " + type(e).__name__ + ": " + str(e).splitlines()[0][:120]
+                    line = f"{h}  {cname} {dtype} {impl} :: {label}"
+                    print(line, flush=True)
+                    lines.append(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
