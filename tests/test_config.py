@@ -12,6 +12,7 @@ import os
 import pytest
 
 from dsv41_jax.model import ConfigError, ModelConfig, RopeScaling
+from dsv41_jax.model.config_v4 import V4_ONLY_FIELDS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,10 +282,8 @@ def test_custom_expected_differs_from_flash_defaults(custom_expected):
     # fields that cannot differ (single allowed value) or are ours
     assert set(same) <= {"num_key_value_heads", "hidden_act", "scoring_func", "topk_method", "n_shared_experts",
                          "engram_max_ngram_size", "num_nextn_predict_layers", "act_dtype", "deterministic", "impl",
-                         "layer_scan",
-                         # the DeepSeek-V4 variant fields: a V4.1 config keeps their V4.1 values (test_config_v4.py)
-                         "model_family", "csa_compress_ratio", "hca_compress_ratio", "hash_layer_ids", "mhc_variant",
-                         "q_head_norm", "weight_block_size", "expert_dtype", "draft_kind"}, same
+                         "layer_scan"} | V4_ONLY_FIELDS, same  # the DeepSeek-V4 variant fields: a V4.1 config keeps
+    # their V4.1 values (test_config_v4.py)
 
 
 def test_from_pretrained_hf_config_text_config_wins(tmp_path, custom_expected):

@@ -213,6 +213,12 @@ class ModelConfig:
     weight_block_size: tuple = (32, 32)  # fp8 dense weight blocks (V4: 128x128); () = unquantized weights
     expert_dtype: str = "fp4"  # routed experts in the checkpoint: "fp4" (MXFP4), "fp8" or "bf16"
     draft_kind: str = "dspark"  # what the num_nextn_predict_layers draft stages are: "dspark" | "mtp" (V4 original)
+    # V4's release numerics (docs/design/v4.md "Numerics"; `config_v4.RELEASE_NUMERICS`): 0 = not simulated. The
+    # fp8 activation block of every fp8 / MXFP4 GEMM input (release 128), the fp8 block of the KV entries' non-RoPE
+    # channels (64), the FP4 block of the Hadamard-rotated index queries / keys (32). V4.1's are fixed (spec §6).
+    act_quant_block: int = 0
+    kv_quant_block: int = 0
+    index_fp4_block: int = 0
     # --- ours (not in the HF file)
     # "bfloat16" = the reference dtype flow; "float32" = fp32 activations; "exact" = fp32 activations with
     # fp64-accumulated matmuls, for equivalence tests (model/numerics.py)

@@ -49,7 +49,15 @@ DEFAULT_NUM_HASH_LAYERS = 3  # transformers' default_num_hash_layers; the releas
 V41_VALUES = {
     "csa_compress_ratio": 0, "hca_compress_ratio": 0, "hash_layer_ids": (), "mhc_variant": "lagged",
     "q_head_norm": False, "weight_block_size": (32, 32), "expert_dtype": "fp4", "draft_kind": "dspark",
+    "act_quant_block": 0, "kv_quant_block": 0, "index_fp4_block": 0,
 }
+# The release's numerics (its inference/model.py + kernels, docs/design/v4.md "Numerics"): fp8 activations per 128
+# along K in every fp8 / MXFP4 GEMM (`act_quant(x, block_size=128)`), fp8 KV entries per 64 of their non-RoPE
+# channels, FP4 (power-of-two scales per 32) index queries and keys after a Hadamard rotation. A config.json whose
+# quantization_config says ``activation_scheme: dynamic`` (the release's) gets them; 0 = not simulated
+# (transformers' numerics, a plain checkpoint).
+RELEASE_NUMERICS = {"act_quant_block": 128, "kv_quant_block": 64, "index_fp4_block": 32}
+PLAIN_NUMERICS = {k: 0 for k in RELEASE_NUMERICS}
 V4_ONLY_FIELDS = frozenset(V41_VALUES) | {"model_family"}
 
 # Keys of V4 config.json files that carry nothing for us (beyond config._IGNORED_KEYS).
@@ -175,8 +183,9 @@ def from_v4_dict(cls, d: dict, *, source: str):
         m["qk_rope_head_dim"] = int(head_dim * float(m["partial_rotary_factor"]))
     m.setdefault("qk_rope_head_dim", head_dim // 8)  # transformers' default_partial_rotary_factor 64 / 512
 
-    # --- checkpoint number formats
+    # --- checkpoint number formats; the release's numerics where its activations are quantized on the fly
     qc = m.get("quantization_config")
+    release = isinstance(qc, dict) and qc.get("activation_scheme") == "dynamic"
     if isinstance(qc, dict):
         kw["weight_block_size"] = tuple(int(x) for x in qc.get("weight_block_size", (128, 128)))
         kw["expert_dtype"] = str(m.get("expert_dtype", qc.get("expert_dtype", "fp4")))
@@ -210,9 +219,16 @@ def from_v4_dict(cls, d: dict, *, source: str):
     if unknown:
         log.info("%s: ignoring config keys this model does not use: %s", source, sorted(unknown))
     try:
-        return cls(name=os.path.basename(os.path.dirname(os.path.abspath(source))) or "custom", **kw)
+        cfg = cls(name=os.path.basename(os.path.dirname(os.path.abspath(source))) or "custom", **kw)
     except TypeError as e:  # wrong value types in the file
         raise ConfigError(f"{source}: {e}") from e
+    if release:
+        try:
+            return cfg.replace(**RELEASE_NUMERICS)
+        except ConfigError as e:  # widths the release's blocks do not cut (a small test model): not its numerics
+            log.warning("%s: activation_scheme 'dynamic', but the release's numerics do not fit this model (%s): "
+                        "running it without the activation / KV / index quantization simulation", source, e)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -245,8 +261,10 @@ def to_v4_dict(cfg) -> dict:
                    dspark_markov_rank=cfg.dspark_markov_rank, dspark_n_routed_experts=cfg.dspark_n_routed_experts,
                    dspark_num_experts_per_tok=cfg.dspark_num_experts_per_tok)
     if cfg.weight_block_size:
-        out["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                      "scale_fmt": "ue8m0", "weight_block_size": list(cfg.weight_block_size)}
+        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": list(cfg.weight_block_size)}
+        if release_numerics(cfg):  # the release's statement of its activation quantization (`from_v4_dict`)
+            out["quantization_config"]["activation_scheme"] = "dynamic"
         out["expert_dtype"] = cfg.expert_dtype
     else:
         out["expert_dtype"] = cfg.expert_dtype
@@ -303,6 +321,35 @@ def validate_family(cfg, err) -> None:
         err("weight_block_size", f"= {cfg.weight_block_size} must be two positive sizes (or empty: unquantized)")
     if cfg.expert_dtype not in ("fp4", "fp8", "bf16"):
         err("expert_dtype", f"= {cfg.expert_dtype!r}; 'fp4', 'fp8' or 'bf16'")
+    validate_numerics(cfg, err)
+
+
+def release_numerics(cfg) -> bool:
+    """Whether `cfg` simulates the release's numerics (`RELEASE_NUMERICS`: all three blocks set)."""
+    return all(getattr(cfg, k) for k in RELEASE_NUMERICS)
+
+
+def validate_numerics(cfg, err) -> None:
+    """The blocks of `RELEASE_NUMERICS` (0 = off): each divides the widths it cuts (the release asserts the same).
+    act_quant_block: the inputs of the fp8 / MXFP4 GEMMs (hidden, q LoRA, the grouped output, the expert width);
+    kv_quant_block: head_dim − rope width; index_fp4_block: index_head_dim, a power of two (the Hadamard)."""
+    for f in RELEASE_NUMERICS:
+        v = getattr(cfg, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            err(f, f"= {v!r} must be an int >= 0 (0: not simulated)")
+    a = cfg.act_quant_block
+    if a:
+        widths = {"hidden_size": cfg.hidden_size, "q_lora_rank": cfg.q_lora_rank,
+                  "o_groups*o_lora_rank": cfg.o_groups * cfg.o_lora_rank, "moe_intermediate_size": cfg.moe_intermediate_size}
+        bad = {k: w for k, w in widths.items() if w % a}
+        if bad:
+            err("act_quant_block", f"= {a} does not divide the GEMM inputs {bad}")
+    k = cfg.kv_quant_block
+    if k and (cfg.head_dim - cfg.qk_rope_head_dim) % k:
+        err("kv_quant_block", f"= {k} does not divide the non-RoPE channels {cfg.head_dim - cfg.qk_rope_head_dim}")
+    i, dI = cfg.index_fp4_block, cfg.index_head_dim
+    if i and (dI % i or dI & (dI - 1)):
+        err("index_fp4_block", f"= {i}: index_head_dim {dI} must be a multiple of it and a power of two (Hadamard)")
 
 
 def refusal(cfg) -> str:
@@ -357,7 +404,7 @@ def flash_v4(cls):
         hca_compress_ratio=128, index_n_heads=64, index_head_dim=128, index_topk=512, hash_layer_ids=(0, 1, 2),
         mhc_variant="pre_mix", q_head_norm=True, weight_block_size=(128, 128), expert_dtype="fp4", draft_kind="mtp",
         num_nextn_predict_layers=1, kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=None,
-        engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(), name="flash-v4")
+        engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(), name="flash-v4", **RELEASE_NUMERICS)
 
 
 def pro_v4(cls):

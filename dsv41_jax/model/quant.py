@@ -54,6 +54,7 @@ __all__ = [
     "fake_quant_fp4_e4m3",
     "fp8_linear",
     "mxfp4_linear",
+    "hadamard",
 ]
 
 # Floors for the fp4 fake-quants (docs/design/spec.md §6): they make the smallest scale 2^-126 (pow2 variant) and
@@ -347,6 +348,34 @@ _fake_quant_fp4_e4m3_ste = _straight_through(_fake_quant_fp4_e4m3)
 def fake_quant_fp4_e4m3(x, block=16, out_dtype=None):
     """`_fake_quant_fp4_e4m3` (see there) with a straight-through derivative (`_straight_through`)."""
     return _fake_quant_fp4_e4m3_ste(x, block, x.dtype if out_dtype is None else out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('out_dtype',))
+def hadamard(x, out_dtype=None):
+    """Normalized Walsh–Hadamard rotation along the last axis (DeepSeek-V4's index queries / keys before their FP4
+    fake-quant, `fast_hadamard_transform.hadamard_transform(x, scale=d^-½)`).
+
+    Args:
+      x: float array [..., d], d a power of two.
+      out_dtype: result dtype, default x.dtype.
+    Returns:
+      out_dtype [..., d]: x · H_d · d^-½ with H_d Sylvester's ±1 matrix (H_1 = [1], H_2k = [[H, H], [H, −H]],
+      symmetric, H·H = d·I), computed in fp32 by log2(d) butterfly stages (a + b, a − b; stride 1 first), scaled
+      once and rounded once. Orthonormal: applied to both operands it leaves their dot products unchanged.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard: the last dimension {d} is not a power of two")
+    y = x.astype(jnp.float32)
+    lead = y.shape[:-1]
+    h = 1
+    while h < d:
+        z = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = z[..., 0, :], z[..., 1, :]
+        y = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        h *= 2
+    return (y * jnp.float32(d ** -0.5)).astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

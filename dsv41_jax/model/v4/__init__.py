@@ -15,6 +15,8 @@ calls the shared op it varies (nothing of V4.1 is copied):
   the shared expert by the shared `moe.swiglu_expert`;
 * `mhc` — the pre-mix ordering (each sublayer collapsed with its own pre) on the shared `mhc.hc_mixes` /
   `hc_pre` / `sublayer_exit`, and the model-level ``hc_head`` collapse;
+* `numerics` — the release's quantization simulation (fp8 GEMM inputs, fp8 KV, Hadamard + FP4 index q / k, the bf16
+  head norm), each hook a no-op while its ``config_v4.RELEASE_NUMERICS`` block is 0;
 * `params` — the declaration (release tensor names) and random init; `checkpoint` — reading a V4 directory
   (the release names and what transformers' ``save_pretrained`` writes);
 * `transformer` — the full-sequence reference forward; `decode` — the paged incremental step (prefill chunks
@@ -25,5 +27,5 @@ calls the shared op it varies (nothing of V4.1 is copied):
 
 Not here yet (refused with NotImplementedError where reached, `config_v4.refusal`): the engine's use of the
 step (V4.1's `decode` / `cache` / serving paths, the prefix cache), V4's DSpark head, the mesh rules,
-the engine's use of MTP, the Pallas fast paths, the release's activation / KV-cache quantization simulation.
+the engine's use of MTP, the Pallas fast paths.
 """

@@ -3,8 +3,8 @@
 The shared latent-MQA core with V4's variants:
 
 * `project_q`: V4.1's q path (wq_a → weighted RMSNorm → wq_b) plus the ``q_head_norm`` variant — an
-  unweighted RMSNorm of each head after wq_b, before RoPE; `project_kv`: kv_norm(wkv·x), RoPE'd. No fp8
-  fake-quant of the window K=V (V4's KV-cache quantization is not simulated).
+  unweighted RMSNorm of each head after wq_b, before RoPE (`v4.numerics.head_rms`); `project_kv`:
+  kv_norm(wkv·x), RoPE'd, its non-RoPE channels fp8 in the release numerics (`v4.numerics.kv_entries`).
 * compressed entries: every CSA / HCA layer compresses for itself (`v4.compressor.compress`; no KV sources);
   HCA attends every causal entry (w < (t+1) // r); CSA attends the top-k entries of its own Lightning indexer
   (`index_select`: its own compressor's keys, the shared `indexer.index_scores` / `indexer.select_topk`).
@@ -26,6 +26,7 @@ from dsv41_jax.model.numerics import einsum_exact, HIGHEST, is_exact
 from dsv41_jax.model.rope import apply_rope, rope_freqs
 from dsv41_jax.model.v4.compressor import compress
 from dsv41_jax.model.v4.linear import dense, weight
+from dsv41_jax.model.v4.numerics import head_rms, index_rotated, kv_entries
 
 
 def layer_freqs(cfg, kind: str):
@@ -40,10 +41,11 @@ def layer_freqs(cfg, kind: str):
 
 
 def head_norm(q, cfg, dt):
-    """The ``q_head_norm`` variant: q [.., H, hd] · rsqrt(mean(q²) + eps) per head (`norm.rmsnorm`, weight 1)."""
+    """The ``q_head_norm`` variant: q [.., H, hd] · rsqrt(mean(q²) + eps) per head (`v4.numerics.head_rms`: the
+    shared `norm.rmsnorm` with weight 1 in fp32, the release's bf16 tensor arithmetic in the bf16 flow)."""
     if not cfg.q_head_norm:
         return q
-    return rmsnorm(q, jnp.ones((q.shape[-1],), jnp.float32), cfg.rms_norm_eps, dt, is_exact(cfg))
+    return head_rms(q, cfg, dt)
 
 
 def project_q(p, x, positions, freqs, cfg, dt):
@@ -56,9 +58,9 @@ def project_q(p, x, positions, freqs, cfg, dt):
 
 
 def project_kv(p, x, positions, freqs, cfg, dt):
-    """The window K=V [B, T, hd]: kv_norm(wkv·x), RoPE'd (not quantized)."""
+    """The window K=V [B, T, hd]: kv_norm(wkv·x), RoPE'd, as stored (`v4.numerics.kv_entries`)."""
     kv = rmsnorm(dense(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
-    return apply_rope(kv, positions, freqs, out_dtype=dt)
+    return kv_entries(apply_rope(kv, positions, freqs, out_dtype=dt), cfg, dt)
 
 
 def index_select(p, qr, x, positions, freqs, keys, ratio: int, cfg, dt):
@@ -66,12 +68,15 @@ def index_select(p, qr, x, positions, freqs, keys, ratio: int, cfg, dt):
 
     p: the layer's ``indexer`` params (``wq_b`` [nI·dI, q_lora], ``weights_proj`` [nI, D]); qr [B, T, q_lora];
     x [B, T, D]; keys [B, S, dI] (its compressor's entries: `index_keys`, or the cached pool's). score(t, w) =
-    Σ_h w_h · ReLU(q_h · k_w) with w = weights_proj·x · (dI·nI)^−½; entries w ≥ (t+1) // ratio are −inf.
+    Σ_h w_h · ReLU(q_h · k_w) with w = weights_proj·x · (dI·nI)^−½ (the projection rounded to `dt`, then the
+    scaled product, as the release); entries w ≥ (t+1) // ratio are −inf. The queries are RoPE'd, then
+    rotated and FP4 in the release numerics (`v4.numerics.index_rotated`, as the keys).
     Returns int32 [B, T, min(k, S)], ascending, −1 for picks at −inf (`indexer.select_topk`)."""
     nI, dI = cfg.index_n_heads, cfg.index_head_dim
     q = dense(qr, p["wq_b"], cfg, dt)
     q = apply_rope(q.reshape(q.shape[:-1] + (nI, dI)), positions[..., None], freqs, out_dtype=dt)
-    w = dense(x, p["weights_proj"], cfg, jnp.float32) * ((dI ** -0.5) * (nI ** -0.5))
+    q = index_rotated(q, cfg, dt)
+    w = dense(x, p["weights_proj"], cfg, dt).astype(jnp.float32) * jnp.float32((dI ** -0.5) * (nI ** -0.5))
     scores = indexer.index_scores(q, w.astype(dt), keys, (positions + 1) // ratio, dt, is_exact(cfg))
     return indexer.select_topk(scores, cfg.index_topk)
 
@@ -126,7 +131,7 @@ def attention_full(p, x, positions, kind: str, ratio: int, cfg, dt):
         entries = compress(p["compressor"], x, ratio, kind == "csa", freqs, cfg, dt)  # [B, S, hd]
         sel = None
         if kind == "csa":
-            keys = compress(p["indexer"]["compressor"], x, ratio, True, freqs, cfg, dt)  # [B, S, dI]
+            keys = compress(p["indexer"]["compressor"], x, ratio, True, freqs, cfg, dt, index=True)  # [B, S, dI]
             rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, keys, ratio, cfg, dt)
         comp, comp_mask = compressed_view(entries, positions, ratio, sel)
     o = attend(q, kv, win_mask, comp, comp_mask, sink_of(p), dt, exact=is_exact(cfg))

@@ -4,9 +4,10 @@ A variant of V4.1's ratio-r pooling (`compressor.pool_groups`: per-channel softm
 fp32, then the weighted RMSNorm): the learned position bias ``ape`` [r, w·d] is added to the gate scores, and
 CSA's windows overlap — its projections are 2·d wide, each token giving a series Ca (``[..., :d]``) and Cb
 (``[..., d:]``); entry w pools Ca of window w−1 (slots 0..r−1) and Cb of window w (slots r..2r−1), the Ca half
-of entry 0 absent (score −inf, kv 0). Entries are then RoPE'd at position w·r (`compressor.compressed_rot`);
-V4 simulates no fp4 quantization of them here. The same routine makes CSA's attention entries (width
-``head_dim``) and its Lightning indexer's keys (width ``index_head_dim``).
+of entry 0 absent (score −inf, kv 0). Entries are then RoPE'd at position w·r (`compressor.compressed_rot`)
+and, in the release numerics, quantized as the release stores them (`v4.numerics`: an attention compressor's
+non-RoPE channels fp8, an indexer's keys Hadamard-rotated FP4). The same routine makes CSA's attention entries
+(width ``head_dim``) and its Lightning indexer's keys (width ``index_head_dim``, ``index=True``).
 
 p: ``{"wkv", "wgate"}`` (V4 dense weights [w·d, D], `v4.linear`), ``"ape"`` fp32 [r, w·d], ``"norm"`` [d];
 w = 2 when `overlap` (CSA), else 1 (HCA).
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from dsv41_jax.model import compressor as comp41
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.model.v4.linear import dense_f32
+from dsv41_jax.model.v4.numerics import index_rotated, kv_entries
 
 
 def window_slots(kv, score, ape, ratio: int, overlap: bool, windows=None, base=None):
@@ -55,11 +57,13 @@ def window_slots(kv, score, ape, ratio: int, overlap: bool, windows=None, base=N
             jnp.concatenate([prev_sc, cur_sc[..., d:]], axis=2))
 
 
-def pool(p, kv, score, windows, ratio: int, freqs, cfg, dt):
+def pool(p, kv, score, windows, ratio: int, freqs, cfg, dt, index: bool = False):
     """Slots (`window_slots`) [B, M, slots, d] of windows int32 [B, M] -> the entries [B, M, d] in `dt`:
-    `compressor.pool_groups` (softmax over the slots, weighted sum, kv norm), RoPE'd at w·ratio."""
+    `compressor.pool_groups` (softmax over the slots, weighted sum, kv norm), RoPE'd at w·ratio, then quantized
+    as stored (`v4.numerics.kv_entries`; an indexer's keys, `index`: `v4.numerics.index_rotated`)."""
     latent = comp41.pool_groups(kv, score, p, cfg.rms_norm_eps, dt, is_exact(cfg))
-    return comp41.compressed_rot(latent, windows * ratio, freqs, dt)
+    entries = comp41.compressed_rot(latent, windows * ratio, freqs, dt)
+    return index_rotated(entries, cfg, dt) if index else kv_entries(entries, cfg, dt)
 
 
 def project(p, x, cfg):
@@ -67,10 +71,11 @@ def project(p, x, cfg):
     return dense_f32(x, p["wkv"], cfg), dense_f32(x, p["wgate"], cfg)
 
 
-def compress(p, x, ratio: int, overlap: bool, freqs, cfg, dt):
+def compress(p, x, ratio: int, overlap: bool, freqs, cfg, dt, index: bool = False):
     """The compressed entries of a sequence starting at position 0: x [B, T, D] (the layer's normed attention
-    input) -> [B, T // ratio, d] in `dt`, normed and RoPE'd at w·ratio."""
+    input) -> [B, T // ratio, d] in `dt`, normed and RoPE'd at w·ratio (`index`: an indexer's keys, `pool`)."""
     B, T, _ = x.shape
     kv, score = project(p, x, cfg)
     windows = jnp.broadcast_to(jnp.arange(T // ratio, dtype=jnp.int32), (B, T // ratio))
-    return pool(p, *window_slots(kv, score, p["ape"], ratio, overlap, windows), windows, ratio, freqs, cfg, dt)
+    return pool(p, *window_slots(kv, score, p["ape"], ratio, overlap, windows), windows, ratio, freqs, cfg, dt,
+                index=index)

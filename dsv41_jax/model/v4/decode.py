@@ -78,8 +78,9 @@ def comp_state(kind: str, cfg, ccfg) -> dict:
     return st
 
 
-def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_size, cfg, dt):
-    """Close the windows that end in this chunk: (pool', proj', the entries [B, S, d] the page table addresses).
+def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_size, cfg, dt, index=False):
+    """Close the windows that end in this chunk: (pool', proj', the entries [B, S, d] the page table addresses;
+    `index`: an indexer's keys, quantized as such by `v4.compressor.pool`).
 
     The chunk's projections join the last 2r cached ones (a buffer from position start − 2r); window j closes
     here iff start ≤ (j+1)·r − 1 < start + n_new; its entry goes to pool row `pool_index`(page_table, j)."""
@@ -93,7 +94,7 @@ def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_
     last = (windows + 1) * r - 1
     closes = (last < (start + n)[:, None]) & (last >= start[:, None])
     entries = comp4.pool(p, *comp4.window_slots(*buf, p["ape"], r, overlap, windows, base=start - 2 * r), windows, r,
-                         freqs, cfg, dt)
+                         freqs, cfg, dt, index=index)
     rows = jnp.where(closes, pool_index(pt, windows, r, page_size), pool.shape[0])  # out of range: dropped
     pool = pool.at[rows].set(entries.astype(pool.dtype), mode="drop")
     proj = {k: _window_write({"v": proj[k]}, slot, positions, n, {"v": v}, 2 * r)["v"]
@@ -125,7 +126,7 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
         sel = None
         if kind == "csa":
             ipool, iproj, ikeys = _compress_chunk(p["indexer"]["compressor"], x, st_comp["iproj"], st_comp["ipool"],
-                                                  batch, positions, r, True, freqs, ps, cfg, dt)
+                                                  batch, positions, r, True, freqs, ps, cfg, dt, index=True)
             st_comp = dict(st_comp, ipool=ipool, iproj=iproj)
             rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, ikeys, r, cfg, dt)
         comp, comp_mask = compressed_view(entries, positions, r, sel)

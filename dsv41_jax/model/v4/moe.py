@@ -42,11 +42,12 @@ def routed_reference(ex, xf, idx, w, cfg, dt):
 
 def routed(ex, xf, idx, w, cfg, dt):
     """fp32 [N, D]: the routed experts' sum by the moe implementation ("reference"; "xla": V4.1's grouped
-    path for MXFP4 experts, the reference for plain ones). Pallas: refused (no V4 kernel wiring yet)."""
+    path for MXFP4 experts, the reference for plain ones and in the release numerics, whose activation blocks V4.1's
+    grouped GEMM does not take). Pallas: refused (no V4 kernel wiring yet)."""
     impl = dispatch.resolve(cfg, "moe")
     if dispatch.is_kernel(impl):
         raise NotImplementedError(f"DeepSeek-V4: moe={impl!r} has no V4 wiring yet; use 'moe=xla' or 'reference'")
-    if impl == "xla" and is_mxfp4(ex["w1"]) and xf.shape[0]:
+    if impl == "xla" and is_mxfp4(ex["w1"]) and xf.shape[0] and not cfg.act_quant_block:  # V4.1's 32-wide blocks
         return moe41.combine_slots(moe41.routed_slots(ex, xf, idx, w, cfg, dt), idx)
     return routed_reference(ex, xf, idx, w, cfg, dt)
 
