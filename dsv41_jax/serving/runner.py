@@ -56,7 +56,7 @@ import numpy as np
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
-from dsv41_jax.serving import dp_layout
+from dsv41_jax.serving import dp_layout, model_step
 from dsv41_jax.serving import sampling as smp
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.engine_metrics import CacheLoads
@@ -237,9 +237,10 @@ def _fill_first_token_rows(mesh):
     return jax.jit(_first_token, out_shardings=NamedSharding(mesh, PartitionSpec("dp")))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_rows(state, slots, pad_id):
-    return kvc.reset_slots(state, slots, pad_id)
+@functools.partial(jax.jit, static_argnames=("reset",), donate_argnums=(0,))
+def _reset_rows(state, slots, pad_id, *, reset):
+    """``reset`` (the model step's `reset_slots`) on the slots ``slots``, jitted (one shape: `_ADMIT_ROWS`)."""
+    return reset(state, slots, pad_id)
 
 
 # per-slot rows of the cache pytree (window rings, partial groups, Engram history, DSpark rings)
@@ -424,6 +425,7 @@ class Runner:
                                       [self.cfg.engram_pad_token_id]) if self.cfg.engram_layer_ids else 0)
         self.load_time = time.perf_counter() - t0
         self.ccfg, self.memory_plan = self._plan_memory()
+        self.model_step = self._step_cls(self.cfg, self.ccfg, self.mesh, self.engram_host_table)
         self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
         self.dp = self.ccfg.dp  # data-parallel attention ranks (--dp-size; 1: off)
         self.max_slots = self.ccfg.max_slots
@@ -471,6 +473,10 @@ class Runner:
             cfg = cfg.replace(impl=args.impl)
         if args.enable_deterministic_inference and not cfg.deterministic:
             cfg = cfg.replace(deterministic=True)
+        # the model family's step (`model_step`): chosen once here, from the config
+        self._step_cls = model_step.for_config(cfg)
+        self._step_cls.refuse(args, cfg)
+        log.info("model family %s: %s", cfg.model_family, self._step_cls(cfg).describe())
         try:
             chosen = args.resolved_impl()
         except ValueError as e:
@@ -533,7 +539,6 @@ class Runner:
         """Parameters onto the mesh by the rules (the DSpark stages too) or the Engram tables to the host;
         runs of plan-identical layers stacked once here, so the step's scans read them in place
         (stacking inside the step would copy their weights on every call)."""
-        from dsv41_jax.model import layer_scan
         from dsv41_jax.parallel.host_table import offload_engram
 
         if self.mesh is not None:
@@ -542,14 +547,14 @@ class Runner:
             params = rules.shard_params(params, self.cfg, self.mesh, engram_host_table=self.engram_host_table)
         elif self.engram_host_table:
             params = offload_engram(params)
-        return layer_scan.prepare(params, self.cfg)
+        return self._step_cls(self.cfg).prepare(params)
 
     def _make_speculator(self):
         """`speculator.DSparkSpeculator` with DSpark on, else `speculator.NoSpeculation`."""
         from dsv41_jax.serving.speculator import DSparkSpeculator, NoSpeculation
 
         if not self.spec_gamma:
-            return NoSpeculation(self.cfg, self.ccfg, self.mesh, self.engram_host_table)
+            return NoSpeculation(self.model_step)
         return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 
@@ -557,13 +562,7 @@ class Runner:
         """The cache pytree (on the mesh by the rules; with the speculator's per-slot state), every slot
         reset, the per-slot sampling tensors and ``last_token``."""
         cfg, ccfg = self.cfg, self.ccfg
-        if self.mesh is None:
-            state = kvc.init_cache(cfg, ccfg)
-        else:
-            from dsv41_jax.parallel import rules
-
-            state = rules.init_cache(cfg, ccfg, self.mesh)
-        self.state = self.speculator.seed_state(state)
+        self.state = self.speculator.seed_state(self.model_step.init_cache())
         self._check_rank_blocks()
         rows = kvc.slot_rows(ccfg)  # every rank's slots and its scratch row (dp = 1: max_slots + 1)
         self.reset_slots(list(range(rows)))
@@ -713,7 +712,7 @@ class Runner:
         mode = args.cache_dtype
         want_ctx = args.context_length or cfg.max_position_embeddings
         ctx = -(-want_ctx // ps) * ps
-        b = kvc.kv_bytes_per_token(cfg, mode)
+        b = self._step_cls(cfg).kv_bytes_per_token(mode)
         info = {"page_size": ps, "max_running_requests": S, "bytes_per_token": b["per_token"],
                 "window_bytes": (S + D) * b["window_per_request"]}
         if args.max_total_tokens:
@@ -736,7 +735,8 @@ class Runner:
                     log.info("radix prefix cache: %d snapshot rows fit a quarter of the KV budget", rows)
             self._planned_snapshot_rows = rows
             budget -= int(rows * per_row)
-            plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode)
+            plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode,
+                                   bytes_per_token=b)
             num_pages = min(plan["num_pages"] // D, (S // D) * (ctx // ps) + 1) * D
             info.update(source=f"{frac:.2f} x {source} ({total / 2**30:.1f} GiB) - weights {weights / 2**20:.1f} MiB",
                         budget_bytes=budget)
@@ -855,7 +855,8 @@ class Runner:
         for i in range(0, len(slots), _ADMIT_ROWS):
             part = slots[i:i + _ADMIT_ROWS]
             part = part + [self.scratch] * (_ADMIT_ROWS - len(part))
-            self.state = _reset_rows(self.state, np.asarray(part, np.int32), np.int32(self.pad_compressed_id))
+            self.state = _reset_rows(self.state, np.asarray(part, np.int32), np.int32(self.pad_compressed_id),
+                                     reset=self.model_step.reset_slots)
 
     def write_sampling(self, rows: tuple, eos_token_ids) -> None:
         """Write the sampling rows (`messages.SamplingRow`: parameters, prompt mask, counts of already

@@ -1,6 +1,7 @@
 """The drafter/verifier seam of the runner: `Speculator`, with two implementations.
 
-- `NoSpeculation` (γ = 0): plain launches run `decode.extend`; there are no DSpark launches.
+- `NoSpeculation` (γ = 0): plain launches run the model family's step (`model_step`: `decode.extend`, or
+  `v4.decode.extend` for DeepSeek-V4); there are no DSpark launches.
 - `DSparkSpeculator` (``--speculative-algorithm DSPARK``): the cache carries the draft's rings
   (`dspark.with_rings`, placed by the cache's rules on a mesh), plain launches run
   `dspark.extend_seeding` (they also write the rings of every committed token), and a `SpecLaunch`
@@ -59,18 +60,18 @@ class Speculator(Protocol):
 
 
 class NoSpeculation:
-    """γ = 0: plain decoding."""
+    """γ = 0: plain decoding; plain launches run the model family's step (`model_step.ModelStep`)."""
 
     gamma = 0
 
-    def __init__(self, cfg, ccfg, mesh=None, engram_host_table: bool = False):
-        self.cfg, self.ccfg, self.mesh, self.engram_host_table = cfg, ccfg, mesh, engram_host_table
+    def __init__(self, model_step):
+        self.model_step = model_step
 
     def seed_state(self, state: dict) -> dict:
         return state
 
     def extend_step(self, all_logits: bool):
-        return mesh_plan.jitted_extend(self.cfg, self.ccfg, all_logits, self.mesh, self.engram_host_table)
+        return self.model_step.extend_step(all_logits)
 
     def launch(self, params, dev: DeviceState, L: SpecLaunch, warm: bool = False) -> tuple:
         raise RuntimeError("a DSpark launch without --speculative-algorithm DSPARK")
