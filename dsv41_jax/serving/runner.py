@@ -58,7 +58,7 @@ from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
 from dsv41_jax.serving import dp_layout, model_step
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.engine_args import MTP_ALGORITHMS, EngineArgs
 from dsv41_jax.serving.engine_metrics import CacheLoads
 from dsv41_jax.serving.messages import (DeviceState, ForkOp, ImportOp, Launch, LaunchResult, LoadOp, RestoreOp,
                                         SaveOp, Schedule, SpecLaunch, SpillOp, StepResult)
@@ -244,7 +244,7 @@ def _reset_rows(state, slots, pad_id, *, reset):
 
 
 # per-slot rows of the cache pytree (window rings, partial groups, Engram history, DSpark rings)
-_SLOT_ROW_KEYS = ("window", "partial", "engram_hist", "dspark")
+_SLOT_ROW_KEYS = ("window", "partial", "engram_hist", "dspark", "mtp")  # "mtp": V4's MTP state (mtp_speculative)
 
 
 def _slot_rows(state) -> dict:
@@ -362,6 +362,8 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
     out = _copy_page(out, src_page, dst_page, page_size, ratios)
     if "dspark" in state:  # the DSpark rings hold the prompt's draft KV, per slot
         out["dspark"] = [jax.tree.map(row, r) for r in state["dspark"]]
+    if "mtp" in state:  # DeepSeek-V4's MTP ring and last target streams, per slot
+        out["mtp"] = jax.tree.map(row, state["mtp"])
     return out
 
 
@@ -448,8 +450,8 @@ class Runner:
         "host_tier" (HiCache: host bytes of its page pool when full, one copy)}} in bytes."""
         params = _bytes_by_device(self.params)
         draft = _bytes_by_device(self.params.get("mtp") or []) if self.spec_gamma else {}
-        kv = _bytes_by_device({k: v for k, v in self.state.items() if k != "dspark"})
-        rings = _bytes_by_device(self.state.get("dspark") or [])
+        kv = _bytes_by_device({k: v for k, v in self.state.items() if k not in ("dspark", "mtp")})
+        rings = _bytes_by_device((self.state.get("dspark") or [], self.state.get("mtp") or {}))
         snaps = _bytes_by_device(self.snaps) if self.snaps is not None else {}
         # (one host copy: the cache is replicated, so every device's shards are the same bytes; each host
         # entry also keeps its snapshot row, one row's bytes per entry, not counted here)
@@ -531,8 +533,10 @@ class Runner:
 
                 params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
         if self.spec_gamma and len(params.get("mtp") or []) < cfg.num_nextn_predict_layers:
-            raise EngineError("--speculative-algorithm DSPARK: the checkpoint has no DSpark parameters (mtp.*: "
-                              f"{len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} stages loaded)")
+            what = "MTP layer" if self._mtp else "DSpark"
+            raise EngineError(f"--speculative-algorithm {args.speculative_algorithm}: the checkpoint has no {what} "
+                              f"parameters (mtp.*: {len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} "
+                              "loaded)")
         return params
 
     def _place(self, params):
@@ -551,10 +555,12 @@ class Runner:
 
     def _make_speculator(self):
         """`speculator.DSparkSpeculator` with DSpark on, else `speculator.NoSpeculation`."""
-        from dsv41_jax.serving.speculator import DSparkSpeculator, NoSpeculation
+        from dsv41_jax.serving.speculator import DSparkSpeculator, MTPSpeculator, NoSpeculation
 
         if not self.spec_gamma:
             return NoSpeculation(self.model_step)
+        if self._mtp:
+            return MTPSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed)
         return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 
@@ -689,8 +695,11 @@ class Runner:
     def _check_speculative(self, cfg) -> int:
         """γ (DSpark proposals per step), 0 when off; EngineError naming any unsupported combination."""
         args = self.args
+        self._mtp = args.speculative_algorithm in MTP_ALGORITHMS
         if args.speculative_algorithm is None:
             return 0
+        if self._mtp:
+            return self._check_mtp(cfg)
         name = "--speculative-algorithm DSPARK"
         if cfg.num_nextn_predict_layers < 1:
             raise EngineError(f"{name}: this checkpoint has no DSpark stages (num_nextn_predict_layers = 0, "
@@ -704,6 +713,26 @@ class Runner:
             raise EngineError(f"{name} with --enable-mixed-chunk: not supported (DSpark rows run as their own "
                               "[B, γ+1] launch)")
         return gamma
+
+    def _check_mtp(self, cfg) -> int:
+        """γ for --speculative-algorithm EAGLE / NEXTN (DeepSeek-V4's MTP layer); EngineError naming what is not
+        supported (another model family, a checkpoint without the layer, a compressed MTP layer, mixed chunks)."""
+        args = self.args
+        name = f"--speculative-algorithm {args.speculative_algorithm}"
+        if cfg.model_family != "deepseek_v4" or cfg.draft_kind != "mtp":
+            raise EngineError(f"{name}: MTP speculation runs DeepSeek-V4's MTP layer; this checkpoint's draft is "
+                              f"{cfg.draft_kind!r} (use --speculative-algorithm DSPARK)")
+        if cfg.num_nextn_predict_layers != 1:
+            raise EngineError(f"{name}: the checkpoint has {cfg.num_nextn_predict_layers} MTP layers; one is implemented")
+        from dsv41_jax.model.config_v4 import draft_kinds
+
+        if draft_kinds(cfg)[0] != "sliding":
+            raise EngineError(f"{name}: a {draft_kinds(cfg)[0].upper()} MTP layer (the released one is sliding-window "
+                              "only; a compressed one's paged state is not wired)")
+        if args.enable_mixed_chunk:
+            raise EngineError(f"{name} with --enable-mixed-chunk: not supported (speculative rows run as their own "
+                              "[B, γ+1] launch)")
+        return args.resolved_mtp_steps()
 
     def _plan_memory(self):
         args, cfg = self.args, self.cfg

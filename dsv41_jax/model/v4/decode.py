@@ -99,7 +99,7 @@ def reset_slots(state: dict, slots) -> dict:
 def kv_bytes_per_token(cfg, kv_cache_dtype: str = "auto") -> dict:
     """`cache.kv_bytes_per_token` for V4: every CSA / HCA layer's pool (1/r entries of head_dim per token) and each
     CSA layer's index keys (1/r of index_head_dim), stored in the activation dtype; the window rings and the
-    per-slot compressor projections (fp32, 2r positions) per request. No DSpark rings (0)."""
+    per-slot compressor projections (fp32, 2r positions) per request; with MTP speculation its per-slot state."""
     if kv_cache_dtype != "auto":
         raise NotImplementedError(f"DeepSeek-V4: kv_cache_dtype {kv_cache_dtype!r}: only 'auto'")
     item = jnp.dtype(act_dtype(cfg)).itemsize
@@ -114,9 +114,11 @@ def kv_bytes_per_token(cfg, kv_cache_dtype: str = "auto") -> dict:
         if kind == "csa":
             ikeys += item * cfg.index_head_dim / r
             partial += 2 * (2 * r) * w * cfg.index_head_dim * 4
-    win = cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * item
+    win = cfg.sliding_window * cfg.head_dim * item
+    # the draft's per-slot state (named as V4.1's DSpark rings): the MTP layer's window ring + the last target streams
+    draft = cfg.num_nextn_predict_layers * (win + cfg.hc_mult * cfg.hidden_size * item)
     return {"compressed_latents": comp, "index_keys": ikeys, "per_token": comp + ikeys,
-            "window_per_request": win + partial, "dspark_window_per_request": 0}
+            "window_per_request": cfg.num_hidden_layers * win + partial, "dspark_window_per_request": draft}
 
 
 def window_state(cfg, ccfg):
@@ -235,17 +237,22 @@ def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, has
     return hc_post(y, h, post, comb, dt), win, comp, (rec, arec)
 
 
+def head_logits(params, streams, n_new, cfg, all_logits: bool = False):
+    """The vocab logits of a step's output streams [B, T, n, D] (`extend`'s aux "streams"): fp32 [B, T, vocab] with
+    `all_logits`, else [B, vocab] at each row's last new token (position n_new[b] − 1; 0 for a padding row), the
+    head run on those rows only."""
+    if not all_logits:
+        last = jnp.maximum(jnp.asarray(n_new) - 1, 0)
+        streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)  # [B, 1, n, D]
+    logits, _ = final_logits(params, streams, cfg, act_dtype(cfg))
+    return logits if all_logits else logits[:, 0]
+
+
 def extend_logits(params, state, batch, cfg, ccfg, all_logits: bool = False):
-    """`extend` as the engine's step runs it (`decode.extend`'s contract): (logits, state') with logits fp32
-    [B, T, vocab] when `all_logits`, else [B, vocab] at each row's last new token (row b's position n_new[b] − 1;
-    0 for a padding row) — there the head runs on those rows only."""
-    if all_logits:
-        return extend(params, state, batch, cfg, ccfg)
+    """`extend` as the engine's step runs it (`decode.extend`'s contract): (logits, state') with logits
+    `head_logits`' (all positions with `all_logits`, else each row's last new token)."""
     _, state, aux = extend(params, state, batch, cfg, ccfg, return_aux=True, head=False)
-    last = jnp.maximum(jnp.asarray(batch["n_new"]) - 1, 0)
-    h = jnp.take_along_axis(aux["streams"], last[:, None, None, None], axis=1)  # [B, 1, n, D]
-    logits, _ = final_logits(params, h, cfg, act_dtype(cfg))
-    return logits[:, 0], state
+    return head_logits(params, aux["streams"], batch["n_new"], cfg, all_logits), state
 
 
 @functools.lru_cache(maxsize=None)
