@@ -110,6 +110,18 @@ def test_unsupported_v4_flags_are_refused_at_start():
         Engine(cfg=CFG, params=_params(), enable_decoder_swa_bounded_replay=True, disable_radix_cache=True, **KW)
     with pytest.raises(EngineError, match="not supported with a mesh"):
         Engine(cfg=CFG, params=_params(), tp_size=2, **KW)
+    # MTP flags: SGLang's spelling, top-1 chains only; EAGLE on a V4.1 checkpoint (a DSpark draft) is refused
+    from dsv41_jax.serving.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="speculative_eagle_topk: must be 1"):
+        EngineArgs(speculative_algorithm="EAGLE", speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens: must be --speculative-num-steps \\+ 1"):
+        EngineArgs(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_num_draft_tokens=3)
+    with pytest.raises(ValueError, match="needs --speculative-algorithm EAGLE or NEXTN"):
+        EngineArgs(speculative_algorithm="DSPARK", speculative_num_steps=2)
+    assert EngineArgs(speculative_algorithm="eagle", speculative_num_draft_tokens=4).resolved_mtp_steps() == 3
+    with pytest.raises(EngineError, match="MTP speculation runs DeepSeek-V4's MTP layer"):
+        Engine(model="tiny", speculative_algorithm="EAGLE", skip_server_warmup=True)
 
 
 # ---------------------------------------------------------------- prefix cache (per-layer compressor state)
