@@ -7,6 +7,9 @@ asks it for room, the runner's launches read its page tables), the per-slot samp
 `messages.Schedule` (frozen; only read) as device launches, asynchronously, and returns a
 `messages.StepResult` at once (device arrays the output processor reads later):
 
+The model family's side (cache layout, slot reset, memory bytes, the jitted step) is `model_step.ModelStep`,
+chosen once from the config: `decode.extend` for V4.1, `v4.decode.extend` for DeepSeek-V4 (below, "extend").
+
 - `Launch` [B, T]: first-token fill from ``last_token`` (decode rows whose input is still on the
   device), `decode.extend` (with DSpark: `dspark.extend_seeding`, which also writes the draft rings of
   every committed token), then sampling on the device (`_sample_rows`, constraint masks applied).
