@@ -283,17 +283,19 @@ def main(argv=None) -> int:
     if args.model != "tiny" and not os.path.exists(args.model):
         print(f"error: --model {args.model!r}: no such directory (use 'nano', 'tiny' or a model directory)", file=sys.stderr)
         return 2
-    if os.path.isdir(args.model):  # a checkpoint family the engine cannot serve yet: before anything loads
+    if os.path.isdir(args.model):  # the checkpoint's family and what it cannot serve with: before anything loads
         from dsv41_jax.model.config import ConfigError, ModelConfig
-        from dsv41_jax.model.config_v4 import refusal
+        from dsv41_jax.serving.model_step import for_config
+        from dsv41_jax.serving.request import EngineError
 
         try:
             mcfg = ModelConfig.from_pretrained(args.model)
+            for_config(mcfg).refuse(engine_args, mcfg)  # e.g. a DeepSeek-V4 checkpoint on a mesh or with DSpark
         except (ConfigError, OSError) as e:
             print(f"error: --model {args.model!r}: {e}", file=sys.stderr)
             return 2
-        if mcfg.model_family == "deepseek_v4":
-            print(f"error: the engine does not serve DeepSeek-V4 checkpoints yet: {refusal(mcfg)}", file=sys.stderr)
+        except EngineError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
     if not (0 < args.port < 65536):
         print(f"error: --port must be 1..65535, got {args.port}", file=sys.stderr)
@@ -390,7 +392,8 @@ def main(argv=None) -> int:
     reasoning_parser = resolve_parser(args.reasoning_parser, "reasoning", tokenizer)
     tool_parser = resolve_parser(args.tool_call_parser, "tool", tokenizer)
     log.info("parsers: reasoning=%s, tool calls=%s", reasoning_parser or "none", tool_parser or "none")
-    grammar = GrammarCompiler(tokenizer, vocab, whitespace_pattern=args.constrained_json_whitespace_pattern)
+    grammar = GrammarCompiler(tokenizer, vocab, whitespace_pattern=args.constrained_json_whitespace_pattern,
+                              tag_names=chat_format.tool_tag_names)
     log.info("constrained decoding: llguidance %s (response_format json_object / json_schema, regex, "
              "tool_choice required / named)", getattr(llguidance, "__version__", "?"))
     name = _served_name(args)

@@ -132,7 +132,7 @@ def test_v4_is_refused_where_it_would_run(name):
 
     cfg = ModelConfig.preset(name)
     assert len(param_shapes(cfg)["layers"]) == cfg.num_hidden_layers and param_stats(cfg)["bytes"] > 0
-    with pytest.raises(NotImplementedError, match=r"paged decode step.*MTP speculation"):
+    with pytest.raises(NotImplementedError, match=r"paged decode step.*serving.model_step.V4Step"):
         cfg.layer_plans()
 
 

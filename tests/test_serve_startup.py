@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from servers import free_port, serve_cmd, user_env
 
 from dsv41_jax.serve import build_parser
@@ -61,16 +62,36 @@ def test_served_model_name_help_names_the_real_default():
     assert "'nano'" in action.help and "default: 'tiny'" not in action.help, action.help
 
 
-def test_checkpoint_family_not_yet_served_is_one_line(tmp_path):
-    """A DeepSeek-V4 checkpoint (issue 48: model.forward runs it, the engine's paged step does not yet)
-    printed a traceback; now the reason is one line, exit 2, before the weights load."""
-    ckpt = tmp_path / "tiny-v4"
+@pytest.fixture(scope="module")
+def v4_ckpt(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt") / "tiny-v4"
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_checkpoint.py"), "--preset", "tiny-v4",
                     "--out", str(ckpt)], check=True, capture_output=True, timeout=300)
-    r = _serve(["--model", str(ckpt), "--port", str(free_port())], JAX_PLATFORMS="cpu")
+    return str(ckpt)
+
+
+def test_v4_checkpoint_passes_the_start_up_checks(v4_ckpt):
+    """A DeepSeek-V4 checkpoint is served (issue 48; tests/test_v4_server.py drives the app on one): the start-up
+    no longer refuses it — here it gets as far as the port check, which comes after the checkpoint's."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _serve(["--model", v4_ckpt, "--port", str(port)], JAX_PLATFORMS="cpu")
     line = _refused(r)
-    assert "does not serve DeepSeek-V4 checkpoints yet" in line and "issue 48" in line, line
+    assert f"127.0.0.1:{port}" in line and "in use" in line, line
+    assert "DeepSeek-V4" not in r.stderr
+
+
+def test_v4_with_what_it_lacks_is_one_line(v4_ckpt):
+    """What V4 serving does not do yet (DSpark's head, a mesh) is refused in one line before anything loads."""
+    r = _serve(["--model", v4_ckpt, "--speculative-algorithm", "DSPARK", "--port", str(free_port())],
+               JAX_PLATFORMS="cpu")
+    line = _refused(r)
+    assert line.startswith("error: DeepSeek-V4 checkpoint: not supported with --speculative-algorithm DSPARK"), line
     assert "engine:" not in r.stderr  # refused before the engine started
+    line = _refused(_serve(["--model", v4_ckpt, "--tp-size", "2", "--port", str(free_port())], JAX_PLATFORMS="cpu"))
+    assert "DeepSeek-V4 checkpoint: not supported with a mesh" in line, line
 
 
 def test_unreadable_model_config_is_one_line(tmp_path):

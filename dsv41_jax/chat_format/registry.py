@@ -101,6 +101,19 @@ class ChatFormat:
         return enc(request, wording=self.wording, default_thinking=self.default_thinking,
                    default_effort=self.default_effort, render_response_format=render_response_format, add_bos=add_bos)
 
+    @property
+    def tool_tag_names(self) -> tuple:
+        """The DSML (calls, invoke, parameter) tag names this encoding writes, which a ``tool_choice`` grammar
+        forces (`serving.constrained.tool_call_lark`): V4.1's spaced ones, V4's ``tool_calls`` / ``invoke`` /
+        ``parameter``."""
+        if self.family == "deepseek_v41":
+            from .dsml import V41_TAG_NAMES
+
+            return V41_TAG_NAMES
+        from .encoding_v4 import V4_TAG_NAMES
+
+        return V4_TAG_NAMES
+
     def describe(self) -> str:
         """One log line: the family, thinking / effort defaults and where the wording came from."""
         source = getattr(self.wording, "source", None) or "ours"

@@ -304,13 +304,16 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> dict:
 
 
 def plan_memory(cfg: ModelConfig, budget_bytes: int, *, page_size: int = 256, max_slots: int = 64,
-                max_context: Optional[int] = None, kv_cache_dtype: str = "auto") -> dict:
+                max_context: Optional[int] = None, kv_cache_dtype: str = "auto",
+                bytes_per_token: Optional[dict] = None) -> dict:
     """Split a byte budget into window rings for `max_slots` requests and paged pools.
 
     Returns a dict with bytes per token, the window bytes, the number of pages and tokens the pools
     hold, and a `CacheConfig`. Raises CacheFullError if the windows alone exceed the budget.
+    bytes_per_token: `kv_bytes_per_token`'s dict for another cache layout (a DeepSeek-V4 model's,
+    `model.v4.decode.kv_bytes_per_token`); None: this module's.
     """
-    b = kv_bytes_per_token(cfg, kv_cache_dtype)
+    b = bytes_per_token or kv_bytes_per_token(cfg, kv_cache_dtype)
     win = (max_slots + 1) * b["window_per_request"]
     left = budget_bytes - win
     if left <= 0:

@@ -359,12 +359,11 @@ def refusal(cfg) -> str:
     kinds = attention_kinds(cfg)
     csa = [i for i, k in enumerate(kinds) if k == "csa"]
     hca = [i for i, k in enumerate(kinds) if k == "hca"]
-    missing = [f"the engine's paged decode step, prefix cache and scheduling (`model.decode` / `cache.init_cache`; V4's "
-               f"own step with its per-layer compressor state, CSA layers {csa} and HCA layers {hca}, is "
-               f"`model.v4.decode.extend`, not wired into the engine)"]
-    if cfg.num_nextn_predict_layers:
-        missing.append("the engine's MTP speculation (model level: `model.v4.speculative.greedy_mtp`)"
-                       if cfg.draft_kind == "mtp" else "V4's DSpark head")
+    missing = [f"V4.1's paged decode step and cache (`model.decode` / `cache.init_cache`; V4's own step with its per-layer "
+               f"compressor state, CSA layers {csa} and HCA layers {hca}, is `model.v4.decode.extend`, which the engine "
+               f"runs through `serving.model_step.V4Step`)"]
+    if cfg.num_nextn_predict_layers and cfg.draft_kind != "mtp":
+        missing.append("V4's DSpark head")
     missing.append("the mesh rules and the Pallas kernels for V4")
     return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward and "
             f"model.v4.decode.extend run it (CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "

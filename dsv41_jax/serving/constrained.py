@@ -54,6 +54,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dsv41_jax.chat_format.dsml import V41_TAG_NAMES
 from dsv41_jax.chat_format.effort import ChatError
 
 __all__ = [
@@ -196,9 +197,13 @@ def tool_call_lark(
     *,
     dsml_id: int,
     json_style: Mapping[str, Any] | None = None,
+    tag_names: Sequence[str] = V41_TAG_NAMES,
 ) -> str:
-    """The Lark grammar (llguidance dialect) of a spaced-DSML calls block for ``tool_choice``
-    "required" (one or more invokes of any tool) or a named function (exactly one invoke of it)."""
+    """The Lark grammar (llguidance dialect) of a DSML calls block for ``tool_choice`` "required" (one or
+    more invokes of any tool) or a named function (exactly one invoke of it). tag_names: the (calls,
+    invoke, parameter) tag names after the DSML token — V4.1's spaced ones by default, DeepSeek-V4's
+    unspaced ``tool_calls`` / ``invoke`` / ``parameter`` (`encoding_v4.V4_TAG_NAMES`) for its encoding."""
+    calls_t, inv_t, par_t = tag_names
     style = dict(_JSON_STYLE if json_style is None else json_style)
     D = f"<[{int(dsml_id)}]>"
     # Every tag starts with the one-byte lexeme "<"; a closing tag continues with "/" and the DSML
@@ -227,15 +232,16 @@ def tool_call_lark(
         inv_names.append(inv)
         params = fn.get("parameters") if isinstance(fn.get("parameters"), Mapping) else {}
         props = params.get("properties") if isinstance(params.get("properties"), Mapping) else None
-        open_tag = f'{O} {_lark_str(" invoke name=" + _dsml_attr(fn["name"], "tool name") + ">")} "\\n"'
-        close_tag = f'"\\n" {C} " invoke>"'
+        open_tag = f'{O} {_lark_str(inv_t + " name=" + _dsml_attr(fn["name"], "tool name") + ">")} "\\n"'
+        close_tag = f'"\\n" {C} {_lark_str(inv_t + ">")}'
         addl = params.get("additionalProperties")
         if not props and (addl is True or isinstance(addl, Mapping)):
             # free-form parameters
             rules.append(f"{inv}: {open_tag} ({inv}_p (\"\\n\" {inv}_p)*)? {close_tag}")
-            rules.append(f'{inv}_p: {O} " parameter name=\\"" {inv}_name "\\" string=\\"true\\">" /[^<]*/ {C} " parameter>"'
-                         f' | {O} " parameter name=\\"" {inv}_name "\\" string=\\"false\\">" '
-                         f'{_json_rule({}, {}, style)} {C} " parameter>"')
+            pn, pc = _lark_str(par_t + ' name="'), _lark_str(par_t + ">")
+            rules.append(f'{inv}_p: {O} {pn} {inv}_name "\\" string=\\"true\\">" /[^<]*/ {C} {pc}'
+                         f' | {O} {pn} {inv}_name "\\" string=\\"false\\">" '
+                         f'{_json_rule({}, {}, style)} {C} {pc}')
             rules.append(f'{inv}_name: /[A-Za-z0-9_.\\-]{{1,{FREE_NAME_MAX}}}/')
             continue
         defs = {k2: params[k2] for k2 in ("$defs", "definitions") if isinstance(params.get(k2), Mapping)}
@@ -248,8 +254,8 @@ def tool_call_lark(
         for j, pname in enumerate(names):
             sub = props[pname]
             types = _types_of(sub)
-            head = f'{O} {_lark_str(" parameter name=" + _dsml_attr(pname, "parameter name"))}'
-            tail = f'{C} " parameter>"'
+            head = f'{O} {_lark_str(par_t + " name=" + _dsml_attr(pname, "parameter name"))}'
+            tail = f'{C} {_lark_str(par_t + ">")}'
             alts = []
             if "string" in types or "any" in types:
                 alts.append(f'{head} " string=\\"true\\">" {_string_value_rule(sub)} {tail}')
@@ -282,7 +288,7 @@ def tool_call_lark(
     invokes = f'{any_inv} ("\\n" {any_inv})*' if multi else any_inv
     head = [
         'start: "\\n\\n"? calls',
-        f'calls: {O} " calls>" "\\n" {invokes} "\\n" {C} " calls>"',
+        f'calls: {O} {_lark_str(calls_t + ">")} "\\n" {invokes} "\\n" {C} {_lark_str(calls_t + ">")}',
     ]
     return "\n".join(head + rules) + "\n"
 
@@ -304,6 +310,7 @@ def constraint_spec_for_request(
     tool_choice: Any = None,
     dsml_id: int | None = None,
     whitespace_pattern: str | None = None,
+    tag_names: Sequence[str] = V41_TAG_NAMES,
 ) -> ConstraintSpec | None:
     """The constraint a request body asks for, or None.
 
@@ -318,7 +325,7 @@ def constraint_spec_for_request(
         if dsml_id is None:
             raise ChatError("this model's tokenizer has no DSML token; tool_choice required/named is unavailable",
                             "tool_choice")
-        lark = tool_call_lark(tools, tool_choice, dsml_id=dsml_id, json_style=style)
+        lark = tool_call_lark(tools, tool_choice, dsml_id=dsml_id, json_style=style, tag_names=tag_names)
         desc = "tool_choice=" + (tool_choice if isinstance(tool_choice, str) else tool_choice["function"]["name"])
         return ConstraintSpec("tool_call", llg.LLMatcher.grammar_from_lark(lark), "tool_choice", desc)
     rf = request.get("response_format")
@@ -373,7 +380,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, *, eos_token_ids: Sequence[int] | None = None,
-                 whitespace_pattern: str | None = None, cache_size: int = 256):
+                 whitespace_pattern: str | None = None, cache_size: int = 256,
+                 tag_names: Sequence[str] = V41_TAG_NAMES):
         llg = _import_llguidance()
         self._llg = llg
         if isinstance(tokenizer, str):
@@ -390,6 +398,7 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size) if vocab_size is not None else self.tokenizer_vocab
         self.eos_token_ids = eos or list(self.llg_tokenizer.eos_tokens)
         self.whitespace_pattern = whitespace_pattern
+        self.tag_names = tuple(tag_names)  # the chat encoding's DSML tag names (`ChatFormat.tool_tag_names`)
 
         def tid(s):
             if hf is not None and hasattr(hf, "token_to_id"):
@@ -408,7 +417,7 @@ class GrammarCompiler:
     # -- building
     def spec_for_request(self, request: Mapping[str, Any], *, tools=None, tool_choice=None) -> ConstraintSpec | None:
         return constraint_spec_for_request(request, tools=tools, tool_choice=tool_choice, dsml_id=self.dsml_id,
-                                           whitespace_pattern=self.whitespace_pattern)
+                                           whitespace_pattern=self.whitespace_pattern, tag_names=self.tag_names)
 
     def validate(self, spec: ConstraintSpec) -> None:
         """Compile-check ``spec`` (cached); a grammar llguidance refuses -> ChatError (400)."""

@@ -224,9 +224,14 @@ class Engine:
         self.warmup_cache_loads = 0
         self.last_step: dict = {}
         if self.spec_gamma:
-            log.info("DSpark speculative decoding: γ = %d proposals per step (of the checkpoint's %s)%s",
-                     self.spec_gamma, getattr(getattr(r, "cfg", None), "dspark_block_size", "?"),
-                     "; the overlap schedule waits for DSpark rows" if self.overlap else "")
+            if args.speculative_algorithm in ("EAGLE", "NEXTN"):
+                log.info("MTP speculative decoding (%s): a top-1 chain of γ = %d drafts per step from DeepSeek-V4's "
+                         "MTP layer%s", args.speculative_algorithm, self.spec_gamma,
+                         "; the overlap schedule waits for speculative rows" if self.overlap else "")
+            else:
+                log.info("DSpark speculative decoding: γ = %d proposals per step (of the checkpoint's %s)%s",
+                         self.spec_gamma, getattr(getattr(r, "cfg", None), "dspark_block_size", "?"),
+                         "; the overlap schedule waits for DSpark rows" if self.overlap else "")
         if not args.skip_server_warmup:
             self.warmup()
 

@@ -56,7 +56,10 @@ KV_CACHE_DTYPE_CHOICES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "bfloat16": "b
 SHAPE_BUCKETS = ("auto", "compact", "full")
 # --load-balance-method: how the DP controller picks a new request's rank (serving/dp_controller.py)
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
-SPECULATIVE_ALGORITHMS = ("DSPARK",)
+SPECULATIVE_ALGORITHMS = ("DSPARK", "EAGLE", "NEXTN")  # EAGLE / NEXTN: DeepSeek-V4's MTP layer (SGLang's spelling)
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")
+MTP_DEFAULT_STEPS = 3  # SGLang's V4 recipe: --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+MTP_MAX_STEPS = 8
 DEFAULT_DISTRIBUTION_FILE = "expert_distribution.json"  # --expert-distribution-recorder-file's default
 DSPARK_MAX_BLOCK = 5  # docs/design/spec.md §7: the largest DSpark block (V4.1 Flash ships 5)
 SMALL_MODEL_BYTES = 1 << 30  # weights below this: "small" (compact buckets, smaller batch / chunk defaults)
@@ -142,6 +145,10 @@ class EngineArgs:
     speculative_algorithm: Optional[str] = None  # "DSPARK" (DSpark speculative decoding) or None
     speculative_dspark_block_size: Optional[int] = None  # γ, 1..5; None: the checkpoint's dspark_block_size
     speculative_simulate_accept_length: Optional[float] = None  # performance runs only (see runner.py)
+    # MTP (EAGLE / NEXTN, DeepSeek-V4): chained drafts per step; top-1 chains only; draft tokens = steps + 1
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
     # SWA bounded replay (SGLang's flag): prefill runs the layers after the last store layer only on each
     # request's last sliding_window prompt tokens (decode.extend_bounded). Approximate: no prompt logprobs.
     enable_decoder_swa_bounded_replay: bool = False
@@ -172,6 +179,37 @@ class EngineArgs:
         if cached is None or cached[0] != self.model:
             cached = self.__dict__["_small_cache"] = (self.model, model_is_small(self.model))
         return cached[1]
+
+    def _validate_mtp(self, bad, mtp: bool) -> None:
+        """--speculative-num-steps / -eagle-topk / -num-draft-tokens: MTP's (EAGLE / NEXTN) top-1 chains only."""
+        for f in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if not mtp:
+                bad(f, "needs --speculative-algorithm EAGLE or NEXTN (DeepSeek-V4's MTP layer)")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(f, "must be an integer >= 1")
+        if not mtp:
+            return
+        if self.speculative_eagle_topk not in (None, 1):
+            bad("speculative_eagle_topk", "must be 1: only top-1 draft chains are implemented (no draft trees)")
+        if self.speculative_num_steps is not None and self.speculative_num_steps > MTP_MAX_STEPS:
+            bad("speculative_num_steps", f"must be <= {MTP_MAX_STEPS}")
+        steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and n is not None and n != steps + 1:
+            bad("speculative_num_draft_tokens", f"must be --speculative-num-steps + 1 = {steps + 1} (top-1 chains)")
+
+    def resolved_mtp_steps(self) -> int:
+        """MTP draft tokens per step (γ): --speculative-num-steps, else --speculative-num-draft-tokens − 1, else
+        SGLang's V4 recipe's 3."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            if self.speculative_num_draft_tokens < 2:
+                raise ValueError("speculative_num_draft_tokens: must be >= 2 (the anchor + at least one draft)")
+            return self.speculative_num_draft_tokens - 1
+        return MTP_DEFAULT_STEPS
 
     def resolved_hicache_ratio(self) -> float:
         return 2.0 if self.hicache_ratio is None else float(self.hicache_ratio)
@@ -236,18 +274,20 @@ class EngineArgs:
             if str(self.speculative_algorithm).upper() not in SPECULATIVE_ALGORITHMS:
                 bad("speculative_algorithm", f"must be one of {list(SPECULATIVE_ALGORITHMS)} or None")
             self.speculative_algorithm = str(self.speculative_algorithm).upper()
+        mtp = self.speculative_algorithm in MTP_ALGORITHMS
         v = self.speculative_dspark_block_size
         if v is not None:
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= DSPARK_MAX_BLOCK:
                 bad("speculative_dspark_block_size", f"must be an integer in 1..{DSPARK_MAX_BLOCK}")
-            if self.speculative_algorithm is None:
+            if self.speculative_algorithm is None or mtp:
                 bad("speculative_dspark_block_size", "needs --speculative-algorithm DSPARK")
         v = self.speculative_simulate_accept_length
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= float(v) <= DSPARK_MAX_BLOCK + 1:
                 bad("speculative_simulate_accept_length", f"must be a number in 1..{DSPARK_MAX_BLOCK + 1}")
-            if self.speculative_algorithm is None:
+            if self.speculative_algorithm is None or mtp:
                 bad("speculative_simulate_accept_length", "needs --speculative-algorithm DSPARK")
+        self._validate_mtp(bad, mtp)
         self._validate_dp()
         self._validate_eplb()
         if self.warmup_prompt_logprobs and self.skip_server_warmup:
@@ -549,7 +589,16 @@ class EngineArgs:
                             "a block of tokens that the model verifies in one step (on one device or a --tp-size / "
                             "--ep-size mesh, also with --engram-host-table); refused at start-up when the "
                             "checkpoint has no DSpark stages and with --enable-mixed-chunk or "
-                            "--enable-decoder-swa-bounded-replay. Off by default")
+                            "--enable-decoder-swa-bounded-replay. EAGLE / NEXTN = a DeepSeek-V4 checkpoint's MTP "
+                            "layer drafts a top-1 chain of --speculative-num-steps tokens (SGLang's spelling; one "
+                            "device). Off by default")
+        g.add_argument("--speculative-num-steps", dest="speculative_num_steps", type=int, default=None,
+                       help=f"EAGLE / NEXTN (MTP): draft tokens chained per step (default {MTP_DEFAULT_STEPS}, "
+                            "or --speculative-num-draft-tokens - 1)")
+        g.add_argument("--speculative-eagle-topk", dest="speculative_eagle_topk", type=int, default=None,
+                       help="EAGLE / NEXTN (MTP): draft branching; only 1 (a chain) is implemented")
+        g.add_argument("--speculative-num-draft-tokens", dest="speculative_num_draft_tokens", type=int, default=None,
+                       help="EAGLE / NEXTN (MTP): tokens verified per step, --speculative-num-steps + 1 for a chain")
         g.add_argument("--speculative-dspark-block-size", dest="speculative_dspark_block_size", type=int,
                        default=None, help=f"DSpark proposals per step (1..{DSPARK_MAX_BLOCK}, at most the checkpoint's "
                                           "dspark_block_size, which is the default)")

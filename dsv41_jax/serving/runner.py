@@ -7,6 +7,9 @@ asks it for room, the runner's launches read its page tables), the per-slot samp
 `messages.Schedule` (frozen; only read) as device launches, asynchronously, and returns a
 `messages.StepResult` at once (device arrays the output processor reads later):
 
+The model family's side (cache layout, slot reset, memory bytes, the jitted step) is `model_step.ModelStep`,
+chosen once from the config: `decode.extend` for V4.1, `v4.decode.extend` for DeepSeek-V4 (below, "extend").
+
 - `Launch` [B, T]: first-token fill from ``last_token`` (decode rows whose input is still on the
   device), `decode.extend` (with DSpark: `dspark.extend_seeding`, which also writes the draft rings of
   every committed token), then sampling on the device (`_sample_rows`, constraint masks applied).
@@ -57,9 +60,9 @@ import numpy as np
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
 from dsv41_jax.model.numerics import mode_name
-from dsv41_jax.serving import dp_layout
+from dsv41_jax.serving import dp_layout, model_step
 from dsv41_jax.serving import sampling as smp
-from dsv41_jax.serving.engine_args import EngineArgs
+from dsv41_jax.serving.engine_args import MTP_ALGORITHMS, EngineArgs
 from dsv41_jax.serving.engine_metrics import CacheLoads
 from dsv41_jax.serving.messages import (DeviceState, ForkOp, ImportOp, Launch, LaunchResult, LoadOp, RestoreOp,
                                         SaveOp, Schedule, SpecLaunch, SpillOp, StepResult)
@@ -238,13 +241,14 @@ def _fill_first_token_rows(mesh):
     return jax.jit(_first_token, out_shardings=NamedSharding(mesh, PartitionSpec("dp")))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_rows(state, slots, pad_id):
-    return kvc.reset_slots(state, slots, pad_id)
+@functools.partial(jax.jit, static_argnames=("reset",), donate_argnums=(0,))
+def _reset_rows(state, slots, pad_id, *, reset):
+    """``reset`` (the model step's `reset_slots`) on the slots ``slots``, jitted (one shape: `_ADMIT_ROWS`)."""
+    return reset(state, slots, pad_id)
 
 
 # per-slot rows of the cache pytree (window rings, partial groups, Engram history, DSpark rings)
-_SLOT_ROW_KEYS = ("window", "partial", "engram_hist", "dspark")
+_SLOT_ROW_KEYS = ("window", "partial", "engram_hist", "dspark", "mtp")  # "mtp": V4's MTP state (mtp_speculative)
 
 
 def _slot_rows(state) -> dict:
@@ -362,6 +366,8 @@ def _fork_slot(state, src, dst, src_page, dst_page, *, page_size, ratios):
     out = _copy_page(out, src_page, dst_page, page_size, ratios)
     if "dspark" in state:  # the DSpark rings hold the prompt's draft KV, per slot
         out["dspark"] = [jax.tree.map(row, r) for r in state["dspark"]]
+    if "mtp" in state:  # DeepSeek-V4's MTP ring and last target streams, per slot
+        out["mtp"] = jax.tree.map(row, state["mtp"])
     return out
 
 
@@ -425,6 +431,7 @@ class Runner:
                                       [self.cfg.engram_pad_token_id]) if self.cfg.engram_layer_ids else 0)
         self.load_time = time.perf_counter() - t0
         self.ccfg, self.memory_plan = self._plan_memory()
+        self.model_step = self._step_cls(self.cfg, self.ccfg, self.step_mesh, self.engram_host_table)
         self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
         self.dp = self.ccfg.dp  # data-parallel attention ranks (--dp-size; 1: off)
         self.max_slots = self.ccfg.max_slots
@@ -448,8 +455,8 @@ class Runner:
         "host_tier" (HiCache: host bytes of its page pool when full, one copy)}} in bytes."""
         params = _bytes_by_device(self.params)
         draft = _bytes_by_device(self.params.get("mtp") or []) if self.spec_gamma else {}
-        kv = _bytes_by_device({k: v for k, v in self.state.items() if k != "dspark"})
-        rings = _bytes_by_device(self.state.get("dspark") or [])
+        kv = _bytes_by_device({k: v for k, v in self.state.items() if k not in ("dspark", "mtp")})
+        rings = _bytes_by_device((self.state.get("dspark") or [], self.state.get("mtp") or {}))
         snaps = _bytes_by_device(self.snaps) if self.snaps is not None else {}
         # (one host copy: the cache is replicated, so every device's shards are the same bytes; each host
         # entry also keeps its snapshot row, one row's bytes per entry, not counted here)
@@ -473,6 +480,10 @@ class Runner:
             cfg = cfg.replace(impl=args.impl)
         if args.enable_deterministic_inference and not cfg.deterministic:
             cfg = cfg.replace(deterministic=True)
+        # the model family's step (`model_step`): chosen once here, from the config
+        self._step_cls = model_step.for_config(cfg)
+        self._step_cls.refuse(args, cfg)
+        log.info("model family %s: %s", cfg.model_family, self._step_cls(cfg).describe())
         try:
             chosen = args.resolved_impl()
         except ValueError as e:
@@ -549,8 +560,10 @@ class Runner:
 
                 params = load_params(args.model, cfg, self.mesh, engram_host_table=self.engram_host_table)
         if self.spec_gamma and len(params.get("mtp") or []) < cfg.num_nextn_predict_layers:
-            raise EngineError("--speculative-algorithm DSPARK: the checkpoint has no DSpark parameters (mtp.*: "
-                              f"{len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} stages loaded)")
+            what = "MTP layer" if self._mtp else "DSpark"
+            raise EngineError(f"--speculative-algorithm {args.speculative_algorithm}: the checkpoint has no {what} "
+                              f"parameters (mtp.*: {len(params.get('mtp') or [])} of {cfg.num_nextn_predict_layers} "
+                              "loaded)")
         return params
 
     def _place(self, params):
@@ -558,7 +571,6 @@ class Runner:
         runs of plan-identical layers stacked once here, so the step's scans read them in place
         (stacking inside the step would copy their weights on every call); with redundant experts each MoE
         layer's routed experts stored as its E + R physical experts (`eplb.expand_params`)."""
-        from dsv41_jax.model import layer_scan
         from dsv41_jax.parallel.host_table import offload_engram
 
         if self.mesh is not None:
@@ -567,7 +579,7 @@ class Runner:
             params = rules.shard_params(params, self.cfg, self.mesh, engram_host_table=self.engram_host_table)
         elif self.engram_host_table:
             params = offload_engram(params)
-        params = layer_scan.prepare(params, self.cfg)
+        params = self._step_cls(self.cfg).prepare(params)
         if self.step_mesh is self.par and self.par is not None:  # redundant experts
             from dsv41_jax.parallel import eplb
 
@@ -587,10 +599,12 @@ class Runner:
 
     def _make_speculator(self):
         """`speculator.DSparkSpeculator` with DSpark on, else `speculator.NoSpeculation`."""
-        from dsv41_jax.serving.speculator import DSparkSpeculator, NoSpeculation
+        from dsv41_jax.serving.speculator import DSparkSpeculator, MTPSpeculator, NoSpeculation
 
         if not self.spec_gamma:
-            return NoSpeculation(self.cfg, self.ccfg, self.step_mesh, self.engram_host_table)
+            return NoSpeculation(self.model_step)
+        if self._mtp:
+            return MTPSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed)
         return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.step_mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 
@@ -598,13 +612,7 @@ class Runner:
         """The cache pytree (on the mesh by the rules; with the speculator's per-slot state), every slot
         reset, the per-slot sampling tensors and ``last_token``."""
         cfg, ccfg = self.cfg, self.ccfg
-        if self.mesh is None:
-            state = kvc.init_cache(cfg, ccfg)
-        else:
-            from dsv41_jax.parallel import rules
-
-            state = rules.init_cache(cfg, ccfg, self.mesh)
-        self.state = self.speculator.seed_state(state)
+        self.state = self.speculator.seed_state(self.model_step.init_cache())
         self._check_rank_blocks()
         rows = kvc.slot_rows(ccfg)  # every rank's slots and its scratch row (dp = 1: max_slots + 1)
         self.reset_slots(list(range(rows)))
@@ -743,8 +751,11 @@ class Runner:
     def _check_speculative(self, cfg) -> int:
         """γ (DSpark proposals per step), 0 when off; EngineError naming any unsupported combination."""
         args = self.args
+        self._mtp = args.speculative_algorithm in MTP_ALGORITHMS
         if args.speculative_algorithm is None:
             return 0
+        if self._mtp:
+            return self._check_mtp(cfg)
         name = "--speculative-algorithm DSPARK"
         if cfg.num_nextn_predict_layers < 1:
             raise EngineError(f"{name}: this checkpoint has no DSpark stages (num_nextn_predict_layers = 0, "
@@ -759,6 +770,26 @@ class Runner:
                               "[B, γ+1] launch)")
         return gamma
 
+    def _check_mtp(self, cfg) -> int:
+        """γ for --speculative-algorithm EAGLE / NEXTN (DeepSeek-V4's MTP layer); EngineError naming what is not
+        supported (another model family, a checkpoint without the layer, a compressed MTP layer, mixed chunks)."""
+        args = self.args
+        name = f"--speculative-algorithm {args.speculative_algorithm}"
+        if cfg.model_family != "deepseek_v4" or cfg.draft_kind != "mtp":
+            raise EngineError(f"{name}: MTP speculation runs DeepSeek-V4's MTP layer; this checkpoint's draft is "
+                              f"{cfg.draft_kind!r} (use --speculative-algorithm DSPARK)")
+        if cfg.num_nextn_predict_layers != 1:
+            raise EngineError(f"{name}: the checkpoint has {cfg.num_nextn_predict_layers} MTP layers; one is implemented")
+        from dsv41_jax.model.config_v4 import draft_kinds
+
+        if draft_kinds(cfg)[0] != "sliding":
+            raise EngineError(f"{name}: a {draft_kinds(cfg)[0].upper()} MTP layer (the released one is sliding-window "
+                              "only; a compressed one's paged state is not wired)")
+        if args.enable_mixed_chunk:
+            raise EngineError(f"{name} with --enable-mixed-chunk: not supported (speculative rows run as their own "
+                              "[B, γ+1] launch)")
+        return args.resolved_mtp_steps()
+
     def _plan_memory(self):
         args, cfg = self.args, self.cfg
         ps, S = args.page_size, args.max_running_requests
@@ -766,7 +797,7 @@ class Runner:
         mode = args.cache_dtype
         want_ctx = args.context_length or cfg.max_position_embeddings
         ctx = -(-want_ctx // ps) * ps
-        b = kvc.kv_bytes_per_token(cfg, mode)
+        b = self._step_cls(cfg).kv_bytes_per_token(mode)
         info = {"page_size": ps, "max_running_requests": S, "bytes_per_token": b["per_token"],
                 "window_bytes": (S + D) * b["window_per_request"]}
         if args.max_total_tokens:
@@ -789,7 +820,8 @@ class Runner:
                     log.info("radix prefix cache: %d snapshot rows fit a quarter of the KV budget", rows)
             self._planned_snapshot_rows = rows
             budget -= int(rows * per_row)
-            plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode)
+            plan = kvc.plan_memory(cfg, budget, page_size=ps, max_slots=S, max_context=ctx, kv_cache_dtype=mode,
+                                   bytes_per_token=b)
             num_pages = min(plan["num_pages"] // D, (S // D) * (ctx // ps) + 1) * D
             info.update(source=f"{frac:.2f} x {source} ({total / 2**30:.1f} GiB) - weights {weights / 2**20:.1f} MiB",
                         budget_bytes=budget)
@@ -908,7 +940,8 @@ class Runner:
         for i in range(0, len(slots), _ADMIT_ROWS):
             part = slots[i:i + _ADMIT_ROWS]
             part = part + [self.scratch] * (_ADMIT_ROWS - len(part))
-            self.state = _reset_rows(self.state, np.asarray(part, np.int32), np.int32(self.pad_compressed_id))
+            self.state = _reset_rows(self.state, np.asarray(part, np.int32), np.int32(self.pad_compressed_id),
+                                     reset=self.model_step.reset_slots)
 
     def write_sampling(self, rows: tuple, eos_token_ids) -> None:
         """Write the sampling rows (`messages.SamplingRow`: parameters, prompt mask, counts of already

@@ -63,6 +63,28 @@ def sampling_draw(tensors, step_counter, deterministic: bool = False):
     return draw
 
 
+def force_drafts(d, q, forced_draft, vocab_size: int):
+    """Drafts d int32 [B, γ] / their distributions q [B, γ, V] with the host-fixed ones of ``forced_draft`` (None,
+    or int32 [B, γ], −1 keeping the draft's own) put in: q one-hot there."""
+    if forced_draft is None:
+        return d, q
+    forced = jnp.asarray(forced_draft, jnp.int32)
+    keep = forced < 0  # −1: keep the draft's own proposal
+    q = jnp.where(keep[..., None], q, jax.nn.one_hot(forced, vocab_size, dtype=jnp.float32))
+    return jnp.where(keep, d, forced), q
+
+
+def verify_drafts(d, q, logits, allowed, tensors, step_counter, det: bool):
+    """(n_accept int32 [B], tokens int32 [B, γ+1], the masked logits) of drafts d / q against the verify logits
+    [B, γ+1, V]: masked by ``allowed`` (None: all), then `sampling.greedy_verify` (``tensors`` None) or
+    `sampling.spec_verify`."""
+    if allowed is not None:
+        logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
+    if tensors is None:
+        return (*sampling.greedy_verify(d, logits), logits)
+    return (*sampling.spec_verify(d, q, logits, tensors, step_counter, deterministic=det), logits)
+
+
 def speculative_step(params, state, batch, tensors=None, step_counter=None, forced_draft=None, *, cfg, ccfg,
                      gamma: Optional[int] = None, accept_override=None, allowed=None, mesh=None):
     """One DSpark step for B rows (see the module docstring).
@@ -99,23 +121,14 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     draw = dspark.greedy_draw if tensors is None else sampling_draw(tensors, step_counter, det)
     prop = dspark.propose(params, state["dspark"], anchor, start, slot, cfg, ccfg, gamma, draw)
     d, q = prop["tokens"], prop["probs"]
-    if forced_draft is not None:
-        forced = jnp.asarray(forced_draft, jnp.int32)
-        keep = forced < 0  # −1: keep the draft's own proposal
-        q = jnp.where(keep[..., None], q, jax.nn.one_hot(forced, cfg.vocab_size, dtype=jnp.float32))
-        d = jnp.where(keep, d, forced)
+    d, q = force_drafts(d, q, forced_draft, cfg.vocab_size)
     vb = {"tokens": jnp.concatenate([anchor[:, None].astype(jnp.int32), d], axis=1), "start": start,
           "n_new": jnp.where(active, gamma + 1, 0).astype(jnp.int32), "slot": slot,
           "page_table": batch["page_table"]}
     par = MeshPlan.of(mesh)
     logits, st, pend, aux = decode.extend_uncommitted(params, state, vb, cfg, ccfg, all_logits=True, restore=True,
                                                       par=par)
-    if allowed is not None:
-        logits = jnp.where(jnp.asarray(allowed, bool), logits, -jnp.inf)
-    if tensors is None:
-        n_acc, toks = sampling.greedy_verify(d, logits)
-    else:
-        n_acc, toks = sampling.spec_verify(d, q, logits, tensors, step_counter, deterministic=det)
+    n_acc, toks, logits = verify_drafts(d, q, logits, allowed, tensors, step_counter, det)
     if accept_override is not None:
         ov = jnp.asarray(accept_override, jnp.int32)
         n_f = jnp.clip(ov, 0, gamma)

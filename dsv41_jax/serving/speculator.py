@@ -1,6 +1,9 @@
 """The drafter/verifier seam of the runner: `Speculator`, with two implementations.
 
-- `NoSpeculation` (γ = 0): plain launches run `decode.extend`; there are no DSpark launches.
+- `NoSpeculation` (γ = 0): plain launches run the model family's step (`model_step`: `decode.extend`, or
+  `v4.decode.extend` for DeepSeek-V4); there are no DSpark launches.
+- `MTPSpeculator` (``--speculative-algorithm EAGLE`` / ``NEXTN``, DeepSeek-V4's MTP layer): DSpark's launch
+  with the MTP draft (`mtp_speculative`).
 - `DSparkSpeculator` (``--speculative-algorithm DSPARK``): the cache carries the draft's rings
   (`dspark.with_rings`, placed by the cache's rules on a mesh), plain launches run
   `dspark.extend_seeding` (they also write the rings of every committed token), and a `SpecLaunch`
@@ -35,7 +38,7 @@ from dsv41_jax.parallel import plan as mesh_plan
 from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
 
-__all__ = ["DSparkSpeculator", "NoSpeculation", "Speculator"]
+__all__ = ["DSparkSpeculator", "MTPSpeculator", "NoSpeculation", "Speculator"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
@@ -59,18 +62,18 @@ class Speculator(Protocol):
 
 
 class NoSpeculation:
-    """γ = 0: plain decoding."""
+    """γ = 0: plain decoding; plain launches run the model family's step (`model_step.ModelStep`)."""
 
     gamma = 0
 
-    def __init__(self, cfg, ccfg, mesh=None, engram_host_table: bool = False):
-        self.cfg, self.ccfg, self.mesh, self.engram_host_table = cfg, ccfg, mesh, engram_host_table
+    def __init__(self, model_step):
+        self.model_step = model_step
 
     def seed_state(self, state: dict) -> dict:
         return state
 
     def extend_step(self, all_logits: bool):
-        return mesh_plan.jitted_extend(self.cfg, self.ccfg, all_logits, self.mesh, self.engram_host_table)
+        return self.model_step.extend_step(all_logits)
 
     def launch(self, params, dev: DeviceState, L: SpecLaunch, warm: bool = False) -> tuple:
         raise RuntimeError("a DSpark launch without --speculative-algorithm DSPARK")
@@ -85,14 +88,16 @@ class NoSpeculation:
 
 
 def _spec_launch_impl(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed,
-                      accept_override, *, cfg, ccfg, gamma, mesh):
+                      accept_override, *, cfg, ccfg, gamma, mesh, step=None):
+    """`step` (default DSpark's `speculative.speculative_step`; MTP's `mtp_speculative.speculative_step`) on the
+    rows, then the committed tokens into the penalty counts and each row's bonus into ``last_token``."""
+    step = spec.speculative_step if step is None else step
     slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
     n_rows = last_token.shape[0]
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & active)
-    toks, n_acc, state = spec.speculative_step(params, state, batch, t, step_counter, drafts, cfg=cfg, ccfg=ccfg,
-                                               gamma=gamma, accept_override=accept_override, allowed=allowed,
-                                               mesh=mesh)
+    toks, n_acc, state = step(params, state, batch, t, step_counter, drafts, cfg=cfg, ccfg=ccfg, gamma=gamma,
+                              accept_override=accept_override, allowed=allowed, mesh=mesh)
     rows = jnp.where(active, slots, n_rows)  # out of range: dropped
     V = slot_tensors.output_counts.shape[1]
     cols = jnp.where(toks >= 0, toks, V)  # −1 padding: out of range, dropped
@@ -103,7 +108,7 @@ def _spec_launch_impl(params, state, slot_tensors, last_token, batch, step_count
 
 
 def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed, *, cfg, ccfg,
-                 gamma, mesh=None):
+                 gamma, mesh=None, step=None):
     """One DSpark step for the rows of a `SpecLaunch` (the production step): sampling tensors gathered
     from the rows' slots, `speculative.speculative_step`, then the committed tokens added to the slots'
     penalty counts and each row's bonus token (the next anchor) put in ``last_token[slot]``.
@@ -114,7 +119,7 @@ def _spec_launch(params, state, slot_tensors, last_token, batch, step_counter, d
     drafts); allowed bool [B, γ+1, V]: the grammar masks of the verify rows (all True elsewhere).
     Returns (tokens int32 [B, γ+1] −1 padded, n_accept int32 [B], slot_tensors, last_token, state)."""
     return _spec_launch_impl(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed, None,
-                             cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh)
+                             cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh, step=step)
 
 
 def _spec_launch_simulated(params, state, slot_tensors, last_token, batch, step_counter, drafts, allowed,
@@ -313,3 +318,51 @@ class DSparkSpeculator:
             jax.block_until_ready(self._propose(params, dev.state, dev.slot_tensors, batch, step))
         allowed = self.grammar_masks(params, dev, L, batch, step, drafts)
         return self.verify(params, dev, L, batch, step, drafts, allowed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# MTP (DeepSeek-V4's draft layer; --speculative-algorithm EAGLE / NEXTN)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _mtp_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma):
+    """`_propose_launch` for MTP: the drafts alone (the same draws as the MTP step's own), int32 [B, γ]."""
+    from dsv41_jax.serving import mtp_speculative as mtp_spec
+
+    slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
+    t = jax.tree.map(lambda a: a[slots], slot_tensors)
+    t = t.replace(valid=t.valid & active)
+    draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
+    return mtp_spec.propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_mtp(cfg, ccfg, gamma: int):
+    """(the MTP verify-then-commit launch, cache / tensors / last_token donated; the draft-only launch)."""
+    from dsv41_jax.serving import mtp_speculative as mtp_spec
+
+    step = jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, step=mtp_spec.speculative_step),
+                   donate_argnums=(1, 2, 3))
+    return step, jax.jit(functools.partial(_mtp_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
+
+
+class MTPSpeculator(DSparkSpeculator):
+    """MTP speculation for DeepSeek-V4 (`mtp_speculative` module doc): DSpark's launch, grammar walk and verify
+    with the MTP layer's draft and per-slot state. One device; no simulated accept length."""
+
+    def __init__(self, cfg, ccfg, gamma: int, seed: int = 0):
+        self.cfg, self.ccfg, self.gamma, self.mesh = cfg, ccfg, int(gamma), None
+        self.simulate_accept_length = None
+        self._sim_rng = np.random.default_rng(seed)
+        self._step, self._propose = _jitted_mtp(cfg, ccfg, self.gamma)
+        self._allow_all: dict = {}
+
+    def seed_state(self, state: dict) -> dict:
+        from dsv41_jax.serving import mtp_speculative as mtp_spec
+
+        return mtp_spec.with_mtp_state(state, self.cfg, self.ccfg)
+
+    def extend_step(self, all_logits: bool):
+        from dsv41_jax.serving import mtp_speculative as mtp_spec
+
+        return mtp_spec.jitted_extend_seeding(self.cfg, self.ccfg, all_logits)

@@ -25,7 +25,7 @@ calls the shared op it varies (nothing of V4.1 is copied):
   streams, its own hc_head), reference and paged; `speculative` — model-level greedy decoding, plain and with
   MTP speculation verified by `decode.extend` (== plain greedy in the exact mode).
 
-Not here yet (refused with NotImplementedError where reached, `config_v4.refusal`): the engine's use of the
-step (V4.1's `decode` / `cache` / serving paths, the prefix cache), V4's DSpark head, the mesh rules,
-the engine's use of MTP, the Pallas fast paths.
+The engine runs `decode` through `serving.model_step.V4Step` and MTP through `serving.mtp_speculative`.
+Not here yet (refused in one line where reached, `config_v4.refusal` / `V4Step.refuse`): V4's DSpark head, the
+mesh rules, the Pallas fast paths.
 """

@@ -1,26 +1,33 @@
 """V4's paged incremental step: B rows x T new tokens against a per-layer cache (docs/design/v4.md).
 
 The batch is V4.1's (`decode` module doc): tokens int32 [B, T], start [B], n_new [B], slot [B], page_table
-[B, P] over `cache.CacheConfig`'s pages (page 0 the null page). The state (`init_state`) holds, per layer:
+[B, P] over `cache.CacheConfig`'s pages (page 0 the null page). The state (`init_state`) is laid out as V4.1's
+cache (`cache.init_cache`: per-slot ``window`` / ``partial``, paged ``comp`` / ``ikeys``), so the engine's slot-row
+and page copies serve both families; per layer it holds:
 
 * ``window[L]`` [R, W, hd]: the layer's ring of window K=V (position p at p mod W), R = `cache.slot_rows`;
-* per CSA / HCA layer ``comp[L]``: ``pool`` [pages·page_size / r, hd] — its compressed entries, entry w of a
-  request at `indexer.pool_index`(page_table, w) — and ``proj`` {"kv", "score"} [R, 2r, w·hd] fp32: the
-  compressor's per-token projections of the last 2r positions (position p at p mod 2r). That is V4's per-layer
-  compressor state: the open window's tokens and, for CSA, the previous window's Ca half, which the next
-  entry pools (`v4.compressor.window_slots`); CSA layers also ``ipool`` / ``iproj`` for the indexer's own keys.
+* per CSA / HCA layer (key str(L)): ``comp[L]`` [pages·page_size / r, hd] — its compressed entries, entry w of a
+  request at `indexer.pool_index`(page_table, w) — and ``partial[L]["proj"]`` {"kv", "score"} [R, 2r, w·hd] fp32:
+  the compressor's per-token projections of the last 2r positions (position p at p mod 2r). That is V4's
+  per-layer compressor state: the open window's tokens and, for CSA, the previous window's Ca half, which the next
+  entry pools (`v4.compressor.window_slots`); CSA layers also ``ikeys[L]`` / ``partial[L]["iproj"]`` for the
+  indexer's own keys. (One layer's state as `comp_state` lays it out, {"pool", "proj"[, "ipool", "iproj"]}, is what
+  `layer_step` takes: the MTP layer's cache keeps that form.)
 
 A step writes the chunk's window K=V and projections, closes the windows that end inside the chunk (pooled
 from the buffer [last 2r positions, the chunk] as the forward pools them), writes their entries, then attends
 over the ring + the chunk's keys and the visible entries (HCA) or the indexer's picks (CSA). Every number is
 the forward's (`v4.transformer`) for the same prefix: the same functions on the same values; in the exact
 mode (fp64-accumulated sums, independent of how keys are laid out) bit for bit (tests/test_v4_decode.py).
-V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others, a dp
-layout, the prefix cache and the engine's scheduling are not wired for V4 (NotImplementedError / not used).
+V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others and a dp
+layout are refused (NotImplementedError). `jitted_extend` is the engine's step (`serving.model_step`).
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
@@ -49,13 +56,69 @@ def _check(cfg, ccfg) -> None:
 
 
 def init_state(cfg, ccfg) -> dict:
-    """A zeroed V4 cache for `cfg` / `ccfg` (module doc)."""
+    """A zeroed V4 cache for `cfg` / `ccfg` (module doc), in V4.1's top-level layout (`cache.init_cache`):
+    ``window`` (per-slot), ``partial`` (per-slot), ``comp`` / ``ikeys`` (paged pools), so the engine's slot-row
+    and page copies (fork, prefix-cache snapshots, HiCache) treat both families alike."""
     _check(cfg, ccfg)
-    state = {"window": [window_state(cfg, ccfg) for _ in range(cfg.num_hidden_layers)], "comp": {}}
+    state = {"window": [window_state(cfg, ccfg) for _ in range(cfg.num_hidden_layers)], "partial": {}, "comp": {},
+             "ikeys": {}}
     for i, kind in enumerate(attention_kinds(cfg)):
         if kind != "sliding":
-            state["comp"][str(i)] = comp_state(kind, cfg, ccfg)
+            _put_layer(state, str(i), comp_state(kind, cfg, ccfg))
     return state
+
+
+def _layer_of(state, k: str):
+    """Layer `k`'s compressor state ({"pool", "proj"[, "ipool", "iproj"]}, `comp_state`) out of the engine layout."""
+    if k not in state["comp"]:
+        return None
+    st = {"pool": state["comp"][k], "proj": state["partial"][k]["proj"]}
+    if k in state["ikeys"]:
+        st.update(ipool=state["ikeys"][k], iproj=state["partial"][k]["iproj"])
+    return st
+
+
+def _put_layer(state, k: str, st) -> None:
+    """Write a layer's compressor state (`comp_state`'s layout) into the engine layout (in place: a fresh dict)."""
+    state["comp"][k] = st["pool"]
+    state["partial"][k] = {"proj": st["proj"]}
+    if "ipool" in st:
+        state["ikeys"][k] = st["ipool"]
+        state["partial"][k]["iproj"] = st["iproj"]
+
+
+def reset_slots(state: dict, slots) -> dict:
+    """Clear slots' per-request rows (the compressor projections; `cache.reset_slots`'s job for V4). Not needed
+    for correctness — a step reads only positions the request itself wrote, or masks them — but a reset slot then
+    holds nothing of its previous owner. The window rings are masked by position, as V4.1's."""
+    slots = jnp.asarray(slots, jnp.int32)
+    zero = lambda a: a.at[slots].set(0.0)  # noqa: E731
+    return dict(state, partial={k: jax.tree.map(zero, v) for k, v in state["partial"].items()})
+
+
+def kv_bytes_per_token(cfg, kv_cache_dtype: str = "auto") -> dict:
+    """`cache.kv_bytes_per_token` for V4: every CSA / HCA layer's pool (1/r entries of head_dim per token) and each
+    CSA layer's index keys (1/r of index_head_dim), stored in the activation dtype; the window rings and the
+    per-slot compressor projections (fp32, 2r positions) per request; with MTP speculation its per-slot state."""
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError(f"DeepSeek-V4: kv_cache_dtype {kv_cache_dtype!r}: only 'auto'")
+    item = jnp.dtype(act_dtype(cfg)).itemsize
+    comp = ikeys = 0.0
+    partial = 0
+    for i, kind in enumerate(attention_kinds(cfg)):
+        if kind == "sliding":
+            continue
+        r, w = layer_ratio(cfg, kind), 2 if kind == "csa" else 1
+        comp += item * cfg.head_dim / r
+        partial += 2 * (2 * r) * w * cfg.head_dim * 4
+        if kind == "csa":
+            ikeys += item * cfg.index_head_dim / r
+            partial += 2 * (2 * r) * w * cfg.index_head_dim * 4
+    win = cfg.sliding_window * cfg.head_dim * item
+    # the draft's per-slot state (named as V4.1's DSpark rings): the MTP layer's window ring + the last target streams
+    draft = cfg.num_nextn_predict_layers * (win + cfg.hc_mult * cfg.hidden_size * item)
+    return {"compressed_latents": comp, "index_keys": ikeys, "per_token": comp + ikeys,
+            "window_per_request": cfg.num_hidden_layers * win + partial, "dspark_window_per_request": draft}
 
 
 def window_state(cfg, ccfg):
@@ -134,10 +197,11 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
     return output_proj(p, o, positions, freqs, cfg, dt), st_win, st_comp, rec
 
 
-def extend(params, state, batch, cfg, ccfg, return_aux: bool = False):
+def extend(params, state, batch, cfg, ccfg, return_aux: bool = False, head: bool = True):
     """Run the batch's new tokens through every layer against the cache. Returns (logits fp32 [B, T, vocab],
     state') and with `return_aux` the forward's aux ({"topk", "experts", "layer_inputs"} per layer, "hidden",
-    "streams": the last layer's output streams [B, T, n, D]) too.
+    "streams": the last layer's output streams [B, T, n, D]) too. head=False (with `return_aux`): logits None and
+    aux "hidden" None — the caller runs `final_logits` on the rows it needs.
     Jittable with static cfg / ccfg / return_aux; tokens past n_new[b] are padding (masked, never written)."""
     refuse_unsupported(cfg)
     _check(cfg, ccfg)
@@ -148,15 +212,16 @@ def extend(params, state, batch, cfg, ccfg, return_aux: bool = False):
     valid = jnp.arange(T)[None, :] < batch["n_new"][:, None]
     h = embed_streams(params, tokens, cfg, dt)
     aux = new_aux()
-    windows, comps = list(state["window"]), dict(state["comp"])
+    state = {"window": list(state["window"]), "partial": dict(state["partial"]), "comp": dict(state["comp"]),
+             "ikeys": dict(state["ikeys"])}
     for i, kind in enumerate(attention_kinds(cfg)):
-        h, windows[i], st, rec = layer_step(params["layers"][i], h, tokens, windows[i], comps.get(str(i)), batch,
-                                            positions, valid, kind, i in cfg.hash_layer_ids, cfg, ccfg, dt)
+        h, state["window"][i], st, rec = layer_step(params["layers"][i], h, tokens, state["window"][i],
+                                                    _layer_of(state, str(i)), batch, positions, valid, kind,
+                                                    i in cfg.hash_layer_ids, cfg, ccfg, dt)
         if st is not None:
-            comps[str(i)] = st
+            _put_layer(state, str(i), st)
         aux = record(aux, i, *rec)
-    logits, x = final_logits(params, h, cfg, dt)
-    state = {"window": windows, "comp": comps}
+    logits, x = final_logits(params, h, cfg, dt) if head else (None, None)
     return (logits, state, dict(aux, hidden=x, streams=h)) if return_aux else (logits, state)
 
 
@@ -171,3 +236,28 @@ def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, has
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
     y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
     return hc_post(y, h, post, comb, dt), win, comp, (rec, arec)
+
+
+def head_logits(params, streams, n_new, cfg, all_logits: bool = False):
+    """The vocab logits of a step's output streams [B, T, n, D] (`extend`'s aux "streams"): fp32 [B, T, vocab] with
+    `all_logits`, else [B, vocab] at each row's last new token (position n_new[b] − 1; 0 for a padding row), the
+    head run on those rows only."""
+    if not all_logits:
+        last = jnp.maximum(jnp.asarray(n_new) - 1, 0)
+        streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)  # [B, 1, n, D]
+    logits, _ = final_logits(params, streams, cfg, act_dtype(cfg))
+    return logits if all_logits else logits[:, 0]
+
+
+def extend_logits(params, state, batch, cfg, ccfg, all_logits: bool = False):
+    """`extend` as the engine's step runs it (`decode.extend`'s contract): (logits, state') with logits
+    `head_logits`' (all positions with `all_logits`, else each row's last new token)."""
+    _, state, aux = extend(params, state, batch, cfg, ccfg, return_aux=True, head=False)
+    return head_logits(params, aux["streams"], batch["n_new"], cfg, all_logits), state
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_extend(cfg, ccfg, all_logits: bool = False):
+    """`extend_logits` jitted for (cfg, ccfg, all_logits) with the cache donated; compiles once per (B, T)."""
+    return jax.jit(functools.partial(extend_logits, cfg=cfg, ccfg=ccfg, all_logits=bool(all_logits)),
+                   donate_argnums=(1,))

@@ -77,10 +77,11 @@ def init_state(cfg, ccfg) -> dict:
             "comp": {} if kind == "sliding" else {"0": dec4.comp_state(kind, cfg, ccfg)}}
 
 
-def extend(params, state, h, batch, cfg, ccfg):
+def extend(params, state, h, batch, cfg, ccfg, head: bool = True):
     """The MTP layer on its cache: batch as `v4.decode.extend`'s with ``tokens`` the next tokens (t_{p+1} at
     position p), h [B, T, n, D] the streams of those rows (the target's, or the layer's own when chaining).
-    Returns (logits fp32 [B, T, vocab], state', output streams [B, T, n, D]). Jittable with static cfg / ccfg."""
+    Returns (logits fp32 [B, T, vocab], state', output streams [B, T, n, D]); head=False: logits None (a
+    catch-up pass whose proposals nobody reads). Jittable with static cfg / ccfg / head."""
     refuse_unsupported(cfg)
     require(params, cfg)
     dec4._check(cfg, ccfg)
@@ -93,5 +94,5 @@ def extend(params, state, h, batch, cfg, ccfg):
     x = draft_input(params, p, h, tokens, cfg, dt)
     x, win, comp, _ = dec4.layer_step(p, x, tokens, state["window"][0], state["comp"].get("0"), batch, positions,
                                       valid, draft_kinds(cfg)[0], False, cfg, ccfg, dt)
-    logits, _ = final_logits(params, x, cfg, dt, head=p)
+    logits = final_logits(params, x, cfg, dt, head=p)[0] if head else None
     return logits, {"window": [win], "comp": {} if comp is None else {"0": comp}}, x
