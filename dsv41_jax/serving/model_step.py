@@ -115,6 +115,8 @@ class V4Step:
             no.append("--enable-decoder-swa-bounded-replay (a V4.1 prefill shortcut)")
         if args.cache_dtype != "auto":
             no.append(f"--kv-cache-dtype {args.cache_dtype} (V4's KV-cache quantization is not simulated: 'auto')")
+        if args.expert_distribution_recorder:
+            no.append("--expert-distribution-recorder (its counting step is V4.1's)")
         if no:
             raise EngineError("DeepSeek-V4 checkpoint: not supported with " + "; ".join(no))
 
