@@ -271,7 +271,7 @@ def test_speculative_flags_validated():
     """The flags are honoured or refused: an unknown algorithm, a block size out of 1..5, or a DSpark
     knob without --speculative-algorithm are ValueErrors naming the field."""
     with pytest.raises(ValueError, match="speculative_algorithm"):
-        EngineArgs(speculative_algorithm="EAGLE")
+        EngineArgs(speculative_algorithm="MEDUSA")  # (EAGLE / NEXTN: V4's MTP, tests/test_v4_engine.py)
     with pytest.raises(ValueError, match="speculative_dspark_block_size"):
         EngineArgs(speculative_algorithm="DSPARK", speculative_dspark_block_size=6)
     with pytest.raises(ValueError, match="speculative_dspark_block_size.*needs"):
