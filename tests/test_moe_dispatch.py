@@ -295,16 +295,22 @@ def _plugin_dir():
         return None
 
 
-def test_ragged_compiles_for_h200(tmp_path):
-    """scripts/aot_moe_dispatch.py: the ragged backend lowered and compiled for 8 compile-only H200
-    devices (XLA's GPU compiler, no GPU needed), its HLO holding ragged all-to-alls. Needs JAX's CUDA
-    plugin (not a project dependency: skipped without it)."""
+def _gpu_target_env():
+    """(repository root, environment) for a script compiling for compile-only CUDA devices: JAX on the CPU with
+    the CUDA plugin on the path; skips the test where the plugin is not installed (not a project dependency)."""
     plugin = _plugin_dir()
     if plugin is None:
         pytest.skip("JAX's CUDA PJRT plugin is not installed (pip install jax-cuda12-plugin==<jax version>)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(p for p in (plugin, root, os.environ.get("PYTHONPATH", "")) if p))
+    return root, dict(os.environ, JAX_PLATFORMS="cpu",
+                      PYTHONPATH=os.pathsep.join(p for p in (plugin, root, os.environ.get("PYTHONPATH", "")) if p))
+
+
+def test_ragged_compiles_for_h200(tmp_path):
+    """scripts/aot_moe_dispatch.py: the ragged backend lowered and compiled for 8 compile-only H200
+    devices (XLA's GPU compiler, no GPU needed), its HLO holding ragged all-to-alls. Needs JAX's CUDA
+    plugin (not a project dependency: skipped without it)."""
+    root, env = _gpu_target_env()
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, os.path.join(root, "scripts", "aot_moe_dispatch.py"), "--gpu-target",
                         os.path.join(root, "scripts", "gpu_specs", "h200.txtpb"), "--devices", "8",
@@ -322,12 +328,7 @@ def test_ragged_dp_step_compiles_for_h200(tmp_path):
     rank, `parallel.dp`) of a one-layer flash cut at B = 64, lowered and compiled for 8 compile-only H200
     devices, its MoE dispatching through ragged all-to-alls (activations, ids, weights out; outputs back)
     and the n x n counts all-gathered. ~25 s of XLA's GPU compiler; skipped without JAX's CUDA plugin."""
-    plugin = _plugin_dir()
-    if plugin is None:
-        pytest.skip("JAX's CUDA PJRT plugin is not installed (pip install jax-cuda12-plugin==<jax version>)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(p for p in (plugin, root, os.environ.get("PYTHONPATH", "")) if p))
+    root, env = _gpu_target_env()
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, os.path.join(root, "scripts", "aot_flash.py"), "--dp", "8",
                         "--moe-a2a-backend", "ragged", "--gpu-target", os.path.join(root, "scripts", "gpu_specs",
