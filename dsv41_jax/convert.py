@@ -2,6 +2,10 @@
 
     python -m dsv41_jax.convert --hf-dir DIR --out DIR [--tp N --ep N] [--dtype keep|bf16] [--resume]
 
+A DeepSeek-V4 release directory (config.json ``model_type`` ``deepseek_v4``: fp8 128x128 blocks, MXFP4 experts,
+``tid2eid``) is planned by `convert_v4` into the same output layout and written by the same steps below (its
+``--tp``/``--ep`` must be 1 until V4 has mesh rules: `partition_specs`).
+
 What it does, in order:
 
 1. Validates everything before writing anything: reads config.json and every shard header, checks
@@ -631,19 +635,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dsv41_jax.convert",
         description="Convert an HF DeepSeek-V4.1 Flash checkpoint (safetensors shards + config.json + "
                     "tokenizer.json) into an Orbax checkpoint that dsv41_jax.model.load_params reads. "
+                    "A DeepSeek-V4 (Flash / Pro) release directory (config.json model_type deepseek_v4) "
+                    "converts the same way, for one device (--tp 1 --ep 1). "
                     "Everything is validated before anything is written; the result appears at --out "
                     "atomically when complete.",
         epilog="Exit status: 0 done; 1 failed while writing (partial result kept for --resume); 2 invalid "
                "input or arguments (nothing written); 130 interrupted.")
     ap.add_argument("--hf-dir", required=True, metavar="DIR",
-                    help="the HF model directory: config.json (or inference/config.json), "
-                         "model.safetensors.index.json and its shards, tokenizer.json")
+                    help="the HF model directory (DeepSeek-V4.1, or DeepSeek-V4 in its release layout): config.json "
+                         "(or inference/config.json), model.safetensors.index.json and its shards, tokenizer.json")
     ap.add_argument("--out", required=True, metavar="DIR",
                     help="where the converted checkpoint is published (must not exist unless --overwrite); "
                          "work happens in .<name>.convert-tmp beside it")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel size of the intended mesh (axis 'tp'); sets the zarr chunking to the "
-                         "per-device shards and is recorded in the metadata (default 1)")
+                         "per-device shards and is recorded in the metadata (default 1; DeepSeek-V4: 1 only)")
     ap.add_argument("--ep", type=int, default=1, metavar="N",
                     help="expert-parallel size of the intended mesh (axis 'ep'), as --tp (default 1)")
     ap.add_argument("--dtype", choices=("keep", "bf16"), default="keep",

@@ -150,8 +150,9 @@ def test_engine_greedy_tokens_equal_the_straight_reads(hf_dir, converted):
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 320, 11)]
     toks = []
     for d in (hf_dir, converted[0]):
-        eng = Engine(EngineArgs(model=d, dtype="exact", page_size=8, max_total_tokens=64, context_length=32,
-                                max_running_requests=1, chunked_prefill_size=16, batch_buckets=[1],
+        # tests/test_v4_engine.py's engine shapes: the run's persistent compile cache holds its programs
+        eng = Engine(EngineArgs(model=d, dtype="exact", page_size=8, max_total_tokens=256, context_length=64,
+                                max_running_requests=2, chunked_prefill_size=16, batch_buckets=[2],
                                 token_buckets=[16], skip_server_warmup=True, decode_log_interval=1000))
         eng.add_request("r", prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=6))
         (o,) = eng.run_until_done()
@@ -211,6 +212,11 @@ def test_bad_input_is_one_line_exit_2_nothing_written(fault, hf_dir, tmp_path, c
     for s in expect:
         assert s in lines[0], (s, err)
     assert not os.path.exists(out) and not os.path.exists(convert.temp_dir_for(out))
+
+
+def test_help_mentions_v4():
+    text = " ".join(convert.build_parser().format_help().split())
+    assert "DeepSeek-V4 (Flash / Pro) release directory" in text and "DeepSeek-V4: 1 only" in text
 
 
 def test_a_converted_dir_read_with_another_family_or_missing_arrays_is_refused(converted, tmp_path):

@@ -12,6 +12,9 @@ Dtypes: a quantized declaration (fp8 + e8m0 block scales, MXFP4, int tables) nee
 scales also as U8, int tables any integer width); a float declaration takes the file's float tensor as stored
 (fp32 stays fp32: transformers saves fp32, and its numerics are what the v4check test compares). Shapes must
 match the config. Every problem is a `checkpoint.CheckpointError` naming the tensor and file.
+
+A directory ``python -m dsv41_jax.convert`` made of a V4 release directory (`dsv41_jax.convert_v4`) is read by
+`load_orbax`: the same tree, bitwise.
 """
 
 from __future__ import annotations
