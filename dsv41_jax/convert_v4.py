@@ -47,7 +47,6 @@ def make_plan(hf_dir: str, cfg, storage: str, tp: int, ep: int, specs: dict) -> 
     if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         raise cv.ConvertError(f"{hf_dir}: no tokenizer.json (the converted checkpoint needs it for the chat "
                               "template)")
-    ck._hf_files(hf_dir)  # an index naming absent shards is an error before any header is read
     entries = v4ck.file_entries(hf_dir)
     decl = v4ck.release_decl(cfg, entries, hf_dir)
     pairs = v4ck.quant_pairs(cfg, decl) if storage == "bf16" else {}

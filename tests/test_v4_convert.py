@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import convert
-from dsv41_jax.model import ModelConfig, load_params
+from dsv41_jax.model import ModelConfig, init_params, load_params
 from dsv41_jax.model import checkpoint as ck
 from dsv41_jax.model.params import flatten_names
 from dsv41_jax.model.v4 import checkpoint as v4ck
@@ -159,6 +159,36 @@ def test_engine_greedy_tokens_equal_the_straight_reads(hf_dir, converted):
         assert o.error is None
         toks.append(list(o.outputs[0].token_ids))
     assert len(toks[0]) == 6 and toks[0] == toks[1]
+
+
+def test_transformers_names_and_widened_dtypes_convert_as_read(tmp_path):
+    """A directory as transformers-style writers leave it (``model.embed_tokens`` / ``lm_head`` names, one
+    ``model.safetensors``, no ``mtp.*``, U8 scales, floats in f16, ``tid2eid`` as int64): the converter keeps what
+    the straight read keeps (f16 as fp32, int64 as int32, no MTP layer), bitwise."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from dsv41_jax.model.config import TINY_DIR
+
+    cfg = ModelConfig.preset("tiny-v4")
+    tensors = v4ck.file_tensors(dict(init_params(cfg, jax.random.key(2)), mtp=[]), cfg, "u8")
+    renames = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight"}
+    out = {}
+    for n, a in tensors.items():
+        a = a.astype(np.float16) if a.dtype == ml_dtypes.bfloat16 else a.astype(np.int64) if a.dtype == np.int32 else a
+        out[renames.get(n, n)] = a
+    d = str(tmp_path / "tf")
+    os.makedirs(d)
+    save_file(out, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f)
+    shutil.copy(os.path.join(TINY_DIR, "tokenizer.json"), d)
+    assert convert.main(["--hf-dir", d, "--out", str(tmp_path / "out"), "--quiet", "--verify"]) == 0
+    a, b = flatten_names(load_params(d)), flatten_names(load_params(str(tmp_path / "out")))
+    assert list(a) == list(b) and not any(n.startswith("mtp.") for n in a)
+    assert a["layers.0.attn_norm.weight"].dtype == np.float32 and a["layers.0.ffn.gate.tid2eid"].dtype == np.int32
+    for n in a:
+        assert b[n].dtype == a[n].dtype and np.array_equal(_bits(b[n]), _bits(a[n])), n
 
 
 # ------------------------------------------------------------------------------------------------ bad input
