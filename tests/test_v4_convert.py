@@ -28,7 +28,8 @@ ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPAT
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """The release-layout directory `scripts/make_checkpoint.py --preset tiny-v4` writes (seed 0, 2 shards)."""
-    spec = importlib.util.spec_from_file_location("make_checkpoint", os.path.join(ROOT, "scripts", "make_checkpoint.py"))
+    script = os.path.join(ROOT, "scripts", "make_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("make_checkpoint", script)
     mk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mk)
     d = str(tmp_path_factory.mktemp("v4conv") / "hf")

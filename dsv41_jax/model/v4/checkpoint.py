@@ -20,12 +20,15 @@ A directory ``python -m dsv41_jax.convert`` made of a V4 release directory (`dsv
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import jax
 import numpy as np
 
-from dsv41_jax.model.checkpoint import BF16, CheckpointError, _hf_files, read_safetensors_header, read_tensor
+from dsv41_jax.model.checkpoint import (BF16, META_FILE, PARAMS_SUBDIR, CheckpointError, _fmt_problems, _hf_files,
+                                        _requantize_stored, _ts_open, check_family, read_orbax_meta,
+                                        read_safetensors_header, read_tensor)
 from dsv41_jax.model.codec import E8M0
 from dsv41_jax.model.params import P, children, flatten_names
 from dsv41_jax.model.weights import Fp8, Mxfp4
@@ -168,11 +171,6 @@ def load_orbax(path: str, cfg) -> dict:
     (`checkpoint.checkpoint_kind` "orbax"): the same leaves, dtypes and bits as `load_params` of the source;
     storage ``bf16`` pairs re-quantized with their block (exact: e4m3·2^k and e2m1·2^k are bf16 values).
     Every missing / mis-shaped array is listed in one CheckpointError before anything is read."""
-    import os
-
-    from dsv41_jax.model.checkpoint import (META_FILE as META_NAME, PARAMS_SUBDIR, _fmt_problems, _requantize_stored, _ts_open,
-                                            check_family, read_orbax_meta)
-
     meta = read_orbax_meta(path)
     check_family(meta, cfg, path)
     recorded = meta.get("arrays", {})
@@ -189,11 +187,11 @@ def load_orbax(path: str, cfg) -> dict:
         ok = ({"bfloat16"} if name in pairs else {"bfloat16", "float32"} if _plain_float(d.dtype)
               else {np.dtype(d.dtype).name})
         rec = recorded.get(name)
+        want = f"expected shape {list(shape)} dtype {' or '.join(sorted(ok))}"
         if rec is None or not os.path.isdir(os.path.join(pdir, name)):
-            problems.append(f"{name}: missing from {pdir}; expected shape {list(shape)} dtype {' or '.join(sorted(ok))}")
+            problems.append(f"{name}: missing from {pdir}; {want}")
         elif tuple(rec["shape"]) != shape or rec["dtype"] not in ok:
-            problems.append(f"{name} in {pdir}: found shape {rec['shape']} dtype {rec['dtype']}; expected shape "
-                            f"{list(shape)} dtype {' or '.join(sorted(ok))}")
+            problems.append(f"{name} in {pdir}: found shape {rec['shape']} dtype {rec['dtype']}; {want}")
     if problems:
         raise CheckpointError(_fmt_problems(problems, path, "converted with another config?" if len(problems) > 2
                                             else ""))
@@ -205,9 +203,10 @@ def load_orbax(path: str, cfg) -> dict:
         if name in scales:
             continue
         arr = _ts_open(os.path.join(pdir, name))
-        if np.dtype(arr.dtype.numpy_dtype).name != recorded[name]["dtype"] or list(arr.shape) != recorded[name]["shape"]:
+        rec = recorded[name]
+        if np.dtype(arr.dtype.numpy_dtype).name != rec["dtype"] or list(arr.shape) != rec["shape"]:
             raise CheckpointError(f"{name} in {pdir}: the stored array is {arr.dtype.name} {list(arr.shape)}; "
-                                  f"{META_NAME} records {recorded[name]['dtype']} {recorded[name]['shape']}")
+                                  f"{META_FILE} records {rec['dtype']} {rec['shape']}")
         if name in pairs:
             kind, sname, _, block = pairs[name]
             q, sc = _requantize_stored(arr, kind, None, block)
@@ -250,8 +249,6 @@ def save_checkpoint(params: dict, cfg, out_dir: str, *, shards: int = 1, tokeniz
                     scale_format: str = "e8m0") -> dict:
     """Write `params` as a V4 release-layout directory: config.json (`config_v4.to_v4_dict`), `shards`
     safetensors files with their index, the tokenizer files. Returns the index dict."""
-    import os
-
     from safetensors.numpy import save_file
 
     from dsv41_jax.model.checkpoint import write_index_and_config
