@@ -2,6 +2,10 @@
 
     python -m dsv41_jax.convert --hf-dir DIR --out DIR [--tp N --ep N] [--dtype keep|bf16] [--resume]
 
+A DeepSeek-V4 release directory (config.json ``model_type`` ``deepseek_v4``: fp8 128x128 blocks, MXFP4 experts,
+``tid2eid``) is planned by `convert_v4` into the same output layout and written by the same steps below (its
+``--tp``/``--ep`` must be 1 until V4 has mesh rules: `partition_specs`).
+
 What it does, in order:
 
 1. Validates everything before writing anything: reads config.json and every shard header, checks
@@ -77,8 +81,9 @@ class Item:
     key: str
     dest: str
     expert: Optional[int]
-    op: str  # "copy" | "fp8" | "fp8_rows" | "mxfp4" (dequantize to bf16)
+    op: str  # "copy" | "cast" (to the array's dtype) | "fp8" | "fp8_rows" | "mxfp4" (dequantize to bf16)
     src: list  # [STEntry] or [weight STEntry, scale STEntry]
+    block: int = 32  # fp8 scale block side (DeepSeek-V4: its weight_block_size, 128)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +153,11 @@ def make_plan(hf_dir: str, storage: str = "keep", tp: int = 1, ep: int = 1) -> P
         cfg = ModelConfig.from_pretrained(hf_dir)
     except ConfigError as e:
         raise ConvertError(f"{hf_dir}: config: {e}") from e
+    specs = partition_specs(cfg, tp, ep)
+    if cfg.model_family == "deepseek_v4":  # the V4 release layout (`convert_v4`): same output layout
+        from dsv41_jax import convert_v4
+
+        return convert_v4.make_plan(hf_dir, cfg, storage, tp, ep, specs)
     hf = ck.scan_hf(hf_dir, cfg)  # CheckpointError lists every bad tensor
     tok = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(tok):
@@ -161,21 +171,11 @@ def make_plan(hf_dir: str, storage: str = "keep", tp: int = 1, ep: int = 1) -> P
         except (ConfigError, ValueError) as e:
             raise ConvertError(f"{tok} disagrees with config.json: {e}") from e
 
-    from jax.sharding import AbstractMesh
-
-    from dsv41_jax.model.params import flatten_names, mesh_shardings
-
-    specs = {n: _json_spec(s.spec) for n, s in
-             flatten_names(mesh_shardings(cfg, AbstractMesh((tp, ep), ("tp", "ep")))).items()}
-    sizes = {"tp": tp, "ep": ep}
     arrays = {}
     for name, (shape, dt, leaf) in ck.orbax_arrays(cfg, storage).items():
         if name in hf.absent:
             continue  # a vision-only tensor the release does not have: the loader puts zeros there
-        spec = specs.get(name, [None] * len(shape))
-        shard = _shard_shape(shape, spec, sizes)
-        arrays[name] = ArrayPlan(name, leaf.path, tuple(shape), dt, _chunks(shape, shard, dt.itemsize, leaf.stacked),
-                                 spec, leaf.stacked)
+        arrays[name] = array_plan(name, leaf.path, shape, dt, leaf.stacked, specs, tp, ep)
     pairs = ck.quant_pairs(cfg) if storage == "bf16" else {}
     scale_of = {v[1]: w for w, v in pairs.items()}
     items = []
@@ -191,6 +191,31 @@ def make_plan(hf_dir: str, storage: str = "keep", tp: int = 1, ep: int = 1) -> P
         else:
             items.append(Item(spec.name, spec.param, spec.expert, "copy", [ent]))
     return Plan(hf_dir, cfg, hf, storage, tp, ep, arrays, items, sum(i.nbytes for i in items))
+
+
+def partition_specs(cfg: ModelConfig, tp: int, ep: int) -> dict:
+    """{array name: partition spec (JSON form)} of the intended ``tp`` x ``ep`` mesh: the zarr chunks are its
+    per-device shards and it is recorded in the metadata. DeepSeek-V4's mesh rules are not settled yet, so a V4
+    conversion is refused for a mesh larger than one device (its specs plug in here)."""
+    if cfg.model_family == "deepseek_v4" and tp * ep > 1:
+        raise ConvertError(f"--tp {tp} --ep {ep}: DeepSeek-V4 checkpoints are converted for one device only (no V4 "
+                           "mesh layout yet); rerun with --tp 1 --ep 1")
+    from jax.sharding import AbstractMesh
+
+    from dsv41_jax.model.params import flatten_names, mesh_shardings
+
+    return {n: _json_spec(s.spec) for n, s in
+            flatten_names(mesh_shardings(cfg, AbstractMesh((tp, ep), ("tp", "ep")))).items()}
+
+
+def array_plan(name: str, path: tuple, shape: tuple, dt, stacked: bool, specs: dict, tp: int, ep: int) -> ArrayPlan:
+    """The stored array `name` (param tree `path`, `shape`, np dtype `dt`, experts `stacked` on axis 0) chunked
+    as its per-device shard of spec ``specs[name]`` (replicated when absent)."""
+    dt = np.dtype(dt)
+    spec = specs.get(name, [None] * len(shape))
+    shard = _shard_shape(tuple(shape), spec, {"tp": tp, "ep": ep})
+    return ArrayPlan(name, tuple(path), tuple(shape), dt, _chunks(tuple(shape), shard, dt.itemsize, stacked), spec,
+                     stacked)
 
 
 def _fingerprint(plan: Plan) -> dict:
@@ -299,19 +324,22 @@ def _write_item(item: Item, ap: ArrayPlan, arr, fds: dict) -> tuple:
     src_crcs = []
     dcrc = 0
     pending = None
-    if item.op == "copy":
+    if item.op in ("copy", "cast"):
         ent = item.src[0]
-        dt = ap.dtype  # U8 scales read as e8m0 (same bits)
+        dt = ap.dtype if item.op == "copy" else ent.np_dtype  # copy: U8 scales read as e8m0 (same bits)
         align = ap.chunks[0] if (ap.chunks and item.expert is None) else 1
         crc = 0
         for r0, r1 in ck.row_blocks(ent.shape, dt.itemsize, BLOCK_BYTES, align=align):
             buf = _read_block(ent, dt, r0, r1, fd_of(ent))
             crc = zlib.crc32(buf.reshape(-1).view(np.uint8), crc)
+            if item.op == "cast":  # e.g. a V4 f16 float kept as fp32, an int64 table as int32
+                buf = buf.astype(ap.dtype)
+                dcrc = zlib.crc32(buf.reshape(-1).view(np.uint8), dcrc)
             fut = (dst[r0:r1] if ent.shape else dst).write(buf if ent.shape else buf.reshape(()))
             if pending is not None:
                 pending.result()
             pending = fut
-        src_crcs, dcrc = [crc], crc
+        src_crcs, dcrc = [crc], (crc if item.op == "copy" else dcrc)
     else:
         w_ent, s_ent = item.src
         s = ck.read_tensor(s_ent, ck.E8M0)
@@ -320,14 +348,14 @@ def _write_item(item: Item, ap: ArrayPlan, arr, fds: dict) -> tuple:
         if item.op == "mxfp4":
             blocks = [(0, w_ent.shape[0])]
         else:
-            align = math.lcm(32, ap.chunks[0] if item.expert is None else 1)
+            align = math.lcm(item.block, ap.chunks[0] if item.expert is None else 1)
             blocks = ck.row_blocks(w_ent.shape, 8, BLOCK_BYTES, align=align)  # ~fp32 + bf16 per element
         wcrc = 0
         for r0, r1 in blocks:
             q = _read_block(w_ent, wdt, r0, r1, fd_of(w_ent))
             wcrc = zlib.crc32(q.reshape(-1).view(np.uint8), wcrc)
             if item.op == "fp8":
-                f = ck.dequant_fp8_block_np(q, s, r0)
+                f = ck.dequant_fp8_block_np(q, s, r0, item.block)
             elif item.op == "fp8_rows":
                 f = ck.dequant_fp8_rows_np(q, s[r0:r1])
             else:
@@ -438,7 +466,7 @@ def _our_metadata(plan: Plan) -> dict:
             src_by_dtype[e.dtype] = src_by_dtype.get(e.dtype, 0) + e.nbytes
     return {
         "format": ck.ORBAX_FORMAT, "version": ck.ORBAX_VERSION, "storage": plan.storage,
-        "params_dir": ck.PARAMS_SUBDIR,
+        "model_family": plan.cfg.model_family, "params_dir": ck.PARAMS_SUBDIR,
         "mesh": {"tp": plan.tp, "ep": plan.ep, "axis_names": ["tp", "ep"],
                  "logical_rules": [list(r) for r in DEFAULT_LOGICAL_RULES]},
         "source": {"tensors": sum(len(it.src) for it in plan.items), "bytes": plan.total_bytes,
@@ -607,19 +635,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dsv41_jax.convert",
         description="Convert an HF DeepSeek-V4.1 Flash checkpoint (safetensors shards + config.json + "
                     "tokenizer.json) into an Orbax checkpoint that dsv41_jax.model.load_params reads. "
+                    "A DeepSeek-V4 (Flash / Pro) release directory (config.json model_type deepseek_v4) "
+                    "converts the same way, for one device (--tp 1 --ep 1). "
                     "Everything is validated before anything is written; the result appears at --out "
                     "atomically when complete.",
         epilog="Exit status: 0 done; 1 failed while writing (partial result kept for --resume); 2 invalid "
                "input or arguments (nothing written); 130 interrupted.")
     ap.add_argument("--hf-dir", required=True, metavar="DIR",
-                    help="the HF model directory: config.json (or inference/config.json), "
-                         "model.safetensors.index.json and its shards, tokenizer.json")
+                    help="the HF model directory (DeepSeek-V4.1, or DeepSeek-V4 in its release layout): config.json "
+                         "(or inference/config.json), model.safetensors.index.json and its shards, tokenizer.json")
     ap.add_argument("--out", required=True, metavar="DIR",
                     help="where the converted checkpoint is published (must not exist unless --overwrite); "
                          "work happens in .<name>.convert-tmp beside it")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel size of the intended mesh (axis 'tp'); sets the zarr chunking to the "
-                         "per-device shards and is recorded in the metadata (default 1)")
+                         "per-device shards and is recorded in the metadata (default 1; DeepSeek-V4: 1 only)")
     ap.add_argument("--ep", type=int, default=1, metavar="N",
                     help="expert-parallel size of the intended mesh (axis 'ep'), as --tp (default 1)")
     ap.add_argument("--dtype", choices=("keep", "bf16"), default="keep",

@@ -560,13 +560,14 @@ def dequant_mxfp4_np(packed: np.ndarray, s: np.ndarray, block: int = 32) -> np.n
     return (v.reshape(sh[:-1] + (sh[-1] // block, block)) * codec.e8m0_to_f32_np(s)[..., None]).reshape(sh)
 
 
-def requantize_np(kind: str, w: np.ndarray):
-    """bf16/fp32 logical weight -> (packed, scale) in the checkpoint format of `kind`."""
+def requantize_np(kind: str, w: np.ndarray, block: int = 32):
+    """bf16/fp32 logical weight -> (packed, scale) in the checkpoint format of `kind` (fp8: `block`-square
+    blocks; 32 is V4.1's, DeepSeek-V4's ``weight_block_size`` is 128)."""
     from dsv41_jax.model import quant_np
 
     w = np.asarray(w).astype(np.float32)
     if kind == "fp8":
-        return quant_np.quantize_fp8_block_np(w)
+        return quant_np.quantize_fp8_block_np(w, block)
     if kind == "fp8_rows":
         return quant_np.quantize_fp8_rows_np(w)
     if kind == "mxfp4":
@@ -742,12 +743,12 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
     if cfg.model_family == "deepseek_v4":
-        if kind != "hf" or par is not None:
-            raise NotImplementedError("DeepSeek-V4: only safetensors directories on one device are read (no Orbax "
-                                      "conversion or mesh placement for V4 yet)")
+        if par is not None:
+            raise NotImplementedError("DeepSeek-V4: checkpoints are read onto one device (no mesh placement for V4 "
+                                      "yet)")
         from dsv41_jax.model.v4 import checkpoint as v4  # lazy: it reads with this module's safetensors I/O
 
-        return v4.load_params(path, cfg)
+        return v4.load_params(path, cfg) if kind == "hf" else v4.load_orbax(path, cfg)
     place, host = _keeping_host(_placer(cfg, par, _engram_table_names(cfg) if host_engram
                                         else frozenset()), _dequant_sources(cfg))
     params: dict = {}  # {declaration path: leaf}, assembled into the tree at the end
@@ -808,8 +809,18 @@ def _derive_dequantized(cfg: ModelConfig, params: dict, place, host: dict) -> No
         _set(params, leaf.path, place(leaf.name, out))
 
 
+def check_family(meta: dict, cfg: ModelConfig, path: str) -> None:
+    """A converted directory's recorded model family (``model_family``; absent: written before V4 conversion,
+    i.e. V4.1) must be `cfg`'s."""
+    fam = meta.get("model_family", "deepseek_v41")
+    if fam != cfg.model_family:
+        raise CheckpointError(f"{path}: converted from a {fam} checkpoint, but the config is {cfg.model_family} "
+                              f"({cfg.name!r})")
+
+
 def _load_orbax(path: str, cfg: ModelConfig, params: dict, place) -> None:
     meta = read_orbax_meta(path)
+    check_family(meta, cfg, path)
     storage = meta["storage"]
     pdir = os.path.join(path, PARAMS_SUBDIR)
     arrays = orbax_arrays(cfg, storage)
@@ -855,8 +866,9 @@ def _load_orbax(path: str, cfg: ModelConfig, params: dict, place) -> None:
                 _set(params, lf.path, place(lf.name, np.asarray(arr.read().result())))
 
 
-def _requantize_stored(arr, kind: str, lf: ParamLeaf):
-    """Re-quantize a stored bf16 weight into (packed, scale) of `kind`, in row blocks."""
+def _requantize_stored(arr, kind: str, lf: Optional[ParamLeaf], block: int = 32):
+    """Re-quantize a stored bf16 weight into (packed, scale) of `kind` (fp8: `block`-square blocks), in row
+    blocks."""
     shape = tuple(arr.shape)
     if kind == "mxfp4":  # [E, out, in]: expert by expert
         E, o, i = shape
@@ -867,12 +879,12 @@ def _requantize_stored(arr, kind: str, lf: ParamLeaf):
         return q, s
     o, i = shape
     q = np.empty((o, i), FP8)
-    s = np.empty(((-(-o // 32)), -(-i // 32)) if kind == "fp8" else (o, i // 32), E8M0)
-    for r0, r1 in row_blocks(shape, 4, READ_BLOCK_BYTES, align=32):  # fp32 working copy per block
-        qb, sb = requantize_np(kind, np.asarray(arr[r0:r1].read().result()))
+    s = np.empty(((-(-o // block)), -(-i // block)) if kind == "fp8" else (o, i // 32), E8M0)
+    for r0, r1 in row_blocks(shape, 4, READ_BLOCK_BYTES, align=block):  # fp32 working copy per block
+        qb, sb = requantize_np(kind, np.asarray(arr[r0:r1].read().result()), block)
         q[r0:r1] = qb
         if kind == "fp8":
-            s[r0 // 32: r0 // 32 + sb.shape[0]] = sb
+            s[r0 // block: r0 // block + sb.shape[0]] = sb
         else:
             s[r0:r1] = sb
     return q, s

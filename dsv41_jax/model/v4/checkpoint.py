@@ -12,17 +12,23 @@ Dtypes: a quantized declaration (fp8 + e8m0 block scales, MXFP4, int tables) nee
 scales also as U8, int tables any integer width); a float declaration takes the file's float tensor as stored
 (fp32 stays fp32: transformers saves fp32, and its numerics are what the v4check test compares). Shapes must
 match the config. Every problem is a `checkpoint.CheckpointError` naming the tensor and file.
+
+A directory ``python -m dsv41_jax.convert`` made of a V4 release directory (`dsv41_jax.convert_v4`) is read by
+`load_orbax`: the same tree, bitwise.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import jax
 import numpy as np
 
-from dsv41_jax.model.checkpoint import BF16, CheckpointError, _hf_files, read_safetensors_header, read_tensor
+from dsv41_jax.model.checkpoint import (BF16, META_FILE, PARAMS_SUBDIR, CheckpointError, _fmt_problems, _hf_files,
+                                        _requantize_stored, _ts_open, check_family, read_orbax_meta,
+                                        read_safetensors_header, read_tensor)
 from dsv41_jax.model.codec import E8M0
 from dsv41_jax.model.params import P, children, flatten_names
 from dsv41_jax.model.weights import Fp8, Mxfp4
@@ -55,10 +61,11 @@ def _entries(path: str) -> dict:
     return out
 
 
-def _read(entries: dict, name: str, decl: P, shape: tuple) -> np.ndarray:
-    e = entries.get(name)
-    if e is None:
-        raise CheckpointError(f"tensor {name!r} is missing (expected {np.dtype(decl.dtype).name} {list(shape)})")
+def stored_dtype(e, name: str, decl: P, shape: tuple) -> np.dtype:
+    """The dtype a file tensor `e` (release name `name`) is kept in for declaration `decl` of `shape` (module
+    doc: a float as stored, f16 / f64 as fp32; an int table as the declared width; a quantized kind as
+    declared, e8m0 scales also from U8); CheckpointError naming the tensor and file when it does not fit.
+    Reads the header only (shared by `load_params` and the converter's planning)."""
     where = f"{name} in {e.file}"
     if tuple(e.shape) != tuple(shape):
         raise CheckpointError(f"{where}: shape {list(e.shape)}, expected {list(shape)}")
@@ -67,20 +74,76 @@ def _read(entries: dict, name: str, decl: P, shape: tuple) -> np.ndarray:
     if have is None:
         raise CheckpointError(f"{where}: unsupported dtype {e.dtype}")
     if _plain_float(want) and _plain_float(have):
-        a = read_tensor(e)
-        return a if have in (np.float32, BF16) else a.astype(np.float32)  # float kept as stored (f16 / f64 widened
-    # / narrowed to fp32, which XLA keeps as it is)
+        return have if have in (np.float32, BF16) else np.dtype(np.float32)  # XLA keeps fp32 as it is
     if want.kind == "i" and have.kind in "iu":
-        return read_tensor(e).astype(want)
+        return want
     if want == have or (want == np.dtype(E8M0) and have == np.uint8):
-        return read_tensor(e, want)
+        return want
     raise CheckpointError(f"{where}: dtype {e.dtype}, expected {want.name} (does config.json's "
                           f"quantization_config / expert_dtype match the file?)")
+
+
+def _read(entries: dict, name: str, decl: P, shape: tuple) -> np.ndarray:
+    e = entries.get(name)
+    if e is None:
+        raise CheckpointError(f"tensor {name!r} is missing (expected {np.dtype(decl.dtype).name} {list(shape)})")
+    dt = stored_dtype(e, name, decl, shape)
+    if dt == e.np_dtype or (dt == np.dtype(E8M0) and e.np_dtype == np.uint8):
+        return read_tensor(e, dt)  # as stored (U8 scales: the same bits as e8m0)
+    return read_tensor(e).astype(dt)
 
 
 def _plain_float(dt) -> bool:
     """bf16 / f16 / f32 / f64 (not the fp8 / e8m0 codes, which are quantized kinds)."""
     return np.dtype(dt) in (BF16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def file_entries(path: str) -> dict:
+    """{release name: STEntry} over directory `path`'s safetensors files (transformers' names canonicalized)."""
+    return _entries(path)
+
+
+def release_decl(cfg, names, path: str) -> dict:
+    """`declare_params(cfg)`, without the MTP layers when none of `names` (the tensors or stored arrays present)
+    is an ``mtp.*`` one (transformers' ``save_pretrained`` writes none): the checkpoint then loads without the
+    draft, with one log line."""
+    decl = declare_params(cfg)
+    if decl["mtp"] and not any(n.startswith("mtp.") for n in names):
+        log.info("%s: no mtp.* tensors: loaded without the MTP draft layer (no MTP speculation)", path)
+        decl["mtp"] = []
+    return decl
+
+
+def leaf_files(name: str, decl: P) -> list:
+    """[(release tensor name, expert index or None)] a declared leaf is stored in: one tensor per routed expert
+    for a stacked expert leaf, else the leaf's own name."""
+    m = _STACKED.match(name)
+    if not m:
+        return [(name, None)]
+    return [(f"{m.group(1)}.{e}.{m.group(2)}", e) for e in range(decl.shape[0])]
+
+
+def quant_pairs(cfg, decl) -> dict:
+    """{weight name: (kind, scale name, dequantized shape, block)} of `decl`'s quantized pairs: fp8 weights with
+    ``weight_block_size`` block scales ("fp8", block = the block side) and MXFP4 routed experts ("mxfp4",
+    [E, out, in], block 32) — what a converted checkpoint of storage ``bf16`` holds dequantized."""
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, Fp8):
+            out[f"{prefix}weight"] = ("fp8", f"{prefix}scale", tuple(node.weight.shape), int(cfg.weight_block_size[0]))
+        elif isinstance(node, Mxfp4):
+            sh = tuple(node.weight.shape)
+            out[f"{prefix}weight"] = ("mxfp4", f"{prefix}scale", sh[:-1] + (2 * sh[-1],), 32)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}{i}.")
+
+    walk(decl, "")
+    return out
 
 
 def load_params(path: str, cfg) -> dict:
@@ -89,22 +152,67 @@ def load_params(path: str, cfg) -> dict:
     used = set()
 
     def leaf(name: str, decl: P):
-        m = _STACKED.match(name)
-        if m:  # stacked routed experts: one file tensor per expert
-            names = [f"{m.group(1)}.{e}.{m.group(2)}" for e in range(decl.shape[0])]
-            used.update(names)
-            return np.stack([_read(entries, n, decl, decl.shape[1:]) for n in names])
-        used.add(name)
+        files = leaf_files(name, decl)
+        used.update(n for n, _ in files)
+        if files[0][1] is not None:  # stacked routed experts: one file tensor per expert
+            return np.stack([_read(entries, n, decl, decl.shape[1:]) for n, _ in files])
         return _read(entries, name, decl, decl.shape)
 
-    decl = declare_params(cfg)
-    if decl["mtp"] and not any(n.startswith("mtp.") for n in entries):
-        log.info("%s: no mtp.* tensors: loaded without the MTP draft layer (no MTP speculation)", path)
-        decl["mtp"] = []
+    decl = release_decl(cfg, entries, path)
     flat = {n: jax.device_put(leaf(n, d)) for n, d in flatten_names(decl).items()}
     extra = sorted(set(entries) - used)
     if extra:
         log.warning("%s: %d tensors this config does not use, e.g. %s", path, len(extra), extra[:5])
+    return _unflatten(decl, flat, "")
+
+
+def load_orbax(path: str, cfg) -> dict:
+    """The V4 parameter tree of a directory ``python -m dsv41_jax.convert`` wrote from a V4 release directory
+    (`checkpoint.checkpoint_kind` "orbax"): the same leaves, dtypes and bits as `load_params` of the source;
+    storage ``bf16`` pairs re-quantized with their block (exact: e4m3·2^k and e2m1·2^k are bf16 values).
+    Every missing / mis-shaped array is listed in one CheckpointError before anything is read."""
+    meta = read_orbax_meta(path)
+    check_family(meta, cfg, path)
+    recorded = meta.get("arrays", {})
+    pdir = os.path.join(path, PARAMS_SUBDIR)
+    decl = release_decl(cfg, recorded, path)
+    leaves = flatten_names(decl)
+    pairs = quant_pairs(cfg, decl) if meta["storage"] == "bf16" else {}
+    scales = {v[1] for v in pairs.values()}
+    problems = []
+    for name, d in leaves.items():
+        if name in scales:
+            continue
+        shape = pairs[name][2] if name in pairs else tuple(d.shape)
+        ok = ({"bfloat16"} if name in pairs else {"bfloat16", "float32"} if _plain_float(d.dtype)
+              else {np.dtype(d.dtype).name})
+        rec = recorded.get(name)
+        want = f"expected shape {list(shape)} dtype {' or '.join(sorted(ok))}"
+        if rec is None or not os.path.isdir(os.path.join(pdir, name)):
+            problems.append(f"{name}: missing from {pdir}; {want}")
+        elif tuple(rec["shape"]) != shape or rec["dtype"] not in ok:
+            problems.append(f"{name} in {pdir}: found shape {rec['shape']} dtype {rec['dtype']}; {want}")
+    if problems:
+        raise CheckpointError(_fmt_problems(problems, path, "converted with another config?" if len(problems) > 2
+                                            else ""))
+    extra = sorted(set(recorded) - set(leaves))
+    if extra:
+        log.warning("%s: %d arrays this config does not use were ignored: %s", path, len(extra), ", ".join(extra[:20]))
+    flat = {}
+    for name, d in leaves.items():
+        if name in scales:
+            continue
+        arr = _ts_open(os.path.join(pdir, name))
+        rec = recorded[name]
+        if np.dtype(arr.dtype.numpy_dtype).name != rec["dtype"] or list(arr.shape) != rec["shape"]:
+            raise CheckpointError(f"{name} in {pdir}: the stored array is {arr.dtype.name} {list(arr.shape)}; "
+                                  f"{META_FILE} records {rec['dtype']} {rec['shape']}")
+        if name in pairs:
+            kind, sname, _, block = pairs[name]
+            q, sc = _requantize_stored(arr, kind, None, block)
+            flat[name], flat[sname] = jax.device_put(q), jax.device_put(sc)
+        else:
+            flat[name] = jax.device_put(np.asarray(arr.read().result()))
     return _unflatten(decl, flat, "")
 
 
@@ -141,8 +249,6 @@ def save_checkpoint(params: dict, cfg, out_dir: str, *, shards: int = 1, tokeniz
                     scale_format: str = "e8m0") -> dict:
     """Write `params` as a V4 release-layout directory: config.json (`config_v4.to_v4_dict`), `shards`
     safetensors files with their index, the tokenizer files. Returns the index dict."""
-    import os
-
     from safetensors.numpy import save_file
 
     from dsv41_jax.model.checkpoint import write_index_and_config
