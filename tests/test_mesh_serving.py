@@ -100,9 +100,14 @@ def test_mesh_matrix_equals_single_device(cpu8, cfg, params, ref, ref_more, mesh
     cache on, an n = 2 request and a constrained one give the single-device tokens (and without DSpark a
     seeded sampled one)."""
     extra = dict(MESHES[mesh], speculative_algorithm="DSPARK" if dspark else None)
+    placed = params
     for radix in (True, False):
         cache = dict(enable_hierarchical_cache=True) if radix else dict(disable_radix_cache=True)
-        eng = Engine(EngineArgs(**KW, **extra, **cache), cfg=cfg, params=params)
+        # the radix-off engine takes the radix-on engine's placed parameters: the same values, and with the
+        # Engram host table the same `HostTable` objects, which the compiled steps' cache keys hold (by
+        # identity), so it runs the steps the first engine compiled instead of compiling its own
+        eng = Engine(EngineArgs(**KW, **extra, **cache), cfg=cfg, params=placed)
+        placed = eng.runner.params
         assert eng.runner.mesh is not None and eng.runner.engram_host_table == (mesh == "ep8_host_table")
         got = _run(eng, evict_to_host=radix)
         assert [t for t, _ in got] == ref

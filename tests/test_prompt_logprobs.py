@@ -62,10 +62,14 @@ def test_warmup_prompt_logprobs_flag():
                    disable_radix_cache=True)
 
 
+REF_SHAPE = (4, 40)  # every test's prompts padded to one [B, T]: the reference forward compiles once
+
+
 def _reference(eng, prompts):
-    """log_softmax of the full forward: [len(prompts), Tmax, V] fp32 (rows right-padded with 3)."""
-    T = max(len(p) for p in prompts)
-    toks = np.full((len(prompts), T), 3, np.int32)
+    """log_softmax of the full forward: [REF_SHAPE[0], REF_SHAPE[1], V] fp32 (rows right-padded with 3,
+    padding rows after the prompts'); row i is prompt i's."""
+    assert len(prompts) <= REF_SHAPE[0] and max(len(p) for p in prompts) <= REF_SHAPE[1]
+    toks = np.full(REF_SHAPE, 3, np.int32)
     for i, p in enumerate(prompts):
         toks[i, :len(p)] = p
     logits = jax.jit(forward, static_argnames="cfg")(eng.params, jax.numpy.asarray(toks), eng.cfg)
