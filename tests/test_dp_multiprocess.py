@@ -247,3 +247,19 @@ def test_engine_two_processes_equal_one_process(cpu8, tmp_path):
     assert sorted(got.files) == sorted(ref)
     for k, w in ref.items():
         np.testing.assert_array_equal(_bits(got[k]), _bits(w), err_msg=k)
+
+
+def test_multiprocess_flags_and_refusals(monkeypatch):
+    """SGLang's multi-node spellings parse to the jax.distributed settings; what a multi-process engine cannot
+    run is refused in one line naming each flag (before any weight is read: `Runner._configure`)."""
+    from dsv41_jax.serve import build_parser
+    from dsv41_jax.serving import multihost
+    from dsv41_jax.serving.engine_args import EngineArgs
+    from dsv41_jax.serving.request import EngineError
+
+    a = build_parser().parse_args(["--dist-init-addr", "h:1", "--nnodes", "2", "--node-rank", "1"])
+    assert (a.coordinator_address, a.num_processes, a.process_id) == ("h:1", 2, 1)
+    monkeypatch.setattr(multihost, "process_count", lambda: 2)
+    multihost.refuse(EngineArgs(model="tiny", ep_size=2))  # a mesh, nothing else: runs
+    with pytest.raises(EngineError, match=r"^2 processes .*no mesh.*--enable-hierarchical-cache.*DSPARK"):
+        multihost.refuse(EngineArgs(model="tiny", enable_hierarchical_cache=True, speculative_algorithm="DSPARK"))
