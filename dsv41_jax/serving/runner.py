@@ -51,6 +51,7 @@ import functools
 import logging
 import os
 import time
+import zlib
 from typing import Optional
 
 import jax
@@ -469,13 +470,18 @@ class Runner:
 
         from dsv41_jax.serving.multihost import StepChannel
 
-        plan = [self.ccfg.num_pages, self.ccfg.max_pages_per_seq, self.snapshot_rows, self.context_length]
+        # (the compiled buckets too: a follower compiling other shapes than the leader's would run other programs)
+        a = self.args
+        buckets = zlib.crc32(repr((a.resolved_batch_buckets(), a.resolved_token_buckets(), a.page_size,
+                                   a.max_running_requests, self.max_logprobs)).encode()) % (1 << 31)
+        plan = [self.ccfg.num_pages, self.ccfg.max_pages_per_seq, self.snapshot_rows, self.context_length, buckets]
         try:
-            multihost_utils.assert_equal(np.asarray(plan, np.int64), "")
+            multihost_utils.assert_equal(np.asarray(plan, np.int32), "")
         except AssertionError:
-            raise EngineError(f"{self.processes} processes planned different KV caches (pages, pages per request, "
-                              "snapshot rows, context length; this process: "
-                              f"{plan}): pass --max-total-tokens and --context-length explicitly") from None
+            raise EngineError(f"{self.processes} processes planned different engines (pages, pages per request, "
+                              "snapshot rows, context length, a hash of the buckets / page size / slots / logprobs; "
+                              f"this process: {plan}): give every process the same flags, with --max-total-tokens "
+                              "and --context-length explicit") from None
         self._batch_shardings = None
         if self.mesh is not None:
             from dsv41_jax.parallel import rules
