@@ -263,3 +263,30 @@ def test_multiprocess_flags_and_refusals(monkeypatch):
     multihost.refuse(EngineArgs(model="tiny", ep_size=2))  # a mesh, nothing else: runs
     with pytest.raises(EngineError, match=r"^2 processes .*no mesh.*--enable-hierarchical-cache.*DSPARK"):
         multihost.refuse(EngineArgs(model="tiny", enable_hierarchical_cache=True, speculative_algorithm="DSPARK"))
+
+
+_MISMATCH_WORKER = r"""
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, sys.argv[1])
+from dsv41_jax.parallel.distributed import initialize
+assert initialize()
+import jax, configs
+import test_dp_multiprocess as t
+from dsv41_jax import LLM
+kw = dict(t.ENGINE_KW, skip_server_warmup=True, max_total_tokens=1024 * (1 + jax.process_index()))
+try:
+    LLM(**kw, cfg=configs.mesh_micro())
+    raise SystemExit("processes with other KV pools were not refused")
+except ValueError as e:
+    open(sys.argv[2] + f".{jax.process_index()}", "w").write(str(e))
+"""
+
+
+def test_processes_with_other_flags_are_refused(tmp_path):
+    """Processes that plan other KV pools (here --max-total-tokens) are refused on every process in one line,
+    before their caches' collectives could abort on mismatched sizes."""
+    run_workers(_MISMATCH_WORKER, [os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "err")])
+    for pid in range(2):
+        msg = (tmp_path / f"err.{pid}").read_text()
+        assert msg.startswith("2 processes planned different engines") and "\n" not in msg, msg

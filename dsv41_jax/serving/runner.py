@@ -442,6 +442,7 @@ class Runner:
                                       [self.cfg.engram_pad_token_id]) if self.cfg.engram_layer_ids else 0)
         self.load_time = time.perf_counter() - t0
         self.ccfg, self.memory_plan = self._plan_memory()
+        self._check_same_plan()  # (several processes: before anything sized by the plan is placed)
         self.model_step = self._step_cls(self.cfg, self.ccfg, self.step_mesh, self.engram_host_table)
         self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
         self.dp = self.ccfg.dp  # data-parallel attention ranks (--dp-size; 1: off)
@@ -461,20 +462,20 @@ class Runner:
                      d, m["params"] / 2**20, m["draft_params"] / 2**20, m["kv"] / 2**20, m["draft_rings"] / 2**20,
                      m["snapshots"] / 2**20, m["host_tier"] / 2**20)
 
-    def _connect_processes(self):
-        """With several processes: check that they planned the same cache (the memory plan reads this machine's
-        memory), then open the leader's step channel (`multihost.StepChannel`); None for one process."""
+    def _check_same_plan(self) -> None:
+        """With several processes: they must plan the same cache (the memory plan reads this machine's memory)
+        and compile the same buckets, else their programs differ (a collective of other sizes aborts)."""
         if self.processes == 1:
-            return None
+            return
         from jax.experimental import multihost_utils
 
-        from dsv41_jax.serving.multihost import StepChannel
-
+        rows = getattr(self, "_planned_snapshot_rows", None)
+        rows = self._snapshot_rows() if rows is None else rows
         # (the compiled buckets too: a follower compiling other shapes than the leader's would run other programs)
         a = self.args
         buckets = zlib.crc32(repr((a.resolved_batch_buckets(), a.resolved_token_buckets(), a.page_size,
-                                   a.max_running_requests, self.max_logprobs)).encode()) % (1 << 31)
-        plan = [self.ccfg.num_pages, self.ccfg.max_pages_per_seq, self.snapshot_rows, self.context_length, buckets]
+                                   a.max_running_requests, a.max_logprobs)).encode()) % (1 << 31)
+        plan = [self.ccfg.num_pages, self.ccfg.max_pages_per_seq, rows, self.memory_plan["context_length"], buckets]
         try:
             multihost_utils.assert_equal(np.asarray(plan, np.int32), "")
         except AssertionError:
@@ -482,6 +483,13 @@ class Runner:
                               "snapshot rows, context length, a hash of the buckets / page size / slots / logprobs; "
                               f"this process: {plan}): give every process the same flags, with --max-total-tokens "
                               "and --context-length explicit") from None
+
+    def _connect_processes(self):
+        """With several processes: the leader's step channel (`multihost.StepChannel`); None for one process."""
+        if self.processes == 1:
+            return None
+        from dsv41_jax.serving.multihost import StepChannel
+
         self._batch_shardings = None
         if self.mesh is not None:
             from dsv41_jax.parallel import rules
