@@ -14,6 +14,11 @@ keyword arguments of `LLM` are `EngineArgs` fields (SGLang spellings with unders
 ``LLM(model=..., speculative_algorithm="DSPARK")`` for DSpark speculative decoding: each output's
 ``metrics["spec_accept_length"]`` is then that request's accept length (tokens committed per verify
 step, 1 + accepted drafts) and `LLM.spec_stats` the engine's totals.
+
+Over several processes (``jax.distributed`` initialized first, `dsv41_jax.parallel.distributed`), every
+process runs the same script: on process 0 `LLM` is the engine (`generate`, `chat`; `shutdown` when
+done stops the others); on the others `LLM(...)` executes process 0's steps and returns once process 0
+shuts down, and `generate` / `chat` there are refused (`LLM.is_follower`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import itertools
 import sys
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from dsv41_jax.serving.engine import Engine, EngineInternalError, RequestOutput
+from dsv41_jax.serving.engine import Engine, EngineError, EngineInternalError, RequestOutput
 from dsv41_jax.serving.engine_args import EngineArgs
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -52,6 +57,19 @@ class LLM:
             self.engine = Engine(args, cfg=cfg, params=params)
         self._ids = itertools.count()
         self._chat_format = chat_format
+        if self.is_follower:  # a follower of a multi-process engine: run the leader's steps until it stops
+            self.engine.follow()
+
+    @property
+    def is_follower(self) -> bool:
+        """This process followed a multi-process engine's leader (its `LLM(...)` returned when the leader stopped)."""
+        return getattr(self.engine, "is_follower", False)
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (a multi-process leader); nothing to do on one process."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     @property
     def chat_format(self):
@@ -132,6 +150,9 @@ class LLM:
              drop_token_ids: Optional[Sequence[Sequence[int]]] = None) -> list:
         """`generate` on normalized prompts; drop_token_ids: per prompt, ids left out of its text."""
         eng = self.engine
+        if self.is_follower:
+            raise EngineError("LLM: this process followed process 0's multi-process engine until it shut down; "
+                              "generate / chat run on process 0")
         rids = []
         for i, ((text, ids), p) in enumerate(zip(items, params)):
             rid = f"llm-{next(self._ids)}"

@@ -267,6 +267,18 @@ def main(argv=None) -> int:
     if args.log_level != "debug":  # JAX's "Unable to initialize backend 'tpu' / 'proxy'" on every CPU start: noise
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
+    # ---- multi-host first: jax.distributed must start before anything asks JAX for a backend (resolved_impl
+    # does); process 0 serves HTTP, the others only execute its steps (`serving.multihost`)
+    import jax
+
+    from dsv41_jax.parallel.distributed import initialize_from
+
+    try:
+        follower = initialize_from(args) and jax.process_index() > 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     # ---- validate everything cheap before loading the model
     from dsv41_jax.chat_format.effort import ConfigError, parse_tier_table
     from dsv41_jax.chat_format.registry import ChatFormat
@@ -315,7 +327,7 @@ def main(argv=None) -> int:
             print(f"error: --constrained-json-whitespace-pattern: {e}", file=sys.stderr)
             return 2
     try:
-        sock = bind_port(args.host, args.port)
+        sock = None if follower else bind_port(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server there? pick "
               f"a free port with --port)", file=sys.stderr)
@@ -323,16 +335,6 @@ def main(argv=None) -> int:
     log.info("chat: %s", chat_format.describe())
 
     # ---- the engine (loads and compiles the model)
-    import jax
-
-    from dsv41_jax.parallel.distributed import initialize_from
-
-    try:  # multi-host: before any device is touched
-        initialize_from(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
     cache_dir = args.compilation_cache_dir
     if cache_dir and cache_dir.lower() != "none":
         cache_dir = os.path.expanduser(cache_dir)
@@ -369,7 +371,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         with CacheLoads() as loads, CompileTimes() as times:
-            engine = AsyncEngine(engine_args)
+            engine = AsyncEngine(engine_args, start=not follower)
     except (EngineError, MeshError, NotImplementedError) as e:  # a refused configuration (DSpark without
         # mtp.* weights, a mesh these devices cannot hold, a checkpoint family the model cannot run yet):
         # one line saying why, no traceback
@@ -380,6 +382,13 @@ def main(argv=None) -> int:
         print(f"error: engine start failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, times.summary(loads.count))
+    if follower:  # multi-process: process 0 schedules and serves; this one executes its steps until it stops
+        try:
+            engine.engine.follow()
+        except EngineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
 
     import llguidance
 

@@ -12,6 +12,12 @@ batches) and places them with `jax.make_array_from_callback` (each process fills
 a numpy argument cannot be handed to a step whose shardings span another process's devices); the outputs
 are gathered to every process with `multihost_utils.process_allgather`. The reference is
 `test_dp_attention._run` (memoized: in one pytest process its dp=8 compile is shared with that module).
+
+`test_engine_two_processes_equal_one_process` does the same for the whole engine (`serving.multihost`):
+process 0 runs `LLM` (the DP controller's 8 rank schedulers, routing, the output processor) and sends
+each step's schedule to process 1, which only executes it; several concurrent requests (greedy and
+seeded sampling with logprobs, a shared prompt served from the radix cache, n = 2 forks) give process 0
+the tokens and logprobs, bit for bit, of one process with 8 devices.
 """
 
 from __future__ import annotations
@@ -95,6 +101,69 @@ np.savez(sys.argv[2] + f".{jax.process_index()}.npz", **out)
 """
 
 
+# the engine test's workload (shared by the workers and the one-process reference)
+ENGINE_KW = dict(model="tiny", page_size=16, context_length=64, max_running_requests=16, max_total_tokens=1024,
+                 chunked_prefill_size=16, batch_buckets=[16], token_buckets=[16], decode_log_interval=1000,
+                 enable_dp_attention=True, dp_size=8, enable_deterministic_inference=True)
+
+
+def engine_workload():
+    """(prompts, sampling params): 6 requests, two sharing a 20-token prefix, greedy and seeded sampling with
+    top-2 logprobs, one n = 2; a few tokens each."""
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    rng = np.random.default_rng(55)
+    shared = rng.integers(3, 300, 20).tolist()
+    prompts = [shared + [7, 9], shared + [11]] + [rng.integers(3, 300, int(n)).tolist() for n in (5, 17, 2, 9)]
+    sps = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2) if i % 2 else
+           SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=4, ignore_eos=True, logprobs=2)
+           for i in range(len(prompts))]
+    sps[3] = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=3, ignore_eos=True, logprobs=2)
+    return prompts, sps
+
+
+def engine_outputs(llm) -> dict:
+    """{name: array} of every sample's tokens, logprobs and top-2 logprobs after `generate` on the workload
+    (the shared prompt's second request runs after the first, so it hits the radix cache)."""
+    prompts, sps = engine_workload()
+    outs = llm.generate(prompts[:1], sps[:1]) + llm.generate(prompts[1:], sps[1:])
+    got = {}
+    for i, o in enumerate(outs):
+        for c in o.outputs:
+            got[f"{i}.{c.index}.tokens"] = np.asarray(c.token_ids, np.int64)
+            got[f"{i}.{c.index}.lp"] = np.asarray(c.logprobs, np.float32)
+            got[f"{i}.{c.index}.top_ids"] = np.asarray([[j for j, _ in t] for t in c.top_logprobs], np.int64)
+            got[f"{i}.{c.index}.top_lp"] = np.asarray([[v for _, v in t] for t in c.top_logprobs], np.float32)
+    got["cached_tokens"] = np.asarray([o.num_cached_tokens or 0 for o in outs], np.int64)
+    return got
+
+
+_ENGINE_WORKER = r"""
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, sys.argv[1])
+from dsv41_jax.parallel.distributed import initialize
+assert initialize()
+import jax, numpy as np
+import configs
+import test_dp_multiprocess as t
+from dsv41_jax import LLM
+assert jax.process_count() == 2 and len(jax.devices()) == 8
+llm = LLM(**t.ENGINE_KW, cfg=configs.mesh_micro())  # process 1: executes process 0's steps, returns when it stops
+if jax.process_index() == 0:
+    out = t.engine_outputs(llm)
+    llm.shutdown()
+    np.savez(sys.argv[2], **out)
+else:
+    assert llm.is_follower
+    try:
+        llm.generate([[5, 6]])
+        raise SystemExit("a follower took a request")
+    except ValueError as e:
+        assert "process 0" in str(e), e
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -163,3 +232,61 @@ def test_two_processes_equal_one_process(cpu8, tmp_path, layout, what):
         for k, w in want.items():
             np.testing.assert_array_equal(got[k], w, err_msg=f"process {pid}: {names.get(k, k)}")
     assert np.abs(ref_logits[0][0]).max() > 0  # the real rows ran the model
+
+
+def test_engine_two_processes_equal_one_process(cpu8, tmp_path):
+    """`LLM` over 2 processes x 4 devices (process 0 schedules, process 1 executes its broadcast schedules) ==
+    `LLM` in one process x 8 devices, bitwise: tokens, logprobs, top logprobs, cached tokens (module doc)."""
+    import configs
+    from dsv41_jax import LLM
+
+    ref = engine_outputs(LLM(**ENGINE_KW, cfg=configs.mesh_micro()))
+    assert ref["cached_tokens"][1] > 0  # the shared prompt's second request hit the radix cache
+    run_workers(_ENGINE_WORKER, [os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "engine.npz")])
+    got = np.load(tmp_path / "engine.npz")
+    assert sorted(got.files) == sorted(ref)
+    for k, w in ref.items():
+        np.testing.assert_array_equal(_bits(got[k]), _bits(w), err_msg=k)
+
+
+def test_multiprocess_flags_and_refusals(monkeypatch):
+    """SGLang's multi-node spellings parse to the jax.distributed settings; what a multi-process engine cannot
+    run is refused in one line naming each flag (before any weight is read: `Runner._configure`)."""
+    from dsv41_jax.serve import build_parser
+    from dsv41_jax.serving import multihost
+    from dsv41_jax.serving.engine_args import EngineArgs
+    from dsv41_jax.serving.request import EngineError
+
+    a = build_parser().parse_args(["--dist-init-addr", "h:1", "--nnodes", "2", "--node-rank", "1"])
+    assert (a.coordinator_address, a.num_processes, a.process_id) == ("h:1", 2, 1)
+    monkeypatch.setattr(multihost, "process_count", lambda: 2)
+    multihost.refuse(EngineArgs(model="tiny", ep_size=2))  # a mesh, nothing else: runs
+    with pytest.raises(EngineError, match=r"^2 processes .*no mesh.*--enable-hierarchical-cache.*DSPARK"):
+        multihost.refuse(EngineArgs(model="tiny", enable_hierarchical_cache=True, speculative_algorithm="DSPARK"))
+
+
+_MISMATCH_WORKER = r"""
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, sys.argv[1])
+from dsv41_jax.parallel.distributed import initialize
+assert initialize()
+import jax, configs
+import test_dp_multiprocess as t
+from dsv41_jax import LLM
+kw = dict(t.ENGINE_KW, skip_server_warmup=True, max_total_tokens=1024 * (1 + jax.process_index()))
+try:
+    LLM(**kw, cfg=configs.mesh_micro())
+    raise SystemExit("processes with other KV pools were not refused")
+except ValueError as e:
+    open(sys.argv[2] + f".{jax.process_index()}", "w").write(str(e))
+"""
+
+
+def test_processes_with_other_flags_are_refused(tmp_path):
+    """Processes that plan other KV pools (here --max-total-tokens) are refused on every process in one line,
+    before their caches' collectives could abort on mismatched sizes."""
+    run_workers(_MISMATCH_WORKER, [os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "err")])
+    for pid in range(2):
+        msg = (tmp_path / f"err.{pid}").read_text()
+        assert msg.startswith("2 processes planned different engines") and "\n" not in msg, msg

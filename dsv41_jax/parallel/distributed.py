@@ -3,9 +3,9 @@
 Every entry point that may span several processes (the server, the AOT script) calls
 `add_distributed_args(parser)` and, before it touches a device, `initialize_from(args)`:
 
-  --coordinator-address HOST:PORT   (env DSV41_COORDINATOR_ADDRESS, or JAX's JAX_COORDINATOR_ADDRESS)
-  --num-processes N                 (env DSV41_NUM_PROCESSES)
-  --process-id I                    (env DSV41_PROCESS_ID)
+  --coordinator-address HOST:PORT   (SGLang's --dist-init-addr; env DSV41_COORDINATOR_ADDRESS)
+  --num-processes N                 (SGLang's --nnodes; env DSV41_NUM_PROCESSES)
+  --process-id I                    (SGLang's --node-rank; env DSV41_PROCESS_ID)
 
 Nothing given: a single process, nothing is initialized. All three (or a cluster JAX detects by
 itself, e.g. SLURM, with ``--coordinator-address auto``): ``jax.distributed.initialize`` runs once, and
@@ -21,17 +21,22 @@ import os
 
 log = logging.getLogger(__name__)
 
+_coordinator: list = []  # the coordinator address `initialize` used (None for 'auto'), once it ran
+
 _ENV = {"coordinator_address": "DSV41_COORDINATOR_ADDRESS", "num_processes": "DSV41_NUM_PROCESSES",
         "process_id": "DSV41_PROCESS_ID"}
 
 
 def add_distributed_args(parser) -> None:
     g = parser.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--coordinator-address", default=None,
+    g.add_argument("--coordinator-address", "--dist-init-addr", dest="coordinator_address", default=None,
                    help="HOST:PORT of process 0's coordinator ('auto': let JAX detect the cluster); "
                         "env DSV41_COORDINATOR_ADDRESS; unset: single process")
-    g.add_argument("--num-processes", type=int, default=None, help="processes in the job; env DSV41_NUM_PROCESSES")
-    g.add_argument("--process-id", type=int, default=None, help="this process's index; env DSV41_PROCESS_ID")
+    g.add_argument("--num-processes", "--nnodes", dest="num_processes", type=int, default=None,
+                   help="processes in the job; env DSV41_NUM_PROCESSES")
+    g.add_argument("--process-id", "--node-rank", dest="process_id", type=int, default=None,
+                   help="this process's index (0: the leader, which schedules and serves HTTP; the others "
+                        "execute its steps); env DSV41_PROCESS_ID")
 
 
 def settings(coordinator_address=None, num_processes=None, process_id=None) -> dict:
@@ -68,9 +73,15 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
         except Exception:  # noqa: BLE001 - older/newer JAX without the option: its default applies
             log.info("jax_cpu_collectives_implementation not settable; using JAX's default")
     jax.distributed.initialize(**{k: v for k, v in s.items() if v is not None})
+    _coordinator[:] = [s["coordinator_address"]]
     log.info("jax.distributed: process %d of %d, %d global / %d local devices", jax.process_index(),
              jax.process_count(), len(jax.devices()), len(jax.local_devices()))
     return True
+
+
+def coordinator_address():
+    """HOST:PORT `initialize` joined (None: single process, or the cluster JAX detected by itself)."""
+    return _coordinator[0] if _coordinator else None
 
 
 def initialize_from(args) -> bool:

@@ -83,6 +83,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.shutdown()  # (a multi-process leader: its followers stop)
         if getattr(self.engine.runner, "expert_recorder", None) is not None:  # --expert-distribution-recorder
             try:
                 self.expert_distribution("dump")

@@ -118,6 +118,9 @@ pool, the snapshot rows and the prefix cache into D rank blocks, and the schedul
 (``--load-balance-method``), each step's rank plans merged into rank-major launches of D x a rank's
 batch bucket. Everything above works per rank; ``stats()`` adds ``dp_ranks`` (per-rank load).
 
+Multi-process (``jax.distributed``, `multihost`): process 0 runs this engine and sends each `Schedule`
+to the other processes before executing it; they only execute (`follow`) until the leader's `shutdown`.
+
 Constraints (for grammar-constrained decoding): any object with ``allowed_mask() -> bool [V] |
 None`` (None = unconstrained this step), ``accept(token_id)`` and ``is_done() -> bool``; with n > 1
 it must also have ``clone()``. The mask is applied on the device; ``is_done()`` ends the request
@@ -300,6 +303,8 @@ class Engine:
         prompt) starts the request from it: the state is written into this engine's pages on
         admission, the first token is the prefill engine's, and nothing is prefilled here. A state that
         does not fit this engine (layout, prompt) raises `handover.HandoverError` (an EngineError)."""
+        if self.is_follower:
+            raise EngineError("this process follows a multi-process engine: requests go to process 0 (the leader)")
         if request_id in self.output.groups:
             raise EngineError(f"request_id {request_id!r} is already in use")
         if output_kind not in ("final", "delta"):
@@ -366,6 +371,9 @@ class Engine:
 
         if handover and prefilled is not None:
             raise EngineError("handover and prefilled: a request is either prefilled here or decoded here")
+        if getattr(self.runner, "processes", 1) > 1:
+            raise EngineError("prefill/decode handover: not supported by a multi-process engine (the state lives "
+                              "on every process's devices)")
         if p.n != 1:
             raise EngineError("prefill/decode handover: n must be 1")
         if p.prompt_logprobs is not None:
@@ -446,6 +454,22 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    # ------------------------------------------------------------------------------------ processes
+    @property
+    def is_follower(self) -> bool:
+        """A follower process of a multi-process engine (`multihost`): it takes no requests, it runs `follow`."""
+        return getattr(self.runner, "is_follower", False)
+
+    def follow(self) -> int:
+        """A follower's loop: execute the leader's schedules until its shutdown; the number executed."""
+        return self.runner.follow()
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine's steps: a multi-process leader stops its followers."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list:

@@ -51,6 +51,7 @@ import functools
 import logging
 import os
 import time
+import zlib
 from typing import Optional
 
 import jax
@@ -239,6 +240,16 @@ def _fill_first_token_rows(mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     return jax.jit(_first_token, out_shardings=NamedSharding(mesh, PartitionSpec("dp")))
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_to_all(mesh):
+    """Identity with every output replicated on ``mesh``: a launch's results (tokens, logprobs) made
+    readable on each process of a multi-process engine (`multihost`; a dp-split array is not). Every
+    process calls it, so the gather runs inside a step all of them enqueue."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 @functools.partial(jax.jit, static_argnames=("reset",), donate_argnums=(0,))
@@ -431,6 +442,7 @@ class Runner:
                                       [self.cfg.engram_pad_token_id]) if self.cfg.engram_layer_ids else 0)
         self.load_time = time.perf_counter() - t0
         self.ccfg, self.memory_plan = self._plan_memory()
+        self._check_same_plan()  # (several processes: before anything sized by the plan is placed)
         self.model_step = self._step_cls(self.cfg, self.ccfg, self.step_mesh, self.engram_host_table)
         self.context_length = self.memory_plan["context_length"]  # per request (prompt + output)
         self.dp = self.ccfg.dp  # data-parallel attention ranks (--dp-size; 1: off)
@@ -442,12 +454,80 @@ class Runner:
         self._build_cache()
         self._build_features()
         self.launches = 0
+        self.channel = self._connect_processes()
         self.memory_by_device = self.memory_per_device()
         for d, m in self.memory_by_device.items():
             log.info("memory on %s: parameters %.1f MiB (DSpark draft %.1f), KV pool + window rings %.1f MiB, "
                      "DSpark rings %.1f MiB, prefix-cache snapshot pool %.1f MiB; host tier %.1f MiB of host memory",
                      d, m["params"] / 2**20, m["draft_params"] / 2**20, m["kv"] / 2**20, m["draft_rings"] / 2**20,
                      m["snapshots"] / 2**20, m["host_tier"] / 2**20)
+
+    def _check_same_plan(self) -> None:
+        """With several processes: they must plan the same cache (the memory plan reads this machine's memory)
+        and compile the same buckets, else their programs differ (a collective of other sizes aborts)."""
+        if self.processes == 1:
+            return
+        from jax.experimental import multihost_utils
+
+        rows = getattr(self, "_planned_snapshot_rows", None)
+        rows = self._snapshot_rows() if rows is None else rows
+        # (the compiled buckets too: a follower compiling other shapes than the leader's would run other programs)
+        a = self.args
+        buckets = zlib.crc32(repr((a.resolved_batch_buckets(), a.resolved_token_buckets(), a.page_size,
+                                   a.max_running_requests, a.max_logprobs)).encode()) % (1 << 31)
+        plan = [self.ccfg.num_pages, self.ccfg.max_pages_per_seq, rows, self.memory_plan["context_length"], buckets]
+        try:
+            multihost_utils.assert_equal(np.asarray(plan, np.int32), "")
+        except AssertionError:
+            raise EngineError(f"{self.processes} processes planned different engines (pages, pages per request, "
+                              "snapshot rows, context length, a hash of the buckets / page size / slots / logprobs; "
+                              f"this process: {plan}): give every process the same flags, with --max-total-tokens "
+                              "and --context-length explicit") from None
+
+    def _connect_processes(self):
+        """With several processes: the leader's step channel (`multihost.StepChannel`); None for one process."""
+        if self.processes == 1:
+            return None
+        from dsv41_jax.serving.multihost import StepChannel
+
+        self._batch_shardings = None
+        if self.mesh is not None:
+            from dsv41_jax.parallel import rules
+
+            self._batch_shardings = rules.batch_shardings(self.mesh)
+        return StepChannel.connect()
+
+    @property
+    def is_follower(self) -> bool:
+        """A follower process of a multi-process engine: it only executes the leader's schedules (`follow`)."""
+        return self.channel is not None and not self.channel.is_leader
+
+    def follow(self) -> int:
+        """A follower's loop (`multihost.follow`): execute the leader's schedules until it stops."""
+        from dsv41_jax.serving.multihost import follow
+
+        return follow(self)
+
+    def shutdown(self) -> None:
+        """The leader tells its followers to stop (a multi-process engine); nothing for one process."""
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.close()
+
+    def _place_batch(self, batch: dict) -> dict:
+        """The step's host batch as it is passed: numpy on one process (the jit fast path), global arrays on
+        the batch's shardings with several (a numpy argument to a step split over another process's
+        devices is refused by jit)."""
+        if self.processes == 1:
+            return batch
+        return jax.device_put(batch, {k: self._batch_shardings[k] for k in batch})
+
+    def _put(self, x):
+        """A host array onto the device(s): replicated over the mesh with several processes."""
+        if self.processes == 1:
+            return jax.device_put(x)
+        from dsv41_jax.parallel import rules
+
+        return jax.device_put(x, rules.replicated(self.mesh))
 
     def memory_per_device(self) -> dict:
         """{device: {"params", "draft_params" (the DSpark stages, part of params), "kv" (the cache pytree
@@ -480,6 +560,12 @@ class Runner:
             cfg = cfg.replace(impl=args.impl)
         if args.enable_deterministic_inference and not cfg.deterministic:
             cfg = cfg.replace(deterministic=True)
+        # jax.distributed with several processes: process 0 leads, the others execute its steps (`multihost`)
+        self.processes = jax.process_count()
+        if self.processes > 1:
+            from dsv41_jax.serving import multihost
+
+            multihost.refuse(args)
         # the model family's step (`model_step`): chosen once here, from the config
         self._step_cls = model_step.for_config(cfg)
         self._step_cls.refuse(args, cfg)
@@ -859,6 +945,8 @@ class Runner:
             fns += [self._extend_all, _prompt_logprobs, _last_logits]
         if self._extend_bounded is not None:
             fns.append(self._extend_bounded)
+        if self.processes > 1:
+            fns.append(_gather_to_all(self.mesh))
         return fns
 
     def num_compilations(self) -> int:
@@ -925,7 +1013,7 @@ class Runner:
                      "page_table": kvc.padding_pages(self.ccfg, B)}
             if self._extend_for(T) is self._extend_bounded:
                 batch["tail_lo"] = z
-            jobs.append(batch)
+            jobs.append(self._place_batch(batch))
         ts = time.perf_counter()
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
         with CacheLoads() as loads, cf.ThreadPoolExecutor(workers, thread_name_prefix="warmup-compile") as ex:
@@ -963,7 +1051,9 @@ class Runner:
         snapshot saves of released samples (before the resets: a released slot may be reset for its next
         owner), slot resets and sampling rows of admitted samples (device order: after everything
         already enqueued), then every op in order (`_run_op`: one method per op type). The schedule is
-        only read."""
+        only read. A multi-process leader first sends it to the followers (`multihost`), which run the same."""
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.send(schedule)
         self._settle_host()
         ops = schedule.ops
         for op in ops:
@@ -1143,6 +1233,7 @@ class Runner:
             if targets is not None:  # Engine.add_request refuses them; never silently approximate
                 raise EngineError("prompt logprobs with --enable-decoder-swa-bounded-replay")
             batch["tail_lo"] = np.zeros((tokens.shape[0],), np.int32) if tail_lo is None else tail_lo
+        batch = self._place_batch(batch)
         plp = None
         if targets is None:
             logits, self.state = self._record(L, extend(self.params, self.state, batch))
@@ -1155,6 +1246,8 @@ class Runner:
             plp = _prompt_logprobs(all_logits, targets, k=self.max_logprobs, deterministic=self.deterministic)
             logits = _last_logits(all_logits, n_new) if sample_mask.any() else None
         self.launches += 1
+        if plp is not None and self.processes > 1:
+            plp = _gather_to_all(self.mesh)(plp)
         if not (force_sample or sample_mask.any()):
             return LaunchResult(plp=plp)
         B, V = tokens.shape[0], self.vocab_size
@@ -1165,12 +1258,14 @@ class Runner:
                 if r.allowed is not None:
                     m[b, :] = False
                     m[b, : min(V, r.allowed.shape[0])] = r.allowed[:V]
-            allowed = jax.device_put(m)
+            allowed = self._put(m)
         else:
             allowed = self._allow_all.get(B)
             if allowed is None:
-                allowed = self._allow_all[B] = jax.device_put(np.ones((B, V), bool))
+                allowed = self._allow_all[B] = self._put(np.ones((B, V), bool))
         out = _sample_rows(logits, self.slot_tensors, self.last_token, slot, step, sample_mask, allowed,
                            max_logprobs=self.max_logprobs, deterministic=self.deterministic)
         tokens_d, lp, top_ids, top_vals, self.slot_tensors, self.last_token = out
+        if self.processes > 1:  # readable on the leader (a dp-split array is not): gathered inside the program
+            tokens_d, lp, top_ids, top_vals = _gather_to_all(self.mesh)((tokens_d, lp, top_ids, top_vals))
         return LaunchResult(tokens_d, lp, top_ids, top_vals, plp=plp)
