@@ -10,6 +10,7 @@ Compile budget: tiny-v4's step at one [B, T] shape and its MTP step, each unshar
 twice; tp=4 and ep=8 under ``-m slow``."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +169,10 @@ def run_model(mesh):
     state = dec4.init_state(CFG, CCFG) if mesh is None else rules.init_cache(CFG, CCFG, mesh)
     mstate = mtp.init_state(CFG, CCFG)
     res["steps"], res["mtp"] = [], []
-    for bt in _batches():
+    batches = _batches()
+    step = step.lower(params, state, batches[0]).compile()  # AOT: its HLO is inspected (`_check_mesh`)
+    res["hlo"] = step.as_text()
+    for bt in batches:
         lg, state, aux = step(params, state, bt)
         res["steps"].append({"logits": np.asarray(lg), **_decisions(aux)})
         # the MTP layer on this step's streams (as a draft reads them; the next tokens are this chunk's own)
@@ -205,8 +209,17 @@ def _check_mesh(tp, ep):
     for i, (a, b) in enumerate(zip(got["mtp"], ref["mtp"])):
         _bits(a, b, f"MTP step {i}: ")
     _bits(got["mstate"], ref["mstate"], "MTP cache")
+    # the step's collectives: the routed experts' psum in every layer (+ tp's all-reduces), no stored weight moved
+    ops = re.findall(r"=\s*(\S+)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                     r"(?:-start)?\(", got["hlo"])
+    if ep > 1:
+        assert len([t for t, op in ops if op == "all-reduce"]) >= CFG.num_hidden_layers, ops
+    gathers = [t for t, op in ops if op == "all-gather"]
+    assert not [t for t in gathers if re.match(r"\(?(u8|f8)", t)], gathers
+    assert not [t for t in gathers if re.search(rf"\[{CFG.n_routed_experts},\d+,\d+\]", t)], gathers
     # placement: params on the rules' shardings, the cache replicated, less than the whole model per device
-    for a, s in zip(jax.tree_util.tree_leaves(got["params"]), jax.tree_util.tree_leaves(rules.param_shardings(CFG, mesh))):
+    want = jax.tree_util.tree_leaves(rules.param_shardings(CFG, mesh))
+    for a, s in zip(jax.tree_util.tree_leaves(got["params"]), want):
         assert a.sharding.is_equivalent_to(s, a.ndim)
     for a in jax.tree_util.tree_leaves(got["state"]):
         assert a.sharding.is_fully_replicated
@@ -230,3 +243,38 @@ def test_dp_mesh_refused(cpu8):
     mesh = make_mesh(2, 1, dp=2, cfg=CFG)
     with pytest.raises(NotImplementedError, match="no data-parallel attention layout"):
         forward(_params(), np.zeros((1, 8), np.int32), CFG, par=MeshPlan.of(mesh))
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+def test_engine_on_tp2_ep4_equals_one_device(cpu8):
+    """The serving engine with tiny-v4 on --tp-size 2 --ep-size 4 (`V4Step` on the mesh: params by the rules, the
+    cache replicated, chunked prefill cutting CSA / HCA windows, ragged rows, decode) gives the one-device engine's
+    greedy tokens and logprobs (top-2 included) bit for bit."""
+    from dsv41_jax.serving.engine import Engine
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    kw = dict(model="tiny", page_size=8, max_total_tokens=128, context_length=48, max_running_requests=2,
+              chunked_prefill_size=16, batch_buckets=[2], token_buckets=[16], skip_server_warmup=True,
+              decode_log_interval=1000)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (27, 13)]
+
+    def run(eng):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", prompt_token_ids=p,
+                            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, logprobs=2))
+        outs = {o.request_id: o.outputs[0] for o in eng.run_until_done() if o.finished}
+        return [(outs[f"r{i}"].token_ids, outs[f"r{i}"].logprobs, outs[f"r{i}"].top_logprobs)
+                for i in range(len(prompts))]
+
+    ref = run(Engine(cfg=CFG, params=_params(), **kw))
+    eng = Engine(cfg=CFG, params=_params(), tp_size=2, ep_size=4, **kw)
+    assert eng.runner.model_step.family == "deepseek_v4" and dict(eng.runner.mesh.shape) == {"ep": 4, "tp": 2}
+    ffn = eng.runner.params["layers"][2]["ffn"]
+    assert ffn["experts"]["w1"].weight.sharding.spec[0] == "ep"
+    assert ffn["shared_experts"]["w1"].weight.sharding.spec[0] == "tp"
+    assert eng.runner.state["comp"]["2"].sharding.is_fully_replicated
+    assert run(eng) == ref
+    assert all(len(t) == 6 for t, _, _ in ref)

@@ -100,5 +100,6 @@ def moe(p, x, token_ids, hashed: bool, cfg, dt, par=None):
     xf = x.reshape(-1, shape[-1])
     idx = p["gate"]["tid2eid"][token_ids.reshape(-1)].astype(jnp.int32) if hashed else None
     idx, w, _ = moe41.route(p["gate"], xf, k, cfg, idx=idx)
-    y = routed(p["experts"], xf, idx, w, cfg, dt, par) + shared_expert(p["shared_experts"], xf, cfg, dt).astype(jnp.float32)
+    y = routed(p["experts"], xf, idx, w, cfg, dt, par)
+    y = y + shared_expert(p["shared_experts"], xf, cfg, dt).astype(jnp.float32)
     return y.astype(dt).reshape(shape), (idx.reshape(shape[:-1] + (k,)), w.reshape(shape[:-1] + (k,)))
