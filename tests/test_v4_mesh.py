@@ -251,7 +251,7 @@ def test_dp_mesh_refused(cpu8):
 def test_engine_on_tp2_ep4_equals_one_device(cpu8):
     """The serving engine with tiny-v4 on --tp-size 2 --ep-size 4 (`V4Step` on the mesh: params by the rules, the
     cache replicated, chunked prefill cutting CSA / HCA windows, ragged rows, decode) gives the one-device engine's
-    greedy tokens and logprobs (top-2 included) bit for bit."""
+    greedy tokens and logprobs (top-2 included) bit for bit; with MTP speculation on the mesh, the same tokens."""
     from dsv41_jax.serving.engine import Engine
     from dsv41_jax.serving.sampling import SamplingParams
 
@@ -261,10 +261,10 @@ def test_engine_on_tp2_ep4_equals_one_device(cpu8):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (27, 13)]
 
-    def run(eng):
+    def run(eng, logprobs=2):
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", prompt_token_ids=p,
-                            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, logprobs=2))
+                            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs))
         outs = {o.request_id: o.outputs[0] for o in eng.run_until_done() if o.finished}
         return [(outs[f"r{i}"].token_ids, outs[f"r{i}"].logprobs, outs[f"r{i}"].top_logprobs)
                 for i in range(len(prompts))]
@@ -278,3 +278,9 @@ def test_engine_on_tp2_ep4_equals_one_device(cpu8):
     assert eng.runner.state["comp"]["2"].sharding.is_fully_replicated
     assert run(eng) == ref
     assert all(len(t) == 6 for t, _, _ in ref)
+    # MTP speculation (EAGLE, γ = 2) on the same mesh: the plain greedy tokens
+    spec = Engine(cfg=CFG, params=_params(), tp_size=2, ep_size=4, speculative_algorithm="EAGLE",
+                  speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3, **kw)
+    assert [t for t, _, _ in run(spec, logprobs=None)] == [t for t, _, _ in ref]  # (a logprobs row never speculates)
+    assert spec.stats()["spec_verify_steps"] > 0
+    assert spec.runner.state["mtp"]["h"].sharding.is_fully_replicated

@@ -324,7 +324,7 @@ def param_bytes_per_device(tree) -> dict:
 
 def cache_axes(state) -> dict:
     """Logical axes of every leaf of a cache pytree (`cache.init_cache` layout, or DeepSeek-V4's), by its position."""
-    if isinstance(state["window"], list):
+    if isinstance(state["window"], list) or "mtp" in state:
         return _v4_cache_axes(state)
 
     def store(tree, lead):

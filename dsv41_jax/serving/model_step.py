@@ -110,10 +110,6 @@ class V4Step:
         if args.dp_size != 1:
             no.append(f"--dp-size {args.dp_size} (V4 has no data-parallel attention layout; --tp-size / --ep-size "
                       "meshes run it)")
-        mesh = args.tp_size * args.ep_size > 1
-        if mesh and args.speculative_algorithm in ("EAGLE", "NEXTN"):
-            no.append(f"--speculative-algorithm {args.speculative_algorithm} on a mesh (V4's MTP launches run on one "
-                      "device)")
         if args.ep_num_redundant_experts:
             no.append("--ep-num-redundant-experts (no V4 expert placement)")
         if args.speculative_algorithm == "DSPARK":
