@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import tiling
 from dsv41_jax.model.attention import attend, sink_of, window_keys
 from dsv41_jax.model.config_v4 import attention_kinds
 from dsv41_jax.model.decode import _window_write
 from dsv41_jax.model.indexer import pool_index
 from dsv41_jax.model.numerics import act_dtype, is_exact
-from dsv41_jax.model import tiling
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import compressor as comp4
 from dsv41_jax.model.v4 import mhc as mhc4

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from dsv41_jax.model import tiling
 from dsv41_jax.model.config_v4 import draft_kinds
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
-from dsv41_jax.model.transformer import new_aux, record
+from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4.linear import dense
-from dsv41_jax.model import tiling
-from dsv41_jax.model.v4.transformer import embed, final_logits, layer_forward, refuse_unsupported
+from dsv41_jax.model.v4.transformer import final_logits, layer_forward, refuse_unsupported
 
 
 def require(params, cfg) -> None:
@@ -45,9 +45,10 @@ def require(params, cfg) -> None:
 def draft_input(params, p, h, next_tokens, cfg, dt, par=None):
     """The MTP layer's input streams [B, T, n, D] in `dt`: e_proj(enorm(embed(next_tokens))) [.., None, :] +
     h_proj(hnorm(h)); h [B, T, n, D] the target's output streams, next_tokens int32 [B, T]. par: a mesh plan
-    (the embedding's rows split over tp, `v4.transformer.embed`)."""
+    (the embedding's rows split over tp: `transformer.embed_streams`' gather, one stream of it)."""
     ex = is_exact(cfg)
-    e = rmsnorm(embed(params, next_tokens, dt, par), p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
+    e = embed_streams(params, next_tokens, cfg, dt, par)[..., 0, :]
+    e = rmsnorm(e, p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
     s = rmsnorm(h.astype(dt), p["hnorm"]["weight"], cfg.rms_norm_eps, dt, ex)
     return (dense(e, p["e_proj"], cfg, dt)[..., None, :] + dense(s, p["h_proj"], cfg, dt)).astype(dt)
 

@@ -49,13 +49,6 @@ def refuse_unsupported(cfg, par=None) -> None:
                                   f"{explicit}")
 
 
-def embed(params, tokens, dt, par=None):
-    """The token embedding [.., D] in `dt` (its rows split over tp on a mesh: `par.embed_gather`)."""
-    if par is not None and par.size > 1:
-        return par.embed_gather(params["embed"]["weight"], tokens, dt)
-    return params["embed"]["weight"][tokens].astype(dt)
-
-
 def final_logits(params, h, cfg, dt, head=None):
     """hc_head collapse -> norm -> head -> fp32 logits. Returns (logits [.., vocab], normed x [.., D]).
     head: the params holding ``hc_head_*`` and ``norm`` (default the target's; an MTP layer passes its own) — the
