@@ -6,8 +6,11 @@ gives for V4.1 holds here: the only sums a mesh reorders are the tp-split contra
 expert's w2, fp64-accumulated in the exact mode; the routed experts' psum has one non-zero term per value).
 The expert-parallel reference MoE (plain experts, the release numerics) is checked bitwise on its own.
 
+The serving engine on the mesh gives the one-device engine's greedy tokens and logprobs bit for bit.
+
 Compile budget: tiny-v4's step at one [B, T] shape and its MTP step, each unsharded and on the mesh, the forward
-twice; tp=4 and ep=8 under ``-m slow``."""
+twice; one engine on the mesh (the one-device engine shares test_v4_engine's settings, so its programs come from
+the suite's compilation cache); tp=4, ep=8 and MTP speculation in the engine on the mesh under ``-m slow``."""
 
 import functools
 import re
@@ -248,39 +251,57 @@ def test_dp_mesh_refused(cpu8):
 # ------------------------------------------------------------------------------------------ engine
 
 
+PROMPTS = [np.random.default_rng(4).integers(0, CFG.vocab_size, n).tolist() for n in (27, 13)]
+
+
+def _engine(**kw):
+    """A tiny-v4 engine with test_v4_engine's settings (the one-device engine's programs are that module's: one
+    compile per run through the suite's compilation cache) plus `kw` (the mesh, speculation)."""
+    from test_v4_engine import KW
+
+    from dsv41_jax.serving.engine import Engine
+
+    return Engine(cfg=CFG, params=_params(), **KW, **kw)
+
+
+def _serve(eng, logprobs=2):
+    """The PROMPTS together, greedy, 6 tokens each: [(tokens, logprobs, top_logprobs)] per prompt."""
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", prompt_token_ids=p,
+                        sampling_params=SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs))
+    outs = {o.request_id: o.outputs[0] for o in eng.run_until_done() if o.finished}
+    return [(outs[f"r{i}"].token_ids, outs[f"r{i}"].logprobs, outs[f"r{i}"].top_logprobs) for i in range(len(PROMPTS))]
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device():
+    return _serve(_engine())
+
+
 def test_engine_on_tp2_ep4_equals_one_device(cpu8):
     """The serving engine with tiny-v4 on --tp-size 2 --ep-size 4 (`V4Step` on the mesh: params by the rules, the
     cache replicated, chunked prefill cutting CSA / HCA windows, ragged rows, decode) gives the one-device engine's
-    greedy tokens and logprobs (top-2 included) bit for bit; with MTP speculation on the mesh, the same tokens."""
-    from dsv41_jax.serving.engine import Engine
-    from dsv41_jax.serving.sampling import SamplingParams
-
-    kw = dict(model="tiny", page_size=8, max_total_tokens=128, context_length=48, max_running_requests=2,
-              chunked_prefill_size=16, batch_buckets=[2], token_buckets=[16], skip_server_warmup=True,
-              decode_log_interval=1000)
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (27, 13)]
-
-    def run(eng, logprobs=2):
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", prompt_token_ids=p,
-                            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs))
-        outs = {o.request_id: o.outputs[0] for o in eng.run_until_done() if o.finished}
-        return [(outs[f"r{i}"].token_ids, outs[f"r{i}"].logprobs, outs[f"r{i}"].top_logprobs)
-                for i in range(len(prompts))]
-
-    ref = run(Engine(cfg=CFG, params=_params(), **kw))
-    eng = Engine(cfg=CFG, params=_params(), tp_size=2, ep_size=4, **kw)
+    greedy tokens and logprobs (top-2 included) bit for bit."""
+    ref = _one_device()
+    eng = _engine(tp_size=2, ep_size=4)
     assert eng.runner.model_step.family == "deepseek_v4" and dict(eng.runner.mesh.shape) == {"ep": 4, "tp": 2}
     ffn = eng.runner.params["layers"][2]["ffn"]
     assert ffn["experts"]["w1"].weight.sharding.spec[0] == "ep"
     assert ffn["shared_experts"]["w1"].weight.sharding.spec[0] == "tp"
     assert eng.runner.state["comp"]["2"].sharding.is_fully_replicated
-    assert run(eng) == ref
+    assert _serve(eng) == ref
     assert all(len(t) == 6 for t, _, _ in ref)
-    # MTP speculation (EAGLE, γ = 2) on the same mesh: the plain greedy tokens
-    spec = Engine(cfg=CFG, params=_params(), tp_size=2, ep_size=4, speculative_algorithm="EAGLE",
-                  speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3, **kw)
-    assert [t for t, _, _ in run(spec, logprobs=None)] == [t for t, _, _ in ref]  # (a logprobs row never speculates)
+
+
+@pytest.mark.slow
+def test_engine_mtp_on_tp2_ep4_equals_one_device(cpu8):
+    """MTP speculation (EAGLE, γ = 2) on tp=2 x ep=4 (`mtp_speculative` on the mesh, its per-slot state replicated):
+    the one-device plain greedy tokens (requests without logprobs: a logprobs row never speculates)."""
+    ref = _one_device()
+    spec = _engine(tp_size=2, ep_size=4, speculative_algorithm="EAGLE", speculative_num_steps=2,
+                   speculative_eagle_topk=1, speculative_num_draft_tokens=3)
+    assert [t for t, _, _ in _serve(spec, logprobs=None)] == [t for t, _, _ in ref]
     assert spec.stats()["spec_verify_steps"] > 0
     assert spec.runner.state["mtp"]["h"].sharding.is_fully_replicated
