@@ -242,6 +242,15 @@ def test_sharded_equals_unsharded_other_meshes(cpu8, tp, ep):
     _check_mesh(tp, ep)
 
 
+def test_mesh_sizes_checked_against_v4s_experts():
+    """ep is checked against the routed experts, which V4's MTP layer shares (not a DSpark draft's count)."""
+    from dsv41_jax.parallel.mesh import MeshError, check_sizes
+
+    check_sizes(CFG.replace(dspark_n_routed_experts=3), tp=1, ep=8)
+    with pytest.raises(MeshError, match="n_routed_experts=8 is not divisible by ep"):
+        check_sizes(CFG, tp=1, ep=3)
+
+
 def test_dp_mesh_refused(cpu8):
     mesh = make_mesh(2, 1, dp=2, cfg=CFG)
     with pytest.raises(NotImplementedError, match="no data-parallel attention layout"):
