@@ -96,6 +96,31 @@ def test_v4_cache_axes_cover_the_state():
         assert all(rules.RULES[n] is None for n in ax), jax.tree_util.keystr(path)
 
 
+def test_v4_checkpoint_loads_onto_the_mesh(cpu8, tmp_path):
+    """A tiny-v4 checkpoint directory (scripts/make_checkpoint.py) read straight onto tp=2 x ep=4 (`plan.load_params`):
+    every leaf on its rule's sharding, the values those of the one-device tree; parameters without the MTP layer
+    (a transformers-written checkpoint) are placed too."""
+    import importlib.util
+    import os
+
+    from dsv41_jax.parallel.plan import load_params
+
+    spec = importlib.util.spec_from_file_location(
+        "make_checkpoint", os.path.join(os.path.dirname(__file__), "..", "scripts", "make_checkpoint.py"))
+    mk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mk)
+    assert mk.main(["--preset", "tiny-v4", "--out", str(tmp_path / "ck")]) == 0
+    mesh = make_mesh(2, 4, cfg=CFG)
+    got = load_params(str(tmp_path / "ck"), CFG, mesh)
+    want = rules.param_shardings(CFG, mesh)
+    for (path, a), s, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want),
+                               jax.tree_util.tree_leaves(_params())):
+        assert a.sharding.is_equivalent_to(s, a.ndim), jax.tree_util.keystr(path)
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(w).view(np.uint8)), jax.tree_util.keystr(path)
+    no_mtp = rules.shard_params(dict(_params(), mtp=[]), CFG, mesh)
+    assert no_mtp["mtp"] == [] and no_mtp["layers"][2]["attn"]["wq_b"].weight.sharding.spec[0] == "tp"
+
+
 # ------------------------------------------------------------------------------------------ experts
 
 

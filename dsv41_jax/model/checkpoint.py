@@ -742,12 +742,12 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
     if cfg.model_family == "deepseek_v4":
-        if kind != "hf" or par is not None:
-            raise NotImplementedError("DeepSeek-V4: only safetensors directories on one device are read (no Orbax "
-                                      "conversion or mesh placement for V4 yet)")
+        if kind != "hf":
+            raise NotImplementedError("DeepSeek-V4: only safetensors directories are read (no Orbax conversion for "
+                                      "V4 yet)")
         from dsv41_jax.model.v4 import checkpoint as v4  # lazy: it reads with this module's safetensors I/O
 
-        return v4.load_params(path, cfg)
+        return v4.load_params(path, cfg, par)
     place, host = _keeping_host(_placer(cfg, par, _engram_table_names(cfg) if host_engram
                                         else frozenset()), _dequant_sources(cfg))
     params: dict = {}  # {declaration path: leaf}, assembled into the tree at the end

@@ -287,6 +287,8 @@ def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False)
     instead (`host_table.offload_engram`; run the step with ``jitted_extend(..., engram_host_table=True)``).
     """
     abstract = param_shapes(cfg, mesh, rules)
+    if cfg.model_family == "deepseek_v4" and not params.get("mtp"):  # a V4 checkpoint without its MTP layer
+        abstract = dict(abstract, mtp=[])
     if engram_host_table:
         from dsv41_jax.parallel.host_table import offload_engram
 
@@ -436,16 +438,15 @@ def step_shardings(cfg, ccfg, mesh, all_logits: bool = False, rules=None, engram
     The params are expected in the layout `layer_scan.prepare` gives (stacked runs when the config
     scans any: the new leading axis replicated, each layer's split kept), as the engine holds them.
 
-    With `engram_host_table` the params entry is None (= as placed: the tree holds `HostTable` nodes,
-    whose identity is part of its structure, and `shard_params` put every array on its rule)."""
+    With `engram_host_table`, and for DeepSeek-V4 (whose checkpoints may come without the MTP layer its config
+    declares), the params entry is None (= as placed: the tree holds `HostTable` nodes, whose identity is part of
+    its structure, and `shard_params` put every array on its rule)."""
     cache = cache_shardings(cfg, ccfg, mesh, rules)
     lg = logits_sharding(mesh, rules)
     if not all_logits:
         lg = NamedSharding(mesh, PartitionSpec(*lg.spec[:1], *lg.spec[2:]))
-    ps = None
-    if cfg.model_family == "deepseek_v4":  # V4's params as declared (no layer scan)
-        ps = param_shardings(cfg, mesh, rules)
-    elif not engram_host_table:
+    ps = None  # DeepSeek-V4: as placed by `shard_params` (a V4 checkpoint may lack its MTP layer)
+    if cfg.model_family != "deepseek_v4" and not engram_host_table:
         from dsv41_jax.model import layer_scan
 
         # the layout the step is given: runs of plan-identical layers stacked at load (`layer_scan.prepare`)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import logging
 import re
 
-import jax
 import numpy as np
 
-from dsv41_jax.model.checkpoint import BF16, CheckpointError, _hf_files, read_safetensors_header, read_tensor
+from dsv41_jax.model.checkpoint import BF16, CheckpointError, _hf_files, _placer, read_safetensors_header, read_tensor
 from dsv41_jax.model.codec import E8M0
 from dsv41_jax.model.params import P, children, flatten_names
 from dsv41_jax.model.weights import Fp8, Mxfp4
@@ -83,8 +82,10 @@ def _plain_float(dt) -> bool:
     return np.dtype(dt) in (BF16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
-def load_params(path: str, cfg) -> dict:
-    """The V4 parameter tree of directory `path` for `cfg` (`v4.params.declare_params`), on the default device."""
+def load_params(path: str, cfg, par=None) -> dict:
+    """The V4 parameter tree of directory `path` for `cfg` (`v4.params.declare_params`), on the default device, or
+    with a mesh plan `par` each leaf read on the host and placed straight onto its sharding (`checkpoint._placer`:
+    every device receives only its block)."""
     entries = _entries(path)
     used = set()
 
@@ -101,7 +102,8 @@ def load_params(path: str, cfg) -> dict:
     if decl["mtp"] and not any(n.startswith("mtp.") for n in entries):
         log.info("%s: no mtp.* tensors: loaded without the MTP draft layer (no MTP speculation)", path)
         decl["mtp"] = []
-    flat = {n: jax.device_put(leaf(n, d)) for n, d in flatten_names(decl).items()}
+    place = _placer(cfg, par)
+    flat = {n: place(n, leaf(n, d)) for n, d in flatten_names(decl).items()}
     extra = sorted(set(entries) - used)
     if extra:
         log.warning("%s: %d tensors this config does not use, e.g. %s", path, len(extra), extra[:5])
