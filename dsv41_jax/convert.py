@@ -4,7 +4,7 @@
 
 A DeepSeek-V4 release directory (config.json ``model_type`` ``deepseek_v4``: fp8 128x128 blocks, MXFP4 experts,
 ``tid2eid``) is planned by `convert_v4` into the same output layout and written by the same steps below (its
-``--tp``/``--ep`` must be 1 until V4 has mesh rules: `partition_specs`).
+``--tp``/``--ep`` chunks laid out by V4's mesh rules, `model.v4.params.partition_specs`).
 
 What it does, in order:
 
@@ -195,11 +195,12 @@ def make_plan(hf_dir: str, storage: str = "keep", tp: int = 1, ep: int = 1) -> P
 
 def partition_specs(cfg: ModelConfig, tp: int, ep: int) -> dict:
     """{array name: partition spec (JSON form)} of the intended ``tp`` x ``ep`` mesh: the zarr chunks are its
-    per-device shards and it is recorded in the metadata. DeepSeek-V4's mesh rules are not settled yet, so a V4
-    conversion is refused for a mesh larger than one device (its specs plug in here)."""
-    if cfg.model_family == "deepseek_v4" and tp * ep > 1:
-        raise ConvertError(f"--tp {tp} --ep {ep}: DeepSeek-V4 checkpoints are converted for one device only (no V4 "
-                           "mesh layout yet); rerun with --tp 1 --ep 1")
+    per-device shards and it is recorded in the metadata (DeepSeek-V4: `model.v4.params.partition_specs`, the same
+    logical-axis table)."""
+    if cfg.model_family == "deepseek_v4":
+        from dsv41_jax.model.v4.params import partition_specs as v4_specs
+
+        return {n: _json_spec(s) for n, s in v4_specs(cfg, tp, ep).items()}
     from jax.sharding import AbstractMesh
 
     from dsv41_jax.model.params import flatten_names, mesh_shardings
@@ -649,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "work happens in .<name>.convert-tmp beside it")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel size of the intended mesh (axis 'tp'); sets the zarr chunking to the "
-                         "per-device shards and is recorded in the metadata (default 1; DeepSeek-V4: 1 only)")
+                         "per-device shards and is recorded in the metadata (default 1)")
     ap.add_argument("--ep", type=int, default=1, metavar="N",
                     help="expert-parallel size of the intended mesh (axis 'ep'), as --tp (default 1)")
     ap.add_argument("--dtype", choices=("keep", "bf16"), default="keep",

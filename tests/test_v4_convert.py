@@ -192,6 +192,34 @@ def test_transformers_names_and_widened_dtypes_convert_as_read(tmp_path):
         assert b[n].dtype == a[n].dtype and np.array_equal(_bits(b[n]), _bits(a[n])), n
 
 
+def test_converted_for_a_mesh_records_v4_specs_and_loads_onto_it(cpu8, hf_dir, straight, tmp_path):
+    """``--tp 2 --ep 4``: the recorded partition specs are V4's mesh rules (`v4.params.partition_specs`: q heads
+    over tp, routed experts over ep, ``tid2eid`` replicated), and the directory loads straight onto a tp=2 x ep=4
+    mesh with every leaf on its rule's sharding and the straight read's bits."""
+    from dsv41_jax.model.v4.params import partition_specs
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+    from dsv41_jax.parallel.plan import load_params as load_on_mesh
+
+    out = str(tmp_path / "tp2ep4")
+    assert convert.main(["--hf-dir", hf_dir, "--out", out, "--tp", "2", "--ep", "4", "--quiet"]) == 0
+    with open(os.path.join(out, ck.META_FILE)) as f:
+        arrays = json.load(f)["arrays"]
+    cfg = ModelConfig.from_pretrained(out)
+    want = {n: convert._json_spec(s) for n, s in partition_specs(cfg, 2, 4).items()}
+    assert {n: a["partition_spec"] for n, a in arrays.items()} == {n: want[n] for n in arrays}
+    assert arrays["layers.0.ffn.experts.w1.weight"]["partition_spec"][0] == "ep"
+    assert arrays["layers.2.attn.wq_b.weight"]["partition_spec"][0] == "tp"
+    assert arrays["layers.0.ffn.gate.tid2eid"]["partition_spec"] == [None, None]
+    mesh = make_mesh(2, 4, cfg=cfg)
+    got = load_on_mesh(out, cfg, mesh)
+    shardings = rules.param_shardings(cfg, mesh)
+    for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(shardings)):
+        assert a.sharding.is_equivalent_to(s, a.ndim), jax.tree_util.keystr(path)
+    for n, a in flatten_names(got).items():
+        assert np.array_equal(_bits(a), _bits(straight[n])), n
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
@@ -227,16 +255,14 @@ def _fault(hf_dir, d, fault):
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(c, f)
         return d, ["tensor problem(s)", "is config.json this model's?", "expected [64, 32]"]
-    if fault == "tp":
-        return hf_dir, ["--tp 2", "DeepSeek-V4", "--tp 1 --ep 1"]
     raise AssertionError(fault)
 
 
-@pytest.mark.parametrize("fault", ["not_a_checkpoint", "missing", "dtype", "config", "tp"])
+@pytest.mark.parametrize("fault", ["not_a_checkpoint", "missing", "dtype", "config"])
 def test_bad_input_is_one_line_exit_2_nothing_written(fault, hf_dir, tmp_path, capsys):
     d, expect = _fault(hf_dir, str(tmp_path / "in"), fault)
     out = str(tmp_path / "out")
-    assert convert.main(["--hf-dir", d, "--out", out, "--quiet"] + (["--tp", "2"] if fault == "tp" else [])) == 2
+    assert convert.main(["--hf-dir", d, "--out", out, "--quiet"]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1] == "nothing was written.", err

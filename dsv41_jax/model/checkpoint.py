@@ -743,12 +743,9 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, par=None, *, token
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path)
     if cfg.model_family == "deepseek_v4":
-        if par is not None:
-            raise NotImplementedError("DeepSeek-V4: checkpoints are read onto one device (no mesh placement for V4 "
-                                      "yet)")
         from dsv41_jax.model.v4 import checkpoint as v4  # lazy: it reads with this module's safetensors I/O
 
-        return v4.load_params(path, cfg) if kind == "hf" else v4.load_orbax(path, cfg)
+        return v4.load_params(path, cfg, par) if kind == "hf" else v4.load_orbax(path, cfg, par)
     place, host = _keeping_host(_placer(cfg, par, _engram_table_names(cfg) if host_engram
                                         else frozenset()), _dequant_sources(cfg))
     params: dict = {}  # {declaration path: leaf}, assembled into the tree at the end

@@ -53,6 +53,8 @@ DEFAULT_LOGICAL_RULES = (
     ("index", None),
     ("hc", None),
     ("expert_mlp", None),
+    ("comp_slot", None),     # DeepSeek-V4: compressor ``ape`` rows
+    ("hash_vocab", None),    # DeepSeek-V4: ``tid2eid`` rows (replicated: read locally by token id)
 )
 
 

@@ -52,14 +52,14 @@ def routed_experts(ex, xf, idx, w, cfg, dt, mesh, axis: str = "ep", slots=None, 
     if N * idx.shape[1] == 0:
         return jnp.zeros((N, D), jnp.float32)
     ex, layer = weights.split(ex)  # inside a layer scan: the run's stacks [n, E, ...] + the layer
-    E = ex["w1"].weight.shape[-3]
+    E = jax.tree_util.tree_leaves(ex["w1"])[0].shape[-3]  # MXFP4 (`weights.Mxfp4`) or plain ({"weight"}) stacks
     n = axis_size(mesh, axis)
     if E % n:
         raise ValueError(f"routed_experts: {E} experts do not split over {axis}={n}")
     lead = () if layer is None else (None,)
 
     def local(ex_l, xf, idx, w, layer):
-        first = jax.lax.axis_index(axis) * ex_l["w1"].weight.shape[-3]
+        first = jax.lax.axis_index(axis) * jax.tree_util.tree_leaves(ex_l["w1"])[0].shape[-3]
         if layer is not None:
             ex_l = weights.Stacked(ex_l, layer)
         y = slots(ex_l, xf, idx, w, cfg, dt, first_expert=first)  # [N, k, D], zeros elsewhere

@@ -51,7 +51,7 @@ def check_sizes(cfg, tp: int, ep: int, dp: int = 1) -> None:
     if H % tp:
         raise MeshError(f"tp={tp}: num_attention_heads={H} is not divisible by tp (heads are split over tp)")
     experts = [("n_routed_experts", cfg.n_routed_experts)]
-    if cfg.num_nextn_predict_layers:
+    if cfg.num_nextn_predict_layers and cfg.draft_kind == "dspark":  # (V4's MTP layer has n_routed_experts)
         experts.append(("dspark_n_routed_experts", cfg.dspark_n_routed_experts))
     n, what = (ep, f"ep={ep}") if dp == 1 else (dp * tp, f"dp={dp} x tp={tp}")
     for name, E in experts:

@@ -24,6 +24,12 @@ Parameters
     A dim whose size does not divide by its mesh axis is replicated too (e.g. the fp8 block-scale rows
     of a small weight): correct, only less memory-efficient (listed by `replicated_fallbacks`).
 
+DeepSeek-V4 (`model.v4.params`) uses the same table: its attention is the same one-latent-head MQA (heads,
+o groups, shared expert, vocabulary over tp; routed experts and the gate over ep); its extra tensors have the
+rows marked "DeepSeek-V4" below, all replicated: the per-layer compressors and indexers are V4.1's replicated
+kinds, the ``tid2eid`` hash table is read locally (splitting it like the embedding would put a gather + psum
+in every hash-routed layer for 4 B x top-k per vocabulary row).
+
 Cache (`cache_shardings`): **replicated over both axes**. V4.1 attention is MQA with ONE 512-wide latent
 head: the window rings, the compressed pools and the index-key pools are read by every query head, so
 they cannot follow the heads (there is one), and splitting them along positions or along the latent
@@ -79,6 +85,11 @@ RULES = {
     "index": None,          # indexer heads / dims: small
     "hc": None,             # mHC
     "expert_mlp": None,     # routed expert intermediate (experts are split over ep instead)
+    # DeepSeek-V4's own tensors (`model.v4.params`; docs/design/v4.md "Mesh"): every CSA / HCA compressor
+    # (wkv / wgate rows "kv", its ``ape`` [ratio, w·d] "comp_slot" x "kv") and CSA's Lightning indexer with its
+    # compressor ("index", "kv") are replicated as V4.1's are; so is the model-level ``hc_head`` ("hc").
+    "comp_slot": None,      # V4 ``ape`` rows (the slots of one compression window)
+    "hash_vocab": None,     # V4 ``tid2eid`` [vocab, k] rows: small, read by token id at each hash-routed MoE
     # activations
     "batch": None,
     "seq": None,
@@ -276,6 +287,8 @@ def shard_params(params, cfg, mesh, rules=None, engram_host_table: bool = False)
     instead (`host_table.offload_engram`; run the step with ``jitted_extend(..., engram_host_table=True)``).
     """
     abstract = param_shapes(cfg, mesh, rules)
+    if cfg.model_family == "deepseek_v4" and not params.get("mtp"):  # a V4 checkpoint without its MTP layer
+        abstract = dict(abstract, mtp=[])
     if engram_host_table:
         from dsv41_jax.parallel.host_table import offload_engram
 
@@ -312,7 +325,10 @@ def param_bytes_per_device(tree) -> dict:
 
 
 def cache_axes(state) -> dict:
-    """Logical axes of every leaf of a cache pytree (`cache.init_cache` layout), by its position."""
+    """Logical axes of every leaf of a cache pytree (`cache.init_cache` layout, or DeepSeek-V4's), by its position."""
+    if isinstance(state["window"], list) or "mtp" in state:
+        return _v4_cache_axes(state)
+
     def store(tree, lead):
         return {k: lead + ("cache_dim",) * (v.ndim - len(lead)) for k, v in tree.items()}
 
@@ -325,6 +341,22 @@ def cache_axes(state) -> dict:
         out["engram_hist"] = ("cache_slots", "cache_ngram")
     if "dspark" in state:  # the DSpark draft's rings: one window store per stage, laid out as "window"
         out["dspark"] = [store(s, ("cache_slots", "cache_ring")) for s in state["dspark"]]
+    return out
+
+
+def _v4_cache_axes(state) -> dict:
+    """`cache_axes` of DeepSeek-V4's cache (`model.v4.decode.init_state`): per layer a window ring [R, W, hd], and
+    per CSA / HCA layer its pools [rows, d] ("comp", "ikeys") and its compressor projections of the last 2r
+    positions [R, 2r, w·d] ("partial"); with MTP speculation the draft's per-slot rows ("mtp": its ring, the
+    target's last streams; `serving.mtp_speculative`)."""
+    def lead(tree, ax):
+        return jax.tree_util.tree_map(lambda v: ax + ("cache_dim",) * (v.ndim - len(ax)), tree)
+
+    out = {"window": lead(state["window"], ("cache_slots", "cache_ring")),
+           "comp": lead(state["comp"], ("cache_pool",)), "ikeys": lead(state["ikeys"], ("cache_pool",)),
+           "partial": lead(state["partial"], ("cache_slots", "cache_ring"))}
+    if "mtp" in state:
+        out["mtp"] = lead(state["mtp"], ("cache_slots",))
     return out
 
 
@@ -358,21 +390,28 @@ def place_state(state, mesh, rules=None):
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
-def cache_shardings(cfg, ccfg, mesh, rules=None) -> dict:
-    """`NamedSharding` per cache leaf (same tree as `cache.init_cache(cfg, ccfg)`)."""
+def zero_cache(cfg, ccfg) -> dict:
+    """The model family's zeroed cache: `cache.init_cache`, or DeepSeek-V4's `v4.decode.init_state`."""
+    if cfg.model_family == "deepseek_v4":
+        from dsv41_jax.model.v4 import decode as dec4
+
+        return dec4.init_state(cfg, ccfg)
     from dsv41_jax.model import cache as kvc
 
-    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, ccfg))
+    return kvc.init_cache(cfg, ccfg)
+
+
+def cache_shardings(cfg, ccfg, mesh, rules=None) -> dict:
+    """`NamedSharding` per cache leaf (same tree as `zero_cache(cfg, ccfg)`)."""
+    shapes = jax.eval_shape(lambda: zero_cache(cfg, ccfg))
     axes = cache_axes(shapes)
     return jax.tree_util.tree_map(lambda s, a: named(mesh, a, s.shape, rules), shapes, axes,
                                   is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def init_cache(cfg, ccfg, mesh, rules=None) -> dict:
-    """`cache.init_cache` allocated directly on its shardings (jitted with out_shardings)."""
-    from dsv41_jax.model import cache as kvc
-
-    return jax.jit(lambda: kvc.init_cache(cfg, ccfg), out_shardings=cache_shardings(cfg, ccfg, mesh, rules))()
+    """`zero_cache` allocated directly on its shardings (jitted with out_shardings)."""
+    return jax.jit(lambda: zero_cache(cfg, ccfg), out_shardings=cache_shardings(cfg, ccfg, mesh, rules))()
 
 
 # ------------------------------------------------------------------------------------------ step
@@ -393,19 +432,21 @@ def logits_sharding(mesh, rules=None) -> NamedSharding:
 
 
 def step_shardings(cfg, ccfg, mesh, all_logits: bool = False, rules=None, engram_host_table: bool = False):
-    """(in_shardings, out_shardings) of `decode.extend` on `mesh`: ((params, cache, batch), (logits, cache)).
+    """(in_shardings, out_shardings) of `decode.extend` (DeepSeek-V4: `v4.decode.extend_logits`) on `mesh`:
+    ((params, cache, batch), (logits, cache)).
 
     The params are expected in the layout `layer_scan.prepare` gives (stacked runs when the config
     scans any: the new leading axis replicated, each layer's split kept), as the engine holds them.
 
-    With `engram_host_table` the params entry is None (= as placed: the tree holds `HostTable` nodes,
-    whose identity is part of its structure, and `shard_params` put every array on its rule)."""
+    With `engram_host_table`, and for DeepSeek-V4 (whose checkpoints may come without the MTP layer its config
+    declares), the params entry is None (= as placed: the tree holds `HostTable` nodes, whose identity is part of
+    its structure, and `shard_params` put every array on its rule)."""
     cache = cache_shardings(cfg, ccfg, mesh, rules)
     lg = logits_sharding(mesh, rules)
     if not all_logits:
         lg = NamedSharding(mesh, PartitionSpec(*lg.spec[:1], *lg.spec[2:]))
-    ps = None
-    if not engram_host_table:
+    ps = None  # DeepSeek-V4: as placed by `shard_params` (a V4 checkpoint may lack its MTP layer)
+    if cfg.model_family != "deepseek_v4" and not engram_host_table:
         from dsv41_jax.model import layer_scan
 
         # the layout the step is given: runs of plan-identical layers stacked at load (`layer_scan.prepare`)

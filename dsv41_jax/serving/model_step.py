@@ -14,7 +14,7 @@ schedule seam, fork copies, prefix-cache snapshots. What differs per family is b
 * ``refuse(args, cfg)`` — the flags this family cannot honour, as one EngineError line, before any weight is read.
 
 `V41Step` is DeepSeek-V4.1 (`model.decode`, on a mesh through `parallel.plan`); `V4Step` is DeepSeek-V4
-(`model.v4.decode`: CSA / HCA layers with their own compressor state, one device, jnp paths).
+(`model.v4.decode`: CSA / HCA layers with their own compressor state, jnp paths, one device or a tp x ep mesh).
 """
 
 from __future__ import annotations
@@ -89,12 +89,13 @@ class V41Step:
 
 
 class V4Step:
-    """DeepSeek-V4 (the original Flash / Pro checkpoints): `model.v4.decode.extend` on one device."""
+    """DeepSeek-V4 (the original Flash / Pro checkpoints): `model.v4.decode.extend`, on one device or a tp x ep mesh
+    (`parallel.rules`: V4's tensors split as V4.1's, the cache replicated; docs/design/v4.md "Mesh")."""
 
     family = "deepseek_v4"
 
     def __init__(self, cfg, ccfg=None, mesh=None, engram_host_table: bool = False):
-        self.cfg, self.ccfg = cfg, ccfg
+        self.cfg, self.ccfg, self.mesh = cfg, ccfg, mesh
 
     @staticmethod
     def refuse(args, cfg) -> None:
@@ -106,9 +107,11 @@ class V4Step:
             refuse_unsupported(cfg.replace(impl=args.impl))
         except NotImplementedError:
             no.append(f"--impl {args.impl!r} (a Pallas kernel: V4 runs the jnp paths only)")
-        if args.tp_size != 1 or args.ep_size != 1 or args.dp_size != 1:
-            no.append(f"a mesh (--tp-size {args.tp_size} --ep-size {args.ep_size} --dp-size {args.dp_size}: V4 has "
-                      "no mesh rules yet, run it on one device)")
+        if args.dp_size != 1:
+            no.append(f"--dp-size {args.dp_size} (V4 has no data-parallel attention layout; --tp-size / --ep-size "
+                      "meshes run it)")
+        if args.ep_num_redundant_experts:
+            no.append("--ep-num-redundant-experts (no V4 expert placement)")
         if args.speculative_algorithm == "DSPARK":
             no.append("--speculative-algorithm DSPARK (V4's DSpark head, Flash-0731 / Pro-0813, is not implemented)")
         if args.enable_decoder_swa_bounded_replay:
@@ -121,6 +124,11 @@ class V4Step:
             raise EngineError("DeepSeek-V4 checkpoint: not supported with " + "; ".join(no))
 
     def init_cache(self) -> dict:
+        if self.mesh is not None:
+            from dsv41_jax.parallel import rules
+            from dsv41_jax.parallel.plan import MeshPlan
+
+            return rules.init_cache(self.cfg, self.ccfg, MeshPlan.of(self.mesh).mesh)  # replicated
         from dsv41_jax.model.v4 import decode as dec4
 
         return dec4.init_state(self.cfg, self.ccfg)
@@ -138,8 +146,9 @@ class V4Step:
 
     def extend_step(self, all_logits: bool):
         from dsv41_jax.model.v4 import decode as dec4
+        from dsv41_jax.parallel.plan import MeshPlan
 
-        return dec4.jitted_extend(self.cfg, self.ccfg, all_logits)
+        return dec4.jitted_extend(self.cfg, self.ccfg, all_logits, MeshPlan.of(self.mesh))
 
     def prepare(self, params: dict) -> dict:
         return params

@@ -21,6 +21,10 @@ h_{s−1}; row s−1 waits for t_s (the sampled anchor, or the next prefill chun
   split: one extra target pass per speculative step, the price of exactness), then the MTP catches up on rows
   s .. s + k − 1 (target streams, d_1..d_k) and ``h`` ← h_{s+k}.
 Greedy with MTP gives exactly the tokens of greedy without in the exact mode (tests/test_v4_engine.py).
+
+On a tp x ep mesh (``par`` / ``mesh``) every model call runs on it as the plain step does (`v4.decode`: params by
+the rules, the cache and this per-slot state replicated) and the state a launch returns is held to those
+shardings (`parallel.rules.constrain_state`), so every launch sees the same layout (tests/test_v4_mesh.py).
 """
 
 from __future__ import annotations
@@ -35,17 +39,26 @@ from dsv41_jax.model.dspark import greedy_draw
 from dsv41_jax.model.numerics import act_dtype
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4 import mtp
+from dsv41_jax.parallel import rules
+from dsv41_jax.parallel.plan import MeshPlan
 from dsv41_jax.serving import sampling
 from dsv41_jax.serving.speculative import force_drafts, sampling_draw, verify_drafts
 
 __all__ = ["with_mtp_state", "extend_seeding", "speculative_step", "propose", "jitted_extend_seeding"]
 
 
-def with_mtp_state(state: dict, cfg, ccfg) -> dict:
-    """The cache with the MTP layer's per-slot state (module doc), zeroed."""
+def with_mtp_state(state: dict, cfg, ccfg, mesh=None) -> dict:
+    """The cache with the MTP layer's per-slot state (module doc), zeroed (on `mesh`: placed by the cache's rules)."""
     R, dt = kvc.slot_rows(ccfg), act_dtype(cfg)
-    return dict(state, mtp={"window": dec4.window_state(cfg, ccfg),
-                            "h": jnp.zeros((R, cfg.hc_mult, cfg.hidden_size), dt)})
+    m = {"window": dec4.window_state(cfg, ccfg), "h": jnp.zeros((R, cfg.hc_mult, cfg.hidden_size), dt)}
+    if mesh is not None:
+        m = rules.place_state({"mtp": m}, MeshPlan.of(mesh).mesh)["mtp"]
+    return dict(state, mtp=m)
+
+
+def _held(state: dict, par) -> dict:
+    """A launch's new state held to the cache's shardings on the mesh (module doc); as it is without one."""
+    return state if par is None else rules.constrain_state(state, par.mesh)
 
 
 def _target(state: dict) -> dict:
@@ -65,24 +78,25 @@ def _set_h(h_all, slot, rows_h, keep):
     return h_all.at[jnp.where(keep, slot, h_all.shape[0])].set(rows_h.astype(h_all.dtype), mode="drop")
 
 
-def extend_seeding(params, state, batch, *, cfg, ccfg, all_logits: bool = False):
-    """A plain launch with MTP on: `v4.decode.extend_logits`' result, and the MTP rows it completes (module doc)."""
+def extend_seeding(params, state, batch, *, cfg, ccfg, all_logits: bool = False, par=None):
+    """A plain launch with MTP on: `v4.decode.extend_logits`' result, and the MTP rows it completes (module doc).
+    par: a tp x ep mesh plan (module doc)."""
     tokens, start, n, slot, pt = (jnp.asarray(batch[k]) for k in ("tokens", "start", "n_new", "slot", "page_table"))
-    _, tstate, aux = dec4.extend(params, _target(state), batch, cfg, ccfg, return_aux=True, head=False)
+    _, tstate, aux = dec4.extend(params, _target(state), batch, cfg, ccfg, return_aux=True, head=False, par=par)
     h = aux["streams"]  # [B, T, n, D]
-    logits = dec4.head_logits(params, h, n, cfg, all_logits)
+    logits = dec4.head_logits(params, h, n, cfg, all_logits, par)
     m = state["mtp"]
     lagged = start > 0  # row start − 1 is due (on the saved h and this chunk's first token)
     h_in = jnp.where(lagged[:, None, None, None], jnp.concatenate([m["h"][slot][:, None], h[:, :-1]], axis=1), h)
     toks = jnp.where(lagged[:, None], tokens, jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1))
     n_m = jnp.where(lagged, n, jnp.maximum(n - 1, 0))
     _, ms, _ = mtp.extend(params, _layer(m["window"]), h_in, _rows(toks, jnp.where(lagged, start - 1, 0), n_m, slot,
-                                                                        pt), cfg, ccfg, head=False)
+                                                                        pt), cfg, ccfg, head=False, par=par)
     last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
-    return logits, dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, n > 0)})
+    return logits, _held(dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, n > 0)}), par)
 
 
-def propose(params, state, batch, draw, *, cfg, ccfg, gamma: int):
+def propose(params, state, batch, draw, *, cfg, ccfg, gamma: int, par=None):
     """The MTP drafts of a speculative launch: (d int32 [B, γ], q fp32 [B, γ, V] the distributions they were drawn
     from, the MTP layer's state with the lagged row s − 1 written)."""
     anchor, start, slot, active, pt = (jnp.asarray(batch[k]) for k in ("anchor", "start", "slot", "active",
@@ -91,12 +105,12 @@ def propose(params, state, batch, draw, *, cfg, ccfg, gamma: int):
     one = jnp.ones_like(start)
     lg, ms, x = mtp.extend(params, _layer(m["window"]), m["h"][slot][:, None],
                            _rows(anchor[:, None], start - 1, jnp.where(active & (start > 0), one, 0), slot, pt), cfg,
-                           ccfg)
+                           ccfg, par=par)
     d, q = draw(0, lg[:, 0])
     ds, qs, tmp = [d], [q], ms
     for j in range(1, gamma):  # chained on a throw-away copy of the ring
         lg, tmp, x = mtp.extend(params, tmp, x, _rows(d[:, None], start - 1 + j, jnp.where(active, one, 0), slot, pt),
-                                cfg, ccfg)
+                                cfg, ccfg, par=par)
         d, q = draw(j, lg[:, 0])
         ds.append(d)
         qs.append(q)
@@ -107,37 +121,41 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
                      gamma: int, accept_override=None, allowed=None, mesh=None):
     """One MTP step for B rows: `speculative.speculative_step`'s contract (batch {anchor, start, slot, page_table,
     active}; returns (tokens int32 [B, γ+1] −1 padded, n_accept int32 [B], state')), the module doc's steps.
-    accept_override (the simulated accept length) and a mesh are DSpark's only (refused at start-up)."""
-    if accept_override is not None or mesh is not None:
-        raise NotImplementedError("MTP speculation: no simulated accept length, no mesh")
+    mesh: a tp x ep mesh (module doc). accept_override (the simulated accept length) is DSpark's only (refused at
+    start-up)."""
+    if accept_override is not None:
+        raise NotImplementedError("MTP speculation: no simulated accept length")
+    par = MeshPlan.of(mesh)
     anchor, start, slot, active = (jnp.asarray(batch[k]) for k in ("anchor", "start", "slot", "active"))
     det = bool(cfg.deterministic)  # as DSpark's step: the sampler's fp64 sums in the deterministic mode
     draw = greedy_draw if tensors is None else sampling_draw(tensors, step_counter, det)
-    d, q, ms = propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma)
+    d, q, ms = propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma, par=par)
     d, q = force_drafts(d, q, forced_draft, cfg.vocab_size)
     vb = _rows(jnp.concatenate([anchor[:, None].astype(jnp.int32), d], axis=1), start,
                jnp.where(active, gamma + 1, 0), slot, jnp.asarray(batch["page_table"]))
     target = _target(state)
-    logits, _ = dec4.extend(params, target, vb, cfg, ccfg)  # verify (its state dropped)
+    logits, _ = dec4.extend(params, target, vb, cfg, ccfg, par=par)  # verify (its state dropped)
     n_acc, toks, _ = verify_drafts(d, q, logits, allowed, tensors, step_counter, det)
     n_acc = jnp.where(active, n_acc, 0).astype(jnp.int32)
     toks = jnp.where(active[:, None], toks, -1)
     # commit [y, d_1..d_k]: the same step from the state before it, k + 1 tokens
     _, tstate, aux = dec4.extend(params, target, dict(vb, n_new=jnp.where(active, n_acc + 1, 0).astype(jnp.int32)),
-                                 cfg, ccfg, return_aux=True, head=False)
+                                 cfg, ccfg, return_aux=True, head=False, par=par)
     h = aux["streams"]  # [B, γ+1, n, D]
     _, ms, _ = mtp.extend(params, ms, h[:, :gamma], _rows(d, start, jnp.where(active, n_acc, 0), slot, vb["page_table"]),
-                          cfg, ccfg, head=False)
+                          cfg, ccfg, head=False, par=par)
     last = jnp.take_along_axis(h, n_acc[:, None, None, None], axis=1)[:, 0]
     m = state["mtp"]
-    return toks, n_acc, dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, active)})
+    return toks, n_acc, _held(dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, active)}),
+                              par)
 
 
-def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False):
-    """`extend_seeding` jitted (cache donated), once per (cfg, ccfg, all_logits)."""
-    return _jitted_seeding(cfg, ccfg, bool(all_logits))
+def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):
+    """`extend_seeding` jitted (cache donated), once per (cfg, ccfg, all_logits, mesh)."""
+    return _jitted_seeding(cfg, ccfg, bool(all_logits), mesh)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_seeding(cfg, ccfg, all_logits):
-    return jax.jit(functools.partial(extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits), donate_argnums=(1,))
+def _jitted_seeding(cfg, ccfg, all_logits, mesh):
+    fn = functools.partial(extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=MeshPlan.of(mesh))
+    return jax.jit(fn, donate_argnums=(1,))

@@ -690,7 +690,7 @@ class Runner:
         if not self.spec_gamma:
             return NoSpeculation(self.model_step)
         if self._mtp:
-            return MTPSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed)
+            return MTPSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed, self.mesh)
         return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.step_mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 

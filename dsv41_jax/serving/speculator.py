@@ -325,7 +325,7 @@ class DSparkSpeculator:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _mtp_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma):
+def _mtp_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma, mesh=None):
     """`_propose_launch` for MTP: the drafts alone (the same draws as the MTP step's own), int32 [B, γ]."""
     from dsv41_jax.serving import mtp_speculative as mtp_spec
 
@@ -333,36 +333,38 @@ def _mtp_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & active)
     draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
-    return mtp_spec.propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma)[0]
+    par = mesh_plan.MeshPlan.of(mesh)
+    return mtp_spec.propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma, par=par)[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_mtp(cfg, ccfg, gamma: int):
-    """(the MTP verify-then-commit launch, cache / tensors / last_token donated; the draft-only launch)."""
+def _jitted_mtp(cfg, ccfg, gamma: int, mesh=None):
+    """(the MTP verify-then-commit launch, cache / tensors / last_token donated; the draft-only launch), on `mesh`
+    (None: one device; a tp x ep mesh: `mtp_speculative` module doc)."""
     from dsv41_jax.serving import mtp_speculative as mtp_spec
 
-    step = jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, step=mtp_spec.speculative_step),
-                   donate_argnums=(1, 2, 3))
-    return step, jax.jit(functools.partial(_mtp_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma))
+    step = jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh,
+                                     step=mtp_spec.speculative_step), donate_argnums=(1, 2, 3))
+    return step, jax.jit(functools.partial(_mtp_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh))
 
 
 class MTPSpeculator(DSparkSpeculator):
     """MTP speculation for DeepSeek-V4 (`mtp_speculative` module doc): DSpark's launch, grammar walk and verify
-    with the MTP layer's draft and per-slot state. One device; no simulated accept length."""
+    with the MTP layer's draft and per-slot state. One device or a tp x ep mesh; no simulated accept length."""
 
-    def __init__(self, cfg, ccfg, gamma: int, seed: int = 0):
-        self.cfg, self.ccfg, self.gamma, self.mesh = cfg, ccfg, int(gamma), None
+    def __init__(self, cfg, ccfg, gamma: int, seed: int = 0, mesh=None):
+        self.cfg, self.ccfg, self.gamma, self.mesh = cfg, ccfg, int(gamma), mesh
         self.simulate_accept_length = None
         self._sim_rng = np.random.default_rng(seed)
-        self._step, self._propose = _jitted_mtp(cfg, ccfg, self.gamma)
+        self._step, self._propose = _jitted_mtp(cfg, ccfg, self.gamma, mesh)
         self._allow_all: dict = {}
 
     def seed_state(self, state: dict) -> dict:
         from dsv41_jax.serving import mtp_speculative as mtp_spec
 
-        return mtp_spec.with_mtp_state(state, self.cfg, self.ccfg)
+        return mtp_spec.with_mtp_state(state, self.cfg, self.ccfg, self.mesh)
 
     def extend_step(self, all_logits: bool):
         from dsv41_jax.serving import mtp_speculative as mtp_spec
 
-        return mtp_spec.jitted_extend_seeding(self.cfg, self.ccfg, all_logits)
+        return mtp_spec.jitted_extend_seeding(self.cfg, self.ccfg, all_logits, self.mesh)

@@ -25,7 +25,8 @@ calls the shared op it varies (nothing of V4.1 is copied):
   streams, its own hc_head), reference and paged; `speculative` — model-level greedy decoding, plain and with
   MTP speculation verified by `decode.extend` (== plain greedy in the exact mode).
 
-The engine runs `decode` through `serving.model_step.V4Step` and MTP through `serving.mtp_speculative`.
-Not here yet (refused in one line where reached, `config_v4.refusal` / `V4Step.refuse`): V4's DSpark head, the
-mesh rules, the Pallas fast paths.
+The engine runs `decode` through `serving.model_step.V4Step` and MTP through `serving.mtp_speculative`, on one
+device or a tp x ep mesh (the forward, `decode` and `mtp` take a `parallel.plan.MeshPlan`; V4's tensors in the one
+rules table, `parallel.rules`; docs/design/v4.md "Mesh"). Not here yet (refused in one line where reached,
+`config_v4.refusal` / `V4Step.refuse`): V4's DSpark head, data-parallel attention, the Pallas fast paths.
 """

@@ -23,11 +23,10 @@ import logging
 import os
 import re
 
-import jax
 import numpy as np
 
 from dsv41_jax.model.checkpoint import (BF16, META_FILE, PARAMS_SUBDIR, CheckpointError, _fmt_problems, _hf_files,
-                                        _requantize_stored, _ts_open, check_family, read_orbax_meta,
+                                        _placer, _requantize_stored, _ts_open, check_family, read_orbax_meta,
                                         read_safetensors_header, read_tensor)
 from dsv41_jax.model.codec import E8M0
 from dsv41_jax.model.params import P, children, flatten_names
@@ -146,8 +145,10 @@ def quant_pairs(cfg, decl) -> dict:
     return out
 
 
-def load_params(path: str, cfg) -> dict:
-    """The V4 parameter tree of directory `path` for `cfg` (`v4.params.declare_params`), on the default device."""
+def load_params(path: str, cfg, par=None) -> dict:
+    """The V4 parameter tree of directory `path` for `cfg` (`v4.params.declare_params`), on the default device, or
+    with a mesh plan `par` each leaf read on the host and placed straight onto its sharding (`checkpoint._placer`:
+    every device receives only its block)."""
     entries = _entries(path)
     used = set()
 
@@ -159,14 +160,15 @@ def load_params(path: str, cfg) -> dict:
         return _read(entries, name, decl, decl.shape)
 
     decl = release_decl(cfg, entries, path)
-    flat = {n: jax.device_put(leaf(n, d)) for n, d in flatten_names(decl).items()}
+    place = _placer(cfg, par)
+    flat = {n: place(n, leaf(n, d)) for n, d in flatten_names(decl).items()}
     extra = sorted(set(entries) - used)
     if extra:
         log.warning("%s: %d tensors this config does not use, e.g. %s", path, len(extra), extra[:5])
     return _unflatten(decl, flat, "")
 
 
-def load_orbax(path: str, cfg) -> dict:
+def load_orbax(path: str, cfg, par=None) -> dict:
     """The V4 parameter tree of a directory ``python -m dsv41_jax.convert`` wrote from a V4 release directory
     (`checkpoint.checkpoint_kind` "orbax"): the same leaves, dtypes and bits as `load_params` of the source;
     storage ``bf16`` pairs re-quantized with their block (exact: e4m3·2^k and e2m1·2^k are bf16 values).
@@ -198,7 +200,7 @@ def load_orbax(path: str, cfg) -> dict:
     extra = sorted(set(recorded) - set(leaves))
     if extra:
         log.warning("%s: %d arrays this config does not use were ignored: %s", path, len(extra), ", ".join(extra[:20]))
-    flat = {}
+    flat, place = {}, _placer(cfg, par)
     for name, d in leaves.items():
         if name in scales:
             continue
@@ -210,9 +212,9 @@ def load_orbax(path: str, cfg) -> dict:
         if name in pairs:
             kind, sname, _, block = pairs[name]
             q, sc = _requantize_stored(arr, kind, None, block)
-            flat[name], flat[sname] = jax.device_put(q), jax.device_put(sc)
+            flat[name], flat[sname] = place(name, np.asarray(q)), place(sname, np.asarray(sc))
         else:
-            flat[name] = jax.device_put(np.asarray(arr.read().result()))
+            flat[name] = place(name, np.asarray(arr.read().result()))
     return _unflatten(decl, flat, "")
 
 

@@ -21,6 +21,10 @@ the forward's (`v4.transformer`) for the same prefix: the same functions on the 
 mode (fp64-accumulated sums, independent of how keys are laid out) bit for bit (tests/test_v4_decode.py).
 V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others and a dp
 layout are refused (NotImplementedError). `jitted_extend` is the engine's step (`serving.model_step`).
+
+On a tp x ep mesh (``par``; `v4.transformer` module doc) the cache is replicated, as V4.1's (`parallel.rules`:
+one latent KV head, so the rings, pools and compressor projections are read whole by every head's shard; every
+shard computes them from replicated weights and writes the same values, no communication).
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
+from dsv41_jax.model import tiling
 from dsv41_jax.model.attention import attend, sink_of, window_keys
 from dsv41_jax.model.config_v4 import attention_kinds
 from dsv41_jax.model.decode import _window_write
 from dsv41_jax.model.indexer import pool_index
-from dsv41_jax.model.mhc import hc_post
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import compressor as comp4
@@ -43,7 +47,7 @@ from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import (compressed_view, index_select, layer_freqs, output_proj, project_kv,
                                           project_q)
 from dsv41_jax.model.v4.moe import moe
-from dsv41_jax.model.v4.transformer import final_logits, layer_ratio, refuse_unsupported
+from dsv41_jax.model.v4.transformer import final_logits, layer_ratio, refuse_unsupported, sublayer_exit
 
 
 def _check(cfg, ccfg) -> None:
@@ -197,67 +201,75 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
     return output_proj(p, o, positions, freqs, cfg, dt), st_win, st_comp, rec
 
 
-def extend(params, state, batch, cfg, ccfg, return_aux: bool = False, head: bool = True):
+def extend(params, state, batch, cfg, ccfg, return_aux: bool = False, head: bool = True, par=None):
     """Run the batch's new tokens through every layer against the cache. Returns (logits fp32 [B, T, vocab],
     state') and with `return_aux` the forward's aux ({"topk", "experts", "layer_inputs"} per layer, "hidden",
     "streams": the last layer's output streams [B, T, n, D]) too. head=False (with `return_aux`): logits None and
     aux "hidden" None — the caller runs `final_logits` on the rows it needs.
-    Jittable with static cfg / ccfg / return_aux; tokens past n_new[b] are padding (masked, never written)."""
-    refuse_unsupported(cfg)
+    Jittable with static cfg / ccfg / return_aux / par (a tp x ep mesh plan, module doc); tokens past n_new[b] are
+    padding (masked, never written)."""
+    refuse_unsupported(cfg, par)
     _check(cfg, ccfg)
     dt = act_dtype(cfg)
     tokens = jnp.asarray(batch["tokens"], jnp.int32)
     B, T = tokens.shape
     positions = batch["start"][:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T)[None, :] < batch["n_new"][:, None]
-    h = embed_streams(params, tokens, cfg, dt)
-    aux = new_aux()
     state = {"window": list(state["window"]), "partial": dict(state["partial"]), "comp": dict(state["comp"]),
              "ikeys": dict(state["ikeys"])}
-    for i, kind in enumerate(attention_kinds(cfg)):
-        h, state["window"][i], st, rec = layer_step(params["layers"][i], h, tokens, state["window"][i],
-                                                    _layer_of(state, str(i)), batch, positions, valid, kind,
-                                                    i in cfg.hash_layer_ids, cfg, ccfg, dt)
-        if st is not None:
-            _put_layer(state, str(i), st)
-        aux = record(aux, i, *rec)
-    logits, x = final_logits(params, h, cfg, dt) if head else (None, None)
+    with tiling.on_mesh(par):
+        h = embed_streams(params, tokens, cfg, dt, par)
+        aux = new_aux()
+        for i, kind in enumerate(attention_kinds(cfg)):
+            h, state["window"][i], st, rec = layer_step(params["layers"][i], h, tokens, state["window"][i],
+                                                        _layer_of(state, str(i)), batch, positions, valid, kind,
+                                                        i in cfg.hash_layer_ids, cfg, ccfg, dt, par)
+            if st is not None:
+                _put_layer(state, str(i), st)
+            aux = record(aux, i, *rec)
+        logits, x = final_logits(params, h, cfg, dt) if head else (None, None)
     return (logits, state, dict(aux, hidden=x, streams=h)) if return_aux else (logits, state)
 
 
-def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, hashed: bool, cfg, ccfg, dt):
+def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, hashed: bool, cfg, ccfg, dt, par=None):
     """One V4 layer on the cache (a target layer, or an MTP layer on its own input streams; `v4.transformer.
     layer_forward` for a sequence from 0): h [B, T, n, D] -> (h', window ring', compressor state' (None at a
     sliding layer), (rec {"layer_inputs", "experts"}, attention rec {"topk"} at CSA))."""
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, win, comp, arec = attention_cached(lp["attn"], x, win, comp, batch, positions, valid, kind, cfg, ccfg, dt)
-    h = hc_post(y, h, post, comb, dt)
+    h = sublayer_exit(y, h, post, comb, dt, par)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
-    y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
-    return hc_post(y, h, post, comb, dt), win, comp, (rec, arec)
+    y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt, par)
+    return sublayer_exit(y, h, post, comb, dt, par), win, comp, (rec, arec)
 
 
-def head_logits(params, streams, n_new, cfg, all_logits: bool = False):
+def head_logits(params, streams, n_new, cfg, all_logits: bool = False, par=None):
     """The vocab logits of a step's output streams [B, T, n, D] (`extend`'s aux "streams"): fp32 [B, T, vocab] with
     `all_logits`, else [B, vocab] at each row's last new token (position n_new[b] − 1; 0 for a padding row), the
     head run on those rows only."""
     if not all_logits:
         last = jnp.maximum(jnp.asarray(n_new) - 1, 0)
         streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)  # [B, 1, n, D]
-    logits, _ = final_logits(params, streams, cfg, act_dtype(cfg))
+    with tiling.on_mesh(par):
+        logits, _ = final_logits(params, streams, cfg, act_dtype(cfg))
     return logits if all_logits else logits[:, 0]
 
 
-def extend_logits(params, state, batch, cfg, ccfg, all_logits: bool = False):
+def extend_logits(params, state, batch, cfg, ccfg, all_logits: bool = False, par=None):
     """`extend` as the engine's step runs it (`decode.extend`'s contract): (logits, state') with logits
     `head_logits`' (all positions with `all_logits`, else each row's last new token)."""
-    _, state, aux = extend(params, state, batch, cfg, ccfg, return_aux=True, head=False)
-    return head_logits(params, aux["streams"], batch["n_new"], cfg, all_logits), state
+    _, state, aux = extend(params, state, batch, cfg, ccfg, return_aux=True, head=False, par=par)
+    return head_logits(params, aux["streams"], batch["n_new"], cfg, all_logits, par), state
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_extend(cfg, ccfg, all_logits: bool = False):
-    """`extend_logits` jitted for (cfg, ccfg, all_logits) with the cache donated; compiles once per (B, T)."""
-    return jax.jit(functools.partial(extend_logits, cfg=cfg, ccfg=ccfg, all_logits=bool(all_logits)),
-                   donate_argnums=(1,))
+def jitted_extend(cfg, ccfg, all_logits: bool = False, par=None):
+    """`extend_logits` jitted for (cfg, ccfg, all_logits[, par]) with the cache donated; compiles once per (B, T).
+    With a mesh plan `par` the step's in / out shardings are `par.step_shardings` (params as `parallel.rules.
+    shard_params` places them, the cache replicated, logits replicated)."""
+    fn = functools.partial(extend_logits, cfg=cfg, ccfg=ccfg, all_logits=bool(all_logits), par=par)
+    if par is None:
+        return jax.jit(fn, donate_argnums=(1,))
+    ins, outs = par.step_shardings(cfg, ccfg, bool(all_logits))
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=(1,))

@@ -7,6 +7,7 @@ indexed by the token id (`moe.route` with ``idx``); the other layers route by th
 (`routed_reference`: every expert on every token, routing weight 0 for the unselected, summed in ascending
 expert id in fp32, as `moe`'s reference) or, for MXFP4 experts with the "xla" moe implementation, V4.1's
 grouped path (`moe.routed_slots` + `moe.combine_slots`). The SwiGLU with its clamps is `moe.swiglu_expert`.
+On a mesh with the experts split over ep, either runs per expert shard in V4.1's expert-parallel MoE (`routed`).
 """
 
 from __future__ import annotations
@@ -40,14 +41,47 @@ def routed_reference(ex, xf, idx, w, cfg, dt):
     return routed
 
 
-def routed(ex, xf, idx, w, cfg, dt):
+def reference_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
+    """`routed_reference` per assignment, for expert parallelism: fp32 [N, k, D] where slot (n, j) holds expert
+    idx[n, j]'s output for token n if that expert is among the held ``first_expert .. first_expert + E_l − 1``
+    (computed on every token as the reference does, with the reference's summed weight when a hash-table row names
+    it twice: there only its first slot holds it), else exact zeros (`moe.routed_slots`' contract). Folded by
+    `moe.combine_slots` (ascending expert id, fp32, from zero) it is the reference's sum bit for bit: the
+    reference's terms of the unselected experts are exact zeros (weight 0 before w2), which change no fp32 sum."""
+    N, D = xf.shape
+    k = idx.shape[1]
+    E_l = jax.tree_util.tree_leaves(ex["w1"])[0].shape[0]
+    loc = idx - first_expert
+    loc = jnp.where((loc >= 0) & (loc < E_l), loc, E_l)  # another shard's experts: out of range, dropped
+    dense_w = jnp.zeros((N, E_l), jnp.float32).at[jnp.arange(N)[:, None], loc].add(w, mode="drop")
+    first = jnp.ones((N, k), bool)
+    for j in range(1, k):  # a repeated id's later slots stay zero (its weight is summed into the first)
+        first = first.at[:, j].set(jnp.all(idx[:, :j] != idx[:, j:j + 1], axis=1))
+    lin = functools.partial(expert, cfg=cfg, dt=dt)
+
+    def body(out, e):
+        pe = jax.tree_util.tree_map(lambda t: t[e], ex)
+        y = moe41.swiglu_expert(xf, pe["w1"], pe["w3"], pe["w2"], dense_w[:, e], cfg.swiglu_limit, dt, lin)
+        mine = first & (idx == first_expert + e)
+        return jnp.where(mine[..., None], y.astype(jnp.float32)[:, None], out), None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((N, k, D), jnp.float32), jnp.arange(E_l))
+    return out
+
+
+def routed(ex, xf, idx, w, cfg, dt, par=None):
     """fp32 [N, D]: the routed experts' sum by the moe implementation ("reference"; "xla": V4.1's grouped
     path for MXFP4 experts, the reference for plain ones and in the release numerics, whose activation blocks V4.1's
-    grouped GEMM does not take). Pallas: refused (no V4 kernel wiring yet)."""
+    grouped GEMM does not take). Pallas: refused (no V4 kernel wiring yet). par: a mesh plan whose experts are
+    split (ep > 1): the same per-assignment computation on each expert shard, one psum (`par.routed_experts`:
+    V4.1's expert-parallel MoE; the reference as `reference_slots`), bitwise the unsharded sum."""
     impl = dispatch.resolve(cfg, "moe")
     if dispatch.is_kernel(impl):
         raise NotImplementedError(f"DeepSeek-V4: moe={impl!r} has no V4 wiring yet; use 'moe=xla' or 'reference'")
-    if impl == "xla" and is_mxfp4(ex["w1"]) and xf.shape[0] and not cfg.act_quant_block:  # V4.1's 32-wide blocks
+    grouped = impl == "xla" and is_mxfp4(ex["w1"]) and xf.shape[0] and not cfg.act_quant_block  # V4.1's 32-wide blocks
+    if par is not None and par.expert_parallel:
+        return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=moe41.routed_slots if grouped else reference_slots)
+    if grouped:
         return moe41.combine_slots(moe41.routed_slots(ex, xf, idx, w, cfg, dt), idx)
     return routed_reference(ex, xf, idx, w, cfg, dt)
 
@@ -58,13 +92,14 @@ def shared_expert(sh, xf, cfg, dt):
     return moe41.swiglu_expert(xf, sh["w1"], sh["w3"], sh["w2"], None, cfg.swiglu_limit, dt, lin)
 
 
-def moe(p, x, token_ids, hashed: bool, cfg, dt):
+def moe(p, x, token_ids, hashed: bool, cfg, dt, par=None):
     """x [..., D] (the normed ffn input), token_ids int32 [...] (the tokens at those positions: the hash
-    table's index) -> (y [..., D] in `dt`, (idx int32 [..., k], w fp32 [..., k]))."""
+    table's index) -> (y [..., D] in `dt`, (idx int32 [..., k], w fp32 [..., k])). par: a mesh plan (`routed`)."""
     shape = x.shape
     k = cfg.num_experts_per_tok
     xf = x.reshape(-1, shape[-1])
     idx = p["gate"]["tid2eid"][token_ids.reshape(-1)].astype(jnp.int32) if hashed else None
     idx, w, _ = moe41.route(p["gate"], xf, k, cfg, idx=idx)
-    y = routed(p["experts"], xf, idx, w, cfg, dt) + shared_expert(p["shared_experts"], xf, cfg, dt).astype(jnp.float32)
+    y = routed(p["experts"], xf, idx, w, cfg, dt, par)
+    y = y + shared_expert(p["shared_experts"], xf, cfg, dt).astype(jnp.float32)
     return y.astype(dt).reshape(shape), (idx.reshape(shape[:-1] + (k,)), w.reshape(shape[:-1] + (k,)))

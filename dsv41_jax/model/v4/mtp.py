@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from dsv41_jax.model import tiling
 from dsv41_jax.model.config_v4 import draft_kinds
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
-from dsv41_jax.model.transformer import new_aux, record
+from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4.linear import dense
 from dsv41_jax.model.v4.transformer import final_logits, layer_forward, refuse_unsupported
@@ -41,30 +42,33 @@ def require(params, cfg) -> None:
                                   "and only one is implemented")
 
 
-def draft_input(params, p, h, next_tokens, cfg, dt):
+def draft_input(params, p, h, next_tokens, cfg, dt, par=None):
     """The MTP layer's input streams [B, T, n, D] in `dt`: e_proj(enorm(embed(next_tokens))) [.., None, :] +
-    h_proj(hnorm(h)); h [B, T, n, D] the target's output streams, next_tokens int32 [B, T]."""
+    h_proj(hnorm(h)); h [B, T, n, D] the target's output streams, next_tokens int32 [B, T]. par: a mesh plan
+    (the embedding's rows split over tp: `transformer.embed_streams`' gather, one stream of it)."""
     ex = is_exact(cfg)
-    e = rmsnorm(params["embed"]["weight"][next_tokens].astype(dt), p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
+    e = embed_streams(params, next_tokens, cfg, dt, par)[..., 0, :]
+    e = rmsnorm(e, p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
     s = rmsnorm(h.astype(dt), p["hnorm"]["weight"], cfg.rms_norm_eps, dt, ex)
     return (dense(e, p["e_proj"], cfg, dt)[..., None, :] + dense(s, p["h_proj"], cfg, dt)).astype(dt)
 
 
-def forward(params, h, next_tokens, cfg, return_aux: bool = False):
+def forward(params, h, next_tokens, cfg, return_aux: bool = False, par=None):
     """Reference MTP pass over a sequence from position 0: h [B, T, n, D] the target's output streams (its
     forward's aux "streams"), next_tokens int32 [B, T] (t_{p+1} at row p). Returns logits fp32 [B, T, vocab]
     (row p proposes t_{p+2}) and with `return_aux` {"experts", "topk", "layer_inputs"} of the layer (key 0),
-    "streams" (its output streams [B, T, n, D])."""
-    refuse_unsupported(cfg)
+    "streams" (its output streams [B, T, n, D]). par: a tp x ep mesh plan (`v4.transformer` module doc)."""
+    refuse_unsupported(cfg, par)
     require(params, cfg)
     dt = act_dtype(cfg)
     next_tokens = jnp.asarray(next_tokens, jnp.int32)
     B, T = next_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     p = params["mtp"][0]
-    x = draft_input(params, p, h, next_tokens, cfg, dt)
-    x, rec, arec = layer_forward(p, x, next_tokens, positions, draft_kinds(cfg)[0], False, cfg, dt)
-    logits, _ = final_logits(params, x, cfg, dt, head=p)
+    with tiling.on_mesh(par):
+        x = draft_input(params, p, h, next_tokens, cfg, dt, par)
+        x, rec, arec = layer_forward(p, x, next_tokens, positions, draft_kinds(cfg)[0], False, cfg, dt, par)
+        logits, _ = final_logits(params, x, cfg, dt, head=p)
     return (logits, dict(record(new_aux(), 0, rec, arec), streams=x)) if return_aux else logits
 
 
@@ -77,12 +81,13 @@ def init_state(cfg, ccfg) -> dict:
             "comp": {} if kind == "sliding" else {"0": dec4.comp_state(kind, cfg, ccfg)}}
 
 
-def extend(params, state, h, batch, cfg, ccfg, head: bool = True):
+def extend(params, state, h, batch, cfg, ccfg, head: bool = True, par=None):
     """The MTP layer on its cache: batch as `v4.decode.extend`'s with ``tokens`` the next tokens (t_{p+1} at
     position p), h [B, T, n, D] the streams of those rows (the target's, or the layer's own when chaining).
     Returns (logits fp32 [B, T, vocab], state', output streams [B, T, n, D]); head=False: logits None (a
-    catch-up pass whose proposals nobody reads). Jittable with static cfg / ccfg / head."""
-    refuse_unsupported(cfg)
+    catch-up pass whose proposals nobody reads). Jittable with static cfg / ccfg / head / par (a tp x ep mesh plan:
+    its cache replicated, as the target's, `v4.decode`)."""
+    refuse_unsupported(cfg, par)
     require(params, cfg)
     dec4._check(cfg, ccfg)
     dt = act_dtype(cfg)
@@ -91,8 +96,9 @@ def extend(params, state, h, batch, cfg, ccfg, head: bool = True):
     positions = batch["start"][:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T)[None, :] < batch["n_new"][:, None]
     p = params["mtp"][0]
-    x = draft_input(params, p, h, tokens, cfg, dt)
-    x, win, comp, _ = dec4.layer_step(p, x, tokens, state["window"][0], state["comp"].get("0"), batch, positions,
-                                      valid, draft_kinds(cfg)[0], False, cfg, ccfg, dt)
-    logits = final_logits(params, x, cfg, dt, head=p)[0] if head else None
+    with tiling.on_mesh(par):
+        x = draft_input(params, p, h, tokens, cfg, dt, par)
+        x, win, comp, _ = dec4.layer_step(p, x, tokens, state["window"][0], state["comp"].get("0"), batch, positions,
+                                          valid, draft_kinds(cfg)[0], False, cfg, ccfg, dt, par)
+        logits = final_logits(params, x, cfg, dt, head=p)[0] if head else None
     return logits, {"window": [win], "comp": {} if comp is None else {"0": comp}}, x

@@ -10,6 +10,9 @@ layers neither. Hash-routed layers have ``ffn.gate.tid2eid`` [vocab, k] int32 in
 Dense weights (`dense_decl`): fp8 e4m3 with e8m0 ``weight_block_size`` block scales when the config has a
 block size (the release), else plain bf16; the file's own float dtype is kept on load (`v4.checkpoint`).
 Routed experts: MXFP4 (``expert_dtype`` "fp4", V4.1's `params.mxfp4_experts_decl`) or plain.
+
+Logical axes (each tensor's mesh split): V4.1's names and its one table (`parallel.rules.RULES`; docs/design/v4.md
+"Mesh"); `partition_specs` gives every tensor's `PartitionSpec` on a tp x ep mesh by checkpoint name.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def compressor_decl(cfg, ratio: int, width: int, d: int):
     """A compressor of `width` series (2: CSA's overlapping windows, 1: HCA) of `d` channels."""
     D = cfg.hidden_size
     return {"wkv": _plain(width * d, D, "kv", "embed"), "wgate": _plain(width * d, D, "kv", "embed"),
-            "ape": P((ratio, width * d), F32, (None, "kv"), "normal", 0.5), "norm": _norm(d)}
+            "ape": P((ratio, width * d), F32, ("comp_slot", "kv"), "normal", 0.5), "norm": _norm(d)}
 
 
 def layer_decl(cfg, i: int, kind=None) -> dict:
@@ -82,11 +85,11 @@ def layer_decl(cfg, i: int, kind=None) -> dict:
         attn["compressor"] = compressor_decl(cfg, cfg.hca_compress_ratio, 1, hd)
     d["attn"] = attn
     E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    gate = {"weight": P((E, D), BF16, ("experts", "embed"), "normal", 1.0 / math.sqrt(D))}
+    gate = {"weight": P((E, D), BF16, ("experts_gate", "embed"), "normal", 1.0 / math.sqrt(D))}
     if i in cfg.hash_layer_ids:
-        gate["tid2eid"] = P((cfg.vocab_size, k), jnp.int32, ("vocab", None), "tid2eid")
+        gate["tid2eid"] = P((cfg.vocab_size, k), jnp.int32, ("hash_vocab", None), "tid2eid")
     else:
-        gate["bias"] = P((E,), F32, ("experts",), "normal", 0.1)
+        gate["bias"] = P((E,), F32, ("experts_gate",), "normal", 0.1)
     if cfg.expert_dtype == "fp4":
         experts = {"w1": mxfp4_experts_decl(E, I, D, "expert_mlp", "embed"),
                    "w3": mxfp4_experts_decl(E, I, D, "expert_mlp", "embed"),
@@ -134,6 +137,23 @@ def declare_params(cfg) -> dict:
             **head_decl(cfg),
             "layers": [layer_decl(cfg, i) for i in range(cfg.num_hidden_layers)],
             "mtp": [mtp_decl(cfg, s) for s in range(S)]}
+
+
+def partition_specs(cfg, tp: int = 1, ep: int = 1) -> dict:
+    """{checkpoint-style name (`params.flatten_names`): `jax.sharding.PartitionSpec`} of every V4 tensor on a
+    tp x ep mesh (what the converter's ``--tp`` / ``--ep`` layout records). The split is `params.mesh_shardings`'
+    (the logical-axis table, which names V4's extra axes as `parallel.rules.RULES` does): q heads, o groups, the
+    shared expert's intermediate and the vocabulary over tp, the routed experts and the gate's rows over ep,
+    everything else (compressors with ``ape``, indexers, ``tid2eid``, ``hc_head``, norms, mHC) replicated; a dim
+    that does not divide by its mesh axis is replicated."""
+    from jax.sharding import AbstractMesh
+
+    from dsv41_jax.model.params import flatten_names, mesh_shardings
+
+    if cfg.model_family != "deepseek_v4":
+        raise ValueError(f"v4.params.partition_specs: a DeepSeek-V4 config, got model_family {cfg.model_family!r}")
+    mesh = AbstractMesh((tp, ep), ("tp", "ep"))
+    return {n: s.spec for n, s in flatten_names(mesh_shardings(cfg, mesh)).items()}
 
 
 def _rng(key, name: str) -> np.random.Generator:

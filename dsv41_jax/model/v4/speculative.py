@@ -21,6 +21,7 @@ Chunks are padded to γ + 1 tokens so a run compiles three step shapes (prompt, 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -50,14 +51,15 @@ def _setup(prompt, max_new: int, cfg, ccfg):
 
 
 # one jitted target step and one MTP step for every call (compiled once per shape and config)
-_STEP = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux"))
-_MTP_STEP = jax.jit(mtp.extend, static_argnames=("cfg", "ccfg"))
+_STEP = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux", "par"))
+_MTP_STEP = jax.jit(mtp.extend, static_argnames=("cfg", "ccfg", "par"))
 
 
-def greedy(params, prompt, max_new_tokens: int, cfg, ccfg) -> list:
-    """Plain greedy decoding of one prompt (a list of token ids): the `max_new_tokens` tokens chosen."""
+def greedy(params, prompt, max_new_tokens: int, cfg, ccfg, par=None) -> list:
+    """Plain greedy decoding of one prompt (a list of token ids): the `max_new_tokens` tokens chosen. par: a tp x ep
+    mesh plan, the params placed by `parallel.rules.shard_params` (`v4.decode`)."""
     pt = _setup(prompt, max_new_tokens, cfg, ccfg)
-    step = _STEP
+    step = functools.partial(_STEP, par=par)
     state = dec4.init_state(cfg, ccfg)
     logits, state = step(params, state, _batch(prompt, 0, len(prompt), len(prompt), pt), cfg, ccfg)
     out = [int(np.argmax(np.asarray(logits)[0, len(prompt) - 1]))]
@@ -69,16 +71,16 @@ def greedy(params, prompt, max_new_tokens: int, cfg, ccfg) -> list:
 
 
 def greedy_mtp(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: int = 2,
-               propose: Optional[Callable] = None) -> tuple:
+               propose: Optional[Callable] = None, par=None) -> tuple:
     """Greedy decoding of one prompt with MTP speculation (module doc). gamma: draft tokens per step (>= 1).
     propose(tokens so far, mtp drafts [γ]) -> the γ tokens to verify (default: the MTP drafts; tests pass an
-    oracle to exercise full and partial acceptance). Returns (the `max_new_tokens` tokens, {"steps": target
+    oracle to exercise full and partial acceptance); par: as `greedy`'s. Returns (the `max_new_tokens` tokens, {"steps": target
     verify steps, "accepted": draft tokens kept})."""
     mtp.require(params, cfg)
     if gamma < 1:
         raise ValueError(f"greedy_mtp: gamma must be >= 1, got {gamma}")
     pt = _setup(prompt, max_new_tokens + gamma, cfg, ccfg)
-    step, mstep = _STEP, _MTP_STEP
+    step, mstep = functools.partial(_STEP, par=par), functools.partial(_MTP_STEP, par=par)
     G = gamma + 1
     state, mstate = dec4.init_state(cfg, ccfg), mtp.init_state(cfg, ccfg)
     n0 = len(prompt)

@@ -6,20 +6,26 @@ Per layer L (kind `config_v4.attention_kinds`[L]; V4's pre-mix ordering, `v4.mhc
 then x = norm(hc_head(h)), logits = head · x. Plain jnp, jittable with static cfg; layers unrolled.
 
 The numerics modes are V4.1's (`numerics`): "float32" / "exact" with a plain (unquantized) checkpoint is
-transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Not here: a mesh plan
-(V4's mesh rules), Pallas kernels — both refused with NotImplementedError.
+transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Not here: Pallas kernels, a
+data-parallel mesh — refused with NotImplementedError.
+
+On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; params placed by `parallel.rules.shard_params`, docs/design/
+v4.md "Mesh"): the embedding rows are gathered where they live (`par.embed_gather`), the routed experts run
+expert-parallel (`v4.moe.routed`), and every sublayer output and the streams are pinned replicated (as V4.1's
+`transformer.replicated`: the norms' and mHC's sums over D then run as unsharded); the rest (heads over tp, the
+shared expert, the vocabulary) is partitioned by XLA from the parameter shardings.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsv41_jax.model import dispatch, linear
+from dsv41_jax.model import dispatch, linear, tiling
 from dsv41_jax.model.config_v4 import attention_kinds
 from dsv41_jax.model.mhc import hc_post
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
-from dsv41_jax.model.transformer import embed_streams, new_aux, record
+from dsv41_jax.model.transformer import embed_streams, new_aux, record, replicated
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import attention_full
 from dsv41_jax.model.v4.moe import moe
@@ -30,9 +36,13 @@ def layer_ratio(cfg, kind: str) -> int:
 
 
 def refuse_unsupported(cfg, par=None) -> None:
-    """NotImplementedError for what the V4 forward does not run: a mesh, an explicit Pallas implementation."""
-    if par is not None and par.size > 1:
-        raise NotImplementedError("DeepSeek-V4: no mesh rules yet (tp / ep); run it on one device")
+    """NotImplementedError for what the V4 forward does not run: a data-parallel mesh (or another MoE dispatch than
+    the psum one, or redundant experts), an explicit Pallas implementation."""
+    if par is not None and par.axis_size("dp") > 1:
+        raise NotImplementedError("DeepSeek-V4: no data-parallel attention layout (a tp x ep mesh runs it)")
+    if par is not None and (par.moe_a2a_backend != "none" or par.expert_location is not None):
+        raise NotImplementedError("DeepSeek-V4 on a mesh: the routed experts run V4.1's psum expert parallelism only "
+                                  "(no token dispatch, no redundant experts)")
     explicit = {op: impl for op, impl in dispatch.parse_impl(cfg.impl).items() if dispatch.is_kernel(impl)}
     if explicit:
         raise NotImplementedError(f"DeepSeek-V4 runs the jnp paths only (no V4 kernel wiring yet); impl asks for "
@@ -46,19 +56,25 @@ def final_logits(params, h, cfg, dt, head=None):
     hp = params if head is None else head
     x = mhc4.head_collapse(h, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], cfg, dt)
     x = rmsnorm(x, hp["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
-    return linear.f32(x, params["head"]["weight"], cfg), x
+    return linear.f32(x, params["head"]["weight"], cfg, row_axis="vocab"), x
 
 
-def layer_forward(lp, h, tokens, positions, kind: str, hashed: bool, cfg, dt):
+def sublayer_exit(y, h, post, comb, dt, par=None):
+    """`mhc.hc_post` of a sublayer's output y [.., D] into the streams h [.., n, D], both pinned replicated on a
+    mesh (module doc)."""
+    return replicated(hc_post(replicated(y, par), h, post, comb, dt), par)
+
+
+def layer_forward(lp, h, tokens, positions, kind: str, hashed: bool, cfg, dt, par=None):
     """One V4 layer over a sequence from position 0 (a target layer, or an MTP layer on its own input streams):
     h [B, T, n, D] -> (h' [B, T, n, D], rec {"layer_inputs", "experts"}, attention rec {"topk"} at CSA)."""
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, arec = attention_full(lp["attn"], x, positions, kind, layer_ratio(cfg, kind), cfg, dt)
-    h = hc_post(y, h, post, comb, dt)
+    h = sublayer_exit(y, h, post, comb, dt, par)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
-    y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
-    return hc_post(y, h, post, comb, dt), rec, arec
+    y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt, par)
+    return sublayer_exit(y, h, post, comb, dt, par), rec, arec
 
 
 def forward(params, tokens, cfg, return_aux: bool = False, par=None):
@@ -71,10 +87,12 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h = embed_streams(params, tokens, cfg, dt)
-    aux = new_aux()
-    for i, kind in enumerate(attention_kinds(cfg)):
-        h, rec, arec = layer_forward(params["layers"][i], h, tokens, positions, kind, i in cfg.hash_layer_ids, cfg, dt)
-        aux = record(aux, i, rec, arec)
-    logits, x = final_logits(params, h, cfg, dt)
+    with tiling.on_mesh(par):  # the head's CPU row tiles follow its vocabulary split (model.tiling)
+        h = embed_streams(params, tokens, cfg, dt, par)
+        aux = new_aux()
+        for i, kind in enumerate(attention_kinds(cfg)):
+            h, rec, arec = layer_forward(params["layers"][i], h, tokens, positions, kind, i in cfg.hash_layer_ids, cfg,
+                                         dt, par)
+            aux = record(aux, i, rec, arec)
+        logits, x = final_logits(params, h, cfg, dt)
     return (logits, dict(aux, hidden=x, streams=h)) if return_aux else logits
