@@ -207,6 +207,13 @@ def from_v4_dict(cls, d: dict, *, source: str):
               engram_layer_ids=(), engram_num_embeddings=())
     if not has_dspark:
         kw["dspark_target_layer_ids"] = ()
+    else:  # the 0731 / 0813 head's stages route over the target's experts (their gates are [n_routed_experts, D], the
+        # config has no dspark_n_* keys); keys saying otherwise are refused by `validate_family`
+        default = {f.name: f.default for f in dataclasses.fields(cls)}
+        for dk, tk in (("dspark_n_routed_experts", "n_routed_experts"),
+                       ("dspark_num_experts_per_tok", "num_experts_per_tok")):
+            if dk not in m:
+                kw[dk] = int(m.get(tk, default[tk]))
 
     unknown = []
     for k, v in m.items():
@@ -255,11 +262,10 @@ def to_v4_dict(cfg) -> dict:
     if cfg.hash_layer_ids == tuple(range(len(cfg.hash_layer_ids))):
         out["num_hash_layers"] = len(cfg.hash_layer_ids)
     out["mlp_layer_types"] = ["hash_moe" if i in cfg.hash_layer_ids else "moe" for i in range(L)]
-    if cfg.draft_kind == "dspark" and S:
+    if cfg.draft_kind == "dspark" and S:  # the release's four keys (the stages' experts are the target's)
         out.update(dspark_block_size=cfg.dspark_block_size, dspark_noise_token_id=cfg.dspark_noise_token_id,
                    dspark_target_layer_ids=list(cfg.dspark_target_layer_ids),
-                   dspark_markov_rank=cfg.dspark_markov_rank, dspark_n_routed_experts=cfg.dspark_n_routed_experts,
-                   dspark_num_experts_per_tok=cfg.dspark_num_experts_per_tok)
+                   dspark_markov_rank=cfg.dspark_markov_rank)
     if cfg.weight_block_size:
         out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "weight_block_size": list(cfg.weight_block_size)}
@@ -317,6 +323,14 @@ def validate_family(cfg, err) -> None:
         err("mhc_variant", f"= {cfg.mhc_variant!r}; 'lagged' (V4.1) or 'pre_mix' (V4)")
     if cfg.draft_kind not in ("mtp", "dspark"):
         err("draft_kind", f"= {cfg.draft_kind!r}; 'mtp' or 'dspark'")
+    if cfg.draft_kind == "dspark" and cfg.num_nextn_predict_layers:
+        if any(r != 0 for r in cfg.compress_ratios[L:]):
+            err("compress_ratios", "V4's DSpark stages are sliding-window layers (ratio 0)")
+        for dk, tk in (("dspark_n_routed_experts", "n_routed_experts"),
+                       ("dspark_num_experts_per_tok", "num_experts_per_tok")):
+            if getattr(cfg, dk) != getattr(cfg, tk):
+                err(dk, f"= {getattr(cfg, dk)}: V4's DSpark stages route over the target's experts ({tk} = "
+                        f"{getattr(cfg, tk)})")
     if cfg.weight_block_size and (len(cfg.weight_block_size) != 2 or min(cfg.weight_block_size) < 1):
         err("weight_block_size", f"= {cfg.weight_block_size} must be two positive sizes (or empty: unquantized)")
     if cfg.expert_dtype not in ("fp4", "fp8", "bf16"):
@@ -362,8 +376,6 @@ def refusal(cfg) -> str:
     missing = [f"V4.1's paged decode step and cache (`model.decode` / `cache.init_cache`; V4's own step with its per-layer "
                f"compressor state, CSA layers {csa} and HCA layers {hca}, is `model.v4.decode.extend`, which the engine "
                f"runs through `serving.model_step.V4Step`)"]
-    if cfg.num_nextn_predict_layers and cfg.draft_kind != "mtp":
-        missing.append("V4's DSpark head")
     missing.append("the mesh rules and the Pallas kernels for V4")
     return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward and "
             f"model.v4.decode.extend run it (CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "
@@ -385,6 +397,27 @@ def tiny_v4(cls):
         q_head_norm=True, weight_block_size=(128, 128), expert_dtype="fp4", draft_kind="mtp",
         num_nextn_predict_layers=1, kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=None,
         engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(), name="tiny-v4")
+
+
+def with_dspark(cfg, block_size: int = 3, markov_rank: int = 16, noise_token_id=None):
+    """`cfg` (a V4 config) with a DSpark head in place of its MTP layer, laid out as Flash-0731 / Pro-0813's
+    (docs/design/v4.md "MTP and the DSpark head"): three sliding-window stages (``compress_ratios`` + [0, 0, 0]),
+    features from the last three target layers' outputs, the target's experts; block size, Markov rank and noise
+    token as given (the release: 5, 256, 128799; default noise id: the last token of the vocabulary)."""
+    L = cfg.num_hidden_layers
+    return cfg.replace(
+        draft_kind="dspark", num_nextn_predict_layers=3, compress_ratios=tuple(cfg.compress_ratios[:L]) + (0, 0, 0),
+        dspark_target_layer_ids=tuple(range(max(L - 3, 0), L)), dspark_block_size=block_size,
+        dspark_markov_rank=markov_rank,
+        dspark_noise_token_id=cfg.vocab_size - 1 if noise_token_id is None else int(noise_token_id),
+        dspark_n_routed_experts=cfg.n_routed_experts, dspark_num_experts_per_tok=cfg.num_experts_per_tok,
+        name=f"{cfg.name}-dspark")
+
+
+def tiny_v4_dspark(cls):
+    """tiny-v4 with a DSpark head (`with_dspark`: 3 stages on target layers 3..5, block 3, Markov rank 16) — a tiny
+    Flash-0731-style model."""
+    return with_dspark(tiny_v4(cls))
 
 
 def flash_v4(cls):
@@ -420,4 +453,4 @@ def pro_v4(cls):
         compress_ratios=ratios + (0,), name="pro-v4")
 
 
-PRESETS = {"tiny-v4": tiny_v4, "flash-v4": flash_v4, "pro-v4": pro_v4}
+PRESETS = {"tiny-v4": tiny_v4, "tiny-v4-dspark": tiny_v4_dspark, "flash-v4": flash_v4, "pro-v4": pro_v4}
