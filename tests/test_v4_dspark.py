@@ -139,3 +139,62 @@ def test_draft_kinds_refuse_each_other():
         sp.greedy_dspark(dict(params, mtp=[]), PROMPT, 2, CFG, CCFG)
     with pytest.raises(ValueError, match="gamma"):
         sp.greedy_dspark(params, PROMPT, 2, CFG, CCFG, gamma=CFG.dspark_block_size + 1)
+
+
+# ---------------------------------------------------------------- the engine (--speculative-algorithm DSPARK)
+
+KW = dict(model="tiny", page_size=8, max_total_tokens=256, context_length=64, max_running_requests=2,
+          chunked_prefill_size=8, batch_buckets=[2], token_buckets=[8], skip_server_warmup=True,
+          decode_log_interval=1000)
+PROMPT2 = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, len(PROMPT))]
+
+
+def test_engine_dspark_greedy_equals_plain_greedy():
+    """The engine with V4's DSpark head (`serving.v4_dspark_speculative`: rings seeded by 8-token prefill chunks,
+    two rows per launch): greedy gives the model-level plain greedy tokens, with the head's own drafts and with an
+    oracle fixing drafts so rows accept 0..γ of them (each prefix committed by re-running the target step); a
+    checkpoint whose draft is an MTP layer is refused."""
+    from oracle_drafter import oracle_drafts
+
+    from dsv41_jax.serving.engine import Engine, EngineError
+    from dsv41_jax.serving.sampling import SamplingParams
+    from dsv41_jax.serving.speculator import V4DSparkSpeculator
+
+    ref = [_reference(), sp.greedy(_params(), PROMPT2, N, CFG, CCFG)]
+    eng = Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", **KW)
+    assert isinstance(eng.runner.speculator, V4DSparkSpeculator) and eng.spec_gamma == CFG.dspark_block_size
+    g = eng.spec_gamma
+    greedy = SamplingParams(max_tokens=N, temperature=0.0)
+
+    def run(tag):
+        rids = [f"{tag}{i}" for i in range(2)]
+        for rid, p in zip(rids, (PROMPT, PROMPT2)):
+            eng.add_request(rid, prompt_token_ids=p, sampling_params=greedy)
+        done = {o.request_id: o for o in eng.run_until_done()}
+        assert all(done[r].finished and done[r].error is None for r in rids)
+        return [done[r].outputs[0].token_ids for r in rids]
+
+    assert run("own") == ref
+    assert eng.stats()["spec_verify_steps"] > 0
+    eng.prefix_cache.clear_cache()
+    seen = {}
+
+    def oracle(L):
+        out = np.full((len(L.rows), g), -1, np.int32)
+        for b, r in enumerate(L.rows):
+            i = int(r.req_id[-1])
+            want = ref[i][r.step:r.step + g]
+            out[b, :len(want)] = want
+            seen[i] = seen.get(i, -1) + 1
+            k = g - (seen[i] + i) % (g + 1)  # the first wrong draft, cycling down per row (k = γ: all right)
+            if k < len(want):
+                out[b, k] = (want[k] + 1) % CFG.vocab_size
+        return out
+
+    with oracle_drafts(eng, oracle) as drafter:
+        assert run("orc") == ref
+    assert {n for a in drafter.accepts() for n in a} == set(range(g + 1))
+    assert eng.allocator.used_pages == 0
+    with pytest.raises(EngineError, match="draft is an MTP layer"):
+        Engine(cfg=ModelConfig.preset("tiny-v4"), params=init_params(ModelConfig.preset("tiny-v4"), jax.random.key(0)),
+               speculative_algorithm="DSPARK", **KW)
