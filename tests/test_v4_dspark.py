@@ -76,6 +76,26 @@ def test_tiny_0731_checkpoint_names_and_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_flash_0731_preset_has_the_release_shapes():
+    """flash-v4-0731's declared head has the shapes of the release's shard headers (docs/design/v4.md)."""
+    from dsv41_jax.model.params import param_shapes
+
+    cfg = ModelConfig.preset("flash-v4-0731")
+    assert len(cfg.compress_ratios) == 46 and cfg.dspark_target_layer_ids == (40, 41, 42)
+    m = param_shapes(cfg)["mtp"]
+    shapes = {"0.main_proj.weight": m[0]["main_proj"].weight, "0.main_proj.scale": m[0]["main_proj"].scale,
+              "2.markov_w1": m[2]["markov_head"]["markov_w1"]["weight"],
+              "2.markov_w2": m[2]["markov_head"]["markov_w2"]["weight"],
+              "2.confidence": m[2]["confidence_head"]["proj"]["weight"], "2.hc_head_fn": m[2]["hc_head_fn"],
+              "1.hc_attn_fn": m[1]["hc_attn_fn"], "1.gate": m[1]["ffn"]["gate"]["weight"],
+              "1.wo_a": m[1]["attn"]["wo_a"].weight, "1.wq_b": m[1]["attn"]["wq_b"].weight}
+    assert {k: tuple(v.shape) for k, v in shapes.items()} == {
+        "0.main_proj.weight": (4096, 12288), "0.main_proj.scale": (32, 96), "2.markov_w1": (129280, 256),
+        "2.markov_w2": (129280, 256), "2.confidence": (1, 4352), "2.hc_head_fn": (4, 16384),
+        "1.hc_attn_fn": (24, 16384), "1.gate": (256, 4096), "1.wo_a": (8192, 4096), "1.wq_b": (32768, 1024)}
+    assert "bias" in m[1]["ffn"]["gate"] and "tid2eid" not in m[1]["ffn"]["gate"]
+
+
 def _seed(chunks):
     """The prompt through `extend_seeding` in chunks of the given sizes, each padded to the chunk's width."""
     state = dspark4.with_rings(sp.dec4.init_state(CFG, CCFG), CFG, CCFG)

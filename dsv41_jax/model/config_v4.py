@@ -439,6 +439,14 @@ def flash_v4(cls):
         engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(), name="flash-v4", **RELEASE_NUMERICS)
 
 
+def flash_v4_0731(cls):
+    """DeepSeek-V4-Flash-0731 (Flash with the bundled DSpark head), shapes only: flash-v4 with `with_dspark`'s head
+    at the release's values (block 5, Markov rank 256, noise token 128799, target layers 40-42; 46 compress_ratios),
+    as read from a copy of its config.json and shard headers (docs/design/v4.md "MTP and the DSpark head")."""
+    return with_dspark(flash_v4(cls), block_size=5, markov_rank=256, noise_token_id=128799).replace(
+        name="flash-v4-0731")
+
+
 def pro_v4(cls):
     """DeepSeek-V4-Pro (original, MTP draft), shapes only. Sources: transformers 5.25 (128 heads x 512,
     o_groups 16 x 1024, hidden 7168 in `DeepseekV4GroupedLinear`'s docstring); 61 layers, q_lora 1536,
@@ -453,4 +461,5 @@ def pro_v4(cls):
         compress_ratios=ratios + (0,), name="pro-v4")
 
 
-PRESETS = {"tiny-v4": tiny_v4, "tiny-v4-dspark": tiny_v4_dspark, "flash-v4": flash_v4, "pro-v4": pro_v4}
+PRESETS = {"tiny-v4": tiny_v4, "tiny-v4-dspark": tiny_v4_dspark, "flash-v4": flash_v4,
+           "flash-v4-0731": flash_v4_0731, "pro-v4": pro_v4}
