@@ -94,6 +94,16 @@ def test_flash_0731_preset_has_the_release_shapes():
         "2.markov_w2": (129280, 256), "2.confidence": (1, 4352), "2.hc_head_fn": (4, 16384),
         "1.hc_attn_fn": (24, 16384), "1.gate": (256, 4096), "1.wo_a": (8192, 4096), "1.wq_b": (32768, 1024)}
     assert "bias" in m[1]["ffn"]["gate"] and "tid2eid" not in m[1]["ffn"]["gate"]
+    # the tensor counts of the release's index: 72,317 in all, per stage 1,568 / 1,565 / 1,572 (experts one each)
+    from dsv41_jax.model.params import flatten_names, param_stats
+    from dsv41_jax.model.v4.checkpoint import _STACKED
+    from dsv41_jax.model.v4.params import declare_params
+
+    per_stage = [0, 0, 0]
+    for n, d in flatten_names(declare_params(cfg)).items():
+        if n.startswith("mtp."):
+            per_stage[int(n.split(".")[1])] += d.shape[0] if _STACKED.match(n) else 1
+    assert per_stage == [1568, 1565, 1572] and param_stats(cfg)["tensors"] == 72317
 
 
 def _seed(chunks):
