@@ -22,9 +22,9 @@ transformers folds in (``compress_rate_csa`` / ``compress_rate_hca``). The flat 
 names of `config._ALIASES` map as for V4.1.
 
 The model runs a V4 config's full-sequence forward (`model.v4`); the V4.1 layer plan does not apply to it:
-`ModelConfig.layer_plan` raises `refusal` (what is missing: the engine's decode path and what builds on it,
-the draft layers, the mesh rules, the kernels) as NotImplementedError, so V4.1's decode step for a V4 config
-fails there instead of running it as V4.1 (V4's own step: `model.v4.decode`).
+`ModelConfig.layer_plan` raises `refusal` (V4.1's decode path is not V4's; missing: the mesh rules, the kernels) as
+NotImplementedError, so V4.1's decode step for a V4 config fails there instead of running it as V4.1 (V4's own
+step: `model.v4.decode`; its drafts: `model.v4.mtp`, `model.v4.dspark`).
 """
 
 from __future__ import annotations
