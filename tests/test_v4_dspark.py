@@ -1,8 +1,9 @@
 """The DSpark head of DeepSeek-V4-Flash-0731 / Pro-0813 (model/v4/dspark.py) on tiny-v4-dspark in the exact mode:
-`make_checkpoint --draft dspark` writes the release's mtp.* names and reads back; the rings written chunk by chunk
-equal one pass's (cached == cold) and so do the proposals; greedy decoding with DSpark speculation == plain greedy,
-with the head's own drafts and with an oracle forcing full and partial acceptance; the MTP / DSpark requirements
-refuse the other draft kind."""
+`make_checkpoint --draft dspark` writes the release's mtp.* names and reads back, flash-v4-0731 has the release's
+shapes and tensor counts; the rings written chunk by chunk equal one pass's (cached == cold) and so do the
+proposals; greedy decoding with DSpark speculation == plain greedy, model-level and in the engine, with the head's
+own drafts and with an oracle forcing full and partial acceptance; the MTP / DSpark requirements refuse the other
+draft kind."""
 
 import functools
 import json
@@ -182,8 +183,9 @@ PROMPT2 = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, 
 def test_engine_dspark_greedy_equals_plain_greedy():
     """The engine with V4's DSpark head (`serving.v4_dspark_speculative`: rings seeded by 8-token prefill chunks,
     two rows per launch): greedy gives the model-level plain greedy tokens, with the head's own drafts and with an
-    oracle fixing drafts so rows accept 0..γ of them (each prefix committed by re-running the target step); a
-    checkpoint whose draft is an MTP layer is refused."""
+    oracle fixing drafts so rows accept 0..γ of them (each prefix committed by re-running the target step); one
+    request's drafts at every step are the model-level `greedy_dspark`'s, cold and from the prefix cache (the
+    snapshot holds the rings); a checkpoint whose draft is an MTP layer is refused."""
     from oracle_drafter import oracle_drafts
 
     from dsv41_jax.serving.engine import Engine, EngineError
@@ -225,6 +227,35 @@ def test_engine_dspark_greedy_equals_plain_greedy():
         assert run("orc") == ref
     assert {n for a in drafter.accepts() for n in a} == set(range(g + 1))
     assert eng.allocator.used_pages == 0
+
+    # the engine's rings (8-token prefill chunks, commits, a prefix-cache snapshot) give the model-level loop's drafts
+    ref_drafts = []
+    sp.greedy_dspark(_params(), PROMPT, N, CFG, CCFG, propose=lambda out, d: ref_drafts.append(list(d)) or d)
+
+    class Recording(V4DSparkSpeculator):
+        def launch(self, params, dev, L, warm=False):
+            if warm or not L.rows:
+                return super().launch(params, dev, L, warm)
+            batch, step = self.batch(L)
+            drafts = np.asarray(self._propose(params, dev.state, dev.slot_tensors, batch, step)).astype(np.int32)
+            got.append(drafts[0].tolist())
+            return self.verify(params, dev, L, batch, step, drafts,
+                               self.grammar_masks(params, dev, L, batch, step, drafts))
+
+    base = eng.runner.speculator
+    rec = Recording.__new__(Recording)
+    rec.__dict__.update(base.__dict__)
+    eng.runner.speculator = rec
+    eng.prefix_cache.clear_cache()
+    try:
+        for tag in ("cold", "cached"):
+            got = []
+            eng.add_request(f"alone-{tag}", prompt_token_ids=PROMPT, sampling_params=greedy)
+            (o,) = eng.run_until_done()
+            assert bool(o.num_cached_tokens) == (tag == "cached") and o.outputs[0].token_ids == ref[0]
+            assert got == ref_drafts and len(got) >= 2, (tag, got, ref_drafts)
+    finally:
+        eng.runner.speculator = base
     with pytest.raises(EngineError, match="draft is an MTP layer"):
         Engine(cfg=ModelConfig.preset("tiny-v4"), params=init_params(ModelConfig.preset("tiny-v4"), jax.random.key(0)),
                speculative_algorithm="DSPARK", **KW)
