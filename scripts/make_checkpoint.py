@@ -4,7 +4,7 @@
     python scripts/make_checkpoint.py --preset tiny --out DIR [--seed N] [--shards K]
     python scripts/make_checkpoint.py --config my_config.json --out DIR   # any (small) config
     python scripts/make_checkpoint.py --preset tiny-v4 --out DIR   # DeepSeek-V4 (`model.v4.checkpoint`)
-    python scripts/make_checkpoint.py --preset tiny-v4 --draft dspark --out DIR   # V4 with a Flash-0731-style DSpark head
+    python scripts/make_checkpoint.py --preset tiny-v4 --draft dspark --out DIR   # V4 with a 0731-style DSpark head
 
 Writes DIR/config.json (HF form: text_config + quantization_config), DIR/model.safetensors.index.json,
 K shards DIR/model-0000i-of-0000K.safetensors with the release's tensor names and dtypes (F8_E4M3

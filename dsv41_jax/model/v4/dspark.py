@@ -71,7 +71,8 @@ def layer_outputs(aux: dict, cfg) -> dict:
     """{target layer id: its output streams [B, T, n, D]} for dspark_target_layer_ids, from a forward's / step's aux
     (the output of layer L is the input of L + 1; the last layer's is aux "streams")."""
     L = cfg.num_hidden_layers
-    return {lid: aux["streams"] if lid == L - 1 else aux["layer_inputs"][lid + 1] for lid in cfg.dspark_target_layer_ids}
+    return {lid: aux["streams"] if lid == L - 1 else aux["layer_inputs"][lid + 1]
+            for lid in cfg.dspark_target_layer_ids}
 
 
 def target_features(params, outputs: dict, cfg, dt):
