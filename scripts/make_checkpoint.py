@@ -4,6 +4,7 @@
     python scripts/make_checkpoint.py --preset tiny --out DIR [--seed N] [--shards K]
     python scripts/make_checkpoint.py --config my_config.json --out DIR   # any (small) config
     python scripts/make_checkpoint.py --preset tiny-v4 --out DIR   # DeepSeek-V4 (`model.v4.checkpoint`)
+    python scripts/make_checkpoint.py --preset tiny-v4 --draft dspark --out DIR   # V4 with a 0731-style DSpark head
 
 Writes DIR/config.json (HF form: text_config + quantization_config), DIR/model.safetensors.index.json,
 K shards DIR/model-0000i-of-0000K.safetensors with the release's tensor names and dtypes (F8_E4M3
@@ -35,6 +36,9 @@ def main(argv=None) -> int:
                     help="Markov head tensor names: markov_head.embed/head (default) or markov_w1/w2")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="directory with tokenizer.json etc. to copy (default: the tiny tokenizer)")
+    ap.add_argument("--draft", choices=("mtp", "dspark"), default=None,
+                    help="DeepSeek-V4 only: the draft to write — an MTP layer (the original Flash / Pro) or a DSpark "
+                         "head laid out as Flash-0731 / Pro-0813's (`config_v4.with_dspark`); default: the config's")
     ap.add_argument("--text-only", action="store_true",
                     help="leave out the vision-only tensors (ffn.gate.bias_vl), as a release without the vision "
                          "tower may ship; the loader puts zeros in their place")
@@ -52,6 +56,17 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.draft is not None and cfg.model_family != "deepseek_v4":
+        print("error: --draft is a DeepSeek-V4 option (V4.1's draft is always its DSpark head)", file=sys.stderr)
+        return 2
+    if args.draft is not None and args.draft != cfg.draft_kind:
+        from dsv41_jax.model import config_v4
+
+        if args.draft == "mtp":
+            print(f"error: --draft mtp: this config's draft is a {cfg.draft_kind} head; use a config with an MTP "
+                  "layer (e.g. --preset tiny-v4)", file=sys.stderr)
+            return 2
+        cfg = config_v4.with_dspark(cfg)
     if args.shards < 1:
         print("error: --shards must be >= 1", file=sys.stderr)
         return 2

@@ -70,8 +70,9 @@ def test_flat_names_and_dspark_head(tmp_path):
     for hf, flat in (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_hash_layers", "n_hash_layers"),
                      ("sliding_window", "window_size"), ("scoring_func", "score_func")):
         d[flat] = d.pop(hf)
+    # the release's four dspark_* keys (Flash-0731: num_nextn_predict_layers 1, the stages in compress_ratios)
     d.update(compress_ratios=[0, 0, 4, 128, 4, 0, 0, 0], dspark_block_size=3, dspark_target_layer_ids=[2, 3, 4],
-             dspark_noise_token_id=7, dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
+             dspark_noise_token_id=7, dspark_markov_rank=16)
     p = tmp_path / "m" / "config.json"
     p.parent.mkdir()
     p.write_text(json.dumps(d))
@@ -79,6 +80,11 @@ def test_flat_names_and_dspark_head(tmp_path):
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.hash_layer_ids, cfg.sliding_window) == (64, 5, (0, 1), 8)
     assert (cfg.draft_kind, cfg.num_nextn_predict_layers, cfg.dspark_target_layer_ids) == ("dspark", 3, (2, 3, 4))
     assert cfg.compress_ratios == (0, 0, 4, 128, 4, 0, 0, 0)
+    # the stages route over the target's experts; a file saying otherwise is refused
+    assert (cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok) == (8, 2)
+    p.write_text(json.dumps(dict(d, dspark_n_routed_experts=4)))
+    with pytest.raises(ConfigError, match="dspark_n_routed_experts"):
+        ModelConfig.from_pretrained(str(p.parent))
 
 
 @pytest.mark.parametrize("src", ["tiny-v4", "flash-v4", "pro-v4", "hf_csa_hca_hash", "hf_legacy_kwargs",

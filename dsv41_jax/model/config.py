@@ -327,7 +327,9 @@ class ModelConfig:
 
         ``"tiny"`` / ``"flash"`` name the presets, ``"nano"`` the bundled trained checkpoint (`resolve_model`).
         """
-        if path in ("tiny", "flash", "tiny-v4", "flash-v4", "pro-v4"):
+        from dsv41_jax.model import config_v4
+
+        if path in ("tiny", "flash") or path in config_v4.PRESETS:
             return cls.preset(path)
         path = resolve_model(path)
         if os.path.isdir(path):

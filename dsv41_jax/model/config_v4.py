@@ -22,9 +22,9 @@ transformers folds in (``compress_rate_csa`` / ``compress_rate_hca``). The flat 
 names of `config._ALIASES` map as for V4.1.
 
 The model runs a V4 config's full-sequence forward (`model.v4`); the V4.1 layer plan does not apply to it:
-`ModelConfig.layer_plan` raises `refusal` (what is missing: the engine's decode path and what builds on it,
-the draft layers, the mesh rules, the kernels) as NotImplementedError, so V4.1's decode step for a V4 config
-fails there instead of running it as V4.1 (V4's own step: `model.v4.decode`).
+`ModelConfig.layer_plan` raises `refusal` (V4.1's decode path is not V4's; missing: the mesh rules, the kernels) as
+NotImplementedError, so V4.1's decode step for a V4 config fails there instead of running it as V4.1 (V4's own
+step: `model.v4.decode`; its drafts: `model.v4.mtp`, `model.v4.dspark`).
 """
 
 from __future__ import annotations
@@ -207,6 +207,13 @@ def from_v4_dict(cls, d: dict, *, source: str):
               engram_layer_ids=(), engram_num_embeddings=())
     if not has_dspark:
         kw["dspark_target_layer_ids"] = ()
+    else:  # the 0731 / 0813 head's stages route over the target's experts (their gates are [n_routed_experts, D], the
+        # config has no dspark_n_* keys); keys saying otherwise are refused by `validate_family`
+        default = {f.name: f.default for f in dataclasses.fields(cls)}
+        for dk, tk in (("dspark_n_routed_experts", "n_routed_experts"),
+                       ("dspark_num_experts_per_tok", "num_experts_per_tok")):
+            if dk not in m:
+                kw[dk] = int(m.get(tk, default[tk]))
 
     unknown = []
     for k, v in m.items():
@@ -255,11 +262,10 @@ def to_v4_dict(cfg) -> dict:
     if cfg.hash_layer_ids == tuple(range(len(cfg.hash_layer_ids))):
         out["num_hash_layers"] = len(cfg.hash_layer_ids)
     out["mlp_layer_types"] = ["hash_moe" if i in cfg.hash_layer_ids else "moe" for i in range(L)]
-    if cfg.draft_kind == "dspark" and S:
+    if cfg.draft_kind == "dspark" and S:  # the release's four keys (the stages' experts are the target's)
         out.update(dspark_block_size=cfg.dspark_block_size, dspark_noise_token_id=cfg.dspark_noise_token_id,
                    dspark_target_layer_ids=list(cfg.dspark_target_layer_ids),
-                   dspark_markov_rank=cfg.dspark_markov_rank, dspark_n_routed_experts=cfg.dspark_n_routed_experts,
-                   dspark_num_experts_per_tok=cfg.dspark_num_experts_per_tok)
+                   dspark_markov_rank=cfg.dspark_markov_rank)
     if cfg.weight_block_size:
         out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "weight_block_size": list(cfg.weight_block_size)}
@@ -317,6 +323,14 @@ def validate_family(cfg, err) -> None:
         err("mhc_variant", f"= {cfg.mhc_variant!r}; 'lagged' (V4.1) or 'pre_mix' (V4)")
     if cfg.draft_kind not in ("mtp", "dspark"):
         err("draft_kind", f"= {cfg.draft_kind!r}; 'mtp' or 'dspark'")
+    if cfg.draft_kind == "dspark" and cfg.num_nextn_predict_layers:
+        if any(r != 0 for r in cfg.compress_ratios[L:]):
+            err("compress_ratios", "V4's DSpark stages are sliding-window layers (ratio 0)")
+        for dk, tk in (("dspark_n_routed_experts", "n_routed_experts"),
+                       ("dspark_num_experts_per_tok", "num_experts_per_tok")):
+            if getattr(cfg, dk) != getattr(cfg, tk):
+                err(dk, f"= {getattr(cfg, dk)}: V4's DSpark stages route over the target's experts ({tk} = "
+                        f"{getattr(cfg, tk)})")
     if cfg.weight_block_size and (len(cfg.weight_block_size) != 2 or min(cfg.weight_block_size) < 1):
         err("weight_block_size", f"= {cfg.weight_block_size} must be two positive sizes (or empty: unquantized)")
     if cfg.expert_dtype not in ("fp4", "fp8", "bf16"):
@@ -362,8 +376,6 @@ def refusal(cfg) -> str:
     missing = [f"V4.1's paged decode step and cache (`model.decode` / `cache.init_cache`; V4's own step with its per-layer "
                f"compressor state, CSA layers {csa} and HCA layers {hca}, is `model.v4.decode.extend`, which the engine "
                f"runs through `serving.model_step.V4Step`)"]
-    if cfg.num_nextn_predict_layers and cfg.draft_kind != "mtp":
-        missing.append("V4's DSpark head")
     missing.append("the mesh rules and the Pallas kernels for V4")
     return (f"DeepSeek-V4 config {cfg.name!r} (model_family {cfg.model_family!r}): model.forward and "
             f"model.v4.decode.extend run it (CSA / HCA attention, hash-routed MoE, pre-mix mHC with hc_head, per-head q "
@@ -387,6 +399,27 @@ def tiny_v4(cls):
         engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(), name="tiny-v4")
 
 
+def with_dspark(cfg, block_size: int = 3, markov_rank: int = 16, noise_token_id=None):
+    """`cfg` (a V4 config) with a DSpark head in place of its MTP layer, laid out as Flash-0731 / Pro-0813's
+    (docs/design/v4.md "MTP and the DSpark head"): three sliding-window stages (``compress_ratios`` + [0, 0, 0]),
+    features from the last three target layers' outputs, the target's experts; block size, Markov rank and noise
+    token as given (the release: 5, 256, 128799; default noise id: the last token of the vocabulary)."""
+    L = cfg.num_hidden_layers
+    return cfg.replace(
+        draft_kind="dspark", num_nextn_predict_layers=3, compress_ratios=tuple(cfg.compress_ratios[:L]) + (0, 0, 0),
+        dspark_target_layer_ids=tuple(range(max(L - 3, 0), L)), dspark_block_size=block_size,
+        dspark_markov_rank=markov_rank,
+        dspark_noise_token_id=cfg.vocab_size - 1 if noise_token_id is None else int(noise_token_id),
+        dspark_n_routed_experts=cfg.n_routed_experts, dspark_num_experts_per_tok=cfg.num_experts_per_tok,
+        name=f"{cfg.name}-dspark")
+
+
+def tiny_v4_dspark(cls):
+    """tiny-v4 with a DSpark head (`with_dspark`: 3 stages on target layers 3..5, block 3, Markov rank 16) — a tiny
+    Flash-0731-style model."""
+    return with_dspark(tiny_v4(cls))
+
+
 def flash_v4(cls):
     """DeepSeek-V4-Flash (original, MTP draft), shapes only. Sources: transformers 5.25
     `DeepseekV4Config` defaults (vocab 129280, hidden 4096, 43 layers, 64 heads x 512, q_lora 1024,
@@ -406,6 +439,14 @@ def flash_v4(cls):
         engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(), name="flash-v4", **RELEASE_NUMERICS)
 
 
+def flash_v4_0731(cls):
+    """DeepSeek-V4-Flash-0731 (Flash with the bundled DSpark head), shapes only: flash-v4 with `with_dspark`'s head
+    at the release's values (block 5, Markov rank 256, noise token 128799, target layers 40-42; 46 compress_ratios),
+    as read from a copy of its config.json and shard headers (docs/design/v4.md "MTP and the DSpark head")."""
+    return with_dspark(flash_v4(cls), block_size=5, markov_rank=256, noise_token_id=128799).replace(
+        name="flash-v4-0731")
+
+
 def pro_v4(cls):
     """DeepSeek-V4-Pro (original, MTP draft), shapes only. Sources: transformers 5.25 (128 heads x 512,
     o_groups 16 x 1024, hidden 7168 in `DeepseekV4GroupedLinear`'s docstring); 61 layers, q_lora 1536,
@@ -420,4 +461,5 @@ def pro_v4(cls):
         compress_ratios=ratios + (0,), name="pro-v4")
 
 
-PRESETS = {"tiny-v4": tiny_v4, "flash-v4": flash_v4, "pro-v4": pro_v4}
+PRESETS = {"tiny-v4": tiny_v4, "tiny-v4-dspark": tiny_v4_dspark, "flash-v4": flash_v4,
+           "flash-v4-0731": flash_v4_0731, "pro-v4": pro_v4}

@@ -62,6 +62,12 @@ def with_rings(state: dict, cfg, ccfg) -> dict:
     return {**state, "dspark": init_rings(cfg, ccfg)}
 
 
+def stream_means(states: list, dt):
+    """The target features' input: each state [B, T, n, D] averaged over its n streams in fp32 and rounded once to
+    `dt`, concatenated in list order -> [B, T, len(states)·D] (V4.1's and V4's DSpark heads alike)."""
+    return jnp.concatenate([jnp.mean(h.astype(jnp.float32), axis=-2).astype(dt) for h in states], axis=-1)
+
+
 def target_features(params, layer_inputs: dict, cfg, dt):
     """main_x [B, T, D] in `dt` from {layer id: state entering it [B, T, n, D]} (docs/design/spec.md §7).
 
@@ -69,10 +75,9 @@ def target_features(params, layer_inputs: dict, cfg, dt):
     flow); concatenated in dspark_target_layer_ids order (3·D) → main_proj (fp8 GEMM) → main_norm.
     """
     _require(cfg)
-    feats = [jnp.mean(layer_inputs[lid].astype(jnp.float32), axis=-2).astype(dt)
-             for lid in cfg.dspark_target_layer_ids]
     p0 = params["mtp"][0]
-    x = linear.fp8(jnp.concatenate(feats, axis=-1), p0["main_proj"], cfg, dt)
+    x = linear.fp8(stream_means([layer_inputs[lid] for lid in cfg.dspark_target_layer_ids], dt), p0["main_proj"],
+                   cfg, dt)
     return rmsnorm(x, p0["main_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
 
 
@@ -124,21 +129,29 @@ def _draft_attention(step, p, x, ring, slot, start, positions, plan, cfg, ccfg, 
     fp8 fake-quant) and is never cached; ring entry i holds the latest position ≡ i (mod W) <= s, shown
     iff >= 0. Every row sees every block row (bidirectional). Returns [B, K, D] in `dt`.
     """
-    W = cfg.sliding_window
-    B, K = positions.shape
     freqs = attn_mod.layer_freqs(cfg, plan)
     _, q, kv_rot = attn_mod.project_q_kv(p, x, positions, freqs, cfg, dt)
     blk = attn_mod.window_kv(kv_rot, dt)
     ring_kv = kvc.decode("win", ccfg.kv_cache_dtype, kvc.store_get(ring, slot), dt)  # [B, W, hd]
+    o = block_attend(q, ring_kv, blk, start, attn_mod.sink_of(p), cfg, dt)
+    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt)
+
+
+def block_attend(q, ring_kv, blk, start, sink, cfg, dt):
+    """The draft block's attention core (V4.1's and V4's DSpark heads): q [B, K, H, hd] over the keys [ring_kv
+    [B, W, hd] (entry i: the latest committed position ≡ i (mod W) <= s = start − 1, shown iff >= 0) ; blk [B, K,
+    hd] (the block's own K=V, every row seen by every row)], one softmax with the per-head sink. Returns [B, K, H,
+    hd] in `dt`."""
+    B, K = blk.shape[:2]
+    W = ring_kv.shape[1]
     s = (start - 1)[:, None]
     ring_pos = s - jnp.mod(s - jnp.arange(W, dtype=jnp.int32)[None, :], W)
     keys = jnp.concatenate([ring_kv, blk], axis=1)
     ok = jnp.concatenate([ring_pos >= 0, jnp.ones((B, K), bool)], axis=1)
     mask = jnp.broadcast_to(ok[:, None, :], (B, K, W + K))
     hd = q.shape[-1]
-    o = attn_mod.attend(q, keys, mask, jnp.zeros((B, K, 0, hd), dt), jnp.zeros((B, K, 0), bool),
-                        attn_mod.sink_of(p), dt, exact=is_exact(cfg))
-    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt)
+    return attn_mod.attend(q, keys, mask, jnp.zeros((B, K, 0, hd), dt), jnp.zeros((B, K, 0), bool), sink, dt,
+                           exact=is_exact(cfg))
 
 
 def greedy_draw(k, logits):
@@ -195,16 +208,29 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
     base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"], cfg,
                       row_axis="vocab")
     mk = last["markov_head"]
+    return markov_block(base, x, anchor, mk["embed"]["weight"], mk["head"]["weight"],
+                        last["confidence_head"]["proj"]["weight"], gamma, draw, cfg, dt,
+                        detach_confidence=detach_confidence)
+
+
+def markov_block(base, x, anchor, markov_embed, markov_head, confidence_proj, gamma: int, draw: Callable, cfg, dt,
+                 detach_confidence: bool = False) -> dict:
+    """The Markov fix-up and the confidence head over a block (V4.1's and V4's DSpark heads), sequential over its
+    first `gamma` slots: prev_0 = anchor; m_k = markov_embed[prev_k] [B, R] in `dt`; logits_k = base[:, k] +
+    m_k · markov_headᵀ (fp32); d_k = draw(k, logits_k); c_k = confidence_proj · [x_k ; m_k] (raw, fp32);
+    prev_{k+1} = d_k. base fp32 [B, G, V] (the block's vocab logits), x [B, G, D] (the un-normed collapse the
+    logits came from), anchor int32 [B]; markov_embed / markov_head [V, R], confidence_proj [1, D + R].
+    Returns `propose`'s dict."""
     prev = anchor
     toks, probs, logits, conf = [], [], [], []
     for k in range(gamma):
-        m = mk["embed"]["weight"][prev].astype(dt)  # [B, R]
-        lg = base[:, k] + linear.f32(m, mk["head"]["weight"], cfg)
+        m = markov_embed[prev].astype(dt)  # [B, R]
+        lg = base[:, k] + linear.f32(m, markov_head, cfg)
         tok, q = draw(k, lg)
         xm = jnp.concatenate([x[:, k], m], axis=-1)
         if detach_confidence:
             xm = jax.lax.stop_gradient(xm)
-        c = linear.f32(xm, last["confidence_head"]["proj"]["weight"], cfg)
+        c = linear.f32(xm, confidence_proj, cfg)
         toks.append(tok.astype(jnp.int32))
         probs.append(q)
         logits.append(lg)

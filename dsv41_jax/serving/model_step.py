@@ -112,8 +112,14 @@ class V4Step:
                       "meshes run it)")
         if args.ep_num_redundant_experts:
             no.append("--ep-num-redundant-experts (no V4 expert placement)")
-        if args.speculative_algorithm == "DSPARK":
-            no.append("--speculative-algorithm DSPARK (V4's DSpark head, Flash-0731 / Pro-0813, is not implemented)")
+        if args.speculative_algorithm == "DSPARK" and cfg.draft_kind != "dspark":
+            no.append("--speculative-algorithm DSPARK (this checkpoint's draft is an MTP layer: "
+                      "--speculative-algorithm EAGLE / NEXTN)")
+        elif args.speculative_algorithm == "DSPARK" and (args.tp_size != 1 or args.ep_size != 1):
+            no.append(f"--speculative-algorithm DSPARK on a mesh (--tp-size {args.tp_size} --ep-size {args.ep_size}: "
+                      "V4's DSpark head runs on one device)")
+        if args.speculative_simulate_accept_length is not None:
+            no.append("--speculative-simulate-accept-length (V4's speculative steps verify every draft)")
         if args.enable_decoder_swa_bounded_replay:
             no.append("--enable-decoder-swa-bounded-replay (a V4.1 prefill shortcut)")
         if args.cache_dtype != "auto":

@@ -685,12 +685,14 @@ class Runner:
 
     def _make_speculator(self):
         """`speculator.DSparkSpeculator` with DSpark on, else `speculator.NoSpeculation`."""
-        from dsv41_jax.serving.speculator import DSparkSpeculator, MTPSpeculator, NoSpeculation
+        from dsv41_jax.serving.speculator import DSparkSpeculator, MTPSpeculator, NoSpeculation, V4DSparkSpeculator
 
         if not self.spec_gamma:
             return NoSpeculation(self.model_step)
         if self._mtp:
             return MTPSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed, self.mesh)
+        if self.cfg.model_family == "deepseek_v4":  # Flash-0731 / Pro-0813's DSpark head (V4Step.refuse: one device)
+            return V4DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed)
         return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.step_mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 

@@ -3,7 +3,8 @@
 - `NoSpeculation` (γ = 0): plain launches run the model family's step (`model_step`: `decode.extend`, or
   `v4.decode.extend` for DeepSeek-V4); there are no DSpark launches.
 - `MTPSpeculator` (``--speculative-algorithm EAGLE`` / ``NEXTN``, DeepSeek-V4's MTP layer): DSpark's launch
-  with the MTP draft (`mtp_speculative`).
+  with the MTP draft (`mtp_speculative`); `V4DSparkSpeculator` (``DSPARK`` on a DeepSeek-V4 checkpoint with a
+  DSpark head, Flash-0731 / Pro-0813): the same with V4's DSpark head (`v4_dspark_speculative`).
 - `DSparkSpeculator` (``--speculative-algorithm DSPARK``): the cache carries the draft's rings
   (`dspark.with_rings`, placed by the cache's rules on a mesh), plain launches run
   `dspark.extend_seeding` (they also write the rings of every committed token), and a `SpecLaunch`
@@ -38,7 +39,7 @@ from dsv41_jax.parallel import plan as mesh_plan
 from dsv41_jax.serving import speculative as spec
 from dsv41_jax.serving.messages import DeviceState, LaunchResult, SpecLaunch
 
-__all__ = ["DSparkSpeculator", "MTPSpeculator", "NoSpeculation", "Speculator"]
+__all__ = ["DSparkSpeculator", "MTPSpeculator", "NoSpeculation", "Speculator", "V4DSparkSpeculator"]
 
 log = logging.getLogger("dsv41_jax.engine")
 
@@ -321,42 +322,51 @@ class DSparkSpeculator:
 
 
 # ----------------------------------------------------------------------------------------------------
-# MTP (DeepSeek-V4's draft layer; --speculative-algorithm EAGLE / NEXTN)
+# DeepSeek-V4's drafts: the MTP layer (--speculative-algorithm EAGLE / NEXTN) and the DSpark head of Flash-0731 /
+# Pro-0813 (--speculative-algorithm DSPARK), each a module with `propose` / `speculative_step` /
+# `jitted_extend_seeding` and its per-slot state (`mtp_speculative`, `v4_dspark_speculative`)
 # ----------------------------------------------------------------------------------------------------
 
 
-def _mtp_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma, mesh=None):
-    """`_propose_launch` for MTP: the drafts alone (the same draws as the MTP step's own), int32 [B, γ]."""
-    from dsv41_jax.serving import mtp_speculative as mtp_spec
+def _v4_module(kind: str):
+    if kind == "mtp":
+        from dsv41_jax.serving import mtp_speculative as mod
+    else:
+        from dsv41_jax.serving import v4_dspark_speculative as mod
+    return mod
 
+
+def _v4_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg, ccfg, gamma, kind, mesh=None):
+    """`_propose_launch` for a V4 draft: the drafts alone (the same draws as its step's own), int32 [B, γ]."""
     slots, active = jnp.asarray(batch["slot"]), jnp.asarray(batch["active"])
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & active)
     draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
-    par = mesh_plan.MeshPlan.of(mesh)
-    return mtp_spec.propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma, par=par)[0]
+    # the MTP draft runs on one device or a tp x ep mesh; the DSpark head on one device (V4Step.refuse)
+    kw = {"par": mesh_plan.MeshPlan.of(mesh)} if kind == "mtp" else {}
+    return _v4_module(kind).propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma, **kw)[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_mtp(cfg, ccfg, gamma: int, mesh=None):
-    """(the MTP verify-then-commit launch, cache / tensors / last_token donated; the draft-only launch), on `mesh`
-    (None: one device; a tp x ep mesh: `mtp_speculative` module doc)."""
-    from dsv41_jax.serving import mtp_speculative as mtp_spec
-
+def _jitted_v4(cfg, ccfg, gamma: int, kind: str, mesh=None):
+    """(the V4 draft's verify-then-commit launch, cache / tensors / last_token donated; the draft-only launch), on
+    `mesh` (None: one device; a tp x ep mesh for MTP: `mtp_speculative` module doc)."""
     step = jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh,
-                                     step=mtp_spec.speculative_step), donate_argnums=(1, 2, 3))
-    return step, jax.jit(functools.partial(_mtp_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh))
+                                     step=_v4_module(kind).speculative_step), donate_argnums=(1, 2, 3))
+    return step, jax.jit(functools.partial(_v4_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, kind=kind, mesh=mesh))
 
 
 class MTPSpeculator(DSparkSpeculator):
     """MTP speculation for DeepSeek-V4 (`mtp_speculative` module doc): DSpark's launch, grammar walk and verify
     with the MTP layer's draft and per-slot state. One device or a tp x ep mesh; no simulated accept length."""
 
+    kind = "mtp"
+
     def __init__(self, cfg, ccfg, gamma: int, seed: int = 0, mesh=None):
         self.cfg, self.ccfg, self.gamma, self.mesh = cfg, ccfg, int(gamma), mesh
         self.simulate_accept_length = None
         self._sim_rng = np.random.default_rng(seed)
-        self._step, self._propose = _jitted_mtp(cfg, ccfg, self.gamma, mesh)
+        self._step, self._propose = _jitted_v4(cfg, ccfg, self.gamma, self.kind, mesh)
         self._allow_all: dict = {}
 
     def seed_state(self, state: dict) -> dict:
@@ -368,3 +378,20 @@ class MTPSpeculator(DSparkSpeculator):
         from dsv41_jax.serving import mtp_speculative as mtp_spec
 
         return mtp_spec.jitted_extend_seeding(self.cfg, self.ccfg, all_logits, self.mesh)
+
+
+class V4DSparkSpeculator(MTPSpeculator):
+    """DSpark speculation for DeepSeek-V4-Flash-0731 / Pro-0813 (`v4_dspark_speculative` module doc): the same launch
+    with the V4 DSpark head's block proposal and rings. One device; no simulated accept length."""
+
+    kind = "dspark"
+
+    def seed_state(self, state: dict) -> dict:
+        from dsv41_jax.model.v4 import dspark as dspark4
+
+        return dspark4.with_rings(state, self.cfg, self.ccfg)
+
+    def extend_step(self, all_logits: bool):
+        from dsv41_jax.serving import v4_dspark_speculative as v4ds
+
+        return v4ds.jitted_extend_seeding(self.cfg, self.ccfg, all_logits)

@@ -22,11 +22,14 @@ calls the shared op it varies (nothing of V4.1 is copied):
 * `transformer` — the full-sequence reference forward; `decode` — the paged incremental step (prefill chunks
   and decode tokens) with V4's per-layer compressor state, ≡ the forward in the exact mode;
 * `mtp` — the original releases' MTP draft layer (``draft_kind`` "mtp": V4's layer on mixed embedding / target
-  streams, its own hc_head), reference and paged; `speculative` — model-level greedy decoding, plain and with
-  MTP speculation verified by `decode.extend` (== plain greedy in the exact mode).
+  streams, its own hc_head), reference and paged; `dspark` — the DSpark head of Flash-0731 / Pro-0813
+  (``draft_kind`` "dspark": V4.1's block proposal, `model.dspark`, on V4 layers fed by the target layers'
+  outputs); `speculative` — model-level greedy decoding, plain and with MTP or DSpark speculation verified by
+  `decode.extend` (== plain greedy in the exact mode).
 
-The engine runs `decode` through `serving.model_step.V4Step` and MTP through `serving.mtp_speculative`, on one
-device or a tp x ep mesh (the forward, `decode` and `mtp` take a `parallel.plan.MeshPlan`; V4's tensors in the one
-rules table, `parallel.rules`; docs/design/v4.md "Mesh"). Not here yet (refused in one line where reached,
-`config_v4.refusal` / `V4Step.refuse`): V4's DSpark head, data-parallel attention, the Pallas fast paths.
+The engine runs `decode` through `serving.model_step.V4Step`, MTP through `serving.mtp_speculative` and the DSpark
+head through `serving.v4_dspark_speculative`, on one device or a tp x ep mesh (the forward, `decode` and `mtp` take a
+`parallel.plan.MeshPlan`; V4's tensors in the one rules table, `parallel.rules`; docs/design/v4.md "Mesh"; the DSpark
+head on one device). Not here yet (refused in one line where reached, `config_v4.refusal` / `V4Step.refuse`):
+data-parallel attention, the DSpark head on a mesh, the Pallas fast paths.
 """

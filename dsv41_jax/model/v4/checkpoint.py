@@ -5,8 +5,9 @@ Tensor names: the release's (docs/design/v4.md, "Reading the checkpoint": ``embe
 transformers' ``DeepseekV4ForCausalLM.save_pretrained`` writes — its reverse renames of the same tensors, with
 a ``model.`` prefix that keeps three of them from being reversed (``model.embed_tokens.weight``,
 ``model.hc_head.hc_fn`` / ``hc_base`` / ``hc_scale``) and the attention's kv_norm written ``attn.norm``
-(`canonical_name`). ``mtp.S.*`` tensors are the MTP draft layers (`v4.params.mtp_decl`); a directory without
-any (transformers' ``save_pretrained``: it builds no MTP layer) loads without the draft, with one log line.
+(`canonical_name`). ``mtp.S.*`` tensors are the draft: the MTP layer (`v4.params.mtp_decl`) or, with a ``dspark_*``
+config (Flash-0731 / Pro-0813), the DSpark stages (`v4.params.dspark_decl`); a directory without any
+(transformers' ``save_pretrained``: it builds no draft) loads without the draft, with one log line.
 
 Dtypes: a quantized declaration (fp8 + e8m0 block scales, MXFP4, int tables) needs that dtype in the file (e8m0
 scales also as U8, int tables any integer width); a float declaration takes the file's float tensor as stored

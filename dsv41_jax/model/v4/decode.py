@@ -119,8 +119,10 @@ def kv_bytes_per_token(cfg, kv_cache_dtype: str = "auto") -> dict:
             ikeys += item * cfg.index_head_dim / r
             partial += 2 * (2 * r) * w * cfg.index_head_dim * 4
     win = cfg.sliding_window * cfg.head_dim * item
-    # the draft's per-slot state (named as V4.1's DSpark rings): the MTP layer's window ring + the last target streams
-    draft = cfg.num_nextn_predict_layers * (win + cfg.hc_mult * cfg.hidden_size * item)
+    # the draft's per-slot state (named as V4.1's DSpark rings): the MTP layer's window ring + the last target streams,
+    # or one window ring per DSpark stage (`v4.dspark`)
+    per_stage = win + (cfg.hc_mult * cfg.hidden_size * item if cfg.draft_kind == "mtp" else 0)
+    draft = cfg.num_nextn_predict_layers * per_stage
     return {"compressed_latents": comp, "index_keys": ikeys, "per_token": comp + ikeys,
             "window_per_request": cfg.num_hidden_layers * win + partial, "dspark_window_per_request": draft}
 

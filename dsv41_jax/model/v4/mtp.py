@@ -32,8 +32,8 @@ from dsv41_jax.model.v4.transformer import final_logits, layer_forward, refuse_u
 def require(params, cfg) -> None:
     """ValueError / NotImplementedError unless `params` hold exactly one MTP layer of an MTP config."""
     if cfg.draft_kind != "mtp":
-        raise NotImplementedError(f"DeepSeek-V4 draft_kind {cfg.draft_kind!r}: V4's DSpark head (0731 / 0813) is not "
-                                  "implemented; only the original MTP layer is (docs/design/v4.md)")
+        raise NotImplementedError(f"DeepSeek-V4 draft_kind {cfg.draft_kind!r}: this checkpoint's draft is the DSpark "
+                                  "head of Flash-0731 / Pro-0813 (`v4.dspark`), not an MTP layer")
     if not params.get("mtp"):
         raise ValueError("MTP: these parameters have no MTP layer (num_nextn_predict_layers = 0, or a checkpoint "
                          "without mtp.* tensors)")

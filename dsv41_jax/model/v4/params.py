@@ -127,16 +127,36 @@ def mtp_decl(cfg, s: int) -> dict:
     return d
 
 
+def dspark_decl(cfg, s: int) -> dict:
+    """DSpark stage `s` of Flash-0731 / Pro-0813 (``mtp.s.*``, docs/design/v4.md "the DSpark head"): a full V4 layer
+    (layer id L + s, sliding, learned routing over the target's experts); stage 0 also ``main_proj`` [D, n_t·D]
+    (fp8 as the other dense weights) and ``main_norm``; the last stage ``norm``, its own ``hc_head_*``,
+    ``markov_head.markov_w1`` / ``markov_w2`` [vocab, dspark_markov_rank] bf16 and ``confidence_head.proj``
+    [1, D + rank] bf16 — the release's names and dtypes (its model-00046..48 shard headers)."""
+    D, L, V, R = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.dspark_markov_rank
+    d = layer_decl(cfg, L + s, draft_kinds(cfg)[s])
+    if s == 0:
+        d.update(main_proj=dense_decl(cfg, D, len(cfg.dspark_target_layer_ids) * D, None, "embed"),
+                 main_norm=_norm(D))
+    if s == cfg.num_nextn_predict_layers - 1:
+        d.update(**head_decl(cfg),
+                 markov_head={"markov_w1": {"weight": P((V, R), BF16, ("vocab", None), "normal", 1.0)},
+                              "markov_w2": {"weight": P((V, R), BF16, ("vocab", None), "normal",
+                                                        1.0 / math.sqrt(R))}},
+                 confidence_head={"proj": _plain(1, D + R)})
+    return d
+
+
 def declare_params(cfg) -> dict:
-    """The whole V4 declaration tree (leaves `params.P`); ``mtp`` holds the MTP layers of a ``draft_kind`` "mtp"
-    config (V4's DSpark head, ``draft_kind`` "dspark", is not implemented: no layers declared)."""
+    """The whole V4 declaration tree (leaves `params.P`); ``mtp`` holds the draft's layers: the MTP layers of a
+    ``draft_kind`` "mtp" config (`mtp_decl`), the DSpark stages of a "dspark" one (`dspark_decl`)."""
     V, D = cfg.vocab_size, cfg.hidden_size
-    S = cfg.num_nextn_predict_layers if cfg.draft_kind == "mtp" else 0
+    draft = mtp_decl if cfg.draft_kind == "mtp" else dspark_decl
     return {"embed": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0)},
             "head": {"weight": P((V, D), BF16, ("vocab", "embed"), "normal", 1.0 / math.sqrt(D))},
             **head_decl(cfg),
             "layers": [layer_decl(cfg, i) for i in range(cfg.num_hidden_layers)],
-            "mtp": [mtp_decl(cfg, s) for s in range(S)]}
+            "mtp": [draft(cfg, s) for s in range(cfg.num_nextn_predict_layers)]}
 
 
 def partition_specs(cfg, tp: int = 1, ep: int = 1) -> dict:

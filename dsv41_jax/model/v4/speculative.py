@@ -1,4 +1,4 @@
-"""Model-level greedy decoding for DeepSeek-V4, plain and with MTP speculation (one request, host loop).
+"""Model-level greedy decoding for DeepSeek-V4, plain and with MTP or DSpark speculation (one request, host loop).
 
 `greedy` is the reference: the prompt as one chunk of `v4.decode.extend`, then one token per step. `greedy_mtp`
 drafts γ tokens with the MTP layer (`v4.mtp`) and verifies them in one target step; in the exact mode its output
@@ -17,6 +17,10 @@ One speculative step, s = tokens in the target cache, y = the last token chosen 
   4. the MTP layer catches up on the committed rows: (target streams of row p, t_{p+1}) for p = s..s+k, and
      its last row's argmax is the next d_1.
 Chunks are padded to γ + 1 tokens so a run compiles three step shapes (prompt, γ + 1, 1).
+
+`greedy_dspark` is the same loop with the DSpark head of Flash-0731 / Pro-0813 (`v4.dspark`): the γ drafts come
+from one block proposal on the rings (`v4.dspark.propose`, anchor y at position s), the target steps are
+`v4.dspark.extend_seeding` (they write the rings of the tokens they commit), and there is no catch-up pass.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax
 import numpy as np
 
 from dsv41_jax.model.v4 import decode as dec4
+from dsv41_jax.model.v4 import dspark as dspark4
 from dsv41_jax.model.v4 import mtp
 
 
@@ -53,6 +58,8 @@ def _setup(prompt, max_new: int, cfg, ccfg):
 # one jitted target step and one MTP step for every call (compiled once per shape and config)
 _STEP = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux", "par"))
 _MTP_STEP = jax.jit(mtp.extend, static_argnames=("cfg", "ccfg", "par"))
+_SEED_STEP = jax.jit(dspark4.extend_seeding, static_argnames=("cfg", "ccfg", "all_logits"))
+_PROPOSE = jax.jit(dspark4.propose, static_argnames=("cfg", "ccfg", "gamma"))
 
 
 def greedy(params, prompt, max_new_tokens: int, cfg, ccfg, par=None) -> list:
@@ -114,4 +121,42 @@ def greedy_mtp(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: int = 2,
         out.extend(new)
         mlog, mstate, mh = mstep(params, mstate, vaux["streams"], _batch(new, s, k + 1, G, pt), cfg, ccfg)
         d1, dh = int(np.argmax(np.asarray(mlog)[0, k])), mh[:, k:k + 1]
+    return out[:max_new_tokens], stats
+
+
+def greedy_dspark(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: Optional[int] = None,
+                  propose: Optional[Callable] = None) -> tuple:
+    """Greedy decoding of one prompt with DSpark speculation (module doc). gamma: drafts per step, 1..dspark_block_size
+    (default the block size). propose(tokens so far, DSpark drafts [γ]) -> the γ tokens to verify (default the
+    drafts; tests pass an oracle). Returns (the `max_new_tokens` tokens, {"steps", "accepted"}) as `greedy_mtp`."""
+    dspark4.require(params, cfg)
+    gamma = cfg.dspark_block_size if gamma is None else int(gamma)
+    if not 1 <= gamma <= cfg.dspark_block_size:
+        raise ValueError(f"greedy_dspark: gamma must be in 1..dspark_block_size={cfg.dspark_block_size}, got {gamma}")
+    pt = _setup(prompt, max_new_tokens + gamma, cfg, ccfg)
+    G, n0 = gamma + 1, len(prompt)
+    zero = np.zeros((1,), np.int32)
+    state = dspark4.with_rings(dec4.init_state(cfg, ccfg), cfg, ccfg)
+    logits, state = _SEED_STEP(params, state, _batch(prompt, 0, n0, n0, pt), cfg, ccfg)
+    out = [int(np.argmax(np.asarray(logits)[0]))]
+    stats = {"steps": 0, "accepted": 0}
+    while len(out) < max_new_tokens:
+        s = n0 + len(out) - 1  # tokens in the target cache (and its rings); out[-1] goes at position s
+        prop = _PROPOSE(params, state["dspark"], np.array([out[-1]], np.int32), np.array([s], np.int32), zero, cfg,
+                        ccfg, gamma=gamma)
+        drafts = [int(t) for t in np.asarray(prop["tokens"])[0]]
+        if propose is not None:
+            drafts = [int(t) for t in propose(list(out), list(drafts))]
+        vlog, vstate = _SEED_STEP(params, state, _batch([out[-1]] + drafts, s, G, G, pt), cfg, ccfg, all_logits=True)
+        choice = np.argmax(np.asarray(vlog)[0], axis=-1)
+        k = 0
+        while k < gamma and int(choice[k]) == drafts[k]:
+            k += 1
+        stats["steps"] += 1
+        stats["accepted"] += k
+        if k < gamma:  # commit [y, d_1..d_k] only: the step re-run from the state before it
+            _, vstate = _SEED_STEP(params, state, _batch([out[-1]] + drafts[:k], s, k + 1, G, pt), cfg, ccfg,
+                                   all_logits=True)
+        state = vstate
+        out.extend(drafts[:k] + [int(choice[k])])
     return out[:max_new_tokens], stats
