@@ -4,14 +4,14 @@ and preemption, mixed concurrent requests — greedy and seeded sampling, n = 2,
 json_schema chat (`test_deterministic._server_requests`), requests sharing a system prompt and a
 two-turn conversation — give each request the text and tokens one device gives it alone, in the
 deterministic mode and in ``--dtype exact``; the requests sharing the system prompt get ``cached_tokens`` > 0
-from the second on. In the deterministic mode the logprobs are bitwise too; in the exact mode they part by
-1-3 fp32 ulp (`EXACT_LOGPROB_GAP`, a strict xfail in the slow tier: the model step's exact-mode gap).
+from the second on. The logprobs are bitwise too, in both modes (the exact mode's parted by 1-3 fp32 ulp until
+the Engram gate's rsqrts ran in fp64, `numerics.rsqrt_f32`).
 
 The servers are the real app (`server.build_app` over an `AsyncEngine`) in this process (its 8 devices,
 `cpu8`), driven by concurrent HTTP clients. Compile cost: `configs.mesh_micro` (3 layers, one DSpark
 stage, 8 draft experts: every expert split splits it), one batch bucket (16 rows: 8 x 2 and 4 x 4) and one
 16-token bucket, so each engine compiles one extend shape and one DSpark step. The default tier runs dp = 8
-in the deterministic mode (logprobs bit for bit) and dp = 4 x tp = 2 in the exact mode (text and tokens), the
+in the deterministic mode and dp = 4 x tp = 2 in the exact mode (logprobs bit for bit in both), the
 other two cells and the 32-request workload are slow; the one-device references are built once per mode. Each rank's pool is 8 pages so that
 two requests on a rank preempt each other; alone, every request fits.
 """
@@ -163,27 +163,12 @@ def _check(cfg, params, mesh: str, mode: str, n: int, logprobs: bool) -> None:
     assert all(c > 0 for c in cached), cached
 
 
-# KNOWN GAP (docs/design/serving.md, "Data-parallel attention in the runner"): in the exact mode the logprobs
-# part from one device's by 1-3 fp32 ulp on several requests — the model step's exact-mode gap at the Engram
-# layer under the suite's -O0 XLA flags (tests/test_dp_attention.py, `EXACT_LOGIT_ATOL`); tokens and text are
-# equal. The deterministic mode is bitwise.
-EXACT_LOGPROB_GAP = pytest.mark.xfail(strict=True, reason="exact mode: dp logprobs part from one device by 1-3 fp32 "
-                                                          "ulp (the Engram-layer gap under -O0, issue 46)")
-
-
 @pytest.mark.parametrize("mesh,mode", [("dp8", "deterministic"), ("dp4_tp2", "exact"),
                                        pytest.param("dp8", "exact", marks=pytest.mark.slow),
                                        pytest.param("dp4_tp2", "deterministic", marks=pytest.mark.slow)])
 def test_dp_server_mixed_concurrent_equals_one_device_alone(cpu8, cfg, params, mesh, mode):
-    """Text, tokens and cached tokens; in the deterministic mode the logprobs too, bit for bit."""
-    _check(cfg, params, mesh, mode, 6, logprobs=mode == "deterministic")
-
-
-@pytest.mark.slow  # the whole choices, logprobs bit for bit, in the exact mode: fails today (EXACT_LOGPROB_GAP)
-@EXACT_LOGPROB_GAP
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_dp_server_exact_logprobs_equal_one_device_alone(cpu8, cfg, params, mesh):
-    _check(cfg, params, mesh, "exact", 6, logprobs=True)
+    """The whole choices (text, tokens, logprobs bit for bit) and cached tokens."""
+    _check(cfg, params, mesh, mode, 6, logprobs=True)
 
 
 @pytest.mark.slow  # the same with 32 + 5 requests, both meshes in both modes

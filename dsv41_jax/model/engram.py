@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from dsv41_jax.model import dispatch, engram_tables, linear, quant
-from dsv41_jax.model.numerics import is_exact, mean_f32, sum_f32, x64_scope
+from dsv41_jax.model.numerics import is_exact, mean_f32, rsqrt_f32, sum_f32, x64_scope
 
 
 @functools.lru_cache(maxsize=32)
@@ -63,6 +63,8 @@ def gate(h, kv, q_weight, k_weight, eps, dt, exact: bool = False):
 
     h: [..., n, D]; kv: [..., n·D + D] (the wkv output: n keys, then the shared value);
     q_weight, k_weight: bf16 [n, D]; eps: ``rms_norm_eps``. Returns [..., n, D] in `dt`.
+    With `exact` (the exact / deterministic modes) the rsqrts are fp64 rounded once (`numerics.rsqrt_f32`):
+    XLA's fp32 one depends on the batch shape.
     """
     n, D = h.shape[-2], h.shape[-1]
     keys = kv[..., : n * D].reshape(*kv.shape[:-1], n, D).astype(jnp.float32)
@@ -70,7 +72,8 @@ def gate(h, kv, q_weight, k_weight, eps, dt, exact: bool = False):
     w = q_weight.astype(jnp.float32) * k_weight.astype(jnp.float32)  # [n, D]
     hf = h.astype(jnp.float32)
     d = sum_f32(hf * w * keys, -1, exact)
-    d = d * jax.lax.rsqrt(mean_f32(hf * hf, -1, exact) + eps) * jax.lax.rsqrt(mean_f32(keys * keys, -1, exact) + eps)
+    d = d * rsqrt_f32(mean_f32(hf * hf, -1, exact) + eps, exact)
+    d = d * rsqrt_f32(mean_f32(keys * keys, -1, exact) + eps, exact)
     d = d * D ** -0.5
     g = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(d), 1e-6)), d))
     if exact:  # h + g·value in fp64 (the product is exact): no FMA contraction can change it

@@ -23,7 +23,9 @@ and one orthogonal switch, ``ModelConfig.deterministic`` (the deterministic mode
   XLA:CPU also always lets LLVM contract a·b + c into an FMA, and whether it does depends on how
   the ops were fused, which depends on the shapes: the steps where that moved results measurably
   (mHC's mix affine before Sinkhorn and the sigmoids, the Engram gate's h + g·value) run in fp64,
-  where the product is exact. What remains (elementwise FMAs elsewhere) is at the last-ulp level:
+  where the product is exact. The same holds for the Newton step of XLA's fp32 rsqrt: the
+  Engram gate's rsqrts are fp64, rounded once (`rsqrt_f32`; before, a dp rank's logprobs parted from one
+  device's by 1-3 fp32 ulp). What remains (elementwise FMAs elsewhere) is at the last-ulp level:
   the tiny forward over an [8, 128] padded batch and over one [1, 18] row agree within 5e-7 in the
   logits with every fp8 code and top-k choice equal (tests/test_eval_server.py checks 75 sequences
   against the paged engine: 1e-5 per token).
@@ -183,6 +185,22 @@ def exp_f32(x, exact: int = 0):
         return jnp.exp(x)
     with x64_scope():
         return round_f32(jnp.exp(x.astype(jnp.float64))).astype(jnp.float32)
+
+
+def rsqrt_f32(x, exact: int = 0):
+    """``jax.lax.rsqrt`` of fp32 values `x` (any shape) -> fp32; with ``exact`` (either level) evaluated in fp64
+    and rounded once to fp32 (`round_f32`): correctly rounded in practice, whatever fusion or batch shape it
+    lands in. Why: XLA:CPU's fp32 rsqrt is a hardware estimate (``rsqrtss``) refined by a Newton step in fp32,
+    and LLVM contracts that step's a·b + c into an FMA or not depending on the fusion it lands in (the
+    module doc's FMA contraction): measured (-O0, AMD EPYC), the Engram gate over a [16, 1, 4] batch (one
+    device) and over the same rows in [2, 1, 4] batches (a dp rank) parted by 1 ulp in 47 of 4096 outputs,
+    and the estimate plus an FMA-contracted step, emulated in C, reproduces the [16]-row outputs bit for bit.
+    In fp64 the contraction moves only fp64 ulps, which the rounding to fp32 removes (unless the value lies
+    within a few fp64 ulps of an fp32 rounding boundary)."""
+    if not exact:
+        return jax.lax.rsqrt(x)
+    with x64_scope():
+        return round_f32(jax.lax.rsqrt(x.astype(jnp.float64))).astype(jnp.float32)
 
 
 def round_f32(x):
