@@ -35,7 +35,6 @@ from dsv41_jax.model.attention import attend, sink_of, window_keys
 from dsv41_jax.model.config_v4 import attention_kinds
 from dsv41_jax.model.decode import _window_write
 from dsv41_jax.model.indexer import pool_index
-from dsv41_jax.model.mhc import hc_post
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import compressor as comp4
@@ -232,10 +231,10 @@ def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, has
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, win, comp, arec = attention_cached(lp["attn"], x, win, comp, batch, positions, valid, kind, cfg, ccfg, dt)
-    h = hc_post(y, h, post, comb, dt)
+    h = mhc4.leave(y, h, post, comb, cfg, dt)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
     y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
-    return hc_post(y, h, post, comb, dt), win, comp, (rec, arec)
+    return mhc4.leave(y, h, post, comb, cfg, dt), win, comp, (rec, arec)
 
 
 def head_logits(params, streams, n_new, cfg, all_logits: bool = False):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch, linear
 from dsv41_jax.model.config_v4 import attention_kinds
-from dsv41_jax.model.mhc import hc_post
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
@@ -55,10 +54,10 @@ def layer_forward(lp, h, tokens, positions, kind: str, hashed: bool, cfg, dt):
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, arec = attention_full(lp["attn"], x, positions, kind, layer_ratio(cfg, kind), cfg, dt)
-    h = hc_post(y, h, post, comb, dt)
+    h = mhc4.leave(y, h, post, comb, cfg, dt)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
     y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt)
-    return hc_post(y, h, post, comb, dt), rec, arec
+    return mhc4.leave(y, h, post, comb, cfg, dt), rec, arec
 
 
 def forward(params, tokens, cfg, return_aux: bool = False, par=None):

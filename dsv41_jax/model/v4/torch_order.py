@@ -1,0 +1,161 @@
+"""The release's fp32 steps in the order torch evaluates its ``inference/model.py`` on an x86 CPU (research only).
+
+``ModelConfig.release_order`` "torch_cpu" (V4 only; "" = our own order, XLA's): research/v4_release_forward.py
+holds our V4 forward against the release's model.py run by torch on CPU. Both round to bf16 / fp8 / fp4 at the
+same points, but an fp32 value a few ulps apart can cross a bf16 rounding midpoint, and the fp8 quantizers after
+it turn that bf16 ulp into a whole fp8 step (docs/benchmarks.md, "DeepSeek-V4 against a copy of the release's
+inference/model.py"). The first such difference there came from mHC's mixes; this module computes them as
+torch 2.x does on an AVX-512 machine, each fp32 operation bit for bit (measured against torch 2.13 + MKL 2024.2):
+
+* ``x.square().mean(-1)`` — ATen's inner sum (`row_sum`): the row cut into 8-lane vectors (its reduction
+  kernel is the AVX2 one), 4 interleaved vector accumulators each summed in order, added 0+1+2+3, the 8 lanes
+  then added left to right; the mean is that sum / K.
+* ``torch.rsqrt`` — 1 / sqrt (two roundings; `rsqrt`).
+* ``F.linear`` in fp32 — MKL's sgemm (`linear`): the K axis in blocks of 192, each block a sequential FMA chain
+  from 0, the blocks' partial sums added in order (measured for [128, 512] x [24, 512], the mix projection of
+  a 2 x 64 batch; MKL picks other kernels for other shapes — a 4-wide output, one row).
+* ``torch.sigmoid`` / ``F.softmax`` — ATen's vectorized ``1 / (1 + exp(-x))`` and ``exp(x − max) · (1 / Σ)``
+  with Sleef's ``expf_u10`` (`exp`; ``torch.exp`` itself takes another path, not used here); Σ over 4 in order.
+
+Every fp32 operation is evaluated in fp64 and rounded to fp32 (`numerics.round_f32`): +, −, ×, ÷ and √ so
+evaluated are the IEEE fp32 operations, an FMA is exact up to a double rounding (an fp64 sum within 2^-53 of an
+fp32 midpoint), and no XLA fusion can contract or reorder across the roundings. The GEMM is a sequential loop
+over K: slow, for the tiny comparison configs only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model.numerics import round_f32, x64_scope
+
+ORDERS = ("", "torch_cpu")
+MKL_KC = 192  # MKL sgemm's K block on AVX-512 (measured: module doc)
+LANES, ILP = 8, 4  # ATen's sum: 8-lane vectors, 4 accumulators
+
+_R = round_f32
+_F64 = jnp.float64
+
+
+def _f(c):
+    """An fp32 constant as an fp64 scalar."""
+    return jnp.asarray(jnp.float32(c), _F64)
+
+
+def fma(a, b, c):
+    """fp32 fma(a, b, c) of fp32-valued fp64 arrays (a·b exact in fp64, one rounding to fp64, one to fp32)."""
+    return _R(a * b + c)
+
+
+def _pow2(q):
+    """2^q (fp64, exact) of integer-valued fp64 `q` in [-1022, 1023], from the bits."""
+    e = (q.astype(jnp.int64) + 1023) << 52
+    return jax.lax.bitcast_convert_type(e, _F64)
+
+
+def exp(d):
+    """Sleef's ``expf_u10`` (ATen's ``Vectorized<float>::exp``) of fp32-valued fp64 `d`, fp32-valued fp64 out."""
+    q = jnp.round(_R(d * _f(1.442695040888963407359924681001892137)))  # vrint: to nearest, ties to even
+    s = fma(q, _f(-0.693145751953125), d)
+    s = fma(q, _f(-1.428606765330187045e-06), s)
+    u = jnp.broadcast_to(_f(0.000198527617612853646278381), s.shape)
+    for c in (0.00139304355252534151077271, 0.00833336077630519866943359, 0.0416664853692054748535156,
+              0.166666671633720397949219, 0.5):
+        u = fma(u, s, _f(c))
+    u = _R(1.0 + fma(_R(s * s), u, s))
+    u = _R(u * _pow2(q))  # vldexp2
+    return jnp.where(d < -104.0, 0.0, jnp.where(d > 100.0, jnp.inf, u))
+
+
+def sigmoid(x):
+    """ATen's vectorized fp32 sigmoid: 1 / (1 + exp(0 − x))."""
+    return _R(1.0 / _R(1.0 + exp(_R(0.0 - x))))
+
+
+def sum_seq(x, axis):
+    """Left-to-right fp32 sum over a (short) `axis` from 0: ATen's sum over 4 terms."""
+    x = jnp.moveaxis(x, axis, 0)
+    acc = x[0]
+    for i in range(1, x.shape[0]):
+        acc = _R(acc + x[i])
+    return acc
+
+
+def softmax_last(z):
+    """``F.softmax(z, -1)`` (ATen's last-dim kernel): e = exp(z − max); e · (1 / Σ e), Σ in order."""
+    e = exp(_R(z - jnp.max(z, axis=-1, keepdims=True)))
+    return _R(e * _R(1.0 / sum_seq(e, -1))[..., None])
+
+
+def row_sum(x):
+    """ATen's fp32 inner sum over the last axis K (module doc). K a multiple of 32 and at most 512 (ATen adds a
+    cascade level beyond 16 rows of 4 vectors; not rendered)."""
+    K = x.shape[-1]
+    if K % (LANES * ILP) or K > 512:
+        raise NotImplementedError(f"torch-order sum over {K}: only multiples of {LANES * ILP} up to 512 are rendered")
+    v = x.reshape(x.shape[:-1] + (K // (LANES * ILP), ILP, LANES))
+    acc = v[..., 0, :, :]
+    for i in range(1, v.shape[-3]):
+        acc = _R(acc + v[..., i, :, :])  # [.., ILP, LANES]
+    p = sum_seq(acc, -2)  # the 4 accumulators, 0 + 1 + 2 + 3
+    return sum_seq(p, -1)  # the 8 lanes
+
+
+def rsqrt(x):
+    """``torch.rsqrt`` on CPU: 1 / sqrt(x), each rounded."""
+    return _R(1.0 / _R(jnp.sqrt(x)))
+
+
+def linear(x, w):
+    """MKL's fp32 ``F.linear(x, w)``: x [.., K], w [N, K] (fp32 values in fp64) -> [.., N] (module doc)."""
+    K = x.shape[-1]
+    xk = jnp.moveaxis(x, -1, 0)  # [K, ..]
+    out = None
+    for k0 in range(0, K, MKL_KC):
+        def body(k, acc, k0=k0):
+            return fma(xk[k0 + k][..., None], w[:, k0 + k], acc)
+        n = min(MKL_KC, K - k0)
+        part = jax.lax.fori_loop(0, n, body, jnp.zeros(x.shape[:-1] + (w.shape[0],), _F64))
+        out = part if out is None else _R(out + part)
+    return out
+
+
+def hc_mixes(h, fn, base, scale, *, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """`mhc.hc_mixes` (same arguments and results: pre [.., n], post [.., n], comb [.., n, n], fp32) as the
+    release's ``Block.hc_pre`` + kernel.py's ``hc_split_sinkhorn`` compute them under torch on CPU."""
+    n, d = h.shape[-2:]
+    with x64_scope():
+        x = h.reshape(h.shape[:-2] + (n * d,)).astype(jnp.float32).astype(_F64)
+        ms = _R(row_sum(_R(x * x)) / (n * d))
+        r = rsqrt(_R(ms + _f(norm_eps)))
+        m = _R(linear(x, fn.astype(jnp.float32).astype(_F64)) * r[..., None])
+        sc = scale.astype(jnp.float32).astype(_F64)
+        b = base.astype(jnp.float32).astype(_F64)
+        eps = _f(hc_eps)
+        pre = _R(sigmoid(_R(_R(m[..., :n] * sc[0]) + b[:n])) + eps)
+        post = _R(2.0 * sigmoid(_R(_R(m[..., n:2 * n] * sc[1]) + b[n:2 * n])))
+        c = _R(_R(m[..., 2 * n:] * sc[2]) + b[2 * n:]).reshape(h.shape[:-2] + (n, n))
+        c = _R(softmax_last(c) + eps)
+        c = _R(c / _R(sum_seq(c, -2)[..., None, :] + eps))
+        for _ in range(sinkhorn_iters - 1):
+            c = _R(c / _R(sum_seq(c, -1)[..., :, None] + eps))
+            c = _R(c / _R(sum_seq(c, -2)[..., None, :] + eps))
+        return pre.astype(jnp.float32), post.astype(jnp.float32), c.astype(jnp.float32)
+
+
+def hc_pre(h, pre, dt):
+    """`mhc.hc_pre` as the release's ``torch.sum(pre.unsqueeze(-1) * x, dim=2)``: each product rounded, summed over
+    the streams from 0 in order (no FMA), rounded to `dt`."""
+    with x64_scope():
+        p = _R(pre.astype(jnp.float32).astype(_F64)[..., :, None] * h.astype(jnp.float32).astype(_F64))
+        return sum_seq(p, -2).astype(jnp.float32).astype(dt)
+
+
+def hc_post(y, h, post, comb, dt):
+    """`mhc.hc_post` as the release's ``post · y + torch.sum(comb · residual, dim=2)``: every product and sum its
+    own fp32 rounding (no FMA), the streams summed in order, rounded to `dt`."""
+    with x64_scope():
+        f = lambda a: a.astype(jnp.float32).astype(_F64)  # noqa: E731
+        res = sum_seq(_R(f(comb)[..., :, :, None] * f(h)[..., :, None, :]), -3)  # [.., n_j, D]
+        return _R(_R(f(post)[..., :, None] * f(y)[..., None, :]) + res).astype(jnp.float32).astype(dt)
