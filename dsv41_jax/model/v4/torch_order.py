@@ -28,7 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model.numerics import round_f32, x64_scope
+from dsv41_jax.model import rope as rope41
+from dsv41_jax.model.numerics import DETERMINISTIC, is_exact, round_f32, x64_scope
 
 ORDERS = ("", "torch_cpu")
 MKL_KC = 192  # MKL sgemm's K block on AVX-512 (measured: module doc)
@@ -159,3 +160,80 @@ def hc_post(y, h, post, comb, dt):
         f = lambda a: a.astype(jnp.float32).astype(_F64)  # noqa: E731
         res = sum_seq(_R(f(comb)[..., :, :, None] * f(h)[..., :, None, :]), -3)  # [.., n_j, D]
         return _R(_R(f(post)[..., :, None] * f(y)[..., None, :]) + res).astype(jnp.float32).astype(dt)
+
+
+# glibc's sinf / cosf (Arm optimized-routines' sincosf, evaluated in fp64): what ``torch.polar`` calls per entry
+# of the release's rotary table (``precompute_freqs_cis``). Angles |x| >= 120 take glibc's large-argument
+# reduction, not rendered: there the table is the correctly rounded cos / sin (glibc differs in ~1 % of entries).
+_HPI_INV, _HPI = float.fromhex("0x1.45F306DC9C883p+23"), float.fromhex("0x1.921FB54442D18p0")
+_COS = tuple(float.fromhex(v) for v in ("0x1p0", "-0x1.ffffffd0c621cp-2", "0x1.55553e1068f19p-5",
+                                          "-0x1.6c087e89a359dp-10", "0x1.99343027bf8c3p-16"))
+_SIN = tuple(float.fromhex(v) for v in ("-0x1.555545995a603p-3", "0x1.1107605230bc4p-7", "-0x1.994eb3774cf24p-13"))
+
+
+def _sincos_poly(x, x2, n, neg):
+    """glibc's ``sinf_poly``: the sine polynomial for even quadrants `n`, the cosine one (negated where `neg`)
+    for odd ones; fp64."""
+    s = x + x * x2 * _SIN[0] + (x * x2 * x2) * (_SIN[1] + x2 * _SIN[2])
+    c = [jnp.where(neg, -v, v) for v in _COS]
+    x4 = x2 * x2
+    cc = (c[0] + x2 * c[1]) + x4 * c[2] + (x4 * x2) * (c[3] + x2 * c[4])
+    return jnp.where(n % 2 == 1, cc, s)
+
+
+def _sin_cos(angle):
+    """(sin, cos) of fp32 angles as glibc's sinf / cosf (fp32 values in fp64)."""
+    y = angle.astype(jnp.float32)
+    x = y.astype(_F64)
+    ay = jnp.abs(y)
+    n = (jnp.trunc(x * _HPI_INV).astype(jnp.int32) + 0x800000) >> 24
+    xr = x - n.astype(_F64) * _HPI
+    sign = jnp.where((n % 4 == 1) | (n % 4 == 2), -1.0, 1.0)
+    neg = (n & 2) != 0
+    big_s = _sincos_poly(xr * sign, xr * xr, n, neg)
+    big_c = _sincos_poly(xr * sign, xr * xr, n ^ 1, neg)
+    small = ay < jnp.float32(float.fromhex("0x1.921FB6p-1"))
+    tiny = ay < jnp.float32(2.0 ** -12)
+    zero = jnp.zeros_like(n)
+    sm_s = jnp.where(tiny, x, _sincos_poly(x, x * x, zero, False))
+    sm_c = jnp.where(tiny, 1.0, _sincos_poly(x, x * x, zero + 1, False))
+    s = jnp.where(small, sm_s, big_s)
+    c = jnp.where(small, sm_c, big_c)
+    far = ay >= 120.0
+    s, c = jnp.where(far, jnp.sin(x), s), jnp.where(far, jnp.cos(x), c)
+    return _R(s), _R(c)
+
+
+def apply_rope(x, positions, freqs, inverse: bool = False, out_dtype=None):
+    """`rope.apply_rope` (same arguments) as the release's ``apply_rotary_emb``: the table from glibc's sin / cos of
+    fp32(pos) · f, the pairs multiplied as ATen's complex64 product — (a·c − b·d, a·d + b·c), each product and sum
+    its own rounding (no FMA); the conjugate for `inverse` — and written back in `out_dtype`."""
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    half = int(jnp.shape(freqs)[-1])
+    rd, hd = 2 * half, x.shape[-1]
+    lead = x.shape[:-1]
+    with x64_scope():
+        pos = jnp.broadcast_to(jnp.asarray(positions), lead).astype(jnp.float32)
+        angle = pos[..., None] * jnp.asarray(freqs, jnp.float32)  # fp32, as torch.outer
+        s, c = _sin_cos(angle)
+        if inverse:
+            s = -s
+        tail = x[..., hd - rd:].astype(jnp.float32).astype(_F64).reshape(*lead, half, 2)
+        a, b = tail[..., 0], tail[..., 1]
+        re = _R(_R(a * c) - _R(b * s))
+        im = _R(_R(a * s) + _R(b * c))
+        rot = jnp.stack([re, im], -1).reshape(*lead, rd).astype(jnp.float32).astype(out_dtype)
+    return jnp.concatenate([x[..., :hd - rd].astype(out_dtype), rot], axis=-1) if rd < hd else rot
+
+
+def rope_fn(cfg):
+    """The RoPE of `cfg`'s order: `apply_rope` with ``release_order`` "torch_cpu", else `rope.apply_rope`."""
+    return apply_rope if cfg.release_order == "torch_cpu" else rope41.apply_rope
+
+
+def attend_level(cfg):
+    """The ``exact`` level `attention.attend` runs at: with ``release_order`` "torch_cpu" the deterministic one (every
+    sum exact, exps correctly rounded, each fp32 step rounded) — what research/v4_release_forward.py's rendering
+    of the release's ``sparse_attn`` kernel computes too (a GPU kernel's fp32 order is neither side's) —, else
+    `numerics.is_exact`."""
+    return DETERMINISTIC if cfg.release_order == "torch_cpu" else is_exact(cfg)
