@@ -21,13 +21,12 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import indexer
 from dsv41_jax.model.attention import attend, sink_of
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import einsum_exact, HIGHEST, is_exact
 from dsv41_jax.model.rope import rope_freqs
 from dsv41_jax.model.v4.compressor import compress
 from dsv41_jax.model.v4.linear import dense, weight
 from dsv41_jax.model.v4.numerics import head_rms, index_rotated, kv_entries
-from dsv41_jax.model.v4.torch_order import attend_level, rope_fn
+from dsv41_jax.model.v4.torch_order import attend_level, norm_fn, rope_fn
 
 
 def layer_freqs(cfg, kind: str):
@@ -52,7 +51,7 @@ def head_norm(q, cfg, dt):
 def project_q(p, x, positions, freqs, cfg, dt):
     """x [B, T, D] -> (qr [B, T, q_lora] the normed q latent (the indexer's input), q [B, T, H, hd] RoPE'd)."""
     eps = cfg.rms_norm_eps
-    qr = rmsnorm(dense(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt, is_exact(cfg))
+    qr = norm_fn(cfg)(dense(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt, is_exact(cfg))
     q = dense(qr, p["wq_b"], cfg, dt)
     q = head_norm(q.reshape(q.shape[:-1] + (cfg.num_attention_heads, cfg.head_dim)), cfg, dt)
     return qr, rope_fn(cfg)(q, positions[..., None], freqs, out_dtype=dt)
@@ -60,7 +59,7 @@ def project_q(p, x, positions, freqs, cfg, dt):
 
 def project_kv(p, x, positions, freqs, cfg, dt):
     """The window K=V [B, T, hd]: kv_norm(wkv·x), RoPE'd, as stored (`v4.numerics.kv_entries`)."""
-    kv = rmsnorm(dense(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    kv = norm_fn(cfg)(dense(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     return kv_entries(rope_fn(cfg)(kv, positions, freqs, out_dtype=dt), cfg, dt)
 
 

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
 from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import HIGHEST, einsum_exact, is_exact, mean_f32
 from dsv41_jax.model.v4 import torch_order
 
@@ -40,7 +39,8 @@ def enter(h, lp, sub: str, cfg, dt):
     pre, post, comb = mix(h, lp[f"hc_{sub}_fn"], lp[f"hc_{sub}_base"], lp[f"hc_{sub}_scale"],
                           norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
     collapse = torch_order.hc_pre if cfg.release_order == "torch_cpu" else hc_pre
-    x = rmsnorm(collapse(h, pre, dt), lp[f"{sub}_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    x = torch_order.norm_fn(cfg)(collapse(h, pre, dt), lp[f"{sub}_norm"]["weight"], cfg.rms_norm_eps, dt,
+                                 is_exact(cfg))
     return x, post, comb
 
 

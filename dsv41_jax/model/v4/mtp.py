@@ -20,11 +20,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dsv41_jax.model.config_v4 import draft_kinds
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import new_aux, record
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4.linear import dense
+from dsv41_jax.model.v4.torch_order import norm_fn
 from dsv41_jax.model.v4.transformer import final_logits, layer_forward, refuse_unsupported
 
 
@@ -45,8 +45,8 @@ def draft_input(params, p, h, next_tokens, cfg, dt):
     """The MTP layer's input streams [B, T, n, D] in `dt`: e_proj(enorm(embed(next_tokens))) [.., None, :] +
     h_proj(hnorm(h)); h [B, T, n, D] the target's output streams, next_tokens int32 [B, T]."""
     ex = is_exact(cfg)
-    e = rmsnorm(params["embed"]["weight"][next_tokens].astype(dt), p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
-    s = rmsnorm(h.astype(dt), p["hnorm"]["weight"], cfg.rms_norm_eps, dt, ex)
+    e = norm_fn(cfg)(params["embed"]["weight"][next_tokens].astype(dt), p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
+    s = norm_fn(cfg)(h.astype(dt), p["hnorm"]["weight"], cfg.rms_norm_eps, dt, ex)
     return (dense(e, p["e_proj"], cfg, dt)[..., None, :] + dense(s, p["h_proj"], cfg, dt)).astype(dt)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.model import norm as norm41
 from dsv41_jax.model import rope as rope41
 from dsv41_jax.model.numerics import DETERMINISTIC, is_exact, round_f32, x64_scope
 
@@ -237,3 +238,18 @@ def attend_level(cfg):
     of the release's ``sparse_attn`` kernel computes too (a GPU kernel's fp32 order is neither side's) —, else
     `numerics.is_exact`."""
     return DETERMINISTIC if cfg.release_order == "torch_cpu" else is_exact(cfg)
+
+
+def rmsnorm(x, weight, eps, dt, exact=0):
+    """`norm.rmsnorm` (same arguments; `exact` unused) as the release's ``RMSNorm``: x fp32, var = ATen's mean of
+    x² (`row_sum` / d), x · (1 / sqrt(var + eps)), then weight · x, each step rounded; -> `dt`."""
+    with x64_scope():
+        xd = x.astype(jnp.float32).astype(_F64)
+        ms = _R(row_sum(_R(xd * xd)) / x.shape[-1])
+        rs = rsqrt(_R(ms + _f(eps)))
+        return _R(weight.astype(jnp.float32).astype(_F64) * _R(xd * rs[..., None])).astype(jnp.float32).astype(dt)
+
+
+def norm_fn(cfg):
+    """The RMSNorm of `cfg`'s order: `rmsnorm` with ``release_order`` "torch_cpu", else `norm.rmsnorm`."""
+    return rmsnorm if cfg.release_order == "torch_cpu" else norm41.rmsnorm

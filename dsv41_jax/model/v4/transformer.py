@@ -16,12 +16,12 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch, linear
 from dsv41_jax.model.config_v4 import attention_kinds
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import attention_full
 from dsv41_jax.model.v4.moe import moe
+from dsv41_jax.model.v4.torch_order import norm_fn
 
 
 def layer_ratio(cfg, kind: str) -> int:
@@ -44,7 +44,7 @@ def final_logits(params, h, cfg, dt, head=None):
     vocab projection is always the target's ``head``."""
     hp = params if head is None else head
     x = mhc4.head_collapse(h, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], cfg, dt)
-    x = rmsnorm(x, hp["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    x = norm_fn(cfg)(x, hp["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     return linear.f32(x, params["head"]["weight"], cfg), x
 
 
