@@ -30,14 +30,16 @@ from dsv41_jax.model.v4.torch_order import attend_level, norm_fn, rope_fn
 
 
 def layer_freqs(cfg, kind: str):
-    """RoPE frequencies [rd/2] of a layer of `kind` ("sliding" | "csa" | "hca")."""
+    """RoPE frequencies [rd/2] of a layer of `kind` ("sliding" | "csa" | "hca"); the power correctly rounded, as
+    torch's, with ``release_order`` "torch_cpu" (`rope.rope_freqs`' ``exact_pow``)."""
     rd = cfg.qk_rope_head_dim
+    exact_pow = cfg.release_order == "torch_cpu"
     if kind == "sliding":
-        return rope_freqs(rd, cfg.rope_theta)
+        return rope_freqs(rd, cfg.rope_theta, exact_pow=exact_pow)
     rs = cfg.rope_scaling
     yarn = ((rs.factor, rs.beta_fast, rs.beta_slow, rs.original_max_position_embeddings)
             if rs.type == "yarn" else None)
-    return rope_freqs(rd, cfg.compress_rope_theta, yarn=yarn)
+    return rope_freqs(rd, cfg.compress_rope_theta, yarn=yarn, exact_pow=exact_pow)
 
 
 def head_norm(q, cfg, dt):
