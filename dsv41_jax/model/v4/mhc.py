@@ -52,7 +52,9 @@ def leave(y, h, post, comb, cfg, dt):
 
 def head_collapse(h, fn, base, scale, cfg, dt):
     """The model-level ``hc_head``: streams h [.., n, D] -> [.., D] in `dt` (module doc). fn fp32 [n, n·D],
-    base [n], scale [1]."""
+    base [n], scale [1]. With ``release_order`` "torch_cpu": `torch_order.head_collapse`."""
+    if cfg.release_order == "torch_cpu":
+        return torch_order.head_collapse(h, fn, base, scale, cfg, dt)
     n, d = h.shape[-2:]
     x = h.reshape(h.shape[:-2] + (n * d,)).astype(jnp.float32)
     r = jax.lax.rsqrt(mean_f32(x * x, -1, is_exact(cfg), keepdims=True) + cfg.rms_norm_eps)

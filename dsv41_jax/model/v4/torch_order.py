@@ -110,15 +110,26 @@ def rsqrt(x):
 
 
 def linear(x, w):
-    """MKL's fp32 ``F.linear(x, w)``: x [.., K], w [N, K] (fp32 values in fp64) -> [.., N] (module doc)."""
+    """MKL's fp32 ``F.linear(x, w)``: x [.., K], w [N, K] (fp32 values in fp64) -> [.., N] (module doc). A 4-wide
+    output (``hc_head``'s projection) is another MKL kernel: 4 accumulators over k mod 4, products and sums rounded
+    apart (no FMA), added (a0 + a2) + (a1 + a3)."""
     K = x.shape[-1]
     xk = jnp.moveaxis(x, -1, 0)  # [K, ..]
+    zeros = jnp.zeros(x.shape[:-1] + (w.shape[0],), _F64)
+    if w.shape[0] == 4:
+        if K % 4:
+            raise NotImplementedError(f"torch-order 4-wide linear over K = {K}: only multiples of 4 are rendered")
+
+        def lane(j):
+            return jax.lax.fori_loop(0, K // 4, lambda i, a: _R(a + _R(xk[4 * i + j][..., None] * w[:, 4 * i + j])),
+                                     zeros)
+        a = [lane(j) for j in range(4)]
+        return _R(_R(a[0] + a[2]) + _R(a[1] + a[3]))
     out = None
     for k0 in range(0, K, MKL_KC):
         def body(k, acc, k0=k0):
             return fma(xk[k0 + k][..., None], w[:, k0 + k], acc)
-        n = min(MKL_KC, K - k0)
-        part = jax.lax.fori_loop(0, n, body, jnp.zeros(x.shape[:-1] + (w.shape[0],), _F64))
+        part = jax.lax.fori_loop(0, min(MKL_KC, K - k0), body, zeros)
         out = part if out is None else _R(out + part)
     return out
 
@@ -253,3 +264,15 @@ def rmsnorm(x, weight, eps, dt, exact=0):
 def norm_fn(cfg):
     """The RMSNorm of `cfg`'s order: `rmsnorm` with ``release_order`` "torch_cpu", else `norm.rmsnorm`."""
     return rmsnorm if cfg.release_order == "torch_cpu" else norm41.rmsnorm
+
+
+def head_collapse(h, fn, base, scale, cfg, dt):
+    """`v4.mhc.head_collapse` (same arguments) as the release's ``ParallelHead.hc_head`` under torch on CPU."""
+    n, d = h.shape[-2:]
+    with x64_scope():
+        x = h.reshape(h.shape[:-2] + (n * d,)).astype(jnp.float32).astype(_F64)
+        r = rsqrt(_R(_R(row_sum(_R(x * x)) / (n * d)) + _f(cfg.rms_norm_eps)))
+        m = _R(linear(x, fn.astype(jnp.float32).astype(_F64)) * r[..., None])
+        f = lambda a: a.astype(jnp.float32).astype(_F64)  # noqa: E731
+        pre = _R(sigmoid(_R(_R(m * f(scale)[0]) + f(base))) + _f(cfg.hc_eps))
+        return hc_pre(h, pre.astype(jnp.float32), dt)
