@@ -26,7 +26,8 @@ The fp8 / fp4 GEMMs (fp32 dequantized matmuls, bf16 out) and the Sinkhorn split 
 arithmetic up to the fp32 summation order).
 
 ``--order torch_cpu`` (default): ours with ``release_order="torch_cpu"`` (`model.v4.torch_order`: mHC's mixes,
-hc_pre / hc_post and RoPE in the order torch evaluates model.py on an AVX-512 CPU), and the attention evaluated
+hc_pre / hc_post / hc_head, every RMSNorm and RoPE in the order torch + MKL evaluate model.py on an AVX-512 CPU),
+and the attention evaluated
 exactly on both sides (ours `attention.attend` at the deterministic level; here ``sparse_attn_exact``, the same
 arithmetic in fp64): fp32 ulps that cross a bf16 midpoint before an fp8 quantizer otherwise part the two sides
 within a few positions. ``--order xla``: ours in our own order, the ``sparse_attn`` rendering above.

@@ -219,6 +219,24 @@ def test_torch_order_sums_and_gemm_orders():
         out = part if out is None else (out + part).astype(np.float32)
     got = _f64(to.linear, xs, w)
     assert (got == out).all() and (got != (xs.astype(np.float64) @ w.T).astype(np.float32)).any()
+    w4 = w[:4]  # a 4-wide output: 4 accumulators over k mod 4, no FMA, (a0 + a2) + (a1 + a3)
+    acc = np.zeros((3, 4, 4), np.float32)
+    for k in range(0, 400, 4):
+        acc = (acc + (xs[:, None, k:k + 4] * w4[None, :, k:k + 4]).astype(np.float32)).astype(np.float32)
+    want4 = ((acc[..., 0] + acc[..., 2]).astype(np.float32) + (acc[..., 1] + acc[..., 3]).astype(np.float32))
+    got4 = _f64(to.linear, xs, w4)
+    assert (got4 == want4.astype(np.float32)).all() and (got4 != got[:, :4]).any()
+
+
+def test_rope_freqs_exact_pow():
+    """`rope_freqs(exact_pow=True)`: base^e correctly rounded (torch's CPU power); numpy's fp32 power (the default,
+    unchanged) differs in 6 of the 32 compress-theta frequencies."""
+    from dsv41_jax.model.rope import rope_freqs
+
+    e = np.arange(0, 64, 2, dtype=np.float32) / np.float32(64)
+    want = (np.float32(1) / (np.float64(160000.0) ** e.astype(np.float64)).astype(np.float32)).astype(np.float32)
+    assert (rope_freqs(64, 160000.0, exact_pow=True) == want).all()
+    assert np.flatnonzero(rope_freqs(64, 160000.0) != want).tolist() == [3, 6, 10, 14, 23, 28]
 
 
 def test_release_order_is_v4_only_and_checked():

@@ -8,7 +8,8 @@ x = Σ_i pre_i · h_i — `hc_mixes`' pre row with its own fn [n, n·D], base [n
 
 The mixes run the plain-jnp reference (`mhc.hc_mixes`, Sinkhorn as a loop): V4.1's Pallas enter kernel fuses
 the lagged collapse and does not apply; an explicit ``mhc=pallas`` is refused (`enter`). With
-``release_order`` "torch_cpu" (research) they are `torch_order.hc_mixes`: the release's order under torch on CPU.
+``release_order`` "torch_cpu" (research) the mixes, collapses, exit and norms are `torch_order`'s: the release's
+order under torch on CPU.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 holds our V4 forward against the release's model.py run by torch on CPU. Both round to bf16 / fp8 / fp4 at the
 same points, but an fp32 value a few ulps apart can cross a bf16 rounding midpoint, and the fp8 quantizers after
 it turn that bf16 ulp into a whole fp8 step (docs/benchmarks.md, "DeepSeek-V4 against a copy of the release's
-inference/model.py"). The first such difference there came from mHC's mixes; this module computes them as
-torch 2.x does on an AVX-512 machine, each fp32 operation bit for bit (measured against torch 2.13 + MKL 2024.2):
+inference/model.py": with our own order the logits parted at position 9). Traced op by op, this module computes
+what parted them as torch 2.13 + MKL 2024.2 do on an AVX-512 machine, each fp32 operation bit for bit:
 
 * ``x.square().mean(-1)`` — ATen's inner sum (`row_sum`): the row cut into 8-lane vectors (its reduction
   kernel is the AVX2 one), 4 interleaved vector accumulators each summed in order, added 0+1+2+3, the 8 lanes
@@ -13,14 +13,22 @@ torch 2.x does on an AVX-512 machine, each fp32 operation bit for bit (measured 
 * ``torch.rsqrt`` — 1 / sqrt (two roundings; `rsqrt`).
 * ``F.linear`` in fp32 — MKL's sgemm (`linear`): the K axis in blocks of 192, each block a sequential FMA chain
   from 0, the blocks' partial sums added in order (measured for [128, 512] x [24, 512], the mix projection of
-  a 2 x 64 batch; MKL picks other kernels for other shapes — a 4-wide output, one row).
+  a 2 x 64 batch, and smaller batches); a 4-wide output (hc_head's) is another kernel (`linear`'s doc).
 * ``torch.sigmoid`` / ``F.softmax`` — ATen's vectorized ``1 / (1 + exp(-x))`` and ``exp(x − max) · (1 / Σ)``
   with Sleef's ``expf_u10`` (`exp`; ``torch.exp`` itself takes another path, not used here); Σ over 4 in order.
+* ``torch.polar`` — glibc's ``sinf`` / ``cosf`` per table entry (`_sin_cos`); the complex64 product with its
+  products and sums rounded apart (`apply_rope`).
+
+Used for: mHC's mixes, hc_pre, hc_post and hc_head (`hc_mixes`, `hc_pre`, `hc_post`, `head_collapse`), every
+RMSNorm (`rmsnorm`), RoPE (`apply_rope`; the frequencies' power correctly rounded, as torch's: `rope.rope_freqs`'
+``exact_pow``). The attention runs at the deterministic level (`attend_level`), as the script's rendering of the
+release's ``sparse_attn`` kernel does. The GEMMs of the quantized linears, the compressor and the indexer stay in
+our order: they agree bit for bit after their bf16 rounding on the comparison config.
 
 Every fp32 operation is evaluated in fp64 and rounded to fp32 (`numerics.round_f32`): +, −, ×, ÷ and √ so
 evaluated are the IEEE fp32 operations, an FMA is exact up to a double rounding (an fp64 sum within 2^-53 of an
-fp32 midpoint), and no XLA fusion can contract or reorder across the roundings. The GEMM is a sequential loop
-over K: slow, for the tiny comparison configs only.
+fp32 midpoint), and no XLA fusion can contract or reorder across the roundings. The GEMMs are sequential loops
+over K and the sums are rendered for K <= 512 only: for the tiny comparison configs, not for serving.
 """
 
 from __future__ import annotations
