@@ -144,7 +144,8 @@ def _tilelang_kernels(torch, K, order: str = "", win: int = 0):
         m = torch.where(torch.isfinite(m), m, 0.0)
         p = r(torch.exp(r(sc - m)))
         w = min(win, idx.size(-1))
-        den = r(r(r(p[..., :w].sum(-1)) + r(p[..., w:].sum(-1))) + r(torch.exp(r(attn_sink.to(f64).view(1, 1, h) - m[..., 0]))))
+        sink = r(torch.exp(r(attn_sink.to(f64).view(1, 1, h) - m[..., 0])))
+        den = r(r(r(p[..., :w].sum(-1)) + r(p[..., w:].sum(-1))) + sink)
         pb = p.to(torch.bfloat16).to(f64)
         num = r(r(torch.einsum("bshk,bskd->bshd", pb[..., :w], sel[:, :, :w])) +
                 r(torch.einsum("bshk,bskd->bshd", pb[..., w:], sel[:, :, w:])))

@@ -176,7 +176,8 @@ def _f64(fn, *xs):
     from dsv41_jax.model.numerics import x64_scope
 
     with x64_scope():
-        return np.asarray(fn(*[jnp.asarray(np.asarray(x, np.float32)).astype(jnp.float64) for x in xs])).astype(np.float32)
+        args = [jnp.asarray(np.asarray(x, np.float32)).astype(jnp.float64) for x in xs]
+        return np.asarray(fn(*args)).astype(np.float32)
 
 
 def test_torch_order_transcendentals_match_recorded_torch():

@@ -26,7 +26,7 @@ from dsv41_jax.model.rope import rope_freqs
 from dsv41_jax.model.v4.compressor import compress
 from dsv41_jax.model.v4.linear import dense, weight
 from dsv41_jax.model.v4.numerics import head_rms, index_rotated, kv_entries
-from dsv41_jax.model.v4.torch_order import attend_level, norm_fn, rope_fn
+from dsv41_jax.model.v4.torch_order import exact_level, norm_fn, rope_fn
 
 
 def layer_freqs(cfg, kind: str):
@@ -79,7 +79,7 @@ def index_select(p, qr, x, positions, freqs, keys, ratio: int, cfg, dt):
     q = rope_fn(cfg)(q.reshape(q.shape[:-1] + (nI, dI)), positions[..., None], freqs, out_dtype=dt)
     q = index_rotated(q, cfg, dt)
     w = dense(x, p["weights_proj"], cfg, dt).astype(jnp.float32) * jnp.float32((dI ** -0.5) * (nI ** -0.5))
-    scores = indexer.index_scores(q, w.astype(dt), keys, (positions + 1) // ratio, dt, is_exact(cfg))
+    scores = indexer.index_scores(q, w.astype(dt), keys, (positions + 1) // ratio, dt, exact_level(cfg))
     return indexer.select_topk(scores, cfg.index_topk)
 
 
@@ -136,5 +136,5 @@ def attention_full(p, x, positions, kind: str, ratio: int, cfg, dt):
             keys = compress(p["indexer"]["compressor"], x, ratio, True, freqs, cfg, dt, index=True)  # [B, S, dI]
             rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, keys, ratio, cfg, dt)
         comp, comp_mask = compressed_view(entries, positions, ratio, sel)
-    o = attend(q, kv, win_mask, comp, comp_mask, sink_of(p), dt, exact=attend_level(cfg))
+    o = attend(q, kv, win_mask, comp, comp_mask, sink_of(p), dt, exact=exact_level(cfg))
     return output_proj(p, o, positions, freqs, cfg, dt), rec

@@ -42,7 +42,7 @@ from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import (compressed_view, index_select, layer_freqs, output_proj, project_kv,
                                           project_q)
 from dsv41_jax.model.v4.moe import moe
-from dsv41_jax.model.v4.torch_order import attend_level
+from dsv41_jax.model.v4.torch_order import exact_level
 from dsv41_jax.model.v4.transformer import final_logits, layer_ratio, refuse_unsupported
 
 
@@ -193,7 +193,7 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
             st_comp = dict(st_comp, ipool=ipool, iproj=iproj)
             rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, ikeys, r, cfg, dt)
         comp, comp_mask = compressed_view(entries, positions, r, sel)
-    o = attend(q, keys, win_mask, comp, comp_mask, sink_of(p), dt, exact=attend_level(cfg))
+    o = attend(q, keys, win_mask, comp, comp_mask, sink_of(p), dt, exact=exact_level(cfg))
     return output_proj(p, o, positions, freqs, cfg, dt), st_win, st_comp, rec
 
 

@@ -21,9 +21,9 @@ what parted them as torch 2.13 + MKL 2024.2 do on an AVX-512 machine, each fp32 
 
 Used for: mHC's mixes, hc_pre, hc_post and hc_head (`hc_mixes`, `hc_pre`, `hc_post`, `head_collapse`), every
 RMSNorm (`rmsnorm`), RoPE (`apply_rope`; the frequencies' power correctly rounded, as torch's: `rope.rope_freqs`'
-``exact_pow``). The attention runs at the deterministic level (`attend_level`), as the script's rendering of the
-release's ``sparse_attn`` kernel does. The GEMMs of the quantized linears, the compressor and the indexer stay in
-our order: they agree bit for bit after their bf16 rounding on the comparison config.
+``exact_pow``). The attention and the index scores run at the deterministic level (`exact_level`; the attention
+as the script's rendering of the release's ``sparse_attn`` kernel does). The GEMMs of the quantized linears and
+the compressor's stay in our order: they agree bit for bit after their bf16 rounding on the comparison config.
 
 Every fp32 operation is evaluated in fp64 and rounded to fp32 (`numerics.round_f32`): +, −, ×, ÷ and √ so
 evaluated are the IEEE fp32 operations, an FMA is exact up to a double rounding (an fp64 sum within 2^-53 of an
@@ -251,11 +251,13 @@ def rope_fn(cfg):
     return apply_rope if cfg.release_order == "torch_cpu" else rope41.apply_rope
 
 
-def attend_level(cfg):
-    """The ``exact`` level `attention.attend` runs at: with ``release_order`` "torch_cpu" the deterministic one (every
-    sum exact, exps correctly rounded, each fp32 step rounded) — what research/v4_release_forward.py's rendering
-    of the release's ``sparse_attn`` kernel computes too (a GPU kernel's fp32 order is neither side's) —, else
-    `numerics.is_exact`."""
+def exact_level(cfg):
+    """The ``exact`` level of `attention.attend` and `indexer.index_scores`: with ``release_order`` "torch_cpu" the
+    deterministic one (every sum exact, exps correctly rounded, each fp32 / bf16 step rounded where the release
+    rounds) — what research/v4_release_forward.py's rendering of the release's ``sparse_attn`` kernel computes too (a
+    GPU kernel's fp32 order is neither side's), and what torch's bf16 index scores come to (their fp32 sums of
+    FP4-valued products are exact); XLA:CPU otherwise hands the index scores to a library fusion ("ynn_fusion") that
+    skips a bf16 step rounding (785 of layer 2's scores moved) — else `numerics.is_exact`."""
     return DETERMINISTIC if cfg.release_order == "torch_cpu" else is_exact(cfg)
 
 
