@@ -25,6 +25,13 @@ not compute what the kernels compute:
 The fp8 / fp4 GEMMs (fp32 dequantized matmuls, bf16 out) and the Sinkhorn split are kernel.py's (the kernels'
 arithmetic up to the fp32 summation order).
 
+``--order torch_cpu`` (default): ours with ``release_order="torch_cpu"`` (`model.v4.torch_order`: mHC's mixes,
+hc_pre / hc_post / hc_head, every RMSNorm and RoPE in the order torch + MKL evaluate model.py on an AVX-512 CPU),
+and the attention evaluated
+exactly on both sides (ours `attention.attend` at the deterministic level; here ``sparse_attn_exact``, the same
+arithmetic in fp64): fp32 ulps that cross a bf16 midpoint before an fp8 quantizer otherwise part the two sides
+within a few positions. ``--order xla``: ours in our own order, the ``sparse_attn`` rendering above.
+
 Per position the script records both sides' logits and every discrete decision — each CSA layer's index top-k
 set per row and position, each MoE layer's routed-expert set — finds the first position where any decision
 differs (its layer, the entries swapped and the release's score margin between them) and reports the largest
@@ -65,7 +72,7 @@ def _round_e2m1(torch, v):
     return torch.copysign(torch.round(a / step) * step, v)  # torch.round: half to even
 
 
-def _tilelang_kernels(torch, K):
+def _tilelang_kernels(torch, K, order: str = "", win: int = 0):
     """Torch renderings of the TileLang kernels that kernel.py's stand-ins do not reproduce (module doc)."""
     f32 = torch.float32
     inv448, inv6 = torch.tensor(1 / 448.0, dtype=f32), torch.tensor(1 / 6.0, dtype=f32)
@@ -119,11 +126,37 @@ def _tilelang_kernels(torch, K):
         den = den + torch.exp(attn_sink.float().view(1, 1, h) - m)
         return (acc / den.unsqueeze(-1)).to(q.dtype)
 
+    def sparse_attn_exact(q, kv, attn_sink, topk_idxs, softmax_scale):
+        """The kernel's formula with every sum exact (fp64) and rounded once, exps correctly rounded, each fp32 step
+        rounded: the window picks (the first ``win`` columns) and the compressed ones summed apart and added, the
+        output num · fp32(1 / den) — our `attention.attend` at the deterministic level (``--order torch_cpu``)."""
+        f64 = torch.float64
+        r = lambda t: t.to(f32).to(f64)  # noqa: E731
+        b, s, h, d = q.shape
+        idx = topk_idxs.long()
+        valid = idx != -1
+        sel = torch.gather(kv.unsqueeze(1).expand(b, s, -1, d), 2,
+                           idx.clamp_min(0).unsqueeze(-1).expand(*idx.shape, d)).to(f64)
+        sel = torch.where(valid.unsqueeze(-1), sel, 0.0)
+        sc = r(r(torch.einsum("bshd,bskd->bshk", q.to(f64), sel)) * r(torch.tensor(softmax_scale, dtype=f32)))
+        sc = sc.masked_fill(~valid.unsqueeze(2), -float("inf"))
+        m = sc.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, 0.0)
+        p = r(torch.exp(r(sc - m)))
+        w = min(win, idx.size(-1))
+        sink = r(torch.exp(r(attn_sink.to(f64).view(1, 1, h) - m[..., 0])))
+        den = r(r(r(p[..., :w].sum(-1)) + r(p[..., w:].sum(-1))) + sink)
+        pb = p.to(torch.bfloat16).to(f64)
+        num = r(r(torch.einsum("bshk,bskd->bshd", pb[..., :w], sel[:, :, :w])) +
+                r(torch.einsum("bshk,bskd->bshd", pb[..., w:], sel[:, :, w:])))
+        return r(num * r(1.0 / den).unsqueeze(-1)).to(f32).to(q.dtype)
+
     K.hadamard_transform = hadamard_transform  # what rotate_activation imports when fast_hadamard_transform is absent
-    return {"act_quant": act_quant, "fp4_act_quant": fp4_act_quant, "sparse_attn": sparse_attn}
+    return {"act_quant": act_quant, "fp4_act_quant": fp4_act_quant,
+            "sparse_attn": sparse_attn_exact if order == "torch_cpu" else sparse_attn}
 
 
-def _release(ref: str, numerics: str):
+def _release(ref: str, numerics: str, order: str = "", win: int = 0):
     sys.path.insert(0, os.path.join(ref, "inference"))
     import torch
     import torch.nn.functional as F
@@ -139,7 +172,7 @@ def _release(ref: str, numerics: str):
         R.fp4_act_quant = no_quant
         R.rotate_activation = lambda x: x
     else:
-        for name, fn in _tilelang_kernels(torch, K).items():
+        for name, fn in _tilelang_kernels(torch, K, order, win).items():
             setattr(R, name, fn)
     R.ParallelHead.get_logits = lambda self, x: F.linear(x.float(), self.weight)  # every position, not the last
     return torch, R
@@ -300,6 +333,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ref", required=True, help="scratch folder holding the copy's inference/")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--numerics", choices=("release", "plain"), default="release")
+    ap.add_argument("--order", choices=("torch_cpu", "xla"), default="torch_cpu",
+                    help="release numerics: ours with release_order 'torch_cpu' (mHC, RoPE in torch's CPU order; "
+                         "attention exact on both sides) or in our own XLA order (the kernels' renderings in torch's)")
     ap.add_argument("--deterministic", action="store_true", help="ours in the deterministic mode (fp64 sums)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the per-position record here (JSON)")
@@ -313,8 +349,9 @@ def main(argv=None) -> int:
     from dsv41_jax.model.v4 import mtp
     from dsv41_jax.model.v4.checkpoint import file_tensors
 
-    torch, R = _release(args.ref, args.numerics)
-    cfg = _config(args.numerics).replace(deterministic=args.deterministic)
+    order = "" if args.numerics == "plain" or args.order == "xla" else "torch_cpu"
+    cfg = _config(args.numerics).replace(deterministic=args.deterministic, release_order=order)
+    torch, R = _release(args.ref, args.numerics, order, cfg.sliding_window)
     params = init_params(cfg, jax.random.key(args.seed))
     if args.numerics == "plain":
         params = jax.tree_util.tree_map(
@@ -351,7 +388,8 @@ def main(argv=None) -> int:
     flip = _first_flip(ours, theirs, 2, T)
     scale = float(np.abs(ref_logits).max())
     label = (f"tiny-v4 layout, {cfg.hidden_size} wide, release numerics (fp8 128x128 weights, MXFP4 experts, fp8 "
-             f"acts / 128, fp8 KV / 64, Hadamard + FP4 index / 32, bf16 flow{', deterministic' if args.deterministic else ''})"
+             f"acts / 128, fp8 KV / 64, Hadamard + FP4 index / 32, bf16 flow, order {order or 'xla'}"
+             f"{', deterministic' if args.deterministic else ''})"
              if args.numerics == "release" else "tiny-v4 plain fp32, 16 index heads")
     per_pos = np.abs(logits - ref_logits).max(-1)  # [2, T]
     out = {"compare": "forward logits", "config": label, "rows": 2, "tokens": T, "seed": args.seed,

@@ -157,3 +157,92 @@ def test_release_numerics_config():
     assert ModelConfig.from_dict(d) == pro
     plain = ModelConfig.from_dict(_cfg(**{k: 0 for k in RELEASE_NUMERICS}).to_hf_dict())
     assert not release_numerics(plain)
+
+
+# ---------------------------------------------------------------------------- release_order "torch_cpu" (research)
+# Values recorded from torch 2.13 on an AVX-512 CPU (x86-64 glibc): inputs where torch's result is not the correctly
+# rounded one, so each check fails for an fp64-rounded stand-in. (input bits, torch's output bits)
+TORCH_SIGMOID = [(3226291041, 1025457270), (3232335000, 1000549118), (1071072409, 1062721546),
+                 (1054911936, 1058776197)]
+GLIBC_COS = [(1065913719, 1056391289), (1093333927, 3197941898), (1066870855, 1052940664)]
+GLIBC_SIN = [(1046894018, 1046767046), (1051507221, 1051293722), (1055752157, 1055199948)]
+
+
+def _bits(v):
+    return np.asarray(v, np.uint32).view(np.float32)
+
+
+def _f64(fn, *xs):
+    from dsv41_jax.model.numerics import x64_scope
+
+    with x64_scope():
+        args = [jnp.asarray(np.asarray(x, np.float32)).astype(jnp.float64) for x in xs]
+        return np.asarray(fn(*args)).astype(np.float32)
+
+
+def test_torch_order_transcendentals_match_recorded_torch():
+    from dsv41_jax.model.v4 import torch_order as to
+
+    x, want = (_bits([a for a, _ in TORCH_SIGMOID]), _bits([b for _, b in TORCH_SIGMOID]))
+    assert (_f64(to.sigmoid, x) == want).all()
+    assert ((1 / (1 + np.exp(-x.astype(np.float64)))).astype(np.float32) != want).all()  # not the rounded one
+    for table, k in ((GLIBC_SIN, 0), (GLIBC_COS, 1)):
+        a, want = _bits([p for p, _ in table]), _bits([q for _, q in table])
+        assert (_f64(lambda t: to._sin_cos(t.astype(jnp.float32))[k], a) == want).all()
+
+
+def test_torch_order_sums_and_gemm_orders():
+    """row_sum: 8-lane vectors, 4 accumulators, lanes left to right; linear: K blocks of 192, sequential FMA chains
+    (numpy renderings of the documented orders, with inputs on which other orders differ)."""
+    from dsv41_jax.model.v4 import torch_order as to
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((16, 512)) ** 2).astype(np.float32)
+    v = x.reshape(16, 16, 4, 8)  # [row, i, k (accumulator), lane]
+    acc = v[:, 0]
+    for i in range(1, 16):
+        acc = (acc + v[:, i]).astype(np.float32)
+    p = acc[:, 0]
+    for k in range(1, 4):
+        p = (p + acc[:, k]).astype(np.float32)
+    want = p[:, 0]
+    for lane in range(1, 8):
+        want = (want + p[:, lane]).astype(np.float32)
+    got = _f64(to.row_sum, x)
+    assert (got == want).all() and (got != np.cumsum(x, -1, dtype=np.float32)[:, -1]).any()
+    xs = rng.standard_normal((3, 400)).astype(np.float32)
+    w = (rng.standard_normal((5, 400)) * 0.05).astype(np.float32)
+    out = None
+    for k0 in range(0, 400, 192):
+        part = np.zeros((3, 5), np.float32)
+        for k in range(k0, min(400, k0 + 192)):
+            part = (part.astype(np.float64) + xs[:, None, k].astype(np.float64) * w[None, :, k]).astype(np.float32)
+        out = part if out is None else (out + part).astype(np.float32)
+    got = _f64(to.linear, xs, w)
+    assert (got == out).all() and (got != (xs.astype(np.float64) @ w.T).astype(np.float32)).any()
+    w4 = w[:4]  # a 4-wide output: 4 accumulators over k mod 4, no FMA, (a0 + a2) + (a1 + a3)
+    acc = np.zeros((3, 4, 4), np.float32)
+    for k in range(0, 400, 4):
+        acc = (acc + (xs[:, None, k:k + 4] * w4[None, :, k:k + 4]).astype(np.float32)).astype(np.float32)
+    want4 = ((acc[..., 0] + acc[..., 2]).astype(np.float32) + (acc[..., 1] + acc[..., 3]).astype(np.float32))
+    got4 = _f64(to.linear, xs, w4)
+    assert (got4 == want4.astype(np.float32)).all() and (got4 != got[:, :4]).any()
+
+
+def test_rope_freqs_exact_pow():
+    """`rope_freqs(exact_pow=True)`: base^e correctly rounded (torch's CPU power); numpy's fp32 power (the default,
+    unchanged) differs in 6 of the 32 compress-theta frequencies."""
+    from dsv41_jax.model.rope import rope_freqs
+
+    e = np.arange(0, 64, 2, dtype=np.float32) / np.float32(64)
+    want = (np.float32(1) / (np.float64(160000.0) ** e.astype(np.float64)).astype(np.float32)).astype(np.float32)
+    assert (rope_freqs(64, 160000.0, exact_pow=True) == want).all()
+    assert np.flatnonzero(rope_freqs(64, 160000.0) != want).tolist() == [3, 6, 10, 14, 23, 28]
+
+
+def test_release_order_is_v4_only_and_checked():
+    with pytest.raises(ConfigError, match="release_order"):
+        ModelConfig.preset("tiny").replace(release_order="torch_cpu").validate()
+    with pytest.raises(ConfigError, match="release_order"):
+        ModelConfig.preset("tiny-v4").replace(release_order="gpu").validate()
+    ModelConfig.preset("tiny-v4").replace(release_order="torch_cpu").validate()

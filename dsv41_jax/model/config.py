@@ -219,6 +219,9 @@ class ModelConfig:
     act_quant_block: int = 0
     kv_quant_block: int = 0
     index_fp4_block: int = 0
+    # V4 research only (`model.v4.torch_order`): "torch_cpu" computes mHC, RMSNorm and RoPE in the order torch
+    # evaluates the release's inference/model.py on an x86 CPU (research/v4_release_forward.py); "" = our own order
+    release_order: str = ""
     # --- ours (not in the HF file)
     # "bfloat16" = the reference dtype flow; "float32" = fp32 activations; "exact" = fp32 activations with
     # fp64-accumulated matmuls, for equivalence tests (model/numerics.py)

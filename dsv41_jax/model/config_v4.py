@@ -49,7 +49,7 @@ DEFAULT_NUM_HASH_LAYERS = 3  # transformers' default_num_hash_layers; the releas
 V41_VALUES = {
     "csa_compress_ratio": 0, "hca_compress_ratio": 0, "hash_layer_ids": (), "mhc_variant": "lagged",
     "q_head_norm": False, "weight_block_size": (32, 32), "expert_dtype": "fp4", "draft_kind": "dspark",
-    "act_quant_block": 0, "kv_quant_block": 0, "index_fp4_block": 0,
+    "act_quant_block": 0, "kv_quant_block": 0, "index_fp4_block": 0, "release_order": "",
 }
 # The release's numerics (its inference/model.py + kernels, docs/design/v4.md "Numerics"): fp8 activations per 128
 # along K in every fp8 / MXFP4 GEMM (`act_quant(x, block_size=128)`), fp8 KV entries per 64 of their non-RoPE
@@ -336,6 +336,8 @@ def validate_family(cfg, err) -> None:
     if cfg.expert_dtype not in ("fp4", "fp8", "bf16"):
         err("expert_dtype", f"= {cfg.expert_dtype!r}; 'fp4', 'fp8' or 'bf16'")
     validate_numerics(cfg, err)
+    if cfg.release_order not in ("", "torch_cpu"):
+        err("release_order", f"= {cfg.release_order!r}; '' (ours) or 'torch_cpu' (the release run by torch on CPU)")
 
 
 def release_numerics(cfg) -> bool:

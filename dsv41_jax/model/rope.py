@@ -50,6 +50,7 @@ def rope_freqs(
     rope_dim: int,
     base: float,
     yarn: Optional[Sequence[float]] = None,
+    exact_pow: bool = False,
 ) -> np.ndarray:
     """Per-pair rotary frequencies.
 
@@ -58,6 +59,8 @@ def rope_freqs(
       base: the RoPE theta (``rope_theta`` or ``compress_rope_theta``).
       yarn: ``None`` (plain RoPE) or a 4-sequence ``(factor, beta_fast, beta_slow,
         original_max_position_embeddings)`` selecting SPEC's YaRN correction (no mscale).
+      exact_pow: base^e correctly rounded (fp64, rounded once) instead of numpy's fp32 power — torch's CPU
+        ``base ** tensor`` (DeepSeek-V4's release_order "torch_cpu": 6 of the 32 compress-theta frequencies differ).
 
     Returns:
       np.ndarray float32 [rope_dim // 2]: f_i = base^(-2i/rd), YaRN-corrected if asked.
@@ -70,7 +73,8 @@ def rope_freqs(
     # reference's exact expression (`1.0 / (base ** (arange(0, rd, 2, f32) / rd))`); the
     # algebraically equal `base ** (-e)` differs from it in the last ulp for many i.
     exponent = np.arange(0, rd, 2, dtype=f32) / f32(rd)
-    freqs = (f32(1.0) / (f32(base) ** exponent)).astype(f32)
+    power = (np.float64(f32(base)) ** exponent.astype(np.float64)).astype(f32) if exact_pow else f32(base) ** exponent
+    freqs = (f32(1.0) / power).astype(f32)
     if yarn is None:
         return freqs
 

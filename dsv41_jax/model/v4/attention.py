@@ -21,23 +21,25 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import indexer
 from dsv41_jax.model.attention import attend, sink_of
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import einsum_exact, HIGHEST, is_exact
-from dsv41_jax.model.rope import apply_rope, rope_freqs
+from dsv41_jax.model.rope import rope_freqs
 from dsv41_jax.model.v4.compressor import compress
 from dsv41_jax.model.v4.linear import dense, weight
 from dsv41_jax.model.v4.numerics import head_rms, index_rotated, kv_entries
+from dsv41_jax.model.v4.torch_order import exact_level, norm_fn, rope_fn
 
 
 def layer_freqs(cfg, kind: str):
-    """RoPE frequencies [rd/2] of a layer of `kind` ("sliding" | "csa" | "hca")."""
+    """RoPE frequencies [rd/2] of a layer of `kind` ("sliding" | "csa" | "hca"); the power correctly rounded, as
+    torch's, with ``release_order`` "torch_cpu" (`rope.rope_freqs`' ``exact_pow``)."""
     rd = cfg.qk_rope_head_dim
+    exact_pow = cfg.release_order == "torch_cpu"
     if kind == "sliding":
-        return rope_freqs(rd, cfg.rope_theta)
+        return rope_freqs(rd, cfg.rope_theta, exact_pow=exact_pow)
     rs = cfg.rope_scaling
     yarn = ((rs.factor, rs.beta_fast, rs.beta_slow, rs.original_max_position_embeddings)
             if rs.type == "yarn" else None)
-    return rope_freqs(rd, cfg.compress_rope_theta, yarn=yarn)
+    return rope_freqs(rd, cfg.compress_rope_theta, yarn=yarn, exact_pow=exact_pow)
 
 
 def head_norm(q, cfg, dt):
@@ -51,16 +53,16 @@ def head_norm(q, cfg, dt):
 def project_q(p, x, positions, freqs, cfg, dt):
     """x [B, T, D] -> (qr [B, T, q_lora] the normed q latent (the indexer's input), q [B, T, H, hd] RoPE'd)."""
     eps = cfg.rms_norm_eps
-    qr = rmsnorm(dense(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt, is_exact(cfg))
+    qr = norm_fn(cfg)(dense(x, p["wq_a"], cfg, dt), p["q_norm"]["weight"], eps, dt, is_exact(cfg))
     q = dense(qr, p["wq_b"], cfg, dt)
     q = head_norm(q.reshape(q.shape[:-1] + (cfg.num_attention_heads, cfg.head_dim)), cfg, dt)
-    return qr, apply_rope(q, positions[..., None], freqs, out_dtype=dt)
+    return qr, rope_fn(cfg)(q, positions[..., None], freqs, out_dtype=dt)
 
 
 def project_kv(p, x, positions, freqs, cfg, dt):
     """The window K=V [B, T, hd]: kv_norm(wkv·x), RoPE'd, as stored (`v4.numerics.kv_entries`)."""
-    kv = rmsnorm(dense(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
-    return kv_entries(apply_rope(kv, positions, freqs, out_dtype=dt), cfg, dt)
+    kv = norm_fn(cfg)(dense(x, p["wkv"], cfg, dt), p["kv_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    return kv_entries(rope_fn(cfg)(kv, positions, freqs, out_dtype=dt), cfg, dt)
 
 
 def index_select(p, qr, x, positions, freqs, keys, ratio: int, cfg, dt):
@@ -74,10 +76,10 @@ def index_select(p, qr, x, positions, freqs, keys, ratio: int, cfg, dt):
     Returns int32 [B, T, min(k, S)], ascending, −1 for picks at −inf (`indexer.select_topk`)."""
     nI, dI = cfg.index_n_heads, cfg.index_head_dim
     q = dense(qr, p["wq_b"], cfg, dt)
-    q = apply_rope(q.reshape(q.shape[:-1] + (nI, dI)), positions[..., None], freqs, out_dtype=dt)
+    q = rope_fn(cfg)(q.reshape(q.shape[:-1] + (nI, dI)), positions[..., None], freqs, out_dtype=dt)
     q = index_rotated(q, cfg, dt)
     w = dense(x, p["weights_proj"], cfg, dt).astype(jnp.float32) * jnp.float32((dI ** -0.5) * (nI ** -0.5))
-    scores = indexer.index_scores(q, w.astype(dt), keys, (positions + 1) // ratio, dt, is_exact(cfg))
+    scores = indexer.index_scores(q, w.astype(dt), keys, (positions + 1) // ratio, dt, exact_level(cfg))
     return indexer.select_topk(scores, cfg.index_topk)
 
 
@@ -98,7 +100,7 @@ def output_proj(p, o, positions, freqs, cfg, dt):
     H/o_groups heads -> o_lora_rank each), wo_b."""
     B, T = o.shape[:2]
     G, R = cfg.o_groups, cfg.o_lora_rank
-    o = apply_rope(o, positions[..., None], freqs, inverse=True, out_dtype=dt).reshape(B, T, G, -1)
+    o = rope_fn(cfg)(o, positions[..., None], freqs, inverse=True, out_dtype=dt).reshape(B, T, G, -1)
     wa = weight(p["wo_a"], cfg).reshape(G, R, -1)
     if is_exact(cfg):
         y = einsum_exact("btgi,gri->btgr", o, wa)
@@ -134,5 +136,5 @@ def attention_full(p, x, positions, kind: str, ratio: int, cfg, dt):
             keys = compress(p["indexer"]["compressor"], x, ratio, True, freqs, cfg, dt, index=True)  # [B, S, dI]
             rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, keys, ratio, cfg, dt)
         comp, comp_mask = compressed_view(entries, positions, ratio, sel)
-    o = attend(q, kv, win_mask, comp, comp_mask, sink_of(p), dt, exact=is_exact(cfg))
+    o = attend(q, kv, win_mask, comp, comp_mask, sink_of(p), dt, exact=exact_level(cfg))
     return output_proj(p, o, positions, freqs, cfg, dt), rec

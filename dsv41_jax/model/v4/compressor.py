@@ -21,6 +21,7 @@ from dsv41_jax.model import compressor as comp41
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.model.v4.linear import dense_f32
 from dsv41_jax.model.v4.numerics import index_rotated, kv_entries
+from dsv41_jax.model.v4.torch_order import rope_fn
 
 
 def window_slots(kv, score, ape, ratio: int, overlap: bool, windows=None, base=None):
@@ -62,7 +63,7 @@ def pool(p, kv, score, windows, ratio: int, freqs, cfg, dt, index: bool = False)
     `compressor.pool_groups` (softmax over the slots, weighted sum, kv norm), RoPE'd at w·ratio, then quantized
     as stored (`v4.numerics.kv_entries`; an indexer's keys, `index`: `v4.numerics.index_rotated`)."""
     latent = comp41.pool_groups(kv, score, p, cfg.rms_norm_eps, dt, is_exact(cfg))
-    entries = comp41.compressed_rot(latent, windows * ratio, freqs, dt)
+    entries = rope_fn(cfg)(latent, windows * ratio, freqs, out_dtype=dt)  # `compressor.compressed_rot`'s RoPE
     return index_rotated(entries, cfg, dt) if index else kv_entries(entries, cfg, dt)
 
 

@@ -47,6 +47,7 @@ from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import (compressed_view, index_select, layer_freqs, output_proj, project_kv,
                                           project_q)
 from dsv41_jax.model.v4.moe import moe
+from dsv41_jax.model.v4.torch_order import exact_level
 from dsv41_jax.model.v4.transformer import final_logits, layer_ratio, refuse_unsupported, sublayer_exit
 
 
@@ -199,7 +200,7 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
             st_comp = dict(st_comp, ipool=ipool, iproj=iproj)
             rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, ikeys, r, cfg, dt)
         comp, comp_mask = compressed_view(entries, positions, r, sel)
-    o = attend(q, keys, win_mask, comp, comp_mask, sink_of(p), dt, exact=is_exact(cfg))
+    o = attend(q, keys, win_mask, comp, comp_mask, sink_of(p), dt, exact=exact_level(cfg))
     return output_proj(p, o, positions, freqs, cfg, dt), st_win, st_comp, rec
 
 
@@ -240,10 +241,10 @@ def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, has
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, win, comp, arec = attention_cached(lp["attn"], x, win, comp, batch, positions, valid, kind, cfg, ccfg, dt)
-    h = sublayer_exit(y, h, post, comb, dt, par)
+    h = sublayer_exit(y, h, post, comb, cfg, dt, par)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
     y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt, par)
-    return sublayer_exit(y, h, post, comb, dt, par), win, comp, (rec, arec)
+    return sublayer_exit(y, h, post, comb, cfg, dt, par), win, comp, (rec, arec)
 
 
 def head_logits(params, streams, n_new, cfg, all_logits: bool = False, par=None):

@@ -7,18 +7,22 @@ by ``hc_head`` (`head_collapse`): pre = sigmoid(rms-scaled (h_flat · fnᵀ) · 
 x = Σ_i pre_i · h_i — `hc_mixes`' pre row with its own fn [n, n·D], base [n] and one scale.
 
 The mixes run the plain-jnp reference (`mhc.hc_mixes`, Sinkhorn as a loop): V4.1's Pallas enter kernel fuses
-the lagged collapse and does not apply; an explicit ``mhc=pallas`` is refused (`enter`).
+the lagged collapse and does not apply; an explicit ``mhc=pallas`` is refused (`enter`). With
+``release_order`` "torch_cpu" (research) the mixes, collapses, exit and norms are `torch_order`'s: the release's
+order under torch on CPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
-from dsv41_jax.model.mhc import hc_mixes, hc_pre
-from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
 from dsv41_jax.model.numerics import HIGHEST, einsum_exact, is_exact, mean_f32
+from dsv41_jax.model.v4 import torch_order
 
 
 def _check_impl(cfg):
@@ -31,16 +35,27 @@ def enter(h, lp, sub: str, cfg, dt):
     """Enter sublayer `sub` ("attn" | "ffn") of layer params `lp` from the streams h [.., n, D]: returns
     (x [.., D] in `dt`: the sublayer's RMSNorm of hc_pre(h, its own pre), post fp32 [.., n], comb [.., n, n])."""
     _check_impl(cfg)
-    pre, post, comb = hc_mixes(h, lp[f"hc_{sub}_fn"], lp[f"hc_{sub}_base"], lp[f"hc_{sub}_scale"],
-                               norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                               exact=is_exact(cfg))
-    x = rmsnorm(hc_pre(h, pre, dt), lp[f"{sub}_norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    mix = (torch_order.hc_mixes if cfg.release_order == "torch_cpu" else
+           functools.partial(hc_mixes, exact=is_exact(cfg)))
+    pre, post, comb = mix(h, lp[f"hc_{sub}_fn"], lp[f"hc_{sub}_base"], lp[f"hc_{sub}_scale"],
+                          norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+    collapse = torch_order.hc_pre if cfg.release_order == "torch_cpu" else hc_pre
+    x = torch_order.norm_fn(cfg)(collapse(h, pre, dt), lp[f"{sub}_norm"]["weight"], cfg.rms_norm_eps, dt,
+                                 is_exact(cfg))
     return x, post, comb
+
+
+def leave(y, h, post, comb, cfg, dt):
+    """Write sublayer output y [.., D] back into the streams h [.., n, D] (`mhc.hc_post`; `torch_order.hc_post`
+    with ``release_order`` "torch_cpu") -> [.., n, D] in `dt`."""
+    return (torch_order.hc_post if cfg.release_order == "torch_cpu" else hc_post)(y, h, post, comb, dt)
 
 
 def head_collapse(h, fn, base, scale, cfg, dt):
     """The model-level ``hc_head``: streams h [.., n, D] -> [.., D] in `dt` (module doc). fn fp32 [n, n·D],
-    base [n], scale [1]."""
+    base [n], scale [1]. With ``release_order`` "torch_cpu": `torch_order.head_collapse`."""
+    if cfg.release_order == "torch_cpu":
+        return torch_order.head_collapse(h, fn, base, scale, cfg, dt)
     n, d = h.shape[-2:]
     x = h.reshape(h.shape[:-2] + (n * d,)).astype(jnp.float32)
     r = jax.lax.rsqrt(mean_f32(x * x, -1, is_exact(cfg), keepdims=True) + cfg.rms_norm_eps)

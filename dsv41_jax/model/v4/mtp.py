@@ -21,11 +21,11 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import tiling
 from dsv41_jax.model.config_v4 import draft_kinds
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4.linear import dense
+from dsv41_jax.model.v4.torch_order import norm_fn
 from dsv41_jax.model.v4.transformer import final_logits, layer_forward, refuse_unsupported
 
 
@@ -48,8 +48,8 @@ def draft_input(params, p, h, next_tokens, cfg, dt, par=None):
     (the embedding's rows split over tp: `transformer.embed_streams`' gather, one stream of it)."""
     ex = is_exact(cfg)
     e = embed_streams(params, next_tokens, cfg, dt, par)[..., 0, :]
-    e = rmsnorm(e, p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
-    s = rmsnorm(h.astype(dt), p["hnorm"]["weight"], cfg.rms_norm_eps, dt, ex)
+    e = norm_fn(cfg)(e, p["enorm"]["weight"], cfg.rms_norm_eps, dt, ex)
+    s = norm_fn(cfg)(h.astype(dt), p["hnorm"]["weight"], cfg.rms_norm_eps, dt, ex)
     return (dense(e, p["e_proj"], cfg, dt)[..., None, :] + dense(s, p["h_proj"], cfg, dt)).astype(dt)
 
 

@@ -22,13 +22,12 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch, linear, tiling
 from dsv41_jax.model.config_v4 import attention_kinds
-from dsv41_jax.model.mhc import hc_post
-from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record, replicated
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import attention_full
 from dsv41_jax.model.v4.moe import moe
+from dsv41_jax.model.v4.torch_order import norm_fn
 
 
 def layer_ratio(cfg, kind: str) -> int:
@@ -55,14 +54,14 @@ def final_logits(params, h, cfg, dt, head=None):
     vocab projection is always the target's ``head``."""
     hp = params if head is None else head
     x = mhc4.head_collapse(h, hp["hc_head_fn"], hp["hc_head_base"], hp["hc_head_scale"], cfg, dt)
-    x = rmsnorm(x, hp["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
+    x = norm_fn(cfg)(x, hp["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg))
     return linear.f32(x, params["head"]["weight"], cfg, row_axis="vocab"), x
 
 
-def sublayer_exit(y, h, post, comb, dt, par=None):
-    """`mhc.hc_post` of a sublayer's output y [.., D] into the streams h [.., n, D], both pinned replicated on a
+def sublayer_exit(y, h, post, comb, cfg, dt, par=None):
+    """`v4.mhc.leave` of a sublayer's output y [.., D] into the streams h [.., n, D], both pinned replicated on a
     mesh (module doc)."""
-    return replicated(hc_post(replicated(y, par), h, post, comb, dt), par)
+    return replicated(mhc4.leave(replicated(y, par), h, post, comb, cfg, dt), par)
 
 
 def layer_forward(lp, h, tokens, positions, kind: str, hashed: bool, cfg, dt, par=None):
@@ -71,10 +70,10 @@ def layer_forward(lp, h, tokens, positions, kind: str, hashed: bool, cfg, dt, pa
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, arec = attention_full(lp["attn"], x, positions, kind, layer_ratio(cfg, kind), cfg, dt)
-    h = sublayer_exit(y, h, post, comb, dt, par)
+    h = sublayer_exit(y, h, post, comb, cfg, dt, par)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
     y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt, par)
-    return sublayer_exit(y, h, post, comb, dt, par), rec, arec
+    return sublayer_exit(y, h, post, comb, cfg, dt, par), rec, arec
 
 
 def forward(params, tokens, cfg, return_aux: bool = False, par=None):
