@@ -84,14 +84,17 @@ def test_v4_checkpoint_passes_the_start_up_checks(v4_ckpt):
 
 
 def test_v4_with_what_it_lacks_is_one_line(v4_ckpt):
-    """What V4 serving does not do yet (DSpark's head, a mesh) is refused in one line before anything loads."""
+    """What V4 serving does not do (DSPARK on a checkpoint whose draft is an MTP layer, a quantized KV cache) is
+    refused in one line before anything loads."""
     r = _serve(["--model", v4_ckpt, "--speculative-algorithm", "DSPARK", "--port", str(free_port())],
                JAX_PLATFORMS="cpu")
     line = _refused(r)
     assert line.startswith("error: DeepSeek-V4 checkpoint: not supported with --speculative-algorithm DSPARK"), line
     assert "engine:" not in r.stderr  # refused before the engine started
-    line = _refused(_serve(["--model", v4_ckpt, "--tp-size", "2", "--port", str(free_port())], JAX_PLATFORMS="cpu"))
-    assert "DeepSeek-V4 checkpoint: not supported with a mesh" in line, line
+    assert "draft is an MTP layer" in line, line
+    line = _refused(_serve(["--model", v4_ckpt, "--kv-cache-dtype", "fp8_e4m3", "--port", str(free_port())],
+                           JAX_PLATFORMS="cpu"))
+    assert "DeepSeek-V4 checkpoint: not supported with --kv-cache-dtype fp8_e4m3" in line, line
 
 
 def test_unreadable_model_config_is_one_line(tmp_path):
