@@ -301,10 +301,10 @@ def test_kernel_runs_expert_parallel_bitwise_as_on_one_device(tiny_cfg, tiny_par
 
 
 def test_auto_picks_the_kernel_on_a_gpu_as_measured():
-    assert dispatch.GPU_AUTO["moe"] == "pallas" and dispatch._resolve("auto", "moe", "gpu") == "pallas"
-    assert dispatch._resolve("auto", "moe", "cpu") == "xla"
+    assert dispatch.GPU_AUTO["moe"] == "pallas" and dispatch.resolve("auto", "moe", backend="gpu") == "pallas"
+    assert dispatch.resolve("auto", "moe", backend="cpu") == "xla"
     # the fp64-accumulating modes keep the jnp path under auto (the kernel accumulates in fp32)
-    assert dispatch._resolve("auto", "moe", "gpu", f64=True) == "xla"
+    assert dispatch.resolve("auto", "moe", backend="gpu", f64=True) == "xla"
 
 
 # --------------------------------------------------------------------------------------- contract
