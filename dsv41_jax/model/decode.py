@@ -125,20 +125,18 @@ def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, to
             valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
             empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
 
-            def attn_run(p, k, win, x, plan=plan, st=st):
-                rings = st["window"] if win is None else win
-                y, (st_out, _, _, pend_out) = attention_cached(step, p, x, plan, dict(st, window=rings), ctx, batch,
+            def attn_run(p, k, carry, x, plan=plan, st=st):
+                y, (st_out, _, _, pend_out) = attention_cached(step, p, x, plan, dict(st, **carry), ctx, batch,
                                                                positions, valid_k, cfg, ccfg, dt, empty, k)
-                return y, (pend_out.window[plan.layer_id], st_out["window"] if step.ring_now else None)
+                return y, (pend_out.window[plan.layer_id], {key: st_out[key] for key in carry})
 
-            h, pre, aux, codes, win = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre,
-                                                  st["window"] if step.ring_now else None, plan, cfg, dt, aux, i,
-                                                  cfg.num_experts_per_tok, attn_run, par=par)
-            if step.ring_now:
-                st = dict(st, window=win)
-            else:
-                for k in range(n):
-                    pend = pend.with_window(i + k, jax.tree_util.tree_map(operator.itemgetter(k), codes))
+            # the rings ride in the scan's carry where the plan writes them in the step (`StepPlan.ring_now`: no codes
+            # come back); else each layer's codes come back stacked, for `commit`
+            carry = {"window": st["window"]} if step.ring_now else {}
+            h, pre, aux, codes, carry = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, carry, plan,
+                                                    cfg, dt, aux, i, cfg.num_experts_per_tok, attn_run, par=par)
+            codes = tuple(jax.tree_util.tree_map(operator.itemgetter(k), codes) for k in range(n))
+            st, pend = dict(st, **carry), dataclasses.replace(pend, window=pend.window[:i] + codes + pend.window[i + n:])
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None

@@ -272,8 +272,7 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None,
         bias, layer = weights.split(p["gate"]["bias"])
         idx_p, w_p, order_p = step.kernels["moe", "route"](linear.f32(xf, p["gate"]["weight"], cfg), bias, top_k, cfg,
                                                            layer=layer)
-        padded, idx, w = (idx_p, w_p), idx_p[:, :top_k], w_p[:, :top_k]
-        order = order_p if fused else order_p[:, :top_k]
+        padded, idx, w, order = (idx_p, w_p), idx_p[:, :top_k], w_p[:, :top_k], order_p  # order: [N, kp]
     else:
         idx, w, _ = route(p["gate"], xf, top_k, cfg)
     if fused:  # the experts' raw slots, for w2's kernel to sum
@@ -303,7 +302,8 @@ def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order, layer_id=None):
     """fp32 [N, D]: the routed experts' outputs summed per token in ascending expert id, by implementation:
     expert-parallel on an "ep" mesh (`par.routed_experts`, the kernel per expert shard where it runs), the kernel
     (its slots combined; top-k ids are distinct, so the combine's order needs no sort), the grouped xla path or
-    the reference."""
+    the reference. order: None, or the router kernel's padded order int32 [N, kp]."""
+    order = None if order is None else order[:, :idx.shape[1]]
     kernel = _experts_kernel(impl)
     if par is not None and par.expert_parallel:
         if impl == "reference":

@@ -1,14 +1,13 @@
 """The step resolved once: which form of each operation a forward / cached step runs (docs/design/decode_plan.md).
 
 Several operations of a layer have a fused form beside their plain one — the same values, fewer launches —
-that runs only where the right kernels run: the window codes written into the rings in the kernel that
-makes them, the attention kernel's split partials merged inside the output projection's kernel, the MoE's
-routed sum as the shared expert's w2 epilogue, the mHC exit of one sublayer fused with the next one's
-enter. `StepPlan.of(cfg, par, tokens, ...)` decides all of them in this one place, from the config's
-implementation spec (`dispatch.resolve`), the numerics mode, the mesh and the step's shape, and logs the
-choice once; the model functions read the plan's fields and never re-check which kernels run.
+that runs only where the right kernels run. `StepPlan.of(cfg, par, tokens, ...)` decides all of them in this
+one place, from the config's implementation spec (`dispatch.resolve`), the numerics mode, the mesh and the
+step's shape, logs the choice once, and holds each chosen form as a callable (the mHC boundary, the queries and
+window codes with or without the in-place ring write, the attention) plus the kernels of the ops that run one:
+the model functions call the plan's forms and read its fields, and never re-check which kernels run.
 
-The plan is a frozen, hashable dataclass (a static argument under ``jit``). Two small named pytree types
+The plan is a frozen, hashable dataclass (a static value under ``jit``; the callables are not compared). Two small named pytree types
 carry what one operation leaves for a later one:
 
 * `DeferredExit` — a layer's ffn output not yet written back into the streams (``hc_post``): the next
@@ -76,8 +75,9 @@ class StepPlan:
     attention / mhc / moe / linear: each op's resolved implementation (`dispatch.resolve`); mesh_size: devices.
     The bools say where a fused form runs; the callables are the forms chosen (not compared: they follow from the
     rest): enter / exit / exit_enter the mHC boundary (`mhc.sublayer_*` or their kernels), q_codes the queries and
-    window codes (`attention.q_codes`, `q_codes_kernel`, `q_codes_into_ring`), kernels {(op, variant): the
-    registered kernel with ``interpret`` bound} of the ops that run one."""
+    window codes (`attention.q_codes`, `q_codes_kernel`, `q_codes_into_ring`), attend the attention
+    (`attention.sparse_attention` or its kernel), kernels {(op, variant): the registered kernel with ``interpret``
+    bound} of the ops that run one."""
     attention: str
     mhc: str
     moe: str

@@ -156,7 +156,7 @@ def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, 
 
     stacked: the run's params with a leading axis n in storage dtypes (`layer_scan.run_params`); h / pre enter
     the layer `first` (h streams or a `DeferredExit`: the carry keeps its form); carry: what the attention threads
-    through the layers (the window rings where `StepPlan.ring_now`, else None); plan: the first layer's.
+    through the layers (a pytree; the forward's: None); plan: the first layer's.
     attn_fn(p, k, carry, x) -> (y, (out, carry')): one layer's attention (k int32 its index in the run); outs: the
     `out`s stacked on axis 0. The weights the kernels read in place (`StepPlan.in_place`) and the routed experts
     are handed over whole with the layer (`weights.Stacked`): XLA copies a sliced Pallas operand per layer."""

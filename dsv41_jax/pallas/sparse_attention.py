@@ -344,8 +344,9 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     (SWA bounded replay's window bound has no kernel).
     """
     if key_lo is not None:
-        raise NotImplementedError("attention: the window lower bound of SWA bounded replay (key_lo) has no Pallas "
-                                  "kernel; run the attention op with impl 'xla' or 'reference'")
+        impl = "pallas_interpret" if interpret else "pallas"
+        raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "
+                                  f"kernel; run the attention op with impl 'xla' or 'reference'")
     dt = q.dtype
     if dt not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"sparse_attention kernel: q must be bf16 or fp32, got {dt}")
