@@ -32,6 +32,7 @@ def cfg():
 def test_plain_impls_have_no_fused_form(cfg):
     step = StepPlan.of(cfg.replace(impl="xla"), None, (1, 1), "auto", keep_all=True)
     fused = [f.name for f in dataclasses.fields(step) if f.type in ("bool", bool) and f.name != "fused_boundary"]
+    assert "attend_kernel" in fused
     assert not any(getattr(step, f) for f in fused), step
     assert step.fused_boundary  # exit + enter as one call is the plain form's sequence too (one device)
     assert step.in_place(cfg.replace(impl="xla"), 0) == ()

@@ -31,7 +31,7 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, tiling, weights
+from dsv41_jax.model import compressor, indexer, layer_scan, tiling, weights
 from dsv41_jax.model.engram import compressed_ids, hash_rows
 from dsv41_jax.model.numerics import act_dtype
 from dsv41_jax.model.plan import Pending, StepPlan
@@ -122,7 +122,7 @@ def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, to
         plan = cfg.layer_plan(i)
         if n > 1:
             # valid as the attention kernel reads it (int32), made once: converted in the body, a launch per trip
-            valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
+            valid_k = valid.astype(jnp.int32) if step.attend_kernel else valid
             empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
 
             def attn_run(p, k, carry, x, plan=plan, st=st):

@@ -73,7 +73,8 @@ class StepPlan:
     """The forms of one step's operations (module doc; docs/design/decode_plan.md has the table). Build with `of`.
 
     attention / mhc / moe / linear: each op's resolved implementation (`dispatch.resolve`); mesh_size: devices.
-    The bools say where a fused form runs; the callables are the forms chosen (not compared: they follow from the
+    attend_kernel: the attention runs its kernel (which reads `valid` as int32). The other bools say where a fused
+    form runs; the callables are the forms chosen (not compared: they follow from the
     rest): enter / exit / exit_enter the mHC boundary (`mhc.sublayer_*` or their kernels), q_codes the queries and
     window codes (`attention.q_codes`, `q_codes_kernel`, `q_codes_into_ring`), attend the attention
     (`attention.sparse_attention` or its kernel), kernels {(op, variant): the registered kernel with ``interpret``
@@ -83,6 +84,7 @@ class StepPlan:
     moe: str
     linear: str
     mesh_size: int
+    attend_kernel: bool
     window_codes_kernel: bool
     ring_now: bool
     linear_kernel: bool
@@ -127,7 +129,7 @@ class StepPlan:
                                      kernels["attention", "window_codes"]) if win else attention.q_codes)
         attend = (kernels["attention", "kernel"] if on["attention"] else
                   functools.partial(attention.sparse_attention, impl=impls["attention"], exact=is_exact(cfg)))
-        plan = StepPlan(*impls.values(), mesh_size, win, ring_now, lin, lin and on["attention"], router,
+        plan = StepPlan(*impls.values(), mesh_size, on["attention"], win, ring_now, lin, lin and on["attention"], router,
                         router and lin and shape[0] * shape[1] == 1, on["mhc"], mesh_size == 1, *boundary, q_codes,
                         attend, kernels)
         log.info("step plan (%s, %d device(s), %s tokens, kv %s): %s", cfg.impl, mesh_size, shape, mode, plan)
