@@ -45,7 +45,6 @@ devices, it lets the CPU row tiles follow the split (`tiling`, module doc).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
