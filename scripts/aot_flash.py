@@ -480,7 +480,7 @@ def attention_layers(params, state, batch, cfg, ccfg, par):
         x = par.replicated(batch["x"]) if par is not None else batch["x"]  # as `transformer.enter` hands it
         ys = []
         for i in range(cfg.num_hidden_layers):
-            y, st, ctx, _, pend = dec.attention_cached(step, params["layers"][i]["attn"], x,
+            y, (st, ctx, _, pend) = dec.attention_cached(step, params["layers"][i]["attn"], x,
                                                        cfg.layer_plan(i), st, ctx, batch, positions, valid, cfg,
                                                        ccfg, dt, pend)
             ys.append(y)

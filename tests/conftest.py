@@ -267,10 +267,10 @@ def drop_kernels(monkeypatch):
 
     def drop(op: str) -> None:
         monkeypatch.setattr(dispatch, "_REGISTRY", {k: v for k, v in dispatch.registry().items() if k[0] != op})
-        dispatch._resolve.cache_clear()
+        dispatch.resolve.cache_clear()
 
     yield drop
-    dispatch._resolve.cache_clear()
+    dispatch.resolve.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -57,9 +57,9 @@ def test_config_field_and_mode(tiny_cfg):
 
 def test_dispatch_auto_is_xla_and_kernels_refused(tiny_cfg):
     # "auto" picks the attention kernel on a GPU, but never in the fp64-accumulating modes
-    assert dispatch._resolve("auto", "attention", "gpu", False) == "pallas"
-    assert dispatch._resolve("auto", "attention", "gpu", True) == "xla"
-    assert dispatch._resolve("attention=pallas", "attention", "gpu", True) == "pallas"  # refused at the seam
+    assert dispatch.resolve("auto", "attention", backend="gpu", f64=False) == "pallas"
+    assert dispatch.resolve("auto", "attention", backend="gpu", f64=True) == "xla"
+    assert dispatch.resolve("attention=pallas", "attention", backend="gpu", f64=True) == "pallas"  # refused at the seam
     det = tiny_cfg.replace(deterministic=True, impl="engram=pallas_interpret")
     with pytest.raises(dispatch.ImplError, match="deterministic"):
         dispatch.refuse_kernel_in_f64_mode(det, "engram", "pallas_interpret")

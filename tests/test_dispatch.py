@@ -56,11 +56,11 @@ def test_auto_on_gpu_picks_the_kernels_measured_faster():
     kernels, Engram stays on XLA; mHC runs its kernel, XLA's unrolled Sinkhorn being too slow to compile
     on a GPU and its loop ~3x the launches; the MoE kernel, 1.4-4.5x the xla path at decode sizes); an explicit
     "pallas" still runs every kernel; off-GPU "auto" is xla."""
-    assert {op: D._resolve("auto", op, "gpu") for op, _ in D.registry()} == {
+    assert {op: D.resolve("auto", op, backend="gpu") for op, _ in D.registry()} == {
         "attention": "pallas", "indexer": "pallas", "engram": "xla", "mhc": "pallas", "moe": "pallas",
         "linear": "xla"}  # linear: its kernel has not been timed on a GPU yet
-    assert all(D._resolve("pallas", op, "gpu") == "pallas" for op, _ in D.registry())
-    assert all(D._resolve("auto", op, "cpu") == "xla" for op in D.OPS)
+    assert all(D.resolve("pallas", op, backend="gpu") == "pallas" for op, _ in D.registry())
+    assert all(D.resolve("auto", op, backend="cpu") == "xla" for op in D.OPS)
 
 
 # ------------------------------------------------------------------------------------------- registry

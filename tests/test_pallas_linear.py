@@ -329,7 +329,7 @@ def test_dual_gemm_bitwise_the_two_calls(pallas_impl):
 
 
 def test_combine_epilogue_is_the_moe_sum(pallas_impl):
-    """``combine=`` (the shared expert's w2 with the routed experts' sum as its epilogue, `linear.fp8_combined`)
+    """``combine=`` (the shared expert's w2 with the routed experts' sum as its epilogue, `moe.moe`'s fused form)
     equals `moe.combine_slots` of the slots in the given order plus the plain kernel's output, rounded once:
     bit for bit (the same GEMM; the epilogue's fp32 sum in combine_slots' order), bf16 and fp32 flows, with the
     slot rows padded past M·k as the experts' kernel leaves them."""

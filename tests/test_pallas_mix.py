@@ -272,9 +272,9 @@ def test_mhc_exact_mode_auto_is_xla(pallas_impl):
     """Exact mode: "auto" resolving to the fp32 Pallas kernels (as on a GPU) runs "xla" instead (`dispatch.resolve`,
     which the seams and the step plan read); an explicit Pallas choice stays what was asked for (and the kernel
     refuses the exact mode)."""
-    assert dispatch._resolve("auto", "mhc", "gpu", True) == "xla"
-    assert dispatch._resolve(f"mhc={pallas_impl}", "mhc", "gpu", True) == pallas_impl
-    assert dispatch._resolve("auto", "mhc", "gpu", False) == "pallas"
+    assert dispatch.resolve("auto", "mhc", backend="gpu", f64=True) == "xla"
+    assert dispatch.resolve(f"mhc={pallas_impl}", "mhc", backend="gpu", f64=True) == pallas_impl
+    assert dispatch.resolve("auto", "mhc", backend="gpu", f64=False) == "pallas"
 
 
 # ------------------------------------------------------------------------------------------- bench

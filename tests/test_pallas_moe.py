@@ -271,7 +271,7 @@ def test_seam_runs_the_kernel_and_refuses_the_exact_mode(pallas_impl, tiny_cfg, 
     np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     # and with the linear kernel too: the router kernel's outputs feed the experts' kernel, whose slots the shared
-    # expert's w2 kernel sums (`linear.fp8_combined`); equal to moe=xla within the same tolerance, the same routing
+    # expert's w2 kernel sums (`moe.moe`'s fused form); equal to moe=xla within the same tolerance, the same routing
     both = cfg32.replace(impl=f"xla,moe={pallas_impl},linear={pallas_impl}")
     got, (gi, _) = f(p, x[:1, :1], both)
     np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
@@ -301,10 +301,10 @@ def test_kernel_runs_expert_parallel_bitwise_as_on_one_device(tiny_cfg, tiny_par
 
 
 def test_auto_picks_the_kernel_on_a_gpu_as_measured():
-    assert dispatch.GPU_AUTO["moe"] == "pallas" and dispatch._resolve("auto", "moe", "gpu") == "pallas"
-    assert dispatch._resolve("auto", "moe", "cpu") == "xla"
+    assert dispatch.GPU_AUTO["moe"] == "pallas" and dispatch.resolve("auto", "moe", backend="gpu") == "pallas"
+    assert dispatch.resolve("auto", "moe", backend="cpu") == "xla"
     # the fp64-accumulating modes keep the jnp path under auto (the kernel accumulates in fp32)
-    assert dispatch._resolve("auto", "moe", "gpu", f64=True) == "xla"
+    assert dispatch.resolve("auto", "moe", backend="gpu", f64=True) == "xla"
 
 
 # --------------------------------------------------------------------------------------- contract
@@ -420,27 +420,24 @@ def test_router_kernel_is_moe_route(pallas_impl, N, E, k):
     np.testing.assert_array_equal(np.asarray(sw), np.asarray(w))
 
 
-def test_one_token_moe_takes_the_fused_combine(pallas_impl, tiny_cfg, tiny_params, monkeypatch):
-    """With the moe and linear kernels at one token, `moe.moe` hands the experts' raw slots and the router's order
-    to `linear.fp8_combined` (asserted by a spy that computes the same sum in XLA around the plain w2 kernel: the
-    result is bitwise the fused one, which test_pallas_linear checks against combine_slots)."""
-    from dsv41_jax.model import linear
+def test_one_token_moe_takes_the_fused_combine(pallas_impl, tiny_cfg, tiny_params):
+    """With the moe and linear kernels at one token, the plan runs the fused form (`StepPlan.combine_in_w2`: the
+    experts' raw slots summed in ascending expert id as the shared expert's w2 kernel's epilogue); it equals the
+    unfused form (the same kernels, the sum in XLA after w2) bit for bit (test_pallas_linear checks the epilogue
+    against combine_slots)."""
+    import dataclasses
+
+    from dsv41_jax.model.plan import StepPlan
 
     p = tiny_params["layers"][0]["ffn"]
     x = jnp.asarray(np.random.default_rng(12).standard_normal((1, 1, tiny_cfg.hidden_size)), jnp.bfloat16)
     cfg = tiny_cfg.replace(impl=f"xla,moe={pallas_impl},linear={pallas_impl}")
-    fused = moe.moe(p, x, tiny_cfg.num_experts_per_tok, cfg, jnp.bfloat16)
-    calls = []
-
-    def spy(a, pw, slots, order, k, cfg_, dt):
-        calls.append((slots.shape, order.shape, k))
-        routed = moe.combine_slots(slots[:k].reshape(1, k, -1), order[:, :k], order=order[:, :k])
-        return (routed + linear.fp8(a, pw, cfg_, dt).astype(jnp.float32)).astype(dt)
-
-    monkeypatch.setattr(linear, "fp8_combined", spy)
-    spied = moe.moe(p, x, tiny_cfg.num_experts_per_tok, cfg, jnp.bfloat16)
-    assert len(calls) == 1 and calls[0][2] == tiny_cfg.num_experts_per_tok
-    np.testing.assert_array_equal(np.asarray(fused.astype(jnp.float32)), np.asarray(spied.astype(jnp.float32)))
+    step = StepPlan.of(cfg, None, (1, 1))
+    assert step.combine_in_w2 and step.router_kernel
+    fused = moe.moe(p, x, tiny_cfg.num_experts_per_tok, cfg, jnp.bfloat16, step=step)
+    apart = moe.moe(p, x, tiny_cfg.num_experts_per_tok, cfg, jnp.bfloat16,
+                    step=dataclasses.replace(step, combine_in_w2=False))
+    np.testing.assert_array_equal(np.asarray(fused.astype(jnp.float32)), np.asarray(apart.astype(jnp.float32)))
 
 
 def test_router_kernel_lowers_to_triton_for_cuda():

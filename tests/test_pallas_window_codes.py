@@ -18,7 +18,7 @@ import pytest
 
 from dsv41_jax.model import ModelConfig, attention, dispatch
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model.plan import StepPlan
+from dsv41_jax.model.plan import Pending, StepPlan
 from dsv41_jax.model.rope import rope_freqs
 from dsv41_jax.pallas import window_codes as wc
 
@@ -60,20 +60,23 @@ def test_kernel_bitwise_the_reference(pallas_impl, lead, hd, rd, dt):
         np.testing.assert_array_equal(_bytes(got1)[k], g[k], err_msg=f"stacked {k}")
 
 
-def test_seam_runs_the_kernel_for_fp8_windows_only(pallas_impl, tiny_cfg, tiny_params, monkeypatch):
-    """attention.project_q_codes' window codes: with the attention kernel and an fp8 window codec
-    (`StepPlan.window_codes_kernel`) the kernel's codes, equal to the jnp path's (impl xla) bit for bit; a bf16
-    window (kv_cache_dtype "bfloat16") runs the jnp path even with the kernel chosen (no kernel is called)."""
+def test_seam_runs_the_kernel_for_fp8_windows_only(pallas_impl, tiny_cfg, tiny_params):
+    """The plan's window-codes form (`StepPlan.q_codes`): with the attention kernel and an fp8 window codec
+    (`StepPlan.window_codes_kernel`) the kernel's codes, equal to the plain form's (impl xla) bit for bit; a bf16
+    window (kv_cache_dtype "bfloat16") runs the plain form even with the kernel chosen."""
     p = tiny_params["layers"][2]["attn"]
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 5, tiny_cfg.hidden_size)), BF16)
     pos = jnp.asarray(rng.integers(0, 5000, (2, 5)), jnp.int32)
     fr = attention.layer_freqs(tiny_cfg, tiny_cfg.layer_plan(2))
     kcfg = tiny_cfg.replace(impl=f"xla,attention={pallas_impl}")
+    pend = Pending(positions=None, window=(None,) * tiny_cfg.num_hidden_layers, partial={}, restore=None)
 
     def window_codes(cfg, mode):
         step = StepPlan.of(cfg, None, x.shape[:2], mode)
-        return attention.project_q_codes(step, p, x, pos, fr, cfg, BF16, mode)[2]
+        _, _, codes, _, left = step.q_codes(p, x, pos, fr, cfg, BF16, mode, {}, pend, (None, None, 0, 2))
+        assert left.window[2] is codes  # left for commit (not the one-token, keep-all step: no ring write)
+        return codes
 
     assert StepPlan.of(kcfg, None, x.shape[:2], "auto").window_codes_kernel
     got = window_codes(kcfg, "auto")
@@ -83,10 +86,7 @@ def test_seam_runs_the_kernel_for_fp8_windows_only(pallas_impl, tiny_cfg, tiny_p
     want_enc = kvc.encode("win", "auto", attention.project_kv(p, x, pos, fr, tiny_cfg.replace(impl="xla"), BF16))
     np.testing.assert_array_equal(_bytes(want)["q"], _bytes(want_enc)["q"])
 
-    def no_kernel(*a, **k):
-        raise AssertionError("a kernel was called")
-
-    monkeypatch.setattr(dispatch, "kernel", no_kernel)
+    assert StepPlan.of(kcfg, None, x.shape[:2], "bfloat16").q_codes is attention.q_codes  # the plain form
     bf = window_codes(kcfg, "bfloat16")
     np.testing.assert_array_equal(np.asarray(bf["v"].astype(F32)), np.asarray(kvc.encode(
         "win", "bfloat16", attention.project_kv(p, x, pos, fr, kcfg, BF16))["v"].astype(F32)))

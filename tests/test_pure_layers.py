@@ -82,7 +82,7 @@ def test_attention_cached_returns_its_writes(tiny_cfg, tiny_params, source_layer
         ctx = {"topk": {}, "cand": None}
         pend_before, ctx_before = _snapshot(pend), _snapshot(ctx)
         step = StepPlan.of(cfg, None, (B, T), CCFG.kv_cache_dtype)
-        y, st2, ctx2, rec, pend2 = dec.attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, CCFG,
+        y, (st2, ctx2, rec, pend2) = dec.attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, CCFG,
                                                           dt, pend)
         assert (_snapshot(st), _snapshot(ctx), _snapshot(pend)) == (st_before, ctx_before, pend_before), \
             "attention_cached modified a dict it was given"

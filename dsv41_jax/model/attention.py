@@ -4,7 +4,7 @@ The sublayer is split so the full forward (`transformer.py`) and the cached deco
 piece of arithmetic:
 
 * `project_q_kv` — q latent, RoPE'd queries and this layer's window K=V (RoPE + fp8 fake-quant);
-  `project_q_codes` — the cached path's queries and window K=V as stored codes (one kernel where the plan says);
+  `q_codes` — the cached path's queries and window K=V as stored codes (forms chosen by the plan: `plan.StepPlan`);
 * `attend` — one softmax over [window keys ∪ selected compressed slots] with the per-head sink;
 * `output_proj` — inverse RoPE, grouped wo_a (bf16), wo_b (fp8).
 
@@ -53,7 +53,7 @@ def project_q_kv(p, x, positions, freqs, cfg, dt):
 def project_q(p, x, positions, freqs, cfg, dt, qa=None):
     """`project_q_kv`'s (qr, q). Inside a layer-scan run where the linear kernel runs, ``p["q_norm"]["weight"]``
     may be the run's stack with its layer (`weights.Stacked`). qa: wq_a(x) when the caller has it already
-    (`project_q_codes`)."""
+    (`q_codes`)."""
     H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     qa = linear.fp8(x, p["wq_a"], cfg, dt) if qa is None else qa
     qr = rmsnorm(qa, weights.row(p["q_norm"]["weight"]), eps, dt, is_exact(cfg))  # the indexer's (dropped if unused)
@@ -71,30 +71,33 @@ def project_kv(p, x, positions, freqs, cfg, dt, y=None):
     return apply_rope(kv, positions, freqs, out_dtype=dt)
 
 
-def project_q_codes(step, p, x, positions, freqs, cfg, dt, mode: str, ring=None):
-    """The cached path's projections: (qr, q) as `project_q` and this layer's window codes
-    ``cache.encode("win", mode, kv_rot)`` [B, T, ...] (kv_rot as `project_kv`), with wq_a and wkv — two GEMMs of
-    the same x — as one call (`linear.fp8_dual`: one launch where the kernel runs). Returns (qr, q, codes, the
-    rings as written, or None).
-
-    Where the plan's `StepPlan.window_codes_kernel` (the attention kernel, fp32 numerics, the fp8 window codec),
-    one kernel makes the codes from wkv's output — kv_norm, RoPE and the codes (`pallas/window_codes.py`: four to
-    five XLA launches fewer per layer; the jnp path's codes, bitwise where the two sum Σx² alike). ring: None, or
-    (store, rows, write, ring_layer, ring_base) (`pallas.window_codes.kernel`'s): the kernel also writes the codes
-    into the cache's window rings in place (`StepPlan.ring_now`); elsewhere the caller writes them later
-    (`decode.commit`)."""
+def q_codes(p, x, positions, freqs, cfg, dt, mode: str, st, pend, at):
+    """The cached step's projections, plain form (`StepPlan.q_codes`): returns (qr, q as `project_q`, this chunk's
+    window codes ``cache.encode("win", mode, kv_rot)`` [B, T, ...] (kv_rot as `project_kv`), st, pend with the codes
+    left for `decode.commit`). wq_a and wkv are one call (`linear.fp8_dual`); at: (slot, n_new, k, layer id)."""
     qa, kvy = linear.fp8_dual(x, p["wq_a"], p["wkv"], cfg, dt)
-    written = None
-    if step.window_codes_kernel:
-        nw, layer = weights.split(p["kv_norm"]["weight"])
-        codes = dispatch.kernel("attention", step.attention, "window_codes")(
-            kvy, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring,
-            interpret=step.attention == "pallas_interpret")
-        if ring is not None:
-            codes, written = codes
-    else:
-        codes = kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=kvy))
-    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, written)
+    codes = kvc.encode("win", mode, project_kv(p, x, positions, freqs, cfg, dt, y=kvy))
+    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, st, pend.with_window(at[3], codes))
+
+
+def q_codes_kernel(kernel, p, x, positions, freqs, cfg, dt, mode: str, st, pend, at):
+    """`q_codes` with the window codes made by `kernel` (`pallas/window_codes.py`: kv_norm, RoPE and the fp8 codes
+    of wkv's output in one kernel; the plain form's codes, bitwise where the two sum Σx² alike)."""
+    qa, kvy = linear.fp8_dual(x, p["wq_a"], p["wkv"], cfg, dt)
+    nw, layer = weights.split(p["kv_norm"]["weight"])
+    codes = kernel(kvy, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer)
+    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, st, pend.with_window(at[3], codes))
+
+
+def q_codes_into_ring(kernel, p, x, positions, freqs, cfg, dt, mode: str, st, pend, at):
+    """`q_codes_kernel`, the kernel also writing the codes into the rings of ``st["window"]`` in place (row slot,
+    layer at[3] + k; `StepPlan.ring_now`): st comes back with the rings written, nothing is left in `pend`."""
+    slot, n_new, k, lid = at
+    ring = (st["window"], slot[:, None], n_new[:, None], k, lid)
+    qa, kvy = linear.fp8_dual(x, p["wq_a"], p["wkv"], cfg, dt)
+    nw, layer = weights.split(p["kv_norm"]["weight"])
+    codes, rings = kernel(kvy, nw, positions, freqs, cfg.rms_norm_eps, dt, layer=layer, ring=ring)
+    return (*project_q(p, x, positions, freqs, cfg, dt, qa=qa), codes, dict(st, window=rings), pend)
 
 
 def window_kv(kv_rot, dt):
@@ -268,18 +271,15 @@ def sparse_attention(q, sink, ring, ring_rows, new, start, positions, valid, com
     A Pallas kernel registered for "attention" is called with these arguments (minus `impl`, `exact`, `key_lo`:
     it refuses the fp64 modes and SWA bounded replay's window bound) plus `interpret`.
     """
-    if dispatch.is_kernel(impl):
+    if dispatch.is_kernel(impl):  # (the step calls the kernel itself where the plan runs it: `StepPlan.attend`)
         if exact:
             raise dispatch.ImplError(f"attention: the exact / deterministic numerics modes have no {impl!r} "
                                      "implementation (fp64 accumulation is for the jnp paths: use impl "
                                      "'attention=xla' or 'reference')")
-        if key_lo is not None:
-            raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no "
-                                      f"{impl!r} kernel; run the attention op with impl 'xla' or 'reference'")
         return dispatch.kernel("attention", impl)(
             q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, ratio=ratio,
             page_size=page_size, window=window, mode=mode, ring_layer=ring_layer, ring_base=ring_base,
-            interpret=impl == "pallas_interpret", merge=merge)
+            interpret=impl == "pallas_interpret", merge=merge, key_lo=key_lo)
     if not merge:
         raise dispatch.ImplError(f"attention: split partials come from the attention kernel, not {impl!r}")
     if impl not in ("reference", "xla"):
@@ -313,16 +313,14 @@ def sink_of(p):
 
 
 def output_proj(step, p, o, positions, freqs, cfg, dt):
-    """o [B, T, H, hd] attention output -> [B, T, D].
-
-    Inverse RoPE at the query position; heads viewed as o_groups groups of H/o_groups·hd; wo_a
-    (fp8 in the file, dequantized to bf16 — exact) applied per group as a plain bf16 matmul; wo_b fp8.
-    Where the plan's `StepPlan.linear_kernel`, the inverse RoPE and wo_a are one kernel (`linear.o_proj`),
-    which also merges the attention kernel's split partials when `o` is them (`sparse_attention`'s merge=False).
-    """
+    """o [B, T, H, hd] attention output (or the attention kernel's split partials, `StepPlan.attend_partials`) ->
+    [B, T, D]: inverse RoPE at the query position, wo_a per group of H/o_groups heads (bf16, exact), wo_b fp8.
+    Where `StepPlan.linear_kernel`, the inverse RoPE, wo_a and the partials' merge are one kernel (`pallas/o_proj.py`;
+    wo_a and the sink may be a run's stacks, `weights.Stacked`)."""
     G, R = cfg.o_groups, cfg.o_lora_rank
     if step.linear_kernel:
-        y = linear.o_proj(o, p["wo_a"], positions, freqs, p["attn_sink"], cfg, dt)
+        (sink, _), (w, layer) = weights.split(p["attn_sink"]), weights.split(p["wo_a"])
+        y = step.kernels["linear", "o_proj"](o, w, positions, freqs, G, R, dt, sink=sink, layer=layer)
         return linear.fp8(y, p["wo_b"], cfg, dt)
     if isinstance(o, dict):
         raise ValueError("output_proj: split partials need the o_proj kernel (StepPlan.linear_kernel) to merge them")

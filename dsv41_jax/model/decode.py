@@ -31,9 +31,9 @@ import numpy as np
 
 from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
-from dsv41_jax.model import compressor, dispatch, indexer, layer_scan, tiling
+from dsv41_jax.model import compressor, indexer, layer_scan, tiling, weights
 from dsv41_jax.model.engram import compressed_ids, hash_rows
-from dsv41_jax.model.numerics import act_dtype, is_exact
+from dsv41_jax.model.numerics import act_dtype
 from dsv41_jax.model.plan import Pending, StepPlan
 from dsv41_jax.model.transformer import (block, embed_streams, final_logits, initial_pre, new_aux, record,
                                          scan_blocks, settle)
@@ -78,30 +78,15 @@ def _window_write(st_win, rows, positions, n, codes, window: int, layer: Optiona
 
 
 def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt, pend, k=0):
-    """The attention sublayer of one layer against the cache: returns (y [B, T, D], st', ctx', rec, pend'), the
-    primed values being the arguments with this layer's writes (new containers: nothing passed in is modified)
-    and rec its aux record (`transformer.record`). step: the `plan.StepPlan`; pend: the step's `plan.Pending`.
-
-    In order: the queries and this chunk's window codes (`attention.project_q_codes`), which wait in `pend` for
-    `commit` — or, where the plan writes the rings now (`StepPlan.ring_now`), are in the rings already; a KV
-    source's completed groups and index keys, written to `st` before they are read (`compressor.store_chunk`;
-    its partial group waits in `pend`, and with ``pend.restore`` set, a speculative step, so do the codes it
-    overwrote); an index source's selection (`indexer.retrieve`); the attention over the window ring and the
-    selected slots (`attention.sparse_attention`) and the output projection. ``batch["key_lo"]`` (int32 [B], SWA
-    bounded replay's late layers only) hides window keys below that position. k: the layer's index within its
-    layer-scan run (the run's int32 trip counter; 0 outside a run), whose `plan` is the run's first layer's: the
-    layer's rings in the cache's stacked ``state["window"]`` are layer ``plan.layer_id + k``'s, read (and
-    written) in place.
-    """
+    """One layer's attention sublayer against the cache: (y [B, T, D], (st', ctx', rec, pend')) — the arguments with
+    this layer's writes (new containers) and its aux record. In order: queries and window codes (`StepPlan.q_codes`),
+    a KV source's compressed writes (`compressor.store_chunk`), an index source's selection (`indexer.retrieve`),
+    the attention (`StepPlan.attend`) and the output projection. k: the layer's index in its layer-scan run (int32;
+    0 outside one): the rings in place are layer ``plan.layer_id + k``'s."""
     lid, mode, ps, pt = plan.layer_id, ccfg.kv_cache_dtype, ccfg.page_size, batch["page_table"]
     freqs = attn_mod.layer_freqs(cfg, plan)
-    ring_req = ((st["window"], batch["slot"][:, None], batch["n_new"][:, None], k, lid)
-                if step.ring_now else None)
-    qr, q, win_codes, written = attn_mod.project_q_codes(step, p, x, positions, freqs, cfg, dt, mode, ring=ring_req)
-    if step.ring_now:  # `commit` has nothing left to write for this layer
-        st = dict(st, window=written)
-    else:
-        pend = pend.with_window(lid, win_codes)
+    qr, q, win_codes, st, pend = step.q_codes(p, x, positions, freqs, cfg, dt, mode, st, pend,
+                                              (batch["slot"], batch["n_new"], k, lid))
     r = plan.compress_ratio
     comp, sel, rec = None, None, {}
     if r > 0:
@@ -119,51 +104,39 @@ def attention_cached(step, p, x, plan, st, ctx, batch, positions, valid, cfg, cc
                                         retrieval_block=ccfg.retrieval_block)
         sel = ctx["topk"][plan.index_source]  # [B, T, K]
         comp = st["comp"][str(plan.kv_source)]
-    o = attn_mod.sparse_attention(q, attn_mod.sink_of(p), st["window"], batch["slot"],
-                                  win_codes, batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1),
-                                  page_size=ps, window=cfg.sliding_window, mode=mode, impl=step.attention,
-                                  exact=is_exact(cfg), key_lo=batch.get("key_lo"), ring_layer=k, ring_base=lid,
-                                  merge=not step.attend_partials)
-    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt), st, ctx, rec, pend
+    o = step.attend(q, weights.row(p["attn_sink"]).astype(jnp.float32), st["window"], batch["slot"], win_codes,
+                    batch["start"], positions, valid, comp, pt, sel, ratio=max(r, 1), page_size=ps,
+                    window=cfg.sliding_window, mode=mode, key_lo=batch.get("key_lo"), ring_layer=k, ring_base=lid,
+                    merge=not step.attend_partials)  # `attention.sparse_attention` or its kernel
+    return attn_mod.output_proj(step, p, o, positions, freqs, cfg, dt), (st, ctx, rec, pend)
 
 
 def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, tokens, hist, cfg, ccfg, dt, aux, pend,
                 par, cols=None):
-    """The layers of `runs` ((first, n) from `layer_scan.layer_runs`, in order) on h [B, T', n, D] /
-    pre fp32 [B, T', n]: returns (h, pre, st, ctx, aux, pend), the last four with the layers' writes
-    (new dicts; the arguments are not modified).
-
-    positions / valid [B, T'] belong to the rows of h. tokens int32 [B, T] are the chunk's tokens (the
-    Engram hashes need each token's predecessors); cols int32 [B, T'] (SWA bounded replay's late
-    layers) says which chunk column each row of h is, so the Engram rows are hashed on the whole chunk
-    and then gathered; None: h holds the whole chunk.
-
-    A run of n >= 2 layers (consumers or window-only layers, which write no store) is one scan
-    (`transformer.scan_blocks`) of `attention_cached` with layer first + k's rings read in place from the
-    cache's stacked ``state["window"]`` (a per-layer slice would be an XLA copy per layer before the attention
-    kernel); the window codes each layer leaves for `commit` come back stacked, or, where the plan writes the
-    rings now (`StepPlan.ring_now`), the rings are the scan's carry.
-    """
+    """The layers of `runs` ((first, n), `layer_scan.layer_runs`) on h [B, T', n, D] / pre fp32 [B, T', n]: returns
+    (h, pre, st, ctx, aux, pend) with the layers' writes (new containers). positions / valid [B, T'] are h's rows';
+    tokens int32 [B, T] the chunk's (Engram hashes them); cols int32 [B, T'] (SWA bounded replay's late layers):
+    the chunk column of each row of h, or None. A run of n >= 2 is one scan (`transformer.scan_blocks`): its window
+    codes come back stacked, or where the plan writes the rings now they are the scan's carry."""
     for i, n in runs:
         plan = cfg.layer_plan(i)
         if n > 1:
             # valid as the attention kernel reads it (int32), made once: converted in the body, a launch per trip
-            valid_k = valid.astype(jnp.int32) if dispatch.is_kernel(step.attention) else valid
+            valid_k = valid.astype(jnp.int32) if step.attend_kernel else valid
             empty = Pending(positions=None, window=(None,) * cfg.num_hidden_layers, partial={}, restore=None)
 
-            def attn_run(p, k, win, x, plan=plan, st=st):
-                y, st_out, _, _, pend_out = attention_cached(step, p, x, plan, dict(st, window=st["window"] if win is None else win),
-                                                             ctx, batch, positions, valid_k, cfg, ccfg, dt, empty, k)
-                return y, (pend_out.window[plan.layer_id], st_out["window"] if step.ring_now else None)
+            def attn_run(p, k, carry, x, plan=plan, st=st):
+                y, (st_out, _, _, pend_out) = attention_cached(step, p, x, plan, dict(st, **carry), ctx, batch,
+                                                               positions, valid_k, cfg, ccfg, dt, empty, k)
+                return y, (pend_out.window[plan.layer_id], {key: st_out[key] for key in carry})
 
-            h, pre, aux, codes, win = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre,
-                                                  st["window"] if step.ring_now else None, plan, cfg, dt, aux, i,
-                                                  cfg.num_experts_per_tok, attn_run, par=par)
-            if step.ring_now:
-                st = dict(st, window=win)
-            else:
-                for k in range(n):
-                    pend = pend.with_window(i + k, jax.tree_util.tree_map(operator.itemgetter(k), codes))
+            # the rings ride in the scan's carry where the plan writes them in the step (`StepPlan.ring_now`: no codes
+            # come back); else each layer's codes come back stacked, for `commit`
+            carry = {"window": st["window"]} if step.ring_now else {}
+            h, pre, aux, codes, carry = scan_blocks(step, layer_scan.run_params(params, i, n, cfg), h, pre, carry, plan,
+                                                    cfg, dt, aux, i, cfg.num_experts_per_tok, attn_run, par=par)
+            codes = tuple(jax.tree_util.tree_map(operator.itemgetter(k), codes) for k in range(n))
+            st, pend = dict(st, **carry), dataclasses.replace(pend, window=pend.window[:i] + codes + pend.window[i + n:])
             continue
         lp = layer_scan.layer_params(params, i, cfg)
         rows = None
@@ -172,21 +145,17 @@ def _run_layers(step, params, runs, h, pre, st, ctx, batch, positions, valid, to
             if cols is not None:
                 rows = jnp.take_along_axis(rows, cols[:, :, None], axis=1)
 
-        def attn_fn(x, lp=lp, plan=plan, st=st, ctx=ctx, pend=pend):
-            y, *out = attention_cached(step, lp["attn"], x, plan, st, ctx, batch, positions, valid, cfg, ccfg, dt,
-                                       pend)
-            return y, out
-
+        attn_fn = functools.partial(attention_cached, step, lp["attn"], plan=plan, st=st, ctx=ctx, batch=batch,
+                                    positions=positions, valid=valid, cfg=cfg, ccfg=ccfg, dt=dt, pend=pend)
         h, pre, rec, (st, ctx, arec, pend) = block(step, lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn,
                                                    rows, par=par)
         aux = record(aux, i, rec, arec)
-    return settle(h, cfg, dt, par), pre, st, ctx, aux, pend
+    return settle(step, h, cfg, dt, par), pre, st, ctx, aux, pend
 
 
 def _step_setup(state, batch, cfg, restore: bool):
-    """What every cached step starts from: (act dtype, tokens int32 [B, T], positions int32 [B, T],
-    valid bool [B, T], the cache (the layers return new containers with their writes; it is never
-    modified), the empty `plan.Pending` record (restore data kept iff `restore`), the Engram history or None)."""
+    """(act dtype, tokens / positions int32 [B, T], valid bool [B, T], the cache, an empty `plan.Pending` (restore
+    data kept iff `restore`), the Engram history or None): what every cached step starts from."""
     dt = act_dtype(cfg)
     tokens = batch["tokens"].astype(jnp.int32)
     T = tokens.shape[1]
@@ -200,21 +169,13 @@ def _step_setup(state, batch, cfg, restore: bool):
 
 def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False, restore: bool = False,
                        par=None, keep_all: bool = False):
-    """The forward half of `extend`: logits for the chunk, nothing per-request committed yet.
+    """The forward half of `extend`: (logits, st, pending, aux), nothing per-request committed yet.
 
-    Returns (logits, st, pending, aux):
-      logits  fp32 [B, T, V] (`all_logits`) or [B, V] at each row's last real token;
-      st      the cache with the chunk's completed compressed groups and index keys written (the
-              chunk's own queries read them); window rings, partial groups and Engram history as
-              before the chunk;
-      pending what `commit` needs to keep any prefix of each row (a `plan.Pending`: the positions, each
-              layer's window codes, the partial groups, restore data (only with `restore`), the Engram ids);
-      aux     the forward's decisions (`transformer.new_aux`: topk, cand, experts, layer_inputs
-              [B, T, n, D] per layer) and "hidden" (final normed x).
-    par: optional mesh plan (`parallel.plan.MeshPlan`; `transformer.forward`); `jitted_extend` adds the step's
-    shardings. keep_all (`extend`: `commit` keeps every token): the plan may write the rings in the step
-    (`StepPlan.ring_now`; those layers leave no codes in `pending`, padded rows write to the scratch row).
-    """
+    logits fp32 [B, T, V] (`all_logits`) or [B, V] at each row's last real token; st the cache with the chunk's
+    completed compressed groups and index keys written; pending the `plan.Pending` `commit` needs to keep any
+    prefix of each row (restore data only with `restore`); aux `transformer.new_aux`'s records and "hidden" (the
+    final normed x). par: optional mesh plan (`parallel.plan.MeshPlan`). keep_all (`extend`): every token is kept,
+    so the plan may write the rings in the step (`StepPlan.ring_now`)."""
     with tiling.on_mesh(par):  # CPU row tiles follow the weights' splits (model.tiling)
         dt, tokens, positions, valid, st, pend, hist = _step_setup(state, batch, cfg, restore)
         B, T = tokens.shape
@@ -238,19 +199,16 @@ def extend_uncommitted(params, state, batch, cfg, ccfg, all_logits: bool = False
 
 
 def commit(st, pending, batch, n_commit, cfg):
-    """Make the first ``n_commit[b] <= n_new[b]`` tokens of each row cache state; forget the rest.
+    """Make the first ``n_commit[b] <= n_new[b]`` (int32 [B]) tokens of each row cache state; forget the rest.
 
-    st / pending: from `extend_uncommitted` on `batch`; n_commit int32 [B]. Writes those tokens'
-    window codes (ring slot pos mod W), the partial group after position start + n_commit, and the
-    Engram history ending there; with restore data, puts back the codes under every compressed group
-    that ends at or after start + n_commit (written for the chunk's own queries, not kept). A row with
-    n_commit = n_new gets exactly what the plain step writes. Other state keys pass through.
-    """
+    Writes those tokens' window codes left in `pending` (ring slot pos mod W), the partial group after start +
+    n_commit and the Engram history ending there; with restore data, puts back the codes under every compressed
+    group ending at or after start + n_commit. n_commit = n_new gives what the plain step writes."""
     start, slot = batch["start"], batch["slot"]
     end = start + n_commit
     out = dict(st)
-    # the layers with codes (all, in the plain step; none where the step wrote the rings; a prefix in SWA bounded
-    # replay, which writes its late layers itself) are consecutive: one update per array
+    # the layers with codes (all; none where the step wrote the rings; a prefix in SWA bounded replay) are
+    # consecutive: one update per array
     have = [i for i, c in enumerate(pending.window) if c is not None]
     if have:
         stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *pending.window[have[0]: have[-1] + 1])
@@ -285,12 +243,8 @@ def _put_back(st, restore, end):
 
 
 def extend(params, state, batch, cfg, ccfg, all_logits: bool = False, return_aux: bool = False, par=None):
-    """Pure step: (params, cache, batch) -> (logits, cache), every real token committed.
-
-    Logits: fp32 [B, T, V] if `all_logits`, else [B, V] at each row's last real token. State keys this
-    step does not own (e.g. the DSpark rings, "dspark") pass through unchanged. par: see
-    `extend_uncommitted`.
-    """
+    """Pure step: (params, cache, batch) -> (logits fp32 [B, T, V] (`all_logits`) or [B, V] at each row's last real
+    token, cache), every real token committed; state keys it does not own pass through."""
     logits, st, pend, aux = extend_uncommitted(params, state, batch, cfg, ccfg, all_logits, par=par, keep_all=True)
     new_state = commit(st, pend, batch, batch["n_new"], cfg)
     if return_aux:

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import logging
 import types
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 
@@ -111,8 +111,10 @@ class ImplError(ValueError):
     """An implementation spec that cannot be honoured (unknown op / name, or a missing kernel)."""
 
 
-def parse_impl(spec: str) -> dict:
-    """``"xla,moe=reference"`` -> ``{op: choice}`` for every op in `OPS` (choices may be "auto")."""
+@functools.lru_cache(maxsize=None)
+def parse_impl(spec: str) -> types.MappingProxyType:
+    """``"xla,moe=reference"`` -> ``{op: choice}`` (read-only) for every op in `OPS` (choices may be "auto"). Parsed
+    once per spec (the config checks its spec when it is made: the step finds it parsed)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ImplError(f"impl: expected a non-empty string, got {spec!r}")
     default = "auto"
@@ -132,7 +134,7 @@ def parse_impl(spec: str) -> dict:
             default = name
         if name not in CHOICES:
             raise ImplError(f"impl {spec!r}: unknown implementation {name!r}; choose from {', '.join(CHOICES)}")
-    return {op: per_op.get(op, default) for op in OPS}
+    return types.MappingProxyType({op: per_op.get(op, default) for op in OPS})
 
 
 def kernel_available(op: str) -> bool:
@@ -172,33 +174,24 @@ def _auto(op: str, backend: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(spec: str, op: str, backend: str, f64: bool = False) -> str:
-    choice = parse_impl(spec)[op]
-    name = _auto(op, backend) if choice == "auto" else choice
-    if f64 and choice == "auto" and is_kernel(name):
-        # The Pallas kernels accumulate in fp32 in their own tile order: the fp64-accumulating modes
-        # (exact / deterministic, `numerics.is_exact`) run the jnp path; an explicit Pallas choice is
-        # kept and refused at its seam.
-        log.info("impl: %s -> xla (spec %r resolves to %s on %s, but the exact / deterministic numerics "
-                 "accumulate in fp64, which the kernels do not)", op, spec, name, backend)
-        return "xla"
-    if is_kernel(name) and not kernel_available(op):
-        raise ImplError(f"impl {name!r} for op {op!r}: no Pallas kernel for this op yet (choose 'xla' or "
-                        f"'reference', or 'auto')")
-    log.info("impl: %s -> %s (spec %r, backend %s)", op, name, spec, backend)
-    return name
-
-
-def resolve(cfg_or_spec, op: str, *, f64: bool = False) -> str:
-    """The implementation `op` runs with: one of `IMPLS`. `cfg_or_spec` is a `ModelConfig` or a spec
-    string. Resolved at trace time (static); logged once per (spec, op, backend). With a config in the
-    exact / deterministic numerics (`numerics.is_exact`), or a spec with ``f64=True``, "auto" never
-    resolves to a Pallas kernel."""
+def resolve(cfg_or_spec, op: str, *, f64: bool = False, backend: Optional[str] = None) -> str:
+    """The implementation `op` runs with: one of `IMPLS`. `cfg_or_spec` is a `ModelConfig` or a spec string; backend:
+    None for JAX's default. Resolved once per argument set (static under jit) and logged. With a config in the
+    exact / deterministic numerics (`numerics.is_exact`), or ``f64=True``, "auto" never resolves to a Pallas kernel
+    (the kernels accumulate in fp32 in their own tile order; an explicit Pallas choice is kept and refused at its
+    seam)."""
     if op not in OPS:
         raise ImplError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
-    if isinstance(cfg_or_spec, str):
-        return _resolve(cfg_or_spec, op, jax.default_backend(), bool(f64))
-    return _resolve(cfg_or_spec.impl, op, jax.default_backend(), bool(f64) or is_exact(cfg_or_spec))
+    spec, f64 = ((cfg_or_spec, f64) if isinstance(cfg_or_spec, str) else
+                 (cfg_or_spec.impl, f64 or is_exact(cfg_or_spec)))
+    backend = backend or jax.default_backend()
+    choice = parse_impl(spec)[op]
+    name = choice if choice != "auto" else "xla" if f64 else _auto(op, backend)
+    if is_kernel(name) and (op, DEFAULT_VARIANT) not in registry():  # `kernel_available`
+        raise ImplError(f"impl {name!r} for op {op!r}: no Pallas kernel for this op yet (choose 'xla' or "
+                        f"'reference', or 'auto')")
+    log.info("impl: %s -> %s (spec %r, backend %s, fp64 numerics %s)", op, name, spec, backend, f64)
+    return name
 
 
 def refuse_kernel_in_f64_mode(cfg, op: str, impl: str) -> None:

@@ -202,7 +202,7 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
             return _draft_attention(step, sp["attn"], x, ring, slot, start, positions, plan, cfg, ccfg, dt), None
 
         h, pre, _, _ = block(step, sp, h, pre, plan, cfg, dt, cfg.dspark_num_experts_per_tok, attn_fn, par=par)
-        h = settle(h, cfg, dt, par)
+        h = settle(step, h, cfg, dt, par)
     last = params["mtp"][-1]
     x = hc_pre(h, pre, dt)  # [B, G, D], un-normed (the confidence head's input)
     base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"], cfg,

@@ -103,8 +103,8 @@ def layer_runs(cfg) -> tuple:
         log.info("layer scan: off (ModelConfig.layer_scan=False): %d layers unrolled", cfg.num_hidden_layers)
         return tuple((i, 1) for i in range(cfg.num_hidden_layers))
     runs = plan_runs(cfg)
-    log.info("layer scan: on: %d layers traced as %d bodies (scans over %s)", cfg.num_hidden_layers, len(runs),
-             ", ".join(f"{f}-{f + n - 1}" for f, n in runs if n > 1) or "nothing: no run of >= 2 plan-identical layers")
+    log.info("layer scan: on: %d layers traced as %d bodies (runs (first, n): %s)", cfg.num_hidden_layers, len(runs),
+             runs)
     return runs
 
 
@@ -161,8 +161,9 @@ def _stack_traced(*a):
 def load_row(row, like):
     """A layer's params inside a scan body: `row` (one row of a stack, storage dtypes) bitcast back to
     the dtypes of `like` (a tree of arrays / ShapeDtypeStructs / declarations with the real dtypes)."""
-    return jax.tree_util.tree_map(
-        lambda a, d: a if a.dtype == jnp.dtype(d.dtype) else jax.lax.bitcast_convert_type(a, d.dtype), row, like)
+    leaves, tree = jax.tree_util.tree_flatten(row)
+    return tree.unflatten([a if a.dtype == jnp.dtype(d.dtype) else jax.lax.bitcast_convert_type(a, d.dtype)
+                           for a, d in zip(leaves, tree.flatten_up_to(like))])
 
 
 def _is_leaf(x):

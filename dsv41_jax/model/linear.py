@@ -45,7 +45,6 @@ devices, it lets the CPU row tiles follow the split (`tiling`, module doc).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -61,29 +60,18 @@ BLOCK_M_MAX = 8
 
 
 def _kernel(cfg, name: str, variant: str = "kernel"):
-    """The linear op's registered kernel `variant` (`dispatch.kernel`) with ``interpret`` bound, for the Pallas
-    implementation `name`. Refused in the fp64-accumulating modes and on a mesh of more than one device (the
-    weights are split by the rules there, and a Pallas call would gather them onto every device)."""
-    dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
+    """The linear op's kernel `variant` for the Pallas implementation `name`, from the plan of `cfg` on the current
+    mesh (`plan.StepPlan.kernels`). Refused in the fp64-accumulating modes and on a mesh of more than one device
+    (the weights are split there, and a Pallas call would gather them onto every device)."""
+    from dsv41_jax.model.plan import StepPlan
+
     par = tiling.mesh_plan()
-    if par is not None and par.mesh.size > 1:
+    step = StepPlan.of(cfg, par)
+    if not step.linear_kernel:
+        dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
         raise dispatch.ImplError(f"linear={name}: the quant_linear kernels run on one device, not on a mesh of "
-                                 f"{par.mesh.size}; use 'linear=xla' (or 'auto')")
-    return functools.partial(dispatch.kernel("linear", name, variant), interpret=name == "pallas_interpret")
-
-
-def o_proj(o, p, positions, freqs, sink, cfg, dt):
-    """The grouped wo_a projection of the attention output with its inverse RoPE, on the kernel
-    (`pallas/o_proj.py`: also the split-K merge when `o` is the attention kernel's partials): [B, T, G·R] in
-    `dt`, as `attention.output_proj`'s inverse RoPE + `wo_a` compute it. p: wo_a's `weights.Fp8` (the fp8 pair is
-    read; the bf16 copy is not), or a run's stack of it (`weights.Stacked`); sink: fp32 [H], or with wo_a stacked
-    the run's stack of it. Where the plan's `StepPlan.linear_kernel`."""
-    sink, sink_layer = weights.split(sink)
-    w, layer = weights.split(p)
-    if (layer is None) != (sink_layer is None):
-        raise ValueError("linear.o_proj: wo_a and the sink must both be a run's stacks (weights.Stacked) or neither")
-    return _kernel(cfg, dispatch.resolve(cfg, "linear"), "o_proj")(o, w, positions, freqs, cfg.o_groups,
-                                                                   cfg.o_lora_rank, dt, sink=sink, layer=layer)
+                                 f"{par.size}; use 'linear=xla' (or 'auto')")
+    return step.kernels["linear", variant]
 
 
 def _rows(x):
@@ -217,15 +205,6 @@ def fp8_dual(x, p1, p2, cfg, dt):
     if dispatch.is_kernel(impl) and n1 % 64 == 0 and n2 % 64 == 0:
         return _kernel(cfg, impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg)
     return fp8(x, p1, cfg, dt), fp8(x, p2, cfg, dt)
-
-
-def fp8_combined(x, p, slots, order, k: int, cfg, dt):
-    """``dt(moe.combine_slots(slots) + f32(fp8(x, p)))`` for one token's MoE (the shared expert's w2 and the routed
-    experts' sum): slots [≥ M·k, N] in dt (token m's slot j at row m·k + j), order int32 [M, ≥ k] (each row's
-    slots in ascending expert id: the router kernel's), the sum as the linear kernel's epilogue
-    (`quant_linear.kernel`'s combine: one launch fewer). A Pallas linear implementation only (the plan's
-    `StepPlan.combine_in_w2`; `moe.moe` sums in XLA otherwise)."""
-    return _kernel(cfg, dispatch.resolve(cfg, "linear"))(x, p, "fp8", dt, cfg, combine=(slots, order, k))
 
 
 def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):

@@ -18,7 +18,8 @@ The seam the layer code calls, by implementation (`dispatch.resolve(cfg, "mhc")`
 the same h, so a kernel reads h once; optionally the sublayer's RMSNorm of x_in too), :func:`sublayer_exit`
 (hc_post) and :func:`sublayer_exit_enter` (one sublayer's exit and the next one's enter: the kernel keeps
 the new streams in registers between the two). "reference" / "xla" run the functions above unchanged;
-"pallas" / "pallas_interpret" run `dsv41_jax.pallas.mhc_mix`.
+"pallas" / "pallas_interpret" run `dsv41_jax.pallas.mhc_mix`. A step calls the form its plan chose
+(`plan.StepPlan.enter` / `exit` / `exit_enter`: these functions, or the kernels directly).
 """
 
 from __future__ import annotations

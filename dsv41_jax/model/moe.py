@@ -257,61 +257,38 @@ def _routed_grouped(ex, xf, idx, w, cfg, dt):
 
 
 def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None, layer_id=None):
-    """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, if asked).
+    """x [..., D] (normed ffn input) -> [..., D] in `dt` (and the routing, idx int32 / weights fp32 [..., k], if asked).
 
-    The routed experts run with the plan's moe implementation ("reference" | "xla" | "pallas" |
-    "pallas_interpret", module doc); the gate and the shared expert use the "linear" seam. Routing: idx int32
-    [..., k], weights fp32 [..., k]. par: a mesh plan (`parallel.plan.MeshPlan`) with an "ep" axis > 1 runs the
-    routed experts expert-parallel (`par.routed_experts`: the grouped path, or the kernel, per expert shard,
-    bitwise the same result as on one device). step: the step's `plan.StepPlan` (None: made here for x's
-    tokens), which picks the form: at one token with the router, experts and linear kernels the routed sum is
-    the shared expert's w2 epilogue (`_one_token_fused`, `StepPlan.combine_in_w2`), else `_routed_plus_shared`.
-    layer_id: the layer (inside a layer scan: the run's first), for the mesh plan's redundant-expert placement.
-    """
+    The gate (the router kernel where `StepPlan.router_kernel`, else `route`), the routed experts by the plan's moe
+    implementation (module doc; expert-parallel on an "ep" mesh: `par.routed_experts`), the shared expert's w1 / w3
+    + SwiGLU as one linear call, then its w2: at one token (`StepPlan.combine_in_w2`) with the routed experts' sum
+    as the w2 kernel's epilogue, else that sum added in fp32 after w2. step: the step's `plan.StepPlan` (None: made
+    for x's tokens); layer_id: the layer (a scan run's first), for the mesh plan's expert placement."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     step = StepPlan.of(cfg, par, (1, xf.shape[0])) if step is None else step
-    dispatch.refuse_kernel_in_f64_mode(cfg, "moe", step.moe)
-    form = _one_token_fused if step.combine_in_w2 else _routed_plus_shared
-    out, idx, w = form(p, xf, top_k, cfg, dt, par, step, layer_id)
+    fused, sh, padded, order = step.combine_in_w2, p["shared_experts"], None, None
+    if step.router_kernel:  # top-k, weights and the combine's order in one kernel, padded to [N, kp]
+        bias, layer = weights.split(p["gate"]["bias"])
+        idx_p, w_p, order_p = step.kernels["moe", "route"](linear.f32(xf, p["gate"]["weight"], cfg), bias, top_k, cfg,
+                                                           layer=layer)
+        padded, idx, w, order = (idx_p, w_p), idx_p[:, :top_k], w_p[:, :top_k], order_p  # order: [N, kp]
+    else:
+        idx, w, _ = route(p["gate"], xf, top_k, cfg)
+    if fused:  # the experts' raw slots, for w2's kernel to sum
+        routed = step.kernels["moe", "kernel"](p["experts"], xf, idx, w, cfg, dt, padded=padded, raw=True)
+    else:
+        routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order, layer_id)
+    act = functools.partial(_swiglu_act, weight=None, limit=cfg.swiglu_limit, dt=dt)
+    a = linear.fp8_gated(xf, sh["w1"], sh["w3"], act, cfg, dt, "mlp")  # w1 / w3 rows: "mlp" (tp-split on a mesh)
+    if fused:
+        out = step.kernels["linear", "kernel"](a, sh["w2"], "fp8", dt, cfg, combine=(routed, order, top_k))
+    else:
+        out = (routed + linear.fp8(a, sh["w2"], cfg, dt).astype(jnp.float32)).astype(dt)
     out = out.reshape(shape)
     if return_routing:
         return out, (idx.reshape(shape[:-1] + (top_k,)), w.reshape(shape[:-1] + (top_k,)))
     return out
-
-
-def _one_token_fused(p, xf, top_k, cfg, dt, par, step, layer_id=None):
-    """One token, the router / experts / linear kernels (`StepPlan.combine_in_w2`): the experts' kernel hands
-    its raw slots and the router's order to the shared expert's w2 kernel, which sums them in ascending expert id
-    as its epilogue (`linear.fp8_combined`: one launch fewer). Returns (out [1, D] in `dt`, idx, w)."""
-    idx_p, w_p, order_p = _route_kernel(p["gate"], xf, top_k, cfg, step.moe)
-    idx, w = idx_p[:, :top_k], w_p[:, :top_k]
-    slots = _experts_kernel(step.moe)(p["experts"], xf, idx, w, cfg, dt, padded=(idx_p, w_p), raw=True)
-    a = _shared_gated(p["shared_experts"], xf, cfg, dt)
-    return linear.fp8_combined(a, p["shared_experts"]["w2"], slots, order_p, top_k, cfg, dt), idx, w
-
-
-def _routed_plus_shared(p, xf, top_k, cfg, dt, par, step, layer_id=None):
-    """The routed experts' fp32 sum (`_routed`) + the shared expert, rounded to `dt`: (out [N, D], idx, w)."""
-    padded = order = None
-    if step.router_kernel:  # the padded outputs feed the experts' kernel and the combine as they are
-        idx_p, w_p, order_p = _route_kernel(p["gate"], xf, top_k, cfg, step.moe)
-        padded = (idx_p, w_p)
-        idx, w, order = idx_p[:, :top_k], w_p[:, :top_k], order_p[:, :top_k]
-    else:
-        idx, w, _ = route(p["gate"], xf, top_k, cfg)
-    routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order, layer_id)
-    a = _shared_gated(p["shared_experts"], xf, cfg, dt)
-    return (routed + linear.fp8(a, p["shared_experts"]["w2"], cfg, dt).astype(jnp.float32)).astype(dt), idx, w
-
-
-def _route_kernel(p_gate, xf, top_k, cfg, impl):
-    """The router's top-k as one kernel (scores, selection, weights, the combine's order; the gate matmul stays
-    the linear seam's): (idx, w, order) padded to [N, kp], the first top_k lanes used (`moe_mxfp4.kernel`'s
-    padded)."""
-    bias, layer = weights.split(p_gate["bias"])
-    return dispatch.kernel("moe", impl, "route")(linear.f32(xf, p_gate["weight"], cfg), bias, top_k, cfg,
-                                                 layer=layer, interpret=impl == "pallas_interpret")
 
 
 def _experts_kernel(impl):
@@ -325,7 +302,8 @@ def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order, layer_id=None):
     """fp32 [N, D]: the routed experts' outputs summed per token in ascending expert id, by implementation:
     expert-parallel on an "ep" mesh (`par.routed_experts`, the kernel per expert shard where it runs), the kernel
     (its slots combined; top-k ids are distinct, so the combine's order needs no sort), the grouped xla path or
-    the reference."""
+    the reference. order: None, or the router kernel's padded order int32 [N, kp]."""
+    order = None if order is None else order[:, :idx.shape[1]]
     kernel = _experts_kernel(impl)
     if par is not None and par.expert_parallel:
         if impl == "reference":
@@ -335,11 +313,3 @@ def _routed(ex, xf, idx, w, cfg, dt, par, impl, padded, order, layer_id=None):
     if kernel is not None:
         return combine_slots(kernel(ex, xf, idx, w, cfg, dt, padded=padded), idx, distinct=True, order=order)
     return (_routed_reference if impl == "reference" else _routed_grouped)(ex, xf, idx, w, cfg, dt)
-
-
-def _shared_gated(sh, xf, cfg, dt):
-    """The shared expert (`swiglu_expert` with weight 1) up to w2's input: w1 / w3 and the SwiGLU as one
-    linear-seam call (`linear.fp8_gated`: one launch where the linear kernel runs, the same values as the separate
-    calls). w1 / w3 rows are the intermediate ("mlp", split over tp on a mesh)."""
-    act = functools.partial(_swiglu_act, weight=None, limit=cfg.swiglu_limit, dt=dt)
-    return linear.fp8_gated(xf, sh["w1"], sh["w3"], act, cfg, dt, "mlp")

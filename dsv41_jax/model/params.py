@@ -181,6 +181,16 @@ def layer_decl(cfg: ModelConfig, layer_id: int) -> dict:
     return d
 
 
+def fp8_gemm_paths(tree, path=()) -> list:
+    """Paths (tuples of keys) of the fp8 GEMM weights (`weights.Fp8`) in a layer's declaration tree (`layer_decl`),
+    but wo_a (the one with a bf16 copy, read by the o_proj kernel); the routed experts are `weights.Mxfp4`."""
+    if isinstance(tree, Fp8):
+        return [path] if tree.bf16 is None else []
+    if not isinstance(tree, dict):
+        return []
+    return [q for k, v in tree.items() for q in fp8_gemm_paths(v, path + (k,))]
+
+
 def declare_params(cfg: ModelConfig) -> dict:
     """The whole declaration tree (leaves are `P`); a DeepSeek-V4 config's is `v4.params.declare_params`."""
     if cfg.model_family == "deepseek_v4":

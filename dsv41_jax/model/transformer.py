@@ -25,7 +25,7 @@ from dsv41_jax.model import attention as attn_mod
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import compressor, indexer, layer_scan, linear, tiling, weights
 from dsv41_jax.model.engram import engram, hash_rows
-from dsv41_jax.model.mhc import hc_pre, sublayer_enter, sublayer_exit, sublayer_exit_enter
+from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.model.moe import moe
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
@@ -35,30 +35,24 @@ from dsv41_jax.model.weights import Fp8, Stacked
 
 
 def enter(step, layer_p, sub: str, h, pre_prev, cfg, dt, par=None):
-    """Enter sublayer `sub` ("attn" | "ffn") from h: the streams [.., n, D], or the previous sublayer's
-    `DeferredExit`, applied first. Returns (h, (x, pre, post, comb)): the streams entering the sublayer, its
-    input x = its RMSNorm of hc_pre(h, pre_prev) in `dt`, and its mixes (`mhc.sublayer_enter`).
-
-    A deferred exit runs fused with the enter where the plan says so (`StepPlan.fused_boundary`:
-    `mhc.sublayer_exit_enter`, one kernel where the mhc kernel runs); on a mesh of more than one device the two
-    stay apart and the streams are pinned replicated (`replicated`) before the enter sums over them. The
-    sublayer's mHC fn / base / scale and norm weight are read at `layer`: None, or inside a layer-scan run where
-    the mhc kernel reads them in place (each a `weights.Stacked`), the run's layer."""
+    """Enter sublayer `sub` ("attn" | "ffn") from h (streams [.., n, D] or the previous sublayer's `DeferredExit`):
+    (h entering it, (x [.., D] its normed input in `dt`, pre, post, comb fp32 mixes)), by the plan's forms
+    (`StepPlan.enter`, or `exit_enter` where `fused_boundary`; on a mesh the exit runs apart, streams pinned
+    replicated). The mHC weights may be a run's stacks (`weights.Stacked`)."""
     got = [weights.split(v) for v in (layer_p[f"hc_{sub}_fn"], layer_p[f"hc_{sub}_base"], layer_p[f"hc_{sub}_scale"],
                                       layer_p[f"{sub}_norm"]["weight"])]
     (fn, layer), (base, _), (scale, _), (norm_w, _) = got
     if isinstance(h, DeferredExit) and step.fused_boundary:
-        h, entered = sublayer_exit_enter(replicated(h.y, par), h.h, h.post, h.comb, pre_prev, fn, base, scale, cfg,
-                                         dt, layer=layer, norm_weight=norm_w)
+        h, entered = step.exit_enter(replicated(h.y, par), h.h, h.post, h.comb, pre_prev, fn, base, scale, cfg, dt,
+                                     layer=layer, norm_weight=norm_w)
         return replicated(h, par), entered
-    h = settle(h, cfg, dt, par)
-    return h, sublayer_enter(h, pre_prev, fn, base, scale, cfg, dt, layer=layer, norm_weight=norm_w)
+    h = settle(step, h, cfg, dt, par)
+    return h, step.enter(h, pre_prev, fn, base, scale, cfg, dt, layer=layer, norm_weight=norm_w)
 
 
 def embed_streams(params, tokens, cfg, dt, par=None):
-    """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt`.
-
-    par: a mesh plan: rows split over "tp" are gathered locally + one all-reduce (`par.embed_gather`)."""
+    """Token embedding copied into the n streams: [B, T] -> [B, T, n, D] in `dt` (on a mesh plan `par`: the
+    tp-split rows gathered locally + one all-reduce, `par.embed_gather`)."""
     if par is not None and par.size > 1:
         e = par.embed_gather(params["embed"]["weight"], tokens, dt)
     else:
@@ -129,35 +123,25 @@ def attention_full(step, p, x, positions, plan, ctx, cfg, dt):
 
 
 def replicated(x, par):
-    """On mesh plan `par`, pin activation `x` replicated (`par.replicated`: activations are not split).
-
-    Without it XLA may keep a tp-split output projection's result split along D (a reduce-scatter
-    instead of the all-reduce), and the norms' / mHC's fp32 sums over D would then be summed in a
-    different order than unsharded. No-op without a plan."""
+    """On mesh plan `par`, pin activation `x` replicated (else XLA may keep a tp-split projection's output split
+    along D and the fp32 sums over D would run in another order than unsharded). No-op without a plan."""
     return x if par is None else par.replicated(x)
 
 
-def settle(h, cfg, dt, par=None):
-    """The streams as an array: `h` itself, or — `h` a `DeferredExit` — ``sublayer_exit(y, h, post, comb)``."""
+def settle(step, h, cfg, dt, par=None):
+    """The streams as an array: `h` itself, or — `h` a `DeferredExit` — its exit (`StepPlan.exit`)."""
     if not isinstance(h, DeferredExit):
         return h
-    return replicated(sublayer_exit(replicated(h.y, par), h.h, h.post, h.comb, cfg, dt), par)
+    return replicated(step.exit(replicated(h.y, par), h.h, h.post, h.comb, cfg, dt), par)
 
 
 def block(step, lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None, par=None):
-    """One layer (any attention implementation): returns (the layer's ffn exit as a `DeferredExit`, pre for the
-    next sublayer, rec, out).
-
-    step: the `plan.StepPlan`; lp: the layer's params; h: the streams [B, T, n, D] or the previous layer's
-    `DeferredExit` (applied by `enter`); pre_prev fp32 [B, T, n]; plan: the layer's `LayerPlan`; attn_fn(x) ->
-    (y, out) maps the normed attention input [B, T, D] to the sublayer output y and whatever else the attention
-    returns (`out`, handed back untouched: stores for later layers, cache writes); engram_rows int32 [B, T, R]
-    for Engram layers; par: optional mesh plan (`parallel.plan.MeshPlan`: Engram and the routed experts run its
-    sharded forms). rec: this layer's aux record {"layer_inputs": h after Engram [B, T, n, D], "experts": int32
-    [B, T, top_k]} (`record`). The exit is left deferred for the next layer's enter to fuse (`settle` applies it).
-    """
+    """One layer: (its ffn exit as a `DeferredExit`, left for the next enter to fuse, pre for the next sublayer, rec,
+    out). h: streams [B, T, n, D] or the previous layer's `DeferredExit`; pre_prev fp32 [B, T, n]; plan: the
+    layer's `LayerPlan`; attn_fn(x [B, T, D]) -> (y, out), `out` handed back untouched; engram_rows int32 [B, T, R]
+    (Engram layers); par: optional mesh plan. rec: {"layer_inputs": h after Engram, "experts": int32 [B, T, k]}."""
     if plan.is_engram:
-        h = replicated(engram(lp["engram"], settle(h, cfg, dt, par), engram_rows, cfg, dt, par=par), par)
+        h = replicated(engram(lp["engram"], settle(step, h, cfg, dt, par), engram_rows, cfg, dt, par=par), par)
     h, (x, a_pre, a_post, a_comb) = enter(step, lp, "attn", h, pre_prev, cfg, dt, par)
     rec = {"layer_inputs": h}
     y, out = attn_fn(x)
@@ -168,25 +152,18 @@ def block(step, lp, h, pre_prev, plan, cfg, dt, top_k, attn_fn, engram_rows=None
 
 
 def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, attn_fn, par=None):
-    """A run of plan-identical layers (`layer_scan.layer_runs`) as one ``lax.scan`` of `block`.
+    """A run of plan-identical layers as one ``lax.scan`` of `block`: (h, pre, aux', outs, carry').
 
-    step: the `plan.StepPlan`; stacked: the run's layer params with a leading axis n, in storage dtypes
-    (`layer_scan.run_params`); h (streams [B, T, n_hc, D] or a `DeferredExit`: the carry keeps the form it gets)
-    and pre fp32 [B, T, n_hc] enter the run's first layer (`first`); carry: what the attention threads through
-    the layers (the cache's window rings where each layer writes its own, `StepPlan.ring_now`; else None);
-    plan: the run's first layer's (the layers differ only in layer_id, which no consumer's body reads).
-    attn_fn(p, k, carry, x) -> (y, (out, carry')) is one layer's attention (p its ``attn`` params, k int32 its
-    index in the run; `out` a pytree of per-layer arrays). Returns (h, pre, aux', outs, carry'): aux' with each
-    layer's ``layer_inputs`` / ``experts`` under its layer id (a new dict), outs the `out`s stacked (axis n).
-
-    The weights the plan's kernels read in place (`StepPlan.in_place`) and the routed experts are not sliced
-    per layer: the body hands them over as the run's stacks with the layer (`weights.Stacked`): XLA copies a
-    sliced Pallas operand per layer, and a slice of the experts would copy all of a layer's (flash: 6.4 GB)."""
+    stacked: the run's params with a leading axis n in storage dtypes (`layer_scan.run_params`); h / pre enter
+    the layer `first` (h streams or a `DeferredExit`: the carry keeps its form); carry: what the attention threads
+    through the layers (a pytree; the forward's: None); plan: the first layer's.
+    attn_fn(p, k, carry, x) -> (y, (out, carry')): one layer's attention (k int32 its index in the run); outs: the
+    `out`s stacked on axis 0. The weights the kernels read in place (`StepPlan.in_place`) and the routed experts
+    are handed over whole with the layer (`weights.Stacked`): XLA copies a sliced Pallas operand per layer."""
     like = layer_decl(cfg, first)
     n = jax.tree_util.tree_leaves(stacked["ffn"]["experts"])[0].shape[0]
     whole = step.in_place(cfg, first) + (("ffn", "experts"),)
-    # a vector's whole stack back to its declared dtype (bf16 is stored as uint16: `layer_scan.storage_dtype`); a
-    # quantized weight's stays in its storage bits (`weights.Stacked.row` restores the layer's slice)
+    # a vector's stack back to its declared dtype (`layer_scan.storage_dtype`); a quantized one stays in its bits
     stacks = {path: functools.reduce(operator.getitem, path, stacked) for path in whole}
     stacks = {path: st if isinstance(st, (Fp8, dict)) else
               layer_scan.load_row(st, functools.reduce(operator.getitem, path, like)) for path, st in stacks.items()}
@@ -197,9 +174,7 @@ def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, 
     streams_in = not isinstance(h, DeferredExit)
 
     def body(c, lp):
-        # k, the layer within the run, rides in the carry: taken from a scanned arange it would be a
-        # dynamic slice that XLA:GPU rematerializes as one small launch per consumer (the routed experts
-        # and each stacked linear read it)
+        # k rides in the carry: a scanned arange would be a dynamic slice, one small launch per consumer on GPU
         h, pre, k, extra = c
         lp = layer_scan.load_row(lp, like)  # storage dtypes -> the declared ones (bitcasts)
         for path, st in stacks.items():
@@ -207,7 +182,7 @@ def scan_blocks(step, stacked, h, pre, carry, plan, cfg, dt, aux, first, top_k, 
         h, pre, rec, (out, extra) = block(step, lp, h, pre, plan, cfg, dt, top_k,
                                           functools.partial(attn_fn, lp["attn"], k, extra), None, par=par)
         if streams_in:  # streams in, streams out: the carry keeps one form
-            h = settle(h, cfg, dt, par)
+            h = settle(step, h, cfg, dt, par)
         return (h, pre, k + 1, extra), (rec, out)
 
     (h, pre, _, carry), (recs, outs) = jax.lax.scan(body, (h, pre, jnp.int32(0), carry), rest, length=n)
@@ -223,14 +198,12 @@ def final_logits(params, h, pre, cfg, dt):
 
 
 def new_aux():
-    """The empty aux record of a forward / step: {"topk", "cand", "experts", "layer_inputs"}, each
-    {layer id: array}."""
+    """The empty aux record: {"topk", "cand", "experts", "layer_inputs"}, each {layer id: array}."""
     return {"topk": {}, "cand": {}, "experts": {}, "layer_inputs": {}}
 
 
 def record(aux, lid, *recs):
-    """`aux` with layer `lid`'s records added (each rec {kind: array}, kinds as in `new_aux`): a new
-    dict, `aux` itself is not modified (the forward and the step are traced as pure functions)."""
+    """`aux` with layer `lid`'s records ({kind: array}) added (a new dict)."""
     out = dict(aux)
     for rec in recs:
         for kind, v in rec.items():
@@ -288,7 +261,7 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
             h, pre, rec, (ctx, arec) = block(step, lp, h, pre, plan, cfg, dt, cfg.num_experts_per_tok, attn_fn, rows,
                                              par=par)
             aux = record(aux, i, rec, arec)
-        logits, x = final_logits(params, settle(h, cfg, dt, par), pre, cfg, dt)
+        logits, x = final_logits(params, settle(step, h, cfg, dt, par), pre, cfg, dt)
         if return_aux:
             return logits, dict(aux, hidden=x)
         return logits

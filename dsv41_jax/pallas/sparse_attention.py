@@ -322,7 +322,8 @@ def effective_knobs(q, sink, ring, ring_rows, new, start, positions, valid, comp
 def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_table, sel, *, ratio: int,
            page_size: int, window: int, mode: str, ring_layer=None, ring_base: int = 0, interpret: bool = False,
            block_h: int | None = None, block_k: int | None = None, block_d: int | None = None,
-           num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2, merge: bool = True):
+           num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2, merge: bool = True,
+           key_lo=None):
     """Sparse retrieval attention from stored codes (the "attention" seam; arguments as
     `attention.sparse_attention`, whose docstring gives every shape and dtype).
 
@@ -339,8 +340,13 @@ def kernel(q, sink, ring, ring_rows, new, start, positions, valid, comp, page_ta
     (≥ 2 adds an XLA merge), num_warps / num_stages for Triton. `interpret` runs the same body
     through the HLO interpreter (CPU tests). merge=False: with ≥ 2 splits return the unmerged partials
     {"acc": fp32 [S, B, T, hp, hd], "m", "l": fp32 [S, B, T, hp]} (heads padded to hp) for a consumer that
-    merges them itself (`pallas.o_proj`, with the sink); with one split the output as usual.
+    merges them itself (`pallas.o_proj`, with the sink); with one split the output as usual. key_lo: must be None
+    (SWA bounded replay's window bound has no kernel).
     """
+    if key_lo is not None:
+        impl = "pallas_interpret" if interpret else "pallas"
+        raise NotImplementedError(f"attention: the window lower bound of SWA bounded replay (key_lo) has no {impl!r} "
+                                  f"kernel; run the attention op with impl 'xla' or 'reference'")
     dt = q.dtype
     if dt not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"sparse_attention kernel: q must be bf16 or fp32, got {dt}")

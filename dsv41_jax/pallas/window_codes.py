@@ -1,6 +1,6 @@
 """Pallas kernel: a layer's window K=V from the wkv GEMM's output to its stored fp8 codes, in one launch.
 
-What a cached step does with this layer's new K=V (`attention.project_q_codes`; the reference,
+What a cached step does with this layer's new K=V (`attention.q_codes` and its kernel forms; the reference,
 `ref_window_codes`, is the jnp composition the seam runs otherwise):
 
     kv     = norm.rmsnorm(y, kv_norm, eps, dt)                    # y = wkv(x) [M, hd] in dt
