@@ -108,13 +108,15 @@ def test_flash_0731_preset_has_the_release_shapes():
     assert per_stage == [1568, 1565, 1572] and param_stats(cfg)["tensors"] == 72317
 
 
-def _seed(chunks):
-    """The prompt through `extend_seeding` in chunks of the given sizes, each padded to the chunk's width."""
+def _seed(chunks, params=None, par=None):
+    """The prompt through `extend_seeding` in chunks of the given sizes, each padded to the chunk's width (params:
+    default `_params()`; par: a mesh plan)."""
+    params = _params() if params is None else params
     state = dspark4.with_rings(sp.dec4.init_state(CFG, CCFG), CFG, CCFG)
     done = 0
     for n, width, all_logits in chunks:
         batch = sp._batch(PROMPT[done:done + n], done, n, width, PT)
-        _, state = sp._SEED_STEP(_params(), state, batch, CFG, CCFG, all_logits=all_logits)
+        _, state = sp._SEED_STEP(params, state, batch, CFG, CCFG, all_logits=all_logits, par=par)
         done += n
     assert done == len(PROMPT)
     return state
@@ -137,10 +139,53 @@ def test_rings_and_proposals_cached_equal_cold():
     assert np.isfinite(np.asarray(props[0]["confidence"])).all()
 
 
+@functools.lru_cache(maxsize=None)
+def _greedy_dspark(mesh=None):
+    """`greedy_dspark` of PROMPT on one device (mesh None) or on `mesh` (params placed by the rules): (tokens, stats,
+    the drafts of every step)."""
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.plan import MeshPlan
+
+    params = _params() if mesh is None else rules.shard_params(_params(), CFG, mesh)
+    drafts = []
+    out, stats = sp.greedy_dspark(params, PROMPT, N, CFG, CCFG, propose=lambda o, d: drafts.append(list(d)) or d,
+                                  par=MeshPlan.of(mesh))
+    return out, stats, drafts
+
+
 def test_greedy_with_dspark_equals_plain_greedy():
-    out, stats = sp.greedy_dspark(_params(), PROMPT, N, CFG, CCFG)
+    out, stats, _ = _greedy_dspark()
     assert out == _reference()
     assert 1 <= stats["steps"] <= N - 1 and 0 <= stats["accepted"] <= CFG.dspark_block_size * stats["steps"]
+
+
+def test_dspark_on_tp2_ep4_equals_one_device(cpu8):
+    """The head on tp=2 x ep=4 (stages' params by the rules under ``mtp.*``, their MoE over ep, sublayer exits
+    replicated): the rings and target cache after the prompt (one pass, and chunks 4, 4, 4, 1), the proposal from
+    them, and `greedy_dspark`'s tokens and every step's drafts equal one device's bit for bit."""
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+    from dsv41_jax.parallel.plan import MeshPlan
+
+    mesh = make_mesh(2, 4, cfg=CFG)
+    par, params = MeshPlan.of(mesh), rules.shard_params(_params(), CFG, mesh)
+    assert params["mtp"][1]["ffn"]["experts"]["w1"].weight.sharding.spec[0] == "ep"
+    G = CFG.dspark_block_size
+    ref = _seed([(len(PROMPT), len(PROMPT), False)])
+    props = []
+    for st, p, pr in [(ref, _params(), None)] + [(_seed(c, params, par), params, par)
+                                                  for c in ([(len(PROMPT), len(PROMPT), False)],
+                                                            [(4, G + 1, True)] * 3 + [(1, G + 1, True)])]:
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(st), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                          err_msg=jax.tree_util.keystr(path))
+        props.append(sp._PROPOSE(p, st["dspark"], np.array([5], np.int32), np.array([len(PROMPT)], np.int32),
+                                 np.zeros(1, np.int32), CFG, CCFG, gamma=G, par=pr))
+    for got in props[1:]:
+        for k in ("tokens", "logits", "confidence", "probs"):
+            np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8), np.asarray(props[0][k]).view(np.uint8))
+    out, stats, drafts = _greedy_dspark(mesh)
+    assert (out, stats, drafts) == _greedy_dspark() and out == _reference() and len(drafts) >= 2
 
 
 def test_accepted_and_rejected_drafts_keep_the_output():
