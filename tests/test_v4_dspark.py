@@ -226,6 +226,32 @@ KW = dict(model="tiny", page_size=8, max_total_tokens=256, context_length=64, ma
 PROMPT2 = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, len(PROMPT))]
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device_engine():
+    from dsv41_jax.serving.engine import Engine
+
+    return Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", **KW)
+
+
+def _serve(eng, tag, logprobs=None):
+    """PROMPT and PROMPT2 together, greedy, N tokens each: [(tokens, logprobs, top_logprobs)] per prompt (a row with
+    logprobs never speculates: `Scheduler.can_speculate`)."""
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    rids = [f"{tag}{i}" for i in range(2)]
+    for rid, p in zip(rids, (PROMPT, PROMPT2)):
+        eng.add_request(rid, prompt_token_ids=p,
+                        sampling_params=SamplingParams(max_tokens=N, temperature=0.0, logprobs=logprobs))
+    done = {o.request_id: o for o in eng.run_until_done()}
+    assert all(done[r].finished and done[r].error is None for r in rids)
+    return [(done[r].outputs[0].token_ids, done[r].outputs[0].logprobs, done[r].outputs[0].top_logprobs)
+            for r in rids]
+
+
+def _references():
+    return [_reference(), sp.greedy(_params(), PROMPT2, N, CFG, CCFG)]
+
+
 def test_engine_dspark_greedy_equals_plain_greedy():
     """The engine with V4's DSpark head (`serving.v4_dspark_speculative`: rings seeded by 8-token prefill chunks,
     two rows per launch): greedy gives the model-level plain greedy tokens, with the head's own drafts and with an
@@ -238,19 +264,14 @@ def test_engine_dspark_greedy_equals_plain_greedy():
     from dsv41_jax.serving.sampling import SamplingParams
     from dsv41_jax.serving.speculator import V4DSparkSpeculator
 
-    ref = [_reference(), sp.greedy(_params(), PROMPT2, N, CFG, CCFG)]
-    eng = Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", **KW)
+    ref = _references()
+    eng = _one_device_engine()
     assert isinstance(eng.runner.speculator, V4DSparkSpeculator) and eng.spec_gamma == CFG.dspark_block_size
     g = eng.spec_gamma
     greedy = SamplingParams(max_tokens=N, temperature=0.0)
 
     def run(tag):
-        rids = [f"{tag}{i}" for i in range(2)]
-        for rid, p in zip(rids, (PROMPT, PROMPT2)):
-            eng.add_request(rid, prompt_token_ids=p, sampling_params=greedy)
-        done = {o.request_id: o for o in eng.run_until_done()}
-        assert all(done[r].finished and done[r].error is None for r in rids)
-        return [done[r].outputs[0].token_ids for r in rids]
+        return [t for t, _, _ in _serve(eng, tag)]
 
     assert run("own") == ref
     assert eng.stats()["spec_verify_steps"] > 0
@@ -305,3 +326,24 @@ def test_engine_dspark_greedy_equals_plain_greedy():
     with pytest.raises(EngineError, match="draft is an MTP layer"):
         Engine(cfg=ModelConfig.preset("tiny-v4"), params=init_params(ModelConfig.preset("tiny-v4"), jax.random.key(0)),
                speculative_algorithm="DSPARK", **KW)
+
+
+def test_engine_dspark_on_tp2_ep4_equals_one_device(cpu8):
+    """``--speculative-algorithm DSPARK`` on --tp-size 2 --ep-size 4 (`v4_dspark_speculative` on the mesh: params by
+    the rules, cache and rings replicated): the head's own drafts give plain greedy's tokens, and requests with
+    logprobs (plain launches, which write the rings) the one-device DSpark engine's tokens and logprobs (top-2
+    included) bit for bit."""
+    from dsv41_jax.serving.engine import Engine
+    from dsv41_jax.serving.speculator import V4DSparkSpeculator
+
+    one = _one_device_engine()
+    one.prefix_cache.clear_cache()
+    ref_lp = _serve(one, "lp", logprobs=2)
+    eng = Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", tp_size=2, ep_size=4, **KW)
+    assert isinstance(eng.runner.speculator, V4DSparkSpeculator) and eng.runner.speculator.mesh is not None
+    assert dict(eng.runner.mesh.shape) == {"ep": 4, "tp": 2}
+    assert [t for t, _, _ in _serve(eng, "own")] == _references()
+    assert eng.stats()["spec_verify_steps"] > 0
+    assert all(r.sharding.is_fully_replicated for r in eng.runner.state["dspark"])
+    eng.prefix_cache.clear_cache()
+    assert _serve(eng, "lp", logprobs=2) == ref_lp and [t for t, _, _ in ref_lp] == _references()
