@@ -108,13 +108,15 @@ def test_flash_0731_preset_has_the_release_shapes():
     assert per_stage == [1568, 1565, 1572] and param_stats(cfg)["tensors"] == 72317
 
 
-def _seed(chunks):
-    """The prompt through `extend_seeding` in chunks of the given sizes, each padded to the chunk's width."""
+def _seed(chunks, params=None, par=None):
+    """The prompt through `extend_seeding` in chunks of the given sizes, each padded to the chunk's width (params:
+    default `_params()`; par: a mesh plan)."""
+    params = _params() if params is None else params
     state = dspark4.with_rings(sp.dec4.init_state(CFG, CCFG), CFG, CCFG)
     done = 0
     for n, width, all_logits in chunks:
         batch = sp._batch(PROMPT[done:done + n], done, n, width, PT)
-        _, state = sp._SEED_STEP(_params(), state, batch, CFG, CCFG, all_logits=all_logits)
+        _, state = sp._SEED_STEP(params, state, batch, CFG, CCFG, all_logits=all_logits, par=par)
         done += n
     assert done == len(PROMPT)
     return state
@@ -137,10 +139,53 @@ def test_rings_and_proposals_cached_equal_cold():
     assert np.isfinite(np.asarray(props[0]["confidence"])).all()
 
 
+@functools.lru_cache(maxsize=None)
+def _greedy_dspark(mesh=None):
+    """`greedy_dspark` of PROMPT on one device (mesh None) or on `mesh` (params placed by the rules): (tokens, stats,
+    the drafts of every step)."""
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.plan import MeshPlan
+
+    params = _params() if mesh is None else rules.shard_params(_params(), CFG, mesh)
+    drafts = []
+    out, stats = sp.greedy_dspark(params, PROMPT, N, CFG, CCFG, propose=lambda o, d: drafts.append(list(d)) or d,
+                                  par=MeshPlan.of(mesh))
+    return out, stats, drafts
+
+
 def test_greedy_with_dspark_equals_plain_greedy():
-    out, stats = sp.greedy_dspark(_params(), PROMPT, N, CFG, CCFG)
+    out, stats, _ = _greedy_dspark()
     assert out == _reference()
     assert 1 <= stats["steps"] <= N - 1 and 0 <= stats["accepted"] <= CFG.dspark_block_size * stats["steps"]
+
+
+def test_dspark_on_tp2_ep4_equals_one_device(cpu8):
+    """The head on tp=2 x ep=4 (stages' params by the rules under ``mtp.*``, their MoE over ep, sublayer exits
+    replicated): the rings and target cache after the prompt (one pass, and chunks 4, 4, 4, 1), the proposal from
+    them, and `greedy_dspark`'s tokens and every step's drafts equal one device's bit for bit."""
+    from dsv41_jax.parallel import rules
+    from dsv41_jax.parallel.mesh import make_mesh
+    from dsv41_jax.parallel.plan import MeshPlan
+
+    mesh = make_mesh(2, 4, cfg=CFG)
+    par, params = MeshPlan.of(mesh), rules.shard_params(_params(), CFG, mesh)
+    assert params["mtp"][1]["ffn"]["experts"]["w1"].weight.sharding.spec[0] == "ep"
+    G = CFG.dspark_block_size
+    ref = _seed([(len(PROMPT), len(PROMPT), False)])
+    props = []
+    for st, p, pr in [(ref, _params(), None)] + [(_seed(c, params, par), params, par)
+                                                  for c in ([(len(PROMPT), len(PROMPT), False)],
+                                                            [(4, G + 1, True)] * 3 + [(1, G + 1, True)])]:
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(st), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                          err_msg=jax.tree_util.keystr(path))
+        props.append(sp._PROPOSE(p, st["dspark"], np.array([5], np.int32), np.array([len(PROMPT)], np.int32),
+                                 np.zeros(1, np.int32), CFG, CCFG, gamma=G, par=pr))
+    for got in props[1:]:
+        for k in ("tokens", "logits", "confidence", "probs"):
+            np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8), np.asarray(props[0][k]).view(np.uint8))
+    out, stats, drafts = _greedy_dspark(mesh)
+    assert (out, stats, drafts) == _greedy_dspark() and out == _reference() and len(drafts) >= 2
 
 
 def test_accepted_and_rejected_drafts_keep_the_output():
@@ -181,6 +226,32 @@ KW = dict(model="tiny", page_size=8, max_total_tokens=256, context_length=64, ma
 PROMPT2 = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, len(PROMPT))]
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device_engine():
+    from dsv41_jax.serving.engine import Engine
+
+    return Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", **KW)
+
+
+def _serve(eng, tag, logprobs=None):
+    """PROMPT and PROMPT2 together, greedy, N tokens each: [(tokens, logprobs, top_logprobs)] per prompt (a row with
+    logprobs never speculates: `Scheduler.can_speculate`)."""
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    rids = [f"{tag}{i}" for i in range(2)]
+    for rid, p in zip(rids, (PROMPT, PROMPT2)):
+        eng.add_request(rid, prompt_token_ids=p,
+                        sampling_params=SamplingParams(max_tokens=N, temperature=0.0, logprobs=logprobs))
+    done = {o.request_id: o for o in eng.run_until_done()}
+    assert all(done[r].finished and done[r].error is None for r in rids)
+    return [(done[r].outputs[0].token_ids, done[r].outputs[0].logprobs, done[r].outputs[0].top_logprobs)
+            for r in rids]
+
+
+def _references():
+    return [_reference(), sp.greedy(_params(), PROMPT2, N, CFG, CCFG)]
+
+
 def test_engine_dspark_greedy_equals_plain_greedy():
     """The engine with V4's DSpark head (`serving.v4_dspark_speculative`: rings seeded by 8-token prefill chunks,
     two rows per launch): greedy gives the model-level plain greedy tokens, with the head's own drafts and with an
@@ -193,19 +264,14 @@ def test_engine_dspark_greedy_equals_plain_greedy():
     from dsv41_jax.serving.sampling import SamplingParams
     from dsv41_jax.serving.speculator import V4DSparkSpeculator
 
-    ref = [_reference(), sp.greedy(_params(), PROMPT2, N, CFG, CCFG)]
-    eng = Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", **KW)
+    ref = _references()
+    eng = _one_device_engine()
     assert isinstance(eng.runner.speculator, V4DSparkSpeculator) and eng.spec_gamma == CFG.dspark_block_size
     g = eng.spec_gamma
     greedy = SamplingParams(max_tokens=N, temperature=0.0)
 
     def run(tag):
-        rids = [f"{tag}{i}" for i in range(2)]
-        for rid, p in zip(rids, (PROMPT, PROMPT2)):
-            eng.add_request(rid, prompt_token_ids=p, sampling_params=greedy)
-        done = {o.request_id: o for o in eng.run_until_done()}
-        assert all(done[r].finished and done[r].error is None for r in rids)
-        return [done[r].outputs[0].token_ids for r in rids]
+        return [t for t, _, _ in _serve(eng, tag)]
 
     assert run("own") == ref
     assert eng.stats()["spec_verify_steps"] > 0
@@ -260,3 +326,24 @@ def test_engine_dspark_greedy_equals_plain_greedy():
     with pytest.raises(EngineError, match="draft is an MTP layer"):
         Engine(cfg=ModelConfig.preset("tiny-v4"), params=init_params(ModelConfig.preset("tiny-v4"), jax.random.key(0)),
                speculative_algorithm="DSPARK", **KW)
+
+
+def test_engine_dspark_on_tp2_ep4_equals_one_device(cpu8):
+    """``--speculative-algorithm DSPARK`` on --tp-size 2 --ep-size 4 (`v4_dspark_speculative` on the mesh: params by
+    the rules, cache and rings replicated): the head's own drafts give plain greedy's tokens, and requests with
+    logprobs (plain launches, which write the rings) the one-device DSpark engine's tokens and logprobs (top-2
+    included) bit for bit."""
+    from dsv41_jax.serving.engine import Engine
+    from dsv41_jax.serving.speculator import V4DSparkSpeculator
+
+    one = _one_device_engine()
+    one.prefix_cache.clear_cache()
+    ref_lp = _serve(one, "lp", logprobs=2)
+    eng = Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", tp_size=2, ep_size=4, **KW)
+    assert isinstance(eng.runner.speculator, V4DSparkSpeculator) and eng.runner.speculator.mesh is not None
+    assert dict(eng.runner.mesh.shape) == {"ep": 4, "tp": 2}
+    assert [t for t, _, _ in _serve(eng, "own")] == _references()
+    assert eng.stats()["spec_verify_steps"] > 0
+    assert all(r.sharding.is_fully_replicated for r in eng.runner.state["dspark"])
+    eng.prefix_cache.clear_cache()
+    assert _serve(eng, "lp", logprobs=2) == ref_lp and [t for t, _, _ in ref_lp] == _references()

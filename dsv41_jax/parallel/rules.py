@@ -340,23 +340,33 @@ def cache_axes(state) -> dict:
     if "engram_hist" in state:
         out["engram_hist"] = ("cache_slots", "cache_ngram")
     if "dspark" in state:  # the DSpark draft's rings: one window store per stage, laid out as "window"
-        out["dspark"] = [store(s, ("cache_slots", "cache_ring")) for s in state["dspark"]]
+        out["dspark"] = _dspark_axes(state["dspark"])
     return out
+
+
+def _lead(tree, ax):
+    """Every leaf's axes: `ax` then "cache_dim" for the rest of its dims."""
+    return jax.tree_util.tree_map(lambda v: ax + ("cache_dim",) * (v.ndim - len(ax)), tree)
+
+
+def _dspark_axes(rings) -> list:
+    """The DSpark rings' axes, one window store per stage (V4.1's: a dict of stores; V4's: one ring [R, W, hd])."""
+    return [_lead(s, ("cache_slots", "cache_ring")) for s in rings]
 
 
 def _v4_cache_axes(state) -> dict:
     """`cache_axes` of DeepSeek-V4's cache (`model.v4.decode.init_state`): per layer a window ring [R, W, hd], and
     per CSA / HCA layer its pools [rows, d] ("comp", "ikeys") and its compressor projections of the last 2r
     positions [R, 2r, w·d] ("partial"); with MTP speculation the draft's per-slot rows ("mtp": its ring, the
-    target's last streams; `serving.mtp_speculative`)."""
-    def lead(tree, ax):
-        return jax.tree_util.tree_map(lambda v: ax + ("cache_dim",) * (v.ndim - len(ax)), tree)
-
-    out = {"window": lead(state["window"], ("cache_slots", "cache_ring")),
-           "comp": lead(state["comp"], ("cache_pool",)), "ikeys": lead(state["ikeys"], ("cache_pool",)),
-           "partial": lead(state["partial"], ("cache_slots", "cache_ring"))}
+    target's last streams; `serving.mtp_speculative`), or with the DSpark head's its rings ("dspark", one window
+    ring per stage; `model.v4.dspark`)."""
+    out = {"window": _lead(state["window"], ("cache_slots", "cache_ring")),
+           "comp": _lead(state["comp"], ("cache_pool",)), "ikeys": _lead(state["ikeys"], ("cache_pool",)),
+           "partial": _lead(state["partial"], ("cache_slots", "cache_ring"))}
     if "mtp" in state:
-        out["mtp"] = lead(state["mtp"], ("cache_slots",))
+        out["mtp"] = _lead(state["mtp"], ("cache_slots",))
+    if "dspark" in state:
+        out["dspark"] = _dspark_axes(state["dspark"])
     return out
 
 

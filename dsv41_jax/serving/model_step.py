@@ -115,9 +115,6 @@ class V4Step:
         if args.speculative_algorithm == "DSPARK" and cfg.draft_kind != "dspark":
             no.append("--speculative-algorithm DSPARK (this checkpoint's draft is an MTP layer: "
                       "--speculative-algorithm EAGLE / NEXTN)")
-        elif args.speculative_algorithm == "DSPARK" and (args.tp_size != 1 or args.ep_size != 1):
-            no.append(f"--speculative-algorithm DSPARK on a mesh (--tp-size {args.tp_size} --ep-size {args.ep_size}: "
-                      "V4's DSpark head runs on one device)")
         if args.speculative_simulate_accept_length is not None:
             no.append("--speculative-simulate-accept-length (V4's speculative steps verify every draft)")
         if args.enable_decoder_swa_bounded_replay:

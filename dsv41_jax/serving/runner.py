@@ -692,7 +692,7 @@ class Runner:
         if self._mtp:
             return MTPSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed, self.mesh)
         if self.cfg.model_family == "deepseek_v4":  # Flash-0731 / Pro-0813's DSpark head (V4Step.refuse: one device)
-            return V4DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed)
+            return V4DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.args.random_seed, self.mesh)
         return DSparkSpeculator(self.cfg, self.ccfg, self.spec_gamma, self.step_mesh, self.simulate_accept_length,
                                 self.args.random_seed)
 

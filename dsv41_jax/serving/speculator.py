@@ -215,10 +215,14 @@ class DSparkSpeculator:
         self._propose = _jitted_propose_launch(cfg, ccfg, self.gamma, mesh)
         self._allow_all: dict = {}
 
-    def seed_state(self, state: dict) -> dict:
+    def with_rings(self, state: dict) -> dict:
+        """The cache plus the draft's zeroed rings (V4.1's `dspark.with_rings`)."""
         from dsv41_jax.model import dspark
 
-        state = dspark.with_rings(state, self.cfg, self.ccfg)
+        return dspark.with_rings(state, self.cfg, self.ccfg)
+
+    def seed_state(self, state: dict) -> dict:
+        state = self.with_rings(state)
         if self.mesh is not None:  # the draft's rings by the cache's rules
             from dsv41_jax.parallel import rules
 
@@ -342,15 +346,15 @@ def _v4_propose_launch(params, state, slot_tensors, batch, step_counter, *, cfg,
     t = jax.tree.map(lambda a: a[slots], slot_tensors)
     t = t.replace(valid=t.valid & active)
     draw = spec.sampling_draw(t, step_counter, bool(cfg.deterministic))
-    # the MTP draft runs on one device or a tp x ep mesh; the DSpark head on one device (V4Step.refuse)
-    kw = {"par": mesh_plan.MeshPlan.of(mesh)} if kind == "mtp" else {}
-    return _v4_module(kind).propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma, **kw)[0]
+    # both drafts run on one device or a tp x ep mesh (`mtp_speculative`, `v4_dspark_speculative` module docs)
+    return _v4_module(kind).propose(params, state, batch, draw, cfg=cfg, ccfg=ccfg, gamma=gamma,
+                                    par=mesh_plan.MeshPlan.of(mesh))[0]
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted_v4(cfg, ccfg, gamma: int, kind: str, mesh=None):
     """(the V4 draft's verify-then-commit launch, cache / tensors / last_token donated; the draft-only launch), on
-    `mesh` (None: one device; a tp x ep mesh for MTP: `mtp_speculative` module doc)."""
+    `mesh` (None: one device; a tp x ep mesh: `mtp_speculative`, `v4_dspark_speculative` module docs)."""
     step = jax.jit(functools.partial(_spec_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, mesh=mesh,
                                      step=_v4_module(kind).speculative_step), donate_argnums=(1, 2, 3))
     return step, jax.jit(functools.partial(_v4_propose_launch, cfg=cfg, ccfg=ccfg, gamma=gamma, kind=kind, mesh=mesh))
@@ -382,11 +386,14 @@ class MTPSpeculator(DSparkSpeculator):
 
 class V4DSparkSpeculator(MTPSpeculator):
     """DSpark speculation for DeepSeek-V4-Flash-0731 / Pro-0813 (`v4_dspark_speculative` module doc): the same launch
-    with the V4 DSpark head's block proposal and rings. One device; no simulated accept length."""
+    with the V4 DSpark head's block proposal and rings. One device or a tp x ep mesh (the rings placed by the cache's
+    rules: replicated); no simulated accept length."""
 
     kind = "dspark"
 
-    def seed_state(self, state: dict) -> dict:
+    seed_state = DSparkSpeculator.seed_state  # V4's rings, placed as V4.1's on a mesh
+
+    def with_rings(self, state: dict) -> dict:
         from dsv41_jax.model.v4 import dspark as dspark4
 
         return dspark4.with_rings(state, self.cfg, self.ccfg)
@@ -394,4 +401,4 @@ class V4DSparkSpeculator(MTPSpeculator):
     def extend_step(self, all_logits: bool):
         from dsv41_jax.serving import v4_dspark_speculative as v4ds
 
-        return v4ds.jitted_extend_seeding(self.cfg, self.ccfg, all_logits)
+        return v4ds.jitted_extend_seeding(self.cfg, self.ccfg, all_logits, self.mesh)

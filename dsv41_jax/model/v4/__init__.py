@@ -28,8 +28,8 @@ calls the shared op it varies (nothing of V4.1 is copied):
   `decode.extend` (== plain greedy in the exact mode).
 
 The engine runs `decode` through `serving.model_step.V4Step`, MTP through `serving.mtp_speculative` and the DSpark
-head through `serving.v4_dspark_speculative`, on one device or a tp x ep mesh (the forward, `decode` and `mtp` take a
-`parallel.plan.MeshPlan`; V4's tensors in the one rules table, `parallel.rules`; docs/design/v4.md "Mesh"; the DSpark
-head on one device). Not here yet (refused in one line where reached, `config_v4.refusal` / `V4Step.refuse`):
-data-parallel attention, the DSpark head on a mesh, the Pallas fast paths.
+head through `serving.v4_dspark_speculative`, on one device or a tp x ep mesh (the forward, `decode`, `mtp` and `dspark`
+take a `parallel.plan.MeshPlan`; V4's tensors in the one rules table, `parallel.rules`; docs/design/v4.md "Mesh").
+Not here yet (refused in one line where reached, `config_v4.refusal` / `V4Step.refuse`): data-parallel attention,
+the Pallas fast paths.
 """

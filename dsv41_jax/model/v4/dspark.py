@@ -20,6 +20,11 @@ What is V4's:
 
 `extend_seeding` is `v4.decode.extend` that also writes the rings of every token it commits; verification is the
 caller's (`v4.speculative.greedy_dspark`).
+
+On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; docs/design/v4.md "Mesh") it runs as the target and the MTP
+layer do (`v4.transformer` module doc): the stages' params placed by `parallel.rules.shard_params` (``mtp.*``), the
+block's embedding gathered where its rows live, the stages' MoE expert-parallel (`v4.moe.moe`), every sublayer exit
+pinned replicated (`v4.transformer.sublayer_exit`), the rings replicated as the target's window rings.
 """
 
 from __future__ import annotations
@@ -28,10 +33,9 @@ from typing import Callable, Optional
 
 import jax.numpy as jnp
 
-from dsv41_jax.model import dspark, linear
+from dsv41_jax.model import dspark, linear, tiling
 from dsv41_jax.model.attention import sink_of
 from dsv41_jax.model.decode import _window_write
-from dsv41_jax.model.mhc import hc_post
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams
@@ -40,7 +44,7 @@ from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import layer_freqs, output_proj, project_kv, project_q
 from dsv41_jax.model.v4.linear import dense
 from dsv41_jax.model.v4.moe import moe
-from dsv41_jax.model.v4.transformer import refuse_unsupported
+from dsv41_jax.model.v4.transformer import refuse_unsupported, sublayer_exit
 
 
 def require(params, cfg) -> None:
@@ -93,16 +97,17 @@ def write_rings(params, rings: list, outputs: dict, slot, positions, n_commit, c
             for r, sp in zip(rings, params["mtp"])]
 
 
-def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False):
+def extend_seeding(params, state, batch, cfg, ccfg, all_logits: bool = False, par=None):
     """`v4.decode.extend_logits` on a cache with DSpark rings (`with_rings`): the same logits and target cache, and
     the rings of every token the batch commits written (prompt chunks and verify steps alike).
-    Returns (logits — `v4.decode.head_logits`', state)."""
-    _, st, aux = dec4.extend(params, state, batch, cfg, ccfg, return_aux=True, head=False)
+    Returns (logits — `v4.decode.head_logits`', state). par: a tp x ep mesh plan (module doc)."""
+    _, st, aux = dec4.extend(params, state, batch, cfg, ccfg, return_aux=True, head=False, par=par)
     T = aux["streams"].shape[1]
     positions = batch["start"][:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    st["dspark"] = write_rings(params, state["dspark"], layer_outputs(aux, cfg), batch["slot"], positions,
-                               batch["n_new"], cfg)
-    return dec4.head_logits(params, aux["streams"], batch["n_new"], cfg, all_logits), st
+    with tiling.on_mesh(par):
+        st["dspark"] = write_rings(params, state["dspark"], layer_outputs(aux, cfg), batch["slot"], positions,
+                                   batch["n_new"], cfg)
+    return dec4.head_logits(params, aux["streams"], batch["n_new"], cfg, all_logits, par), st
 
 
 def _draft_attention(p, x, ring, slot, start, positions, freqs, cfg, dt):
@@ -115,11 +120,12 @@ def _draft_attention(p, x, ring, slot, start, positions, freqs, cfg, dt):
 
 
 def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional[int] = None,
-            draw: Callable = dspark.greedy_draw) -> dict:
+            draw: Callable = dspark.greedy_draw, par=None) -> dict:
     """One DSpark block proposal on V4's layers: `dspark.propose`'s contract (anchor int32 [B] at position start[b] =
     s + 1, the number of tokens in the cache; slot int32 [B]; gamma static in 1..dspark_block_size; draw(k, logits)
-    -> (token, q)). Returns {"tokens" [B, γ], "probs" / "logits" fp32 [B, γ, V], "confidence" fp32 [B, γ] (raw)}."""
-    refuse_unsupported(cfg)
+    -> (token, q)). Returns {"tokens" [B, γ], "probs" / "logits" fp32 [B, γ, V], "confidence" fp32 [B, γ] (raw)}.
+    par: a tp x ep mesh plan (module doc)."""
+    refuse_unsupported(cfg, par)
     require(params, cfg)
     dec4._check(cfg, ccfg)
     G = cfg.dspark_block_size
@@ -132,16 +138,18 @@ def propose(params, rings: list, anchor, start, slot, cfg, ccfg, gamma: Optional
     ids = jnp.concatenate([anchor[:, None], jnp.full((B, G - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
     positions = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :]
     freqs = layer_freqs(cfg, "sliding")
-    h = embed_streams(params, ids, cfg, dt)
-    for sp, ring in zip(params["mtp"], rings):  # V4 layers (pre-mix mHC), the attention over ring + block
-        x, post, comb = mhc4.enter(h, sp, "attn", cfg, dt)
-        h = hc_post(_draft_attention(sp["attn"], x, ring, slot, start, positions, freqs, cfg, dt), h, post, comb, dt)
-        x, post, comb = mhc4.enter(h, sp, "ffn", cfg, dt)
-        h = hc_post(moe(sp["ffn"], x, ids, False, cfg, dt)[0], h, post, comb, dt)
-    last = params["mtp"][-1]
-    x = mhc4.head_collapse(h, last["hc_head_fn"], last["hc_head_base"], last["hc_head_scale"], cfg, dt)  # un-normed
-    base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)), params["head"]["weight"],
-                      cfg)
-    mk = last["markov_head"]
-    return dspark.markov_block(base, x, anchor, mk["markov_w1"]["weight"], mk["markov_w2"]["weight"],
-                               last["confidence_head"]["proj"]["weight"], gamma, draw, cfg, dt)
+    with tiling.on_mesh(par):
+        h = embed_streams(params, ids, cfg, dt, par)
+        for sp, ring in zip(params["mtp"], rings):  # V4 layers (pre-mix mHC), the attention over ring + block
+            x, post, comb = mhc4.enter(h, sp, "attn", cfg, dt)
+            y = _draft_attention(sp["attn"], x, ring, slot, start, positions, freqs, cfg, dt)
+            h = sublayer_exit(y, h, post, comb, cfg, dt, par)
+            x, post, comb = mhc4.enter(h, sp, "ffn", cfg, dt)
+            h = sublayer_exit(moe(sp["ffn"], x, ids, False, cfg, dt, par)[0], h, post, comb, cfg, dt, par)
+        last = params["mtp"][-1]
+        x = mhc4.head_collapse(h, last["hc_head_fn"], last["hc_head_base"], last["hc_head_scale"], cfg, dt)  # un-normed
+        base = linear.f32(rmsnorm(x, last["norm"]["weight"], cfg.rms_norm_eps, dt, is_exact(cfg)),
+                          params["head"]["weight"], cfg, row_axis="vocab")
+        mk = last["markov_head"]
+        return dspark.markov_block(base, x, anchor, mk["markov_w1"]["weight"], mk["markov_w2"]["weight"],
+                                   last["confidence_head"]["proj"]["weight"], gamma, draw, cfg, dt)

@@ -58,8 +58,8 @@ def _setup(prompt, max_new: int, cfg, ccfg):
 # one jitted target step and one MTP step for every call (compiled once per shape and config)
 _STEP = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux", "par"))
 _MTP_STEP = jax.jit(mtp.extend, static_argnames=("cfg", "ccfg", "par"))
-_SEED_STEP = jax.jit(dspark4.extend_seeding, static_argnames=("cfg", "ccfg", "all_logits"))
-_PROPOSE = jax.jit(dspark4.propose, static_argnames=("cfg", "ccfg", "gamma"))
+_SEED_STEP = jax.jit(dspark4.extend_seeding, static_argnames=("cfg", "ccfg", "all_logits", "par"))
+_PROPOSE = jax.jit(dspark4.propose, static_argnames=("cfg", "ccfg", "gamma", "par"))
 
 
 def greedy(params, prompt, max_new_tokens: int, cfg, ccfg, par=None) -> list:
@@ -125,10 +125,11 @@ def greedy_mtp(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: int = 2,
 
 
 def greedy_dspark(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: Optional[int] = None,
-                  propose: Optional[Callable] = None) -> tuple:
+                  propose: Optional[Callable] = None, par=None) -> tuple:
     """Greedy decoding of one prompt with DSpark speculation (module doc). gamma: drafts per step, 1..dspark_block_size
     (default the block size). propose(tokens so far, DSpark drafts [γ]) -> the γ tokens to verify (default the
-    drafts; tests pass an oracle). Returns (the `max_new_tokens` tokens, {"steps", "accepted"}) as `greedy_mtp`."""
+    drafts; tests pass an oracle); par: as `greedy`'s. Returns (the `max_new_tokens` tokens, {"steps", "accepted"})
+    as `greedy_mtp`."""
     dspark4.require(params, cfg)
     gamma = cfg.dspark_block_size if gamma is None else int(gamma)
     if not 1 <= gamma <= cfg.dspark_block_size:
@@ -136,18 +137,19 @@ def greedy_dspark(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: Optiona
     pt = _setup(prompt, max_new_tokens + gamma, cfg, ccfg)
     G, n0 = gamma + 1, len(prompt)
     zero = np.zeros((1,), np.int32)
+    seed, prop_fn = functools.partial(_SEED_STEP, par=par), functools.partial(_PROPOSE, par=par)
     state = dspark4.with_rings(dec4.init_state(cfg, ccfg), cfg, ccfg)
-    logits, state = _SEED_STEP(params, state, _batch(prompt, 0, n0, n0, pt), cfg, ccfg)
+    logits, state = seed(params, state, _batch(prompt, 0, n0, n0, pt), cfg, ccfg)
     out = [int(np.argmax(np.asarray(logits)[0]))]
     stats = {"steps": 0, "accepted": 0}
     while len(out) < max_new_tokens:
         s = n0 + len(out) - 1  # tokens in the target cache (and its rings); out[-1] goes at position s
-        prop = _PROPOSE(params, state["dspark"], np.array([out[-1]], np.int32), np.array([s], np.int32), zero, cfg,
+        prop = prop_fn(params, state["dspark"], np.array([out[-1]], np.int32), np.array([s], np.int32), zero, cfg,
                         ccfg, gamma=gamma)
         drafts = [int(t) for t in np.asarray(prop["tokens"])[0]]
         if propose is not None:
             drafts = [int(t) for t in propose(list(out), list(drafts))]
-        vlog, vstate = _SEED_STEP(params, state, _batch([out[-1]] + drafts, s, G, G, pt), cfg, ccfg, all_logits=True)
+        vlog, vstate = seed(params, state, _batch([out[-1]] + drafts, s, G, G, pt), cfg, ccfg, all_logits=True)
         choice = np.argmax(np.asarray(vlog)[0], axis=-1)
         k = 0
         while k < gamma and int(choice[k]) == drafts[k]:
@@ -155,8 +157,8 @@ def greedy_dspark(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: Optiona
         stats["steps"] += 1
         stats["accepted"] += k
         if k < gamma:  # commit [y, d_1..d_k] only: the step re-run from the state before it
-            _, vstate = _SEED_STEP(params, state, _batch([out[-1]] + drafts[:k], s, k + 1, G, pt), cfg, ccfg,
-                                   all_logits=True)
+            _, vstate = seed(params, state, _batch([out[-1]] + drafts[:k], s, k + 1, G, pt), cfg, ccfg,
+                             all_logits=True)
         state = vstate
         out.extend(drafts[:k] + [int(choice[k])])
     return out[:max_new_tokens], stats
