@@ -1,0 +1,106 @@
+"""DeepSeek-V4 on the registered Pallas kernels (docs/design/v4.md, "Kernels"), in interpret mode on CPU.
+
+V4's routed experts are MXFP4 as V4.1's, and V4's "xla" path already calls V4.1's grouped `moe.routed_slots`, so the
+moe op's kernel (`pallas.moe_mxfp4`, the registry's ("moe", "kernel")) takes its place: V4's MoE sublayer at
+``moe=pallas_interpret`` equals it at ``moe=xla`` with the same routing and within the tolerance
+tests/test_pallas_moe.py states for that kernel at the seam (fp32 flow: 1e-5·max|y|, the GEMMs' fp32 summation
+order), on a hash-routed layer (whose table rows may repeat an expert) and a learned-routing one, for 10 tokens and
+for one (the kernel's sort-free case). The whole forward on tiny-v4 keeps every token's experts and its greedy
+tokens. The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
+engine's start-up (`V4Step.refuse`).
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import ModelConfig, dispatch, forward, init_params
+from dsv41_jax.model.v4 import moe as moe4
+from dsv41_jax.model.v4.transformer import refuse_unsupported
+
+CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="float32")  # the fp32 flow: summation order only
+KERNEL = "pallas_interpret"
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(3))
+
+
+@pytest.fixture(scope="module")
+def moe_fn():
+    return jax.jit(lambda p, x, t, cfg, hashed: moe4.moe(p, x, t, hashed, cfg, jnp.float32),
+                   static_argnums=(3, 4))
+
+
+@pytest.mark.parametrize("layer", [0, 2])  # 0: hash-routed (tid2eid), 2: learned routing
+def test_moe_kernel_equals_the_xla_path(params, moe_fn, layer):
+    hashed = layer in CFG.hash_layer_ids
+    p = params["layers"][layer]["ffn"]
+    rng = np.random.default_rng(11 + layer)
+    x = jnp.asarray(rng.standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
+    for xs, ts in ((x, t), (x[:1, :1], t[:1, :1])):  # 10 tokens (sorted groups) and one (sort-free)
+        got, (gi, gw) = moe_fn(p, xs, ts, CFG.replace(impl=f"moe={KERNEL}"), hashed)
+        want, (wi, ww) = moe_fn(p, xs, ts, CFG.replace(impl="moe=xla"), hashed)
+        np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
+        np.testing.assert_array_equal(np.asarray(gw), np.asarray(ww))
+        m = float(jnp.abs(want).max())
+        assert m > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * m)
+    assert dispatch.resolve(CFG.replace(impl=f"moe={KERNEL}"), "moe") == KERNEL
+
+
+def test_forward_with_the_moe_kernel_keeps_experts_and_tokens(params):
+    tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 12)).astype(np.int32)
+    f = jax.jit(lambda p, t, cfg: forward(p, t, cfg, return_aux=True), static_argnums=2)
+    got, ga = f(params, tokens, CFG.replace(impl=f"moe={KERNEL}"))
+    want, wa = f(params, tokens, CFG.replace(impl="xla"))
+    for layer in wa["experts"]:
+        np.testing.assert_array_equal(np.asarray(ga["experts"][layer]), np.asarray(wa["experts"][layer]))
+    np.testing.assert_array_equal(np.asarray(got).argmax(-1), np.asarray(want).argmax(-1))
+    # each layer's moe output within 1e-5·max (above); through 6 layers' residual streams a few times that
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("op", ["attention", "indexer", "engram", "mhc", "linear"])
+def test_kernels_that_do_not_fit_v4_are_refused_naming_the_op(op):
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: "):
+        refuse_unsupported(CFG.replace(impl=f"xla,{op}={KERNEL}"))
+    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL}"))  # the moe kernel runs
+
+
+def test_linear_refusal_names_v4s_weight_blocks():
+    with pytest.raises(NotImplementedError, match=r"V4's dense weights are fp8 in 128x128 blocks"):
+        refuse_unsupported(CFG.replace(impl=f"linear={KERNEL}"))
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(expert_dtype="bf16"), "the kernel reads MXFP4 experts; this checkpoint's routed experts are bf16"),
+    (dict(act_quant_block=32), r"the release numerics \(act_quant_block=32\)"),
+    (dict(act_dtype="exact"), "fp64-accumulating numerics mode"),
+    (dict(deterministic=True), "fp64-accumulating numerics mode"),
+])
+def test_moe_kernel_is_refused_where_v4_does_not_fit(change, why):
+    cfg = CFG.replace(impl=f"moe={KERNEL}", **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: moe={KERNEL}: .*{why}"):
+        refuse_unsupported(cfg)
+    x = jnp.zeros((3, CFG.hidden_size), jnp.float32)
+    idx, w = jnp.zeros((3, 2), jnp.int32), jnp.zeros((3, 2), jnp.float32)
+    with pytest.raises(NotImplementedError, match=rf"moe={KERNEL}: .*{why}"):  # at the seam too
+        moe4.routed({"w1": None}, x, idx, w, cfg, jnp.float32)
+
+
+def test_engine_start_up_refuses_a_kernel_that_does_not_fit_in_one_line():
+    from dsv41_jax.serving.engine import EngineError
+    from dsv41_jax.serving.model_step import V4Step
+
+    base = dict(dp_size=1, ep_num_redundant_experts=0, speculative_algorithm=None,
+                speculative_simulate_accept_length=None, enable_decoder_swa_bounded_replay=False, cache_dtype="auto",
+                expert_distribution_recorder=False)
+    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL}", **base), CFG)  # runs: nothing refused
+    with pytest.raises(EngineError, match=rf"not supported with --impl 'mhc={KERNEL}' \(mhc={KERNEL}: V4.1's mHC"):
+        V4Step.refuse(argparse.Namespace(impl=f"mhc={KERNEL}", **base), CFG)
