@@ -1,12 +1,17 @@
 """DeepSeek-V4 on the registered Pallas kernels (docs/design/v4.md, "Kernels"), in interpret mode on CPU.
 
+mHC: V4's mixes (Sinkhorn included) come from V4.1's enter kernel and its exit is V4.1's exit kernel (`v4.mhc`); at
+``mhc=pallas_interpret`` they equal the jnp path within tests/test_pallas_mix.py's tolerances (pre / post 2e-6, comb
+5e-6 absolute; hc_post in the fp32 flow rtol = atol = 2e-6), and V4's collapse + norm of the kernel's pre is the jnp
+one bit for bit.
+
 V4's routed experts are MXFP4 as V4.1's, and V4's "xla" path already calls V4.1's grouped `moe.routed_slots`, so the
 moe op's kernel (`pallas.moe_mxfp4`, the registry's ("moe", "kernel")) takes its place: V4's MoE sublayer at
 ``moe=pallas_interpret`` equals it at ``moe=xla`` with the same routing and within the tolerance
 tests/test_pallas_moe.py states for that kernel at the seam (fp32 flow: 1e-5·max|y|, the GEMMs' fp32 summation
 order), on a hash-routed layer (whose table rows may repeat an expert) and a learned-routing one, for 10 tokens and
-for one (the kernel's sort-free case). The whole forward on tiny-v4 keeps every token's experts and its greedy
-tokens. The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
+for one (the kernel's sort-free case). The whole forward on tiny-v4 with both kernels keeps every token's experts
+and its greedy tokens. The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
 engine's start-up (`V4Step.refuse`).
 """
 
@@ -18,7 +23,10 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model import ModelConfig, dispatch, forward, init_params
+from dsv41_jax.model.mhc import hc_pre
+from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4 import moe as moe4
+from dsv41_jax.model.v4.torch_order import norm_fn
 from dsv41_jax.model.v4.transformer import refuse_unsupported
 
 CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="float32")  # the fp32 flow: summation order only
@@ -54,23 +62,57 @@ def test_moe_kernel_equals_the_xla_path(params, moe_fn, layer):
     assert dispatch.resolve(CFG.replace(impl=f"moe={KERNEL}"), "moe") == KERNEL
 
 
-def test_forward_with_the_moe_kernel_keeps_experts_and_tokens(params):
+def test_mhc_kernels_equal_the_jnp_path(params):
+    lp = params["layers"][3]
+    rng = np.random.default_rng(7)
+    h = jnp.asarray(rng.standard_normal((2, 5, CFG.hc_mult, CFG.hidden_size)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
+    kcfg, xcfg = CFG.replace(impl=f"xla,mhc={KERNEL}"), CFG.replace(impl="xla")
+    f32 = jnp.float32
+    for sub in ("attn", "ffn"):
+        got, want = mhc4.mixes(h, lp, sub, kcfg, f32), mhc4.mixes(h, lp, sub, xcfg, f32)
+        for name, g, w, atol in zip(("pre", "post", "comb"), got, want, (2e-6, 2e-6, 5e-6)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=atol, err_msg=f"{sub} {name}")
+        # enter: V4's collapse and norm of the kernel's pre, as the jnp path computes them
+        x, post, comb = mhc4.enter(h, lp, sub, kcfg, f32)
+        want_x = norm_fn(CFG)(hc_pre(h, got[0], f32), lp[f"{sub}_norm"]["weight"], CFG.rms_norm_eps, f32, False)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
+        np.testing.assert_array_equal(np.asarray(post), np.asarray(got[1]))
+        np.testing.assert_array_equal(np.asarray(comb), np.asarray(got[2]))
+        np.testing.assert_allclose(np.asarray(mhc4.leave(y, h, post, comb, kcfg, f32)),
+                                   np.asarray(mhc4.leave(y, h, post, comb, xcfg, f32)), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
+    (dict(release_order="torch_cpu"), "release_order 'torch_cpu'"),
+])
+def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
+    cfg = CFG.replace(impl=f"mhc={KERNEL}", **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: mhc={KERNEL}: {why}"):
+        refuse_unsupported(cfg)
+    h = jnp.zeros((1, CFG.hc_mult, CFG.hidden_size), jnp.float32)
+    with pytest.raises(NotImplementedError, match=rf"mhc={KERNEL}: {why}"):  # at the seam too
+        mhc4.enter(h, params["layers"][0], "attn", cfg, jnp.float32)
+
+
+def test_forward_with_the_kernels_keeps_experts_and_tokens(params):
     tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 12)).astype(np.int32)
     f = jax.jit(lambda p, t, cfg: forward(p, t, cfg, return_aux=True), static_argnums=2)
-    got, ga = f(params, tokens, CFG.replace(impl=f"moe={KERNEL}"))
+    got, ga = f(params, tokens, CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))
     want, wa = f(params, tokens, CFG.replace(impl="xla"))
     for layer in wa["experts"]:
         np.testing.assert_array_equal(np.asarray(ga["experts"][layer]), np.asarray(wa["experts"][layer]))
     np.testing.assert_array_equal(np.asarray(got).argmax(-1), np.asarray(want).argmax(-1))
-    # each layer's moe output within 1e-5·max (above); through 6 layers' residual streams a few times that
+    # each op within its kernel's tolerance (above); through 6 layers' residual streams a few times that
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-4 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("op", ["attention", "indexer", "engram", "mhc", "linear"])
+@pytest.mark.parametrize("op", ["attention", "indexer", "engram", "linear"])
 def test_kernels_that_do_not_fit_v4_are_refused_naming_the_op(op):
     with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: "):
         refuse_unsupported(CFG.replace(impl=f"xla,{op}={KERNEL}"))
-    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL}"))  # the moe kernel runs
+    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))  # the moe and mhc kernels run
 
 
 def test_linear_refusal_names_v4s_weight_blocks():
@@ -81,8 +123,8 @@ def test_linear_refusal_names_v4s_weight_blocks():
 @pytest.mark.parametrize("change, why", [
     (dict(expert_dtype="bf16"), "the kernel reads MXFP4 experts; this checkpoint's routed experts are bf16"),
     (dict(act_quant_block=32), r"the release numerics \(act_quant_block=32\)"),
-    (dict(act_dtype="exact"), "fp64-accumulating numerics mode"),
-    (dict(deterministic=True), "fp64-accumulating numerics mode"),
+    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
+    (dict(deterministic=True), "numerics mode accumulates in fp64, the kernel in fp32"),
 ])
 def test_moe_kernel_is_refused_where_v4_does_not_fit(change, why):
     cfg = CFG.replace(impl=f"moe={KERNEL}", **change)
@@ -101,6 +143,7 @@ def test_engine_start_up_refuses_a_kernel_that_does_not_fit_in_one_line():
     base = dict(dp_size=1, ep_num_redundant_experts=0, speculative_algorithm=None,
                 speculative_simulate_accept_length=None, enable_decoder_swa_bounded_replay=False, cache_dtype="auto",
                 expert_distribution_recorder=False)
-    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL}", **base), CFG)  # runs: nothing refused
-    with pytest.raises(EngineError, match=rf"not supported with --impl 'mhc={KERNEL}' \(mhc={KERNEL}: V4.1's mHC"):
-        V4Step.refuse(argparse.Namespace(impl=f"mhc={KERNEL}", **base), CFG)
+    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL},mhc={KERNEL}", **base), CFG)  # runs: nothing refused
+    with pytest.raises(EngineError, match=rf"not supported with --impl 'linear={KERNEL}' \(linear={KERNEL}: V4.1's "
+                                          rf"quantized-linear kernel .* fp8 in 128x128 blocks"):
+        V4Step.refuse(argparse.Namespace(impl=f"linear={KERNEL}", **base), CFG)

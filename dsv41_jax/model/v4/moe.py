@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
 from dsv41_jax.model import moe as moe41
+from dsv41_jax.model.numerics import is_exact, mode_name
 from dsv41_jax.model.v4.linear import dense, expert, is_mxfp4
 
 
@@ -82,10 +83,11 @@ def kernel_refusal(cfg, impl: str):
     if cfg.act_quant_block:
         return (f"moe={impl}: the release numerics (act_quant_block={cfg.act_quant_block}) run the release's "
                 f"blockwise fp8 GEMM on dequantized experts, not V4.1's kernel arithmetic")
+    if is_exact(cfg):
+        return f"moe={impl}: the {mode_name(cfg)} numerics mode accumulates in fp64, the kernel in fp32"
     if not dispatch.supports("moe", "kernel", cfg):
-        return (f"moe={impl}: the kernel does not run this config (fp64-accumulating numerics mode, or expert dims "
-                f"hidden_size={cfg.hidden_size} x moe_intermediate_size={cfg.moe_intermediate_size} its tiles do not "
-                f"divide)")
+        return (f"moe={impl}: the kernel's tiles do not divide the expert dims hidden_size={cfg.hidden_size} x "
+                f"moe_intermediate_size={cfg.moe_intermediate_size}")
     return None
 
 

@@ -6,8 +6,9 @@ Per layer L (kind `config_v4.attention_kinds`[L]; V4's pre-mix ordering, `v4.mhc
 then x = norm(hc_head(h)), logits = head · x. Plain jnp, jittable with static cfg; layers unrolled.
 
 The numerics modes are V4.1's (`numerics`): "float32" / "exact" with a plain (unquantized) checkpoint is
-transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Pallas kernels: the moe op's
-(`v4.moe.routed`); the others, and a data-parallel mesh, are refused with NotImplementedError (`kernel_refusal`).
+transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Pallas kernels: the moe
+op's (`v4.moe.routed`) and the mhc op's (`v4.mhc`); the others, and a data-parallel mesh, are refused with
+NotImplementedError (`kernel_refusal`).
 
 On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; params placed by `parallel.rules.shard_params`, docs/design/
 v4.md "Mesh"): the embedding rows are gathered where they live (`par.embed_gather`), the routed experts run
@@ -38,7 +39,7 @@ def layer_ratio(cfg, kind: str) -> int:
 def refuse_unsupported(cfg, par=None) -> None:
     """NotImplementedError for what the V4 forward does not run: a data-parallel mesh (or another MoE dispatch than
     the psum one, or redundant experts), an explicit Pallas implementation of an op whose kernel does not fit V4
-    (`kernel_refusal`: every op's but moe's, and moe's where its experts / numerics do not fit)."""
+    (`kernel_refusal`: every op's but moe's and mhc's, and those where V4's experts / numerics do not fit)."""
     if par is not None and par.axis_size("dp") > 1:
         raise NotImplementedError("DeepSeek-V4: no data-parallel attention layout (a tp x ep mesh runs it)")
     if par is not None and (par.moe_a2a_backend != "none" or par.expert_location is not None):
@@ -53,11 +54,14 @@ def refuse_unsupported(cfg, par=None) -> None:
 def kernel_refusal(cfg, op: str, impl: str):
     """Why V4 cannot run op `op` with the explicit implementation `impl` (one line naming the op and what does not
     fit), or None: the jnp implementations always run; of the Pallas kernels V4 runs the moe op's (V4.1's grouped
-    MXFP4 experts, `v4.moe.kernel_refusal`); the others do not fit V4's shapes (docs/design/v4.md, "Kernels")."""
+    MXFP4 experts, `v4.moe.kernel_refusal`) and the mhc op's (V4.1's mixes / Sinkhorn and exit kernels,
+    `v4.mhc.kernel_refusal`); the others do not fit V4's shapes (docs/design/v4.md, "Kernels")."""
     if not dispatch.is_kernel(impl):
         return None
     if op == "moe":
         return kernel_refusal_moe(cfg, impl)
+    if op == "mhc":
+        return mhc4.kernel_refusal(cfg, impl)
     bs = tuple(cfg.weight_block_size)
     return {
         "attention": f"attention={impl}: V4.1's sparse-attention kernels read V4.1's paged cache (a window ring and "
@@ -66,8 +70,6 @@ def kernel_refusal(cfg, op: str, impl: str):
         "indexer": f"indexer={impl}: V4.1's index kernel scores index sources with a candidate stage; V4's Lightning "
                    f"indexer scores its own compressor's keys per CSA layer",
         "engram": f"engram={impl}: DeepSeek-V4 has no Engram layers",
-        "mhc": f"mhc={impl}: V4.1's mHC kernels fuse the lagged collapse (the previous sublayer's pre); V4's pre-mix "
-               f"collapses with its own sublayer's pre",
         "linear": f"linear={impl}: V4.1's quantized-linear kernel decodes fp8 in 32x32 blocks with per-32 activation "
                   f"quant; V4's dense weights are " + (f"fp8 in {bs[0]}x{bs[1]} blocks" if bs else "plain") +
                   " (fp32 matmul)",
