@@ -10,8 +10,8 @@ moe op's kernel (`pallas.moe_mxfp4`, the registry's ("moe", "kernel")) takes its
 ``moe=pallas_interpret`` equals it at ``moe=xla`` with the same routing and within the tolerance
 tests/test_pallas_moe.py states for that kernel at the seam (fp32 flow: 1e-5·max|y|, the GEMMs' fp32 summation
 order), on a hash-routed layer (whose table rows may repeat an expert) and a learned-routing one, for 10 tokens and
-for one (the kernel's sort-free case). The whole forward on tiny-v4 with both kernels keeps every token's experts
-and its greedy tokens. The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
+for one (the kernel's sort-free case). The paged decode step on tiny-v4 (a prefill chunk, then single tokens) with
+both kernels keeps every token's experts and its greedy tokens. The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
 engine's start-up (`V4Step.refuse`).
 """
 
@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model import ModelConfig, dispatch, forward, init_params
+from dsv41_jax.model import ModelConfig, dispatch, init_params
+from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.mhc import hc_pre
+from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4 import moe as moe4
 from dsv41_jax.model.v4.torch_order import norm_fn
@@ -31,6 +33,7 @@ from dsv41_jax.model.v4.transformer import refuse_unsupported
 
 CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="float32")  # the fp32 flow: summation order only
 KERNEL = "pallas_interpret"
+CCFG = CacheConfig(page_size=16, num_pages=4, max_slots=1, max_pages_per_seq=2)
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +99,35 @@ def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
         mhc4.enter(h, params["layers"][0], "attn", cfg, jnp.float32)
 
 
-def test_forward_with_the_kernels_keeps_experts_and_tokens(params):
-    tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 12)).astype(np.int32)
-    f = jax.jit(lambda p, t, cfg: forward(p, t, cfg, return_aux=True), static_argnums=2)
-    got, ga = f(params, tokens, CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))
-    want, wa = f(params, tokens, CFG.replace(impl="xla"))
-    for layer in wa["experts"]:
-        np.testing.assert_array_equal(np.asarray(ga["experts"][layer]), np.asarray(wa["experts"][layer]))
-    np.testing.assert_array_equal(np.asarray(got).argmax(-1), np.asarray(want).argmax(-1))
-    # each op within its kernel's tolerance (above); through 6 layers' residual streams a few times that
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-4 * float(np.abs(want).max()))
+def _steps(params, tokens, cfg):
+    """The paged decode step (`v4.decode.extend`) over one row: the first 8 tokens as one prefill chunk, then one
+    token a step -> (logits [L, vocab], experts {layer: [L, k]})."""
+    step = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux"))
+    state = dec4.init_state(cfg, CCFG)
+    page_table = (1 + np.arange(CCFG.max_pages_per_seq, dtype=np.int32))[None]
+    logits, experts, done = [], [], 0
+    for T in (8,) + (1,) * (tokens.shape[1] - 8):
+        batch = {"tokens": tokens[:, done:done + T], "start": np.array([done], np.int32),
+                 "n_new": np.array([T], np.int32), "slot": np.zeros(1, np.int32), "page_table": page_table}
+        lg, state, aux = step(params, state, batch, cfg, CCFG, return_aux=True)
+        logits.append(np.asarray(lg[0]))
+        experts.append({lid: np.asarray(v[0]) for lid, v in aux["experts"].items()})
+        done += T
+    return np.concatenate(logits), {lid: np.concatenate([e[lid] for e in experts]) for lid in experts[0]}
+
+
+def test_decode_steps_with_the_kernels_keep_experts_and_tokens(params):
+    """Prefill (8 tokens: the moe kernel's sorted groups) and decode (one token: its sort-free case) through the
+    paged step, both kernels on: the same experts at every layer and position, the same greedy tokens, logits within
+    1e-5·max (each op within its kernel's tolerance, above; through 6 layers' streams: measured 4e-7)."""
+    tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 10)).astype(np.int32)
+    got, ge = _steps(params, tokens, CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))
+    want, we = _steps(params, tokens, CFG.replace(impl="xla"))
+    assert sorted(ge) == sorted(we) == list(range(CFG.num_hidden_layers))
+    for layer in we:
+        np.testing.assert_array_equal(ge[layer], we[layer])
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("op", ["attention", "indexer", "engram", "linear"])
