@@ -105,8 +105,8 @@ class V4Step:
         no = []
         try:
             refuse_unsupported(cfg.replace(impl=args.impl))
-        except NotImplementedError:
-            no.append(f"--impl {args.impl!r} (a Pallas kernel: V4 runs the jnp paths only)")
+        except NotImplementedError as e:  # the op and what does not fit (`v4.transformer.kernel_refusal`)
+            no.append(f"--impl {args.impl!r} ({str(e).removeprefix('DeepSeek-V4: ')})")
         if args.dp_size != 1:
             no.append(f"--dp-size {args.dp_size} (V4 has no data-parallel attention layout; --tp-size / --ep-size "
                       "meshes run it)")

@@ -30,6 +30,8 @@ calls the shared op it varies (nothing of V4.1 is copied):
 The engine runs `decode` through `serving.model_step.V4Step`, MTP through `serving.mtp_speculative` and the DSpark
 head through `serving.v4_dspark_speculative`, on one device or a tp x ep mesh (the forward, `decode`, `mtp` and `dspark`
 take a `parallel.plan.MeshPlan`; V4's tensors in the one rules table, `parallel.rules`; docs/design/v4.md "Mesh").
-Not here yet (refused in one line where reached, `config_v4.refusal` / `V4Step.refuse`): data-parallel attention,
-the Pallas fast paths.
+Pallas kernels: V4.1's grouped MXFP4 experts kernel (moe op) and mHC enter / exit kernels (mhc op), through the one
+dispatch (`v4.moe`, `v4.mhc`). Not here yet (refused in one line where reached, `config_v4.refusal` /
+`v4.transformer.kernel_refusal` / `V4Step.refuse`): data-parallel attention, the other ops' kernels (V4's shapes do
+not fit them, docs/design/v4.md "Kernels").
 """

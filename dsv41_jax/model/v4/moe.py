@@ -6,7 +6,8 @@ indexed by the token id (`moe.route` with ``idx``); the other layers route by th
 (`moe.route`). The weights are the gate's sqrt(softplus) scores in both. Routed experts: the reference
 (`routed_reference`: every expert on every token, routing weight 0 for the unselected, summed in ascending
 expert id in fp32, as `moe`'s reference) or, for MXFP4 experts with the "xla" moe implementation, V4.1's
-grouped path (`moe.routed_slots` + `moe.combine_slots`). The SwiGLU with its clamps is `moe.swiglu_expert`.
+grouped path (`moe.routed_slots` + `moe.combine_slots`), or with a Pallas moe implementation V4.1's grouped MXFP4
+kernel (`pallas.moe_mxfp4`, the registry's ("moe", "kernel")) in place of `moe.routed_slots`. The SwiGLU with its clamps is `moe.swiglu_expert`.
 On a mesh with the experts split over ep, either runs per expert shard in V4.1's expert-parallel MoE (`routed`).
 """
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import dispatch
 from dsv41_jax.model import moe as moe41
+from dsv41_jax.model.numerics import is_exact, mode_name
 from dsv41_jax.model.v4.linear import dense, expert, is_mxfp4
 
 
@@ -69,20 +71,52 @@ def reference_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     return out
 
 
+def kernel_refusal(cfg, impl: str):
+    """Why V4's routed experts cannot run the moe kernel `impl` (V4.1's grouped MXFP4 kernel, registered as
+    ("moe", "kernel")) with config `cfg`: one line naming the op and what does not fit, or None when it runs. The
+    kernel takes `moe.routed_slots`' contract, which V4's "xla" path already calls for MXFP4 experts in the fp32 /
+    bf16 flows; it does not take plain experts, the release numerics (their activation blocks and GEMM arithmetic are
+    the release's, `v4.linear.expert`), the exact / deterministic modes (fp64 sums) or expert dims its tiles do not
+    divide (its registered `supports`)."""
+    if cfg.expert_dtype != "fp4":
+        return f"moe={impl}: the kernel reads MXFP4 experts; this checkpoint's routed experts are {cfg.expert_dtype}"
+    if cfg.act_quant_block:
+        return (f"moe={impl}: the release numerics (act_quant_block={cfg.act_quant_block}) run the release's "
+                f"blockwise fp8 GEMM on dequantized experts, not V4.1's kernel arithmetic")
+    if is_exact(cfg):
+        return f"moe={impl}: the {mode_name(cfg)} numerics mode accumulates in fp64, the kernel in fp32"
+    if not dispatch.supports("moe", "kernel", cfg):
+        return (f"moe={impl}: the kernel's tiles do not divide the expert dims hidden_size={cfg.hidden_size} x "
+                f"moe_intermediate_size={cfg.moe_intermediate_size}")
+    return None
+
+
+def _kernel_slots(cfg, impl: str):
+    """The moe kernel with `routed_slots`' signature (interpreted for "pallas_interpret"), after its refusals."""
+    why = kernel_refusal(cfg, impl)
+    if why is not None:
+        raise NotImplementedError(f"DeepSeek-V4: {why}")
+    return functools.partial(dispatch.kernel("moe", impl), interpret=impl == "pallas_interpret")
+
+
 def routed(ex, xf, idx, w, cfg, dt, par=None):
     """fp32 [N, D]: the routed experts' sum by the moe implementation ("reference"; "xla": V4.1's grouped
     path for MXFP4 experts, the reference for plain ones and in the release numerics, whose activation blocks V4.1's
-    grouped GEMM does not take). Pallas: refused (no V4 kernel wiring yet). par: a mesh plan whose experts are
-    split (ep > 1): the same per-assignment computation on each expert shard, one psum (`par.routed_experts`:
-    V4.1's expert-parallel MoE; the reference as `reference_slots`), bitwise the unsharded sum."""
+    grouped GEMM does not take; "pallas" / "pallas_interpret": V4.1's grouped MXFP4 kernel in place of the xla
+    path's `moe.routed_slots`, the same combine — refused with its reason where it does not fit, `kernel_refusal`).
+    par: a mesh plan whose experts are split (ep > 1): the same per-assignment computation on each expert shard, one
+    psum (`par.routed_experts`: V4.1's expert-parallel MoE; the reference as `reference_slots`), bitwise the
+    unsharded sum."""
     impl = dispatch.resolve(cfg, "moe")
-    if dispatch.is_kernel(impl):
-        raise NotImplementedError(f"DeepSeek-V4: moe={impl!r} has no V4 wiring yet; use 'moe=xla' or 'reference'")
+    if dispatch.is_kernel(impl) and dispatch.parse_impl(cfg.impl)["moe"] == "auto" and kernel_refusal(cfg, impl):
+        impl = "xla"  # "auto" picks among what runs; an explicit kernel that does not fit is refused below
+    kernel = _kernel_slots(cfg, impl) if dispatch.is_kernel(impl) else None
     grouped = impl == "xla" and is_mxfp4(ex["w1"]) and xf.shape[0] and not cfg.act_quant_block  # V4.1's 32-wide blocks
+    slots = kernel if kernel is not None else moe41.routed_slots if grouped else None
     if par is not None and par.expert_parallel:
-        return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=moe41.routed_slots if grouped else reference_slots)
-    if grouped:
-        return moe41.combine_slots(moe41.routed_slots(ex, xf, idx, w, cfg, dt), idx)
+        return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=slots or reference_slots)
+    if slots is not None:  # (a hash-table row may repeat an expert: the combine sorts, no `distinct` shortcut)
+        return moe41.combine_slots(slots(ex, xf, idx, w, cfg, dt), idx)
     return routed_reference(ex, xf, idx, w, cfg, dt)
 
 

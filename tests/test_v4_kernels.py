@@ -1,0 +1,172 @@
+"""DeepSeek-V4 on the registered Pallas kernels (docs/design/v4.md, "Kernels"): natively on a GPU, in interpret mode
+elsewhere.
+
+mHC: V4's mixes (Sinkhorn included) come from V4.1's enter kernel and its exit is V4.1's exit kernel (`v4.mhc`); at
+``mhc=pallas_interpret`` they equal the jnp path within tests/test_pallas_mix.py's tolerances (pre / post 2e-6, comb
+5e-6 absolute; hc_post in the fp32 flow rtol = atol = 2e-6), and V4's collapse + norm of the kernel's pre is the jnp
+one bit for bit.
+
+V4's routed experts are MXFP4 as V4.1's, and V4's "xla" path already calls V4.1's grouped `moe.routed_slots`, so the
+moe op's kernel (`pallas.moe_mxfp4`, the registry's ("moe", "kernel")) takes its place: V4's MoE sublayer at
+``moe=pallas_interpret`` equals it at ``moe=xla`` with the same routing and within the tolerance
+tests/test_pallas_moe.py states for that kernel at the seam (fp32 flow: 1e-5·max|y|, the GEMMs' fp32 summation
+order), on a hash-routed layer (whose table rows may repeat an expert) and a learned-routing one, for 10 tokens and
+for one (the kernel's sort-free case). The paged decode step on tiny-v4 (a prefill chunk, then single tokens) with
+both kernels keeps every token's experts and its greedy tokens. The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
+engine's start-up (`V4Step.refuse`).
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import ModelConfig, dispatch, init_params
+from dsv41_jax.model.cache import CacheConfig
+from dsv41_jax.model.mhc import hc_pre
+from dsv41_jax.model.v4 import decode as dec4
+from dsv41_jax.model.v4 import mhc as mhc4
+from dsv41_jax.model.v4 import moe as moe4
+from dsv41_jax.model.v4.torch_order import norm_fn
+from dsv41_jax.model.v4.transformer import refuse_unsupported
+
+CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="float32")  # the fp32 flow: summation order only
+KERNEL = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"  # as conftest's `pallas_impl`
+CCFG = CacheConfig(page_size=16, num_pages=4, max_slots=1, max_pages_per_seq=2)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(3))
+
+
+@pytest.fixture(scope="module")
+def moe_fn():
+    return jax.jit(lambda p, x, t, cfg, hashed: moe4.moe(p, x, t, hashed, cfg, jnp.float32),
+                   static_argnums=(3, 4))
+
+
+@pytest.mark.parametrize("layer", [0, 2])  # 0: hash-routed (tid2eid), 2: learned routing
+def test_moe_kernel_equals_the_xla_path(params, moe_fn, layer):
+    hashed = layer in CFG.hash_layer_ids
+    p = params["layers"][layer]["ffn"]
+    rng = np.random.default_rng(11 + layer)
+    x = jnp.asarray(rng.standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
+    for xs, ts in ((x, t), (x[:1, :1], t[:1, :1])):  # 10 tokens (sorted groups) and one (sort-free)
+        got, (gi, gw) = moe_fn(p, xs, ts, CFG.replace(impl=f"moe={KERNEL}"), hashed)
+        want, (wi, ww) = moe_fn(p, xs, ts, CFG.replace(impl="moe=xla"), hashed)
+        np.testing.assert_array_equal(np.asarray(gi), np.asarray(wi))
+        np.testing.assert_array_equal(np.asarray(gw), np.asarray(ww))
+        m = float(jnp.abs(want).max())
+        assert m > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * m)
+    assert dispatch.resolve(CFG.replace(impl=f"moe={KERNEL}"), "moe") == KERNEL
+
+
+def test_mhc_kernels_equal_the_jnp_path(params):
+    lp = params["layers"][3]
+    rng = np.random.default_rng(7)
+    h = jnp.asarray(rng.standard_normal((2, 5, CFG.hc_mult, CFG.hidden_size)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
+    kcfg, xcfg = CFG.replace(impl=f"xla,mhc={KERNEL}"), CFG.replace(impl="xla")
+    f32 = jnp.float32
+    for sub in ("attn", "ffn"):
+        got, want = mhc4.mixes(h, lp, sub, kcfg, f32), mhc4.mixes(h, lp, sub, xcfg, f32)
+        for name, g, w, atol in zip(("pre", "post", "comb"), got, want, (2e-6, 2e-6, 5e-6)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=atol, err_msg=f"{sub} {name}")
+        # enter: V4's collapse and norm of the kernel's pre, as the jnp path computes them
+        x, post, comb = mhc4.enter(h, lp, sub, kcfg, f32)
+        want_x = norm_fn(CFG)(hc_pre(h, got[0], f32), lp[f"{sub}_norm"]["weight"], CFG.rms_norm_eps, f32, False)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
+        np.testing.assert_array_equal(np.asarray(post), np.asarray(got[1]))
+        np.testing.assert_array_equal(np.asarray(comb), np.asarray(got[2]))
+        np.testing.assert_allclose(np.asarray(mhc4.leave(y, h, post, comb, kcfg, f32)),
+                                   np.asarray(mhc4.leave(y, h, post, comb, xcfg, f32)), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
+    (dict(release_order="torch_cpu"), "release_order 'torch_cpu'"),
+])
+def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
+    cfg = CFG.replace(impl=f"mhc={KERNEL}", **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: mhc={KERNEL}: {why}"):
+        refuse_unsupported(cfg)
+    h = jnp.zeros((1, CFG.hc_mult, CFG.hidden_size), jnp.float32)
+    with pytest.raises(NotImplementedError, match=rf"mhc={KERNEL}: {why}"):  # at the seam too
+        mhc4.enter(h, params["layers"][0], "attn", cfg, jnp.float32)
+
+
+def _steps(params, tokens, cfg):
+    """The paged decode step (`v4.decode.extend`) over one row: the first 8 tokens as one prefill chunk, then one
+    token a step -> (logits [L, vocab], experts {layer: [L, k]})."""
+    step = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux"))
+    state = dec4.init_state(cfg, CCFG)
+    page_table = (1 + np.arange(CCFG.max_pages_per_seq, dtype=np.int32))[None]
+    logits, experts, done = [], [], 0
+    for T in (8,) + (1,) * (tokens.shape[1] - 8):
+        batch = {"tokens": tokens[:, done:done + T], "start": np.array([done], np.int32),
+                 "n_new": np.array([T], np.int32), "slot": np.zeros(1, np.int32), "page_table": page_table}
+        lg, state, aux = step(params, state, batch, cfg, CCFG, return_aux=True)
+        logits.append(np.asarray(lg[0]))
+        experts.append({lid: np.asarray(v[0]) for lid, v in aux["experts"].items()})
+        done += T
+    return np.concatenate(logits), {lid: np.concatenate([e[lid] for e in experts]) for lid in experts[0]}
+
+
+def test_decode_steps_with_the_kernels_keep_experts_and_tokens(params):
+    """Prefill (8 tokens: the moe kernel's sorted groups) and decode (one token: its sort-free case) through the
+    paged step, both kernels on: the same experts at every layer and position, the same greedy tokens, logits within
+    1e-5·max (each op within its kernel's tolerance, above; through 6 layers' streams: measured 4e-7)."""
+    tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 9)).astype(np.int32)
+    got, ge = _steps(params, tokens, CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))
+    want, we = _steps(params, tokens, CFG.replace(impl="xla"))
+    assert sorted(ge) == sorted(we) == list(range(CFG.num_hidden_layers))
+    for layer in we:
+        np.testing.assert_array_equal(ge[layer], we[layer])
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("op", ["attention", "indexer", "engram", "linear"])
+def test_kernels_that_do_not_fit_v4_are_refused_naming_the_op(op):
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: "):
+        refuse_unsupported(CFG.replace(impl=f"xla,{op}={KERNEL}"))
+    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))  # the moe and mhc kernels run
+
+
+def test_linear_refusal_names_v4s_weight_blocks():
+    with pytest.raises(NotImplementedError, match=r"V4's dense weights are fp8 in 128x128 blocks"):
+        refuse_unsupported(CFG.replace(impl=f"linear={KERNEL}"))
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(expert_dtype="bf16"), "the kernel reads MXFP4 experts; this checkpoint's routed experts are bf16"),
+    (dict(act_quant_block=32), r"the release numerics \(act_quant_block=32\)"),
+    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
+    (dict(deterministic=True), "numerics mode accumulates in fp64, the kernel in fp32"),
+])
+def test_moe_kernel_is_refused_where_v4_does_not_fit(change, why):
+    cfg = CFG.replace(impl=f"moe={KERNEL}", **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: moe={KERNEL}: .*{why}"):
+        refuse_unsupported(cfg)
+    x = jnp.zeros((3, CFG.hidden_size), jnp.float32)
+    idx, w = jnp.zeros((3, 2), jnp.int32), jnp.zeros((3, 2), jnp.float32)
+    with pytest.raises(NotImplementedError, match=rf"moe={KERNEL}: .*{why}"):  # at the seam too
+        moe4.routed({"w1": None}, x, idx, w, cfg, jnp.float32)
+
+
+def test_engine_start_up_refuses_a_kernel_that_does_not_fit_in_one_line():
+    from dsv41_jax.serving.engine import EngineError
+    from dsv41_jax.serving.model_step import V4Step
+
+    base = dict(dp_size=1, ep_num_redundant_experts=0, speculative_algorithm=None,
+                speculative_simulate_accept_length=None, enable_decoder_swa_bounded_replay=False, cache_dtype="auto",
+                expert_distribution_recorder=False)
+    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL},mhc={KERNEL}", **base), CFG)  # runs: nothing refused
+    with pytest.raises(EngineError, match=rf"not supported with --impl 'linear={KERNEL}' \(linear={KERNEL}: V4.1's "
+                                          rf"quantized-linear kernel .* fp8 in 128x128 blocks"):
+        V4Step.refuse(argparse.Namespace(impl=f"linear={KERNEL}", **base), CFG)
