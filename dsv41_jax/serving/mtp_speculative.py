@@ -56,7 +56,7 @@ def with_mtp_state(state: dict, cfg, ccfg, mesh=None) -> dict:
     return dict(state, mtp=m)
 
 
-def _held(state: dict, par) -> dict:
+def held(state: dict, par) -> dict:
     """A launch's new state held to the cache's shardings on the mesh (module doc); as it is without one."""
     return state if par is None else rules.constrain_state(state, par.mesh)
 
@@ -93,7 +93,7 @@ def extend_seeding(params, state, batch, *, cfg, ccfg, all_logits: bool = False,
     _, ms, _ = mtp.extend(params, _layer(m["window"]), h_in, _rows(toks, jnp.where(lagged, start - 1, 0), n_m, slot,
                                                                         pt), cfg, ccfg, head=False, par=par)
     last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
-    return logits, _held(dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, n > 0)}), par)
+    return logits, held(dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, n > 0)}), par)
 
 
 def propose(params, state, batch, draw, *, cfg, ccfg, gamma: int, par=None):
@@ -146,16 +146,22 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
                           cfg, ccfg, head=False, par=par)
     last = jnp.take_along_axis(h, n_acc[:, None, None, None], axis=1)[:, 0]
     m = state["mtp"]
-    return toks, n_acc, _held(dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, active)}),
+    return toks, n_acc, held(dict(tstate, mtp={"window": ms["window"][0], "h": _set_h(m["h"], slot, last, active)}),
                               par)
 
 
 def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):
     """`extend_seeding` jitted (cache donated), once per (cfg, ccfg, all_logits, mesh)."""
-    return _jitted_seeding(cfg, ccfg, bool(all_logits), mesh)
+    return jitted_seeding(extend_seeding, cfg, ccfg, all_logits, mesh)
+
+
+def jitted_seeding(seeding, cfg, ccfg, all_logits: bool, mesh):
+    """A V4 draft's target step that also writes the draft's state (`seeding`: this module's `extend_seeding` or
+    `v4_dspark_speculative`'s) jitted with the cache donated, once per (seeding, cfg, ccfg, all_logits, mesh)."""
+    return _jitted_seeding(seeding, cfg, ccfg, bool(all_logits), mesh)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_seeding(cfg, ccfg, all_logits, mesh):
-    fn = functools.partial(extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=MeshPlan.of(mesh))
+def _jitted_seeding(seeding, cfg, ccfg, all_logits, mesh):
+    fn = functools.partial(seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=MeshPlan.of(mesh))
     return jax.jit(fn, donate_argnums=(1,))

@@ -21,7 +21,6 @@ by the rules, the cache and the rings replicated, a launch's new state held to t
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,8 @@ import jax.numpy as jnp
 from dsv41_jax.model.dspark import greedy_draw
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4 import dspark as dspark4
-from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.plan import MeshPlan
+from dsv41_jax.serving.mtp_speculative import held, jitted_seeding
 from dsv41_jax.serving.speculative import force_drafts, sampling_draw, verify_drafts
 
 __all__ = ["extend_seeding", "speculative_step", "propose", "jitted_extend_seeding"]
@@ -40,12 +39,7 @@ def extend_seeding(params, state, batch, *, cfg, ccfg, all_logits: bool = False,
     """A plain launch with DSpark on: `v4.dspark.extend_seeding` (logits as `v4.decode.extend_logits`'). par: a tp x ep
     mesh plan (module doc)."""
     logits, st = dspark4.extend_seeding(params, state, batch, cfg, ccfg, all_logits, par)
-    return logits, _held(st, par)
-
-
-def _held(state: dict, par) -> dict:
-    """A launch's new state held to the cache's shardings (rings included) on the mesh; as it is without one."""
-    return rules.constrain_state(state, None if par is None else par.mesh)
+    return logits, held(st, par)
 
 
 def propose(params, state, batch, draw, *, cfg, ccfg, gamma: int, par=None):
@@ -80,15 +74,9 @@ def speculative_step(params, state, batch, tensors=None, step_counter=None, forc
     # commit [y, d_0..d_{k−1}] and their rings: the same step from the state before it, k + 1 tokens
     _, new_state = dspark4.extend_seeding(params, state, dict(vb, n_new=jnp.where(active, n_acc + 1, 0)), cfg, ccfg,
                                           par=par)
-    return toks, n_acc, _held(new_state, par)
+    return toks, n_acc, held(new_state, par)
 
 
 def jitted_extend_seeding(cfg, ccfg, all_logits: bool = False, mesh=None):
     """`extend_seeding` jitted (cache donated), once per (cfg, ccfg, all_logits, mesh)."""
-    return _jitted_seeding(cfg, ccfg, bool(all_logits), mesh)
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_seeding(cfg, ccfg, all_logits, mesh):
-    fn = functools.partial(extend_seeding, cfg=cfg, ccfg=ccfg, all_logits=all_logits, par=MeshPlan.of(mesh))
-    return jax.jit(fn, donate_argnums=(1,))
+    return jitted_seeding(extend_seeding, cfg, ccfg, all_logits, mesh)

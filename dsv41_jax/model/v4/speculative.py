@@ -62,6 +62,16 @@ _SEED_STEP = jax.jit(dspark4.extend_seeding, static_argnames=("cfg", "ccfg", "al
 _PROPOSE = jax.jit(dspark4.propose, static_argnames=("cfg", "ccfg", "gamma", "par"))
 
 
+def _accepted(choice, drafts: list, gamma: int, stats: dict) -> int:
+    """k: how many of the γ leading drafts the target's greedy choices [γ + 1] confirm (counted into `stats`)."""
+    k = 0
+    while k < gamma and int(choice[k]) == drafts[k]:
+        k += 1
+    stats["steps"] += 1
+    stats["accepted"] += k
+    return k
+
+
 def greedy(params, prompt, max_new_tokens: int, cfg, ccfg, par=None) -> list:
     """Plain greedy decoding of one prompt (a list of token ids): the `max_new_tokens` tokens chosen. par: a tp x ep
     mesh plan, the params placed by `parallel.rules.shard_params` (`v4.decode`)."""
@@ -108,11 +118,7 @@ def greedy_mtp(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: int = 2,
             drafts = [int(t) for t in propose(list(out), list(drafts))]
         vlog, vstate, vaux = step(params, state, _batch([out[-1]] + drafts, s, G, G, pt), cfg, ccfg, return_aux=True)
         choice = np.argmax(np.asarray(vlog)[0], axis=-1)
-        k = 0
-        while k < gamma and int(choice[k]) == drafts[k]:
-            k += 1
-        stats["steps"] += 1
-        stats["accepted"] += k
+        k = _accepted(choice, drafts, gamma, stats)
         committed = [out[-1]] + drafts[:k]
         new = drafts[:k] + [int(choice[k])]
         if k < gamma:
@@ -151,11 +157,7 @@ def greedy_dspark(params, prompt, max_new_tokens: int, cfg, ccfg, gamma: Optiona
             drafts = [int(t) for t in propose(list(out), list(drafts))]
         vlog, vstate = seed(params, state, _batch([out[-1]] + drafts, s, G, G, pt), cfg, ccfg, all_logits=True)
         choice = np.argmax(np.asarray(vlog)[0], axis=-1)
-        k = 0
-        while k < gamma and int(choice[k]) == drafts[k]:
-            k += 1
-        stats["steps"] += 1
-        stats["accepted"] += k
+        k = _accepted(choice, drafts, gamma, stats)
         if k < gamma:  # commit [y, d_1..d_k] only: the step re-run from the state before it
             _, vstate = seed(params, state, _batch([out[-1]] + drafts[:k], s, k + 1, G, pt), cfg, ccfg,
                              all_logits=True)
