@@ -123,22 +123,26 @@ def _computations(hlo: str) -> tuple:
 _GENERIC_FRAMES = ("numerics.", "aot_flash.", "decode.jitted", "decode.extend", "tiling.")
 
 
-def kernel_table(dump_dir: str) -> list:
+def kernel_table(dump_dir: str, module: str = "jit_extend") -> list:
     """The compiled step's kernels in execution order, from an XLA GPU dump (``--xla_dump_to`` with
     ``--xla_dump_hlo_as_text``): one dict per kernel thunk — ``loop`` (how many while bodies it is
     inside), ``blocks`` (thread blocks of its grid; 0 for a copy), ``kernel`` (XLA's or the Pallas call's
     name) and ``source`` (the innermost JAX source frames of its HLO instruction, `file.function:line`,
-    wrappers skipped). Static: a loop body's kernels are listed once."""
+    wrappers skipped). Static: a loop body's kernels are listed once. `module`: the step's HLO module name
+    (`hlo_module_name` of its compiled text: ``jit__lambda`` since the step is `dp.rank_step`'s closure);
+    of several dumped modules of that name the largest optimized HLO is the step's."""
     import glob
 
-    def one(pattern):
-        found = sorted(glob.glob(os.path.join(dump_dir, pattern)))
-        if not found:
-            raise FileNotFoundError(f"kernel_table: no {pattern} in {dump_dir} (a GPU-target compile dumped there?)")
-        return open(found[-1]).read()
-
-    thunks = one("*jit_extend*thunk_sequence_after_thunk_passes.txt")
-    hlo = one("*jit_extend*gpu_after_optimizations.txt")
+    found = glob.glob(os.path.join(dump_dir, f"module_*.{module}.*gpu_after_optimizations.txt"))
+    if not found:
+        raise FileNotFoundError(f"kernel_table: no {module} gpu_after_optimizations.txt in {dump_dir} (a GPU-target "
+                                f"compile dumped there?)")
+    hlo_path = max(found, key=os.path.getsize)
+    thunk_path = hlo_path.split(f".{module}.", 1)[0] + f".{module}.thunk_sequence_after_thunk_passes.txt"
+    if not os.path.exists(thunk_path):
+        raise FileNotFoundError(f"kernel_table: no {os.path.basename(thunk_path)} in {dump_dir}")
+    hlo = open(hlo_path).read()
+    thunks = open(thunk_path).read()
 
     def section(name):
         return hlo.split("\n" + name + "\n", 1)[1].split("\n\n", 1)[0] if "\n" + name + "\n" in hlo else ""
@@ -183,6 +187,14 @@ def kernel_table(dump_dir: str) -> list:
         rows.append({"loop": len(whiles), "blocks": blocks, "kernel": name,
                      "source": " < ".join(chain(frame_of.get(name, ""))[:3])})
     return rows
+
+
+def hlo_module_name(hlo: str) -> str:
+    """The module name of a compiled HLO text (its first line: ``HloModule <name>, ...``)."""
+    m = re.match(r"HloModule ([^\s,]+)", hlo)
+    if not m:
+        raise ValueError(f"hlo_module_name: not an HLO module text: {hlo[:60]!r}")
+    return m.group(1)
 
 
 def kernel_sources(rows: list) -> dict:
@@ -451,7 +463,7 @@ def run(args) -> dict:
         "collective_bytes": collective_bytes(hlo),
         "collective_sources": collective_sources(hlo),
         "target": "cuda " + devices[0].device_kind if args.gpu_target else "cpu", "impl": cfg.impl,
-        "kernel_launches": kernel_launches(hlo),
+        "kernel_launches": kernel_launches(hlo), "hlo_module": hlo_module_name(hlo),
         "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
     })
     need = (rep["param_bytes_per_device_max"] + rep["cache_bytes_per_device"] + mem.get("temp_size_in_bytes", 0)
@@ -747,7 +759,7 @@ def main(argv=None) -> int:
     if dump is not None:
         import shutil
 
-        rows = kernel_table(dump)
+        rows = kernel_table(dump, rep["hlo_module"])
         shutil.rmtree(dump, ignore_errors=True)
         with open(args.kernel_table, "w") as f:
             f.write("loop\tblocks\tkernel\tsource\n")

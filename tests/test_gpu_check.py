@@ -143,7 +143,11 @@ def test_kernel_table_reads_an_xla_gpu_dump(tmp_path):
         "  %sort.80.1 = s32[6]{0} sort(%q), metadata={op_name=\"jit(extend)/sort\" stack_frame_id=3}\n"
         "  %input_reduce_fusion.9 = f32[] fusion(%r), kind=kInput, calls=%fused_reduce.9, "
         "metadata={op_name=\"jit(extend)/reduce_sum\" stack_frame_id=4}\n}\n")
-    rows = _script("aot_flash").kernel_table(str(tmp_path))
+    aot = _script("aot_flash")
+    assert aot.hlo_module_name("HloModule jit__lambda, is_scheduled=true, entry_computation_layout={}") == "jit__lambda"
+    # another module's dump beside the step's (the step is the module named by its compiled text): not read
+    (tmp_path / "module_0002.jit__lambda.sm_9.0a_gpu_after_optimizations.txt").write_text("HloModule jit__lambda\n")
+    rows = aot.kernel_table(str(tmp_path), "jit_extend")
     assert rows == [
         {"loop": 0, "blocks": 40, "kernel": "input_reduce_fusion_7", "source": "quant.act_quant_fp8:270"},
         {"loop": 1, "blocks": 1, "kernel": "loop_compare_fusion", "source": ""},

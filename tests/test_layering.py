@@ -9,7 +9,10 @@
   share lives in ``pallas/common.py``;
 * the FP8 / E8M0 dtype constants are defined once (``model/codec.py``), and so is the fp8 activation
   quantization (`codec.fp8_act_codes`): no other function divides an amax by E4M3_MAX to take its
-  ceil-log2, and no kernel builds e8m0 bytes by hand (``e + 127``).
+  ceil-log2, and no kernel builds e8m0 bytes by hand (``e + 127``);
+* the benchmark inputs and bytes-moved contracts live in ``pallas/costs.py``: no kernel module defines a
+  ``*_bench_inputs`` / ``*_bytes_moved`` / ``*_call_geometry`` function, and a kernel's
+  ``pl.CostEstimate(bytes_accessed=...)`` is a `costs` contract, not a formula of its own.
 """
 
 import ast
@@ -66,11 +69,19 @@ def test_kernel_impl_membership_only_in_dispatch():
     assert not found, f"kernel-impl membership tests outside model/dispatch.py (use dispatch.is_kernel): {found}"
 
 
+def _from_module(node) -> str:
+    """The absolute module of a ``from ... import`` inside ``dsv41_jax/pallas/`` (``from .x`` is ``dsv41_jax.pallas.x``)."""
+    if not node.level:
+        return node.module or ""
+    base = ["dsv41_jax", "pallas"][:max(0, 3 - node.level)]  # a kernel module's package is dsv41_jax.pallas
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _pallas_aliases(tree) -> dict:
     """{local name: module} for every ``dsv41_jax.pallas`` module a file imports (module-level or lazy)."""
     out = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "dsv41_jax.pallas":
+        if isinstance(node, ast.ImportFrom) and _from_module(node) == "dsv41_jax.pallas":
             for a in node.names:
                 out[a.asname or a.name] = a.name
         elif isinstance(node, ast.Import):
@@ -86,8 +97,8 @@ def test_no_kernel_module_uses_another_pallas_modules_private_names():
         tree = _tree(path)
         aliases = _pallas_aliases(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsv41_jax.pallas."):
-                found += [f"{_rel(path)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+            if isinstance(node, ast.ImportFrom) and _from_module(node).startswith("dsv41_jax.pallas."):
+                found += [f"{_rel(path)}:{node.lineno} {_from_module(node)}.{a.name}" for a in node.names
                           if a.name.startswith("_")]
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
@@ -101,9 +112,10 @@ def _mentions(node, attr_names: set) -> bool:
 
 
 def test_fp8_and_e8m0_dtypes_are_defined_once():
-    """Only model/codec.py binds a module-level name to the float8_e4m3fn / float8_e8m0fnu dtypes."""
+    """Only model/codec.py binds a module-level name to the float8_e4m3fn / float8_e8m0fnu dtypes (in the whole
+    package: the converters and training too)."""
     found = []
-    for path in _files("model", "pallas", "parallel", "serving"):
+    for path in sorted(PKG.rglob("*.py")):
         for node in _tree(path).body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None \
                     and _mentions(node.value, {"float8_e4m3fn", "float8_e8m0fnu"}):
@@ -151,3 +163,25 @@ def test_fp8_activation_quant_is_defined_once():
     assert scale_sites == ["dsv41_jax/model/codec.py:fp8_act_codes"], scale_sites
     assert set(floor_sites) == {"dsv41_jax/model/codec.py"}, floor_sites
     assert not raw_bias, f"e8m0 bytes made by hand in a kernel (use codec.e8m0_encode_exponent): {raw_bias}"
+
+
+def test_bench_inputs_and_bytes_contracts_live_in_costs():
+    """No kernel module defines bench inputs or a bytes contract, and every ``pl.CostEstimate``'s bytes_accessed
+    in one is computed by `pallas.costs` (bench_decode counts a kernel by that estimate)."""
+    defs, formulas = [], []
+    for path in _files("pallas"):
+        if path.name == "costs.py":
+            continue
+        tree = _tree(path)
+        for qual, fn in _functions(tree):
+            if fn.name.endswith(("_bench_inputs", "_bytes_moved", "_call_geometry")):
+                defs.append(f"{_rel(path)}:{qual}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _mentions(node.func, {"CostEstimate"}):
+                for kw in node.keywords:
+                    if kw.arg == "bytes_accessed" and not any(
+                            isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "costs"
+                            and n.attr.endswith("_bytes_moved") for n in ast.walk(kw.value)):
+                        formulas.append(f"{_rel(path)}:{node.lineno}")
+    assert not defs, f"bench inputs / bytes contracts defined in kernel modules (move them to pallas/costs.py): {defs}"
+    assert not formulas, f"cost estimates whose bytes are not a pallas.costs contract: {formulas}"

@@ -2,10 +2,11 @@
 
 Per kernel: ``*_bench_inputs`` builds realistic (flash-shaped unless told) inputs for
 scripts/bench_kernels.py and the lowering tests; ``*_bytes_moved`` is the kernel's bytes-moved contract —
-the minimal HBM bytes of one call, what achieved bandwidth is measured against and, for the MoE and linear
-kernels, what their ``pl.CostEstimate`` declares to XLA; ``*_call_geometry`` recovers a contract's
-arguments from a pallas_call's name and operand shapes in a jaxpr (scripts/bench_decode.py counts calls
-this way). Nothing here runs in a model step except the two contracts the kernels declare.
+the minimal HBM bytes of one call, what achieved bandwidth is measured against and, for the MoE, linear,
+o_proj, route and window-codes kernels, what their ``pl.CostEstimate`` declares to XLA;
+``*_call_geometry`` recovers a contract's arguments from a pallas_call's name and operand shapes in a
+jaxpr (scripts/bench_decode.py counts calls this way). Nothing here runs in a model step except the
+contracts the kernels declare as their cost estimates.
 
 This module imports no kernel module at import time (the kernels import it for their cost estimates);
 the bench inputs that hand back kernel functions import their module when called.
@@ -446,13 +447,16 @@ def linear_bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out
     """Minimal HBM bytes of one call, the kernel's bytes-moved contract: each of the `weights` weights (2 for
     a gated pair) and its scales at stored width once (fp8: N·K + ⌈N/32⌉·K/32; MXFP4: N·K/2 + N·K/32), the
     activation in and the output out once (repeated reads of an activation chunk by the N tiles hit L2)."""
+    return int(weights * _weight_bytes(fmt, N, K) + M * K * x_itemsize + M * N * out_itemsize)
+
+
+def _weight_bytes(fmt: str, N: int, K: int) -> int:
+    """One [N, K] weight at stored width with its E8M0 scales (fp8: 32 x 32 blocks; MXFP4: packed, 1 x 32)."""
     if fmt == "fp8":
-        w = N * K + -(-N // 32) * (K // 32)
-    elif fmt == "mxfp4":
-        w = N * K // 2 + N * (K // 32)
-    else:
-        raise ValueError(f"linear_bytes_moved: fmt must be one of {LINEAR_FORMATS}, got {fmt!r}")
-    return int(weights * w + M * K * x_itemsize + M * N * out_itemsize)
+        return N * K + -(-N // 32) * (K // 32)
+    if fmt == "mxfp4":
+        return N * K // 2 + N * (K // 32)
+    raise ValueError(f"linear_bytes_moved: fmt must be one of {LINEAR_FORMATS}, got {fmt!r}")
 
 
 def linear_call_geometry(name: str, in_avals, out_avals) -> dict | None:
@@ -487,3 +491,29 @@ def _linear_inputs(key, fmt: str, M: int, N: int, K: int):
 def linear_bench_inputs(fmt: str, M: int, N: int, K: int, *, seed: int = 0):
     """(x bf16 [M, K], p) for `quant_linear.kernel` / `quant_linear.ref_linear` at a weight of N x K in format `fmt`."""
     return _linear_inputs(jax.random.key(seed, impl="rbg"), fmt, M, N, K)
+
+
+# ------------------------------------------------- the one-launch fusions' contracts (their cost estimates)
+
+
+def o_proj_bytes_moved(*, M: int, G: int, R: int, I: int, H: int, hd: int, itemsize: int,
+                       splits: int = 1, heads_padded: int | None = None, partials: bool = False) -> int:
+    """Minimal HBM bytes of one `pallas/o_proj.py` call (M = B·T rows, G groups of R outputs over I = H·hd/G
+    inputs, dt of `itemsize` bytes): wo_a (fp8 [G·R, I] and its E8M0 scales) once, the attention output once
+    (the split partials, fp32 acc [splits, M, heads_padded, hd] plus m and l, or o [M, H, hd] in dt; the N-tile
+    programs' repeated reads hit L2), the [M, G·R] output once."""
+    o = splits * M * heads_padded * (hd + 2) * 4 if partials else M * H * hd * itemsize
+    return int(_weight_bytes("fp8", G * R, I) + o + M * G * R * itemsize)
+
+
+def route_bytes_moved(*, N: int, E: int, kp: int) -> int:
+    """Minimal HBM bytes of one `pallas/moe_route.py` call: the fp32 logits [N, E] and bias [E] in, the three
+    int32 / fp32 [N, kp] outputs (idx, weights, order) out."""
+    return 4 * (N * E + E + 3 * N * kp)
+
+
+def window_codes_bytes_moved(*, M: int, hd: int, itemsize: int, ring: bool) -> int:
+    """Minimal HBM bytes of one `pallas/window_codes.py` call: the kv rows [M, hd] in dt and the bf16 norm
+    weight once; per row the fp8 codes (hd), their E8M0 scales (hd/32) and an int32 (its position), counted
+    twice with `ring` (the codes also written into the window store in place, the row indices read)."""
+    return int(M * hd * itemsize + 2 * hd + M * (hd + hd // 32 + 4) * (2 if ring else 1))

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import dispatch
 from dsv41_jax.model.numerics import is_exact
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 
 NAME = "moe_route"
 TOKEN_BLOCK = 16
@@ -127,7 +127,7 @@ def kernel(logits, bias, top_k: int, cfg, *, layer=None, interpret: bool = False
         out_specs=[whole(o) for o in outs], out_shape=outs, interpret=interpret,
         compiler_params=common.triton_params(num_warps=8, num_stages=1), name=NAME,  # 8: no spill of [16, 512] tiles
         cost_estimate=pl.CostEstimate(flops=(4 + 3 * k) * N * E, transcendentals=3 * N * E,
-                                      bytes_accessed=4 * (N * E + E + 3 * N * kp)))(*ins))
+                                      bytes_accessed=costs.route_bytes_moved(N=N, E=E, kp=kp)))(*ins))
 
 
 dispatch.register("moe", "route", kernel=kernel, reference=ref_route, supports=supports)

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.model import codec, dispatch
 from dsv41_jax.model.numerics import is_exact
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 
 NAME = "o_proj"
 _MIN_DOT = common.MIN_DOT
@@ -217,11 +217,10 @@ def kernel(o, wo_a, positions, freqs, G: int, R: int, dt, *, sink=None, layer=No
     out = jax.ShapeDtypeStruct((M, G * R), dt)
     c = dict(partials=partials, bm=bm, bn=bn, bk=bk, hd=hd, rd=rd, M=M, S=S, H=H, hp=hp, I=I, G=G, R=R, dt=dt,
              sink_n=H)
-    # the bytes-moved contract (what scripts/bench_decode.py counts): the fp8 pair once, the partials (or o) once
-    # (the N-tile programs' repeated reads hit L2), the output once
-    o_bytes = S * M * hp * (hd + 2) * 4 if partials else M * H * hd * dt.itemsize
+    # the bytes-moved contract (what scripts/bench_decode.py counts)
     cost = pl.CostEstimate(flops=2 * M * G * R * I, transcendentals=M * H * hd,
-                           bytes_accessed=G * R * I + (G * R // 32) * (I // 32) + o_bytes + M * G * R * dt.itemsize)
+                           bytes_accessed=costs.o_proj_bytes_moved(M=M, G=G, R=R, I=I, H=H, hd=hd, itemsize=dt.itemsize,
+                                                                   splits=S, heads_padded=hp, partials=partials))
     y = pl.pallas_call(
         functools.partial(_kernel, c=c), grid=(R // bn, G, pl.cdiv(M, bm)), in_specs=[whole(a) for a in ins],
         out_specs=whole(out), out_shape=out, interpret=interpret, cost_estimate=cost,

@@ -53,7 +53,7 @@ from dsv41_jax.model import codec, dispatch, quant
 from dsv41_jax.model.numerics import is_exact
 from dsv41_jax.model.norm import rmsnorm
 from dsv41_jax.model.rope import apply_rope
-from dsv41_jax.pallas import common
+from dsv41_jax.pallas import common, costs
 
 NAME = "window_codes"
 TOKEN_BLOCK = 16
@@ -187,8 +187,8 @@ def kernel(y, norm_w, positions, freqs, eps: float, dt, *, layer=None, ring=None
         # 8 warps: the [16, hd] fp32 row tiles (the values, their partners, cos / sin) fit without spilling
         compiler_params=common.triton_params(num_warps=8, num_stages=1), interpret=interpret, name=NAME,
         cost_estimate=pl.CostEstimate(flops=12 * M * hd, transcendentals=3 * M * hd,
-                                      bytes_accessed=M * hd * dt.itemsize + 2 * hd
-                                      + M * (hd + hd // 32 + 4) * (2 if ring is not None else 1)),
+                                      bytes_accessed=costs.window_codes_bytes_moved(M=M, hd=hd, itemsize=dt.itemsize,
+                                                                                    ring=ring is not None)),
     )(*ins)
     codes = {"q": lax.bitcast_convert_type(outs[0], quant.FP8).reshape(*lead, hd),
              "s": lax.bitcast_convert_type(outs[1], quant.E8M0).reshape(*lead, hd // 32)}
