@@ -451,6 +451,15 @@ def run(args) -> dict:
         return rep
     t0 = time.perf_counter()
     step = mesh_plan.jitted_extend(cfg, ccfg, False, par, args.engram_host_table)
+    if args.jaxpr_hash:
+        import hashlib
+
+        with _traced_as("gpu" if args.gpu_target or args.jaxpr_hash == "gpu" else None):
+            text = str(jax.make_jaxpr(step)(params, cache, batch))
+        # CPU devices name their default memory kind in a sharding, compile-only CUDA ones do not: the same program
+        text = text.replace(", memory_kind=device)", ")")
+        rep["jaxpr_sha256"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return rep
     with _traced_as("gpu" if args.gpu_target else None):
         lowered = step.lower(params, cache, batch)
     t1 = time.perf_counter()
@@ -721,6 +730,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "the same devices, and print XLA's per-device FLOPs and bytes of each")
     ap.add_argument("--memory-only", action="store_true",
                     help="the per-device memory table only: no lowering or compiling")
+    ap.add_argument("--jaxpr-hash", default=None, choices=("cpu", "gpu"),
+                    help="no compile: trace the step as on this backend (gpu: \"auto\" resolved as on a GPU, the GPU "
+                         "weight layout; no plugin needed) and report the sha256 of its jaxpr (`jaxpr_sha256`). "
+                         "Equal hashes at two commits: the same program, so the same compiled launches. One backend "
+                         "per process (the step plan and dispatch choices are cached per config, not per backend)")
     ap.add_argument("--kernel-table", default=None, metavar="TSV",
                     help="with --gpu-target: write the compiled step's kernels in order (loop depth, thread "
                          "blocks, kernel, JAX source) to TSV and print the counts by source function (XLA "
@@ -736,7 +750,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dump = None
     if args.kernel_table:
-        if not args.gpu_target or args.memory_only:
+        if not args.gpu_target or args.memory_only or args.jaxpr_hash:
             ap.error("--kernel-table needs --gpu-target (the kernel thunks are the GPU compiler's) and a compile")
         if "jax" in sys.modules:
             ap.error("--kernel-table: the XLA dump flags must be set before JAX starts (run the script itself)")
@@ -768,7 +782,11 @@ def main(argv=None) -> int:
         print(f"kernels in order: {args.kernel_table} ({len(rows)} kernel thunks, each loop body once); by source:")
         for k, v in list(rep["kernel_sources"].items())[:20]:
             print(f"  {v:4d}  {k}")
-    print(_table(rep))
+    if "jaxpr_sha256" in rep:
+        print(f"{rep['jaxpr_sha256']}  {rep['config']} {rep['keep_layers']} B={rep['batch']} T={rep['tokens']} "
+              f"context {rep['context']} {args.impl or 'auto'} traced as {args.jaxpr_hash}")
+    else:
+        print(_table(rep))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rep, f, indent=2)

@@ -6,9 +6,16 @@ with restore data + `commit` (a DSpark verify step), `decode.extend_bounded`, `t
 bf16 / exact flows, with the "xla", "reference", every-op-on-its-kernel ("pallas_interpret") and the reading
 measure's mixed implementation specs, and prints one line per step: its sha256 (of the jaxpr's text) and name.
 
-    python scripts/step_jaxprs.py [--out FILE] [--quick]
+    python scripts/step_jaxprs.py [--out FILE] [--quick] [--gpu-cells]
 
 Run it before and after a change and diff the outputs: equal hashes = the same programs, bit for bit.
+
+These steps are traced on the CPU backend, so "auto" is "xla" there and the GPU-only trace-time choices (the
+GPU_AUTO kernels, no CPU weight tiling, mHC's loop form) are not among them, nor are flash's shapes. ``--gpu-cells``
+adds the eight launch-count cells of docs/benchmarks.md ("Launches per decode step": flash cut to layers 0,2,3,20
+and 0,2,3,4,5,20, B = 1 and 64, context 4K, "auto" and "auto,linear=pallas"), each the exact step
+`scripts/aot_flash.py` compiles, traced as on a GPU (`aot_flash.py --jaxpr-hash gpu`, one process a cell: no
+CUDA plugin needed). Equal hashes there: the same programs, so the same compiled launch counts.
 """
 
 from __future__ import annotations
@@ -83,14 +90,39 @@ def _steps(cfg, name):
     return out
 
 
+GPU_CELLS = [(keep, batch, impl) for keep in ("0,2,3,20", "0,2,3,4,5,20") for batch in (1, 64)
+             for impl in ("auto", "auto,linear=pallas")]
+
+
+def _gpu_cell_lines() -> list:
+    """One line per `GPU_CELLS` cell: its step's jaxpr hash traced as on a GPU (a fresh process each)."""
+    import json
+    import subprocess
+    import tempfile
+
+    lines = []
+    for keep, batch, impl in GPU_CELLS:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "aot_flash.py"), "--keep-layers", keep,
+                            "--batch", str(batch), "--context", "4096", "--impl", impl, "--jaxpr-hash", "gpu",
+                            "--out", f.name], check=True, stdout=subprocess.DEVNULL,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
+            h = json.load(open(f.name))["jaxpr_sha256"]
+        lines.append(f"{h}  flash-cut {keep} B{batch} context4096 {impl} traced-as-gpu :: aot_flash step")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the lines to this file")
     ap.add_argument("--quick", action="store_true", help="three configs (tiny_runs, micro, mini), not five")
+    ap.add_argument("--gpu-cells", action="store_true",
+                    help="also the launch-count cells traced as on a GPU (module doc; about a minute each)")
     args = ap.parse_args(argv)
     import jax
 
-    lines = []
+    lines = _gpu_cell_lines() if args.gpu_cells else []
     for cname, base in _configs(args.quick).items():
         for dtype in ("float32", "bfloat16", "exact"):
             for impl in IMPLS:

@@ -158,3 +158,19 @@ def test_kernel_table_reads_an_xla_gpu_dump(tmp_path):
     assert _script("aot_flash").kernel_sources(rows) == {
         "quant.act_quant_fp8": 1, "loop_compare_fusion": 1, "quant_linear_fp8_m16_n64_k256": 1, "kCopy": 1,
         "moe.route": 1, "numerics.mean_f32": 1}
+
+
+def test_aot_flash_jaxpr_hash_traces_auto_as_on_a_gpu(tmp_path):
+    """`aot_flash.py --jaxpr-hash gpu` (trace only, no CUDA plugin): "auto" resolves as on a GPU (`dispatch.GPU_AUTO`),
+    so its program is the one of the same kernels spelled out; the hash is what scripts/step_jaxprs.py --gpu-cells
+    compares across commits for the launch-count cells. (Specs no other test traces on the CPU backend: the step
+    plan is cached per config.)"""
+    aot = _script("aot_flash")
+
+    def h(impl):
+        out = tmp_path / "r.json"
+        assert aot.main(["--config", "tiny", "--batch", "1", "--context", "64", "--jaxpr-hash", "gpu", "--impl", impl,
+                         "--out", str(out)]) == 0
+        return json.loads(out.read_text())["jaxpr_sha256"]
+
+    assert h("auto,engram=xla") == h("xla,attention=pallas,indexer=pallas,mhc=pallas,moe=pallas")
