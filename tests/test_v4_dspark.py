@@ -108,6 +108,26 @@ def test_flash_0731_preset_has_the_release_shapes():
     assert per_stage == [1568, 1565, 1572] and param_stats(cfg)["tensors"] == 72317
 
 
+def test_pro_0813_config_reads_as_its_preset(tmp_path):
+    """DeepSeek-V4-Pro-0813's config.json key layout (its values as pinned by a third party, docs/design/v4.md: one
+    next-token layer declared, the four dspark_* keys with Markov rank 512 and target layers 58-60, 64
+    compress_ratios, no dspark_n_* keys) reads as the pro-v4-0813 preset, field for field; the preset declares
+    the release index's 149,782 tensors (per stage: Pro's 384 experts x 3 x weight + scale, as Flash-0731's 256)."""
+    from dsv41_jax.model.config_v4 import to_v4_dict
+    from dsv41_jax.model.params import param_stats
+
+    want = ModelConfig.preset("pro-v4-0813")
+    d = {k: v for k, v in to_v4_dict(want).items() if k not in ("layer_types", "compress_rates", "mlp_layer_types")}
+    d.update(num_nextn_predict_layers=1, num_hash_layers=3,  # the release's spelling: ratios + hash-layer count
+             compress_ratios=[128, 128] + [4, 128] * 29 + [4] + [0, 0, 0], dspark_block_size=5,
+             dspark_markov_rank=512, dspark_noise_token_id=128799, dspark_target_layer_ids=[58, 59, 60])
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    got = ModelConfig.from_pretrained(str(tmp_path))
+    assert got.replace(name=want.name) == want
+    assert (got.num_nextn_predict_layers, got.dspark_n_routed_experts, got.hidden_size) == (3, 384, 7168)
+    assert param_stats(want)["tensors"] == 149782
+
+
 def _seed(chunks, params=None, par=None):
     """The prompt through `extend_seeding` in chunks of the given sizes, each padded to the chunk's width (params:
     default `_params()`; par: a mesh plan)."""

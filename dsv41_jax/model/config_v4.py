@@ -463,5 +463,13 @@ def pro_v4(cls):
         compress_ratios=ratios + (0,), name="pro-v4")
 
 
+def pro_v4_0813(cls):
+    """DeepSeek-V4-Pro-0813 (Pro with the bundled DSpark head), shapes only: pro-v4 with `with_dspark`'s head at the
+    release's values (block 5, Markov rank 512 — Flash-0731's is 256 —, noise token 128799, target layers 58-60;
+    64 compress_ratios), as a third party's pinned record of its config.json and tensor inventory lists them
+    (docs/design/v4.md "MTP and the DSpark head")."""
+    return with_dspark(pro_v4(cls), block_size=5, markov_rank=512, noise_token_id=128799).replace(name="pro-v4-0813")
+
+
 PRESETS = {"tiny-v4": tiny_v4, "tiny-v4-dspark": tiny_v4_dspark, "flash-v4": flash_v4,
-           "flash-v4-0731": flash_v4_0731, "pro-v4": pro_v4}
+           "flash-v4-0731": flash_v4_0731, "pro-v4": pro_v4, "pro-v4-0813": pro_v4_0813}
