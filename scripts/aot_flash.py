@@ -45,6 +45,10 @@ lowered and compiled. Printed (a table on stdout, everything in the JSON of ``--
 CPU ones (`gpu_target_devices`: XLA's GPU compiler on a machine without a GPU; needs the CUDA PJRT
 plugin of the installed jax, not a project dependency; run with ``JAX_PLATFORMS=cpu``); the memory
 analysis and the kernel count are then the GPU executable's.
+
+``--jaxpr-hash gpu`` compiles nothing: it traces the same step as on a GPU (no plugin needed) and reports the
+sha256 of its jaxpr, equal with or without ``--gpu-target``; two commits with equal hashes compile the same
+program, so the same launch counts (`scripts/step_jaxprs.py --gpu-cells` hashes the documented cells this way).
 """
 
 from __future__ import annotations
