@@ -7,8 +7,8 @@ then x = norm(hc_head(h)), logits = head · x. Plain jnp, jittable with static c
 
 The numerics modes are V4.1's (`numerics`): "float32" / "exact" with a plain (unquantized) checkpoint is
 transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Pallas kernels: the moe
-op's (`v4.moe.routed`) and the mhc op's (`v4.mhc`); the others, and a data-parallel mesh, are refused with
-NotImplementedError (`kernel_refusal`).
+op's (`v4.moe.routed`) and the mhc op's (`v4.mhc`); the others are refused with NotImplementedError
+(`kernel_refusal`), and so is this forward on a data-parallel mesh (the paged step runs there, `v4.decode`).
 
 On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; params placed by `parallel.rules.shard_params`, docs/design/
 v4.md "Mesh"): the embedding rows are gathered where they live (`par.embed_gather`), the routed experts run
@@ -37,14 +37,12 @@ def layer_ratio(cfg, kind: str) -> int:
 
 
 def refuse_unsupported(cfg, par=None) -> None:
-    """NotImplementedError for what the V4 forward does not run: a data-parallel mesh (or another MoE dispatch than
-    the psum one, or redundant experts), an explicit Pallas implementation of an op whose kernel does not fit V4
-    (`kernel_refusal`: every op's but moe's and mhc's, and those where V4's experts / numerics do not fit)."""
-    if par is not None and par.axis_size("dp") > 1:
-        raise NotImplementedError("DeepSeek-V4: no data-parallel attention layout (a tp x ep mesh runs it)")
-    if par is not None and (par.moe_a2a_backend != "none" or par.expert_location is not None):
-        raise NotImplementedError("DeepSeek-V4 on a mesh: the routed experts run V4.1's psum expert parallelism only "
-                                  "(no token dispatch, no redundant experts)")
+    """NotImplementedError for what the V4 forward does not run: redundant experts on a mesh, an explicit Pallas
+    implementation of an op whose kernel does not fit V4 (`kernel_refusal`: every op's but moe's and mhc's, and
+    those where V4's experts / numerics do not fit). A data-parallel mesh runs the paged step (`v4.decode`, one
+    program per rank); the full-sequence forward has no rank-blocked batch, so it is refused there."""
+    if par is not None and par.expert_location is not None:
+        raise NotImplementedError("DeepSeek-V4 on a mesh: no redundant experts (no V4 expert placement)")
     for op, impl in dispatch.parse_impl(cfg.impl).items():
         why = kernel_refusal(cfg, op, impl)
         if why is not None:
@@ -110,6 +108,9 @@ def forward(params, tokens, cfg, return_aux: bool = False, par=None):
     "layer_inputs": {layer: streams [B, T, n, D]}, "cand": {}, "hidden": [B, T, D], "streams": the last layer's
     output streams [B, T, n, D], before hc_head (what the MTP layer reads)})."""
     refuse_unsupported(cfg, par)
+    if par is not None and par.axis_size("dp") > 1 and not par.in_rank:
+        raise NotImplementedError("DeepSeek-V4: the full-sequence forward on a data-parallel mesh (its batch is not "
+                                  "laid out in dp rank blocks; the paged step, `v4.decode`, runs there)")
     dt = act_dtype(cfg)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
