@@ -33,9 +33,12 @@ from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.sampling import SamplingParams
 
 CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")
-DP_KW = dict(model="tiny", page_size=8, max_total_tokens=768, context_length=64, max_running_requests=8,
-             chunked_prefill_size=16, batch_buckets=[8], token_buckets=[16], skip_server_warmup=True,
-             decode_log_interval=1000, enable_dp_attention=True)
+# 2 rows per rank: the one-device engine's batch (test_v4_engine's KW). The exact mode's fp32 elementwise chains
+# depend on a program's row count at the last ulp (docs/design/serving.md): one device at 4 rows parts from 2 rows by
+# up to 4.8e-7 in the logprobs (tokens equal), and dp=2 x tp=2 at 4 rows per rank by exactly the same amounts.
+ROWS_PER_RANK = 2
+DP_KW = dict(model="tiny", page_size=8, max_total_tokens=768, context_length=64, chunked_prefill_size=16,
+             token_buckets=[16], skip_server_warmup=True, decode_log_interval=1000, enable_dp_attention=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,7 +86,9 @@ def _one_device():
 
 def _check_dp(dp, tp):
     ref, _ = _one_device()
-    eng = Engine(cfg=CFG, params=_params(), dp_size=dp, tp_size=tp, **DP_KW)
+    rows = ROWS_PER_RANK * dp
+    eng = Engine(cfg=CFG, params=_params(), dp_size=dp, tp_size=tp, max_running_requests=rows, batch_buckets=[rows],
+                 **DP_KW)
     r = eng.runner
     assert r.model_step.family == "deepseek_v4" and dict(r.mesh.shape) == {"dp": dp, "tp": tp}
     assert r.par.moe_a2a_backend == "all_to_all"

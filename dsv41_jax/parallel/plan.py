@@ -171,10 +171,11 @@ class MeshPlan:
         """``fn(params, state, batch, ccfg=, par=)`` as the step on this mesh: one program per dp rank on a
         data-parallel mesh (`parallel.dp.rank_step`), else ``fn`` with ccfg and this plan bound."""
         ps = None
-        if self.axis_size("dp") > 1:
+        if self.axis_size("dp") > 1 and cfg.model_family == "deepseek_v4":
+            # jit takes V4's params as placed; each rank's blocks follow the rules (no MTP layer: `dp.rank_step`)
+            ps = rules.param_shardings(cfg, self.mesh)
+        elif self.axis_size("dp") > 1:
             ps = self.step_shardings(cfg, ccfg, False, engram_host_table)[0][0]
-            if cfg.model_family == "deepseek_v4":  # jit takes V4's params as placed; the rank's blocks follow the rules
-                ps = rules.param_shardings(cfg, self.mesh)  # (a checkpoint without its MTP layer: `dp.rank_step`)
         return dp.rank_step(fn, self, ccfg, ps)
 
     def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):
