@@ -10,8 +10,8 @@ gets exactly the tokens and logprobs of the one-device engine (bitwise). dp=2 x 
 the dispatch splitting a rank's rows over its tp devices) under ``-m slow``.
 
 Plus: the reference MoE (plain experts, a hash-table row naming one expert twice) dispatched over a dp mesh ≡ one
-device bitwise (`v4.moe.fold_repeats`); the refusals that remain (speculation with dp, the full-sequence forward on
-a dp mesh).
+device bitwise (`v4.moe.fold_repeats`); the dp step of a checkpoint without its MTP layer lowers; the refusals that
+remain (speculation with dp, the full-sequence forward on a dp mesh).
 
 Compile budget: the one-device engine with test_v4_mesh's / test_v4_engine's settings (its programs shared through
 the suite's compilation cache) and one dp engine (one batch bucket, token buckets 1 and 16).
@@ -148,3 +148,19 @@ def test_what_dp_does_not_run_is_refused(cpu8):
     mesh = make_mesh(2, 1, dp=2, cfg=CFG)
     with pytest.raises(NotImplementedError, match="full-sequence forward on a data-parallel mesh"):
         forward(_params(), np.zeros((2, 8), np.int32), CFG, par=MeshPlan.of(mesh))
+
+
+def test_dp_step_lowers_without_the_mtp_layer(cpu8):
+    """A V4 checkpoint without its MTP layer (transformers' `save_pretrained`: params["mtp"] = []) on a dp mesh: the
+    rank program's parameter specs follow the params as given (`parallel.dp`), so the step lowers (traced only)."""
+    from dsv41_jax.model.cache import CacheConfig
+    from dsv41_jax.model.v4 import decode as dec4
+
+    mesh = make_mesh(1, 1, dp=2, cfg=CFG)
+    ccfg = CacheConfig(page_size=8, num_pages=8, max_slots=2, max_pages_per_seq=2, dp=2)
+    params = dict(rules.param_shapes(CFG, mesh), mtp=[])
+    state = jax.eval_shape(lambda: rules.zero_cache(CFG, ccfg))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    batch = {"tokens": i32(2, 4), "start": i32(2), "n_new": i32(2), "slot": i32(2), "page_table": i32(2, 2)}
+    text = dec4.jitted_extend(CFG, ccfg, False, MeshPlan.of(mesh)).lower(params, state, batch).as_text()
+    assert "all_to_all" in text  # the MoE dispatched
