@@ -11,7 +11,7 @@ the dispatch splitting a rank's rows over its tp devices) under ``-m slow``.
 
 Plus: the reference MoE (plain experts, a hash-table row naming one expert twice) dispatched over a dp mesh ≡ one
 device bitwise (`v4.moe.fold_repeats`); the dp step of a checkpoint without its MTP layer lowers; the refusals that
-remain (speculation with dp, the full-sequence forward on a dp mesh).
+remain (speculation with dp, the forward on a dp mesh outside a rank's program).
 
 Compile budget: the one-device engine with test_v4_mesh's / test_v4_engine's settings (its programs shared through
 the suite's compilation cache) and one dp engine (one batch bucket, token buckets 1 and 16).
@@ -139,14 +139,15 @@ def test_dispatched_reference_moe_is_bitwise(cpu8):
 
 
 def test_what_dp_does_not_run_is_refused(cpu8):
-    """One line each: MTP / DSpark speculation with --dp-size > 1, the full-sequence forward on a dp mesh."""
+    """One line each: MTP / DSpark speculation with --dp-size > 1, the full-sequence forward on a dp mesh (outside a
+    rank's program, where only the paged step runs)."""
     from test_v4_engine import KW
 
     with pytest.raises(EngineError, match="not supported with --speculative-algorithm EAGLE with --dp-size 2"):
         Engine(cfg=CFG, params=_params(), dp_size=2, enable_dp_attention=True, speculative_algorithm="EAGLE",
                speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3, **KW)
     mesh = make_mesh(2, 1, dp=2, cfg=CFG)
-    with pytest.raises(NotImplementedError, match="full-sequence forward on a data-parallel mesh"):
+    with pytest.raises(NotImplementedError, match="on a data-parallel mesh: only the paged step"):
         forward(_params(), np.zeros((2, 8), np.int32), CFG, par=MeshPlan.of(mesh))
 
 
