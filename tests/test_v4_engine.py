@@ -108,8 +108,6 @@ def test_unsupported_v4_flags_are_refused_at_start():
         Engine(cfg=CFG, params=_params(), speculative_algorithm="DSPARK", **KW)
     with pytest.raises(EngineError, match="not supported with --enable-decoder-swa-bounded-replay"):
         Engine(cfg=CFG, params=_params(), enable_decoder_swa_bounded_replay=True, disable_radix_cache=True, **KW)
-    with pytest.raises(EngineError, match="not supported with --dp-size 2"):
-        Engine(cfg=CFG, params=_params(), dp_size=2, enable_dp_attention=True, **KW)
     with pytest.raises(EngineError, match="not supported with --expert-distribution-recorder"):
         Engine(cfg=CFG, params=_params(), expert_distribution_recorder=True, **KW)
     # MTP flags: SGLang's spelling, top-1 chains only; EAGLE on a V4.1 checkpoint (a DSpark draft) is refused

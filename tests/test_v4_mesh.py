@@ -276,12 +276,6 @@ def test_mesh_sizes_checked_against_v4s_experts():
         check_sizes(CFG, tp=1, ep=3)
 
 
-def test_dp_mesh_refused(cpu8):
-    mesh = make_mesh(2, 1, dp=2, cfg=CFG)
-    with pytest.raises(NotImplementedError, match="no data-parallel attention layout"):
-        forward(_params(), np.zeros((1, 8), np.int32), CFG, par=MeshPlan.of(mesh))
-
-
 # ------------------------------------------------------------------------------------------ engine
 
 

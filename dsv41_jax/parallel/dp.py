@@ -73,6 +73,16 @@ def rank_spec(spec) -> P:
     return P(*out)
 
 
+def _as_given(specs, params):
+    """`specs` cut to the lists the params hold: a list of layers the params lack (a DeepSeek-V4 checkpoint without
+    its MTP layer loads with ``mtp`` = []) has no specs either; every other node as the rules declare it."""
+    if isinstance(params, dict):
+        return {k: _as_given(specs[k], v) for k, v in params.items()}
+    if isinstance(params, list):
+        return [_as_given(s, v) for s, v in zip(specs, params)]
+    return specs
+
+
 def rank_step(fn, plan, ccfg, param_shardings):
     """``fn(params, state, batch, ccfg=, par=)`` as one program per dp rank (module doc), for `plan`
     (a `MeshPlan`) and the global `ccfg`; param_shardings: the params' `NamedSharding`s as the step
@@ -95,7 +105,7 @@ def rank_step(fn, plan, ccfg, param_shardings):
 
     def step(params, state, batch):
         # check_vma=False: the model's CPU weight tiles run under `lax.cond` (see `collectives.routed_experts`)
-        return jax.shard_map(body, mesh=plan.mesh, in_specs=(p_specs, P(AXIS), P(AXIS)), out_specs=P(AXIS),
-                             axis_names=frozenset({AXIS}), check_vma=False)(params, state, batch)
+        return jax.shard_map(body, mesh=plan.mesh, in_specs=(_as_given(p_specs, params), P(AXIS), P(AXIS)),
+                             out_specs=P(AXIS), axis_names=frozenset({AXIS}), check_vma=False)(params, state, batch)
 
     return step

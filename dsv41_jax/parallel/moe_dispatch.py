@@ -230,7 +230,8 @@ def routed_experts_dispatch(ex, xf, idx, w, cfg, dt, mesh, *, backend: str = "al
         return jnp.zeros((N, D), jnp.float32)
     ex, layer = weights.split(ex)
     man = manual_axes()
-    E = ex["w1"].weight.shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))  # physical
+    # physical experts; MXFP4 (`weights.Mxfp4`) or plain ({"weight"}: DeepSeek-V4's bf16 experts) stacks
+    E = jax.tree_util.tree_leaves(ex["w1"])[0].shape[-3] * _size(mesh, tuple(a for a in expert_axes if a in man))
     n_e = _size(mesh, expert_axes)
     if E % n_e:
         raise ValueError(f"moe dispatch: {E} routed experts do not split evenly over {'x'.join(expert_axes)}={n_e}")

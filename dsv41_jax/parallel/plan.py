@@ -170,7 +170,12 @@ class MeshPlan:
     def rank_step(self, fn, cfg, ccfg, engram_host_table: bool = False):
         """``fn(params, state, batch, ccfg=, par=)`` as the step on this mesh: one program per dp rank on a
         data-parallel mesh (`parallel.dp.rank_step`), else ``fn`` with ccfg and this plan bound."""
-        ps = self.step_shardings(cfg, ccfg, False, engram_host_table)[0][0] if self.axis_size("dp") > 1 else None
+        ps = None
+        if self.axis_size("dp") > 1 and cfg.model_family == "deepseek_v4":
+            # jit takes V4's params as placed; each rank's blocks follow the rules (no MTP layer: `dp.rank_step`)
+            ps = rules.param_shardings(cfg, self.mesh)
+        elif self.axis_size("dp") > 1:
+            ps = self.step_shardings(cfg, ccfg, False, engram_host_table)[0][0]
         return dp.rank_step(fn, self, ccfg, ps)
 
     def step_shardings(self, cfg, ccfg, all_logits: bool, engram_host_table: bool = False):

@@ -48,7 +48,8 @@ batch (small int arrays) and its logits are replicated.
 Data-parallel attention (a mesh with a "dp" axis > 1, `mesh.make_mesh(dp=D)`): `DP_RULES`, chosen by
 `rules_for(mesh)` wherever no table is given. The step's batch rows ("batch") and every rank-blocked
 state axis — slot rows ("cache_slots": window rings, partial groups, Engram history, DSpark rings) and
-pool pages ("cache_pool": compressed latents, index keys) — split over "dp" (the blocks of
+pool pages ("cache_pool": compressed latents, index keys; DeepSeek-V4's per-layer rings, compressor projections, MTP
+state and CSA / HCA / index pools name the same two, `_v4_cache_axes`) — split over "dp" (the blocks of
 `model.cache.rank_slots` / `rank_pages`: contiguous, rank r's on mesh row r); attention heads, the
 shared expert and the vocabulary stay over tp inside a rank; the routed experts and the Engram rows
 over ALL devices (("dp", "tp"), dp major); the gate ("experts_gate", small) replicated, since every

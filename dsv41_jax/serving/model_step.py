@@ -14,7 +14,8 @@ schedule seam, fork copies, prefix-cache snapshots. What differs per family is b
 * ``refuse(args, cfg)`` — the flags this family cannot honour, as one EngineError line, before any weight is read.
 
 `V41Step` is DeepSeek-V4.1 (`model.decode`, on a mesh through `parallel.plan`); `V4Step` is DeepSeek-V4
-(`model.v4.decode`: CSA / HCA layers with their own compressor state, jnp paths, one device or a tp x ep mesh).
+(`model.v4.decode`: CSA / HCA layers with their own compressor state, jnp paths, one device, a tp x ep mesh or
+data-parallel attention's [dp, tp] mesh).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class V41Step:
 
 
 class V4Step:
-    """DeepSeek-V4 (the original Flash / Pro checkpoints): `model.v4.decode.extend`, on one device or a tp x ep mesh
-    (`parallel.rules`: V4's tensors split as V4.1's, the cache replicated; docs/design/v4.md "Mesh")."""
+    """DeepSeek-V4 (the original Flash / Pro checkpoints): `model.v4.decode.extend`, on one device, a tp x ep mesh
+    (`parallel.rules`: V4's tensors split as V4.1's, the cache replicated) or a data-parallel [dp, tp] mesh (the
+    cache in rank blocks over "dp", one program per rank; docs/design/v4.md "Mesh")."""
 
     family = "deepseek_v4"
 
@@ -107,9 +109,9 @@ class V4Step:
             refuse_unsupported(cfg.replace(impl=args.impl))
         except NotImplementedError as e:  # the op and what does not fit (`v4.transformer.kernel_refusal`)
             no.append(f"--impl {args.impl!r} ({str(e).removeprefix('DeepSeek-V4: ')})")
-        if args.dp_size != 1:
-            no.append(f"--dp-size {args.dp_size} (V4 has no data-parallel attention layout; --tp-size / --ep-size "
-                      "meshes run it)")
+        if args.dp_size != 1 and args.speculative_algorithm:
+            no.append(f"--speculative-algorithm {args.speculative_algorithm} with --dp-size {args.dp_size} (V4's draft "
+                      "steps do not run per dp rank yet: plain decoding or --tp-size / --ep-size)")
         if args.ep_num_redundant_experts:
             no.append("--ep-num-redundant-experts (no V4 expert placement)")
         if args.speculative_algorithm == "DSPARK" and cfg.draft_kind != "dspark":
@@ -131,7 +133,7 @@ class V4Step:
             from dsv41_jax.parallel import rules
             from dsv41_jax.parallel.plan import MeshPlan
 
-            return rules.init_cache(self.cfg, self.ccfg, MeshPlan.of(self.mesh).mesh)  # replicated
+            return rules.init_cache(self.cfg, self.ccfg, MeshPlan.of(self.mesh).mesh)  # replicated / rank blocks
         from dsv41_jax.model.v4 import decode as dec4
 
         return dec4.init_state(self.cfg, self.ccfg)

@@ -19,12 +19,19 @@ from the buffer [last 2r positions, the chunk] as the forward pools them), write
 over the ring + the chunk's keys and the visible entries (HCA) or the indexer's picks (CSA). Every number is
 the forward's (`v4.transformer`) for the same prefix: the same functions on the same values; in the exact
 mode (fp64-accumulated sums, independent of how keys are laid out) bit for bit (tests/test_v4_decode.py).
-V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others and a dp
-layout are refused (NotImplementedError). `jitted_extend` is the engine's step (`serving.model_step`).
+V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others are refused
+(NotImplementedError). `jitted_extend` is the engine's step (`serving.model_step`).
 
 On a tp x ep mesh (``par``; `v4.transformer` module doc) the cache is replicated, as V4.1's (`parallel.rules`:
 one latent KV head, so the rings, pools and compressor projections are read whole by every head's shard; every
 shard computes them from replicated weights and writes the same values, no communication).
+
+Data-parallel attention (``ccfg.dp`` = D > 1 on a ("dp", "tp") mesh): the state above is V4.1's rank-blocked
+layout — every per-slot row (rings, compressor projections) and every pool row (a page's entries) lies in its
+rank's block (`cache.rank_slots` / `rank_pages`; a page holds page_size / r whole entries, so page blocks are pool
+row blocks) — split over "dp" by `parallel.rules.DP_RULES` (`rules.cache_axes` names V4's leaves). `jitted_extend`
+runs the step as one program per rank (`MeshPlan.rank_step`, `parallel.dp`): the rank's rows on its blocks, the
+routed experts reached by token dispatch (hash-routed layers too: the table is read on the rank's own token ids).
 """
 
 from __future__ import annotations
@@ -56,8 +63,6 @@ def _check(cfg, ccfg) -> None:
     if ccfg.kv_cache_dtype != "auto":
         raise NotImplementedError(f"DeepSeek-V4: kv_cache_dtype {ccfg.kv_cache_dtype!r}: V4's cache stores "
                                   "unquantized values ('auto'); its KV quantization is not simulated")
-    if ccfg.dp != 1:
-        raise NotImplementedError("DeepSeek-V4: no data-parallel attention layout (dp must be 1)")
 
 
 def init_state(cfg, ccfg) -> dict:
@@ -270,9 +275,11 @@ def extend_logits(params, state, batch, cfg, ccfg, all_logits: bool = False, par
 def jitted_extend(cfg, ccfg, all_logits: bool = False, par=None):
     """`extend_logits` jitted for (cfg, ccfg, all_logits[, par]) with the cache donated; compiles once per (B, T).
     With a mesh plan `par` the step's in / out shardings are `par.step_shardings` (params as `parallel.rules.
-    shard_params` places them, the cache replicated, logits replicated)."""
-    fn = functools.partial(extend_logits, cfg=cfg, ccfg=ccfg, all_logits=bool(all_logits), par=par)
+    shard_params` places them; the cache replicated on a tp x ep mesh, in rank blocks over "dp" on a data-parallel
+    one, where the step is one program per rank: `par.rank_step`)."""
     if par is None:
-        return jax.jit(fn, donate_argnums=(1,))
+        return jax.jit(functools.partial(extend_logits, cfg=cfg, ccfg=ccfg, all_logits=bool(all_logits)),
+                       donate_argnums=(1,))
     ins, outs = par.step_shardings(cfg, ccfg, bool(all_logits))
+    fn = par.rank_step(functools.partial(extend_logits, cfg=cfg, all_logits=bool(all_logits)), cfg, ccfg)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=(1,))

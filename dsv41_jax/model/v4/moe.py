@@ -8,7 +8,9 @@ indexed by the token id (`moe.route` with ``idx``); the other layers route by th
 expert id in fp32, as `moe`'s reference) or, for MXFP4 experts with the "xla" moe implementation, V4.1's
 grouped path (`moe.routed_slots` + `moe.combine_slots`), or with a Pallas moe implementation V4.1's grouped MXFP4
 kernel (`pallas.moe_mxfp4`, the registry's ("moe", "kernel")) in place of `moe.routed_slots`. The SwiGLU with its clamps is `moe.swiglu_expert`.
-On a mesh with the experts split over ep, either runs per expert shard in V4.1's expert-parallel MoE (`routed`).
+On a mesh with the experts split over ep, either runs per expert shard in V4.1's expert-parallel MoE (`routed`); on
+a data-parallel mesh each rank's tokens are dispatched to their experts on all devices (`parallel.moe_dispatch`),
+the hash-routed layers' expert ids read from the table on the rank's own token ids before the dispatch.
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ def routed_reference(ex, xf, idx, w, cfg, dt):
     return routed
 
 
+def first_slots(idx):
+    """bool [N, k]: whether slot j is the first of row n naming expert idx[n, j] (a hash-table row may repeat one)."""
+    first = jnp.ones(idx.shape, bool)
+    for j in range(1, idx.shape[1]):
+        first = first.at[:, j].set(jnp.all(idx[:, :j] != idx[:, j:j + 1], axis=1))
+    return first
+
+
+def fold_repeats(idx, w):
+    """fp32 [N, k]: the routing weights with each repeated expert's weights summed (in slot order, from zero, as the
+    reference's scatter-add) into its first slot and 0 in its later ones. What the reference computes once per
+    distinct expert, as per-assignment rows: with tokens dispatched to their experts (`parallel.moe_dispatch`) each
+    (token, slot) row reaches its expert alone, so `reference_slots` there cannot see a row's other slots; the later
+    slot's expert output is then exact zeros (weight 0 before w2), which the combine adds without changing a bit."""
+    k = idx.shape[1]
+    same = idx[:, :, None] == idx[:, None, :]  # [N, k, k]
+    tot = jnp.zeros(w.shape, jnp.float32)
+    for j in range(k):
+        tot = tot + jnp.where(same[:, :, j], w[:, j:j + 1], 0.0)
+    return jnp.where(first_slots(idx), tot, 0.0)
+
+
 def reference_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     """`routed_reference` per assignment, for expert parallelism: fp32 [N, k, D] where slot (n, j) holds expert
     idx[n, j]'s output for token n if that expert is among the held ``first_expert .. first_expert + E_l − 1``
@@ -56,9 +80,7 @@ def reference_slots(ex, xf, idx, w, cfg, dt, first_expert=0):
     loc = idx - first_expert
     loc = jnp.where((loc >= 0) & (loc < E_l), loc, E_l)  # another shard's experts: out of range, dropped
     dense_w = jnp.zeros((N, E_l), jnp.float32).at[jnp.arange(N)[:, None], loc].add(w, mode="drop")
-    first = jnp.ones((N, k), bool)
-    for j in range(1, k):  # a repeated id's later slots stay zero (its weight is summed into the first)
-        first = first.at[:, j].set(jnp.all(idx[:, :j] != idx[:, j:j + 1], axis=1))
+    first = first_slots(idx)  # a repeated id's later slots stay zero (its weight is summed into the first)
     lin = functools.partial(expert, cfg=cfg, dt=dt)
 
     def body(out, e):
@@ -114,6 +136,8 @@ def routed(ex, xf, idx, w, cfg, dt, par=None):
     grouped = impl == "xla" and is_mxfp4(ex["w1"]) and xf.shape[0] and not cfg.act_quant_block  # V4.1's 32-wide blocks
     slots = kernel if kernel is not None else moe41.routed_slots if grouped else None
     if par is not None and par.expert_parallel:
+        if slots is None and par.moe_a2a_backend != "none":  # the reference per dispatched (token, slot) row
+            w = fold_repeats(idx, w)
         return par.routed_experts(ex, xf, idx, w, cfg, dt, slots=slots or reference_slots)
     if slots is not None:  # (a hash-table row may repeat an expert: the combine sorts, no `distinct` shortcut)
         return moe41.combine_slots(slots(ex, xf, idx, w, cfg, dt), idx)

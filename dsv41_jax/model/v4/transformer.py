@@ -7,8 +7,8 @@ then x = norm(hc_head(h)), logits = head · x. Plain jnp, jittable with static c
 
 The numerics modes are V4.1's (`numerics`): "float32" / "exact" with a plain (unquantized) checkpoint is
 transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Pallas kernels: the moe
-op's (`v4.moe.routed`) and the mhc op's (`v4.mhc`); the others, and a data-parallel mesh, are refused with
-NotImplementedError (`kernel_refusal`).
+op's (`v4.moe.routed`) and the mhc op's (`v4.mhc`); the others are refused with NotImplementedError
+(`kernel_refusal`), and so is this forward on a data-parallel mesh (only the paged step runs there, per rank).
 
 On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; params placed by `parallel.rules.shard_params`, docs/design/
 v4.md "Mesh"): the embedding rows are gathered where they live (`par.embed_gather`), the routed experts run
@@ -37,14 +37,17 @@ def layer_ratio(cfg, kind: str) -> int:
 
 
 def refuse_unsupported(cfg, par=None) -> None:
-    """NotImplementedError for what the V4 forward does not run: a data-parallel mesh (or another MoE dispatch than
-    the psum one, or redundant experts), an explicit Pallas implementation of an op whose kernel does not fit V4
-    (`kernel_refusal`: every op's but moe's and mhc's, and those where V4's experts / numerics do not fit)."""
-    if par is not None and par.axis_size("dp") > 1:
-        raise NotImplementedError("DeepSeek-V4: no data-parallel attention layout (a tp x ep mesh runs it)")
-    if par is not None and (par.moe_a2a_backend != "none" or par.expert_location is not None):
-        raise NotImplementedError("DeepSeek-V4 on a mesh: the routed experts run V4.1's psum expert parallelism only "
-                                  "(no token dispatch, no redundant experts)")
+    """NotImplementedError for what the V4 forward does not run: redundant experts on a mesh, an explicit Pallas
+    implementation of an op whose kernel does not fit V4 (`kernel_refusal`: every op's but moe's and mhc's, and
+    those where V4's experts / numerics do not fit), and on a data-parallel mesh anything but a dp rank's program
+    (`par.in_rank`: the paged step as `v4.decode.jitted_extend` runs it; the full-sequence forward and the MTP / DSpark
+    draft steps are not run per rank)."""
+    if par is not None and par.expert_location is not None:
+        raise NotImplementedError("DeepSeek-V4 on a mesh: no redundant experts (no V4 expert placement)")
+    if par is not None and par.axis_size("dp") > 1 and not par.in_rank:
+        raise NotImplementedError("DeepSeek-V4 on a data-parallel mesh: only the paged step, as one program per dp rank "
+                                  "(`v4.decode.jitted_extend`); the forward and the MTP / DSpark draft steps are not "
+                                  "run per rank")
     for op, impl in dispatch.parse_impl(cfg.impl).items():
         why = kernel_refusal(cfg, op, impl)
         if why is not None:
