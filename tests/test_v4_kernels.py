@@ -26,6 +26,7 @@ import pytest
 from dsv41_jax.model import ModelConfig, dispatch, init_params
 from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.mhc import hc_pre
+from dsv41_jax.model.v4 import attention as attn4
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4 import moe as moe4
@@ -100,21 +101,29 @@ def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
         mhc4.enter(h, params["layers"][0], "attn", cfg, jnp.float32)
 
 
-def _steps(params, tokens, cfg):
-    """The paged decode step (`v4.decode.extend`) over one row: the first 8 tokens as one prefill chunk, then one
-    token a step -> (logits [L, vocab], experts {layer: [L, k]})."""
+def _run(params, tokens, cfg, first: int = 8, pages=(1, 2)):
+    """The paged decode step (`v4.decode.extend`) over one row on pages `pages`: the first `first` tokens as one
+    prefill chunk, then one token a step -> (logits [L, vocab], experts {layer: [L, k]}, picks {CSA layer: [L, k']},
+    the streams entering each layer {layer: [L, n, D]})."""
     step = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux"))
     state = dec4.init_state(cfg, CCFG)
-    page_table = (1 + np.arange(CCFG.max_pages_per_seq, dtype=np.int32))[None]
-    logits, experts, done = [], [], 0
-    for T in (8,) + (1,) * (tokens.shape[1] - 8):
+    page_table = np.asarray(pages, np.int32)[None]
+    logits, recs, done = [], [], 0
+    for T in (first,) + (1,) * (tokens.shape[1] - first):
         batch = {"tokens": tokens[:, done:done + T], "start": np.array([done], np.int32),
                  "n_new": np.array([T], np.int32), "slot": np.zeros(1, np.int32), "page_table": page_table}
         lg, state, aux = step(params, state, batch, cfg, CCFG, return_aux=True)
         logits.append(np.asarray(lg[0]))
-        experts.append({lid: np.asarray(v[0]) for lid, v in aux["experts"].items()})
+        recs.append({k: {lid: np.asarray(v[0]) for lid, v in aux[k].items()} for k in ("experts", "topk",
+                                                                                       "layer_inputs")})
         done += T
-    return np.concatenate(logits), {lid: np.concatenate([e[lid] for e in experts]) for lid in experts[0]}
+    cat = {k: {lid: np.concatenate([r[k][lid] for r in recs]) for lid in recs[0][k]} for k in recs[0]}
+    return np.concatenate(logits), cat["experts"], cat["topk"], cat["layer_inputs"]
+
+
+def _steps(params, tokens, cfg):
+    """`_run` from an 8-token prefill chunk on pages 1, 2 -> (logits [L, vocab], experts {layer: [L, k]})."""
+    return _run(params, tokens, cfg)[:2]
 
 
 # Open defect (found at the stop that added this file): on jax 0.12.0.1 with the suite's XLA flags (-O0), the paged
@@ -138,11 +147,62 @@ def test_decode_steps_with_the_kernels_keep_experts_and_tokens(params):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("op", ["attention", "indexer", "engram", "linear"])
+# The paged run for the attention and indexer kernels: a 16-token prefill chunk (longer than the window of 8: the
+# chunk's own window boundary), then 4 single tokens reading the ring; pages 3, 1 (a page table out of order: CSA's
+# entries 0-3 on page 3, entry 4 on page 1). CSA (ratio 4, top-4; layers 2, 4): positions 0-2 have no entry,
+# 3-15 have 1-4 (fewer than or as many as top-k), 16-19 have 5 (a real choice). HCA (ratio 8; layers 3, 5): no entry
+# before position 7, one from 7, two from 15.
+SEAMS = f"xla,attention={KERNEL},indexer={KERNEL}"
+
+
+@pytest.fixture(scope="module")
+def seam_runs(params):
+    tokens = np.random.default_rng(13).integers(0, CFG.vocab_size, (1, 20)).astype(np.int32)
+    return [_run(params, tokens, CFG.replace(impl=impl), first=16, pages=(3, 1)) for impl in ("xla", SEAMS)]
+
+
+def test_attention_and_indexer_kernels_in_the_paged_step(seam_runs):
+    """V4's attention (every layer: sliding, CSA's picks, HCA's visible entries) on V4.1's sparse-attention kernel and
+    CSA's Lightning indexer on V4.1's index kernel, through the paged step: the same picks at every CSA layer and
+    position (the index scores are the same per-element arithmetic), the same experts and greedy tokens; each layer's
+    input streams and the logits within 1e-5·max (fp32 reassociation of the online softmax; measured 3.6e-7·max on
+    the logits, 2.4e-7·max on the streams)."""
+    (want, we, wt, wh), (got, ge, gt, gh) = seam_runs
+    assert sorted(wt) == [2, 4]
+    pos = np.arange(20)
+    for layer in wt:
+        np.testing.assert_array_equal(gt[layer], wt[layer], err_msg=f"CSA layer {layer}'s picks")
+        picked = (wt[layer] >= 0).sum(-1)  # the edge cases are all there: none, fewer than top-k, a choice of 4 of 5
+        np.testing.assert_array_equal(picked, np.minimum((pos + 1) // 4, CFG.index_topk))
+    assert (wt[2][16:] == 4).any() and not (wt[2][16:] == 4).all()  # at 16-19 one of the 5 entries is left out
+    for layer in we:
+        np.testing.assert_array_equal(ge[layer], we[layer])
+    for layer in wh:  # layer 3's input is CSA layer 2's output, layer 4's HCA layer 3's
+        np.testing.assert_allclose(gh[layer], wh[layer], rtol=0, atol=1e-5 * float(np.abs(wh[layer]).max()),
+                                   err_msg=f"layer {layer}'s input streams")
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("op", ["engram", "linear"])
 def test_kernels_that_do_not_fit_v4_are_refused_naming_the_op(op):
     with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: "):
         refuse_unsupported(CFG.replace(impl=f"xla,{op}={KERNEL}"))
-    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))  # the moe and mhc kernels run
+    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL},attention={KERNEL},indexer={KERNEL}"))  # run
+
+
+@pytest.mark.parametrize("op", ["attention", "indexer"])
+@pytest.mark.parametrize("change, why", [
+    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
+    (dict(release_order="torch_cpu"), "release_order 'torch_cpu'"),
+])
+def test_attention_and_indexer_kernels_are_refused_where_v4_does_not_fit(op, change, why):
+    cfg = CFG.replace(impl=f"{op}={KERNEL}", **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: {why}"):
+        refuse_unsupported(cfg)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: {why}"):  # at the seam too
+        attn4.seam_impl(cfg, op)
+    assert attn4.seam_impl(CFG.replace(impl="auto", **change), op) == "reference"  # "auto": the jnp core
 
 
 def test_linear_refusal_names_v4s_weight_blocks():
@@ -173,7 +233,8 @@ def test_engine_start_up_refuses_a_kernel_that_does_not_fit_in_one_line():
     base = dict(dp_size=1, ep_num_redundant_experts=0, speculative_algorithm=None,
                 speculative_simulate_accept_length=None, enable_decoder_swa_bounded_replay=False, cache_dtype="auto",
                 expert_distribution_recorder=False)
-    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL},mhc={KERNEL}", **base), CFG)  # runs: nothing refused
+    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL},mhc={KERNEL},attention={KERNEL},indexer={KERNEL}", **base),
+                  CFG)  # runs: nothing refused
     with pytest.raises(EngineError, match=rf"not supported with --impl 'linear={KERNEL}' \(linear={KERNEL}: V4.1's "
                                           rf"quantized-linear kernel .* fp8 in 128x128 blocks"):
         V4Step.refuse(argparse.Namespace(impl=f"linear={KERNEL}", **base), CFG)
