@@ -185,6 +185,27 @@ def test_attention_and_indexer_kernels_in_the_paged_step(seam_runs):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
+def test_indexer_kernel_in_the_forwards_layout(params):
+    """The forward's Lightning indexer (`v4.attention.index_select` on its keys [B, S, dI] with one page per row, as
+    V4.1's forward lays them out) picks the same entries with the index kernel as with the jnp seam: 2 rows x 24
+    positions over 6 entries (top-4: none, fewer, all, a choice of 4 of 5 or 6), random keys."""
+    p = params["layers"][2]["attn"]["indexer"]
+    rng = np.random.default_rng(17)
+    B, T, r = 2, 24, CFG.csa_compress_ratio
+    S = T // r
+    qr = jnp.asarray(rng.standard_normal((B, T, CFG.q_lora_rank)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((B, T, CFG.hidden_size)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((B * S, CFG.index_head_dim)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    freqs = attn4.layer_freqs(CFG, "csa")
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    got, want = (attn4.index_select(p, qr, x, positions, freqs, keys, rows, S * r, r, CFG.replace(impl=impl),
+                                    jnp.float32) for impl in (f"indexer={KERNEL}", "xla"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray((want >= 0).sum(-1)), np.minimum((positions + 1) // r, CFG.index_topk))
+    assert (np.asarray(want[:, 19:]) != np.arange(4)).any()  # 4 of 5 or 6 entries: a real choice
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the paged run above compiles the kernels on this GPU")
 def test_v4_kernel_calls_lower_for_cuda_at_flash_v4_shapes():
     """V4's calls of the two kernels at flash-v4 shapes (64 heads x 512, index 64 x 128, top-512, window 128; a 64K
