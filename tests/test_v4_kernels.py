@@ -102,15 +102,15 @@ def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
         mhc4.enter(h, params["layers"][0], "attn", cfg, jnp.float32)
 
 
-def _run(params, tokens, cfg, first: int = 8, pages=(1, 2)):
-    """The paged decode step (`v4.decode.extend`) over one row on pages `pages`: the first `first` tokens as one
-    prefill chunk, then one token a step -> (logits [L, vocab], experts {layer: [L, k]}, picks {CSA layer: [L, k']},
+def _run(params, tokens, cfg, pages=(1, 2)):
+    """The paged decode step (`v4.decode.extend`) over one row on pages `pages`: the first 8 tokens as one prefill
+    chunk, then one token a step -> (logits [L, vocab], experts {layer: [L, k]}, picks {CSA layer: [L, k']},
     the streams entering each layer {layer: [L, n, D]})."""
     step = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux"))
     state = dec4.init_state(cfg, CCFG)
     page_table = np.asarray(pages, np.int32)[None]
     logits, recs, done = [], [], 0
-    for T in (first,) + (1,) * (tokens.shape[1] - first):
+    for T in (8,) + (1,) * (tokens.shape[1] - 8):
         batch = {"tokens": tokens[:, done:done + T], "start": np.array([done], np.int32),
                  "n_new": np.array([T], np.int32), "slot": np.zeros(1, np.int32), "page_table": page_table}
         lg, state, aux = step(params, state, batch, cfg, CCFG, return_aux=True)
@@ -123,7 +123,7 @@ def _run(params, tokens, cfg, first: int = 8, pages=(1, 2)):
 
 
 def _steps(params, tokens, cfg):
-    """`_run` from an 8-token prefill chunk on pages 1, 2 -> (logits [L, vocab], experts {layer: [L, k]})."""
+    """`_run` on pages 1, 2 -> (logits [L, vocab], experts {layer: [L, k]})."""
     return _run(params, tokens, cfg)[:2]
 
 
@@ -148,18 +148,18 @@ def test_decode_steps_with_the_kernels_keep_experts_and_tokens(params):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
-# The paged run for the attention and indexer kernels: a 16-token prefill chunk (longer than the window of 8: the
-# chunk's own window boundary), then 4 single tokens reading the ring; pages 3, 1 (a page table out of order: CSA's
-# entries 0-3 on page 3, entry 4 on page 1). CSA (ratio 4, top-4; layers 2, 4): positions 0-2 have no entry,
-# 3-18 have 1-4 (fewer than or as many as top-k), 19 has 5 (a real choice of 4). HCA (ratio 8; layers 3, 5): no
-# entry before position 7, one from 7, two from 15.
+# The paged run for the attention and indexer kernels: an 8-token prefill chunk (as the decode test above: the jnp
+# run's step programs are that test's, from the run's compile cache), then 12 single tokens reading the ring across
+# the window boundary; pages 3, 1 (a page table out of order: CSA's entries 0-3 on page 3, entry 4 on page 1). CSA
+# (ratio 4, top-4; layers 2, 4): positions 0-2 have no entry, 3-18 have 1-4 (fewer than or as many as top-k), 19 has
+# 5 (a real choice of 4). HCA (ratio 8; layers 3, 5): no entry before position 7, one from 7, two from 15.
 SEAMS = f"xla,attention={KERNEL},indexer={KERNEL}"
 
 
 @pytest.fixture(scope="module")
 def seam_runs(params):
     tokens = np.random.default_rng(13).integers(0, CFG.vocab_size, (1, 20)).astype(np.int32)
-    return [_run(params, tokens, CFG.replace(impl=impl), first=16, pages=(3, 1)) for impl in ("xla", SEAMS)]
+    return [_run(params, tokens, CFG.replace(impl=impl), pages=(3, 1)) for impl in ("xla", SEAMS)]
 
 
 def test_attention_and_indexer_kernels_in_the_paged_step(seam_runs):
