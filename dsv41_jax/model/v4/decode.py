@@ -157,7 +157,7 @@ def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_
     The chunk's projections join the last 2r cached ones (a buffer from position start − 2r); window j closes
     here iff start ≤ (j+1)·r − 1 < start + n_new; its entry goes to pool row `pool_index`(page_table, j)."""
     start, n, slot, pt = batch["start"], batch["n_new"], batch["slot"], batch["page_table"]
-    B, T = positions.shape
+    T = positions.shape[1]
     kv, score = comp4.project(p, x, cfg)
     ring_idx = jnp.mod(start[:, None] - 2 * r + jnp.arange(2 * r), 2 * r)  # buffer order: positions start-2r ..
     buf = [jnp.concatenate([jnp.take_along_axis(proj[k][slot], ring_idx[..., None], axis=1), new], axis=1)
