@@ -17,6 +17,7 @@ engine's start-up (`V4Step.refuse`).
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ import pytest
 from dsv41_jax.model import ModelConfig, dispatch, init_params
 from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.mhc import hc_pre
+from dsv41_jax.model.v4 import attention as attn4
 from dsv41_jax.model.v4 import decode as dec4
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4 import moe as moe4
@@ -100,21 +102,29 @@ def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
         mhc4.enter(h, params["layers"][0], "attn", cfg, jnp.float32)
 
 
-def _steps(params, tokens, cfg):
-    """The paged decode step (`v4.decode.extend`) over one row: the first 8 tokens as one prefill chunk, then one
-    token a step -> (logits [L, vocab], experts {layer: [L, k]})."""
+def _run(params, tokens, cfg, pages=(1, 2)):
+    """The paged decode step (`v4.decode.extend`) over one row on pages `pages`: the first 8 tokens as one prefill
+    chunk, then one token a step -> (logits [L, vocab], experts {layer: [L, k]}, picks {CSA layer: [L, k']},
+    the streams entering each layer {layer: [L, n, D]})."""
     step = jax.jit(dec4.extend, static_argnames=("cfg", "ccfg", "return_aux"))
     state = dec4.init_state(cfg, CCFG)
-    page_table = (1 + np.arange(CCFG.max_pages_per_seq, dtype=np.int32))[None]
-    logits, experts, done = [], [], 0
+    page_table = np.asarray(pages, np.int32)[None]
+    logits, recs, done = [], [], 0
     for T in (8,) + (1,) * (tokens.shape[1] - 8):
         batch = {"tokens": tokens[:, done:done + T], "start": np.array([done], np.int32),
                  "n_new": np.array([T], np.int32), "slot": np.zeros(1, np.int32), "page_table": page_table}
         lg, state, aux = step(params, state, batch, cfg, CCFG, return_aux=True)
         logits.append(np.asarray(lg[0]))
-        experts.append({lid: np.asarray(v[0]) for lid, v in aux["experts"].items()})
+        recs.append({k: {lid: np.asarray(v[0]) for lid, v in aux[k].items()} for k in ("experts", "topk",
+                                                                                       "layer_inputs")})
         done += T
-    return np.concatenate(logits), {lid: np.concatenate([e[lid] for e in experts]) for lid in experts[0]}
+    cat = {k: {lid: np.concatenate([r[k][lid] for r in recs]) for lid in recs[0][k]} for k in recs[0]}
+    return np.concatenate(logits), cat["experts"], cat["topk"], cat["layer_inputs"]
+
+
+def _steps(params, tokens, cfg):
+    """`_run` on pages 1, 2 -> (logits [L, vocab], experts {layer: [L, k]})."""
+    return _run(params, tokens, cfg)[:2]
 
 
 # Open defect (found at the stop that added this file): on jax 0.12.0.1 with the suite's XLA flags (-O0), the paged
@@ -138,11 +148,109 @@ def test_decode_steps_with_the_kernels_keep_experts_and_tokens(params):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("op", ["attention", "indexer", "engram", "linear"])
+# The paged run for the attention and indexer kernels: an 8-token prefill chunk (as the decode test above: the jnp
+# run's step programs are that test's, from the run's compile cache), then 12 single tokens reading the ring across
+# the window boundary; pages 3, 1 (a page table out of order: CSA's entries 0-3 on page 3, entry 4 on page 1). CSA
+# (ratio 4, top-4; layers 2, 4): positions 0-2 have no entry, 3-18 have 1-4 (fewer than or as many as top-k), 19 has
+# 5 (a real choice of 4). HCA (ratio 8; layers 3, 5): no entry before position 7, one from 7, two from 15.
+SEAMS = f"xla,attention={KERNEL},indexer={KERNEL}"
+
+
+@pytest.fixture(scope="module")
+def seam_runs(params):
+    tokens = np.random.default_rng(13).integers(0, CFG.vocab_size, (1, 20)).astype(np.int32)
+    return [_run(params, tokens, CFG.replace(impl=impl), pages=(3, 1)) for impl in ("xla", SEAMS)]
+
+
+def test_attention_and_indexer_kernels_in_the_paged_step(seam_runs):
+    """V4's attention (every layer: sliding, CSA's picks, HCA's visible entries) on V4.1's sparse-attention kernel and
+    CSA's Lightning indexer on V4.1's index kernel, through the paged step: the same picks at every CSA layer and
+    position (the index scores are the same per-element arithmetic), the same experts and greedy tokens; each layer's
+    input streams and the logits within 1e-5·max (fp32 reassociation of the online softmax; measured at the suite's
+    -O0: 4.6e-7·max on the logits, <= 3.3e-7·max on the streams)."""
+    (want, we, wt, wh), (got, ge, gt, gh) = seam_runs
+    assert sorted(wt) == [2, 4]
+    pos = np.arange(20)
+    for layer in wt:
+        np.testing.assert_array_equal(gt[layer], wt[layer], err_msg=f"CSA layer {layer}'s picks")
+        picked = (wt[layer] >= 0).sum(-1)  # the edge cases are all there: none, fewer than top-k, a choice of 4 of 5
+        np.testing.assert_array_equal(picked, np.minimum((pos + 1) // 4, CFG.index_topk))
+    assert any(4 in wt[layer][19] for layer in wt)  # at 19 a pick past the first four: a real choice
+    for layer in we:
+        np.testing.assert_array_equal(ge[layer], we[layer])
+    for layer in wh:  # layer 3's input is CSA layer 2's output, layer 4's HCA layer 3's
+        np.testing.assert_allclose(gh[layer], wh[layer], rtol=0, atol=1e-5 * float(np.abs(wh[layer]).max()),
+                                   err_msg=f"layer {layer}'s input streams")
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_indexer_kernel_in_the_forwards_layout(params):
+    """The forward's Lightning indexer (`v4.attention.index_select` on its keys [B, S, dI] with one page per row, as
+    V4.1's forward lays them out) picks the same entries with the index kernel as with the jnp seam: 2 rows x 24
+    positions over 6 entries (top-4: none, fewer, all, a choice of 4 of 5 or 6), random keys."""
+    p = params["layers"][2]["attn"]["indexer"]
+    rng = np.random.default_rng(17)
+    B, T, r = 2, 24, CFG.csa_compress_ratio
+    S = T // r
+    qr = jnp.asarray(rng.standard_normal((B, T, CFG.q_lora_rank)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((B, T, CFG.hidden_size)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((B * S, CFG.index_head_dim)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    freqs = attn4.layer_freqs(CFG, "csa")
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    got, want = (attn4.index_select(p, qr, x, positions, freqs, keys, rows, S * r, r, CFG.replace(impl=impl),
+                                    jnp.float32) for impl in (f"indexer={KERNEL}", "xla"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray((want >= 0).sum(-1)), np.minimum((positions + 1) // r, CFG.index_topk))
+    assert (np.asarray(want[:, 19:]) != np.arange(4)).any()  # 4 of 5 or 6 entries: a real choice
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the paged run above compiles the kernels on this GPU")
+def test_v4_kernel_calls_lower_for_cuda_at_flash_v4_shapes():
+    """V4's calls of the two kernels at flash-v4 shapes (64 heads x 512, index 64 x 128, top-512, window 128; a 64K
+    context on 64-token pages, decode B=1), its storage as it is (bf16 values: the kernels' raw codecs, which V4.1's
+    lowering tests do not reach) lower to Triton IR for a CUDA target without a GPU (`pallas.offline`): CSA's picks
+    and HCA's every entry (ratio 128: 512 of them), and the index kernel without its candidate stage."""
+    from dsv41_jax.pallas.offline import capture_kernels
+
+    cfg, bf, z = ModelConfig.preset("flash-v4"), jnp.bfloat16, jnp.zeros
+    ps, P, W, hd, H = 64, 1024, cfg.sliding_window, cfg.head_dim, cfg.num_attention_heads
+    for r, K in ((cfg.csa_compress_ratio, cfg.index_topk), (cfg.hca_compress_ratio, P * ps // cfg.hca_compress_ratio)):
+        args = (z((1, 1, H, hd), bf), z((H,), jnp.float32), {"v": z((1, W, hd), bf)}, z((1,), jnp.int32),
+                {"v": z((1, 1, hd), bf)}, z((1,), jnp.int32), z((1, 1), jnp.int32), jnp.ones((1, 1), bool),
+                {"v": z((P * ps // r, hd), bf)}, z((1, P), jnp.int32), z((1, 1, K), jnp.int32))
+        kern = dispatch.kernel("attention", "pallas")
+        ks = capture_kernels(functools.partial(kern, ratio=r, page_size=ps, window=W, mode="bfloat16"), *args)
+        assert [k["name"].split("_h")[0] for k in ks] == ["sparse_attention"], ks
+    r, nI, dI = cfg.csa_compress_ratio, cfg.index_n_heads, cfg.index_head_dim
+    args = (z((1, 1, nI, dI), bf), z((1, 1, nI), bf), {"v": z((P * ps // r, dI), bf)}, z((1, P), jnp.int32),
+            jnp.ones((1, 1), jnp.int32))
+    kern = dispatch.kernel("indexer", "pallas")
+    ks = capture_kernels(functools.partial(kern, ratio=r, page_size=ps, mode="bfloat16", k=cfg.index_topk, dt=bf),
+                         *args)
+    assert [k["name"] for k in ks] == ["dense_kernel", "select_kernel"]
+
+
+@pytest.mark.parametrize("op", ["engram", "linear"])
 def test_kernels_that_do_not_fit_v4_are_refused_naming_the_op(op):
     with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: "):
         refuse_unsupported(CFG.replace(impl=f"xla,{op}={KERNEL}"))
-    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL}"))  # the moe and mhc kernels run
+    refuse_unsupported(CFG.replace(impl=f"xla,moe={KERNEL},mhc={KERNEL},attention={KERNEL},indexer={KERNEL}"))  # run
+
+
+@pytest.mark.parametrize("op", ["attention", "indexer"])
+@pytest.mark.parametrize("change, why", [
+    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
+    (dict(release_order="torch_cpu"), "release_order 'torch_cpu'"),
+])
+def test_attention_and_indexer_kernels_are_refused_where_v4_does_not_fit(op, change, why):
+    cfg = CFG.replace(impl=f"{op}={KERNEL}", **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: {why}"):
+        refuse_unsupported(cfg)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: {why}"):  # at the seam too
+        attn4.seam_impl(cfg, op)
+    assert attn4.seam_impl(CFG.replace(impl="auto", **change), op) == "reference"  # "auto": the jnp core
 
 
 def test_linear_refusal_names_v4s_weight_blocks():
@@ -173,7 +281,8 @@ def test_engine_start_up_refuses_a_kernel_that_does_not_fit_in_one_line():
     base = dict(dp_size=1, ep_num_redundant_experts=0, speculative_algorithm=None,
                 speculative_simulate_accept_length=None, enable_decoder_swa_bounded_replay=False, cache_dtype="auto",
                 expert_distribution_recorder=False)
-    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL},mhc={KERNEL}", **base), CFG)  # runs: nothing refused
+    V4Step.refuse(argparse.Namespace(impl=f"auto,moe={KERNEL},mhc={KERNEL},attention={KERNEL},indexer={KERNEL}", **base),
+                  CFG)  # runs: nothing refused
     with pytest.raises(EngineError, match=rf"not supported with --impl 'linear={KERNEL}' \(linear={KERNEL}: V4.1's "
                                           rf"quantized-linear kernel .* fp8 in 128x128 blocks"):
         V4Step.refuse(argparse.Namespace(impl=f"linear={KERNEL}", **base), CFG)

@@ -9,8 +9,8 @@ calls the shared op it varies (nothing of V4.1 is copied):
 * `compressor` — every CSA / HCA layer's own compressor: the learned position bias ``ape`` on the scores and
   (CSA) overlapping windows, pooled by the shared `compressor.pool_groups`;
 * `attention` — the attention sublayer of sliding / CSA / HCA layers: per-head q RMS norm (``q_head_norm``),
-  CSA's Lightning indexer on its own keys (shared `indexer.index_scores` / `select_topk`), the shared
-  `attention.attend` (window + compressed entries + sink);
+  CSA's Lightning indexer on its own keys (V4.1's indexer seam `indexer.topk`), the shared `attention.attend`
+  (window + compressed entries + sink; the paged step: V4.1's seam `attention.sparse_attention`);
 * `moe` — hash routing (``tid2eid[input_ids]``) as the index source of the shared `moe.route`; experts and
   the shared expert by the shared `moe.swiglu_expert`;
 * `mhc` — the pre-mix ordering (each sublayer collapsed with its own pre) on the shared `mhc.hc_mixes` /
@@ -30,8 +30,8 @@ calls the shared op it varies (nothing of V4.1 is copied):
 The engine runs `decode` through `serving.model_step.V4Step`, MTP through `serving.mtp_speculative` and the DSpark
 head through `serving.v4_dspark_speculative`, on one device or a tp x ep mesh (the forward, `decode`, `mtp` and `dspark`
 take a `parallel.plan.MeshPlan`; V4's tensors in the one rules table, `parallel.rules`; docs/design/v4.md "Mesh").
-Pallas kernels: V4.1's grouped MXFP4 experts kernel (moe op) and mHC enter / exit kernels (mhc op), through the one
-dispatch (`v4.moe`, `v4.mhc`). Not here yet (refused in one line where reached, `config_v4.refusal` /
-`v4.transformer.kernel_refusal` / `V4Step.refuse`): data-parallel attention, the other ops' kernels (V4's shapes do
-not fit them, docs/design/v4.md "Kernels").
+Pallas kernels: V4.1's grouped MXFP4 experts kernel (moe op), mHC enter / exit kernels (mhc op), sparse-attention
+and index kernels (attention and indexer ops), through the one dispatch (`v4.moe`, `v4.mhc`, `v4.attention.
+seam_impl`). Not here yet (refused in one line where reached, `config_v4.refusal` / `v4.transformer.kernel_refusal` /
+`V4Step.refuse`): data-parallel attention, the linear and engram kernels (docs/design/v4.md "Kernels").
 """

@@ -16,7 +16,9 @@ and page copies serve both families; per layer it holds:
 
 A step writes the chunk's window K=V and projections, closes the windows that end inside the chunk (pooled
 from the buffer [last 2r positions, the chunk] as the forward pools them), writes their entries, then attends
-over the ring + the chunk's keys and the visible entries (HCA) or the indexer's picks (CSA). Every number is
+over the ring + the chunk's keys and the visible entries (HCA) or the indexer's picks (CSA), through V4.1's
+attention and indexer seams on this state as it is (`attention_cached`; their Pallas kernels where
+`v4.attention.seam_impl` picks them). Every number is
 the forward's (`v4.transformer`) for the same prefix: the same functions on the same values; in the exact
 mode (fp64-accumulated sums, independent of how keys are laid out) bit for bit (tests/test_v4_decode.py).
 V4 simulates no KV-cache quantization: ``kv_cache_dtype`` "auto" stores the activation dtype; others are refused
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import tiling
-from dsv41_jax.model.attention import attend, sink_of, window_keys
+from dsv41_jax.model.attention import sink_of, sparse_attention
 from dsv41_jax.model.config_v4 import attention_kinds
 from dsv41_jax.model.decode import _window_write
 from dsv41_jax.model.indexer import pool_index
@@ -51,8 +53,8 @@ from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record
 from dsv41_jax.model.v4 import compressor as comp4
 from dsv41_jax.model.v4 import mhc as mhc4
-from dsv41_jax.model.v4.attention import (compressed_view, index_select, layer_freqs, output_proj, project_kv,
-                                          project_q)
+from dsv41_jax.model.v4.attention import (hca_picks, index_select, layer_freqs, output_proj, project_kv, project_q,
+                                          seam_impl, store_mode)
 from dsv41_jax.model.v4.moe import moe
 from dsv41_jax.model.v4.torch_order import exact_level
 from dsv41_jax.model.v4.transformer import final_logits, layer_ratio, refuse_unsupported, sublayer_exit
@@ -154,13 +156,13 @@ def comp_state(kind: str, cfg, ccfg) -> dict:
 
 
 def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_size, cfg, dt, index=False):
-    """Close the windows that end in this chunk: (pool', proj', the entries [B, S, d] the page table addresses;
-    `index`: an indexer's keys, quantized as such by `v4.compressor.pool`).
+    """Close the windows that end in this chunk: (pool', proj'; `index`: an indexer's keys, quantized as such by
+    `v4.compressor.pool`).
 
     The chunk's projections join the last 2r cached ones (a buffer from position start − 2r); window j closes
     here iff start ≤ (j+1)·r − 1 < start + n_new; its entry goes to pool row `pool_index`(page_table, j)."""
     start, n, slot, pt = batch["start"], batch["n_new"], batch["slot"], batch["page_table"]
-    B, T = positions.shape
+    T = positions.shape[1]
     kv, score = comp4.project(p, x, cfg)
     ring_idx = jnp.mod(start[:, None] - 2 * r + jnp.arange(2 * r), 2 * r)  # buffer order: positions start-2r ..
     buf = [jnp.concatenate([jnp.take_along_axis(proj[k][slot], ring_idx[..., None], axis=1), new], axis=1)
@@ -174,38 +176,41 @@ def _compress_chunk(p, x, proj, pool, batch, positions, r, overlap, freqs, page_
     pool = pool.at[rows].set(entries.astype(pool.dtype), mode="drop")
     proj = {k: _window_write({"v": proj[k]}, slot, positions, n, {"v": v}, 2 * r)["v"]
             for k, v in (("kv", kv), ("score", score))}
-    S = pt.shape[1] * page_size // r
-    jj = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    return pool, proj, pool[pool_index(pt, jj, r, page_size)].astype(dt)
+    return pool, proj
 
 
 def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, ccfg, dt):
-    """One layer's attention sublayer on the cache: (y [B, T, D], window ring', compressor state', rec)."""
+    """One layer's attention sublayer on the cache: (y [B, T, D], window ring', compressor state', rec).
+
+    The attention is V4.1's seam `attention.sparse_attention` on V4's state as it is (`v4.attention` module doc): the
+    ring [R, W, hd] and the chunk's K=V as window codes, the layer's pool as the compressed codes (entry w of a row
+    at `pool_index`), the picks — CSA's indexer's (`v4.attention.index_select`), HCA's every visible entry
+    (`hca_picks`) — as `sel`; its kernel where `seam_impl` picks one."""
     r = layer_ratio(cfg, kind)
     freqs = layer_freqs(cfg, kind)
     qr, q = project_q(p, x, positions, freqs, cfg, dt)
     kv = project_kv(p, x, positions, freqs, cfg, dt)
-    slot, start, n = batch["slot"], batch["start"], batch["n_new"]
-    keys, win_mask = window_keys({"v": st_win}, slot, {"v": kv}, start, positions, valid, cfg.sliding_window,
-                                 "float32", dt)  # the "float32" codec decodes {"v"} as it is: no quantization
-    st_win = _window_write({"v": st_win}, slot, positions, n, {"v": kv}, cfg.sliding_window)["v"]
+    slot, start, n, pt = batch["slot"], batch["start"], batch["n_new"], batch["page_table"]
+    ps = ccfg.page_size
     rec: dict = {}
     B, T = positions.shape
-    if kind == "sliding":
-        comp, comp_mask = jnp.zeros((B, T, 0, cfg.head_dim), dt), jnp.zeros((B, T, 0), bool)
-    else:
-        ps = ccfg.page_size
-        pool, proj, entries = _compress_chunk(p["compressor"], x, st_comp["proj"], st_comp["pool"], batch,
-                                              positions, r, kind == "csa", freqs, ps, cfg, dt)
+    pool, sel = None, jnp.zeros((B, T, 0), jnp.int32)
+    if kind != "sliding":
+        pool, proj = _compress_chunk(p["compressor"], x, st_comp["proj"], st_comp["pool"], batch, positions, r,
+                                     kind == "csa", freqs, ps, cfg, dt)
         st_comp = dict(st_comp, pool=pool, proj=proj)
-        sel = None
         if kind == "csa":
-            ipool, iproj, ikeys = _compress_chunk(p["indexer"]["compressor"], x, st_comp["iproj"], st_comp["ipool"],
-                                                  batch, positions, r, True, freqs, ps, cfg, dt, index=True)
+            ipool, iproj = _compress_chunk(p["indexer"]["compressor"], x, st_comp["iproj"], st_comp["ipool"], batch,
+                                           positions, r, True, freqs, ps, cfg, dt, index=True)
             st_comp = dict(st_comp, ipool=ipool, iproj=iproj)
-            rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, ikeys, r, cfg, dt)
-        comp, comp_mask = compressed_view(entries, positions, r, sel)
-    o = attend(q, keys, win_mask, comp, comp_mask, sink_of(p), dt, exact=exact_level(cfg))
+            rec["topk"] = sel = index_select(p["indexer"], qr, x, positions, freqs, ipool, pt, ps, r, cfg, dt)
+        else:
+            sel = hca_picks(positions, pt.shape[1] * ps // r, r)
+    o = sparse_attention(q, sink_of(p), {"v": st_win}, slot, {"v": kv}, start, positions, valid,
+                         None if pool is None else {"v": pool}, pt, sel, ratio=max(r, 1), page_size=ps,
+                         window=cfg.sliding_window, mode=store_mode(dt), impl=seam_impl(cfg, "attention"),
+                         exact=exact_level(cfg))
+    st_win = _window_write({"v": st_win}, slot, positions, n, {"v": kv}, cfg.sliding_window)["v"]
     return output_proj(p, o, positions, freqs, cfg, dt), st_win, st_comp, rec
 
 

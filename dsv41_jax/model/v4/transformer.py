@@ -7,8 +7,10 @@ then x = norm(hc_head(h)), logits = head · x. Plain jnp, jittable with static c
 
 The numerics modes are V4.1's (`numerics`): "float32" / "exact" with a plain (unquantized) checkpoint is
 transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Pallas kernels: the moe
-op's (`v4.moe.routed`) and the mhc op's (`v4.mhc`); the others are refused with NotImplementedError
-(`kernel_refusal`), and so is this forward on a data-parallel mesh (only the paged step runs there, per rank).
+op's (`v4.moe.routed`), the mhc op's (`v4.mhc`) and the indexer's (`v4.attention.index_select`; the attention
+kernel runs in the paged step, `v4.decode`, as V4.1's: the forward attends with `attention.attend`); linear and
+engram kernels are refused with NotImplementedError (`kernel_refusal`), and so is this forward on a data-parallel
+mesh (only the paged step runs there, per rank).
 
 On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; params placed by `parallel.rules.shard_params`, docs/design/
 v4.md "Mesh"): the embedding rows are gathered where they live (`par.embed_gather`), the routed experts run
@@ -27,6 +29,7 @@ from dsv41_jax.model.numerics import act_dtype, is_exact
 from dsv41_jax.model.transformer import embed_streams, new_aux, record, replicated
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import attention_full
+from dsv41_jax.model.v4.attention import kernel_refusal as kernel_refusal_attention
 from dsv41_jax.model.v4.moe import kernel_refusal as kernel_refusal_moe
 from dsv41_jax.model.v4.moe import moe
 from dsv41_jax.model.v4.torch_order import norm_fn
@@ -38,10 +41,10 @@ def layer_ratio(cfg, kind: str) -> int:
 
 def refuse_unsupported(cfg, par=None) -> None:
     """NotImplementedError for what the V4 forward does not run: redundant experts on a mesh, an explicit Pallas
-    implementation of an op whose kernel does not fit V4 (`kernel_refusal`: every op's but moe's and mhc's, and
-    those where V4's experts / numerics do not fit), and on a data-parallel mesh anything but a dp rank's program
-    (`par.in_rank`: the paged step as `v4.decode.jitted_extend` runs it; the full-sequence forward and the MTP / DSpark
-    draft steps are not run per rank)."""
+    implementation of an op whose kernel does not fit V4 (`kernel_refusal`: linear's and engram's, and those where
+    V4's experts / numerics / widths do not fit), and on a data-parallel mesh anything but a dp rank's program
+    (`par.in_rank`: the paged step as `v4.decode.jitted_extend` runs it; the full-sequence forward and the MTP /
+    DSpark draft steps are not run per rank)."""
     if par is not None and par.expert_location is not None:
         raise NotImplementedError("DeepSeek-V4 on a mesh: no redundant experts (no V4 expert placement)")
     if par is not None and par.axis_size("dp") > 1 and not par.in_rank:
@@ -57,21 +60,20 @@ def refuse_unsupported(cfg, par=None) -> None:
 def kernel_refusal(cfg, op: str, impl: str):
     """Why V4 cannot run op `op` with the explicit implementation `impl` (one line naming the op and what does not
     fit), or None: the jnp implementations always run; of the Pallas kernels V4 runs the moe op's (V4.1's grouped
-    MXFP4 experts, `v4.moe.kernel_refusal`) and the mhc op's (V4.1's mixes / Sinkhorn and exit kernels,
-    `v4.mhc.kernel_refusal`); the others do not fit V4's shapes (docs/design/v4.md, "Kernels")."""
+    MXFP4 experts, `v4.moe.kernel_refusal`), the mhc op's (V4.1's mixes / Sinkhorn and exit kernels,
+    `v4.mhc.kernel_refusal`), and the attention and indexer ops' (V4.1's sparse-attention and index kernels on V4's
+    ring, pools and picks as they are, `v4.attention.kernel_refusal`); the linear and engram kernels do not fit V4
+    (docs/design/v4.md, "Kernels")."""
     if not dispatch.is_kernel(impl):
         return None
     if op == "moe":
         return kernel_refusal_moe(cfg, impl)
     if op == "mhc":
         return mhc4.kernel_refusal(cfg, impl)
+    if op in ("attention", "indexer"):
+        return kernel_refusal_attention(cfg, op, impl)
     bs = tuple(cfg.weight_block_size)
     return {
-        "attention": f"attention={impl}: V4.1's sparse-attention kernels read V4.1's paged cache (a window ring and "
-                     f"compressed slots shared from source layers, stored codes); V4's per-layer CSA / HCA entries "
-                     f"with their own compressors are attended by the jnp core",
-        "indexer": f"indexer={impl}: V4.1's index kernel scores index sources with a candidate stage; V4's Lightning "
-                   f"indexer scores its own compressor's keys per CSA layer",
         "engram": f"engram={impl}: DeepSeek-V4 has no Engram layers",
         "linear": f"linear={impl}: V4.1's quantized-linear kernel decodes fp8 in 32x32 blocks with per-32 activation "
                   f"quant; V4's dense weights are " + (f"fp8 in {bs[0]}x{bs[1]} blocks" if bs else "plain") +
