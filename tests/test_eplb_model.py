@@ -127,7 +127,7 @@ def eplb_cfg():
 @pytest.fixture(scope="module")
 def micro():
     cfg = eplb_cfg().replace(deterministic=True)
-    assert layer_scan.plan_runs(cfg) == ((0, 1), (1, 2))  # an unscanned layer and a scanned run
+    assert layer_scan.layer_runs(cfg) == ((0, 1), (1, 2))  # an unscanned layer and a scanned run
     return cfg, init_params(cfg, jax.random.key(0))
 
 

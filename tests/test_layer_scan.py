@@ -50,9 +50,9 @@ def params(cfgs):
 def test_runs(cfgs):
     """Which layers form runs: flash's 18 bodies for 40 layers (docs/design/layer_scan.md), none in tiny, and
     the switch turns them off."""
-    assert all(n == 1 for _, n in layer_scan.plan_runs(ModelConfig.preset("tiny")))
+    assert all(n == 1 for _, n in layer_scan.layer_runs(ModelConfig.preset("tiny")))
     flash = ModelConfig.preset("flash")
-    assert layer_scan.plan_runs(flash) == ((0, 1), (1, 1), (2, 1), (3, 5), (8, 1), (9, 5), (14, 1), (15, 5),
+    assert layer_scan.layer_runs(flash) == ((0, 1), (1, 1), (2, 1), (3, 5), (8, 1), (9, 5), (14, 1), (15, 5),
                                            (20, 1), (21, 3), (24, 1), (25, 3), (28, 1), (29, 3), (32, 1),
                                            (33, 3), (36, 1), (37, 3))
     on, off = cfgs

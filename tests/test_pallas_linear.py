@@ -212,9 +212,12 @@ def _swiglu(dt):
 @pytest.mark.parametrize("name", ["fp8_b1", "fp8_ragged_partial_scale_block"])
 def test_gated_pair_bitwise_on_order_free_weights(pallas_impl, name):
     """The gated pair (the shared expert's w1 / w3 + SwiGLU in one launch) equals the separate xla calls bit
-    for bit on order-free weights (each GEMM output then is the same fp32 sum), bf16 and fp32 flows, through
-    the seam (`linear.fp8_gated`, which runs the kernel) and with the xla seam as the oracle; a stacked pair
-    reads its layer in place."""
+    for bit on order-free weights (each GEMM output then is the same fp32 sum), bf16 and fp32 flows: the plan's
+    linear kernel with ``p_up`` / ``act`` (as `moe.moe` calls it where `StepPlan.linear_kernel`) against its plain
+    form there, ``act(linear.fp8(x, w1), linear.fp8(x, w3))`` on the xla seam; a stacked pair reads its layer in
+    place."""
+    from dsv41_jax.model.plan import StepPlan
+
     x, p1, fmt = _case(name, True)
     rng = np.random.default_rng(11)
     N, K = p1.weight.shape
@@ -222,13 +225,11 @@ def test_gated_pair_bitwise_on_order_free_weights(pallas_impl, name):
     for mode in ("bfloat16", "float32"):
         dt = BF16 if mode == "bfloat16" else F32
         kcfg = _CFG[mode].replace(impl=f"xla,linear={pallas_impl}")
+        kernel = StepPlan.of(kcfg).kernels["linear", "kernel"]
         xin = x.astype(dt)
-        for cfg in (kcfg, _CFG[mode]):
-            a = jax.jit(lambda x, p1, p3, cfg=cfg: linear.fp8_gated(x, p1, p3, _swiglu(dt), cfg, dt))(xin, p1, p3)
-            if cfg is kcfg:
-                got = a
-            else:
-                want = a
+        got = jax.jit(lambda x, p1, p3: kernel(x, p1, "fp8", dt, kcfg, p_up=p3, act=_swiglu(dt)))(xin, p1, p3)
+        want = jax.jit(lambda x, p1, p3: _swiglu(dt)(*(linear.fp8(x, q, _CFG[mode], dt) for q in (p1, p3))))(xin, p1,
+                                                                                                            p3)
         g, u = (_xla(xin, q, fmt, mode, dt) for q in (p1, p3))
         np.testing.assert_array_equal(np.asarray(want.astype(F32)), np.asarray(_swiglu(dt)(g, u).astype(F32)))
         clamped = np.abs(np.asarray(u.astype(F32))) > 0.75

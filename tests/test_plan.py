@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from dsv41_jax.model import ModelConfig, layer_scan
+from dsv41_jax.model.dispatch import ImplError
 from dsv41_jax.model.plan import DeferredExit, Pending, StepPlan
 
 K = "pallas_interpret"
@@ -66,10 +67,12 @@ def test_combine_in_w2_at_one_token_only(cfg):
 
 
 def test_a_mesh_keeps_the_boundary_apart_and_the_one_device_kernels_off(cfg):
-    step = StepPlan.of(cfg, _Mesh(4), (1, 1), "auto")
+    step = StepPlan.of(cfg.replace(impl=f"xla,attention={K},mhc={K},moe={K}"), _Mesh(4), (1, 1), "auto")
     assert not (step.fused_boundary or step.linear_kernel or step.attend_partials or step.router_kernel
                 or step.combine_in_w2)
     assert step.mhc_kernel and step.window_codes_kernel  # these run per device
+    with pytest.raises(ImplError, match="quant_linear kernels run on one device, not on a mesh of 4"):
+        StepPlan.of(cfg, _Mesh(4), (1, 1), "auto")  # an explicit linear kernel: refused once, when the plan is built
 
 
 def test_the_plan_is_built_once(cfg):

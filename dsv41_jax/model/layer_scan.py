@@ -15,7 +15,8 @@ Engram layer has its own table size and hash, so it never shares a body). Flash:
 layers. tiny: none (every tiny layer is a source, an Engram layer or a different consumer).
 
 The switch: `ModelConfig.layer_scan` (default True). False = the unrolled Python loop, the
-reference the scan is tested against (tests/test_layer_scan.py); which one runs is logged once.
+reference the scan is tested against (tests/test_layer_scan.py): one run per layer, nothing stacked; which one
+runs is logged once.
 
 Parameter layout. The canonical tree (checkpoint, conversion, `init_params`, sharding rules) keeps one
 dict per layer in ``params["layers"]``. A scan needs a run's weights on one leading axis:
@@ -29,8 +30,8 @@ dict per layer in ``params["layers"]``. A scan needs a run's weights on one lead
   weights per call (logged once with its size). Harmless for tiny models and tests; for a real model
   it doubles the weight traffic of the step and needs the copy as temporaries (flash: 208 GiB over 30 layers), so
   the engine stacks at load (`prepare`).
-* Either layout runs either way: with the switch off, a stacked layer is read as a slice of its stack
-  (`layer_params`).
+* Either layout runs either way: with the switch off, a layer of params stacked for it on is read as a slice
+  of its stack (`layer_params`).
 * Stacked leaves are stored with narrow floats as same-width unsigned integers (`storage_dtype`: the
   scan's dynamic slice of a bf16 / fp8 / e8m0 stack is widened whole by XLA:CPU); bit for bit.
 """
@@ -64,12 +65,16 @@ def _scannable(plan) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def plan_runs(cfg) -> tuple:
-    """Maximal runs ((first, n), ...) of consecutive target layers that can share one scan body,
-    covering 0..num_hidden_layers-1 in order (sources and Engram layers are runs of one). Independent
-    of the switch (`layer_runs` applies it)."""
-    runs = []
+def layer_runs(cfg) -> tuple:
+    """The runs ((first, n), ...) the forward / cached step execute and `stack_layers` stacks, covering
+    0..num_hidden_layers-1 in order: maximal runs of consecutive target layers that can share one scan body
+    (sources and Engram layers are runs of one); with ``cfg.layer_scan`` False one run per layer (nothing is
+    stacked). Made once per config (a server's `prepare` at load) and logged then."""
     L = cfg.num_hidden_layers
+    if not cfg.layer_scan:
+        log.info("layer scan: off (ModelConfig.layer_scan=False): %d layers unrolled", L)
+        return tuple((i, 1) for i in range(L))
+    runs = []
     i = 0
     while i < L:
         p = cfg.layer_plan(i)
@@ -80,6 +85,7 @@ def plan_runs(cfg) -> tuple:
         runs.append((i, n))
         i += n
     _check_shapes(cfg, runs)
+    log.info("layer scan: on: %d layers traced as %d bodies (runs (first, n): %s)", L, len(runs), runs)
     return tuple(runs)
 
 
@@ -95,22 +101,9 @@ def _check_shapes(cfg, runs) -> None:
                 raise AssertionError(f"layer_scan: layers {f} and {i} share a plan but not their parameter shapes")
 
 
-@functools.lru_cache(maxsize=64)
-def layer_runs(cfg) -> tuple:
-    """The runs the forward / cached step execute: `plan_runs` with the switch on, one run per layer
-    with ``cfg.layer_scan`` False. Logged once per config."""
-    if not cfg.layer_scan:
-        log.info("layer scan: off (ModelConfig.layer_scan=False): %d layers unrolled", cfg.num_hidden_layers)
-        return tuple((i, 1) for i in range(cfg.num_hidden_layers))
-    runs = plan_runs(cfg)
-    log.info("layer scan: on: %d layers traced as %d bodies (runs (first, n): %s)", cfg.num_hidden_layers, len(runs),
-             runs)
-    return runs
-
-
 def has_runs(cfg) -> bool:
     """Whether the step scans anything (switch on and some run of >= 2 layers)."""
-    return cfg.layer_scan and any(n > 1 for _, n in plan_runs(cfg))
+    return any(n > 1 for _, n in layer_runs(cfg))
 
 
 # ------------------------------------------------------------------------------------- layouts
@@ -196,13 +189,13 @@ def is_stacked(params) -> bool:
 
 
 def stack_layers(params: dict, cfg) -> dict:
-    """The stacked layout (module doc) of a canonical tree: each run of n >= 2 (`plan_runs`) on a
+    """The stacked layout (module doc) of a canonical tree: each run of n >= 2 (`layer_runs`) on a
     leading axis under ``params["layer_stacks"][str(first)]``, its entries in ``params["layers"]``
     None. Works for parameter arrays (host or device, sharded or not), abstract trees and sharding
     trees. A tree without runs is returned as it is (tiny). Not jitted: meant for load time."""
     if is_stacked(params):
         return params
-    runs = [(f, n) for f, n in plan_runs(cfg) if n > 1]
+    runs = [(f, n) for f, n in layer_runs(cfg) if n > 1]
     if not runs:
         return params
     layers = list(params["layers"])

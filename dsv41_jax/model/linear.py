@@ -28,9 +28,12 @@ matmul", docs/design/spec.md §1, is one formulation for every implementation: c
 
 * ``"pallas"`` / ``"pallas_interpret"`` — the fp8 and MXFP4 GEMMs as one fused kernel each
   (`pallas/quant_linear.py`: the activation quant, the weight decode and the GEMM in one launch; the
-  same products, fp32 sums in its tile order); the bf16 / fp32 kinds keep the xla path. One device only
-  (refused on a mesh); inside a layer-scan run it reads the run's stacked weights in place
-  (`plan.StepPlan.in_place`: a `weights.Stacked` weight).
+  same products, fp32 sums in its tile order); the bf16 / fp32 kinds keep the xla path. Each quantized
+  matmul reads the step plan of its config on the current mesh (``StepPlan.of(cfg, tiling.mesh_plan())``):
+  the kernel runs where `StepPlan.linear_kernel`, from the plan's `kernels` (one device only: the plan refuses
+  it on a mesh); inside a layer-scan run it reads the run's stacked weights in place (`plan.StepPlan.in_place`:
+  a `weights.Stacked` weight). Where the plan holds a step's other fused forms, their callers call the kernel
+  with its epilogues directly (`moe.moe`: the shared expert's gated w1 / w3 and w2 with the routed sum).
 * In the exact and deterministic modes (`numerics.is_exact`) every path accumulates in fp64
   (`numerics.dot_exact`) and rounds once to fp32 (then to `dt`, bf16 in the deterministic bf16 flow), so
   the reference and the xla formulation agree (bit for bit in practice) however they sum.
@@ -51,27 +54,13 @@ import jax
 import jax.numpy as jnp
 from dsv41_jax.model import codec, dispatch, quant, tiling, weights
 from dsv41_jax.model.norm import rmsnorm
+from dsv41_jax.model.plan import StepPlan
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.numerics import HIGHEST, dot_exact, is_exact, linear_bf16, linear_f32, x64_scope
 
 # Rows (tokens) up to which the xla fp8/MXFP4 linears use the K-blockwise fp8 GEMM (weight read at
 # stored width, a K/32·M·N fp32 partial-sum temporary); above it the exact-bf16 dequant GEMM.
 BLOCK_M_MAX = 8
-
-
-def _kernel(cfg, name: str, variant: str = "kernel"):
-    """The linear op's kernel `variant` for the Pallas implementation `name`, from the plan of `cfg` on the current
-    mesh (`plan.StepPlan.kernels`). Refused in the fp64-accumulating modes and on a mesh of more than one device
-    (the weights are split there, and a Pallas call would gather them onto every device)."""
-    from dsv41_jax.model.plan import StepPlan
-
-    par = tiling.mesh_plan()
-    step = StepPlan.of(cfg, par)
-    if not step.linear_kernel:
-        dispatch.refuse_kernel_in_f64_mode(cfg, "linear", name)
-        raise dispatch.ImplError(f"linear={name}: the quant_linear kernels run on one device, not on a mesh of "
-                                 f"{par.size}; use 'linear=xla' (or 'auto')")
-    return step.kernels["linear", variant]
 
 
 def _rows(x):
@@ -152,10 +141,10 @@ def fp8(x, p, cfg, dt, row_axis=None):
     run where the kernel runs the run's stack of it (`weights.Stacked`).
     Returns [..., N] in `dt` (fp32 in the fp32 / exact modes).
     """
-    impl = dispatch.resolve(cfg, "linear")
-    if dispatch.is_kernel(impl):
-        return _kernel(cfg, impl)(x, p, "fp8", dt, cfg)
-    return _fp8_jnp(x, p, cfg, dt, impl, row_axis)
+    step = StepPlan.of(cfg, tiling.mesh_plan())
+    if step.linear_kernel:
+        return step.kernels["linear", "kernel"](x, p, "fp8", dt, cfg)
+    return _fp8_jnp(x, p, cfg, dt, step.linear, row_axis)
 
 
 def _fp8_jnp(x, p, cfg, dt, impl, row_axis):
@@ -185,25 +174,14 @@ def _fp8_jnp(x, p, cfg, dt, impl, row_axis):
     return _quantized_gemm(x, N, K, 32, small, large, dt, exact, row_axis)
 
 
-def fp8_gated(x, p_gate, p_up, act, cfg, dt, row_axis=None):
-    """``act(fp8(x, p_gate), fp8(x, p_up))``: two fp8 GEMMs of one input and an elementwise function of their
-    outputs (both [..., N] in `dt`; act returns `dt`), e.g. a SwiGLU expert's w1 / w3 and its activation.
-    Where the linear kernel runs, one launch (`quant_linear.kernel`'s gated epilogue: the same per-element
-    arithmetic); else the two calls and `act`, bit for bit."""
-    impl = dispatch.resolve(cfg, "linear")
-    if dispatch.is_kernel(impl):
-        return _kernel(cfg, impl)(x, p_gate, "fp8", dt, cfg, p_up=p_up, act=act)
-    return act(fp8(x, p_gate, cfg, dt, row_axis), fp8(x, p_up, cfg, dt, row_axis))
-
-
 def fp8_dual(x, p1, p2, cfg, dt):
     """``(fp8(x, p1), fp8(x, p2))``: two fp8 GEMMs of one input (a layer's wq_a and wkv). Where the linear kernel
     runs and both output widths are multiples of 64, one launch (`quant_linear.kernel_dual`: the same values);
     else the two calls."""
-    impl = dispatch.resolve(cfg, "linear")
+    step = StepPlan.of(cfg, tiling.mesh_plan())
     n1, n2 = (weights.split(p)[0].weight.shape[-2] for p in (p1, p2))
-    if dispatch.is_kernel(impl) and n1 % 64 == 0 and n2 % 64 == 0:
-        return _kernel(cfg, impl, "kernel_dual")(x, p1, p2, "fp8", dt, cfg)
+    if step.linear_kernel and n1 % 64 == 0 and n2 % 64 == 0:
+        return step.kernels["linear", "kernel_dual"](x, p1, p2, "fp8", dt, cfg)
     return fp8(x, p1, cfg, dt), fp8(x, p2, cfg, dt)
 
 
@@ -214,13 +192,13 @@ def fp8_normed(x, pn, eps, p, cfg, dt, row_axis=None, rope=None, x_normed=None):
     Where the linear kernel runs, the norm and the RoPE run in the kernel (`quant_linear.kernel`'s norm and
     rope: three XLA launches fewer; its Σx² in the kernel's order); else exactly those calls (x_normed: that
     norm of x when the caller has it, not made twice)."""
-    impl = dispatch.resolve(cfg, "linear")
-    if dispatch.is_kernel(impl):
+    step = StepPlan.of(cfg, tiling.mesh_plan())
+    if step.linear_kernel:
         nw, layer = weights.split(pn)
         if (layer is None) != (weights.split(p)[1] is None):
             raise ValueError("linear.fp8_normed: the norm weight and the linear weight must both be a run's stacks "
                              "(weights.Stacked) or both one layer's")
-        return _kernel(cfg, impl)(x, p, "fp8", dt, cfg, norm=(nw, eps), rope=rope)
+        return step.kernels["linear", "kernel"](x, p, "fp8", dt, cfg, norm=(nw, eps), rope=rope)
     return _fp8_normed_jnp(x, pn, eps, p, cfg, dt, row_axis, rope, x_normed)
 
 
@@ -241,9 +219,10 @@ def mxfp4(x, p, cfg, dt):
     x [..., K] float; p a `weights.Mxfp4` (uint8 [N, K/2], E8M0 [N, K/32]). Returns [..., N] in `dt`.
     """
     exact = is_exact(cfg)
-    impl = dispatch.resolve(cfg, "linear")
-    if dispatch.is_kernel(impl):
-        return _kernel(cfg, impl)(x, p, "mxfp4", dt, cfg)
+    step = StepPlan.of(cfg, tiling.mesh_plan())
+    if step.linear_kernel:
+        return step.kernels["linear", "kernel"](x, p, "mxfp4", dt, cfg)
+    impl = step.linear
     p = weights.row(p)
     w, s = p.weight, p.scale
     if impl == "reference":
@@ -277,14 +256,12 @@ def f32(x, w, cfg, row_axis=None):
     dn = (((x.ndim - 1,), (1,)), ((), ()))
     N, K = w.shape
     nt, split = tiling.plan(N, K, 1, row_axis)
-    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
-        # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has
-        # the same (exact) products and needs no widened copy of either operand on any backend.
-        return tiling.over_rows(x, N, nt, lambda r0, tn: jax.lax.dot_general(
-            x, tiling.rows(w, r0, tn), dn, preferred_element_type=jnp.float32), split)
-    xf = x.astype(jnp.float32)
+    # bf16 flow: the activation is bf16-valued, so a bf16 x bf16 dot with fp32 accumulation has the same (exact)
+    # products and needs no widened copy of either operand on any backend; else the fp32 activation, HIGHEST.
+    bf16 = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+    xf, precision = (x, None) if bf16 else (x.astype(jnp.float32), HIGHEST)
     return tiling.over_rows(xf, N, nt, lambda r0, tn: jax.lax.dot_general(
-        xf, tiling.rows(w, r0, tn), dn, precision=HIGHEST, preferred_element_type=jnp.float32), split)
+        xf, tiling.rows(w, r0, tn), dn, precision=precision, preferred_element_type=jnp.float32), split)
 
 
 def wo_a(o, p, cfg, dt, row_axis=None):

@@ -261,8 +261,9 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None,
 
     The gate (the router kernel where `StepPlan.router_kernel`, else `route`), the routed experts by the plan's moe
     implementation (module doc; expert-parallel on an "ep" mesh: `par.routed_experts`), the shared expert's w1 / w3
-    + SwiGLU as one linear call, then its w2: at one token (`StepPlan.combine_in_w2`) with the routed experts' sum
-    as the w2 kernel's epilogue, else that sum added in fp32 after w2. step: the step's `plan.StepPlan` (None: made
+    + SwiGLU (one launch of the linear kernel where `StepPlan.linear_kernel`), then its w2: at one token
+    (`StepPlan.combine_in_w2`) with the routed experts' sum as the w2 kernel's epilogue, else that sum added in fp32
+    after w2. step: the step's `plan.StepPlan` (None: made
     for x's tokens); layer_id: the layer (a scan run's first), for the mesh plan's expert placement."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
@@ -280,7 +281,10 @@ def moe(p, x, top_k: int, cfg, dt, *, return_routing=False, par=None, step=None,
     else:
         routed = _routed(p["experts"], xf, idx, w, cfg, dt, par, step.moe, padded, order, layer_id)
     act = functools.partial(_swiglu_act, weight=None, limit=cfg.swiglu_limit, dt=dt)
-    a = linear.fp8_gated(xf, sh["w1"], sh["w3"], act, cfg, dt, "mlp")  # w1 / w3 rows: "mlp" (tp-split on a mesh)
+    if step.linear_kernel:  # w1 / w3 and the SwiGLU in one launch (the kernel's gated epilogue: the same arithmetic)
+        a = step.kernels["linear", "kernel"](xf, sh["w1"], "fp8", dt, cfg, p_up=sh["w3"], act=act)
+    else:  # w1 / w3 rows: "mlp" (tp-split on a mesh)
+        a = act(linear.fp8(xf, sh["w1"], cfg, dt, "mlp"), linear.fp8(xf, sh["w3"], cfg, dt, "mlp"))
     if fused:
         out = step.kernels["linear", "kernel"](a, sh["w2"], "fp8", dt, cfg, combine=(routed, order, top_k))
     else:

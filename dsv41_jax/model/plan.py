@@ -105,7 +105,8 @@ class StepPlan:
     def of(cfg, par=None, shape: tuple = (0, 0), mode: Optional[str] = None, keep_all: bool = False) -> "StepPlan":
         """The plan of a step of `cfg` on mesh plan `par` (None: one device) over tokens of `shape` (B, T); mode: the
         cache's kv_cache_dtype (None: no cache, the full forward); keep_all: the step keeps every token. Built (and
-        logged) once per distinct call."""
+        logged) once per distinct call. Refused here, once (ImplError): an explicit kernel the fp64 numerics modes
+        cannot run (moe, linear; attention in a cached step), and the linear kernels on a mesh."""
         from dsv41_jax.model import attention, mhc
 
         mesh_size, shape = 1 if par is None else int(par.size), tuple(int(n) for n in shape)
@@ -116,10 +117,13 @@ class StepPlan:
             if mode is not None:  # a cached step (the forward's attention is `attention.attend`)
                 dispatch.refuse_kernel_in_f64_mode(cfg, "attention", impls["attention"])
         on = {op: dispatch.is_kernel(impl) for op, impl in impls.items()}
+        if on["linear"] and mesh_size > 1:  # the weights are split there: a Pallas call would gather them everywhere
+            raise dispatch.ImplError(f"linear={impls['linear']}: the quant_linear kernels run on one device, not on a "
+                                     f"mesh of {mesh_size}; use 'linear=xla' (or 'auto')")
         kernels = {key: functools.partial(entry.kernel, interpret=impls[key[0]] == "pallas_interpret")
                    for key, entry in dispatch.registry().items() if on.get(key[0])}
-        # the kernels' refusals: a mesh (linear, router), a codec other than fp8 (the window codes)
-        lin = on["linear"] and mesh_size == 1
+        # the kernels' refusals: a mesh (the router), a codec other than fp8 (the window codes)
+        lin = on["linear"]
         win = mode is not None and on["attention"] and kvc._codec("win", mode) == "fp8"
         ring_now = bool(keep_all) and win and shape[1] == 1
         router = on["moe"] and mesh_size == 1
@@ -142,9 +146,9 @@ class StepPlan:
         from dsv41_jax.model.params import fp8_gemm_paths, layer_decl
 
         paths = []
-        if dispatch.is_kernel(self.linear):  # the GEMMs, and q_norm (wq_b's kernel)
+        if self.linear_kernel:  # the GEMMs, and q_norm (wq_b's kernel)
             paths += fp8_gemm_paths(layer_decl(cfg, first)) + [("attn", "q_norm", "weight")]
-        if dispatch.is_kernel(self.attention):  # kv_norm: the window codes kernel
+        if self.attend_kernel:  # kv_norm: the window codes kernel
             paths.append(("attn", "kv_norm", "weight"))
         if self.linear_kernel:  # wo_a's fp8 pair and the sink: the o_proj kernel
             paths += [("attn", "wo_a"), ("attn", "attn_sink")]

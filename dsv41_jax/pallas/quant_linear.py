@@ -33,11 +33,11 @@ re-reads its weight tiles (from L2 when they are still there: the order is not t
 made for decode). A row block past the last row re-reads that row (clamped indices) and its extra
 outputs are dropped. Inside a layer-scan run the weight is the run's stacks and a layer index (read in
 place: a sliced operand would be copied). Only one device: on a mesh whose rules split the weights, a
-Pallas call would make XLA gather every weight onto every device, so the seam refuses the kernel there
+Pallas call would make XLA gather every weight onto every device, so the step plan refuses the kernel there
 (the xla path is partitioned by XLA).
 
-Epilogues and prologues that take a neighbour's launches (`kernel`'s keywords; the seams
-`linear.fp8_gated` / `linear.fp8_normed`): a gated pair (two weights streamed by the same programs and an
+Epilogues and prologues that take a neighbour's launches (`kernel`'s keywords; their callers `moe.moe`, which
+reads the step plan, and the seam `linear.fp8_normed`): a gated pair (two weights streamed by the same programs and an
 elementwise function of both outputs: the shared expert's w1 / w3 and its SwiGLU), an RMSNormed input (each
 program sums its rows' squares first: q_norm inside wq_b) and a RoPE'd output (the pairs' partners through
 an exact fp32 dot with the pair swap: the q RoPE). The output has exactly M rows (masked stores): a padded
