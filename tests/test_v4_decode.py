@@ -77,5 +77,3 @@ def test_cached_steps_equal_the_forward(chunks):
 def test_cache_options_v4_lacks_are_refused():
     with pytest.raises(NotImplementedError, match="kv_cache_dtype"):
         dec4.init_state(CFG, CCFG.replace(kv_cache_dtype="fp8_e4m3"))
-    with pytest.raises(NotImplementedError, match="dp"):
-        dec4.init_state(CFG, CCFG.replace(dp=2, max_slots=2, num_pages=16))
