@@ -121,19 +121,10 @@ def test_dispatched_reference_moe_is_bitwise(cpu8):
     """`v4.moe.routed` with the reference (plain experts) and the tokens dispatched over a [dp=4, tp=2] mesh (experts
     over all 8 devices) ≡ one device bitwise, with hash-table rows naming one expert twice: the repeated slot's
     weight folded into its first (`fold_repeats`), as the one-device reference sums them."""
-    cfg = CFG.replace(expert_dtype="bf16", impl="moe=reference")
-    ex = init_params(cfg, jax.random.key(1))["layers"][0]["ffn"]["experts"]
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((6, cfg.hidden_size)), jnp.float32)
-    idx = jnp.asarray([[1, 6], [3, 3], [0, 7], [5, 2], [4, 4], [7, 0]], jnp.int32)
-    w = jnp.asarray(rng.random((6, 2)), jnp.float32)
-    ref = jax.jit(lambda e, a, i, v: moe4.routed(e, a, i, v, cfg, jnp.float32))(ex, x, idx, w)
-    mesh = make_mesh(2, 1, dp=4, cfg=cfg)
-    par = MeshPlan.of(mesh)
+    from test_v4_mesh import check_reference_moe_bitwise
+
+    idx, w, par = check_reference_moe_bitwise(lambda cfg: make_mesh(2, 1, dp=4, cfg=cfg))
     assert par.moe_a2a_backend == "all_to_all"
-    exs = jax.device_put(ex, rules.param_shardings(cfg, mesh)["layers"][0]["ffn"]["experts"])
-    got = jax.jit(lambda e, a, i, v: moe4.routed(e, a, i, v, cfg, jnp.float32, par))(exs, x, idx, w)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
     folded = np.asarray(moe4.fold_repeats(idx, w))
     assert folded[1, 1] == 0 and folded[1, 0] == np.float32(w[1, 0] + w[1, 1]) and folded[0, 1] == w[0, 1]
 

@@ -89,10 +89,14 @@ def test_mhc_kernels_equal_the_jnp_path(params):
                                    np.asarray(mhc4.leave(y, h, post, comb, xcfg, f32)), rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("change, why", [
+# The numerics modes no V4 kernel runs in, with the reason each refusal names.
+NUMERICS_REFUSALS = [
     (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
     (dict(release_order="torch_cpu"), "release_order 'torch_cpu'"),
-])
+]
+
+
+@pytest.mark.parametrize("change, why", NUMERICS_REFUSALS)
 def test_mhc_kernel_is_refused_where_v4_does_not_fit(params, change, why):
     cfg = CFG.replace(impl=f"mhc={KERNEL}", **change)
     with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: mhc={KERNEL}: {why}"):
@@ -240,10 +244,7 @@ def test_kernels_that_do_not_fit_v4_are_refused_naming_the_op(op):
 
 
 @pytest.mark.parametrize("op", ["attention", "indexer"])
-@pytest.mark.parametrize("change, why", [
-    (dict(act_dtype="exact"), "the exact numerics mode accumulates in fp64, the kernel in fp32"),
-    (dict(release_order="torch_cpu"), "release_order 'torch_cpu'"),
-])
+@pytest.mark.parametrize("change, why", NUMERICS_REFUSALS)
 def test_attention_and_indexer_kernels_are_refused_where_v4_does_not_fit(op, change, why):
     cfg = CFG.replace(impl=f"{op}={KERNEL}", **change)
     with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: {op}={KERNEL}: {why}"):

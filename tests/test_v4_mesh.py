@@ -124,9 +124,9 @@ def test_v4_checkpoint_loads_onto_the_mesh(cpu8, tmp_path):
 # ------------------------------------------------------------------------------------------ experts
 
 
-def test_expert_parallel_reference_moe_is_bitwise(cpu8):
-    """`v4.moe.routed` with the reference (plain bf16 experts, every expert on every token) split over ep=4 ≡ one
-    device, bitwise, with a hash-table row naming one expert twice (its weights summed, as the reference does)."""
+def check_reference_moe_bitwise(mesh_of):
+    """`v4.moe.routed` with the reference (plain bf16 experts) on the mesh `mesh_of(cfg)` ≡ one device, bitwise, with
+    hash-table rows naming one expert twice (their weights summed, as the reference does). Returns (idx, w, par)."""
     cfg = CFG.replace(expert_dtype="bf16", impl="moe=reference")
     ex = init_params(cfg, jax.random.key(1))["layers"][0]["ffn"]["experts"]
     rng = np.random.default_rng(3)
@@ -134,11 +134,17 @@ def test_expert_parallel_reference_moe_is_bitwise(cpu8):
     idx = jnp.asarray([[1, 6], [3, 3], [0, 7], [5, 2], [4, 4], [7, 0]], jnp.int32)
     w = jnp.asarray(rng.random((6, 2)), jnp.float32)
     ref = jax.jit(lambda e, a, i, v: moe4.routed(e, a, i, v, cfg, jnp.float32))(ex, x, idx, w)
-    mesh = make_mesh(2, 4, cfg=cfg)
+    mesh = mesh_of(cfg)
     par = MeshPlan.of(mesh)
     exs = jax.device_put(ex, rules.param_shardings(cfg, mesh)["layers"][0]["ffn"]["experts"])
     got = jax.jit(lambda e, a, i, v: moe4.routed(e, a, i, v, cfg, jnp.float32, par))(exs, x, idx, w)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
+    return idx, w, par
+
+
+def test_expert_parallel_reference_moe_is_bitwise(cpu8):
+    """The reference MoE split over ep=4 (every expert on every token, psum) ≡ one device bitwise."""
+    check_reference_moe_bitwise(lambda cfg: make_mesh(2, 4, cfg=cfg))
 
 
 # ------------------------------------------------------------------------------------------ whole model
