@@ -112,3 +112,27 @@ def test_registry_entry_has_a_reference_and_a_supports_predicate(key, tiny_cfg):
     flash = ModelConfig.preset("flash")
     assert e.supports(tiny_cfg) and e.supports(flash) and D.supports(*key, tiny_cfg)
     assert not e.supports(tiny_cfg.replace(act_dtype="exact")) and not e.supports(flash.replace(deterministic=True))
+
+
+def test_loading_the_kernels_does_not_retrace_what_was_traced_before():
+    """A function jitted and run before the kernel registry is first loaded (parameter init, the engine's
+    helpers, a warm-up's precompiled steps: the registry loads inside the first step's trace) is not traced
+    again after it: importing Pallas adds config states to every trace's cache key on jax >= 0.12, so
+    model/dispatch.py imports it up front. In a fresh interpreter, since this one has loaded it already."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from dsv41_jax.model import dispatch
+        traces = []
+        f = jax.jit(lambda x: (traces.append(1), x + 1)[1])
+        f(jnp.zeros(3))
+        dispatch.registry()  # the first load: imports dsv41_jax.pallas and its kernels
+        f(jnp.zeros(3))
+        print(len(traces))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1", f"traced {out.stdout.split()[-1]} times (once expected)"

@@ -32,6 +32,12 @@ import types
 from typing import Callable, Optional
 
 import jax
+# Imported now, before anything traces: on jax >= 0.12 importing Pallas registers two config states that are
+# part of every trace's cache key (`pallas_grid_context`, `pallas_dynamic_shapes_export`), so importing it in
+# the middle of the first step's trace (when `registry` first loads the kernels) would make every jitted
+# function traced before it (parameter init, the engine's helpers, a warm-up's precompiled steps) trace,
+# lower and compile or load again on its next call. jax 0.10's Pallas adds none; the import is ~0.05 s.
+import jax.experimental.pallas  # noqa: F401
 
 from dsv41_jax.model.numerics import is_exact, mode_name
 
