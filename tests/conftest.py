@@ -22,9 +22,13 @@ compiling (a persistent-cache load counts as a compile) in that test, from `jax.
 """
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
+
+from xdist.scheduler import LoadFileScheduling
 
 N_HOST_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
@@ -169,6 +173,39 @@ if os.environ.get(COMPILE_LOG_ENV):
 def pytest_report_header(config):
     return [f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}: compile settings {XLA_OPT_CHOICE}",
             f"compile cache: {RUN_COMPILE_CACHE}"]
+
+
+FILE_SECONDS = os.path.join(os.path.dirname(__file__), "data", "file_seconds.json")
+
+
+def heaviest_first(files, seconds: dict) -> list:
+    """`files` (test file node ids) ordered by their recorded seconds, heaviest first; a file with no record
+    counts as the median of the recorded ones (a new file may be heavy); ties keep their given order."""
+    known = sorted(seconds.values())
+    default = known[len(known) // 2] if known else 0
+    return sorted(files, key=lambda f: -seconds.get(f, default))
+
+
+class HeaviestFirst(LoadFileScheduling):
+    """xdist's file scheduling (``--dist loadfile``, README's test command) with the heaviest files first. xdist's own
+    order is by the number of tests in a file, which puts the few-test, many-second files (live servers, meshes,
+    DSpark engines) last: one worker then runs the last of them while the other idles. The seconds come from a
+    --durations run (tests/data/file_seconds.json, `scripts/file_seconds.py`); only their order matters."""
+
+    def _assign_work_unit(self, node):
+        if not getattr(self, "_ordered", False):  # the first assignment: the queue is complete
+            with open(FILE_SECONDS) as f:
+                seconds = json.load(f)
+            self.workqueue = OrderedDict((s, self.workqueue[s]) for s in heaviest_first(self.workqueue, seconds))
+            self._ordered = True
+        super()._assign_work_unit(node)
+
+
+@pytest.hookimpl(optionalhook=True)  # known only where xdist is loaded (not under -p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    return HeaviestFirst(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -95,3 +95,46 @@ def test_the_emitter_probe_asks_xla():
     assert conftest._xla_accepts(f"{OPT_FLAG}=0")
     assert not conftest._xla_accepts("--xla_cpu_no_such_flag_for_the_test=1")
     assert not conftest._xla_accepts(f"{OPT_FLAG}=0 --xla_cpu_no_such_flag_for_the_test=1")  # one unknown: refused
+
+
+def test_the_scheduler_starts_the_heaviest_files_first():
+    """README's command runs files on two workers (--dist loadfile); `conftest.HeaviestFirst` hands them out by their
+    recorded seconds (tests/data/file_seconds.json), heaviest first, where xdist's own order (by test count) would
+    leave the few-test, many-second files for last. A file with no record counts as the median."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    seconds = {"tests/a.py": 5, "tests/b.py": 50, "tests/c.py": 1}
+    assert conftest.heaviest_first(["tests/a.py", "tests/new.py", "tests/b.py", "tests/c.py"], seconds) == [
+        "tests/b.py", "tests/a.py", "tests/new.py", "tests/c.py"]
+
+    class Node:  # what the scheduler asks of a worker
+        def __init__(self):
+            self.sent = []
+
+        def send_runtest_some(self, indexes):
+            self.sent.append(indexes)
+
+    sched = conftest.HeaviestFirst.__new__(conftest.HeaviestFirst)  # the queue as xdist's `schedule` leaves it
+    recorded = json.loads(pathlib.Path(conftest.FILE_SECONDS).read_text())
+    light, heavy = min(recorded, key=recorded.get), max(recorded, key=recorded.get)
+    collection = [f"{light}::test_1", f"{light}::test_2", f"{heavy}::test_1"]
+    from collections import OrderedDict
+
+    sched.workqueue = OrderedDict([(light, {collection[0]: False, collection[1]: False}), (heavy, {collection[2]: False})])
+    node = Node()
+    sched.assigned_work, sched.registered_collections = {}, {node: collection}
+    sched._assign_work_unit(node)
+    assert node.sent == [[2]] and list(sched.assigned_work[node]) == [heavy]
+    # the recorded files exist (a renamed file would lose its weight), and the table is the script's output format
+    root = pathlib.Path(conftest.__file__).resolve().parent.parent
+    assert all((root / f).is_file() for f in recorded), sorted(f for f in recorded if not (root / f).is_file())
+    out = subprocess.run([sys.executable, str(root / "scripts" / "file_seconds.py"), "-"], capture_output=True,
+                         text=True, input="12.50s call     tests/x.py::test_a\n0.40s setup    tests/x.py::test_b\n"
+                                          "3.00s teardown tests/y.py::C::test_c[1]\n")
+    assert out.returncode == 0 and json.loads(out.stdout) == {"tests/x.py": 13, "tests/y.py": 3}, out.stderr
+    bad = subprocess.run([sys.executable, str(root / "scripts" / "file_seconds.py"), "-"], capture_output=True,
+                         text=True, input="nothing here\n")
+    assert bad.returncode == 2 and "no durations" in bad.stderr
