@@ -13,8 +13,9 @@ tests/test_pallas_moe.py states for that kernel at the seam (fp32 flow: 1e-5·ma
 order), on a hash-routed layer (whose table rows may repeat an expert) and a learned-routing one, for 10 tokens and
 for one (the kernel's sort-free case). The paged decode step on tiny-v4 (a prefill chunk, then single tokens) with
 both kernels keeps every token's experts and its greedy tokens, and stays within tolerance of the jnp path up to the
-runs' first parting, which may only be one fp8 rounding-tie flip of a MoE input (`tests/parting.py`). The kernels that do not fit V4 are refused in one line naming the op and what does not fit, also at the
-engine's start-up (`V4Step.refuse`).
+runs' first parting, which may only be one fp8 rounding-tie flip of a MoE input (`tests/parting.py`). The kernels
+that do not fit V4 are refused in one line naming the op and what does not fit, also at the engine's start-up
+(`V4Step.refuse`).
 """
 
 import argparse
