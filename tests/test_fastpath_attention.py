@@ -47,6 +47,7 @@ import pytest
 
 import configs
 import goldens
+import parting
 
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
@@ -399,22 +400,24 @@ def _all_kernels(cfg, pallas_impl):
 
 
 def _first_parting(got, want, tol):
-    """Where the logits of two scenario runs first part by more than `tol`, walking PLAN in order.
+    """Where the logits of two scenario runs first part by more than `tol`, walking PLAN in order
+    (`parting.first_parting` over the steps whose logits part).
 
     Returns None if they never do, else (step, row, layer, tokens): the first layer of that step whose
-    input streams part (by more than `tol`) and the row's tokens at which they do."""
+    input streams part (by more than `tol`) and the row's tokens at which they do (layer None: the logits part
+    but no layer input does: the final norm / head)."""
+    steps = []
     for i, take in enumerate(PLAN):
         for r in sorted(take):
             if np.abs(got[f"logits_{i}_{r}"] - want[f"logits_{i}_{r}"]).max() <= tol:
                 continue
             lids = sorted(int(k[len("inputs"):].split("_")[0]) for k in want if k.startswith("inputs") and
                           k.endswith(f"_{i}_{r}"))
-            for lid in lids:
-                d = np.abs(got[f"inputs{lid}_{i}_{r}"] - want[f"inputs{lid}_{i}_{r}"]).reshape(take[r], -1).max(-1)
-                if (d > tol).any():
-                    return i, r, lid, np.flatnonzero(d > tol).tolist()
-            return i, r, None, []  # the logits part but no layer input does: the final norm / head
-    return None
+            steps.append(((i, r), [(lid, got[f"inputs{lid}_{i}_{r}"].reshape(take[r], -1),
+                                    want[f"inputs{lid}_{i}_{r}"].reshape(take[r], -1), tol, False) for lid in lids]
+                          + [(None, got[f"logits_{i}_{r}"], want[f"logits_{i}_{r}"], tol, False)]))
+    part = parting.first_parting(steps)
+    return None if part is None else (*part.step, part.name, part.tokens if part.name is not None else [])
 
 
 def test_decode_pallas_equals_xla(mini_params, mini_cfg32, xla_scenario, pallas_impl):

@@ -217,7 +217,9 @@ def attention_cached(p, x, st_win, st_comp, batch, positions, valid, kind, cfg, 
 def extend(params, state, batch, cfg, ccfg, return_aux: bool = False, head: bool = True, par=None):
     """Run the batch's new tokens through every layer against the cache. Returns (logits fp32 [B, T, vocab],
     state') and with `return_aux` the forward's aux ({"topk", "experts", "layer_inputs"} per layer, "hidden",
-    "streams": the last layer's output streams [B, T, n, D]) too. head=False (with `return_aux`): logits None and
+    "streams": the last layer's output streams [B, T, n, D]) and "moe_inputs" {layer: [B, T, D]} (the MoE's input,
+    the ffn sublayer's normed collapse, which the routed experts' GEMM fp8-quantizes: where a kernel's rounding
+    difference can flip an fp8 code, tests/test_v4_kernels.py) too. head=False (with `return_aux`): logits None and
     aux "hidden" None — the caller runs `final_logits` on the rows it needs.
     Jittable with static cfg / ccfg / return_aux / par (a tp x ep mesh plan, module doc); tokens past n_new[b] are
     padding (masked, never written)."""
@@ -232,7 +234,7 @@ def extend(params, state, batch, cfg, ccfg, return_aux: bool = False, head: bool
              "ikeys": dict(state["ikeys"])}
     with tiling.on_mesh(par):
         h = embed_streams(params, tokens, cfg, dt, par)
-        aux = new_aux()
+        aux = dict(new_aux(), moe_inputs={})
         for i, kind in enumerate(attention_kinds(cfg)):
             h, state["window"][i], st, rec = layer_step(params["layers"][i], h, tokens, state["window"][i],
                                                         _layer_of(state, str(i)), batch, positions, valid, kind,
@@ -247,12 +249,13 @@ def extend(params, state, batch, cfg, ccfg, return_aux: bool = False, head: bool
 def layer_step(lp, h, tokens, win, comp, batch, positions, valid, kind: str, hashed: bool, cfg, ccfg, dt, par=None):
     """One V4 layer on the cache (a target layer, or an MTP layer on its own input streams; `v4.transformer.
     layer_forward` for a sequence from 0): h [B, T, n, D] -> (h', window ring', compressor state' (None at a
-    sliding layer), (rec {"layer_inputs", "experts"}, attention rec {"topk"} at CSA))."""
+    sliding layer), (rec {"layer_inputs", "moe_inputs", "experts"}, attention rec {"topk"} at CSA))."""
     rec = {"layer_inputs": h}
     x, post, comb = mhc4.enter(h, lp, "attn", cfg, dt)
     y, win, comp, arec = attention_cached(lp["attn"], x, win, comp, batch, positions, valid, kind, cfg, ccfg, dt)
     h = sublayer_exit(y, h, post, comb, cfg, dt, par)
     x, post, comb = mhc4.enter(h, lp, "ffn", cfg, dt)
+    rec["moe_inputs"] = x
     y, (rec["experts"], _) = moe(lp["ffn"], x, tokens, hashed, cfg, dt, par)
     return sublayer_exit(y, h, post, comb, cfg, dt, par), win, comp, (rec, arec)
 

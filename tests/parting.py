@@ -1,0 +1,107 @@
+"""Where two runs of one computation (a fast path and its plain-jnp reference) first part, and whether that first
+parting is an fp8 rounding-tie flip.
+
+Two fp32 runs whose ops differ only in summation order agree to ~1e-7 relative until one of them crosses a rounding
+boundary the other does not: an fp8 code of an activation (the model's activation quantization, `codec.
+fp8_act_codes`: e4m3 codes of x / 2^e per block of 32, 2^e from the block's amax) lands on the other side of a tie
+between two codes. One code then moves by a whole fp8 quantum, and everything downstream of it parts by far more
+than the paths' summation-order difference. Such a parting is only the test's to accept when it is that event: one
+code, of an element within a tiny margin of the tie (`Flip.margin`), with both runs within tolerance before it. A
+kernel bug parts by more than the tolerance (no flip needed), or flips codes away from any tie, or many.
+
+`first_parting` walks the two runs' recorded quantities in run order and returns the first that parts (beyond its
+tolerance, or, for an fp8-quantized activation, by a code); `fp8_flips` lists the codes two activations differ in,
+each with its tie and margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from dsv41_jax.model import codec
+
+# Every finite e4m3 value, ascending: two codes are neighbours when no value lies strictly between them.
+_E4M3 = np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+_E4M3 = _E4M3[np.isfinite(_E4M3)]
+
+
+@dataclasses.dataclass
+class Flip:
+    """One fp8 code two activations differ in. index: the element's index; want / got: its values in the two runs;
+    codes: (want's, got's) on the scaled e4m3 grid (x / 2^e); tie: the boundary between them in x's units (None when
+    the codes are not neighbours, or the block's scales differ); margin: |want − tie| / the block's amax (the
+    reference's distance to the tie relative to what the block's scale is made from; inf without a tie)."""
+
+    index: tuple
+    want: float
+    got: float
+    codes: tuple
+    tie: float | None
+    margin: float
+
+    def __str__(self):
+        tie = "no tie (not neighbouring codes, or another scale)" if self.tie is None else \
+            f"tie {self.tie:.9g}, reference {self.want - self.tie:+.3g} from it (margin {self.margin:.3g} of the " \
+            f"block's amax), fast path {self.got - self.tie:+.3g}"
+        return f"element {self.index}: reference {self.want!r}, fast path {self.got!r}, codes {self.codes}: {tie}"
+
+
+def fp8_flips(got, want, block: int = 32) -> list:
+    """The fp8 activation codes (`codec.fp8_act_codes`, blocks of `block` along the last axis) in which `got` and
+    `want` [..., K] differ: a list of `Flip`, by index. A block whose scale exponent differs counts each of its
+    differing codes, without a tie."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    yg, eg = codec.fp8_act_codes(got, np, block)
+    yw, ew = codec.fp8_act_codes(want, np, block)
+    yg, yw = yg.reshape(got.shape), yw.reshape(want.shape)
+    same_scale = np.repeat(eg == ew, block, axis=-1)
+    amax = np.repeat(np.abs(want.reshape(*want.shape[:-1], -1, block)).max(-1), block, axis=-1)
+    out = []
+    for idx in zip(*np.nonzero((yg != yw) | ~same_scale)):
+        cw, cg = float(yw[idx]), float(yg[idx])
+        lo, hi = min(cw, cg), max(cw, cg)
+        tie = None
+        if same_scale[idx] and cw != cg and not ((_E4M3 > lo) & (_E4M3 < hi)).any():
+            tie = (lo + hi) / 2 * 2.0 ** float(ew[idx[:-1] + (idx[-1] // block,)])  # exact: a power-of-two scale
+        margin = np.inf if tie is None else abs(float(want[idx]) - tie) / float(amax[idx])
+        out.append(Flip(tuple(int(i) for i in idx), float(want[idx]), float(got[idx]), (cw, cg), tie, margin))
+    return out
+
+
+def parted_rows(got, want, tol) -> list:
+    """The rows (leading axis) of `got` and `want` that differ somewhere by more than `tol` (absolute)."""
+    d = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).reshape(len(got), -1).max(-1)
+    return np.flatnonzero(d > tol).tolist()
+
+
+@dataclasses.dataclass
+class Parting:
+    """Where two runs first part: the step's key, the quantity's name, the rows (tokens) that part; `flips` when the
+    quantity is an fp8-quantized activation within tolerance whose codes differ (tokens: the flipped rows)."""
+
+    step: object
+    name: object
+    tokens: list
+    flips: list = dataclasses.field(default_factory=list)
+
+
+def first_parting(steps, fp8_block: int = 32):
+    """Walk two runs in run order and return the first `Parting`, or None if they never part.
+
+    steps: iterable of (step key, quantities), the quantities in the order the step computes them, each
+    (name, got [T, ...], want [T, ...], tol, fp8) over the step's T tokens: it parts where a row differs by more than
+    tol (absolute); with fp8 (an activation the step fp8-quantizes per `fp8_block` along its last axis) it also parts,
+    within tol, where its fp8 codes differ (`fp8_flips`)."""
+    for key, quantities in steps:
+        for name, got, want, tol, fp8 in quantities:
+            rows = parted_rows(got, want, tol)
+            if rows:
+                return Parting(key, name, rows)
+            if fp8:
+                flips = fp8_flips(got, want, fp8_block)
+                if flips:
+                    return Parting(key, name, sorted({f.index[0] for f in flips}), flips)
+    return None

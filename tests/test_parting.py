@@ -1,0 +1,46 @@
+"""tests/parting.py, the first-parting helper the kernel tests share: fp8 flips with their ties and margins, and the
+walk to the first parting (numpy only)."""
+
+import numpy as np
+
+import parting
+
+S = 2.0 ** -7  # the scale of a block whose amax is 3.5 (= 448 · 2^-7)
+TIE = (0.025390625 + 0.02734375) / 2 * S  # between the e4m3 neighbours 13 · 2^-9 and 14 · 2^-9 (times S)
+
+
+def _block(v):
+    x = np.zeros((2, 32), np.float32)
+    x[:, 0] = 3.5  # the blocks' amax: scale 2^-7
+    x[1, 5] = v
+    return x
+
+
+def test_a_flip_at_a_tie_has_its_tie_and_margin():
+    up, down = np.nextafter(np.float32(TIE), np.float32(1)), np.nextafter(np.float32(TIE), np.float32(0))
+    (f,) = parting.fp8_flips(_block(down), _block(up))
+    assert f.index == (1, 5) and f.codes == (0.02734375, 0.025390625) and f.tie == TIE
+    assert f.margin == (float(up) - TIE) / 3.5 and 0 < f.margin < 1e-11
+    assert "tie" in str(f) and parting.fp8_flips(_block(up), _block(up)) == []
+
+
+def test_codes_that_are_not_neighbours_or_another_scale_have_no_tie():
+    (f,) = parting.fp8_flips(_block(TIE - 3 * 2.0 ** -9 * S), _block(TIE + 2.0 ** -12 * S))
+    assert f.tie is None and f.margin == np.inf
+    big = _block(TIE)
+    big[1, 0] = 3.6  # amax past 448 · 2^-7: scale 2^-6, the block's small codes change
+    flips = parting.fp8_flips(big, _block(TIE))
+    assert flips and all(f.tie is None and f.index[0] == 1 for f in flips)
+
+
+def test_first_parting_walks_in_order_by_tolerance_then_codes():
+    a = np.ones((3, 4), np.float32)
+    b = a.copy()
+    b[2, 1] += 1e-3
+    steps = [("s0", [("x", a, a, 0.0, False)]), ("s1", [("y", a, b, 1e-4, False), ("z", a, a + 1, 1e-4, False)])]
+    p = parting.first_parting(steps)
+    assert (p.step, p.name, p.tokens, p.flips) == ("s1", "y", [2], [])
+    assert parting.first_parting([("s", [("y", a, b, 2e-3, False)])]) is None  # within tol
+    lo, hi = _block(np.float32(TIE) * (1 - 1e-6)), _block(np.float32(TIE) * (1 + 1e-6))
+    p = parting.first_parting([("s", [("q", lo, hi, 1e-5, False)]), ("t", [("q", lo, hi, 1e-5, True)])])
+    assert (p.step, p.name, p.tokens, len(p.flips)) == ("t", "q", [1], 1)
