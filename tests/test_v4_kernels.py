@@ -16,6 +16,11 @@ both kernels keeps every token's experts and its greedy tokens, and stays within
 runs' first parting, which may only be one fp8 rounding-tie flip of a MoE input (`tests/parting.py`). The kernels
 that do not fit V4 are refused in one line naming the op and what does not fit, also at the engine's start-up
 (`V4Step.refuse`).
+
+The linear kernel runs V4 in its release numerics only (the fp8 / MXFP4 GEMMs with V4's activation and weight blocks
+declared to V4.1's kernel): bitwise V4's jnp release GEMM on order-free weights, within the fp32 summation bound on
+tiny-v4's own layers, a K the 128 block does not cut refused, the paged step keeping experts and tokens (section
+"linear: V4's release numerics" below).
 """
 
 import argparse
@@ -28,15 +33,18 @@ import pytest
 
 import parting
 
-from dsv41_jax.model import ModelConfig, dispatch, init_params
+from dsv41_jax.model import ModelConfig, dispatch, init_params, quant
 from dsv41_jax.model.cache import CacheConfig
+from dsv41_jax.model.config_v4 import RELEASE_NUMERICS
 from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.model.v4 import attention as attn4
 from dsv41_jax.model.v4 import decode as dec4
+from dsv41_jax.model.v4 import linear as lin4
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4 import moe as moe4
 from dsv41_jax.model.v4.torch_order import norm_fn
 from dsv41_jax.model.v4.transformer import refuse_unsupported
+from dsv41_jax.model.weights import Fp8, Mxfp4
 
 CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="float32")  # the fp32 flow: summation order only
 KERNEL = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"  # as conftest's `pallas_impl`
@@ -335,3 +343,237 @@ def test_engine_start_up_refuses_a_kernel_that_does_not_fit_in_one_line():
     with pytest.raises(EngineError, match=rf"not supported with --impl 'linear={KERNEL}' \(linear={KERNEL}: V4.1's "
                                           rf"quantized-linear kernel .* fp8 in 128x128 blocks"):
         V4Step.refuse(argparse.Namespace(impl=f"linear={KERNEL}", **base), CFG)
+
+
+# ------------------------------------------------------------------------------- linear: V4's release numerics
+# The linear kernel (`pallas.quant_linear`, ("linear", "kernel")) runs V4's fp8 / MXFP4 GEMMs in the release numerics
+# (`config_v4.RELEASE_NUMERICS`), its blocks declared by the seam (`v4.linear`): the activation fp8 per 128 (ue8m0),
+# fp8 weights in 128 x 128 blocks, MXFP4 experts per 1 x 32. tiny-v4 at widths the 128 blocks cut (test_v4_numerics'
+# layout: 128 wide), the fp32 flow. The kernel and V4's jnp path (`v4.linear.dense` / `expert`: the fake-quantized
+# activation times the exactly dequantized weight, one fp32 dot) form the same exact products and differ only in the
+# fp32 summation order: bitwise on order-free weights (at most two nonzero products per output), else within the
+# fp32 summation bound K·2^-24·(|x̂|·|ŵ|ᵀ) of the exact sum (which the jnp path meets too) in the fp32 flow and one
+# bf16 ulp of the jnp path's output in the bf16 flow (tests/test_pallas_linear.py's bounds for V4.1's blocks).
+RCFG = CFG.replace(hidden_size=128, q_lora_rank=128, head_dim=128, qk_rope_head_dim=64, o_lora_rank=128,
+                   moe_intermediate_size=128, index_head_dim=128, num_hidden_layers=3, compress_ratios=(0, 4, 8, 0),
+                   **RELEASE_NUMERICS)
+LIN = f"xla,linear={KERNEL}"
+
+
+@pytest.fixture(scope="module")
+def rparams():
+    return init_params(RCFG, jax.random.key(4))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _gemm(x, p, fmt, dt, impl):
+    """V4's GEMM seam (`v4.linear.dense` for fp8, `expert` for MXFP4) in the release numerics with impl `impl`."""
+    f = lin4.dense if fmt == "fp8" else lin4.expert
+    return f(x.astype(dt), p, RCFG.replace(impl=impl), dt).astype(jnp.float32)
+
+
+def _order_free(rng, fmt, N, K):
+    """A stored weight whose rows hold at most two nonzero codes (random columns; scales 2^-5 .. 2^0): fp8 e4m3
+    [N, K] with E8M0 per 128 x 128 block [⌈N/128⌉, K/128], or MXFP4 [N, K/2] with E8M0 per 1 x 32 [N, K/32]."""
+    cols = np.argsort(rng.random((N, K)), axis=-1)[:, :2]
+    c = np.zeros((N, K), np.uint8)
+    if fmt == "fp8":
+        np.put_along_axis(c, cols, rng.integers(1, 0x7F, (N, 2)).astype(np.uint8) |
+                          (rng.integers(0, 2, (N, 2)) << 7).astype(np.uint8), axis=-1)
+        s = rng.integers(122, 128, (-(-N // 128), K // 128))
+        return Fp8(weight=jax.lax.bitcast_convert_type(jnp.asarray(c), quant.FP8),
+                   scale=jax.lax.bitcast_convert_type(jnp.asarray(s.astype(np.uint8)), quant.E8M0))
+    np.put_along_axis(c, cols, rng.integers(1, 16, (N, 2)).astype(np.uint8), axis=-1)
+    c[c == 8] = 9  # −0 is not a nonzero
+    s = rng.integers(122, 128, (N, K // 32))
+    return Mxfp4(weight=jnp.asarray(c[:, 0::2] | (c[:, 1::2] << 4)),
+                 scale=jax.lax.bitcast_convert_type(jnp.asarray(s.astype(np.uint8)), quant.E8M0))
+
+
+def _acts(rng, M, K):
+    """Rows [M, K] of elements at scales 2^-3 .. 2^3 with one outlier 2^14 in lane 5: its 128-block's scale 2^6
+    pushes the block's other elements into e4m3's subnormals (a per-32 quant would keep lanes 32-127 normal)."""
+    x = rng.standard_normal((M, K)) * 2.0 ** rng.integers(-3, 4, (M, K))
+    x[:, 5] = 2.0 ** 14
+    return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("fmt, N, K", [("fp8", 160, 384), ("mxfp4", 64, 256)])
+def test_linear_kernel_bitwise_v4s_release_gemm_on_order_free_weights(fmt, N, K):
+    """The seam with ``linear=<kernel>`` against V4's jnp release GEMM on order-free weights: bit for bit, so the
+    activation quant per 128, the scale row per 128 weight rows (N = 160: a partial second block) and the scale
+    column per 128 along K (K = 384: three chunks of 128) are the jnp path's. 5 rows in the fp32 and bf16 flows, 1
+    row (decode) in bf16."""
+    rng = np.random.default_rng(21 if fmt == "fp8" else 22)
+    p, x = _order_free(rng, fmt, N, K), _acts(rng, 5, K)
+    for xs, dt in ((x, jnp.float32), (x, jnp.bfloat16), (x[:1], jnp.bfloat16)):
+            want = np.asarray(_gemm(xs, p, fmt, dt, "xla"))
+            assert np.abs(want).max() > 0 and (want != 0).mean() > 0.5
+            np.testing.assert_array_equal(np.asarray(_gemm(xs, p, fmt, dt, LIN)), want, err_msg=f"{xs.shape} {dt}")
+    # the blocks are declared, not V4.1's: with per-32 activation blocks the same weights give other values
+    x32 = np.asarray(quant.fake_quant_fp8(x, block=32, out_dtype=jnp.float32))
+    assert (x32 != np.asarray(quant.fake_quant_fp8(x, block=128, out_dtype=jnp.float32))).any()
+
+
+def test_linear_kernel_on_v4s_layers_within_the_summation_bound(rparams):
+    """tiny-v4's own dense weights (the CSA layer's wq_a, wq_b, wkv, wo_b, the shared expert's w1 / w3 / w2) and one
+    routed MXFP4 expert's w1 / w2 at the kernel against V4's jnp release GEMM (fp32 flow): within the summation bound
+    of the exact fp64 sum (module comment above), which the jnp path meets too. (The bf16 flow: bitwise above.)"""
+    lp = rparams["layers"][1]
+    a, sh = lp["attn"], lp["ffn"]["shared_experts"]
+    ex = jax.tree_util.tree_map(lambda t: t[3], lp["ffn"]["experts"])
+    rng = np.random.default_rng(23)
+    for name, p, fmt in (("wq_a", a["wq_a"], "fp8"), ("wq_b", a["wq_b"], "fp8"), ("wkv", a["wkv"], "fp8"),
+                         ("wo_b", a["wo_b"], "fp8"), ("shared w1", sh["w1"], "fp8"), ("shared w3", sh["w3"], "fp8"),
+                         ("shared w2", sh["w2"], "fp8"), ("expert w1", ex["w1"], "mxfp4"), ("expert w2", ex["w2"], "mxfp4")):
+        assert isinstance(p, Fp8 if fmt == "fp8" else Mxfp4), name
+        K = p.weight.shape[-1] * (2 if fmt == "mxfp4" else 1)
+        x = _acts(rng, 5, K)
+        xd = np.asarray(quant.fake_quant_fp8(x, block=128, out_dtype=jnp.float32), np.float64)
+        wd = np.asarray(lin4.weight(p, RCFG) if fmt == "fp8" else
+                        quant.dequantize_mxfp4(p.weight, p.scale, out_dtype=jnp.float32), np.float64)
+        exact, bound = xd @ wd.T, K * 2.0 ** -24 * (np.abs(xd) @ np.abs(wd).T)
+        got, want = (np.asarray(_gemm(x, p, fmt, jnp.float32, impl)) for impl in (LIN, "xla"))
+        assert (np.abs(want - exact) <= bound).all(), name
+        assert (np.abs(got - exact) <= bound).all(), (name, float((np.abs(got - exact) / bound).max()))
+        assert (got != want).any() or name.startswith("expert"), name  # dense weights: the orders part somewhere
+
+
+def test_linear_kernel_refuses_a_k_the_activation_block_does_not_cut():
+    """K = 192 (a multiple of V4.1's 32, not of V4's 128): the kernel refuses it as V4's jnp path does (the release
+    asserts the same; `config_v4.validate_numerics` keeps such widths out of a release-numerics config)."""
+    p = Fp8(weight=jnp.zeros((128, 192), quant.FP8), scale=jnp.zeros((1, 2), quant.E8M0))
+    x = jnp.zeros((1, 192), jnp.float32)
+    with pytest.raises(ValueError, match=r"K % 128 must be 0"):
+        _gemm(x, p, "fp8", jnp.float32, LIN)
+    with pytest.raises(ValueError, match="multiple"):
+        _gemm(x, p, "fp8", jnp.float32, "xla")
+
+
+@pytest.mark.parametrize("change, why", NUMERICS_REFUSALS + [
+    (dict(act_quant_block=0, kv_quant_block=0, index_fp4_block=0), "V4.1's quantized-linear kernel fake-quantizes"),
+    (dict(weight_block_size=()), "this checkpoint's dense weights are plain"),
+])
+def test_linear_kernel_is_refused_outside_v4s_release_numerics(change, why):
+    cfg = RCFG.replace(impl=LIN, **change)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: linear={KERNEL}: {why}"):
+        refuse_unsupported(cfg)
+    with pytest.raises(NotImplementedError, match=rf"^DeepSeek-V4: linear={KERNEL}: {why}"):  # at the seam too
+        lin4.kernel_impl(cfg)
+    assert lin4.kernel_impl(cfg.replace(impl="auto")) is None  # "auto": the jnp path
+    assert not dispatch.supports("linear", "kernel", cfg)
+
+
+def test_linear_kernel_runs_v4s_release_numerics_on_one_device_only(cpu8):
+    from dsv41_jax.parallel.plan import MeshPlan
+    from dsv41_jax.serving.model_step import V4Step
+
+    cfg = RCFG.replace(impl=LIN)
+    assert dispatch.supports("linear", "kernel", cfg) and lin4.kernel_impl(cfg) == KERNEL
+    refuse_unsupported(cfg)  # runs
+    V4Step.refuse(argparse.Namespace(impl=LIN, dp_size=1, ep_num_redundant_experts=0, speculative_algorithm=None,
+                                     speculative_simulate_accept_length=None, enable_decoder_swa_bounded_replay=False,
+                                     cache_dtype="auto", expert_distribution_recorder=False), RCFG)
+    par = MeshPlan(jax.sharding.Mesh(np.array(cpu8[:2]).reshape(1, 2), ("tp", "ep")))
+    with pytest.raises(NotImplementedError, match=rf"linear={KERNEL}: the quant_linear kernel runs on one device"):
+        refuse_unsupported(cfg, par)
+
+
+def _decode_with_gemm_inputs(params, tokens, cfg, monkeypatch):
+    """`v4.decode.extend` decoding `tokens` [1, L] one at a time (one compiled step) -> per position: (logits [vocab],
+    experts {layer: [k]}, streams entering each layer {layer: [n, D]}, the inputs of its fp8 GEMMs in call order
+    [[K]]: what each GEMM quantizes per 128, read from the seam — `v4.numerics.gemm_input` on the jnp path,
+    `v4.linear._kernel` on the kernel's — by a test-only hook that returns them from the step)."""
+    seen = []
+    gemm_input, kernel = lin4.gemm_input, lin4._kernel
+
+    def hook_jnp(x, p, cfg):
+        if isinstance(p, Fp8):
+            seen.append(x)
+        return gemm_input(x, p, cfg)
+
+    def hook_kernel(x, p, fmt, cfg, dt, impl):
+        if fmt == "fp8":
+            seen.append(x)
+        return kernel(x, p, fmt, cfg, dt, impl)
+
+    monkeypatch.setattr(lin4, "gemm_input", hook_jnp)
+    monkeypatch.setattr(lin4, "_kernel", hook_kernel)
+
+    def step(params, state, batch):
+        seen.clear()
+        logits, state, aux = dec4.extend(params, state, batch, cfg, CCFG, return_aux=True)
+        return logits[0, 0], state, aux["experts"], aux["layer_inputs"], [x.reshape(-1) for x in seen]
+
+    step, state, out = jax.jit(step), dec4.init_state(cfg, CCFG), []
+    for t in range(tokens.shape[1]):
+        batch = {"tokens": tokens[:, t:t + 1], "start": np.array([t], np.int32), "n_new": np.array([1], np.int32),
+                 "slot": np.zeros(1, np.int32), "page_table": np.array([[1, 2]], np.int32)}
+        logits, state, experts, streams, xs = step(params, state, batch)
+        out.append((np.asarray(logits), {i: np.asarray(e[0, 0]) for i, e in experts.items()},
+                    {i: np.asarray(h[0, 0]) for i, h in streams.items()}, [np.asarray(x, np.float32) for x in xs]))
+    return out
+
+
+def test_paged_step_with_the_linear_kernel_keeps_experts_and_tokens(rparams, monkeypatch):
+    """The paged step in the release numerics decoding 9 tokens one at a time (the decode the kernel is made for; the
+    CSA layer's first entries from position 3, the HCA layer's from 7) with every fp8 / MXFP4 GEMM on the linear
+    kernel: the same experts at every layer and position and the same greedy tokens everywhere.
+
+    Numbers: the GEMMs' fp32 summation order moves a value by ulps, and where a quantizer's input sits on an e4m3
+    rounding midpoint that is a whole fp8 step (the release numerics' discontinuity, not the kernel's). So up to the
+    first position where an fp8 GEMM input quantizes differently (the first flip; from it on only the decisions are
+    compared), the logits and each layer's input streams are within 1e-5·max (measured at the suite's -O0:
+    <= 2e-7·max); the first flip must be rounding-tie crossings (`parting.fp8_flips` per 128: the two runs' inputs
+    within 1e-5·max of each other, each differing code a neighbour's, the reference within TIE_MARGIN of the tie). Measured: jax 0.10.2, no flip in the 9 positions; jax 0.12.1, at
+    position 1, the HCA layer's wo_b input (element 88): the jnp run's 0.328125 is the midpoint 84·2^-8 itself (scale
+    2^-8, tie to even: 80), the kernel run's one fp32 ulp above it (88); the logits part by 1.6%·max there, the
+    decisions stay equal."""
+    tokens = np.random.default_rng(29).integers(0, RCFG.vocab_size, (1, 9)).astype(np.int32)
+    want, got = (_decode_with_gemm_inputs(rparams, tokens, RCFG.replace(impl=impl), monkeypatch) for impl in ("xla", LIN))
+    flipped = False
+    for t, ((wl, we, wh, wx), (gl, ge, gh, gx)) in enumerate(zip(want, got)):
+        assert sorted(we) == sorted(ge) == list(range(RCFG.num_hidden_layers)) and len(wx) == len(gx) == 22
+        for layer in we:
+            np.testing.assert_array_equal(ge[layer], we[layer], err_msg=f"position {t}, layer {layer}'s experts")
+        assert gl.argmax() == wl.argmax(), t
+        if flipped:
+            continue
+        flips = [parting.fp8_flips(b, a, block=128) for a, b in zip(wx, gx)]  # each GEMM's input, per 128
+        first = next((i for i, f in enumerate(flips) if f), None)
+        if first is not None:  # the first flip: rounding-tie crossings between neighbouring codes of nearby inputs
+            flipped, a, b = True, wx[first], gx[first]
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(np.abs(a).max()), err_msg=f"position {t}")
+            assert all(f.margin <= TIE_MARGIN for f in flips[first]), (t, first, [str(f) for f in flips[first]])
+            continue
+        for layer in wh:
+            np.testing.assert_allclose(gh[layer], wh[layer], rtol=0, atol=1e-5 * float(np.abs(wh[layer]).max()),
+                                       err_msg=f"position {t}: layer {layer}'s input streams")
+        np.testing.assert_allclose(gl, wl, rtol=0, atol=1e-5 * float(np.abs(wl).max()), err_msg=f"position {t}")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the tests above compile the kernel on this GPU")
+def test_v4_linear_calls_lower_for_cuda_at_flash_v4_shapes():
+    """V4's seam with ``linear=pallas`` at flash-v4 shapes (decode, one bf16 row): wq_b (64 x 512 rows of 1024), wo_b
+    (4096 of 8 x 1024), the shared expert's w1 (2048 of 4096) in fp8 128 x 128 blocks and a routed MXFP4 expert's w2
+    (4096 of 2048), with the activation blocks of 128, lower to Triton IR for sm_90 without a GPU; the call's cost
+    estimate counts the 128 x 128 blocks' scales (`costs.linear_call_geometry` reads them from its name)."""
+    from dsv41_jax.pallas import costs
+    from dsv41_jax.pallas.offline import capture_kernels
+
+    cfg, sds, bf = ModelConfig.preset("flash-v4").replace(impl="xla,linear=pallas"), jax.ShapeDtypeStruct, jnp.bfloat16
+    H, hd, G, R, D, I = (cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank, cfg.hidden_size,
+                         cfg.moe_intermediate_size)
+    for N, K in ((H * hd, cfg.q_lora_rank), (D, G * R), (I, D)):
+        p = Fp8(weight=sds((N, K), quant.FP8), scale=sds((-(-N // 128), K // 128), quant.E8M0))
+        ks = capture_kernels(lambda x, p: lin4.dense(x, p, cfg, bf), sds((1, K), bf), p)
+        assert [k["name"] for k in ks] == ["quant_linear_fp8_a128_w128x128_m16_n64_k256"], (N, K, ks)
+        assert "tt.dot" in ks[0]["ttir"]
+    eqn, = [e for e in jax.make_jaxpr(lambda x, p: lin4.dense(x, p, cfg, bf))(sds((1, K), bf), p).jaxpr.eqns
+            if e.primitive.name == "pallas_call"]
+    geo = costs.linear_call_geometry(eqn.params["name"], [v.aval for v in eqn.invars], eqn.params["out_avals"])
+    assert geo["weight_block"] == (128, 128)
+    assert eqn.params["cost_estimate"].bytes_accessed == costs.linear_bytes_moved(**geo) == N * K + N // 128 * K // 128 + K * 2 + N * 2
+    p = Mxfp4(weight=sds((D, I // 2), jnp.uint8), scale=sds((D, I // 32), quant.E8M0))
+    ks = capture_kernels(lambda x, p: lin4.expert(x, p, cfg, bf), sds((1, I), bf), p)
+    assert [k["name"] for k in ks] == ["quant_linear_mxfp4_a128_m16_n64_k256"] and "tt.dot" in ks[0]["ttir"]

@@ -78,12 +78,13 @@ def expand(s, block: int):
     return jnp.broadcast_to(s[:, :, None], (n, g, block)).reshape(n, g * block)
 
 
-def fake_quant_fp8(a):
-    """The spec's (§6) activation quant of fp32 a [m, n] (n % 32 == 0), per 32 along n, multiplied back:
-    fp32 [m, n], bitwise `quant.fake_quant_fp8` (`codec.fp8_act_codes`, the one definition, in-kernel)."""
+def fake_quant_fp8(a, block: int = 32):
+    """The spec's (§6) activation quant of fp32 a [m, n] (n % block == 0), per `block` along n (32: V4.1's; V4's
+    release numerics: 128), multiplied back: fp32 [m, n], bitwise `quant.fake_quant_fp8` with that block
+    (`codec.fp8_act_codes`, the one definition, in-kernel)."""
     m, n = a.shape
-    y, e = codec.fp8_act_codes(a, jnp)
-    return y.reshape(m, n) * expand(codec.exp2_int(e, jnp), 32)  # exact: e4m3 value × 2^e
+    y, e = codec.fp8_act_codes(a, jnp, block)
+    return y.reshape(m, n) * expand(codec.exp2_int(e, jnp), block)  # exact: e4m3 value × 2^e
 
 
 def dot_nt(x, w):

@@ -443,17 +443,20 @@ def moe_routed_bytes(ex, x, idx, w, dt=jnp.bfloat16) -> int:
 # ----------------------------------------------------------------- linear (pallas/quant_linear.py)
 
 
-def linear_bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out_itemsize: int, weights: int = 1) -> int:
+def linear_bytes_moved(fmt: str, *, M: int, N: int, K: int, x_itemsize: int, out_itemsize: int, weights: int = 1,
+                       weight_block=(32, 32)) -> int:
     """Minimal HBM bytes of one call, the kernel's bytes-moved contract: each of the `weights` weights (2 for
-    a gated pair) and its scales at stored width once (fp8: N·K + ⌈N/32⌉·K/32; MXFP4: N·K/2 + N·K/32), the
-    activation in and the output out once (repeated reads of an activation chunk by the N tiles hit L2)."""
-    return int(weights * _weight_bytes(fmt, N, K) + M * K * x_itemsize + M * N * out_itemsize)
+    a gated pair) and its scales at stored width once (fp8: N·K + ⌈N/32⌉·K/32, or per `weight_block` (rows, K):
+    DeepSeek-V4's 128 x 128; MXFP4: N·K/2 + N·K/32), the activation in and the output out once (repeated reads
+    of an activation chunk by the N tiles hit L2)."""
+    return int(weights * _weight_bytes(fmt, N, K, weight_block) + M * K * x_itemsize + M * N * out_itemsize)
 
 
-def _weight_bytes(fmt: str, N: int, K: int) -> int:
-    """One [N, K] weight at stored width with its E8M0 scales (fp8: 32 x 32 blocks; MXFP4: packed, 1 x 32)."""
+def _weight_bytes(fmt: str, N: int, K: int, weight_block=(32, 32)) -> int:
+    """One [N, K] weight at stored width with its E8M0 scales (fp8: `weight_block` blocks, 32 x 32 by default;
+    MXFP4: packed, 1 x 32)."""
     if fmt == "fp8":
-        return N * K + -(-N // 32) * (K // 32)
+        return N * K + -(-N // weight_block[0]) * (K // weight_block[1])
     if fmt == "mxfp4":
         return N * K // 2 + N * (K // 32)
     raise ValueError(f"linear_bytes_moved: fmt must be one of {LINEAR_FORMATS}, got {fmt!r}")
@@ -467,8 +470,12 @@ def linear_call_geometry(name: str, in_avals, out_avals) -> dict | None:
     fmt, *rest = name[len(LINEAR_NAME) + 1:].split("_")
     M, K = in_avals[1].shape
     N = out_avals[0].shape[1]
-    return dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[1].dtype).itemsize,
-                out_itemsize=np.dtype(out_avals[0].dtype).itemsize, weights=2 if "gated" in rest else 1)
+    geo = dict(fmt=fmt, M=M, N=N, K=K, x_itemsize=np.dtype(in_avals[1].dtype).itemsize,
+               out_itemsize=np.dtype(out_avals[0].dtype).itemsize, weights=2 if "gated" in rest else 1)
+    wb = [r for r in rest if r.startswith("w") and "x" in r]  # declared fp8 weight blocks (V4): "w128x128"
+    if wb:
+        geo["weight_block"] = tuple(int(v) for v in wb[0][1:].split("x"))
+    return geo
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

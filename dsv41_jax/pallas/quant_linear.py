@@ -43,6 +43,15 @@ program sums its rows' squares first: q_norm inside wq_b) and a RoPE'd output (t
 an exact fp32 dot with the pair swap: the q RoPE). The output has exactly M rows (masked stores): a padded
 output would be sliced by a copy before a Pallas consumer.
 
+Block sizes of the arithmetic (declared per call, `kernel`'s ``act_block`` / ``weight_block``): V4.1's are the
+defaults — the activation quantized per 32 along K, fp8 weight scales per 32 x 32 block (MXFP4: per 1 x 32, the
+format's) — and its calls pass none (the same program, bit for bit). DeepSeek-V4 in its release numerics
+(`model.v4.linear`, docs/design/v4.md "Kernels") passes its config's: activation per ``act_quant_block`` (128),
+fp8 weights in ``weight_block_size`` (128 x 128) blocks — the release's blockwise fp8 GEMM, which V4's jnp path
+computes as the fake-quantized activation times the exactly dequantized weight in fp32: the same exact products,
+only the fp32 summation order differs, as for V4.1. Each K chunk holds whole blocks of both (block_k a multiple
+of them); a weight row reads scale row ⌊n / weight_block[0]⌋.
+
 Lowering: Pallas **Triton** (`common.triton_params`), as every kernel here; no fp8 dtype reaches the
 kernel (codes and scales enter as their uint8 bits); block sizes are powers of two (block_n ≥ 16,
 block_k ≥ 32, each dividing its dimension); rounding is integer arithmetic.
@@ -83,9 +92,19 @@ TUNING_CANDIDATES = (
 # ------------------------------------------------------------------------------------- reference
 
 
-def ref_linear(x, p, fmt: str, dt, cfg):
-    """The oracle: the seam's "xla" GEMM (`linear.fp8` / `linear.mxfp4` with impl "xla"); `kernel`'s arguments."""
+def ref_linear(x, p, fmt: str, dt, cfg, *, act_block: int = 32, weight_block=None):
+    """The oracle: the seam's "xla" GEMM (`linear.fp8` / `linear.mxfp4` with impl "xla"); `kernel`'s arguments. For a
+    DeepSeek-V4 config (its release numerics: the blocks must be the config's, `v4_blocks`) V4's jnp GEMM,
+    `v4.linear.dense` (fp8) / `v4.linear.expert` (MXFP4): the fake-quantized activation times the exactly
+    dequantized weight, one fp32 dot."""
     cfg = cfg.replace(impl="xla")
+    if is_v4(cfg) or (act_block, weight_block) != (32, None):
+        from dsv41_jax.model.v4 import linear as linear4
+
+        if (act_block, _weight_block(fmt, weight_block)) != v4_blocks(cfg, fmt):
+            raise ValueError(f"quant_linear.ref_linear: blocks {act_block} / {weight_block} are not the config's "
+                             f"{v4_blocks(cfg, fmt)} (only DeepSeek-V4's release numerics declare other blocks)")
+        return linear4.dense(x, p, cfg, dt) if fmt == "fp8" else linear4.expert(x, p, cfg, dt)
     return linear.fp8(x, p, cfg, dt) if fmt == "fp8" else linear.mxfp4(x, p, cfg, dt)
 
 
@@ -94,21 +113,66 @@ def ref_linear_dual(x, p1, p2, fmt: str, dt, cfg):
     return ref_linear(x, p1, fmt, dt, cfg), ref_linear(x, p2, fmt, dt, cfg)
 
 
+def is_v4(cfg) -> bool:
+    """Whether `cfg` is a DeepSeek-V4 config (its GEMMs declare their blocks: `v4_blocks`)."""
+    return cfg.model_family == "deepseek_v4"
+
+
+def _weight_block(fmt: str, weight_block):
+    """The (rows, K) of one weight scale: as declared, else the format's default (fp8 32 x 32, MXFP4 1 x 32)."""
+    return tuple(int(b) for b in weight_block) if weight_block is not None else (32, 32) if fmt == "fp8" else (1, 32)
+
+
+def v4_blocks(cfg, fmt: str):
+    """DeepSeek-V4's (act_block, weight_block) for a GEMM of format `fmt` in its release numerics: activation per
+    ``act_quant_block``, fp8 weights in ``weight_block_size`` blocks, MXFP4 experts per 1 x 32 (the format's); None
+    where the kernel's arithmetic is not V4's (``act_quant_block`` 0: V4 multiplies the unquantized activation)."""
+    if not cfg.act_quant_block:
+        return None
+    return int(cfg.act_quant_block), (tuple(int(b) for b in cfg.weight_block_size) if fmt == "fp8" else (1, 32))
+
+
+def _pow2_at_least_32(v) -> bool:
+    return isinstance(v, int) and v >= 32 and not v & (v - 1)
+
+
+def blocks_fit(act_block, weight_block, fmt: str) -> bool:
+    """Whether the kernel takes these blocks: the activation block and the weight's K block powers of two >= 32 (a K
+    chunk holds whole blocks of both), the fp8 weight's row block a power of two >= 32 too; MXFP4's is its 1 x 32."""
+    wn, wk = _weight_block(fmt, weight_block) if weight_block is None or len(weight_block) == 2 else (0, 0)
+    if fmt == "mxfp4":
+        return _pow2_at_least_32(act_block) and (wn, wk) == (1, 32)
+    return _pow2_at_least_32(act_block) and _pow2_at_least_32(wn) and _pow2_at_least_32(wk)
+
+
 def supports(cfg, mode: str = "auto") -> bool:
-    """Whether the linear kernels run `cfg`: the fp32 numerics (each matmul's tiles are checked per call:
-    a shape they do not divide is refused, NotImplementedError)."""
-    return not is_exact(cfg)
+    """Whether the linear kernel runs `cfg`: the fp32 numerics (not the exact / deterministic modes); for DeepSeek-V4
+    only its release numerics (``act_quant_block`` set: `v4_blocks`), whose fp8 weight blocks the kernel takes
+    (`blocks_fit`; a plain checkpoint has no fp8 GEMM) and in our own fp32 order (not ``release_order`` "torch_cpu").
+    Each matmul's tiles are checked per call: a shape they do not divide is refused, NotImplementedError."""
+    if is_exact(cfg):
+        return False
+    if not is_v4(cfg):
+        return True
+    blocks = v4_blocks(cfg, "fp8")
+    return (blocks is not None and len(cfg.weight_block_size) == 2 and blocks_fit(*blocks, "fp8")
+            and cfg.release_order != "torch_cpu")
+
+
+def supports_v41(cfg, mode: str = "auto") -> bool:
+    """`kernel_dual`'s: V4.1's blocks only (V4 does not call it), the fp32 numerics."""
+    return not is_exact(cfg) and not is_v4(cfg)
 
 
 # ------------------------------------------------------------------------------------------ kernel
 
 
-def _fp8_tile(w_ref, s_ref, w0, srow, kc, bn: int, bk: int):
+def _fp8_tile(w_ref, s_ref, w0, srow, kc, bn: int, bk: int, wbk: int = 32):
     """Weight rows w0 .. w0 + bn − 1, K chunk kc (bk wide) of an fp8 weight, decoded in registers: e4m3 codes times
-    their 32x32 blocks' E8M0 scales (srow: each row's scale row), bf16 (exact)."""
-    scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
+    their blocks' E8M0 scales (one per `wbk` along K; srow: each row's scale row), bf16 (exact)."""
+    scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // wbk), bk // wbk)].astype(jnp.int32), jnp)
     w = codec.e4m3_decode(w_ref[pl.ds(w0, bn), pl.ds(kc * bk, bk)].astype(jnp.int32), jnp)
-    return (w * common.expand(scale, 32)).astype(jnp.bfloat16)
+    return (w * common.expand(scale, wbk)).astype(jnp.bfloat16)
 
 
 def _kernel(layer_ref, x_ref, *refs, c):
@@ -130,7 +194,7 @@ def _kernel(layer_ref, x_ref, *refs, c):
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
     r0, n0 = i * bm, j * bn
     nrow = n0 + lax.iota(jnp.int32, bn)
-    srow = lax.div(nrow, 32) if c["fmt"] == "fp8" else nrow  # fp8: one scale row per 32 weight rows
+    srow = lax.div(nrow, c["wbn"]) if c["fmt"] == "fp8" else nrow  # fp8: one scale row per wbn (32) weight rows
     lay = layer_ref[0]
     srow = srow + lay * c["S"]
     w0 = n0 + lay * c["N"]  # the tile's first weight row in the (stacked) weight
@@ -141,7 +205,7 @@ def _kernel(layer_ref, x_ref, *refs, c):
 
     def wtile(w_ref, s_ref, kc):
         if c["fmt"] == "fp8":
-            return _fp8_tile(w_ref, s_ref, w0, srow, kc, bn, bk)
+            return _fp8_tile(w_ref, s_ref, w0, srow, kc, bn, bk, c["wbk"])
         # MXFP4: packed e2m1 as uint16 byte pairs, 4 elements per pair
         scale = codec.e8m0_decode(s_ref[srow, pl.ds(kc * (bk // 32), bk // 32)].astype(jnp.int32), jnp)
         pairs = w_ref[pl.ds(w0, bn), pl.ds(kc * (bk // 4), bk // 4)].astype(jnp.int32)
@@ -161,7 +225,7 @@ def _kernel(layer_ref, x_ref, *refs, c):
         if c["norm"]:  # norm.rmsnorm's fp32 formula, rounded to dt as its output is
             nw = nw_ref[pl.ds(lay * c["K"] + kc * bk, bk)].astype(jnp.float32)
             xb = (xb * r * nw[None, :]).astype(o_ref.dtype).astype(jnp.float32)
-        xq = common.fake_quant_fp8(xb).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
+        xq = common.fake_quant_fp8(xb, c["ab"]).astype(jnp.bfloat16)  # exact: e4m3 value × 2^k
         return tuple(acc + common.dot_nt(xq, wtile(w_ref, s_ref, kc)) for acc, (w_ref, s_ref) in zip(accs, ws))
 
     accs = lax.fori_loop(0, c["K"] // bk, kstep, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in ws))
@@ -246,13 +310,14 @@ def _rope_epilogue(y, pos, f_ref, n0, c):
 # ------------------------------------------------------------------------------------------- entry
 
 
-def _plan(M: int, N: int, K: int, block_m, block_n, block_k) -> dict:
+def _plan(M: int, N: int, K: int, block_m, block_n, block_k, k_unit: int = 32) -> dict:
     """Static block sizes. Defaults: block_m the rows padded to a power of two (16 to 64), block_n 64 and
-    block_k 256, each cut to the largest power of two dividing its dimension."""
+    block_k 256, each cut to the largest power of two dividing its dimension (block_k at least `k_unit`, the
+    activation's and the weight's K blocks: a chunk holds whole blocks; 32 for V4.1, where the cut is >= 32)."""
     bm = block_m or min(64, max(_MIN_DOT, common.next_pow2(M)))
     bn = block_n or math.gcd(N, 64)
-    bk = block_k or math.gcd(K, 256)
-    for name, v, dim, lo in (("block_m", bm, None, _MIN_DOT), ("block_n", bn, N, _MIN_DOT), ("block_k", bk, K, 32)):
+    bk = block_k or max(math.gcd(K, 256), k_unit)
+    for name, v, dim, lo in (("block_m", bm, None, _MIN_DOT), ("block_n", bn, N, _MIN_DOT), ("block_k", bk, K, k_unit)):
         if v < lo or v & (v - 1) or (dim is not None and dim % v):
             raise NotImplementedError(f"quant_linear: {name}={v} must be a power of two >= {lo}"
                                       + (f" dividing {dim}" if dim is not None else "")
@@ -262,7 +327,7 @@ def _plan(M: int, N: int, K: int, block_m, block_n, block_k) -> dict:
 
 def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: int | None = None,
            block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-           p_up=None, act=None, norm=None, rope=None, combine=None):
+           p_up=None, act=None, norm=None, rope=None, combine=None, act_block: int = 32, weight_block=None):
     """The quantized GEMM of the linear seam: x [..., K] (bf16 | fp32) times a stored weight -> [..., N] in `dt`.
 
     p: fp8 `weights.Fp8` (float8_e4m3fn [N, K], E8M0 [⌈N/32⌉, K/32]) (``fmt="fp8"``) or MXFP4 `weights.Mxfp4`
@@ -272,6 +337,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     with it).
     cfg: the model config (its exact / deterministic modes are refused). Knobs (static): block_m rows per
     program, block_n output columns per program, block_k K chunk, num_warps / num_stages (Triton).
+
+    Blocks of the arithmetic (static, module doc): ``act_block`` the activation's fp8 quant block along K (32),
+    ``weight_block`` (rows, K) of one fp8 weight scale (None: 32 x 32; MXFP4: its 1 x 32 only), powers of two
+    >= 32; the scale is then [⌈N/rows⌉, K/K-block]. V4.1 passes none; DeepSeek-V4's release numerics pass its
+    config's (`v4_blocks`: 128 and 128 x 128; a V4 config with other blocks, or outside those numerics, is refused).
 
     Gated pair (one launch instead of three): ``p_up`` (a second weight like `p`) with ``act`` (a static
     elementwise function of two [rows, N] arrays in `dt`, traceable by the Triton lowering): returns
@@ -296,6 +366,15 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
                                   "which this kernel does not; run the linear op with impl 'xla' or 'reference'")
     if fmt not in FORMATS:
         raise ValueError(f"quant_linear: fmt must be one of {FORMATS}, got {fmt!r}")
+    if not blocks_fit(act_block, weight_block, fmt):
+        raise NotImplementedError(f"quant_linear: activation block {act_block!r} / weight block {weight_block!r} "
+                                  f"({fmt}): the kernel takes powers of two >= 32 (MXFP4: its own 1 x 32 scales)")
+    wbn, wbk = _weight_block(fmt, weight_block)
+    if cfg is not None and is_v4(cfg) and (act_block, (wbn, wbk)) != v4_blocks(cfg, fmt):
+        raise NotImplementedError(
+            f"quant_linear: DeepSeek-V4 config {cfg.name!r} with activation block {act_block} / weight block "
+            f"{(wbn, wbk)}: the kernel runs V4 only in its release numerics, with its blocks {v4_blocks(cfg, fmt)} "
+            f"(act_quant_block, weight_block_size)")
     dt = jnp.dtype(dt)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quant_linear kernel: x must be bf16 or fp32, got {x.dtype}")
@@ -306,8 +385,11 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
                          " a layer index")
     N, S = w.shape[-2], s.shape[-2]
     K = w.shape[-1] * (2 if fmt == "mxfp4" else 1)
-    if x.shape[-1] != K or K % 32:
-        raise ValueError(f"quant_linear: x [..., {x.shape[-1]}] against a weight of K = {K} (K % 32 must be 0)")
+    k_unit = max(act_block, wbk)  # powers of two: a K chunk holds whole blocks of both
+    if x.shape[-1] != K or K % k_unit:
+        raise ValueError(f"quant_linear: x [..., {x.shape[-1]}] against a weight of K = {K} (K % {k_unit} must be 0)")
+    if s.shape[-2:] != (-(-N // wbn), K // wbk):
+        raise ValueError(f"quant_linear: scales {s.shape} for a weight [{N}, {K}] in {wbn} x {wbk} blocks")
     lead = x.shape[:-1]
     M = math.prod(lead)
     gated = p_up is not None
@@ -336,7 +418,7 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
                              f"{N} (and exclude a gated pair and rope)")
     if M == 0:
         return jnp.zeros((*lead, N), dt)
-    pl_ = _plan(M, N, K, block_m, block_n, block_k)  # block_n a power of two >= 16: a pair never straddles tiles
+    pl_ = _plan(M, N, K, block_m, block_n, block_k, k_unit)  # block_n a power of two >= 16: a pair never straddles
     bm, bn, bk = pl_["bm"], pl_["bn"], pl_["bk"]
     x2 = x.reshape(M, K)
     wb = common.flat(w, pairs=fmt == "mxfp4", kernel=NAME)  # [(n·)N, K or K/4]: a stack's layers one after another
@@ -350,7 +432,8 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
     nw = 2 if gated else 1
     cost = pl.CostEstimate(flops=2 * nw * M * N * K, transcendentals=M * N if gated else 0,
                            bytes_accessed=costs.linear_bytes_moved(fmt, M=M, N=N, K=K, x_itemsize=x.dtype.itemsize,
-                                                      out_itemsize=dt.itemsize, weights=nw))
+                                                      out_itemsize=dt.itemsize, weights=nw,
+                                                      weight_block=(wbn, wbk)))
     out = jax.ShapeDtypeStruct((M, N), dt)
     operands = [lay, x2, wb, sb]
     if gated:
@@ -363,10 +446,13 @@ def kernel(x, p, fmt: str, dt, cfg=None, *, interpret: bool = False, block_m: in
                                  jnp.float32)]
     if combine is not None:
         operands += [ys, order.reshape(-1).astype(jnp.int32)]
-    tag = ("_gated" if gated else "") + ("_normed" if norm is not None else "") + ("_rope" if rope is not None else "")
+    declared = (act_block, weight_block) != (32, None)  # V4's blocks in the name (V4.1's names unchanged)
+    tag = (f"_a{act_block}" + (f"_w{wbn}x{wbk}" if fmt == "fp8" else "")) if declared else ""
+    tag += ("_gated" if gated else "") + ("_normed" if norm is not None else "") + ("_rope" if rope is not None else "")
     tag += "_combine" if combine is not None else ""
     y = pl.pallas_call(
         functools.partial(_kernel, c=dict(fmt=fmt, M=M, N=N, S=S, K=K, bm=bm, bn=bn, bk=bk, gated=gated, act=act,
+                                          ab=int(act_block), wbn=wbn, wbk=wbk,
                                           norm=norm is not None, eps=None if norm is None else float(norm[1]),
                                           rope=rope is not None, hd=None if rope is None else int(rope[2]), dt=dt,
                                           rd=None if rope is None else rd, combine=combine is not None,
@@ -427,4 +513,4 @@ def kernel_dual(x, p1, p2, fmt: str, dt, cfg=None, *, interpret: bool = False, b
 
 
 dispatch.register("linear", "kernel", kernel=kernel, reference=ref_linear, supports=supports)
-dispatch.register("linear", "kernel_dual", kernel=kernel_dual, reference=ref_linear_dual, supports=supports)
+dispatch.register("linear", "kernel_dual", kernel=kernel_dual, reference=ref_linear_dual, supports=supports_v41)

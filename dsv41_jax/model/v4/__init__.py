@@ -5,7 +5,7 @@ calls the shared op it varies (nothing of V4.1 is copied):
 
 * `linear` — V4's weight kinds on the shared matmul kinds: plain (bf16 / fp32, as transformers saves them)
   or fp8 with ``weight_block_size`` blocks (`quant.dequantize_fp8_block`'s ``block``), MXFP4 experts
-  through `model.linear.mxfp4`;
+  through `model.linear.mxfp4`; in the release numerics the linear kernel with V4's blocks;
 * `compressor` — every CSA / HCA layer's own compressor: the learned position bias ``ape`` on the scores and
   (CSA) overlapping windows, pooled by the shared `compressor.pool_groups`;
 * `attention` — the attention sublayer of sliding / CSA / HCA layers: per-head q RMS norm (``q_head_norm``),
@@ -31,7 +31,9 @@ The engine runs `decode` through `serving.model_step.V4Step`, MTP through `servi
 head through `serving.v4_dspark_speculative`, on one device or a tp x ep mesh (the forward, `decode`, `mtp` and `dspark`
 take a `parallel.plan.MeshPlan`; V4's tensors in the one rules table, `parallel.rules`; docs/design/v4.md "Mesh").
 Pallas kernels: V4.1's grouped MXFP4 experts kernel (moe op), mHC enter / exit kernels (mhc op), sparse-attention
-and index kernels (attention and indexer ops), through the one dispatch (`v4.moe`, `v4.mhc`, `v4.attention.
-seam_impl`). Not here yet (refused in one line where reached, `config_v4.refusal` / `v4.transformer.kernel_refusal` /
-`V4Step.refuse`): data-parallel attention, the linear and engram kernels (docs/design/v4.md "Kernels").
+and index kernels (attention and indexer ops), and in the release numerics its fused fp8 / MXFP4 GEMM kernel with
+V4's blocks declared (linear op), through the one dispatch (`v4.moe`, `v4.mhc`, `v4.attention.seam_impl`,
+`v4.linear.kernel_impl`). Not here yet (refused in one line where reached, `config_v4.refusal` /
+`v4.transformer.kernel_refusal` / `V4Step.refuse`): data-parallel attention, the engram kernel, the linear kernel
+outside the release numerics (docs/design/v4.md "Kernels").
 """

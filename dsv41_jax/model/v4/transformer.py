@@ -8,9 +8,10 @@ then x = norm(hc_head(h)), logits = head · x. Plain jnp, jittable with static c
 The numerics modes are V4.1's (`numerics`): "float32" / "exact" with a plain (unquantized) checkpoint is
 transformers' `DeepseekV4ForCausalLM` arithmetic (tests/test_v4_transformers.py). Pallas kernels: the moe
 op's (`v4.moe.routed`), the mhc op's (`v4.mhc`) and the indexer's (`v4.attention.index_select`; the attention
-kernel runs in the paged step, `v4.decode`, as V4.1's: the forward attends with `attention.attend`); linear and
-engram kernels are refused with NotImplementedError (`kernel_refusal`), and so is this forward on a data-parallel
-mesh (only the paged step runs there, per rank).
+kernel runs in the paged step, `v4.decode`, as V4.1's: the forward attends with `attention.attend`) and, in the
+release numerics, the linear op's (`v4.linear`: the fp8 / MXFP4 GEMMs with V4's blocks); the engram kernel, the
+linear kernel outside the release numerics and whatever else does not fit are refused with NotImplementedError
+(`kernel_refusal`), and so is this forward on a data-parallel mesh (only the paged step runs there, per rank).
 
 On a tp x ep mesh (``par``, `parallel.plan.MeshPlan`; params placed by `parallel.rules.shard_params`, docs/design/
 v4.md "Mesh"): the embedding rows are gathered where they live (`par.embed_gather`), the routed experts run
@@ -30,6 +31,7 @@ from dsv41_jax.model.transformer import embed_streams, new_aux, record, replicat
 from dsv41_jax.model.v4 import mhc as mhc4
 from dsv41_jax.model.v4.attention import attention_full
 from dsv41_jax.model.v4.attention import kernel_refusal as kernel_refusal_attention
+from dsv41_jax.model.v4.linear import kernel_refusal as kernel_refusal_linear
 from dsv41_jax.model.v4.moe import kernel_refusal as kernel_refusal_moe
 from dsv41_jax.model.v4.moe import moe
 from dsv41_jax.model.v4.torch_order import norm_fn
@@ -41,8 +43,8 @@ def layer_ratio(cfg, kind: str) -> int:
 
 def refuse_unsupported(cfg, par=None) -> None:
     """NotImplementedError for what the V4 forward does not run: redundant experts on a mesh, an explicit Pallas
-    implementation of an op whose kernel does not fit V4 (`kernel_refusal`: linear's and engram's, and those where
-    V4's experts / numerics / widths do not fit), and on a data-parallel mesh anything but a dp rank's program
+    implementation of an op whose kernel does not fit V4 (`kernel_refusal`: engram's, linear's outside the release
+    numerics or on a mesh, and those where V4's experts / numerics / widths do not fit), and on a data-parallel mesh anything but a dp rank's program
     (`par.in_rank`: the paged step as `v4.decode.jitted_extend` runs it; the full-sequence forward and the MTP /
     DSpark draft steps are not run per rank)."""
     if par is not None and par.expert_location is not None:
@@ -52,18 +54,19 @@ def refuse_unsupported(cfg, par=None) -> None:
                                   "(`v4.decode.jitted_extend`); the forward and the MTP / DSpark draft steps are not "
                                   "run per rank")
     for op, impl in dispatch.parse_impl(cfg.impl).items():
-        why = kernel_refusal(cfg, op, impl)
+        why = kernel_refusal(cfg, op, impl, par)
         if why is not None:
             raise NotImplementedError(f"DeepSeek-V4: {why}")
 
 
-def kernel_refusal(cfg, op: str, impl: str):
+def kernel_refusal(cfg, op: str, impl: str, par=None):
     """Why V4 cannot run op `op` with the explicit implementation `impl` (one line naming the op and what does not
     fit), or None: the jnp implementations always run; of the Pallas kernels V4 runs the moe op's (V4.1's grouped
     MXFP4 experts, `v4.moe.kernel_refusal`), the mhc op's (V4.1's mixes / Sinkhorn and exit kernels,
-    `v4.mhc.kernel_refusal`), and the attention and indexer ops' (V4.1's sparse-attention and index kernels on V4's
-    ring, pools and picks as they are, `v4.attention.kernel_refusal`); the linear and engram kernels do not fit V4
-    (docs/design/v4.md, "Kernels")."""
+    `v4.mhc.kernel_refusal`), the attention and indexer ops' (V4.1's sparse-attention and index kernels on V4's
+    ring, pools and picks as they are, `v4.attention.kernel_refusal`) and, in the release numerics on one device, the
+    linear op's (V4.1's quantized-linear kernel with V4's blocks declared, `v4.linear.kernel_refusal`; par: the mesh
+    plan); the engram kernel does not fit V4 (docs/design/v4.md, "Kernels")."""
     if not dispatch.is_kernel(impl):
         return None
     if op == "moe":
@@ -72,13 +75,9 @@ def kernel_refusal(cfg, op: str, impl: str):
         return mhc4.kernel_refusal(cfg, impl)
     if op in ("attention", "indexer"):
         return kernel_refusal_attention(cfg, op, impl)
-    bs = tuple(cfg.weight_block_size)
-    return {
-        "engram": f"engram={impl}: DeepSeek-V4 has no Engram layers",
-        "linear": f"linear={impl}: V4.1's quantized-linear kernel decodes fp8 in 32x32 blocks with per-32 activation "
-                  f"quant; V4's dense weights are " + (f"fp8 in {bs[0]}x{bs[1]} blocks" if bs else "plain") +
-                  " (fp32 matmul)",
-    }[op]
+    if op == "linear":
+        return kernel_refusal_linear(cfg, impl, par)
+    return {"engram": f"engram={impl}: DeepSeek-V4 has no Engram layers"}[op]
 
 
 def final_logits(params, h, cfg, dt, head=None):
