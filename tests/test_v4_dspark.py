@@ -31,9 +31,32 @@ def _params():
     return init_params(CFG, jax.random.key(0))
 
 
+def _step(params, state, batch, all_logits=False, par=None):
+    """`sp._SEED_STEP` called as `greedy_dspark` calls it (all_logits passed only when true, par always): jit keys
+    its cache on the keyword names, so any other spelling traces and compiles the same program again."""
+    kw = dict(all_logits=True) if all_logits else {}
+    return sp._SEED_STEP(params, state, batch, CFG, CCFG, par=par, **kw)
+
+
 @functools.lru_cache(maxsize=None)
+def _plain_greedy(prompt):
+    """Plain greedy decoding of `prompt` (a tuple), one token per target step, no drafts: `sp.greedy`'s loop run on
+    the target step that the DSpark loop uses (`extend_seeding`, its logits `v4.decode.extend`'s), the prompt in one
+    pass and each token padded to the verify width G + 1 — the two programs `greedy_dspark` compiles anyway, where
+    `sp.greedy` (tested in test_v4_mtp) would compile `extend` at two more shapes."""
+    G = CFG.dspark_block_size
+    state = dspark4.with_rings(sp.dec4.init_state(CFG, CCFG), CFG, CCFG)
+    logits, state = _step(_params(), state, sp._batch(prompt, 0, len(prompt), len(prompt), PT))
+    out = [int(np.argmax(np.asarray(logits)[0]))]
+    while len(out) < N:
+        batch = sp._batch(out[-1:], len(prompt) + len(out) - 1, 1, G + 1, PT)
+        logits, state = _step(_params(), state, batch, all_logits=True)
+        out.append(int(np.argmax(np.asarray(logits)[0, 0])))
+    return out
+
+
 def _reference():
-    return sp.greedy(_params(), PROMPT, N, CFG, CCFG)
+    return _plain_greedy(tuple(PROMPT))
 
 
 def test_tiny_0731_checkpoint_names_and_round_trip(tmp_path):
@@ -136,7 +159,7 @@ def _seed(chunks, params=None, par=None):
     done = 0
     for n, width, all_logits in chunks:
         batch = sp._batch(PROMPT[done:done + n], done, n, width, PT)
-        _, state = sp._SEED_STEP(params, state, batch, CFG, CCFG, all_logits=all_logits, par=par)
+        _, state = _step(params, state, batch, all_logits, par)
         done += n
     assert done == len(PROMPT)
     return state
@@ -153,7 +176,7 @@ def test_rings_and_proposals_cached_equal_cold():
     ring = np.asarray(cold["dspark"][0])[0]
     assert np.abs(ring).min(axis=-1).max() > 0 and ring.shape == (CFG.sliding_window, CFG.head_dim)  # all W filled
     props = [sp._PROPOSE(_params(), st["dspark"], np.array([5], np.int32), np.array([len(PROMPT)], np.int32),
-                         np.zeros(1, np.int32), CFG, CCFG, gamma=G) for st in (cold, warm)]
+                         np.zeros(1, np.int32), CFG, CCFG, gamma=G, par=None) for st in (cold, warm)]
     for k in ("tokens", "logits", "confidence"):
         np.testing.assert_array_equal(np.asarray(props[0][k]), np.asarray(props[1][k]))
     assert np.isfinite(np.asarray(props[0]["confidence"])).all()
@@ -193,9 +216,12 @@ def test_dspark_on_tp2_ep4_equals_one_device(cpu8):
     G = CFG.dspark_block_size
     ref = _seed([(len(PROMPT), len(PROMPT), False)])
     props = []
+    # the chunks' first at the prompt's width (the cold program), the rest at the verify width on the mesh-placed
+    # state (`greedy_dspark`'s verify program): two compiled programs serve both seedings and the greedy loop
     for st, p, pr in [(ref, _params(), None)] + [(_seed(c, params, par), params, par)
                                                   for c in ([(len(PROMPT), len(PROMPT), False)],
-                                                            [(4, G + 1, True)] * 3 + [(1, G + 1, True)])]:
+                                                            [(4, len(PROMPT), False)] + [(4, G + 1, True)] * 2
+                                                            + [(1, G + 1, True)])]:
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(st), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
                                           err_msg=jax.tree_util.keystr(path))
@@ -269,7 +295,7 @@ def _serve(eng, tag, logprobs=None):
 
 
 def _references():
-    return [_reference(), sp.greedy(_params(), PROMPT2, N, CFG, CCFG)]
+    return [_reference(), _plain_greedy(tuple(PROMPT2))]
 
 
 def test_engine_dspark_greedy_equals_plain_greedy():

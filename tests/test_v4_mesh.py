@@ -201,7 +201,8 @@ def run_model(mesh):
     step = _jit_step(functools.partial(dec4.extend, cfg=CFG, ccfg=CCFG, return_aux=True, par=par), mesh, ins, outs)
     mstep = _jit_step(functools.partial(mtp.extend, cfg=CFG, ccfg=CCFG, par=par), mesh, mins, mouts)
     state = dec4.init_state(CFG, CCFG) if mesh is None else rules.init_cache(CFG, CCFG, mesh)
-    mstate = mtp.init_state(CFG, CCFG)
+    # on the mesh, placed as the MTP step's outputs are: an unplaced first state traced the step a second time
+    mstate = mtp.init_state(CFG, CCFG) if mesh is None else jax.device_put(mtp.init_state(CFG, CCFG), mcs)
     res["steps"], res["mtp"] = [], []
     batches = _batches()
     step = step.lower(params, state, batches[0]).compile()  # AOT: its HLO is inspected (`_check_mesh`)
