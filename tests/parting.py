@@ -105,3 +105,28 @@ def first_parting(steps, fp8_block: int = 32):
                 if flips:
                     return Parting(key, name, sorted({f.index[0] for f in flips}), flips)
     return None
+
+
+def bf16_tie_parts(got, want, unrounded, slack_ulps: int = 1) -> list:
+    """The elements where two bf16 results of one fp32 computation differ *other than* at a bf16 rounding tie.
+
+    A compiler may contract a multiply-add into an FMA in one program and not in another (jax 0.12's XLA:CPU does so
+    in some interpret-mode kernels at -O0); the fp32 sums then differ by an fp32 ulp or so, which moves the bf16
+    result only where the sum lies on (or within `slack_ulps` fp32 ulps of) the midpoint between two bf16 values.
+    got, want: the two bf16 results (any float array); unrounded: the computation's fp32 value before rounding
+    (evaluated without contraction, e.g. in numpy). Returns the indices (tuples) where got != want and the two are
+    not neighbouring bf16 values straddling a midpoint within the slack of `unrounded`: empty when the results are
+    bitwise equal or part only at ties."""
+    g = np.asarray(got, np.float32)
+    w = np.asarray(want, np.float32)
+    u = np.asarray(unrounded, np.float32)
+    bad = []
+    for idx in zip(*np.nonzero(g != w)):
+        lo, hi = sorted((float(g[idx]), float(w[idx])))
+        lo16 = np.asarray(lo, ml_dtypes.bfloat16)
+        neighbours = float(np.nextafter(lo16, np.asarray(np.inf, ml_dtypes.bfloat16))) == hi
+        mid = np.float32((lo + hi) / 2)  # exact: a bf16 midpoint has 9 significant bits
+        ulp = np.spacing(np.abs(mid)).astype(np.float32)
+        if not (neighbours and abs(float(u[idx]) - float(mid)) <= slack_ulps * float(ulp)):
+            bad.append(tuple(int(i) for i in idx))
+    return bad

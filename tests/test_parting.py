@@ -44,3 +44,20 @@ def test_first_parting_walks_in_order_by_tolerance_then_codes():
     lo, hi = _block(np.float32(TIE) * (1 - 1e-6)), _block(np.float32(TIE) * (1 + 1e-6))
     p = parting.first_parting([("s", [("q", lo, hi, 1e-5, False)]), ("t", [("q", lo, hi, 1e-5, True)])])
     assert (p.step, p.name, p.tokens, len(p.flips)) == ("t", "q", [1], 1)
+
+
+def test_bf16_results_may_part_only_at_a_rounding_tie():
+    """bf16_tie_parts accepts two neighbouring bf16 results whose fp32 value sits on their midpoint (an FMA moved it
+    across), and reports a difference away from any tie, one of two bf16 ulps, and any difference at all of results
+    whose fp32 value is not near a midpoint."""
+    lo = np.float32(1.0)
+    hi = np.float32(1.0 + 2.0 ** -7)                    # the next bf16 above 1
+    mid = np.float32(1.0 + 2.0 ** -8)                   # their midpoint, exact in fp32
+    far = np.float32(1.0 + 2.0 ** -10)                  # a quarter of the way: rounds to lo whatever the FMA
+    two = np.float32(1.0 + 2.0 ** -6)                   # two bf16 ulps above lo
+    got = np.array([lo, lo, lo, 3.0], np.float32)
+    want = np.array([hi, hi, two, 3.0], np.float32)
+    unrounded = np.array([mid + np.spacing(mid), far, mid, 3.0], np.float32)
+    assert parting.bf16_tie_parts(got, want, unrounded) == [(1,), (2,)]
+    assert parting.bf16_tie_parts(got, got, unrounded) == []
+    assert parting.bf16_tie_parts(got[:1], want[:1], unrounded[:1], slack_ulps=0) == [(0,)]
