@@ -130,3 +130,30 @@ def bf16_tie_parts(got, want, unrounded, slack_ulps: int = 1) -> list:
         if not (neighbours and abs(float(u[idx]) - float(mid)) <= slack_ulps * float(ulp)):
             bad.append(tuple(int(i) for i in idx))
     return bad
+
+
+def bf16_ulps(got, want):
+    """|got − want| in bf16 ulps of `want`, elementwise (both bf16-valued; fp32 arrays): 1.0 for neighbours of the
+    same binade, 0 where equal."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0 ** -126))) - 7)
+    return np.abs(g - w) / ulp
+
+
+def first_position_parting(got, want):
+    """Where two runs' recorded per-layer activations first part, position first: got / want {layer: [T, ...]} (one
+    row's, e.g. a forward's aux "layer_inputs" row). Returns None if equal everywhere, else (t, layer, diffs): the
+    first position t at which some layer differs, the first such layer, and its differing elements there as
+    [(index within the position, bf16 ulps of want)]."""
+    first = None
+    for layer in sorted(want):
+        g, w = np.asarray(got[layer], np.float32), np.asarray(want[layer], np.float32)
+        rows = np.flatnonzero((g != w).reshape(len(w), -1).any(-1))
+        if len(rows) and (first is None or rows[0] < first[0]):
+            first = (int(rows[0]), layer)
+    if first is None:
+        return None
+    t, layer = first
+    g, w = np.asarray(got[layer], np.float32)[t], np.asarray(want[layer], np.float32)[t]
+    u = bf16_ulps(g, w)
+    return t, layer, [(tuple(int(i) for i in idx), float(u[idx])) for idx in zip(*np.nonzero(g != w))]

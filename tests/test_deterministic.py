@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import configs
+import parting
 from servers import start_server, stop_server
 from dsv41_jax.model import cache as kvc
 from dsv41_jax.model import decode as dec
@@ -328,7 +329,18 @@ def test_faithful_to_the_bf16_reference(seqs):
     the reference by bf16 ulps, it is the reference's own fp32 summation order, bf16 roundings XLA drops
     inside the reference's fusions (key 11's flip at 27: a slot-9 index score that ties slot 6 in the
     reference, 1 bf16 ulp above it by the spec's step roundings) and XLA's fp32 exp / rsqrt / Sinkhorn,
-    none of which an order-independent evaluation reproduces (numerics module doc)."""
+    none of which an order-independent evaluation reproduces (numerics module doc).
+
+    That reference is XLA's compile of it, and XLA versions sum differently: this mode is bit for bit the same
+    on jax 0.10.2 and 0.12.1 (its sums are order-independent), the reference is not. On jax 0.12.1 it parts
+    from its 0.10.2 self by one bf16 ulp at rounding ties — layer 0's attention output at position 17 (the tie
+    above, now rounded down: 0.3515625 for 0.35351562), the attention's mHC exit at positions 4 and 17, layer 1's
+    Engram output at position 14 — and on key 11 its decisions then part from this mode's at 19 (the served
+    bf16 mode, compiled by the same XLA, still at 27). So where this mode flips first, the test requires
+    the flip to come after a parting of the two runs' layer inputs that is a rounding tie, not an error: at
+    most 4 elements at the first parting position, each one bf16 ulp (`parting.first_position_parting`;
+    measured on 0.12.1: layer 1, position 14, 3 elements of 1 ulp). A wrong decision, or an activation off by
+    more than a tie, still fails."""
     cfg = configs.micro()
     params = init_params(cfg, jax.random.key(0))
     bf = cfg.replace(impl="xla")
@@ -347,8 +359,14 @@ def test_faithful_to_the_bf16_reference(seqs):
                                1, 1, CCFG)
             _, st, aux = step(params, st, b)
             served.append({k: {l: np.asarray(v)[0, 0] for l, v in aux[k].items()} for k in ("topk", "experts")})
-        flips.append((_first_flip(None, ref, 0, served), _first_flip(det, ref, 0)))
-    assert all(d >= b > 0 for b, d in flips), flips  # (served bf16, this mode) per prompt
+        flips.append((_first_flip(None, ref, 0, served), _first_flip(det, ref, 0),
+                      parting.first_position_parting({l: v[0] for l, v in det["layer_inputs"].items()},
+                                                     {l: v[0] for l, v in ref["layer_inputs"].items()})))
+    assert all(b > 0 and d > 0 for b, d, _ in flips), flips  # (served bf16, this mode, first parting) per prompt
+    for b, d, part in flips:
+        if d < b:  # this mode's decisions part first: only after a rounding tie of the activations (docstring)
+            assert part is not None and part[0] < d, flips
+            assert len(part[2]) <= 4 and all(u == 1.0 for _, u in part[2]), flips
 
 
 # ------------------------------------------------------------------------------------------- the cost

@@ -61,3 +61,16 @@ def test_bf16_results_may_part_only_at_a_rounding_tie():
     assert parting.bf16_tie_parts(got, want, unrounded) == [(1,), (2,)]
     assert parting.bf16_tie_parts(got, got, unrounded) == []
     assert parting.bf16_tie_parts(got[:1], want[:1], unrounded[:1], slack_ulps=0) == [(0,)]
+
+
+def test_first_position_parting_orders_by_position_then_layer():
+    """The earliest position at which any layer parts, the lower layer on a tie, with each differing element's
+    distance in bf16 ulps; None for equal runs."""
+    want = {0: np.ones((4, 2, 3), np.float32), 1: np.ones((4, 2, 3), np.float32), 2: np.ones((4, 2, 3), np.float32)}
+    got = {k: v.copy() for k, v in want.items()}
+    assert parting.first_position_parting(got, want) is None
+    got[2][1, 0, 2] = 1.0 + 2.0 ** -7     # one bf16 ulp, position 1, layer 2
+    got[1][1, 1, 0] = 1.0 + 2.0 ** -5     # four ulps, position 1, layer 1: the same position, a lower layer
+    got[0][3, 0, 0] = 0.5                 # a later position
+    assert parting.first_position_parting(got, want) == (1, 1, [((1, 0), 4.0)])
+    assert parting.bf16_ulps(np.float32(1.0 + 2.0 ** -7), np.float32(1.0)) == 1.0
