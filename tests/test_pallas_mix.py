@@ -57,8 +57,7 @@ def _hc_post_np(y, h, post, comb):
 def _assert_bf16_ulp(got, want, what=""):
     """|got - want| <= one bf16 ulp of want (both bf16-valued)."""
     g, w = _f32(got), _f32(want)
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0 ** -126))) - 7)
-    bad = np.abs(g - w) > ulp
+    bad = parting.bf16_ulps(g, w) > 1
     assert not bad.any(), f"{what}: {bad.sum()} values beyond 1 bf16 ulp, max diff {np.abs(g - w).max()}"
 
 
