@@ -26,6 +26,17 @@ def micro() -> ModelConfig:
         dspark_target_layer_ids=(2,), name="micro")
 
 
+def quad() -> ModelConfig:
+    """`micro` plus a 4th layer that re-scores layer 2's keys inside its candidate blocks (ratio 1, reading
+    2's store: tiny's layer 8, mini's 4), so every mechanism an attention / indexer kernel is handed in
+    tiny's layout (window-only, ratio-2 and ratio-1 compressed attention, index sources that own keys, the
+    candidate source and a candidate-masked re-score) runs once, in 4 layers. What it leaves out of mini
+    is model plumbing that hands a kernel nothing new (a layer reusing another's top-k, 3 DSpark stages):
+    for the fast path ≡ reference / Pallas ≡ xla relations (tests/test_fastpath_attention.py)."""
+    return micro().replace(
+        num_hidden_layers=4, compress_ratios=(0, 2, 1, 1, 0), index_source_layer_ids=(1, 2, 3), name="quad")
+
+
 def e64() -> ModelConfig:
     """`micro` with 64 routed experts, top-6: decode-sized steps route fewer assignments than there are
     experts, so the grouped MoE gathers only the selected ones and most experts get no token. The
