@@ -60,3 +60,20 @@ def mesh_micro() -> ModelConfig:
     """`micro` with 8 draft experts (tiny's draft has 4), so that every mesh of the 8 fake CPU devices the
     engine accepts (ep up to 8) also splits the DSpark draft's experts: the serving-on-a-mesh tests."""
     return micro().replace(dspark_n_routed_experts=8, name="mesh_micro")
+
+
+def micro_v4() -> ModelConfig:
+    """tiny-v4 cut to 3 layers that keep each V4 mechanism once, for the relational tests (paged step ≡ forward,
+    mesh / dp ≡ one device, MTP greedy ≡ plain greedy; the goldens, the torch / transformers references, checkpoint
+    round trips and preset shapes stay on tiny-v4): 0 sliding-window attention with hash-routed MoE (tid2eid), 1 CSA
+    (ratio 4, the Lightning indexer) and 2 HCA (ratio 8), both with learned routing; tiny-v4's MTP layer (sliding)."""
+    return ModelConfig.preset("tiny-v4").replace(
+        num_hidden_layers=3, compress_ratios=(0, 4, 8, 0), hash_layer_ids=(0,), name="micro-v4")
+
+
+def micro_v4_dspark() -> ModelConfig:
+    """`micro_v4` with tiny-v4-dspark's head (`config_v4.with_dspark`: 3 sliding stages, block 3, Markov rank 16), its
+    features from the last three target layers' outputs: all of micro-v4's (0, 1, 2), as tiny-v4-dspark's 3..5."""
+    from dsv41_jax.model.config_v4 import with_dspark
+
+    return with_dspark(micro_v4())

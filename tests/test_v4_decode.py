@@ -1,9 +1,10 @@
-"""DeepSeek-V4's paged step (model/v4/decode.py) ≡ its forward in the exact mode: two ragged rows, a prefill chunk,
-then chunks of 7 and single decode tokens (or token by token from the start): every decision (CSA top-k, experts)
-identical and the logits to the last fp32 bits, with the compressor state carried across chunk boundaries that cut
-windows (CSA ratio 4, HCA ratio 8) anywhere. Measured: bit for bit at XLA's default CPU flags; at the suite's -O0
-(tests/conftest.py) the step's elementwise chains compile differently per chunk shape and the logits move by up
-to ~1.1e-6 (the exact mode is order-independent in its sums, not in XLA's fp32 transcendentals: numerics)."""
+"""DeepSeek-V4's paged step (model/v4/decode.py) ≡ its forward in the exact mode, on micro-v4 (tests/configs.py:
+tiny-v4 cut to one sliding hash-routed, one CSA and one HCA layer): two ragged rows, a prefill chunk, then chunks of
+7 and single decode tokens (or token by token from the start): every decision (CSA top-k, experts) identical and the
+logits to the last fp32 bits, with the compressor state carried across chunk boundaries that cut windows (CSA ratio
+4, HCA ratio 8) anywhere. Measured on tiny-v4: bit for bit at XLA's default CPU flags; at the suite's -O0
+(tests/conftest.py) the step's elementwise chains compile differently per chunk shape and the logits move by up to
+~1.1e-6 (the exact mode is order-independent in its sums, not in XLA's fp32 transcendentals: numerics)."""
 
 import functools
 
@@ -11,11 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from dsv41_jax.model import ModelConfig, forward, init_params
+import configs
+
+from dsv41_jax.model import forward, init_params
 from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.v4 import decode as dec4
 
-CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")
+CFG = configs.micro_v4().replace(act_dtype="exact")
 CCFG = CacheConfig(page_size=16, num_pages=16, max_slots=2, max_pages_per_seq=6)
 LENS = (72, 61)
 

@@ -1,5 +1,6 @@
 """DeepSeek-V4 with data-parallel attention (`--enable-dp-attention --dp-size D`, issue 46 for V4's state) on the 8
-host CPU devices (`cpu8`): tiny-v4 in the exact numerics mode.
+host CPU devices (`cpu8`): micro-v4 (tests/configs.py: tiny-v4 cut to a sliding hash-routed, a CSA and an HCA
+layer) in the exact numerics mode.
 
 The engine on a [dp=4, tp=1] mesh — each rank's requests, window rings, CSA / HCA / indexer compressor projections
 and pool pages in its own block (split over "dp" by `parallel.rules.DP_RULES`), one step program per rank
@@ -24,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model import ModelConfig, forward, init_params
+import configs
+
+from dsv41_jax.model import forward, init_params
 from dsv41_jax.model.v4 import moe as moe4
 from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import make_mesh
@@ -32,10 +35,11 @@ from dsv41_jax.parallel.plan import MeshPlan
 from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.sampling import SamplingParams
 
-CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")
+CFG = configs.micro_v4().replace(act_dtype="exact")
 # 2 rows per rank: the one-device engine's batch (test_v4_engine's KW). The exact mode's fp32 elementwise chains
 # depend on a program's row count at the last ulp (docs/design/serving.md): one device at 4 rows parts from 2 rows by
-# up to 4.8e-7 in the logprobs (tokens equal), and dp=2 x tp=2 at 4 rows per rank by exactly the same amounts.
+# up to 4.8e-7 in the logprobs (tokens equal), and dp=2 x tp=2 at 4 rows per rank by exactly the same amounts
+# (measured on tiny-v4).
 ROWS_PER_RANK = 2
 DP_KW = dict(model="tiny", page_size=8, max_total_tokens=768, context_length=64, chunked_prefill_size=16,
              token_buckets=[16], skip_server_warmup=True, decode_log_interval=1000, enable_dp_attention=True)
@@ -93,8 +97,8 @@ def _check_dp(dp, tp):
     assert r.model_step.family == "deepseek_v4" and dict(r.mesh.shape) == {"dp": dp, "tp": tp}
     assert r.par.moe_a2a_backend == "all_to_all"
     # V4's per-layer request state in rank blocks over "dp": rings, CSA / HCA projections, pools, index keys
-    for leaf in (r.state["window"][0], r.state["partial"]["2"]["proj"]["kv"], r.state["partial"]["2"]["iproj"]["kv"],
-                 r.state["comp"]["3"], r.state["ikeys"]["2"]):
+    for leaf in (r.state["window"][0], r.state["partial"]["1"]["proj"]["kv"], r.state["partial"]["1"]["iproj"]["kv"],
+                 r.state["comp"]["2"], r.state["ikeys"]["1"]):  # CSA layer 1 (its indexer's too), HCA layer 2
         assert leaf.sharding.spec[0] == "dp", leaf.sharding
     assert r.params["layers"][0]["ffn"]["experts"]["w1"].weight.sharding.spec[0] == (("dp", "tp") if tp > 1 else "dp")
     before = list(eng.scheduler.assigned)
@@ -106,7 +110,7 @@ def _check_dp(dp, tp):
 
 
 def test_engine_dp4_equals_one_device(cpu8):
-    """--enable-dp-attention --dp-size 4 (tiny-v4, exact mode): each of 9 mixed requests (greedy, seeded sampling, n
+    """--enable-dp-attention --dp-size 4 (micro-v4, exact mode): each of 9 mixed requests (greedy, seeded sampling, n
     = 2, a shared prefix, a radix-cache hit) gets the one-device engine's tokens and logprobs bit for bit."""
     _check_dp(4, 1)
 

@@ -1,9 +1,10 @@
-"""The DSpark head of DeepSeek-V4-Flash-0731 / Pro-0813 (model/v4/dspark.py) on tiny-v4-dspark in the exact mode:
-`make_checkpoint --draft dspark` writes the release's mtp.* names and reads back, flash-v4-0731 has the release's
-shapes and tensor counts; the rings written chunk by chunk equal one pass's (cached == cold) and so do the
-proposals; greedy decoding with DSpark speculation == plain greedy, model-level and in the engine, with the head's
-own drafts and with an oracle forcing full and partial acceptance; the MTP / DSpark requirements refuse the other
-draft kind."""
+"""The DSpark head of DeepSeek-V4-Flash-0731 / Pro-0813 (model/v4/dspark.py) in the exact mode: `make_checkpoint
+--preset tiny-v4 --draft dspark` writes the release's mtp.* names and reads back as tiny-v4-dspark, flash-v4-0731 has
+the release's shapes and tensor counts; on micro-v4-dspark (tests/configs.py: tiny-v4 cut to a sliding hash-routed, a
+CSA and an HCA layer, with tiny-v4-dspark's head: 3 stages reading all three layers) the rings written chunk by chunk
+equal one pass's (cached == cold) and so do the proposals; greedy decoding with DSpark speculation == plain greedy,
+model-level and in the engine, with the head's own drafts and with an oracle forcing full and partial acceptance; the
+MTP / DSpark requirements refuse the other draft kind."""
 
 import functools
 import json
@@ -13,13 +14,15 @@ import jax
 import numpy as np
 import pytest
 
+import configs
+
 from dsv41_jax.model import ModelConfig, init_params
 from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.v4 import dspark as dspark4
 from dsv41_jax.model.v4 import mtp
 from dsv41_jax.model.v4 import speculative as sp
 
-CFG = ModelConfig.preset("tiny-v4-dspark").replace(act_dtype="exact")
+CFG = configs.micro_v4_dspark().replace(act_dtype="exact")
 CCFG = CacheConfig(page_size=16, num_pages=8, max_slots=1, max_pages_per_seq=4)
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, CFG.vocab_size, 13)]
 N = 7

@@ -1,7 +1,8 @@
 """DeepSeek-V4 through the serving engine (issue 48): the runner runs `model.v4.decode.extend` (`serving.model_step`).
 
-tiny-v4 (2 sliding, 2 CSA ratio 4, 2 HCA ratio 8 layers, hash-routed MoE, pre-mix mHC) in the exact numerics mode,
-one engine for the module: 2 slots, one batch bucket (2), token buckets 1 and 16, pages of 8. Two prompts of
+micro-v4 (tests/configs.py: tiny-v4 cut to 3 layers, each V4 mechanism once: a sliding hash-routed layer, a CSA
+(ratio 4) and an HCA (ratio 8) layer, pre-mix mHC, tiny-v4's MTP layer) in the exact numerics mode, one engine for
+the module: 2 slots, one batch bucket (2), token buckets 1 and 16, pages of 8. Two prompts of
 different lengths run together, so rows are ragged, prefill is chunked (16-token chunks cutting CSA / HCA windows
 anywhere) and the compressor state is carried from prefill into decode. Reference: one V4 full forward
 (`model.forward`) over each prompt + the engine's output: greedy is right iff the forward's argmax at every
@@ -17,11 +18,13 @@ import jax
 import numpy as np
 import pytest
 
-from dsv41_jax.model import ModelConfig, forward, init_params
+import configs
+
+from dsv41_jax.model import forward, init_params
 from dsv41_jax.serving.engine import Engine, EngineError
 from dsv41_jax.serving.sampling import SamplingParams
 
-CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")
+CFG = configs.micro_v4().replace(act_dtype="exact")
 KW = dict(model="tiny", page_size=8, max_total_tokens=256, context_length=64, max_running_requests=2,
           chunked_prefill_size=16, batch_buckets=[2], token_buckets=[16], skip_server_warmup=True,
           decode_log_interval=1000)

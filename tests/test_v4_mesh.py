@@ -1,6 +1,7 @@
 """DeepSeek-V4 on a TP/EP mesh (8 host CPU devices, `cpu8`): the rules' splits of V4's tensors, and sharded ≡
-unsharded for tiny-v4 in the exact numerics mode — the forward, the paged step (prefill chunks + decode steps,
-`v4.decode.extend`) and the MTP layer's paged step (`v4.mtp.extend`), on tp=2 x ep=4: identical discrete
+unsharded for micro-v4 (tests/configs.py: tiny-v4 cut to a sliding hash-routed, a CSA and an HCA layer) in the exact
+numerics mode — the forward, the paged step (prefill chunks + decode steps, `v4.decode.extend`) and the MTP layer's
+paged step (`v4.mtp.extend`), on tp=2 x ep=4: identical discrete
 decisions (CSA top-k, experts), logits and cache bit for bit (LOGIT_ATOL = 0, the reason `tests/test_sharding.py`
 gives for V4.1 holds here: the only sums a mesh reorders are the tp-split contractions wo_b and the shared
 expert's w2, fp64-accumulated in the exact mode; the routed experts' psum has one non-zero term per value).
@@ -8,7 +9,9 @@ The expert-parallel reference MoE (plain experts, the release numerics) is check
 
 The serving engine on the mesh gives the one-device engine's greedy tokens and logprobs bit for bit.
 
-Compile budget: tiny-v4's step at one [B, T] shape and its MTP step, each unsharded and on the mesh, the forward
+The rules' splits and a tiny-v4 checkpoint loaded onto the mesh are checked on tiny-v4 itself.
+
+Compile budget: micro-v4's step at one [B, T] shape and its MTP step, each unsharded and on the mesh, the forward
 twice; one engine on the mesh (the one-device engine shares test_v4_engine's settings, so its programs come from
 the suite's compilation cache); tp=4, ep=8 and MTP speculation in the engine on the mesh under ``-m slow``."""
 
@@ -21,6 +24,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import configs
+
 from dsv41_jax.model import ModelConfig, forward, init_params
 from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.params import declare_params, flatten_names
@@ -32,7 +37,8 @@ from dsv41_jax.parallel import rules
 from dsv41_jax.parallel.mesh import make_mesh
 from dsv41_jax.parallel.plan import MeshPlan
 
-CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")
+CFG = configs.micro_v4().replace(act_dtype="exact")
+TINY = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")  # the preset's layout: rules' splits, checkpoints
 CCFG = CacheConfig(page_size=8, num_pages=12, max_slots=2, max_pages_per_seq=5)
 LOGIT_ATOL = 0.0
 LENS = (21, 14)  # prompt lengths: CSA (ratio 4) and HCA (ratio 8) windows cut by the 8-token chunks
@@ -57,7 +63,7 @@ def test_v4_partition_specs():
     """Every V4 tensor's split on tp=2 x ep=4: heads / o groups / shared expert / vocabulary over tp, routed
     experts and the gate over ep, V4's own tensors (compressors with ape, indexers, tid2eid, hc_head) replicated;
     `v4.params.partition_specs` (the converter's table) and `parallel.rules` (the engine's) agree."""
-    specs = partition_specs(CFG, tp=2, ep=4)
+    specs = partition_specs(TINY, tp=2, ep=4)
     rep = P(None, None)
     want = {"layers.2.attn.wq_b.weight": P("tp", None), "layers.2.attn.wo_a.weight": P("tp", None),
             "layers.2.attn.wo_b.weight": P(None, "tp"), "layers.2.attn.attn_sink": P("tp"),
@@ -73,13 +79,13 @@ def test_v4_partition_specs():
             "mtp.0.attn.wq_b.weight": P("tp", None), "mtp.0.ffn.experts.w2.weight": P("ep", None, None)}
     for name, sp in want.items():
         assert tuple(specs[name]) == tuple(sp), (name, specs[name])
-    decls = flatten_names(declare_params(CFG))
+    decls = flatten_names(declare_params(TINY))
     assert set(specs) == set(decls)
     for name, p in decls.items():  # every logical axis is in the one table (unknown names raise there)
         for ax in p.axes:
             rules.mesh_axis(ax, make_mesh(1, 1))
     abstract = jax.sharding.AbstractMesh((4, 2), ("ep", "tp"))
-    for name, s in flatten_names(rules.param_shardings(CFG, abstract)).items():
+    for name, s in flatten_names(rules.param_shardings(TINY, abstract)).items():
         a, b = (tuple(x) + (None,) * (len(decls[name].shape) - len(x)) for x in (s.spec, specs[name]))
         assert a == b, (name, a, b)
 
@@ -110,14 +116,15 @@ def test_v4_checkpoint_loads_onto_the_mesh(cpu8, tmp_path):
     mk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mk)
     assert mk.main(["--preset", "tiny-v4", "--out", str(tmp_path / "ck")]) == 0
-    mesh = make_mesh(2, 4, cfg=CFG)
-    got = load_params(str(tmp_path / "ck"), CFG, mesh)
-    want = rules.param_shardings(CFG, mesh)
+    mesh = make_mesh(2, 4, cfg=TINY)
+    got = load_params(str(tmp_path / "ck"), TINY, mesh)
+    want = rules.param_shardings(TINY, mesh)
+    tiny = init_params(TINY, jax.random.key(0))
     for (path, a), s, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want),
-                               jax.tree_util.tree_leaves(_params())):
+                               jax.tree_util.tree_leaves(tiny)):
         assert a.sharding.is_equivalent_to(s, a.ndim), jax.tree_util.keystr(path)
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(w).view(np.uint8)), jax.tree_util.keystr(path)
-    no_mtp = rules.shard_params(dict(_params(), mtp=[]), CFG, mesh)
+    no_mtp = rules.shard_params(dict(tiny, mtp=[]), TINY, mesh)
     assert no_mtp["mtp"] == [] and no_mtp["layers"][2]["attn"]["wq_b"].weight.sharding.spec[0] == "tp"
 
 
@@ -290,8 +297,8 @@ PROMPTS = [np.random.default_rng(4).integers(0, CFG.vocab_size, n).tolist() for 
 
 
 def _engine(**kw):
-    """A tiny-v4 engine with test_v4_engine's settings (the one-device engine's programs are that module's: one
-    compile per run through the suite's compilation cache) plus `kw` (the mesh, speculation)."""
+    """A micro-v4 engine with test_v4_engine's config and settings (the one-device engine's programs are that
+    module's: one compile per run through the suite's compilation cache) plus `kw` (the mesh, speculation)."""
     from test_v4_engine import KW
 
     from dsv41_jax.serving.engine import Engine
@@ -316,7 +323,7 @@ def _one_device():
 
 
 def test_engine_on_tp2_ep4_equals_one_device(cpu8):
-    """The serving engine with tiny-v4 on --tp-size 2 --ep-size 4 (`V4Step` on the mesh: params by the rules, the
+    """The serving engine with micro-v4 on --tp-size 2 --ep-size 4 (`V4Step` on the mesh: params by the rules, the
     cache replicated, chunked prefill cutting CSA / HCA windows, ragged rows, decode) gives the one-device engine's
     greedy tokens and logprobs (top-2 included) bit for bit."""
     ref = _one_device()

@@ -1,4 +1,5 @@
-"""DeepSeek-V4's MTP draft (model/v4/mtp.py, model/v4/speculative.py) on tiny-v4 in the exact mode: the MTP layer's
+"""DeepSeek-V4's MTP draft (model/v4/mtp.py, model/v4/speculative.py) on micro-v4 (tests/configs.py: tiny-v4 cut to one
+sliding hash-routed, one CSA and one HCA layer, with tiny-v4's MTP layer) in the exact mode: the MTP layer's
 paged step ≡ its full-sequence reference; greedy decoding with MTP speculation == plain greedy token for token,
 with the MTP's own drafts and with an oracle that makes full and partial acceptances happen; a checkpoint without
 mtp.* tensors (what transformers writes) loads without the draft, and speculation then refuses clearly."""
@@ -10,12 +11,14 @@ import jax
 import numpy as np
 import pytest
 
+import configs
+
 from dsv41_jax.model import ModelConfig, forward, init_params
 from dsv41_jax.model.cache import CacheConfig
 from dsv41_jax.model.v4 import mtp
 from dsv41_jax.model.v4 import speculative as sp
 
-CFG = ModelConfig.preset("tiny-v4").replace(act_dtype="exact")
+CFG = configs.micro_v4().replace(act_dtype="exact")
 CCFG = CacheConfig(page_size=16, num_pages=8, max_slots=1, max_pages_per_seq=4)
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, CFG.vocab_size, 13)]
 N = 9

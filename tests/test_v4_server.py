@@ -1,6 +1,7 @@
 """A DeepSeek-V4 checkpoint served (issue 48): the real app (`server.build_app` over `AsyncEngine` over the real
-`Engine` running `model.v4.decode.extend`) on a tiny-v4 checkpoint directory written as
-``scripts/make_checkpoint.py --preset tiny-v4`` writes it (`v4.checkpoint.save_checkpoint`), with the chat format,
+`Engine` running `model.v4.decode.extend`) on a micro-v4 checkpoint directory (tests/configs.py: tiny-v4 cut to a
+sliding hash-routed, a CSA and an HCA layer) written as ``scripts/make_checkpoint.py`` writes one
+(`v4.checkpoint.save_checkpoint`, tiny's tokenizer), with the chat format,
 DSML tag names and grammar compiler chosen from the directory as ``python -m dsv41_jax.serve`` chooses them.
 
 Checked: /v1/chat/completions renders V4's encoding with ``reasoning_effort`` mapped as SGLang maps it ("none" ->
@@ -18,9 +19,11 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
+import configs
+
 from dsv41_jax.chat_format.encoding_v4 import V4_TAG_NAMES, encode_chat_request_v4
 from dsv41_jax.chat_format.registry import ChatFormat
-from dsv41_jax.model import ModelConfig, init_params
+from dsv41_jax.model import init_params
 from dsv41_jax.model.config import TINY_DIR
 from dsv41_jax.serving.async_engine import AsyncEngine
 from dsv41_jax.serving.constrained import GrammarCompiler
@@ -43,8 +46,8 @@ MSG = [{"role": "user", "content": "Hello there"}]
 def v4_dir(tmp_path_factory):
     from dsv41_jax.model.v4.checkpoint import save_checkpoint
 
-    cfg = ModelConfig.preset("tiny-v4")
-    out = tmp_path_factory.mktemp("tiny-v4")
+    cfg = configs.micro_v4()
+    out = tmp_path_factory.mktemp("micro-v4")
     save_checkpoint(init_params(cfg, jax.random.key(0)), cfg, str(out), tokenizer_dir=TINY_DIR)
     return str(out)
 
@@ -60,14 +63,14 @@ def app(v4_dir):
     fmt = ChatFormat.for_model(v4_dir)
     assert fmt.family == "deepseek_v4" and fmt.tool_tag_names == V4_TAG_NAMES
     grammar = GrammarCompiler(eng.tokenizer, eng.vocab_size, tag_names=fmt.tool_tag_names)
-    cfg = ServerConfig(model_name="tiny-v4", context_length=eng.context_length, vocab_size=eng.vocab_size,
+    cfg = ServerConfig(model_name="micro-v4", context_length=eng.context_length, vocab_size=eng.vocab_size,
                        chat_format=fmt)
     yield TestClient(build_app(ae, eng.tokenizer, cfg, grammar=grammar)), eng.tokenizer, fmt
     ae.shutdown()
 
 
 def chat(client, **body):
-    r = client.post("/v1/chat/completions", json={"model": "tiny-v4", **body})
+    r = client.post("/v1/chat/completions", json={"model": "micro-v4", **body})
     assert r.status_code == 200, r.text
     return r.json()
 
