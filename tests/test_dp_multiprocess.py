@@ -173,7 +173,13 @@ def _free_port() -> int:
 def run_workers(worker: str, args: list, timeout: float = 600) -> None:
     """`worker` (python source) in 2 processes x 4 CPU devices joined by jax.distributed over loopback, with
     this process's XLA compile settings (`xla_flags.compile_speed_flags`: fp32 results depend on the XLA
-    level, so workers and reference must compile alike); asserts both exit 0 (their log tail if not)."""
+    level, so workers and reference must compile alike); asserts both exit 0 (their log tail if not).
+
+    Both workers compile every program themselves (no persistent cache here). Tried and dropped: the run's cache
+    with ``jax_share_binary_between_hosts`` (process 0 compiles, process 1 waits for the executable in the
+    jax.distributed key-value store) deadlocks on CPU: the two processes compute different cache keys for the
+    same global program (seen for process_allgather's ``jit__identity_fn`` on jax 0.10.2), so process 1 waits on
+    a key process 0 never writes while process 0 waits in the collective."""
     from xla_flags import compile_speed_flags
 
     port = _free_port()

@@ -29,7 +29,9 @@ from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.server import ServerConfig, build_app
 from servers import free_port, serve_cmd, user_env
 
-KW = dict(model="tiny", page_size=16, context_length=64, max_running_requests=8, max_total_tokens=512,
+# (context 128 and a 1024-token pool: the cache shapes of tests/test_prompt_logprobs.py's engine, so the exact-mode
+# dp = 1 engine's three steps (decode, prefill, prompt logprobs) are that file's, shared through the run's cache)
+KW = dict(model="tiny", page_size=16, context_length=128, max_running_requests=8, max_total_tokens=1024,
           chunked_prefill_size=16, batch_buckets=[8], token_buckets=[16], decode_log_interval=1000,
           enable_hierarchical_cache=True)
 DP = dict(enable_dp_attention=True, dp_size=4)
