@@ -27,6 +27,8 @@ most assignments belong to no held expert); experts stacked by the layer scan. A
 (5120 / 2304, 8 experts, top-6) the `slow` cases run B = 1 and 64.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +76,10 @@ _xla = jax.jit(lambda ex, x, idx, w, first, mode, dt: moe.routed_slots(ex, x, id
                static_argnums=(5, 6))
 
 
+@functools.cache
 def _kern(impl):
+    """One jitted kernel per impl for the module: cases of one shape (e.g. the bitwise N = 64 / top-6 cases and
+    the dense ones, the two one-token cases) share its compiled program (`first` is traced)."""
     return jax.jit(lambda ex, x, idx, w, first, mode, dt: mk.kernel(
         ex, x, idx, w, _CFG[mode], dt, first, interpret=impl == "pallas_interpret"), static_argnums=(5, 6))
 
