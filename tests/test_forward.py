@@ -21,6 +21,11 @@ def _fwd_aux(params, tokens, cfg):
     return FWD(params, tokens, cfg, return_aux=True)
 
 
+# Three forward programs for the module: [11, T] with aux in bf16 and fp32 (test_causality; the bf16 one is also
+# test_selection_really_drops's and test_fp32_mode_close_to_bf16's, on row 0 = `tokens`; the fp32 one is also
+# test_batch_rows_are_independent's) and [1, T] fp32 without aux (test_batch_rows_are_independent, test_fp32_mode_...).
+
+
 @pytest.fixture(scope="module")
 def tokens():
     return jax.random.randint(jax.random.key(7), (1, T), 3, 300, dtype=jnp.int32)
@@ -31,14 +36,18 @@ def tokens():
 CAUSAL_KS = [1, 7, 8, 9, 12, 13, 16, 25, 32, 39]
 
 
-@pytest.mark.parametrize("mode", ["bfloat16", "float32"])
-def test_causality(mini_params, mini_cfg, tokens, mode):
-    cfg = mini_cfg.replace(act_dtype=mode)
+def _causal_batch(tokens):
+    """[1 + len(CAUSAL_KS), T]: row 0 is `tokens`, row i changes token CAUSAL_KS[i - 1]."""
     variants = [tokens[0]]
     for k in CAUSAL_KS:
         variants.append(tokens[0].at[k].set((tokens[0, k] + 17) % 300 + 3))
-    batch = jnp.stack(variants)
-    logits = np.asarray(FWD(mini_params, batch, cfg))
+    return jnp.stack(variants)
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "float32"])
+def test_causality(mini_params, mini_cfg, tokens, mode):
+    cfg = mini_cfg.replace(act_dtype=mode)
+    logits = np.asarray(_fwd_aux(mini_params, _causal_batch(tokens), cfg)[0])
     assert np.isfinite(logits).all()
     for i, k in enumerate(CAUSAL_KS, start=1):
         d_before = np.abs(logits[i, :k] - logits[0, :k]).max() if k else 0.0
@@ -49,14 +58,15 @@ def test_causality(mini_params, mini_cfg, tokens, mode):
 def test_batch_rows_are_independent(mini_params, mini_cfg32, tokens):
     """A row among 10 others (the [11, T] shape of test_causality[float32]: its program) == alone."""
     others = jax.random.randint(jax.random.key(9), (len(CAUSAL_KS), T), 3, 300, dtype=jnp.int32)
-    batch = np.asarray(FWD(mini_params, jnp.concatenate([others[:3], tokens, others[3:]]), mini_cfg32))
+    batch = np.asarray(_fwd_aux(mini_params, jnp.concatenate([others[:3], tokens, others[3:]]), mini_cfg32)[0])
     one = np.asarray(FWD(mini_params, tokens, mini_cfg32))
     np.testing.assert_allclose(batch[3], one[0], atol=1e-5, rtol=0)
 
 
 def test_selection_really_drops(mini_params, mini_cfg, tokens):
+    """On `tokens` (row 0 of test_causality's bf16 batch: its program, the aux is per row)."""
     cfg = mini_cfg
-    _, aux = _fwd_aux(mini_params, tokens, cfg)
+    _, aux = _fwd_aux(mini_params, _causal_batch(tokens), cfg)
     t_last = T - 1
     for lid, sel in aux["topk"].items():
         sel = np.asarray(sel)[0]
@@ -127,8 +137,8 @@ def test_jit_compiles_once_per_shape():
 
 
 def test_fp32_mode_close_to_bf16(mini_params, mini_cfg, mini_cfg32, tokens):
-    # the programs test_selection_really_drops (bf16, aux) and test_batch_rows_are_independent (fp32) compiled
-    a = np.asarray(_fwd_aux(mini_params, tokens, mini_cfg)[0])
+    # the programs test_causality[bfloat16] (aux; row 0 is `tokens`) and test_batch_rows_are_independent ([1, T] fp32)
+    a = np.asarray(_fwd_aux(mini_params, _causal_batch(tokens), mini_cfg)[0])[:1]
     b = np.asarray(FWD(mini_params, tokens, mini_cfg32))
     # Different dtype flows (bf16 roundings vs none) agree loosely on the first positions.
     assert np.corrcoef(a[0, 0], b[0, 0])[0, 1] > 0.95
