@@ -25,6 +25,7 @@ placement for a routing distribution (what `scripts/eplb_report.py` reports). Th
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Mapping
@@ -252,6 +253,30 @@ class ExpertLocation:
                 f"MoE layers, at most {most} copies of one expert")
 
 
+def _named(a):
+    """`a`'s sharding if it is a NamedSharding (kept on the expanded array), else None."""
+    import jax
+
+    sh = getattr(a, "sharding", None)
+    return sh if isinstance(sh, jax.sharding.NamedSharding) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _taker(stacked: bool, sharding):
+    """The jitted gather of `expand_params`, the physical ids an ARGUMENT (not a constant closed over), one wrapper
+    per (layout, output sharding): every layer's leaf of one shape reuses one compiled program (a closure per leaf
+    and layer compiled each anew: ~20 small compiles per engine start with copies)."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(a, ids):
+        if stacked:  # [n, E, ...] by ids [n, E + R] along axis 1
+            return jnp.take_along_axis(a, ids.reshape(ids.shape + (1,) * (a.ndim - 2)), axis=1)
+        return jnp.take(a, ids, axis=0)
+
+    return jax.jit(f, out_shardings=sharding)
+
+
 def expand_params(params: dict, location: ExpertLocation) -> dict:
     """`params` with every MoE layer's routed experts [E, ...] stored as the E + R physical experts of
     `location` (``[logical][physical_ids]``: the copies are the same bytes), on the logical stack's sharding.
@@ -262,18 +287,12 @@ def expand_params(params: dict, location: ExpertLocation) -> dict:
 
     from dsv41_jax.model import layer_scan
 
-    def take(a, ids, axis):
-        sh = getattr(a, "sharding", None)
-        f = jax.jit(lambda a: jnp.take(a, ids, axis=axis), out_shardings=sh if isinstance(
-            sh, jax.sharding.NamedSharding) else None)
-        return f(a)
-
     layers = list(params["layers"])
     for i, lp in enumerate(layers):
         if lp is None or location.placement(i) is None:
             continue
         ids = jnp.asarray(location.physical_ids(i))
-        ex = jax.tree_util.tree_map(lambda a: take(a, ids, 0), lp["ffn"]["experts"])
+        ex = jax.tree_util.tree_map(lambda a: _taker(False, _named(a))(a, ids), lp["ffn"]["experts"])
         layers[i] = dict(lp, ffn=dict(lp["ffn"], experts=ex))
     out = dict(params, layers=layers)
     stacks = params.get(layer_scan.STACKS)
@@ -284,10 +303,7 @@ def expand_params(params: dict, location: ExpertLocation) -> dict:
             ids = jnp.asarray(np.stack([location.physical_ids(int(first) + j) for j in range(n)]))  # [n, E + R]
 
             def take2(a, ids=ids):
-                sh = getattr(a, "sharding", None)
-                f = jax.jit(lambda a: jnp.take_along_axis(a, ids.reshape(ids.shape + (1,) * (a.ndim - 2)), axis=1),
-                            out_shardings=sh if isinstance(sh, jax.sharding.NamedSharding) else None)
-                return f(a)
+                return _taker(True, _named(a))(a, ids)
 
             new[first] = dict(st, ffn=dict(st["ffn"], experts=jax.tree_util.tree_map(take2, st["ffn"]["experts"])))
         out[layer_scan.STACKS] = new
