@@ -44,10 +44,17 @@ def _causal_batch(tokens):
     return jnp.stack(variants)
 
 
+@pytest.fixture(scope="module")
+def bf16_causal(mini_params, mini_cfg, tokens):
+    """(logits, aux) of the bf16 [11, T] forward of `_causal_batch(tokens)`: run once for the three tests that read it."""
+    return _fwd_aux(mini_params, _causal_batch(tokens), mini_cfg)
+
+
 @pytest.mark.parametrize("mode", ["bfloat16", "float32"])
-def test_causality(mini_params, mini_cfg, tokens, mode):
+def test_causality(mini_params, mini_cfg, tokens, bf16_causal, mode):
     cfg = mini_cfg.replace(act_dtype=mode)
-    logits = np.asarray(_fwd_aux(mini_params, _causal_batch(tokens), cfg)[0])
+    out = bf16_causal if mode == "bfloat16" else _fwd_aux(mini_params, _causal_batch(tokens), cfg)
+    logits = np.asarray(out[0])
     assert np.isfinite(logits).all()
     for i, k in enumerate(CAUSAL_KS, start=1):
         d_before = np.abs(logits[i, :k] - logits[0, :k]).max() if k else 0.0
@@ -63,10 +70,10 @@ def test_batch_rows_are_independent(mini_params, mini_cfg32, tokens):
     np.testing.assert_allclose(batch[3], one[0], atol=1e-5, rtol=0)
 
 
-def test_selection_really_drops(mini_params, mini_cfg, tokens):
+def test_selection_really_drops(mini_cfg, bf16_causal):
     """On `tokens` (row 0 of test_causality's bf16 batch: its program, the aux is per row)."""
     cfg = mini_cfg
-    _, aux = _fwd_aux(mini_params, _causal_batch(tokens), cfg)
+    _, aux = bf16_causal
     t_last = T - 1
     for lid, sel in aux["topk"].items():
         sel = np.asarray(sel)[0]
@@ -136,9 +143,9 @@ def test_jit_compiles_once_per_shape():
     assert len(traces) == 2
 
 
-def test_fp32_mode_close_to_bf16(mini_params, mini_cfg, mini_cfg32, tokens):
+def test_fp32_mode_close_to_bf16(mini_params, mini_cfg32, tokens, bf16_causal):
     # the programs test_causality[bfloat16] (aux; row 0 is `tokens`) and test_batch_rows_are_independent ([1, T] fp32)
-    a = np.asarray(_fwd_aux(mini_params, _causal_batch(tokens), mini_cfg)[0])[:1]
+    a = np.asarray(bf16_causal[0])[:1]
     b = np.asarray(FWD(mini_params, tokens, mini_cfg32))
     # Different dtype flows (bf16 roundings vs none) agree loosely on the first positions.
     assert np.corrcoef(a[0, 0], b[0, 0])[0, 1] > 0.95
