@@ -108,3 +108,21 @@ def test_bench_compile_refuses_unknown_cases(capsys):
             mod.main(argv)
         assert e.value.code == 2
         assert known in capsys.readouterr().err
+
+
+def test_step_hlo_counts_every_instruction_once(micro_dir):
+    """scripts/step_hlo.py (docs/benchmarks.md, "Test suite"): micro's exact decode step [1, 1], compiled; every
+    optimized HLO instruction counted once by opcode and once by function, the fp8 activation quant among the
+    functions (micro's linears quantize their inputs); bad shapes are refused before anything compiles."""
+    mod = _script("step_hlo")
+    out = mod.main(["--model", micro_dir, "--dtype", "exact", "--batch", "1", "--tokens", "1", "--top", "3"])
+    n = out["instructions"]
+    assert n > 1000 and sum(out["by_opcode"].values()) == n == sum(out["by_function"].values())
+    assert out["by_function"].get("act_quant_fp8", 0) > 0 and "(step body)" in out["by_function"]
+    hlo = ('HloModule m\nENTRY e {\n  p = f32[2]{0} parameter(0)\n'
+           '  a = f32[2]{0} add(p, p), metadata={op_name="jit(extend)/jit(act_quant_fp8)/add"}\n'
+           '  ROOT m = f32[2]{0} multiply(a, p), metadata={op_name="jit(extend)/mul"}\n}\n')
+    assert mod.census(hlo) == {"instructions": 3, "by_opcode": {"parameter": 1, "add": 1, "multiply": 1},
+                               "by_function": {"(no op_name)": 1, "act_quant_fp8": 1, "(step body)": 1}}
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        mod.main(["--model", micro_dir, "--tokens", "0"])
