@@ -48,7 +48,8 @@ def census(hlo_text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="model name or checkpoint directory, as `serve --model` takes it "
                                                    "(default tiny)")
     p.add_argument("--dtype", default="exact", help="the engine's --dtype (default exact)")
