@@ -75,8 +75,11 @@ def main(argv=None) -> dict:
     B, T = args.batch, args.tokens
     print(f"step_hlo: jax {jax.__version__}, backend {jax.default_backend()}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    eng = Engine(EngineArgs(model=args.model, dtype=args.dtype, max_running_requests=B, batch_buckets=[B],
-                            token_buckets=[T], chunked_prefill_size=T, skip_server_warmup=True))
+    try:
+        eng = Engine(EngineArgs(model=args.model, dtype=args.dtype, max_running_requests=B, batch_buckets=[B],
+                                token_buckets=[T], chunked_prefill_size=T, skip_server_warmup=True))
+    except (ValueError, OSError) as e:  # a bad --model / --dtype (ConfigError, CheckpointError are ValueErrors)
+        sys.exit(f"step_hlo: {e}")
     r = eng.runner
     z = np.zeros((B,), np.int32)
     pad_slot = kvc.padding_slots(r.ccfg, B)

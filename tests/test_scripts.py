@@ -126,3 +126,5 @@ def test_step_hlo_counts_every_instruction_once(micro_dir):
                                "by_function": {"(no op_name)": 1, "act_quant_fp8": 1, "(step body)": 1}}
     with pytest.raises(SystemExit, match="must be >= 1"):
         mod.main(["--model", micro_dir, "--tokens", "0"])
+    with pytest.raises(SystemExit, match="step_hlo: dtype: must be one of"):
+        mod.main(["--model", micro_dir, "--dtype", "fp3"])
